@@ -1,0 +1,77 @@
+"""Configuration of the flatgrad wrapper: pydantic v2 models, loadable from YAML or JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+LayerKind = Literal["linear", "embedding"]
+
+
+class FlatGradConfig(BaseModel):
+    """How `FlatGrad` lays out its gradient buffers and which layers it routes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    align_bytes: int = Field(default=256, ge=1, le=1 << 16)
+    """Every parameter's slot starts on a multiple of this many bytes (a power of two).
+    256 matches the CUDA caching allocator's granularity, so every gradient view is as
+    aligned as a freshly allocated tensor and vectorised kernels keep their fast path."""
+
+    layers: tuple[LayerKind, ...] = ("linear", "embedding")
+    """Layer kinds whose backward writes the weight gradient straight into the buffer.
+    Parameters of other layers still get their `.grad` in the buffer, through one
+    in-place add (or one copy on the first backward after `.grad` was set to None)."""
+
+    @field_validator("align_bytes")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"align_bytes must be a power of two, got {value}")
+        return value
+
+    @field_validator("layers")
+    @classmethod
+    def _unique(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"layers must not repeat a kind, got {list(value)}")
+        return value
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> FlatGradConfig:
+        """Read a config from a YAML (``.yaml``/``.yml``) or JSON file."""
+        return cls.model_validate(load_mapping(path))
+
+
+def load_mapping(path: str | Path) -> dict[str, Any]:
+    """Parse a YAML or JSON file that must hold a mapping (used by every config model)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def resolve_config(config: FlatGradConfig | dict[str, Any] | str | Path | None) -> FlatGradConfig:
+    """Turn any accepted form of ``FlatGrad(config=...)`` into a `FlatGradConfig`."""
+    if config is None:
+        return FlatGradConfig()
+    if isinstance(config, FlatGradConfig):
+        return config
+    if isinstance(config, dict):
+        return FlatGradConfig.model_validate(config)
+    if isinstance(config, (str, Path)):
+        return FlatGradConfig.from_file(config)
+    raise TypeError(
+        "config must be a FlatGradConfig, a dict, a path to a YAML/JSON file or None, "
+        f"got {type(config).__name__}"
+    )

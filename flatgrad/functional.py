@@ -1,0 +1,192 @@
+"""Autograd Functions whose backward writes weight gradients straight into the flat buffer.
+
+Each backward decides per weight, through `_weight_target`, where its gradient goes:
+
+- ``"out"``:   `.grad` is None and this backward has not written the slot yet: compute
+  into a fresh view of the slot with ``out=`` and return it, so AccumulateGrad steals it.
+- ``"add"``:   `.grad` already is the slot, or another use of the same (tied) weight in
+  this backward wrote it first: accumulate in place and return None, so AccumulateGrad
+  has nothing to add (returning the slot would make it compute ``grad += grad``).
+- ``"fresh"``: plain out-of-place autograd: `torch.autograd.grad` captures this weight,
+  ``create_graph=True`` needs a differentiable result, or the weight has no slot.
+- ``"skip"``:  no gradient is wanted for the weight in this backward.
+
+Nothing here imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from flatgrad.buffer import GradStore
+
+_Mode = Literal["skip", "fresh", "out", "add"]
+
+
+def _weight_target(ctx: Any, index: int, weight: torch.Tensor) -> tuple[_Mode, torch.Tensor | None]:
+    """Where the gradient of input `index` (the leaf `weight`) goes in this backward."""
+    if not ctx.needs_input_grad[index]:
+        return "skip", None
+    store = GradStore.owner_of(weight)
+    if torch.is_grad_enabled() or store is None:
+        return "fresh", None
+    try:
+        if not torch._C._will_engine_execute_node(ctx.next_functions[index][0]):
+            return "skip", None  # backward(inputs=...) without this weight
+    except RuntimeError:
+        return "fresh", None  # torch.autograd.grad captures this leaf: leave .grad alone
+    grad = weight.grad
+    if grad is not None:
+        return ("add", grad) if store.holds(weight, grad) else ("fresh", None)
+    if store.claim(weight, torch._C._current_graph_task_id()):
+        return "out", store.view(weight)
+    return "add", store.view(weight)
+
+
+def _mm_into(mode: _Mode, target: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``a @ b`` delivered per `mode`; computes in a's dtype (autocast) and casts on write."""
+    if mode == "skip":
+        return None
+    assert target is not None or mode == "fresh"
+    same_dtype = target is not None and target.dtype == a.dtype
+    if mode == "fresh":
+        return a.mm(b)
+    if mode == "out":
+        return torch.mm(a, b, out=target) if same_dtype else target.copy_(a.mm(b))  # type: ignore[union-attr]
+    if same_dtype:
+        target.addmm_(a, b)  # type: ignore[union-attr]
+    else:
+        target.add_(a.mm(b))  # type: ignore[union-attr]
+    return None
+
+
+def _sum_into(mode: _Mode, target: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """Column sums of `rows` (the bias gradient) delivered per `mode`."""
+    if mode == "skip":
+        return None
+    if mode == "fresh":
+        return rows.sum(0)
+    assert target is not None
+    if mode == "out":
+        return torch.sum(rows, 0, out=target) if target.dtype == rows.dtype else target.copy_(rows.sum(0))
+    target.add_(rows.sum(0))
+    return None
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = F.linear(x, weight, bias)  # autocast, if on, picks the compute dtype here
+        ctx.save_for_backward(x, weight, bias)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, bias = ctx.saved_tensors
+        compute = grad_out.dtype  # differs from weight.dtype under autocast
+        rows = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out.matmul(weight.to(compute)).to(x.dtype)
+        mode, target = _weight_target(ctx, 1, weight)
+        if mode != "skip":
+            grad_w = _mm_into(mode, target, rows.t(), x.reshape(-1, x.shape[-1]).to(compute))
+        if bias is not None:
+            grad_b = _sum_into(*_weight_target(ctx, 2, bias), rows)
+        return grad_x, grad_w, grad_b
+
+
+def _scatter_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``target[index] += rows`` with repeated indices summed.
+
+    `index_add_` scatters without sorting; under `torch.use_deterministic_algorithms`
+    the sort-based `index_put_(accumulate=True)` gives a run-to-run identical sum.
+    """
+    if torch.are_deterministic_algorithms_enabled():
+        return target.index_put_((index,), rows, accumulate=True)
+    return target.index_add_(0, index, rows)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``weight[indices]`` along dim 0 (an embedding lookup) with a scatter-add backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        weight: torch.Tensor,
+        indices: torch.Tensor,
+        padding_idx: int | None,
+        scale_grad_by_freq: bool,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(indices, weight)
+        ctx.padding_idx = padding_idx
+        ctx.scale_grad_by_freq = scale_grad_by_freq
+        flat_index = indices.reshape(-1)
+        return weight.index_select(0, flat_index).view(*indices.shape, *weight.shape[1:])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        indices, weight = ctx.saved_tensors
+        mode, target = _weight_target(ctx, 0, weight)
+        if mode == "skip":
+            return None, None, None, None
+        dtype, device, shape = weight.dtype, weight.device, weight.shape
+        index = indices.reshape(-1)
+        rows = grad_out.reshape(index.numel(), *shape[1:]).to(dtype)
+        if ctx.padding_idx is not None:
+            rows = rows.masked_fill((index == ctx.padding_idx).view(-1, *[1] * (rows.dim() - 1)), 0)
+        if ctx.scale_grad_by_freq:
+            counts = torch.bincount(index, minlength=shape[0]).to(dtype)
+            rows = rows / counts[index].view(-1, *[1] * (rows.dim() - 1))
+        if mode == "fresh":
+            fresh = torch.zeros(shape, dtype=dtype, device=device)
+            if torch.is_grad_enabled():  # create_graph: keep the result differentiable
+                return fresh.index_add(0, index, rows), None, None, None
+            return _scatter_rows(fresh, index, rows), None, None, None
+        assert target is not None
+        if mode == "out":
+            return _scatter_rows(target.zero_(), index, rows), None, None, None
+        _scatter_rows(target, index, rows)
+        return None, None, None, None
+
+
+def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``buffer[indices]`` along dim 0, whose backward is an `index_add_` scatter.
+
+    The default backward of ``buffer[indices]`` is ``index_put_(accumulate=True)``, which
+    sorts the indices; the scatter computes the same sum without the sort. When `buffer`
+    is a parameter wrapped by `FlatGrad`, its gradient is written straight into its slot.
+    """
+    if not isinstance(buffer, torch.Tensor) or not isinstance(indices, torch.Tensor):
+        raise TypeError(
+            "buffer and indices must be tensors, "
+            f"got {type(buffer).__name__} and {type(indices).__name__}"
+        )
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must be an int32 or int64 tensor, got {indices.dtype}")
+    if buffer.dim() == 0:
+        raise ValueError("buffer must have at least one dimension, got a 0-d tensor")
+    return _GatherRows.apply(buffer, indices, None, False)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` whose weight and bias gradients go straight into their flat-buffer slots."""
+    return _Linear.apply(x, weight, bias)
+
+
+def embedding(
+    indices: torch.Tensor,
+    weight: torch.Tensor,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+) -> torch.Tensor:
+    """`F.embedding` (dense) with an `index_add_` backward into the weight's slot."""
+    if max_norm is not None:
+        with torch.no_grad():  # what F.embedding does: renormalise the looked-up rows in place
+            torch.embedding_renorm_(weight, indices.reshape(-1), max_norm, norm_type)
+    return _GatherRows.apply(weight, indices, padding_idx, scale_grad_by_freq)

@@ -1,0 +1,258 @@
+"""`FlatGrad`: wraps a model so that all its gradients live in flat per-(dtype, device) buffers."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flatgrad import functional
+from flatgrad.buffer import GradStore
+from flatgrad.config import FlatGradConfig, resolve_config
+from flatgrad.layout import GroupKey
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "module."
+
+
+class FlatGrad(nn.Module):
+    """Wraps `model`; every trainable parameter's `.grad` lives in `grad_buffers`.
+
+    Linear and Embedding layers (those that keep torch's own `forward`) run their backward
+    through Functions that write weight gradients straight into the buffer; every other
+    parameter's gradient is placed there by a pre-hook on its AccumulateGrad node.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: FlatGradConfig | dict[str, Any] | str | Path | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        super().__init__()
+        self.config = resolve_config(config)
+        self.module = model
+        _route_layers(model, self.config.layers)
+        self._store: GradStore | None = None
+        self._grad_accumulators: list[Any] = []
+        self._build()
+        self.register_state_dict_post_hook(_strip_prefix)
+        self.register_load_state_dict_pre_hook(_add_prefix)
+        self.register_load_state_dict_post_hook(lambda module, _: module._refresh())
+        logger.info("flatgrad: %s", self._summary())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @property
+    def grad_buffers(self) -> dict[GroupKey, torch.Tensor]:
+        """The flat gradient buffers, one per (dtype, device); every `.grad` is a view of one."""
+        return dict(self._checked_store().buffers)
+
+    # --- building and re-building ---------------------------------------------------------
+
+    def _build(self) -> None:
+        params = _trainable_parameters(self.module)
+        if not params:
+            raise ValueError("model must have at least one parameter with requires_grad=True, got none")
+        if self._store is not None:
+            self._store.release()
+        self._store = store = GradStore(params, self.config.align_bytes)
+        self._grad_accumulators = []
+        for param in params:
+            accumulator = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+            accumulator.register_prehook(functools.partial(_place_incoming, store, param))
+            self._grad_accumulators.append(accumulator)  # keep alive so the hook stays
+        store.settle()  # move gradients that already exist into the buffers
+
+    def _refresh(self) -> None:
+        """Rebuild if the set of trainable parameters changed (e.g. a load with assign=True)."""
+        current = _trainable_parameters(self.module)
+        store = self._checked_store()
+        if len(current) != len(store.params) or any(a is not b for a, b in zip(current, store.params)):
+            self._build()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FlatGrad:
+        # .to(), .double(), .half(), .cuda() ... convert parameters and their .grad out of
+        # the buffers; lay the buffers out again for the new dtypes/devices.
+        super()._apply(fn, recurse)
+        if getattr(self, "_store", None) is not None:
+            self._build()
+        return self
+
+    def _checked_store(self) -> GradStore:
+        assert self._store is not None, "FlatGrad is not built"
+        return self._store
+
+    def _summary(self) -> str:
+        buffers = self._checked_store().buffers
+        parts = [
+            f"{key[0]}@{key[1]}: {buf.numel()} elements, {buf.numel() * buf.element_size()} bytes"
+            for key, buf in buffers.items()
+        ]
+        num_params = len(self._checked_store().params)
+        return f"{len(buffers)} buffer(s) for {num_params} parameters ({'; '.join(parts)})"
+
+    # --- flat-buffer operations -----------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Like `nn.Module.zero_grad`; with set_to_none=False it is one fill per buffer."""
+        store = self._checked_store()
+        if set_to_none:
+            for param in store.params:
+                param.grad = None
+            return
+        for param in store.params:
+            if param.grad is not None and not store.holds(param, param.grad):
+                param.grad = store.view(param)
+        for buffer in store.buffers.values():
+            buffer.zero_()
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes it:
+        one `vector_norm` per buffer. Parameters whose `.grad` is None count as absent."""
+        norm_type = _check_norm_type(norm_type)
+        store = self._checked_store()
+        store.settle()
+        norms = [torch.linalg.vector_norm(buf, norm_type) for buf in store.buffers.values()]
+        if len(norms) == 1:
+            return norms[0]
+        first = norms[0].device
+        return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Same result as `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`: scales
+        every buffer in place by ``min(1, max_norm / (total_norm + 1e-6))``."""
+        total = self.grad_norm(norm_type)
+        if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+                "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
+            )
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for buffer in self._checked_store().buffers.values():
+            buffer.mul_(coef.to(buffer.device))
+        return total
+
+    def named_grad_slots(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, view of the slot) for every trainable parameter, in the model's naming."""
+        store = self._checked_store()
+        for name, param in self.module.named_parameters():
+            if param in store:
+                yield name, store.view(param)
+
+
+def _trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    # parameters() yields a shared (tied) parameter once.
+    return [param for param in model.parameters() if param.requires_grad]
+
+
+def _check_norm_type(norm_type: float) -> float:
+    norm_type = float(norm_type)
+    if math.isnan(norm_type) or norm_type < 0:
+        raise ValueError(f"norm_type must be a non-negative number or inf, got {norm_type}")
+    return norm_type
+
+
+def _place_incoming(
+    store: GradStore, param: nn.Parameter, grads: tuple[torch.Tensor | None, ...]
+) -> tuple[torch.Tensor, ...] | None:
+    """AccumulateGrad pre-hook: when `.grad` is None and the incoming gradient is not
+    already the slot, copy it into the slot and hand AccumulateGrad the slot to steal.
+
+    When `.grad` is defined AccumulateGrad adds in place into it, which is the slot.
+    Under create_graph=True the gradient must stay differentiable: left alone.
+    """
+    grad = grads[0]
+    if grad is None or param.grad is not None or torch.is_grad_enabled() or store.holds(param, grad):
+        return None
+    slot = store.view(param)
+    slot.copy_(grad)
+    return (slot,)
+
+
+# --- routing supported layers through the flat-buffer Functions ----------------------------
+
+
+def _linear_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled():
+        return functional.linear(input, module.weight, module.bias)
+    return F.linear(input, module.weight, module.bias)
+
+
+def _embedding_forward(module: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and not module.sparse:
+        return functional.embedding(
+            input,
+            module.weight,
+            module.padding_idx,
+            module.max_norm,
+            module.norm_type,
+            module.scale_grad_by_freq,
+        )
+    return F.embedding(
+        input,
+        module.weight,
+        module.padding_idx,
+        module.max_norm,
+        module.norm_type,
+        module.scale_grad_by_freq,
+        module.sparse,
+    )
+
+
+_ROUTES: dict[str, tuple[type[nn.Module], Callable[..., torch.Tensor]]] = {
+    "linear": (nn.Linear, _linear_forward),
+    "embedding": (nn.Embedding, _embedding_forward),
+}
+
+
+def _route_layers(model: nn.Module, kinds: tuple[str, ...]) -> None:
+    """Give every supported layer that keeps torch's own forward a flat-buffer forward.
+
+    Subclasses that override `forward` (LoRA layers, quantised layers...) are left alone:
+    their parameters still get their gradients in the buffer through the pre-hook.
+    """
+    for name, module in model.named_modules():
+        for kind in kinds:
+            cls, forward = _ROUTES[kind]
+            if not isinstance(module, cls) or type(module).forward is not cls.forward:
+                continue
+            if isinstance(module, nn.Embedding) and module.sparse and module.weight.requires_grad:
+                raise ValueError(
+                    f"embedding {name or '<root>'!r} must have sparse=False: a sparse gradient "
+                    "cannot live in a dense flat buffer"
+                )
+            module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+
+
+# --- state_dict keys: the plain model's, in both directions --------------------------------
+
+
+def _strip_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    inner = prefix + _PREFIX
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in [k for k in metadata if k == inner[:-1] or k.startswith(inner)]:
+            metadata[prefix + key[len(inner) :]] = metadata.pop(key)
+
+
+def _add_prefix(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, *args: Any
+) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + _PREFIX)]:
+        state_dict[prefix + _PREFIX + key[len(prefix) :]] = state_dict.pop(key)
