@@ -34,7 +34,6 @@ class GradStore:
                 )
         self.buffers: dict[GroupKey, torch.Tensor] = {}
         self._slots: dict[torch.Tensor, tuple[GroupKey, SlotSpec]] = {}
-        self._first_writer: dict[torch.Tensor, int] = {}
         for key, group in plan_layout(self.params, align_bytes).items():
             self.buffers[key] = _aligned_zeros(group.numel, key, align_bytes)
             for index, slot in zip(group.param_indices, group.slots):
@@ -81,17 +80,6 @@ class GradStore:
             and grad.shape == slot.shape
             and grad.stride() == slot.stride
         )
-
-    def claim(self, param: torch.Tensor, graph_task_id: int) -> bool:
-        """Mark `param`'s slot as written by this backward; False if it already was.
-
-        A parameter used twice in one backward (tied weights) reaches AccumulateGrad once,
-        summed; the first writer fills the slot with ``out=``, later ones add into it.
-        """
-        if self._first_writer.get(param) == graph_task_id:
-            return False
-        self._first_writer[param] = graph_task_id
-        return True
 
     def settle(self) -> None:
         """Make the buffers the truth: zero the slots of parameters whose `.grad` is None

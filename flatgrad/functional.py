@@ -2,14 +2,21 @@
 
 Each backward decides per weight, through `_weight_target`, where its gradient goes:
 
-- ``"out"``:   `.grad` is None and this backward has not written the slot yet: compute
-  into a fresh view of the slot with ``out=`` and return it, so AccumulateGrad steals it.
-- ``"add"``:   `.grad` already is the slot, or another use of the same (tied) weight in
-  this backward wrote it first: accumulate in place and return None, so AccumulateGrad
-  has nothing to add (returning the slot would make it compute ``grad += grad``).
+- ``"out"``:   `.grad` is None: compute into a fresh view of the slot with ``out=``, make
+  that view the `.grad`, and return None.
+- ``"add"``:   `.grad` already is the slot: accumulate in place and return None.
 - ``"fresh"``: plain out-of-place autograd: `torch.autograd.grad` captures this weight,
-  ``create_graph=True`` needs a differentiable result, or the weight has no slot.
+  ``create_graph=True`` needs a differentiable result, the weight has tensor hooks that
+  must see its gradient, or it has no slot.
 - ``"skip"``:  no gradient is wanted for the weight in this backward.
+
+Why "out" sets `.grad` instead of returning the view for AccumulateGrad to steal: a weight
+used more than once in a backward (tied embedding and LM head, or a layer called twice)
+reaches AccumulateGrad once, after autograd summed all its contributions. A returned view
+may be summed out of place with another contribution before a later writer adds into the
+slot, and that later addition would be lost. Once `.grad` is the slot every later writer
+adds into it, and AccumulateGrad adds any other (unrouted) contribution into it in place.
+Returning None still runs AccumulateGrad's post hooks (DDP's reducer hooks).
 
 Nothing here imports torch.distributed.
 """
@@ -31,7 +38,7 @@ def _weight_target(ctx: Any, index: int, weight: torch.Tensor) -> tuple[_Mode, t
     if not ctx.needs_input_grad[index]:
         return "skip", None
     store = GradStore.owner_of(weight)
-    if torch.is_grad_enabled() or store is None:
+    if torch.is_grad_enabled() or store is None or weight._backward_hooks:
         return "fresh", None
     try:
         if not torch._C._will_engine_execute_node(ctx.next_functions[index][0]):
@@ -41,38 +48,42 @@ def _weight_target(ctx: Any, index: int, weight: torch.Tensor) -> tuple[_Mode, t
     grad = weight.grad
     if grad is not None:
         return ("add", grad) if store.holds(weight, grad) else ("fresh", None)
-    if store.claim(weight, torch._C._current_graph_task_id()):
-        return "out", store.view(weight)
-    return "add", store.view(weight)
+    return "out", store.view(weight)
 
 
-def _mm_into(mode: _Mode, target: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """``a @ b`` delivered per `mode`; computes in a's dtype (autocast) and casts on write."""
+def _mm_into(ctx: Any, index: int, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """The gradient ``a @ b`` of `weight`, delivered per `_weight_target`. Computes in a's
+    dtype (the autocast dtype, if any) and casts on write, as autocast's cast node would."""
+    mode, target = _weight_target(ctx, index, weight)
     if mode == "skip":
         return None
-    assert target is not None or mode == "fresh"
-    same_dtype = target is not None and target.dtype == a.dtype
     if mode == "fresh":
-        return a.mm(b)
+        return a.mm(b).to(weight.dtype)
+    assert target is not None
+    same_dtype = target.dtype == a.dtype
     if mode == "out":
-        return torch.mm(a, b, out=target) if same_dtype else target.copy_(a.mm(b))  # type: ignore[union-attr]
-    if same_dtype:
-        target.addmm_(a, b)  # type: ignore[union-attr]
+        torch.mm(a, b, out=target) if same_dtype else target.copy_(a.mm(b))
+        weight.grad = target
+    elif same_dtype:
+        target.addmm_(a, b)
     else:
-        target.add_(a.mm(b))  # type: ignore[union-attr]
+        target.add_(a.mm(b))
     return None
 
 
-def _sum_into(mode: _Mode, target: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-    """Column sums of `rows` (the bias gradient) delivered per `mode`."""
+def _sum_into(ctx: Any, index: int, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+    """The gradient ``rows.sum(0)`` of `weight` (a bias), delivered per `_weight_target`."""
+    mode, target = _weight_target(ctx, index, weight)
     if mode == "skip":
         return None
     if mode == "fresh":
-        return rows.sum(0)
+        return rows.sum(0).to(weight.dtype)
     assert target is not None
     if mode == "out":
-        return torch.sum(rows, 0, out=target) if target.dtype == rows.dtype else target.copy_(rows.sum(0))
-    target.add_(rows.sum(0))
+        torch.sum(rows, 0, out=target) if target.dtype == rows.dtype else target.copy_(rows.sum(0))
+        weight.grad = target
+    else:
+        target.add_(rows.sum(0))
     return None
 
 
@@ -91,11 +102,10 @@ class _Linear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = grad_out.matmul(weight.to(compute)).to(x.dtype)
-        mode, target = _weight_target(ctx, 1, weight)
-        if mode != "skip":
-            grad_w = _mm_into(mode, target, rows.t(), x.reshape(-1, x.shape[-1]).to(compute))
+        if ctx.needs_input_grad[1]:
+            grad_w = _mm_into(ctx, 1, weight, rows.t(), x.reshape(-1, x.shape[-1]).to(compute))
         if bias is not None:
-            grad_b = _sum_into(*_weight_target(ctx, 2, bias), rows)
+            grad_b = _sum_into(ctx, 2, bias, rows)
         return grad_x, grad_w, grad_b
 
 
@@ -148,8 +158,10 @@ class _GatherRows(torch.autograd.Function):
             return _scatter_rows(fresh, index, rows), None, None, None
         assert target is not None
         if mode == "out":
-            return _scatter_rows(target.zero_(), index, rows), None, None, None
-        _scatter_rows(target, index, rows)
+            _scatter_rows(target.zero_(), index, rows)
+            weight.grad = target
+        else:
+            _scatter_rows(target, index, rows)
         return None, None, None, None
 
 

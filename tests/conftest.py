@@ -1,0 +1,64 @@
+"""Shared models and checks. The oracle everywhere is stock PyTorch autograd on a deep copy."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import flatgrad
+
+
+class TiedLM(nn.Module):
+    """Embedding -> Linear/LayerNorm -> output Linear sharing the embedding's weight."""
+
+    def __init__(self, vocab: int = 13, dim: int = 8, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim, padding_idx=padding_idx)
+        self.proj = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.norm(torch.tanh(self.proj(self.emb(tokens))))
+        logits = self.head(hidden)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+def grad_in_buffers(flat: flatgrad.FlatGrad, grad: torch.Tensor) -> bool:
+    """Whether `grad` is a view inside one of `flat.grad_buffers` (storage and byte range)."""
+    for buf in flat.grad_buffers.values():
+        if grad.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+            continue
+        start, end = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+        if start <= grad.data_ptr() and grad.data_ptr() + grad.numel() * grad.element_size() <= end:
+            return True
+    return False
+
+
+def assert_same_grads(flat: flatgrad.FlatGrad, oracle: nn.Module, rtol: float = 1e-12, atol: float = 1e-12) -> None:
+    """Grads equal the oracle's (None where it has None) and every grad lies in the buffers.
+
+    Default tolerance is float64 round-off: the same sums, possibly in another order.
+    """
+    ours = dict(flat.module.named_parameters())
+    for name, ref in oracle.named_parameters():
+        param = ours[name]
+        if ref.grad is None:
+            assert param.grad is None, f"{name}: expected no grad"
+            continue
+        assert param.grad is not None, f"{name}: grad missing"
+        torch.testing.assert_close(param.grad, ref.grad, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        if param.requires_grad:
+            assert grad_in_buffers(flat, param.grad), f"{name}: .grad is outside grad_buffers"
+
+
+@pytest.fixture
+def tied_pair() -> tuple[flatgrad.FlatGrad, nn.Module]:
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    oracle = copy.deepcopy(model)
+    return flatgrad.FlatGrad(model), oracle

@@ -1,0 +1,188 @@
+"""Property test: on random small models, FlatGrad's gradients equal stock autograd's.
+
+Oracle: a deep copy of the model taken before wrapping, trained with plain PyTorch on the
+same micro-batches. The models mix routed layers (nn.Linear with/without bias, nn.Embedding
+with an optional padding_idx) and hooked ones (nn.LayerNorm, nn.Conv1d, a raw parameter),
+with random weight tying, frozen parameters, a branch used only on some micro-batches, a
+layer applied twice, and zero_grad between micro-batches in both of its forms.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import flatgrad
+
+# Same math in float64 on both sides; only the summation order may differ (index_add_ vs
+# the embedding backward's sort-and-sum, addmm_ accumulation vs AccumulateGrad's add),
+# which moves results by a few ulps of values of order one: far below 1e-12.
+TOLERANCE = {"rtol": 1e-12, "atol": 1e-12}
+
+ZERO_GRAD_CHOICES = ("keep", "set_to_none", "zeros")
+
+
+@dataclass(frozen=True)
+class Spec:
+    vocab: int
+    dim: int
+    padding_idx: int | None
+    hidden_bias: bool
+    hidden_twice: bool
+    head_bias: bool
+    branch_bias: bool
+    tie: bool
+    use_norm: bool
+    use_conv: bool
+    use_scale: bool
+
+
+class RandomModel(nn.Module):
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab, spec.dim, padding_idx=spec.padding_idx)
+        self.hidden = nn.Linear(spec.dim, spec.dim, bias=spec.hidden_bias)
+        self.norm = nn.LayerNorm(spec.dim) if spec.use_norm else None
+        self.conv = nn.Conv1d(spec.dim, spec.dim, kernel_size=3, padding=1) if spec.use_conv else None
+        self.scale = nn.Parameter(torch.randn(spec.dim, dtype=torch.float64)) if spec.use_scale else None
+        self.branch = nn.Linear(spec.dim, spec.dim, bias=spec.branch_bias)
+        self.head = nn.Linear(spec.dim, spec.vocab, bias=spec.head_bias)
+        if spec.tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = self.embed(tokens)  # (batch, time, dim)
+        h = torch.tanh(self.hidden(h))
+        if self.spec.hidden_twice:
+            h = torch.tanh(self.hidden(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.conv is not None:
+            h = h + self.conv(h.transpose(1, 2)).transpose(1, 2)
+        if self.scale is not None:
+            h = h * self.scale
+        if use_branch:
+            h = h + self.branch(h)
+        return self.head(h)
+
+
+specs = st.builds(
+    Spec,
+    vocab=st.integers(2, 7),
+    dim=st.integers(1, 6),
+    padding_idx=st.none() | st.integers(0, 1),
+    hidden_bias=st.booleans(),
+    hidden_twice=st.booleans(),
+    head_bias=st.booleans(),
+    branch_bias=st.booleans(),
+    tie=st.booleans(),
+    use_norm=st.booleans(),
+    use_conv=st.booleans(),
+    use_scale=st.booleans(),
+)
+
+
+def _micro_batch(seed: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    batch, time = 1 + seed % 3, 1 + (seed // 3) % 4
+    tokens = torch.randint(vocab, (batch, time), generator=generator)  # repeats and padding_idx likely
+    targets = torch.randint(vocab, (batch * time,), generator=generator)
+    return tokens, targets
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, use_branch: bool) -> torch.Tensor:
+    logits = model(tokens, use_branch)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
+
+
+def _zero_grad(flat: flatgrad.FlatGrad, oracle: nn.Module, choice: str) -> None:
+    if choice == "set_to_none":
+        flat.zero_grad(set_to_none=True)
+        oracle.zero_grad(set_to_none=True)
+    elif choice == "zeros":
+        flat.zero_grad(set_to_none=False)
+        oracle.zero_grad(set_to_none=False)
+
+
+def _inside_a_buffer(grad: torch.Tensor, buffers: dict) -> bool:
+    for buffer in buffers.values():
+        start = buffer.data_ptr()
+        end = start + buffer.numel() * buffer.element_size()
+        if (
+            grad.dtype == buffer.dtype
+            and grad.device == buffer.device
+            and grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            and start <= grad.data_ptr()
+            and grad.data_ptr() + grad.numel() * grad.element_size() <= end
+        ):
+            return True
+    return False
+
+
+def _check_grads(flat: flatgrad.FlatGrad, oracle: nn.Module, frozen: set[str], step: int) -> None:
+    buffers = flat.grad_buffers
+    expected = dict(oracle.named_parameters())
+    for name, param in flat.module.named_parameters():
+        want = expected[name].grad
+        got = param.grad
+        where = f"{name} after micro-batch {step}"
+        if name in frozen:
+            assert got is None and want is None, f"frozen {where} has a gradient"
+            continue
+        if want is None:
+            # Never used since the last set_to_none: stock keeps None, so must flatgrad.
+            assert got is None, f"{where}: stock grad is None, flatgrad's is not"
+            continue
+        assert got is not None, f"{where}: flatgrad grad is None, stock's is not"
+        torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m, w=where: f"{w}: {m}")
+        assert got.stride() == want.stride(), where
+        assert _inside_a_buffer(got, buffers), f"{where}: .grad does not live in a flat buffer"
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    spec=specs,
+    init_seed=st.integers(0, 2**16),
+    freeze=st.lists(st.booleans(), min_size=16, max_size=16),
+    batch_seeds=st.lists(st.integers(0, 2**16), min_size=2, max_size=3),
+    use_branch=st.lists(st.booleans(), min_size=3, max_size=3),
+    zero_choices=st.lists(st.sampled_from(ZERO_GRAD_CHOICES), min_size=3, max_size=3),
+)
+def test_grads_match_stock_autograd(
+    spec: Spec,
+    init_seed: int,
+    freeze: list[bool],
+    batch_seeds: list[int],
+    use_branch: list[bool],
+    zero_choices: list[str],
+) -> None:
+    with torch.random.fork_rng():
+        torch.manual_seed(init_seed)
+        model = RandomModel(spec).double()
+    # named_parameters() lists a tied parameter once, under its first name.
+    named = list(model.named_parameters())
+    frozen = {name for (name, param), flag in zip(named, freeze) if flag}
+    assume(len(frozen) < len(named))  # FlatGrad needs one trainable parameter
+    for name, param in named:
+        if name in frozen:
+            param.requires_grad_(False)
+    if spec.tie:  # the head's weight is the embedding's: frozen with it
+        assert model.head.weight is model.embed.weight
+
+    oracle = copy.deepcopy(model)  # before wrapping: FlatGrad patches layer forwards
+    flat = flatgrad.FlatGrad(model)
+
+    for step, seed in enumerate(batch_seeds):
+        if step > 0:
+            _zero_grad(flat, oracle, zero_choices[step])
+        tokens, targets = _micro_batch(seed, spec.vocab)
+        _loss(flat, tokens, targets, use_branch[step]).backward()
+        _loss(oracle, tokens, targets, use_branch[step]).backward()
+        _check_grads(flat, oracle, frozen, step)

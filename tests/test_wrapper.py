@@ -1,0 +1,338 @@
+"""FlatGrad against stock autograd (the oracle) in the hard cases, float64."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from conftest import TiedLM, assert_same_grads, grad_in_buffers
+from torch import nn
+
+import flatgrad
+
+
+def _tokens(seed: int, shape: tuple[int, int] = (4, 6), vocab: int = 13) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_forward_and_module(tied_pair):
+    flat, oracle = tied_pair
+    tokens = _tokens(0)
+    assert flat.module is not oracle
+    torch.testing.assert_close(flat(tokens), oracle(tokens), rtol=0, atol=0)
+
+
+def test_accumulation_with_different_inputs(tied_pair):
+    flat, oracle = tied_pair
+    for seed in range(3):
+        flat(_tokens(seed)).backward()
+        oracle(_tokens(seed)).backward()
+    assert_same_grads(flat, oracle)
+
+
+def test_tied_weight_is_one_slot(tied_pair):
+    flat, oracle = tied_pair
+    assert flat.module.head.weight is flat.module.emb.weight
+    num_elements = sum(p.numel() for p in flat.module.parameters())
+    (buffer,) = flat.grad_buffers.values()
+    assert buffer.numel() < num_elements + 5 * 64  # one slot per distinct parameter, plus padding
+    flat(_tokens(1)).backward()
+    oracle(_tokens(1)).backward()
+    assert_same_grads(flat, oracle)
+
+
+def test_optimizer_zero_grad_behind_the_wrappers_back(tied_pair):
+    flat, oracle = tied_pair
+    opt = torch.optim.SGD(flat.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()  # set_to_none=True: every .grad becomes None
+        ref_opt.zero_grad()
+        for micro in range(2):
+            flat(_tokens(10 * step + micro)).backward()
+            oracle(_tokens(10 * step + micro)).backward()
+        assert_same_grads(flat, oracle)
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(flat.module.parameters(), oracle.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+
+
+def test_zero_grad_keeps_views_when_not_setting_none(tied_pair):
+    flat, oracle = tied_pair
+    flat(_tokens(0)).backward()
+    oracle(_tokens(0)).backward()
+    flat.zero_grad(set_to_none=False)
+    oracle.zero_grad(set_to_none=False)
+    assert all(float(buf.abs().sum()) == 0 for buf in flat.grad_buffers.values())
+    flat(_tokens(1)).backward()
+    oracle(_tokens(1)).backward()
+    assert_same_grads(flat, oracle)
+    flat.zero_grad()
+    assert all(p.grad is None for p in flat.parameters())
+
+
+def test_zero_grad_set_to_none_false_is_one_fill_per_buffer(tied_pair):
+    flat, _ = tied_pair
+    flat(_tokens(0)).backward()
+    with torch.profiler.profile() as prof:
+        flat.zero_grad(set_to_none=False)
+    fills = [e for e in prof.events() if e.name in ("aten::zero_", "aten::fill_")]
+    assert len([e for e in fills if e.name == "aten::zero_"]) == len(flat.grad_buffers)
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 5)
+        self.b = nn.Linear(5, 5)
+        self.frozen = nn.Linear(5, 5)
+        self.frozen.requires_grad_(False)
+        self.scale = nn.Parameter(torch.ones(5))
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        y = self.frozen(self.a(x)) * self.scale
+        return (self.b(y) if use_b else y).pow(2).sum()
+
+
+def test_unused_branch_and_frozen_parameters():
+    torch.manual_seed(0)
+    model = _Branchy().double()
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model)
+    assert all(p not in flat._store for p in model.frozen.parameters())
+    x = torch.randn(3, 5, dtype=torch.float64)
+    flat(x, False).backward()
+    oracle(x, False).backward()
+    assert_same_grads(flat, oracle)  # b's grads stay None
+    flat(2 * x, True).backward()
+    oracle(2 * x, True).backward()
+    assert_same_grads(flat, oracle)
+
+
+def test_autograd_grad_leaves_dot_grad_untouched(tied_pair):
+    flat, oracle = tied_pair
+    flat(_tokens(0)).backward()
+    oracle(_tokens(0)).backward()
+    before = {n: p.grad.clone() for n, p in flat.module.named_parameters()}
+    params = list(flat.module.parameters())
+    ours = torch.autograd.grad(flat(_tokens(1)), params)
+    ref = torch.autograd.grad(oracle(_tokens(1)), list(oracle.parameters()))
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert not grad_in_buffers(flat, a), "a captured gradient must not alias the buffer"
+    for n, p in flat.module.named_parameters():
+        torch.testing.assert_close(p.grad, before[n], rtol=0, atol=0)
+    assert_same_grads(flat, oracle)
+
+
+def test_autograd_grad_with_respect_to_input_only(tied_pair):
+    flat, _ = tied_pair
+    flat.zero_grad()
+    hidden = flat.module.emb(_tokens(0)).detach().requires_grad_()
+    (g,) = torch.autograd.grad(flat.module.head(flat.module.proj(hidden)).sum(), [hidden])
+    assert g.shape == hidden.shape
+    assert all(p.grad is None for p in flat.parameters())
+
+
+def test_backward_with_inputs(tied_pair):
+    flat, oracle = tied_pair
+    flat(_tokens(0)).backward(inputs=[flat.module.proj.weight])
+    oracle(_tokens(0)).backward(inputs=[oracle.proj.weight])
+    assert_same_grads(flat, oracle)
+    assert flat.module.emb.weight.grad is None
+
+
+def test_activation_checkpointing(tied_pair):
+    flat, oracle = tied_pair
+
+    def run(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = torch.utils.checkpoint.checkpoint(
+            lambda t: model.norm(torch.tanh(model.proj(model.emb(t)))), tokens, use_reentrant=False
+        )
+        return model.head(hidden).pow(2).mean()
+
+    for seed in range(2):
+        run(flat.module, _tokens(seed)).backward()
+        run(oracle, _tokens(seed)).backward()
+    assert_same_grads(flat, oracle)
+
+
+def test_cpu_autocast_bfloat16():
+    torch.manual_seed(0)
+    model = TiedLM()
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model)
+    for seed in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = flat(_tokens(seed))
+            ref = oracle(_tokens(seed))
+        loss.backward()
+        ref.backward()
+    # Both compute the matmuls in bfloat16 (8 mantissa bits); the same bf16 products may be
+    # summed in another order, so allow a few bf16 ulps relative to the gradient scale.
+    assert_same_grads(flat, oracle, rtol=2e-2, atol=2e-3)
+    assert all(p.grad.dtype == torch.float32 for p in flat.parameters())
+
+
+def test_double_backward_create_graph(tied_pair):
+    flat, oracle = tied_pair
+
+    def grad_penalty(model: nn.Module) -> torch.Tensor:
+        loss = model(_tokens(3))
+        grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+        return loss + sum(g.pow(2).sum() for g in grads)
+
+    grad_penalty(flat.module).backward()
+    grad_penalty(oracle).backward()
+    for p, q in zip(flat.module.parameters(), oracle.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    # create_graph leaves differentiable grads outside the buffer; norms settle them back.
+    torch.testing.assert_close(
+        flat.grad_norm(), torch.nn.utils.get_total_norm([q.grad for q in oracle.parameters()])
+    )
+    assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters())
+
+
+@pytest.mark.parametrize(
+    "convert, dtype",
+    [
+        (lambda m: m.to(torch.float64), torch.float64),
+        (lambda m: m.double(), torch.float64),
+        (lambda m: m.half(), torch.float16),
+        (lambda m: m.to("cpu"), torch.float32),
+    ],
+)
+def test_conversion_after_wrapping_rebuilds_buffers(convert, dtype):
+    torch.manual_seed(0)
+    model = TiedLM()
+    flat = flatgrad.FlatGrad(model)
+    flat(_tokens(0)).backward()
+    assert convert(flat) is flat
+    assert list(flat.grad_buffers) == [(dtype, torch.device("cpu"))]
+    assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters())  # old grads moved in
+    oracle = copy.deepcopy(model)
+    for p in oracle.parameters():
+        p.grad = None
+    flat.zero_grad()
+    flat(_tokens(1)).backward()
+    oracle(_tokens(1)).backward()
+    tol = 1e-3 if dtype == torch.float16 else 1e-6
+    assert_same_grads(flat, oracle, rtol=tol, atol=tol)
+
+
+def test_eval_and_no_grad_match_and_leave_grads(tied_pair):
+    flat, oracle = tied_pair
+    flat.eval()
+    oracle.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(flat(_tokens(0)), oracle(_tokens(0)), rtol=0, atol=0)
+    assert all(p.grad is None for p in flat.parameters())
+    flat(_tokens(1)).backward()
+    oracle(_tokens(1)).backward()
+    assert_same_grads(flat, oracle)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, float("inf")])
+def test_grad_norm_and_clip_match_torch(tied_pair, norm_type):
+    flat, oracle = tied_pair
+    flat(_tokens(0)).backward()
+    oracle(_tokens(0)).backward()
+    torch.testing.assert_close(
+        flat.grad_norm(norm_type),
+        torch.nn.utils.get_total_norm([p.grad for p in oracle.parameters()], norm_type),
+        rtol=1e-12,
+        atol=0,
+    )
+    total = flat.clip_grad_norm_(0.01, norm_type)
+    ref_total = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 0.01, norm_type)
+    torch.testing.assert_close(total, ref_total, rtol=1e-12, atol=0)
+    assert_same_grads(flat, oracle)
+
+
+def test_stale_slots_do_not_leak_into_norms(tied_pair):
+    flat, oracle = tied_pair
+    flat(_tokens(0)).backward()
+    oracle(_tokens(0)).backward()
+    for model in (flat.module, oracle):
+        for p in model.proj.parameters():  # flatgrad's slots still hold the old values
+            p.grad = None
+    ref = torch.nn.utils.get_total_norm([p.grad for p in oracle.parameters() if p.grad is not None])
+    torch.testing.assert_close(flat.grad_norm(), ref, rtol=1e-12, atol=0)
+    assert all(p.grad is None for p in flat.module.proj.parameters())
+
+
+def test_clip_error_if_nonfinite(tied_pair):
+    flat, _ = tied_pair
+    flat(_tokens(0)).backward()
+    flat.module.proj.weight.grad[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        flat.clip_grad_norm_(1.0, error_if_nonfinite=True)
+
+
+def test_bad_norm_type(tied_pair):
+    flat, _ = tied_pair
+    with pytest.raises(ValueError, match="norm_type must be a non-negative number or inf, got -1.0"):
+        flat.grad_norm(-1)
+
+
+def test_state_dict_keys_both_directions(tied_pair):
+    flat, oracle = tied_pair
+    assert list(flat.state_dict()) == list(oracle.state_dict())
+    fresh = TiedLM().double()
+    flat.load_state_dict(fresh.state_dict())
+    for (n, p), q in zip(flat.module.named_parameters(), fresh.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
+    oracle.load_state_dict(flat.state_dict())
+    flat(_tokens(0)).backward()
+    oracle(_tokens(0)).backward()
+    assert_same_grads(flat, oracle)
+
+
+def test_load_state_dict_assign_rebuilds(tied_pair):
+    flat, oracle = tied_pair
+    before = list(flat.grad_buffers.values())
+    state = copy.deepcopy(oracle.state_dict())
+    flat.load_state_dict(copy.deepcopy(state), assign=True)  # replaces the Parameters
+    oracle.load_state_dict(copy.deepcopy(state), assign=True)
+    assert all(b is not a for a in before for b in flat.grad_buffers.values())
+    flat(_tokens(0)).backward()
+    oracle(_tokens(0)).backward()
+    assert_same_grads(flat, oracle)
+
+
+def test_summary_is_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="flatgrad"):
+        flatgrad.FlatGrad(nn.Linear(3, 4))
+    (record,) = [r for r in caplog.records if r.name.startswith("flatgrad")]
+    assert "1 buffer(s) for 2 parameters" in record.getMessage()
+    assert "bytes" in record.getMessage()
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got int"):
+        flatgrad.FlatGrad(42)  # type: ignore[arg-type]
+
+
+def test_no_trainable_parameters():
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="at least one parameter with requires_grad=True"):
+        flatgrad.FlatGrad(frozen)
+    with pytest.raises(ValueError, match="at least one parameter"):
+        flatgrad.FlatGrad(nn.ReLU())
+
+
+def test_sparse_embedding_refused():
+    with pytest.raises(ValueError, match="embedding 'emb' must have sparse=False"):
+        flatgrad.FlatGrad(nn.ModuleDict({"emb": nn.Embedding(4, 2, sparse=True)}))
+
+
+def test_wrapping_twice_refused():
+    model = nn.Linear(2, 2)
+    first = flatgrad.FlatGrad(model)
+    with pytest.raises(ValueError, match="already wrapped by another FlatGrad"):
+        flatgrad.FlatGrad(model)
+    del first
