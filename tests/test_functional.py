@@ -1,0 +1,222 @@
+"""The flat-buffer autograd Functions: results against stock autograd, and zero-copy
+checked with torch.profiler."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import TiedLM, assert_same_grads, grad_in_buffers
+from torch import nn
+
+import flatgrad
+
+_COPY_OPS = {"aten::copy_", "aten::clone", "aten::add_", "aten::add", "aten::mul_out", "aten::_to_copy"}
+_SORT_OPS = {"aten::sort", "aten::index_put_", "aten::_index_put_impl_", "aten::embedding_dense_backward"}
+
+
+class _ProfiledLM(nn.Module):
+    """Shapes chosen so no activation has a weight's shape: 3x7 tokens, vocab 50, dim 24."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 24)
+        self.mid = nn.Linear(24, 24)
+        self.head = nn.Linear(24, 50, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.emb(tokens)))).square().mean()
+
+
+def _weight_sized_ops(prof: torch.profiler.profile, shapes: set[tuple[int, ...]], names: set[str]) -> list[str]:
+    found = []
+    for event in prof.events():
+        if event.name in names and any(tuple(s) in shapes for s in event.input_shapes if s):
+            found.append(f"{event.name}{event.input_shapes}")
+    return found
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_backward_is_zero_copy_empty_and_accumulating(tied):
+    torch.manual_seed(0)
+    flat = flatgrad.FlatGrad(_ProfiledLM(tied))
+    shapes = {tuple(p.shape) for p in flat.parameters() if p.dim() == 2}
+    tokens = torch.randint(0, 50, (3, 7))
+    for set_to_none in (True, False):  # empty slots, then accumulating into existing .grad
+        flat.zero_grad(set_to_none=set_to_none)
+        loss = flat(tokens)
+        with torch.profiler.profile(record_shapes=True) as prof:
+            loss.backward()
+        assert _weight_sized_ops(prof, shapes, _COPY_OPS) == []
+        names = {e.name for e in prof.events()}
+        assert names.isdisjoint(_SORT_OPS), names & _SORT_OPS
+        assert "aten::index_add_" in names
+        for name, param in flat.module.named_parameters():
+            assert grad_in_buffers(flat, param.grad), name
+
+
+def test_stock_backward_does_copy_what_we_avoid():
+    """The profiler check can fail: stock autograd accumulating issues weight-sized add_."""
+    torch.manual_seed(0)
+    model = _ProfiledLM(tied=True)
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    tokens = torch.randint(0, 50, (3, 7))
+    model(tokens).backward()
+    loss = model(tokens)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        loss.backward()
+    assert _weight_sized_ops(prof, shapes, _COPY_OPS)
+    assert {e.name for e in prof.events()} & _SORT_OPS
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("batch_shape", [(5,), (2, 3), (2, 1, 4)])
+def test_linear_any_leading_dims(bias, batch_shape):
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 4, bias=bias).double()
+    oracle = copy.deepcopy(layer)
+    flat = flatgrad.FlatGrad(layer)
+    for seed in range(2):
+        x = torch.randn(*batch_shape, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        flat(xa).sin().sum().backward()
+        oracle(xb).sin().sum().backward()
+        torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-12, atol=1e-12)
+    assert_same_grads(flat, oracle)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"padding_idx": 0},
+        {"padding_idx": -1},
+        {"scale_grad_by_freq": True},
+        {"scale_grad_by_freq": True, "padding_idx": 2},
+        {"max_norm": 1.0},
+        {"max_norm": 0.5, "norm_type": 1.0},
+    ],
+)
+def test_embedding_options_match_stock(kwargs):
+    torch.manual_seed(0)
+    emb = nn.Embedding(9, 5, **kwargs).double()
+    oracle = copy.deepcopy(emb)
+    flat = flatgrad.FlatGrad(emb)
+    for seed in range(3):
+        idx = torch.randint(0, 9, (4, 6), generator=torch.Generator().manual_seed(seed))
+        flat(idx).pow(3).sum().backward()
+        oracle(idx).pow(3).sum().backward()
+    torch.testing.assert_close(emb.weight, oracle.weight, rtol=0, atol=0)  # max_norm renorm
+    assert_same_grads(flat, oracle)
+
+
+def test_gather_with_index_add_matches_indexing():
+    torch.manual_seed(0)
+    table = torch.randn(20, dtype=torch.float64, requires_grad=True)
+    ref = table.detach().clone().requires_grad_()
+    idx = torch.randint(0, 20, (1000,))
+    weights = torch.randn(1000, dtype=torch.float64)
+    out = flatgrad.gather_with_index_add(table, idx)
+    torch.testing.assert_close(out, ref[idx], rtol=0, atol=0)
+    (out * weights).sum().backward()
+    (ref[idx] * weights).sum().backward()
+    torch.testing.assert_close(table.grad, ref.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_gather_with_index_add_multidim_indices_and_rows():
+    table = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    idx = torch.tensor([[0, 6, 6], [1, 1, 1]])
+    out = flatgrad.gather_with_index_add(table, idx)
+    assert out.shape == (2, 3, 3)
+    out.sum().backward()
+    expected = torch.zeros(7, 3, dtype=torch.float64)
+    expected[0], expected[6], expected[1] = 1, 2, 3
+    torch.testing.assert_close(table.grad, expected, rtol=0, atol=0)
+
+
+def test_gather_of_a_wrapped_parameter_writes_its_slot():
+    class Scalars(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(20, dtype=torch.float64))
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return flatgrad.gather_with_index_add(self.table, idx).square().sum()
+
+    model = Scalars()
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model)
+    idx = torch.randint(0, 20, (500,))
+    for _ in range(2):
+        with torch.profiler.profile(record_shapes=True) as prof:
+            flat(idx).backward()
+        (oracle.table[idx]).square().sum().backward()
+        assert _weight_sized_ops(prof, {(20,)}, _COPY_OPS) == []
+    assert_same_grads(flat, oracle)
+
+
+def test_gather_bad_input():
+    with pytest.raises(TypeError, match="indices must be an int32 or int64 tensor, got torch.float32"):
+        flatgrad.gather_with_index_add(torch.randn(3), torch.zeros(2))
+    with pytest.raises(TypeError, match="buffer and indices must be tensors"):
+        flatgrad.gather_with_index_add([1.0, 2.0], torch.zeros(2, dtype=torch.long))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="buffer must have at least one dimension"):
+        flatgrad.gather_with_index_add(torch.tensor(1.0), torch.zeros(2, dtype=torch.long))
+
+
+def test_deterministic_mode_takes_the_deterministic_path():
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model)
+    tokens = torch.randint(0, 13, (4, 6))
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.profiler.profile() as prof:
+            flat(tokens).backward()
+        first = flat.module.emb.weight.grad.clone()
+        flat.zero_grad()
+        flat(tokens).backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    names = {e.name for e in prof.events()}
+    assert "aten::index_put_" in names and "aten::index_add_" not in names
+    torch.testing.assert_close(flat.module.emb.weight.grad, first, rtol=0, atol=0)  # run to run
+    oracle(tokens).backward()
+    assert_same_grads(flat, oracle)
+
+
+def test_user_tensor_hooks_see_the_gradient():
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 3).double()
+    oracle = copy.deepcopy(layer)
+    flat = flatgrad.FlatGrad(layer)
+    layer.weight.register_hook(lambda g: g * 3)
+    oracle.weight.register_hook(lambda g: g * 3)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for _ in range(2):
+        flat(x).sum().backward()
+        oracle(x).sum().backward()
+    assert_same_grads(flat, oracle)
+
+
+def test_layer_used_twice_with_unrouted_use_of_same_weight():
+    """A weight reached by two routed calls and one plain op in the same backward."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4).double()
+    oracle = copy.deepcopy(layer)
+    flat = flatgrad.FlatGrad(layer)
+
+    def run(mod: nn.Module) -> torch.Tensor:
+        x = torch.ones(2, 4, dtype=torch.float64)
+        return (mod(mod(x)) + x @ mod.weight).square().sum()
+
+    for _ in range(2):
+        run(flat.module).backward()
+        run(oracle).backward()
+        assert_same_grads(flat, oracle)
+        flat.zero_grad()
+        oracle.zero_grad()
