@@ -1,8 +1,9 @@
 """flatgrad: every gradient of a model in one contiguous buffer per (dtype, device)."""
 
+from flatgrad.comm import FlatGradCommState, allreduce_hook
 from flatgrad.config import FlatGradConfig
 from flatgrad.functional import gather_with_index_add
 from flatgrad.wrapper import FlatGrad
 
-__all__ = ["FlatGrad", "FlatGradConfig", "gather_with_index_add"]
+__all__ = ["FlatGrad", "FlatGradCommState", "FlatGradConfig", "allreduce_hook", "gather_with_index_add"]
 __version__ = "0.1.0"

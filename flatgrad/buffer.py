@@ -81,6 +81,21 @@ class GradStore:
             and grad.stride() == slot.stride
         )
 
+    def adopt(self, buffer: torch.Tensor, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
+        """Make `buffer` (a DDP bucket) the flat buffer of its group, with `grads[i]` (views
+        of it) as the slot of `params[i]`. Refused (False) unless the bucket holds exactly
+        the group's parameters: a group split over several buckets is not one buffer."""
+        key = (buffer.dtype, buffer.device)
+        group = [p for p in self.params if self._slots[p][0] == key]
+        if len(params) != len(group) or {id(p) for p in params} != {id(p) for p in group}:
+            return False
+        base = buffer.storage_offset()
+        for param, grad in zip(params, grads):
+            slot = SlotSpec(grad.storage_offset() - base, grad.numel(), tuple(grad.shape), grad.stride())
+            self._slots[param] = (key, slot)
+        self.buffers[key] = buffer
+        return True
+
     def settle(self) -> None:
         """Make the buffers the truth: zero the slots of parameters whose `.grad` is None
         (stale values must not reach a norm or a sync) and move any `.grad` that lives

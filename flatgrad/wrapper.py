@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flatgrad import functional
+from flatgrad import comm, functional
 from flatgrad.buffer import GradStore
 from flatgrad.config import FlatGradConfig, resolve_config
 from flatgrad.layout import GroupKey
@@ -145,6 +145,26 @@ class FlatGrad(nn.Module):
         for buffer in self._checked_store().buffers.values():
             buffer.mul_(coef.to(buffer.device))
         return total
+
+    # --- synchronisation (the communication itself lives in flatgrad.comm) --------------
+
+    def all_reduce_grads(self, process_group: Any = None, wire_dtype: torch.dtype | None = None) -> None:
+        """Without DDP: average all gradients over `process_group` (default: the world),
+        one all-reduce per buffer. Call it after backward, before the optimizer step."""
+        comm.all_reduce_grads(self._checked_store(), process_group, wire_dtype)
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """Constructor arguments for ``DDP(flat, **flat.ddp_kwargs())``: the zero-copy,
+        one-all-reduce-per-buffer path together with `allreduce_hook`."""
+        return comm.ddp_kwargs(self._checked_store())
+
+    def comm_state(self, process_group: Any = None, wire_dtype: torch.dtype | None = None) -> comm.FlatGradCommState:
+        """State for ``ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)``.
+
+        `wire_dtype` (torch.bfloat16 or torch.float16) all-reduces a compressed copy and
+        decompresses into the buffer, like torch's bf16/fp16 compress hooks.
+        """
+        return comm.FlatGradCommState(self, process_group, wire_dtype)
 
     def named_grad_slots(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, view of the slot) for every trainable parameter, in the model's naming."""

@@ -7,6 +7,7 @@ slots in reverse registration order, aligned, non-overlapping, strides as `empty
 from __future__ import annotations
 
 import gc
+from itertools import pairwise
 
 import pytest
 import torch
@@ -39,7 +40,7 @@ def _mixed_params() -> list[torch.Tensor]:
 
 def _check_no_overlap(spans: list[tuple[int, int]]) -> None:
     spans = sorted(spans)
-    for (start_a, end_a), (start_b, _) in zip(spans, spans[1:]):
+    for (start_a, end_a), (start_b, _) in pairwise(spans):
         assert end_a <= start_b, f"slots [{start_a}, {end_a}) and [{start_b}, ...) overlap"
 
 
@@ -106,7 +107,7 @@ def test_plan_layout_reverse_registration_order() -> None:
         offsets = [slot.offset for slot in group.slots]
         assert offsets == sorted(offsets)
         # Strictly increasing wherever the earlier slot is non-empty.
-        for slot, nxt in zip(group.slots, group.slots[1:]):
+        for slot, nxt in pairwise(group.slots):
             if slot.numel:
                 assert nxt.offset > slot.offset
 
@@ -117,7 +118,7 @@ def test_plan_layout_aligned_dense_and_covering(align_bytes: int) -> None:
     for (dtype, _), group in plan_layout(params, align_bytes).items():
         align = max(1, align_bytes // dtype.itemsize)
         spans = []
-        for index, slot in zip(group.param_indices, group.slots):
+        for index, slot in zip(group.param_indices, group.slots, strict=True):
             param = params[index]
             assert slot.offset % align == 0
             assert slot.numel == param.numel()
@@ -136,7 +137,7 @@ def test_plan_layout_slot_strides_follow_params() -> None:
     non_dense = torch.empty(4, 6)[:, ::2]
     params = [channels_last, non_dense]
     group = plan_layout(params, 256)[(torch.float32, CPU)]
-    strides = {index: slot.stride for index, slot in zip(group.param_indices, group.slots)}
+    strides = {index: slot.stride for index, slot in zip(group.param_indices, group.slots, strict=True)}
     assert strides == {0: (60, 1, 15, 3), 1: (3, 1)}
 
 

@@ -4,7 +4,8 @@ Oracle: a deep copy of the model taken before wrapping, trained with plain PyTor
 same micro-batches. The models mix routed layers (nn.Linear with/without bias, nn.Embedding
 with an optional padding_idx) and hooked ones (nn.LayerNorm, nn.Conv1d, a raw parameter),
 with random weight tying, frozen parameters, a branch used only on some micro-batches, a
-layer applied twice, and zero_grad between micro-batches in both of its forms.
+layer applied twice, a routed weight also used by a plain op (an L2 penalty), and
+zero_grad between micro-batches in both of its forms.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Spec:
     use_norm: bool
     use_conv: bool
     use_scale: bool
+    penalty: bool
 
 
 class RandomModel(nn.Module):
@@ -57,7 +59,7 @@ class RandomModel(nn.Module):
         if spec.tie:
             self.head.weight = self.embed.weight
 
-    def forward(self, tokens: torch.Tensor, use_branch: bool) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, use_branch: bool) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.embed(tokens)  # (batch, time, dim)
         h = torch.tanh(self.hidden(h))
         if self.spec.hidden_twice:
@@ -70,7 +72,9 @@ class RandomModel(nn.Module):
             h = h * self.scale
         if use_branch:
             h = h + self.branch(h)
-        return self.head(h)
+        # A plain (unrouted) use of a routed weight, summed with the routed use's gradient.
+        penalty = 0.01 * self.head.weight.pow(2).sum() if self.spec.penalty else torch.zeros(())
+        return self.head(h), penalty
 
 
 specs = st.builds(
@@ -86,6 +90,7 @@ specs = st.builds(
     use_norm=st.booleans(),
     use_conv=st.booleans(),
     use_scale=st.booleans(),
+    penalty=st.booleans(),
 )
 
 
@@ -98,8 +103,8 @@ def _micro_batch(seed: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, use_branch: bool) -> torch.Tensor:
-    logits = model(tokens, use_branch)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
+    logits, penalty = model(tokens, use_branch)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets) + penalty
 
 
 def _zero_grad(flat: flatgrad.FlatGrad, oracle: nn.Module, choice: str) -> None:
@@ -168,7 +173,7 @@ def test_grads_match_stock_autograd(
         model = RandomModel(spec).double()
     # named_parameters() lists a tied parameter once, under its first name.
     named = list(model.named_parameters())
-    frozen = {name for (name, param), flag in zip(named, freeze) if flag}
+    frozen = {name for (name, param), flag in zip(named, freeze, strict=False) if flag}
     assume(len(frozen) < len(named))  # FlatGrad needs one trainable parameter
     for name, param in named:
         if name in frozen:
@@ -183,6 +188,11 @@ def test_grads_match_stock_autograd(
         if step > 0:
             _zero_grad(flat, oracle, zero_choices[step])
         tokens, targets = _micro_batch(seed, spec.vocab)
-        _loss(flat, tokens, targets, use_branch[step]).backward()
-        _loss(oracle, tokens, targets, use_branch[step]).backward()
+        loss = _loss(flat, tokens, targets, use_branch[step])
+        oracle_loss = _loss(oracle, tokens, targets, use_branch[step])
+        # Only frozen or unused parameters on this path: nothing to differentiate.
+        assert loss.requires_grad == oracle_loss.requires_grad
+        if loss.requires_grad:
+            loss.backward()
+            oracle_loss.backward()
         _check_grads(flat, oracle, frozen, step)

@@ -1,0 +1,119 @@
+"""Synchronising the flat buffers across ranks: the DDP comm hook and the no-DDP sync.
+
+The only module of flatgrad that imports torch.distributed. No postponed annotations here:
+DDP checks the hook's annotations at registration (`dist.GradBucket`, `Future[Tensor]`).
+"""
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flatgrad.buffer import GradStore
+
+logger = logging.getLogger(__name__)
+
+_WIRE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class FlatGradCommState:
+    """State of `allreduce_hook`; build it with `FlatGrad.comm_state()`.
+
+    `wrapper` is the `FlatGrad` whose buffers the hook keeps pointing at DDP's buckets.
+    `wire_dtype` (bfloat16 or float16) compresses floating-point buckets on the wire.
+    """
+
+    wrapper: Any
+    process_group: dist.ProcessGroup | None = None
+    wire_dtype: torch.dtype | None = None
+    _warned: bool = False
+
+    def __post_init__(self) -> None:
+        if self.wire_dtype is not None and self.wire_dtype not in _WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be torch.bfloat16, torch.float16 or None, got {self.wire_dtype}")
+
+    def adopt(self, bucket: dist.GradBucket) -> None:
+        """Make DDP's bucket the wrapper's flat buffer, once per bucket allocation.
+
+        Only when `.grad` already lives in the bucket (gradient_as_bucket_view=True) and one
+        bucket holds the whole (dtype, device) group; otherwise stay correct on DDP's copies
+        and say once how to get the zero-copy path.
+        """
+        buffer = bucket.buffer()
+        store: GradStore = self.wrapper._checked_store()
+        current = store.buffers.get((buffer.dtype, buffer.device))
+        if current is not None and current.data_ptr() == buffer.data_ptr() and current.numel() == buffer.numel():
+            return
+        params, grads = bucket.parameters(), bucket.gradients()
+        as_views = all(p.grad is not None and p.grad.data_ptr() == g.data_ptr() for p, g in zip(params, grads))
+        if not (as_views and store.adopt(buffer, params, grads)) and not self._warned:
+            self._warned = True
+            logger.warning(
+                "flatgrad: DDP keeps gradients in its own buckets, so they are copied every step; "
+                "construct DDP(flat, ..., **flat.ddp_kwargs()) (gradient_as_bucket_view=True and one "
+                "bucket per dtype) for the zero-copy, one-all-reduce path"
+            )
+
+
+def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average the bucket over the group with one all-reduce.
+
+    Returns the bucket buffer itself, so DDP copies nothing back. With the fast path
+    (`FlatGrad.ddp_kwargs()`) the bucket is the wrapper's whole flat buffer.
+    """
+    state.adopt(bucket)
+    return _all_reduce_mean(bucket.buffer(), state.process_group, state.wire_dtype)
+
+
+def _all_reduce_mean(
+    buffer: torch.Tensor, process_group: dist.ProcessGroup | None, wire_dtype: torch.dtype | None
+) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce `buffer` in place to the group mean; the future's value is `buffer`."""
+    world_size = dist.get_world_size(process_group)
+    if wire_dtype is None or not buffer.is_floating_point() or buffer.dtype == wire_dtype:
+        buffer.div_(world_size)  # divide first to keep sums of large gradients finite
+        fut = dist.all_reduce(buffer, group=process_group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+    wire = buffer.to(wire_dtype).div_(world_size)
+    fut = dist.all_reduce(wire, group=process_group, async_op=True).get_future()
+
+    def decompress(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        return buffer.copy_(f.value()[0])
+
+    return fut.then(decompress)
+
+
+def all_reduce_grads(
+    store: GradStore, process_group: dist.ProcessGroup | None = None, wire_dtype: torch.dtype | None = None
+) -> None:
+    """Average every buffer over the group: one all-reduce per (dtype, device) buffer.
+
+    A parameter without a gradient on this rank contributes zeros; afterwards every
+    parameter's `.grad` is its slot, as DDP with find_unused_parameters=True leaves it.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("all_reduce_grads needs an initialised default process group (dist.init_process_group)")
+    if wire_dtype is not None and wire_dtype not in _WIRE_DTYPES:
+        raise ValueError(f"wire_dtype must be torch.bfloat16, torch.float16 or None, got {wire_dtype}")
+    store.settle()
+    futures = [_all_reduce_mean(buf, process_group, wire_dtype) for buf in store.buffers.values()]
+    torch.futures.wait_all(futures)
+    for param in store.params:
+        if param.grad is None:
+            param.grad = store.view(param)
+
+
+def ddp_kwargs(store: GradStore) -> dict[str, Any]:
+    """DDP constructor arguments for the zero-copy, one-all-reduce-per-buffer path.
+
+    gradient_as_bucket_view=True makes `.grad` a view of DDP's bucket, which the hook then
+    adopts as the flat buffer. A bucket cap above the largest buffer keeps one bucket per
+    (dtype, device), also after DDP's one-time bucket rebuild (an explicit bucket_cap_mb
+    sets the first bucket's cap too).
+    """
+    largest = max(buf.numel() * buf.element_size() for buf in store.buffers.values())
+    return {"gradient_as_bucket_view": True, "bucket_cap_mb": math.ceil(largest / 2**20) + 1}

@@ -1,0 +1,52 @@
+"""Spawning gloo ranks on 127.0.0.1 from pytest, with a hard deadline so nothing hangs."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(
+    rank: int, fn: Callable[..., None], world_size: int, port: int, backend: str, args: tuple[Any, ...]
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., None], *args: Any, world_size: int = 2, timeout: float = 120.0, backend: str = "gloo"
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` on `world_size` gloo ranks; an exception in any
+    rank fails the test (the others are killed), and so does passing `timeout` seconds."""
+    context = mp.start_processes(
+        _entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"ranks did not finish within {timeout} s")

@@ -1,0 +1,292 @@
+"""Multi-rank tests: FlatGrad under DDP and with `all_reduce_grads`, against stock DDP.
+
+Two gloo ranks on 127.0.0.1, each feeding different data. The oracle is stock DDP on a deep
+copy of the same model in the same process; in float64 with two ranks both sides add the
+same two halves, so results agree to round-off (tolerance 1e-12).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import flatgrad
+
+pytestmark = pytest.mark.distributed
+
+_COPY_OPS = {"aten::copy_", "aten::clone", "aten::mul_out", "aten::mul", "aten::add_", "aten::_to_copy"}
+
+
+class _Net(nn.Module):
+    """Embedding + Linear layers, an unpatched LayerNorm, a frozen layer, an optional
+    branch, and a float32 tail so there are two (dtype, device) buffers when asked."""
+
+    def __init__(self, two_dtypes: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 24)
+        self.fc = nn.Linear(24, 24)
+        self.norm = nn.LayerNorm(24)
+        self.frozen = nn.Linear(24, 24).requires_grad_(False)
+        self.branch = nn.Linear(24, 24)
+        self.head = nn.Linear(24, 40, bias=False)
+        self.double()
+        self.tail = nn.Linear(40, 3) if two_dtypes else None
+
+    def forward(self, tokens: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = self.norm(torch.tanh(self.fc(self.emb(tokens))))
+        h = self.frozen(h)
+        if use_branch:
+            h = self.branch(h)
+        out = self.head(h)
+        if self.tail is not None:
+            out = self.tail(out.float()).double()
+        return out.square().mean()
+
+
+def _tokens(rank: int, step: int) -> torch.Tensor:
+    return torch.randint(0, 40, (4, 6), generator=torch.Generator().manual_seed(100 * rank + step))
+
+
+def _assert_params_equal(ours: nn.Module, ref: nn.Module) -> None:
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _assert_ranks_agree(module: nn.Module) -> None:
+    flat_params = torch.cat([p.detach().reshape(-1).double() for p in module.parameters()])
+    gathered = [torch.empty_like(flat_params) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat_params)
+    for other in gathered[1:]:
+        torch.testing.assert_close(other, gathered[0], rtol=0, atol=0)
+
+
+def _in_buffers(flat: flatgrad.FlatGrad) -> bool:
+    storages = {buf.untyped_storage().data_ptr() for buf in flat.grad_buffers.values()}
+    trainable = [p for p in flat.parameters() if p.requires_grad]
+    return all(p.grad is not None and p.grad.untyped_storage().data_ptr() in storages for p in trainable)
+
+
+def _fast_path_worker(rank: int, world_size: int, two_dtypes: bool) -> None:
+    torch.manual_seed(0)
+    model = _Net(two_dtypes)
+    ref = DDP(copy.deepcopy(model))
+    flat = flatgrad.FlatGrad(model)
+    first_buffers = [weakref.ref(b) for b in flat.grad_buffers.values()]
+    ddp = DDP(flat, **flat.ddp_kwargs())
+    ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    weight_shapes = {tuple(p.shape) for p in flat.parameters() if p.dim() == 2}
+    for step in range(5):
+        opt.zero_grad()  # set_to_none=True, torch's default
+        ref_opt.zero_grad()
+        loss = ddp(_tokens(rank, step))
+        with torch.profiler.profile(record_shapes=True) as prof:
+            loss.backward()
+        ref(_tokens(rank, step)).backward()
+        for p, q in zip(flat.parameters(), ref.parameters()):
+            if q.grad is None:
+                assert p.grad is None
+            else:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+        assert _in_buffers(flat)
+        if step >= 2:  # steady state: after DDP's one-time bucket rebuild (iteration 2)
+            names = [e.name for e in prof.events()]
+            assert names.count("c10d::allreduce_") == len(flat.grad_buffers) == 1 + two_dtypes
+            copies = [
+                (e.name, e.input_shapes)
+                for e in prof.events()
+                if e.name in _COPY_OPS and any(tuple(s) in weight_shapes for s in e.input_shapes if s)
+            ]
+            assert copies == [], copies
+            # DDP's bucket *is* the flat buffer: packed, no second full-size allocation alive.
+            for (dtype, _), buf in flat.grad_buffers.items():
+                trainable = [p for p in flat.parameters() if p.requires_grad and p.dtype == dtype]
+                assert buf.numel() == sum(p.numel() for p in trainable)
+            assert all(ref() is None for ref in first_buffers)
+        opt.step()
+        ref_opt.step()
+        _assert_params_equal(flat.module, ref.module)
+    _assert_ranks_agree(flat.module)
+
+
+@pytest.mark.parametrize("two_dtypes", [False, True])
+def test_fast_path_matches_stock_ddp_with_one_allreduce_and_no_copies(two_dtypes):
+    run_ranks(_fast_path_worker, two_dtypes)
+
+
+def _variant_worker(rank: int, world_size: int, variant: str) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    kwargs = {
+        "default_flags": {},
+        "fast_path": {},
+        "find_unused": {"find_unused_parameters": True},
+        "static_graph": {"static_graph": True},
+        "no_sync": {},
+    }[variant]
+    ref = DDP(copy.deepcopy(model), **kwargs)
+    flat = flatgrad.FlatGrad(model)
+    extra = flat.ddp_kwargs() if variant != "default_flags" else {}
+    ddp = DDP(flat, **kwargs, **extra)
+    ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        # find_unused: the branch is unused on rank 1 in odd steps
+        use_branch = not (variant == "find_unused" and rank == 1 and step % 2)
+        if variant == "no_sync":
+            with ddp.no_sync():
+                ddp(_tokens(rank, 50 + step)).backward()
+            with ref.no_sync():
+                ref(_tokens(rank, 50 + step)).backward()
+        ddp(_tokens(rank, step), use_branch).backward()
+        ref(_tokens(rank, step), use_branch).backward()
+        for (name, p), q in zip(flat.module.named_parameters(), ref.module.parameters()):
+            if q.grad is None:
+                assert p.grad is None, name
+            else:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _assert_params_equal(flat.module, ref.module)
+    _assert_ranks_agree(flat.module)
+
+
+@pytest.mark.parametrize("variant", ["default_flags", "find_unused", "static_graph", "no_sync"])
+def test_ddp_variants_match_stock_ddp(variant):
+    run_ranks(_variant_worker, variant)
+
+
+def _slow_path_logs_worker(rank: int, world_size: int) -> None:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("flatgrad").addHandler(handler)
+    flat = flatgrad.FlatGrad(_Net())
+    ddp = DDP(flat)  # no ddp_kwargs: DDP copies into its own buckets
+    ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+    for step in range(3):
+        ddp(_tokens(rank, step)).backward()
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "flat.ddp_kwargs()" in warnings[0], warnings
+
+
+def test_slow_path_says_once_how_to_get_the_fast_path():
+    run_ranks(_slow_path_logs_worker)
+
+
+def _all_reduce_grads_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    flat = flatgrad.FlatGrad(model)
+    for step in range(3):
+        use_branch = not (rank == 1 and step == 1)
+        flat(_tokens(rank, step), use_branch).backward()
+        ref(_tokens(rank, step), use_branch).backward()
+        with torch.profiler.profile() as prof:
+            flat.all_reduce_grads()
+        assert [e.name for e in prof.events()].count("c10d::allreduce_") == 1
+        for p, q in zip(flat.module.parameters(), ref.module.parameters()):
+            if q.requires_grad:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+        assert _in_buffers(flat)
+        flat.zero_grad()
+        ref.zero_grad()
+
+
+def test_all_reduce_grads_without_ddp_matches_stock_ddp():
+    run_ranks(_all_reduce_grads_worker)
+
+
+def _compression_worker(rank: int, world_size: int, wire_dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    ref = DDP(copy.deepcopy(model))
+    flat = flatgrad.FlatGrad(model)
+    ddp = DDP(flat, **flat.ddp_kwargs())
+    ddp.register_comm_hook(flat.comm_state(wire_dtype=wire_dtype), flatgrad.allreduce_hook)
+    for step in range(3):
+        ddp(_tokens(rank, step)).backward()
+        ref(_tokens(rank, step)).backward()
+        for p, q in zip(flat.parameters(), ref.parameters()):
+            if q.grad is None:
+                continue
+            # One rounding of each rank's half to the wire dtype: relative error <= 2^-8 (bf16)
+            # or 2^-11 (fp16) of the values, so bound by the gradient's scale.
+            scale = q.grad.abs().max().item() + 1e-30
+            assert (p.grad - q.grad).abs().max().item() <= 2 ** -7 * scale
+        assert _in_buffers(flat)
+        ddp.zero_grad()
+        ref.zero_grad()
+
+
+@pytest.mark.parametrize("wire_dtype", [torch.bfloat16, torch.float16])
+def test_wire_compression_close_to_stock(wire_dtype):
+    run_ranks(_compression_worker, wire_dtype)
+
+
+def test_comm_state_rejects_bad_wire_dtype():
+    flat = flatgrad.FlatGrad(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="wire_dtype must be torch.bfloat16, torch.float16 or None, got torch.int8"):
+        flat.comm_state(wire_dtype=torch.int8)
+
+
+def test_all_reduce_grads_needs_a_process_group():
+    flat = flatgrad.FlatGrad(nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="initialised default process group"):
+        flat.all_reduce_grads()
+
+
+def test_ddp_kwargs_one_bucket_per_buffer():
+    flat = flatgrad.FlatGrad(nn.Linear(1024, 1024))
+    kwargs = flat.ddp_kwargs()
+    assert kwargs["gradient_as_bucket_view"] is True
+    largest = max(b.numel() * b.element_size() for b in flat.grad_buffers.values())
+    assert kwargs["bucket_cap_mb"] * 2**20 >= largest
+
+
+def _raising_worker(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    dist.barrier()  # rank 0 would wait here forever without the harness
+
+
+def test_a_failing_rank_fails_fast():
+    with pytest.raises(Exception, match="rank 1 fails on purpose"):
+        run_ranks(_raising_worker, timeout=60)
+
+
+def _nccl_worker(rank: int, world_size: int) -> None:
+    torch.cuda.set_device(rank)
+    model = _Net().cuda()
+    ref = DDP(copy.deepcopy(model), device_ids=[rank])
+    flat = flatgrad.FlatGrad(model)
+    ddp = DDP(flat, device_ids=[rank], **flat.ddp_kwargs())
+    ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+    for step in range(4):
+        ddp(_tokens(rank, step).cuda()).backward()
+        ref(_tokens(rank, step).cuda()).backward()
+        for p, q in zip(flat.parameters(), ref.parameters()):
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+        assert _in_buffers(flat)
+        ddp.zero_grad()
+        ref.zero_grad()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nccl_fast_path_matches_stock_ddp():
+    run_ranks(_nccl_worker, world_size=torch.cuda.device_count(), backend="nccl")
