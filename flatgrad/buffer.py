@@ -2,27 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from flatgrad.layout import GroupKey, SlotSpec, plan_layout
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: GroupKey
+    slot: SlotSpec
+    view: torch.Tensor  # the slot, shaped and strided like the parameter; becomes its .grad
 
 
 class GradStore:
     """One zero-initialised 1-D tensor per (dtype, device) group, and each parameter's slot.
 
-    Views are created fresh on every request and never cached: AccumulateGrad only steals
-    a gradient (instead of cloning it) when nothing else holds a reference to it.
+    Each slot has one view, made once: it is what `.grad` is set to, so "is `.grad` the
+    slot?" is an identity test on the hot path. Nothing relies on AccumulateGrad stealing a
+    tensor (which would need the view to have no other reference): flatgrad sets `.grad`.
     """
 
-    # Which live store owns each parameter, so that a Function given only the weight
-    # (`gather_with_index_add`, a routed layer) finds its slot. Weak both ways: a dropped
-    # wrapper leaves nothing behind.
-    _owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
+    # Which live store owns each parameter (by id), so that a Function given only the weight
+    # (`gather_with_index_add`) finds its slot. Weak both ways: a dropped wrapper or
+    # parameter leaves nothing behind.
+    _owners: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[GradStore]]] = {}
 
     def __init__(self, params: Sequence[torch.nn.Parameter], align_bytes: int) -> None:
         self.params = tuple(params)
@@ -33,52 +40,57 @@ class GradStore:
                     "FlatGrad; a parameter's gradient can live in one flat buffer only"
                 )
         self.buffers: dict[GroupKey, torch.Tensor] = {}
-        self._slots: dict[torch.Tensor, tuple[GroupKey, SlotSpec]] = {}
+        self._entries: dict[torch.Tensor, _Entry] = {}
         for key, group in plan_layout(self.params, align_bytes).items():
             self.buffers[key] = _aligned_zeros(group.numel, key, align_bytes)
             for index, slot in zip(group.param_indices, group.slots):
-                self._slots[self.params[index]] = (key, slot)
+                self._set_slot(self.params[index], key, slot)
+        me = weakref.ref(self)
         for param in self.params:
-            GradStore._owners[param] = weakref.ref(self)
+            GradStore._owners[id(param)] = (weakref.ref(param, _forget(id(param))), me)
+
+    def _set_slot(self, param: torch.Tensor, key: GroupKey, slot: SlotSpec) -> None:
+        buffer = self.buffers[key]
+        view = buffer.as_strided(slot.shape, slot.stride, buffer.storage_offset() + slot.offset)
+        self._entries[param] = _Entry(key, slot, view)
 
     @staticmethod
     def owner_of(param: torch.Tensor) -> GradStore | None:
-        """The store holding `param`'s slot, if any."""
-        ref = GradStore._owners.get(param)
-        return ref() if ref is not None else None
+        """The live store holding `param`'s slot, if any."""
+        refs = GradStore._owners.get(id(param))
+        if refs is None or refs[0]() is not param:
+            return None
+        return refs[1]()
 
     def release(self) -> None:
         """Stop owning the parameters (before a rebuild replaces this store)."""
         for param in self.params:
             if GradStore.owner_of(param) is self:
-                del GradStore._owners[param]
+                del GradStore._owners[id(param)]
 
     def __contains__(self, param: object) -> bool:
-        return isinstance(param, torch.Tensor) and param in self._slots
+        return isinstance(param, torch.Tensor) and param in self._entries
 
     def view(self, param: torch.Tensor) -> torch.Tensor:
-        """A fresh view of `param`'s slot, shaped and strided like the parameter."""
-        key, slot = self._slots[param]
-        buffer = self.buffers[key]
-        return buffer.as_strided(slot.shape, slot.stride, buffer.storage_offset() + slot.offset)
+        """`param`'s slot, shaped and strided like the parameter (always the same tensor)."""
+        return self._entries[param].view
 
     def flat_view(self, param: torch.Tensor) -> torch.Tensor:
         """`param`'s slot as a 1-D view."""
-        key, slot = self._slots[param]
-        return self.buffers[key].narrow(0, slot.offset, slot.numel)
+        entry = self._entries[param]
+        return self.buffers[entry.key].narrow(0, entry.slot.offset, entry.slot.numel)
 
     def holds(self, param: torch.Tensor, grad: torch.Tensor | None) -> bool:
         """Whether `grad` is exactly `param`'s slot (same memory, shape and strides)."""
         if grad is None:
             return False
-        key, slot = self._slots[param]
-        buffer = self.buffers[key]
-        return (
-            grad.device == buffer.device
-            and grad.dtype == buffer.dtype
-            and grad.data_ptr() == buffer.data_ptr() + slot.offset * buffer.element_size()
-            and grad.shape == slot.shape
-            and grad.stride() == slot.stride
+        view = self._entries[param].view
+        return grad is view or (
+            grad.device == view.device
+            and grad.dtype == view.dtype
+            and grad.data_ptr() == view.data_ptr()
+            and grad.shape == view.shape
+            and grad.stride() == view.stride()
         )
 
     def adopt(self, buffer: torch.Tensor, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
@@ -86,14 +98,16 @@ class GradStore:
         of it) as the slot of `params[i]`. Refused (False) unless the bucket holds exactly
         the group's parameters: a group split over several buckets is not one buffer."""
         key = (buffer.dtype, buffer.device)
-        group = [p for p in self.params if self._slots[p][0] == key]
+        group = [p for p in self.params if self._entries[p].key == key]
         if len(params) != len(group) or {id(p) for p in params} != {id(p) for p in group}:
             return False
+        self.buffers[key] = buffer
         base = buffer.storage_offset()
         for param, grad in zip(params, grads):
             slot = SlotSpec(grad.storage_offset() - base, grad.numel(), tuple(grad.shape), grad.stride())
-            self._slots[param] = (key, slot)
-        self.buffers[key] = buffer
+            self._set_slot(param, key, slot)
+            if param.grad is not None:
+                param.grad = self._entries[param].view  # same memory, now our view object
         return True
 
     def settle(self) -> None:
@@ -108,6 +122,15 @@ class GradStore:
                 view = self.view(param)
                 view.copy_(grad.detach())
                 param.grad = view
+
+
+def _forget(param_id: int):  # type: ignore[no-untyped-def]
+    def callback(ref: weakref.ref[torch.Tensor]) -> None:
+        refs = GradStore._owners.get(param_id)
+        if refs is not None and refs[0] is ref:
+            del GradStore._owners[param_id]
+
+    return callback
 
 
 def _aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:

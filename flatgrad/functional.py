@@ -98,15 +98,21 @@ class _Linear(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, bias = ctx.saved_tensors
         compute = grad_out.dtype  # differs from weight.dtype under autocast
+        needs = ctx.needs_input_grad
         rows = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad_out.matmul(weight.to(compute)).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = _mm_into(ctx, 1, weight, rows.t(), x.reshape(-1, x.shape[-1]).to(compute))
-        if bias is not None:
+        if needs[0]:
+            grad_x = grad_out.matmul(_as(weight, compute))
+            grad_x = _as(grad_x, x.dtype)
+        if needs[1]:
+            grad_w = _mm_into(ctx, 1, weight, rows.t(), _as(x.reshape(-1, x.shape[-1]), compute))
+        if bias is not None and needs[2]:
             grad_b = _sum_into(ctx, 2, bias, rows)
         return grad_x, grad_w, grad_b
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _scatter_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

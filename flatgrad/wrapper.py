@@ -189,18 +189,20 @@ def _check_norm_type(norm_type: float) -> float:
 def _place_incoming(
     store: GradStore, param: nn.Parameter, grads: tuple[torch.Tensor | None, ...]
 ) -> tuple[torch.Tensor, ...] | None:
-    """AccumulateGrad pre-hook: when `.grad` is None and the incoming gradient is not
-    already the slot, copy it into the slot and hand AccumulateGrad the slot to steal.
+    """AccumulateGrad pre-hook: when `.grad` is None, copy the incoming gradient into the
+    slot, make the slot the `.grad`, and hand AccumulateGrad nothing to do (its post hooks,
+    DDP's among them, still run).
 
     When `.grad` is defined AccumulateGrad adds in place into it, which is the slot.
     Under create_graph=True the gradient must stay differentiable: left alone.
     """
     grad = grads[0]
-    if grad is None or param.grad is not None or torch.is_grad_enabled() or store.holds(param, grad):
+    if grad is None or param.grad is not None or torch.is_grad_enabled():
         return None
     slot = store.view(param)
     slot.copy_(grad)
-    return (slot,)
+    param.grad = slot
+    return (None,)
 
 
 # --- routing supported layers through the flat-buffer Functions ----------------------------

@@ -1,0 +1,163 @@
+"""Command line of the benchmark suite.
+
+    python -m flatgrad.bench                                  # CPU: spawns 2 gloo ranks
+    python -m flatgrad.bench --models gpt,mlp --steps 30 --out bench.json
+    torchrun --nproc_per_node=8 -m flatgrad.bench             # GPUs: NCCL, one rank per GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import resource
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tqdm import tqdm
+
+from flatgrad.bench.models import MODELS
+from flatgrad.bench.ops import format_ops, op_ratios
+from flatgrad.bench.report import format_table, write_png
+from flatgrad.bench.runners import CONFIGS
+from flatgrad.bench.suite import bench_model
+
+logger = logging.getLogger("flatgrad.bench")
+
+
+def _csv(choices: tuple[str, ...] | list[str], what: str) -> Any:
+    def parse(text: str) -> list[str]:
+        items = [t for t in text.split(",") if t]
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{what} must be a comma-separated subset of {', '.join(choices)}, got {text!r}")
+        return items
+
+    return parse
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="flatgrad-bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=_positive, default=2, help="gloo ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--models", type=_csv(list(MODELS), "--models"), default=list(MODELS))
+    parser.add_argument("--configs", type=_csv(CONFIGS, "--configs"), default=list(CONFIGS))
+    parser.add_argument("--steps", type=_positive, default=20, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (DDP rebuilds buckets in step 2)")
+    parser.add_argument("--op-repeats", type=int, default=30, help="repeats of the single-op backward benchmarks (0: skip)")
+    parser.add_argument("--threads", type=_positive, default=None, help="torch threads per rank (default: cores / ranks)")
+    parser.add_argument("--out", type=Path, default=Path("bench_results.json"), help="JSON report (a PNG goes beside it)")
+    return parser.parse_args(argv)
+
+
+def _environment(backend: str, world_size: int, threads: int) -> dict[str, Any]:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "backend": backend,
+        "world_size": world_size,
+        "threads_per_rank": threads,
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "gpu": gpu,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def run_rank(args: argparse.Namespace, ops: list[dict[str, Any]]) -> None:
+    """Benchmark on this rank (process group already initialised); rank 0 reports."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if dist.get_backend() == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
+    torch.set_num_threads(threads)
+    total = len(args.models) * (args.warmup + args.steps)
+    bar = tqdm(total=total, desc="flatgrad-bench", unit="step") if rank == 0 else None
+    models = {}
+    for name in args.models:
+        if bar is not None:
+            bar.set_postfix_str(name)
+        models[name] = bench_model(name, args.configs, args.steps, args.warmup, device, bar)
+    if bar is not None:
+        bar.close()
+    rss = torch.tensor([_peak_rss_mb()], dtype=torch.float64)
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    if rank != 0:
+        return
+    report = {
+        "environment": _environment(dist.get_backend(), world_size, threads),
+        "settings": {"steps": args.steps, "warmup": args.warmup, "configs": args.configs},
+        "peak_rss_mb_max_rank": float(rss),
+        "models": models,
+        "ops": ops,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(format_table(report))
+    if ops:
+        print(format_ops(ops))
+    png = write_png(report, args.out.with_suffix(".png"))
+    print(f"report: {args.out}" + (f", chart: {png}" if png else " (install matplotlib for a chart)"))
+
+
+def _spawned(rank: int, world_size: int, port: int, args: argparse.Namespace, ops: list[dict[str, Any]]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10))
+    try:
+        run_rank(args, ops)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+        try:
+            ops = op_ratios(args.op_repeats) if args.op_repeats and dist.get_rank() == 0 else []
+            dist.barrier()
+            run_rank(args, ops)
+        finally:
+            dist.destroy_process_group()
+        return
+    ops = op_ratios(args.op_repeats) if args.op_repeats else []  # before spawning: all cores
+    mp.start_processes(
+        _spawned, args=(args.world_size, _free_port(), args, ops), nprocs=args.world_size, start_method="spawn"
+    )

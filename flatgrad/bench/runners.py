@@ -1,0 +1,96 @@
+"""The configurations compared: stock DDP variants, FlatGrad with and without DDP, and
+single-process stock/FlatGrad. Each owns its model copy and optimizer."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import flatgrad
+
+
+@dataclass
+class Runner:
+    """One configuration: `forward(batch)` -> loss, then `backward(loss)` (backward plus
+    whatever synchronisation the configuration does), then `update()`."""
+
+    name: str
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    sync: Callable[[], None] = lambda: None
+    ddp: DDP | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        self.optimizer.zero_grad()  # set_to_none=True, torch's default, for every configuration
+        return self.module(*batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        self.sync()
+
+    def update(self) -> None:
+        self.optimizer.step()
+
+    def bucket_buffers(self) -> list[torch.Tensor]:
+        """DDP buckets that hold gradients apart from `.grad` (none when `.grad` views them)."""
+        if self.ddp is None or self.ddp.gradient_as_bucket_view:
+            return []
+        return [bucket.buffer() for bucket in self.ddp.reducer._get_zeros_like_grad_buckets()]
+
+
+CONFIGS = (
+    "ddp_default",
+    "ddp_bucket_view",
+    "ddp_static_graph",
+    "flatgrad_ddp_hook",
+    "flatgrad_all_reduce",
+    "local_stock",
+    "local_flatgrad",
+)
+BASELINE = "ddp_default"
+
+
+def _device_ids(device: torch.device) -> list[int] | None:
+    return [device.index or 0] if device.type == "cuda" else None
+
+
+def build_runner(name: str, model: nn.Module, device: torch.device, lr: float = 1e-3) -> Runner:
+    """A fresh copy of `model` set up as configuration `name`."""
+    module = copy.deepcopy(model).to(device)
+    ids = _device_ids(device)
+    ddp: DDP | None = None
+    sync: Callable[[], None] = lambda: None
+    if name in ("ddp_default", "ddp_bucket_view", "ddp_static_graph"):
+        kwargs = {"ddp_bucket_view": {"gradient_as_bucket_view": True}, "ddp_static_graph": {"static_graph": True}}
+        ddp = DDP(module, device_ids=ids, **kwargs.get(name, {}))
+        wrapped: nn.Module = ddp
+    elif name == "flatgrad_ddp_hook":
+        flat = flatgrad.FlatGrad(module)
+        ddp = DDP(flat, device_ids=ids, **flat.ddp_kwargs())
+        ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+        wrapped = ddp
+    elif name == "flatgrad_all_reduce":
+        flat = flatgrad.FlatGrad(module)
+        _broadcast_parameters(flat)
+        wrapped, sync = flat, flat.all_reduce_grads
+    elif name == "local_stock":
+        wrapped = module
+    elif name == "local_flatgrad":
+        wrapped = flatgrad.FlatGrad(module)
+    else:
+        raise ValueError(f"configuration must be one of {', '.join(CONFIGS)}, got {name!r}")
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=0.9)
+    return Runner(name, wrapped, optimizer, sync, ddp)
+
+
+def _broadcast_parameters(module: nn.Module) -> None:
+    """What DDP's constructor does: start every rank from rank 0's weights."""
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        dist.broadcast(tensor.data, src=0)

@@ -1,0 +1,76 @@
+"""One rank's share of the benchmark: every configuration on every model, steps interleaved."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from flatgrad.bench.counters import count_step, grad_bytes
+from flatgrad.bench.models import MODELS
+from flatgrad.bench.runners import BASELINE, Runner, build_runner
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_step(runner: Runner, batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[float, float]:
+    dist.barrier()  # every rank starts the step together; the wait is not timed
+    _sync(device)
+    start = time.perf_counter()
+    loss = runner.forward(batch)
+    runner.backward(loss)
+    runner.update()
+    _sync(device)
+    return time.perf_counter() - start, float(loss)
+
+
+def bench_model(
+    model_name: str, configs: list[str], steps: int, warmup: int, device: torch.device, bar: tqdm | None
+) -> dict[str, Any]:
+    """Interleaved steps of every configuration on the same data; step time is the slowest
+    rank's. Then one profiled step each for collectives, copies and gradient bytes."""
+    spec = MODELS[model_name]
+    torch.manual_seed(0)
+    model = spec.build()
+    runners = [build_runner(name, model, device) for name in configs]
+    gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    losses: dict[str, float] = {}
+    for step in range(warmup + steps):
+        batch = spec.batch(gen, device)
+        shift = step % len(runners)  # rotate who goes first, so no configuration is always warm
+        for runner in runners[shift:] + runners[:shift]:
+            seconds, losses[runner.name] = _timed_step(runner, batch, device)
+            if step >= warmup:
+                times[runner.name].append(seconds)
+        if bar is not None:
+            bar.update(1)
+    table = torch.tensor([times[name] for name in configs], dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    batch = spec.batch(gen, device)
+    results: dict[str, Any] = {}
+    for runner, row in zip(runners, table.tolist()):
+        loss = runner.forward(batch)
+        counts = count_step(lambda r=runner, l=loss: r.backward(l), runner.module.parameters())
+        runner.update()
+        results[runner.name] = {
+            "median_ms": statistics.median(row) * 1e3,
+            "min_ms": min(row) * 1e3,
+            "max_ms": max(row) * 1e3,
+            "collectives_per_step": counts.collectives,
+            "grad_copies_per_step": counts.grad_copies,
+            "grad_bytes": grad_bytes(runner.module.parameters(), runner.bucket_buffers()),
+            "final_loss": losses[runner.name],
+        }
+    baseline = results.get(BASELINE, next(iter(results.values())))["median_ms"]
+    for record in results.values():
+        record["ratio_to_ddp_default"] = record["median_ms"] / baseline
+    grad_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"num_parameters": grad_params, "configs": results}

@@ -1,0 +1,108 @@
+"""The examples: their run-config models (examples/run_config.py) and one short torchrun of
+examples/train_gpt.py, whose checkpoint must load into the plain GPT."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))  # the examples import each other from there
+
+from gpt_model import GPT  # noqa: E402
+from run_config import CompareConfig, TrainConfig, load_config  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("cls", "data", "name"),
+    [
+        (TrainConfig, {"max_step": 3}, "max_step"),
+        (TrainConfig, {"model": {"n_layers": 2}}, "model.n_layers"),
+        (TrainConfig, {"flatgrad": {"align": 64}}, "flatgrad.align"),
+        (CompareConfig, {"max_steps": 3}, "max_steps"),  # a TrainConfig key is not a CompareConfig key
+    ],
+)
+def test_unknown_key_is_an_error_naming_it(cls: type, data: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValidationError, match=rf"{name}\n\s+Extra inputs are not permitted"):
+        cls.model_validate(data)
+
+
+@pytest.mark.parametrize(
+    ("cls", "data", "message"),
+    [
+        (TrainConfig, {"seq_len": 65, "model": {"block_size": 64}}, "seq_len must be <= model.block_size"),
+        (CompareConfig, {"seq_len": 65, "model": {"block_size": 64}}, "seq_len must be <= model.block_size"),
+        (TrainConfig, {"model": {"n_embd": 100, "n_head": 3}}, "n_embd must be a multiple of n_head"),
+        (TrainConfig, {"data": {"source": "file"}}, 'path must be set when source is "file"'),
+        (TrainConfig, {"data": {"path": "x.txt"}}, 'path must be unset when source is "stdlib"'),
+        (TrainConfig, {"lr": 1e-3, "min_lr": 1e-2}, "min_lr must be <= lr"),
+        (CompareConfig, {"steps": 10, "warmup_steps": 10}, "warmup_steps must be < steps"),
+        (TrainConfig, {"batch_size": 0}, "batch_size\n.*greater than 0"),
+        (TrainConfig, {"device": "tpu"}, "device\n.*'auto', 'cpu' or 'cuda'"),
+    ],
+)
+def test_invalid_config_says_why(cls: type, data: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        cls.model_validate(data)
+
+
+def test_constant_schedule_ignores_min_lr() -> None:
+    # min_lr only matters for the cosine decay, so it is not checked against lr otherwise.
+    assert TrainConfig(lr_schedule="constant", lr=1e-3, min_lr=1e-2).min_lr == 1e-2
+
+
+def test_configs_are_frozen() -> None:
+    with pytest.raises(ValidationError, match="frozen"):
+        TrainConfig().max_steps = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("cls", "name"), [(TrainConfig, "gpt_cpu.yaml"), (CompareConfig, "compare_cpu.yaml")]
+)
+def test_shipped_configs_load(cls: type, name: str) -> None:
+    cfg = load_config(cls, ROOT / "configs" / name)
+    assert cfg.device == "cpu"
+    assert cfg.flatgrad.align_bytes == 256
+
+
+def test_overrides_are_validated_and_none_is_skipped(tmp_path: Path) -> None:
+    path = ROOT / "configs" / "gpt_cpu.yaml"
+    cfg = load_config(TrainConfig, path, {"max_steps": 3, "out_dir": tmp_path, "seed": None})
+    assert (cfg.max_steps, cfg.out_dir, cfg.seed) == (3, tmp_path, 0)
+    with pytest.raises(ValidationError, match="max_steps\n.*greater than 0"):
+        load_config(TrainConfig, path, {"max_steps": 0})
+
+
+def test_load_config_rejects_missing_and_non_mapping_files(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config(TrainConfig, tmp_path / "missing.yaml")
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="must hold a mapping, got list"):
+        load_config(TrainConfig, listing)
+
+
+@pytest.mark.distributed
+def test_train_gpt_under_torchrun_saves_a_plain_checkpoint(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "examples/train_gpt.py", "--config", "configs/gpt_cpu.yaml",
+        "--max-steps", "3", "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    cfg = TrainConfig.model_validate(checkpoint["config"])
+    assert cfg.max_steps == 3
+    model = GPT(len(checkpoint["vocab"]), **cfg.model.model_dump())
+    assert checkpoint["model"].keys() == model.state_dict().keys()  # no "module." prefixes
+    model.load_state_dict(checkpoint["model"])  # strict
+    assert set(checkpoint["losses"]) == {1, 3}
+    assert checkpoint["optimizer"]["state"], "the optimiser state holds AdamW's moments"
