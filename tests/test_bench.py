@@ -1,0 +1,122 @@
+"""The benchmark suite: its profiler counters on cases whose answer is known, and one tiny
+end-to-end run whose JSON must hold every figure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from torch import nn
+
+import flatgrad
+from flatgrad.bench.counters import count_step, grad_bytes
+from flatgrad.bench.runners import CONFIGS, build_runner
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 48), nn.Tanh(), nn.Linear(48, 40), nn.Tanh(), nn.Linear(40, 8))
+
+
+def _backward_step(module: nn.Module, x: torch.Tensor):
+    loss = module(x).square().mean()
+    return lambda: loss.backward()
+
+
+def test_counters_local_stock_accumulating_adds_once_per_weight():
+    model = _mlp()
+    x = torch.randn(16, 64)
+    model(x).sum().backward()  # .grad defined: AccumulateGrad adds in place, one add_ per weight
+    counts = count_step(_backward_step(model, x), model.parameters())
+    assert counts == type(counts)(collectives=0, grad_copies=3)
+
+
+def test_counters_local_flatgrad_is_zero_copy():
+    flat = flatgrad.FlatGrad(_mlp())
+    x = torch.randn(16, 64)
+    for _ in range(2):  # empty slots, then accumulating
+        counts = count_step(_backward_step(flat, x), flat.parameters())
+        assert counts.grad_copies == 0 and counts.collectives == 0
+
+
+def test_grad_bytes_counts_distinct_storages():
+    model = _mlp()
+    model(torch.randn(2, 64)).sum().backward()
+    numel = sum(p.numel() for p in model.parameters())
+    assert grad_bytes(model.parameters()) == 4 * numel
+    flat = flatgrad.FlatGrad(_mlp())
+    flat(torch.randn(2, 64)).sum().backward()
+    (buffer,) = flat.grad_buffers.values()
+    storage_bytes = buffer.untyped_storage().nbytes()  # may exceed the view: alignment slack
+    assert grad_bytes(flat.parameters()) == storage_bytes
+    assert grad_bytes(flat.parameters(), [torch.empty(10)]) == storage_bytes + 40
+
+
+def _known_ddp_costs_worker(rank: int, world_size: int) -> None:
+    model = _mlp()
+    x = torch.randn(16, 64)
+    num_weights = 3
+    expected = {
+        # DDP copies each gradient into its bucket (mul_out by 1/world) and back out to .grad.
+        "ddp_default": (1, 2 * num_weights, 2),
+        # .grad is a bucket view, but zero_grad(set_to_none=True) makes AccumulateGrad create a
+        # fresh gradient each step, which DDP copies into the bucket.
+        "ddp_bucket_view": (1, num_weights, 1),
+        "flatgrad_ddp_hook": (1, 0, 1),
+        "flatgrad_all_reduce": (1, 0, 1),
+        "local_stock": (0, 0, 1),
+        "local_flatgrad": (0, 0, 1),
+    }
+    numel_bytes = 4 * sum(p.numel() for p in model.parameters())
+    for name, (collectives, copies, grad_copies_held) in expected.items():
+        runner = build_runner(name, model, torch.device("cpu"))
+        for _ in range(3):  # past DDP's bucket rebuild in iteration 2
+            runner.backward(runner.forward((x,)).square().mean())
+            runner.update()
+        loss = runner.forward((x,)).square().mean()
+        counts = count_step(lambda r=runner, l=loss: r.backward(l), runner.module.parameters())
+        assert (counts.collectives, counts.grad_copies) == (collectives, copies), (name, counts)
+        held = grad_bytes(runner.module.parameters(), runner.bucket_buffers())
+        assert abs(held - grad_copies_held * numel_bytes) < 4096, (name, held, numel_bytes)
+
+
+@pytest.mark.distributed
+def test_counters_on_stock_ddp_and_flatgrad():
+    run_ranks(_known_ddp_costs_worker)
+
+
+@pytest.mark.distributed
+def test_bench_end_to_end_tiny(tmp_path: Path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "flatgrad.bench", "--world-size", "2", "--steps", "2", "--warmup", "1",
+           "--models", "small_layers,gpt", "--op-repeats", "1", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ratio" in result.stdout and "flatgrad_ddp_hook" in result.stdout
+    report = json.loads(out.read_text())
+    assert set(report) >= {"environment", "settings", "models", "ops", "peak_rss_mb_max_rank"}
+    assert set(report["environment"]) >= {"torch", "backend", "world_size", "threads_per_rank", "cpu", "gpu"}
+    assert set(report["models"]) == {"small_layers", "gpt"}
+    for result_ in report["models"].values():
+        assert set(result_["configs"]) == set(CONFIGS)
+        for record in result_["configs"].values():
+            assert set(record) == {
+                "median_ms", "min_ms", "max_ms", "ratio_to_ddp_default", "collectives_per_step",
+                "grad_copies_per_step", "grad_bytes", "final_loss",
+            }
+            assert record["min_ms"] <= record["median_ms"] <= record["max_ms"]
+        assert result_["configs"]["ddp_default"]["ratio_to_ddp_default"] == 1.0
+        assert result_["configs"]["flatgrad_ddp_hook"]["collectives_per_step"] == 1
+    assert {row["case"] for row in report["ops"]} and all(row["ratio"] > 0 for row in report["ops"])
+
+
+def test_bench_rejects_unknown_model():
+    from flatgrad.bench.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--models", "resnet"])
