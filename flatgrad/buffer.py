@@ -93,7 +93,9 @@ class GradStore:
             and grad.stride() == view.stride()
         )
 
-    def adopt(self, buffer: torch.Tensor, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
+    def adopt(
+        self, buffer: torch.Tensor, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+    ) -> bool:
         """Make `buffer` (a DDP bucket) the flat buffer of its group, with `grads[i]` (views
         of it) as the slot of `params[i]`. Refused (False) unless the bucket holds exactly
         the group's parameters: a group split over several buckets is not one buffer."""
@@ -102,9 +104,9 @@ class GradStore:
         if len(params) != len(group) or {id(p) for p in params} != {id(p) for p in group}:
             return False
         self.buffers[key] = buffer
-        base = buffer.storage_offset()
+        base = int(buffer.storage_offset())
         for param, grad in zip(params, grads):
-            slot = SlotSpec(grad.storage_offset() - base, grad.numel(), tuple(grad.shape), grad.stride())
+            slot = SlotSpec(int(grad.storage_offset()) - base, grad.numel(), tuple(grad.shape), grad.stride())
             self._set_slot(param, key, slot)
             if param.grad is not None:
                 param.grad = self._entries[param].view  # same memory, now our view object

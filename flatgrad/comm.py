@@ -34,7 +34,9 @@ class FlatGradCommState:
 
     def __post_init__(self) -> None:
         if self.wire_dtype is not None and self.wire_dtype not in _WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be torch.bfloat16, torch.float16 or None, got {self.wire_dtype}")
+            raise ValueError(
+                f"wire_dtype must be torch.bfloat16, torch.float16 or None, got {self.wire_dtype}"
+            )
 
     def adopt(self, bucket: dist.GradBucket) -> None:
         """Make DDP's bucket the wrapper's flat buffer, once per bucket allocation.
@@ -46,10 +48,16 @@ class FlatGradCommState:
         buffer = bucket.buffer()
         store: GradStore = self.wrapper._checked_store()
         current = store.buffers.get((buffer.dtype, buffer.device))
-        if current is not None and current.data_ptr() == buffer.data_ptr() and current.numel() == buffer.numel():
+        if (
+            current is not None
+            and current.data_ptr() == buffer.data_ptr()
+            and current.numel() == buffer.numel()
+        ):
             return
         params, grads = bucket.parameters(), bucket.gradients()
-        as_views = all(p.grad is not None and p.grad.data_ptr() == g.data_ptr() for p, g in zip(params, grads))
+        as_views = all(
+            p.grad is not None and p.grad.data_ptr() == g.data_ptr() for p, g in zip(params, grads)
+        )
         if not (as_views and store.adopt(buffer, params, grads)) and not self._warned:
             self._warned = True
             logger.warning(
@@ -96,7 +104,9 @@ def all_reduce_grads(
     parameter's `.grad` is its slot, as DDP with find_unused_parameters=True leaves it.
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("all_reduce_grads needs an initialised default process group (dist.init_process_group)")
+        raise RuntimeError(
+            "all_reduce_grads needs an initialised default process group (dist.init_process_group)"
+        )
     if wire_dtype is not None and wire_dtype not in _WIRE_DTYPES:
         raise ValueError(f"wire_dtype must be torch.bfloat16, torch.float16 or None, got {wire_dtype}")
     store.settle()

@@ -51,7 +51,9 @@ def _weight_target(ctx: Any, index: int, weight: torch.Tensor) -> tuple[_Mode, t
     return "out", store.view(weight)
 
 
-def _mm_into(ctx: Any, index: int, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+def _mm_into(
+    ctx: Any, index: int, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> torch.Tensor | None:
     """The gradient ``a @ b`` of `weight`, delivered per `_weight_target`. Computes in a's
     dtype (the autocast dtype, if any) and casts on write, as autocast's cast node would."""
     mode, target = _weight_target(ctx, index, weight)
@@ -180,8 +182,7 @@ def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.
     """
     if not isinstance(buffer, torch.Tensor) or not isinstance(indices, torch.Tensor):
         raise TypeError(
-            "buffer and indices must be tensors, "
-            f"got {type(buffer).__name__} and {type(indices).__name__}"
+            f"buffer and indices must be tensors, got {type(buffer).__name__} and {type(indices).__name__}"
         )
     if indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"indices must be an int32 or int64 tensor, got {indices.dtype}")

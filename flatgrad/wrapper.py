@@ -70,7 +70,7 @@ class FlatGrad(nn.Module):
         self._store = store = GradStore(params, self.config.align_bytes)
         self._grad_accumulators = []
         for param in params:
-            accumulator = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+            accumulator: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
             accumulator.register_prehook(functools.partial(_place_incoming, store, param))
             self._grad_accumulators.append(accumulator)  # keep alive so the hook stays
         store.settle()  # move gradients that already exist into the buffers
@@ -158,7 +158,9 @@ class FlatGrad(nn.Module):
         one-all-reduce-per-buffer path together with `allreduce_hook`."""
         return comm.ddp_kwargs(self._checked_store())
 
-    def comm_state(self, process_group: Any = None, wire_dtype: torch.dtype | None = None) -> comm.FlatGradCommState:
+    def comm_state(
+        self, process_group: Any = None, wire_dtype: torch.dtype | None = None
+    ) -> comm.FlatGradCommState:
         """State for ``ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)``.
 
         `wire_dtype` (torch.bfloat16 or torch.float16) all-reduces a compressed copy and
@@ -188,7 +190,7 @@ def _check_norm_type(norm_type: float) -> float:
 
 def _place_incoming(
     store: GradStore, param: nn.Parameter, grads: tuple[torch.Tensor | None, ...]
-) -> tuple[torch.Tensor, ...] | None:
+) -> tuple[torch.Tensor | None, ...] | None:
     """AccumulateGrad pre-hook: when `.grad` is None, copy the incoming gradient into the
     slot, make the slot the `.grad`, and hand AccumulateGrad nothing to do (its post hooks,
     DDP's among them, still run).

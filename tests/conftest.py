@@ -39,7 +39,9 @@ def grad_in_buffers(flat: flatgrad.FlatGrad, grad: torch.Tensor) -> bool:
     return False
 
 
-def assert_same_grads(flat: flatgrad.FlatGrad, oracle: nn.Module, rtol: float = 1e-12, atol: float = 1e-12) -> None:
+def assert_same_grads(
+    flat: flatgrad.FlatGrad, oracle: nn.Module, rtol: float = 1e-12, atol: float = 1e-12
+) -> None:
     """Grads equal the oracle's (None where it has None) and every grad lies in the buffers.
 
     Default tolerance is float64 round-off: the same sums, possibly in another order.
@@ -51,7 +53,9 @@ def assert_same_grads(flat: flatgrad.FlatGrad, oracle: nn.Module, rtol: float = 
             assert param.grad is None, f"{name}: expected no grad"
             continue
         assert param.grad is not None, f"{name}: grad missing"
-        torch.testing.assert_close(param.grad, ref.grad, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            param.grad, ref.grad, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+        )
         if param.requires_grad:
             assert grad_in_buffers(flat, param.grad), f"{name}: .grad is outside grad_buffers"
 

@@ -26,9 +26,7 @@ def _entry(
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
-    )
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, world_size, *args)
         dist.barrier()
@@ -42,7 +40,11 @@ def run_ranks(
     """Run ``fn(rank, world_size, *args)`` on `world_size` gloo ranks; an exception in any
     rank fails the test (the others are killed), and so does passing `timeout` seconds."""
     context = mp.start_processes(
-        _entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size, join=False, start_method="spawn"
+        _entry,
+        args=(fn, world_size, free_port(), backend, args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
     )
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1.0):

@@ -79,7 +79,7 @@ def _known_ddp_costs_worker(rank: int, world_size: int) -> None:
             runner.backward(runner.forward((x,)).square().mean())
             runner.update()
         loss = runner.forward((x,)).square().mean()
-        counts = count_step(lambda r=runner, l=loss: r.backward(l), runner.module.parameters())
+        counts = count_step(lambda r=runner, out=loss: r.backward(out), runner.module.parameters())
         assert (counts.collectives, counts.grad_copies) == (collectives, copies), (name, counts)
         held = grad_bytes(runner.module.parameters(), runner.bucket_buffers())
         assert abs(held - grad_copies_held * numel_bytes) < 4096, (name, held, numel_bytes)
@@ -93,8 +93,23 @@ def test_counters_on_stock_ddp_and_flatgrad():
 @pytest.mark.distributed
 def test_bench_end_to_end_tiny(tmp_path: Path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "flatgrad.bench", "--world-size", "2", "--steps", "2", "--warmup", "1",
-           "--models", "small_layers,gpt", "--op-repeats", "1", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flatgrad.bench",
+        "--world-size",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--models",
+        "small_layers,gpt",
+        "--op-repeats",
+        "1",
+        "--out",
+        str(out),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ratio" in result.stdout and "flatgrad_ddp_hook" in result.stdout
@@ -106,8 +121,14 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
         assert set(result_["configs"]) == set(CONFIGS)
         for record in result_["configs"].values():
             assert set(record) == {
-                "median_ms", "min_ms", "max_ms", "ratio_to_ddp_default", "collectives_per_step",
-                "grad_copies_per_step", "grad_bytes", "final_loss",
+                "median_ms",
+                "min_ms",
+                "max_ms",
+                "ratio_to_ddp_default",
+                "collectives_per_step",
+                "grad_copies_per_step",
+                "grad_bytes",
+                "final_loss",
             }
             assert record["min_ms"] <= record["median_ms"] <= record["max_ms"]
         assert result_["configs"]["ddp_default"]["ratio_to_ddp_default"] == 1.0

@@ -226,7 +226,7 @@ def _compression_worker(rank: int, world_size: int, wire_dtype: torch.dtype) -> 
             # One rounding of each rank's half to the wire dtype: relative error <= 2^-8 (bf16)
             # or 2^-11 (fp16) of the values, so bound by the gradient's scale.
             scale = q.grad.abs().max().item() + 1e-30
-            assert (p.grad - q.grad).abs().max().item() <= 2 ** -7 * scale
+            assert (p.grad - q.grad).abs().max().item() <= 2**-7 * scale
         assert _in_buffers(flat)
         ddp.zero_grad()
         ref.zero_grad()
@@ -239,7 +239,9 @@ def test_wire_compression_close_to_stock(wire_dtype):
 
 def test_comm_state_rejects_bad_wire_dtype():
     flat = flatgrad.FlatGrad(nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="wire_dtype must be torch.bfloat16, torch.float16 or None, got torch.int8"):
+    with pytest.raises(
+        ValueError, match="wire_dtype must be torch.bfloat16, torch.float16 or None, got torch.int8"
+    ):
         flat.comm_state(wire_dtype=torch.int8)
 
 

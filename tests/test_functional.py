@@ -31,7 +31,9 @@ class _ProfiledLM(nn.Module):
         return self.head(torch.relu(self.mid(self.emb(tokens)))).square().mean()
 
 
-def _weight_sized_ops(prof: torch.profiler.profile, shapes: set[tuple[int, ...]], names: set[str]) -> list[str]:
+def _weight_sized_ops(
+    prof: torch.profiler.profile, shapes: set[tuple[int, ...]], names: set[str]
+) -> list[str]:
     found = []
     for event in prof.events():
         if event.name in names and any(tuple(s) in shapes for s in event.input_shapes if s):

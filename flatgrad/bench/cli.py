@@ -1,8 +1,8 @@
 """Command line of the benchmark suite.
 
-    python -m flatgrad.bench                                  # CPU: spawns 2 gloo ranks
-    python -m flatgrad.bench --models gpt,mlp --steps 30 --out bench.json
-    torchrun --nproc_per_node=8 -m flatgrad.bench             # GPUs: NCCL, one rank per GPU
+python -m flatgrad.bench                                  # CPU: spawns 2 gloo ranks
+python -m flatgrad.bench --models gpt,mlp --steps 30 --out bench.json
+torchrun --nproc_per_node=8 -m flatgrad.bench             # GPUs: NCCL, one rank per GPU
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ def _csv(choices: tuple[str, ...] | list[str], what: str) -> Any:
         items = [t for t in text.split(",") if t]
         bad = [t for t in items if t not in choices]
         if bad or not items:
-            raise argparse.ArgumentTypeError(f"{what} must be a comma-separated subset of {', '.join(choices)}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"{what} must be a comma-separated subset of {', '.join(choices)}, got {text!r}"
+            )
         return items
 
     return parse
@@ -52,14 +54,24 @@ def _positive(text: str) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="flatgrad-bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=_positive, default=2, help="gloo ranks to spawn (ignored under torchrun)")
+    parser.add_argument(
+        "--world-size", type=_positive, default=2, help="gloo ranks to spawn (ignored under torchrun)"
+    )
     parser.add_argument("--models", type=_csv(list(MODELS), "--models"), default=list(MODELS))
     parser.add_argument("--configs", type=_csv(CONFIGS, "--configs"), default=list(CONFIGS))
     parser.add_argument("--steps", type=_positive, default=20, help="timed steps per configuration")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (DDP rebuilds buckets in step 2)")
-    parser.add_argument("--op-repeats", type=int, default=30, help="repeats of the single-op backward benchmarks (0: skip)")
-    parser.add_argument("--threads", type=_positive, default=None, help="torch threads per rank (default: cores / ranks)")
-    parser.add_argument("--out", type=Path, default=Path("bench_results.json"), help="JSON report (a PNG goes beside it)")
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps first (DDP rebuilds buckets in step 2)"
+    )
+    parser.add_argument(
+        "--op-repeats", type=int, default=30, help="repeats of the single-op backward benchmarks (0: skip)"
+    )
+    parser.add_argument(
+        "--threads", type=_positive, default=None, help="torch threads per rank (default: cores / ranks)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench_results.json"), help="JSON report (a PNG goes beside it)"
+    )
     return parser.parse_args(argv)
 
 
@@ -95,7 +107,11 @@ def _peak_rss_mb() -> float:
 def run_rank(args: argparse.Namespace, ops: list[dict[str, Any]]) -> None:
     """Benchmark on this rank (process group already initialised); rank 0 reports."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
@@ -129,8 +145,12 @@ def run_rank(args: argparse.Namespace, ops: list[dict[str, Any]]) -> None:
     print(f"report: {args.out}" + (f", chart: {png}" if png else " (install matplotlib for a chart)"))
 
 
-def _spawned(rank: int, world_size: int, port: int, args: argparse.Namespace, ops: list[dict[str, Any]]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+def _spawned(
+    rank: int, world_size: int, port: int, args: argparse.Namespace, ops: list[dict[str, Any]]
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10))
     try:
         run_rank(args, ops)
@@ -159,5 +179,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     ops = op_ratios(args.op_repeats) if args.op_repeats else []  # before spawning: all cores
     mp.start_processes(
-        _spawned, args=(args.world_size, _free_port(), args, ops), nprocs=args.world_size, start_method="spawn"
+        _spawned,
+        args=(args.world_size, _free_port(), args, ops),
+        nprocs=args.world_size,
+        start_method="spawn",
     )

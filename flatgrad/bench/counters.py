@@ -10,7 +10,9 @@ from torch import nn
 
 # Ops that move a whole gradient from one tensor into another: AccumulateGrad's clone or
 # add, DDP's copy into its bucket (mul_out, or copy_ under a comm hook) and back out.
-COPY_OPS = frozenset({"aten::copy_", "aten::clone", "aten::mul", "aten::mul_", "aten::add_", "aten::add", "aten::_to_copy"})
+COPY_OPS = frozenset(
+    {"aten::copy_", "aten::clone", "aten::mul", "aten::mul_", "aten::add_", "aten::add", "aten::_to_copy"}
+)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,9 @@ class ManySmallLayers(nn.Module):
 
     def __init__(self, width: int = 128, depth: int = 48) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width)) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width)) for _ in range(depth)
+        )
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -37,7 +39,9 @@ class Recommender(nn.Module):
         self.items = nn.Embedding(num_items, dim)
         self.categories = nn.Embedding(1000, dim)
         self.item_bias = nn.Parameter(torch.zeros(num_items))
-        self.mlp = nn.Sequential(nn.Linear(3 * dim, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 1))
+        self.mlp = nn.Sequential(
+            nn.Linear(3 * dim, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 1)
+        )
 
     def forward(self, ids: torch.Tensor, clicks: torch.Tensor) -> torch.Tensor:
         user, item, category = ids.unbind(-1)
@@ -50,11 +54,15 @@ class TiedGPT(nn.Module):
     """A small GPT from torch's own blocks (nn.TransformerEncoderLayer, causal mask) whose
     LM head shares the token embedding's weight."""
 
-    def __init__(self, vocab: int = 4096, dim: int = 128, depth: int = 4, heads: int = 4, block: int = 64) -> None:
+    def __init__(
+        self, vocab: int = 4096, dim: int = 128, depth: int = 4, heads: int = 4, block: int = 64
+    ) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab, dim)
         self.positions = nn.Embedding(block, dim)
-        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.blocks = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
@@ -95,9 +103,7 @@ def _small_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tens
 
 
 def _recommender_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
-    ids = torch.stack(
-        [torch.randint(0, n, (2048,), generator=gen) for n in (50_000, 50_000, 1000)], dim=-1
-    )
+    ids = torch.stack([torch.randint(0, n, (2048,), generator=gen) for n in (50_000, 50_000, 1000)], dim=-1)
     return ids.to(device), torch.randint(0, 2, (2048,), generator=gen).float().to(device)
 
 

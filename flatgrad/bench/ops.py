@@ -32,7 +32,8 @@ def compare(case: Case, repeats: int) -> tuple[float, float]:
     stock, ours, zero = case
     for _ in range(2):
         zero(), _time_backward(stock), _time_backward(ours)
-    stock_times, our_times = [], []
+    stock_times: list[float] = []
+    our_times: list[float] = []
     for i in range(repeats):
         zero()
         pair = [(stock, stock_times), (ours, our_times)]
@@ -92,7 +93,14 @@ def op_ratios(repeats: int = 30, only: str = "") -> list[dict[str, float | str]]
     for name, build in CASES.items():
         if only in name:
             stock_s, ours_s = compare(build(), repeats)
-            rows.append({"case": name, "stock_ms": stock_s * 1e3, "flatgrad_ms": ours_s * 1e3, "ratio": ours_s / stock_s})
+            rows.append(
+                {
+                    "case": name,
+                    "stock_ms": stock_s * 1e3,
+                    "flatgrad_ms": ours_s * 1e3,
+                    "ratio": ours_s / stock_s,
+                }
+            )
     return rows
 
 

@@ -21,11 +21,14 @@ def format_table(report: dict[str, Any]) -> str:
         for name, r in result["configs"].items():
             lines.append(
                 f"{model:13s} {name:20s} {r['median_ms']:9.2f} {r['min_ms']:8.2f} {r['max_ms']:8.2f} "
-                f"{r['ratio_to_ddp_default']:6.2f} {r['collectives_per_step']:5d} {r['grad_copies_per_step']:6d} "
+                f"{r['ratio_to_ddp_default']:6.2f} {r['collectives_per_step']:5d} "
+                f"{r['grad_copies_per_step']:6d} "
                 f"{r['grad_bytes'] / 2**20:8.1f} {r['final_loss']:8.4f}"
             )
-    lines.append("ratio: median step time / stock DDP default's; colls: collectives per step; "
-                 "copies: gradient-sized copies per step (profiler); grad MB: gradient memory held")
+    lines.append(
+        "ratio: median step time / stock DDP default's; colls: collectives per step; "
+        "copies: gradient-sized copies per step (profiler); grad MB: gradient memory held"
+    )
     return "\n".join(lines)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+
+
+def _no_sync() -> None:
+    pass
 
 
 @dataclass
@@ -23,9 +28,8 @@ class Runner:
     name: str
     module: nn.Module
     optimizer: torch.optim.Optimizer
-    sync: Callable[[], None] = lambda: None
+    sync: Callable[[], None] = _no_sync
     ddp: DDP | None = None
-    extra: dict[str, object] = field(default_factory=dict)
 
     def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         self.optimizer.zero_grad()  # set_to_none=True, torch's default, for every configuration
@@ -66,9 +70,12 @@ def build_runner(name: str, model: nn.Module, device: torch.device, lr: float = 
     module = copy.deepcopy(model).to(device)
     ids = _device_ids(device)
     ddp: DDP | None = None
-    sync: Callable[[], None] = lambda: None
+    sync: Callable[[], None] = _no_sync
     if name in ("ddp_default", "ddp_bucket_view", "ddp_static_graph"):
-        kwargs = {"ddp_bucket_view": {"gradient_as_bucket_view": True}, "ddp_static_graph": {"static_graph": True}}
+        kwargs: dict[str, dict[str, Any]] = {
+            "ddp_bucket_view": {"gradient_as_bucket_view": True},
+            "ddp_static_graph": {"static_graph": True},
+        }
         ddp = DDP(module, device_ids=ids, **kwargs.get(name, {}))
         wrapped: nn.Module = ddp
     elif name == "flatgrad_ddp_hook":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Any
@@ -58,7 +59,7 @@ def bench_model(
     results: dict[str, Any] = {}
     for runner, row in zip(runners, table.tolist()):
         loss = runner.forward(batch)
-        counts = count_step(lambda r=runner, l=loss: r.backward(l), runner.module.parameters())
+        counts = count_step(functools.partial(runner.backward, loss), runner.module.parameters())
         runner.update()
         results[runner.name] = {
             "median_ms": statistics.median(row) * 1e3,
