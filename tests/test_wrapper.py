@@ -336,3 +336,17 @@ def test_wrapping_twice_refused():
     with pytest.raises(ValueError, match="already wrapped by another FlatGrad"):
         flatgrad.FlatGrad(model)
     del first
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_to_cuda_after_wrapping_moves_buffers():
+    torch.manual_seed(0)
+    model = TiedLM()
+    oracle = copy.deepcopy(model).cuda()
+    flat = flatgrad.FlatGrad(model).cuda()
+    assert list(flat.grad_buffers) == [(torch.float32, torch.device("cuda", torch.cuda.current_device()))]
+    tokens = _tokens(0).cuda()
+    flat(tokens).backward()
+    oracle(tokens).backward()
+    assert_same_grads(flat, oracle, rtol=1e-5, atol=1e-6)  # float32 on GPU: kernels may differ
