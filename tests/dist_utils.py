@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import time
@@ -31,6 +32,7 @@ def _entry(
         fn(rank, world_size, *args)
         dist.barrier()
     finally:
+        gc.collect()  # free DDP reducers (reference cycles) while the group exists: gloo can abort otherwise
         dist.destroy_process_group()
 
 

@@ -18,6 +18,8 @@ sys.path.insert(0, str(ROOT / "examples"))  # the examples import each other fro
 from gpt_model import GPT  # noqa: E402
 from run_config import CompareConfig, TrainConfig, load_config  # noqa: E402
 
+RunConfig = TrainConfig | CompareConfig
+
 
 @pytest.mark.parametrize(
     ("cls", "data", "name"),
@@ -28,7 +30,7 @@ from run_config import CompareConfig, TrainConfig, load_config  # noqa: E402
         (CompareConfig, {"max_steps": 3}, "max_steps"),  # a TrainConfig key is not a CompareConfig key
     ],
 )
-def test_unknown_key_is_an_error_naming_it(cls: type, data: dict[str, Any], name: str) -> None:
+def test_unknown_key_is_an_error_naming_it(cls: type[RunConfig], data: dict[str, Any], name: str) -> None:
     with pytest.raises(ValidationError, match=rf"{name}\n\s+Extra inputs are not permitted"):
         cls.model_validate(data)
 
@@ -47,7 +49,7 @@ def test_unknown_key_is_an_error_naming_it(cls: type, data: dict[str, Any], name
         (TrainConfig, {"device": "tpu"}, "device\n.*'auto', 'cpu' or 'cuda'"),
     ],
 )
-def test_invalid_config_says_why(cls: type, data: dict[str, Any], message: str) -> None:
+def test_invalid_config_says_why(cls: type[RunConfig], data: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         cls.model_validate(data)
 
@@ -65,7 +67,7 @@ def test_configs_are_frozen() -> None:
 @pytest.mark.parametrize(
     ("cls", "name"), [(TrainConfig, "gpt_cpu.yaml"), (CompareConfig, "compare_cpu.yaml")]
 )
-def test_shipped_configs_load(cls: type, name: str) -> None:
+def test_shipped_configs_load(cls: type[RunConfig], name: str) -> None:
     cfg = load_config(cls, ROOT / "configs" / name)
     assert cfg.device == "cpu"
     assert cfg.flatgrad.align_bytes == 256

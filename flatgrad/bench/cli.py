@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import logging
 import os
@@ -155,6 +156,7 @@ def _spawned(
     try:
         run_rank(args, ops)
     finally:
+        gc.collect()  # free DDP reducers (reference cycles) while the group exists: gloo can abort otherwise
         dist.destroy_process_group()
 
 
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             dist.barrier()
             run_rank(args, ops)
         finally:
+            gc.collect()
             dist.destroy_process_group()
         return
     ops = op_ratios(args.op_repeats) if args.op_repeats else []  # before spawning: all cores

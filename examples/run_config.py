@@ -1,0 +1,191 @@
+"""Run configs of the examples (train_gpt.py, ddp_compare.py): pydantic v2, loaded from YAML.
+
+These describe a *run* (model size, data, optimiser, steps); the library's own settings are
+the nested `flatgrad` field, a `flatgrad.FlatGradConfig` (imported by name: a field
+called `flatgrad` would shadow the module inside the class body). Unknown keys fail loudly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flatgrad import FlatGradConfig
+
+DEFAULT_MODULES = (
+    "argparse", "collections", "textwrap", "difflib", "string", "json.decoder", "json.encoder",
+    "functools", "heapq", "dataclasses", "shutil", "tokenize", "csv", "random", "contextlib",
+    "pprint", "calendar", "fractions",
+)  # fmt: skip
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """Size of the GPT (examples/gpt_model.py)."""
+
+    n_layer: int = Field(default=4, gt=0)
+    """Number of transformer blocks."""
+
+    n_head: int = Field(default=4, gt=0)
+    """Attention heads per block; must divide `n_embd`."""
+
+    n_embd: int = Field(default=128, gt=0)
+    """Width of the residual stream (and of the tied token embedding / LM head)."""
+
+    block_size: int = Field(default=128, gt=0)
+    """Longest context the model can see: rows of the learned position embedding."""
+
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout probability on embeddings, attention and MLP outputs (0 turns it off)."""
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"n_embd must be a multiple of n_head, because each head gets n_embd / n_head "
+                f"channels; got n_embd={self.n_embd}, n_head={self.n_head}"
+            )
+        return self
+
+
+class DataConfig(_Strict):
+    """Where the training text comes from; characters are the tokens."""
+
+    source: Literal["stdlib", "file"] = "stdlib"
+    """"stdlib": the concatenated source of `stdlib_modules` (nothing to download);
+    "file": the text file at `path`."""
+
+    stdlib_modules: tuple[str, ...] = Field(default=DEFAULT_MODULES, min_length=1)
+    """Python stdlib modules whose source files make up the text when source is "stdlib"."""
+
+    path: Path | None = None
+    """Text file to train on when source is "file"."""
+
+    @model_validator(mode="after")
+    def _path_matches_source(self) -> DataConfig:
+        if self.source == "file" and self.path is None:
+            raise ValueError('path must be set when source is "file": there is no text to read otherwise')
+        if self.source == "stdlib" and self.path is not None:
+            raise ValueError(
+                f'path must be unset when source is "stdlib", it would be ignored; got {self.path}'
+            )
+        return self
+
+
+class _RunConfig(_Strict):
+    """Fields both examples share."""
+
+    model: ModelConfig = ModelConfig()
+    """The GPT's size."""
+
+    data: DataConfig = DataConfig()
+    """The training text."""
+
+    seq_len: int = Field(default=128, gt=0)
+    """Characters per training window; at most `model.block_size`."""
+
+    batch_size: int = Field(default=8, gt=0)
+    """Windows per micro-batch on each rank."""
+
+    lr: float = Field(default=3e-3, gt=0.0)
+    """AdamW learning rate (the peak, when a schedule is used)."""
+
+    weight_decay: float = Field(default=0.1, ge=0.0)
+    """AdamW decoupled weight decay."""
+
+    grad_clip: float | None = Field(default=1.0, gt=0.0)
+    """Clip the global gradient norm to this before each step; null turns it off."""
+
+    seed: int = 0
+    """Seeds the model init (same on every rank) and the data windows (offset by rank)."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """"auto" picks CUDA (with NCCL) when available, else CPU (with gloo)."""
+
+    flatgrad: FlatGradConfig = FlatGradConfig()
+    """Library settings, passed to ``flatgrad.FlatGrad(model, config=...)``."""
+
+    @model_validator(mode="after")
+    def _window_fits_model(self) -> _RunConfig:
+        if self.seq_len > self.model.block_size:
+            raise ValueError(
+                f"seq_len must be <= model.block_size, because the position embedding has only "
+                f"block_size rows; got seq_len={self.seq_len}, block_size={self.model.block_size}"
+            )
+        return self
+
+
+class TrainConfig(_RunConfig):
+    """Run config of examples/train_gpt.py."""
+
+    grad_accum_steps: int = Field(default=1, gt=0)
+    """Micro-batches per optimiser step; DDP syncs only on the last (``ddp.no_sync()``)."""
+
+    max_steps: int = Field(default=200, gt=0)
+    """Optimiser steps to train for."""
+
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    """After warm-up: keep `lr`, or decay it along a cosine to `min_lr` at `max_steps`."""
+
+    warmup_steps: int = Field(default=20, ge=0)
+    """Steps of linear learning-rate warm-up from 0 to `lr`."""
+
+    min_lr: float = Field(default=3e-4, ge=0.0)
+    """Learning rate at the end of the cosine schedule."""
+
+    log_interval: int = Field(default=20, gt=0)
+    """Log step, loss and tokens/s every this many steps (and at the first and last)."""
+
+    out_dir: Path = Path("out/gpt_cpu")
+    """Directory for the final checkpoint ``ckpt.pt``."""
+
+    @model_validator(mode="after")
+    def _schedule_ends_below_peak(self) -> TrainConfig:
+        if self.lr_schedule == "cosine" and self.min_lr > self.lr:
+            raise ValueError(
+                f"min_lr must be <= lr, because the cosine schedule decays from lr down to "
+                f"min_lr; got min_lr={self.min_lr}, lr={self.lr}"
+            )
+        return self
+
+
+class CompareConfig(_RunConfig):
+    """Run config of examples/ddp_compare.py (stock DDP against FlatGrad + DDP)."""
+
+    steps: int = Field(default=60, gt=0)
+    """Optimiser steps each of the two runs takes."""
+
+    warmup_steps: int = Field(default=10, ge=0)
+    """Leading steps left out of the timing (allocations, DDP's bucket rebuild)."""
+
+    @model_validator(mode="after")
+    def _some_steps_timed(self) -> CompareConfig:
+        if self.warmup_steps >= self.steps:
+            raise ValueError(
+                f"warmup_steps must be < steps, because the steps after warm-up are the ones "
+                f"timed; got warmup_steps={self.warmup_steps}, steps={self.steps}"
+            )
+        return self
+
+
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def load_config(cls: type[ConfigT], path: str | Path, overrides: Mapping[str, Any] | None = None) -> ConfigT:
+    """Read a YAML run config into `cls`; `overrides` (None values skipped) replace top-level
+    keys and are validated together with the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
+    data.update({key: value for key, value in (overrides or {}).items() if value is not None})
+    return cls.model_validate(data)
