@@ -42,7 +42,7 @@ class FlatGrad(nn.Module):
         super().__init__()
         self.config = resolve_config(config)
         self.module = model
-        _route_layers(model, self.config.layers)
+        _route_layers(model, self.config)
         self._store: GradStore | None = None
         self._grad_accumulators: list[Any] = []
         self._build()
@@ -243,16 +243,18 @@ _ROUTES: dict[str, tuple[type[nn.Module], Callable[..., torch.Tensor]]] = {
 }
 
 
-def _route_layers(model: nn.Module, kinds: tuple[str, ...]) -> None:
+def _route_layers(model: nn.Module, config: FlatGradConfig) -> None:
     """Give every supported layer that keeps torch's own forward a flat-buffer forward.
 
     Subclasses that override `forward` (LoRA layers, quantised layers...) are left alone:
     their parameters still get their gradients in the buffer through the pre-hook.
     """
     for name, module in model.named_modules():
-        for kind in kinds:
+        for kind in config.layers:
             cls, forward = _ROUTES[kind]
             if not isinstance(module, cls) or type(module).forward is not cls.forward:
+                continue
+            if isinstance(module, nn.Linear) and module.weight.numel() < config.linear_min_numel:
                 continue
             if isinstance(module, nn.Embedding) and module.sparse and module.weight.requires_grad:
                 raise ValueError(

@@ -10,6 +10,9 @@ from torch import nn
 
 import flatgrad
 
+# Route every Linear, however small: these tests are about the routed backward's results.
+ROUTE_ALL = flatgrad.FlatGradConfig(linear_min_numel=0)
+
 
 class TiedLM(nn.Module):
     """Embedding -> Linear/LayerNorm -> output Linear sharing the embedding's weight."""
@@ -65,4 +68,4 @@ def tied_pair() -> tuple[flatgrad.FlatGrad, nn.Module]:
     torch.manual_seed(0)
     model = TiedLM().double()
     oracle = copy.deepcopy(model)
-    return flatgrad.FlatGrad(model), oracle
+    return flatgrad.FlatGrad(model, config=ROUTE_ALL), oracle

@@ -14,6 +14,7 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import ROUTE_ALL
 from dist_utils import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -78,7 +79,7 @@ def _fast_path_worker(rank: int, world_size: int, two_dtypes: bool) -> None:
     torch.manual_seed(0)
     model = _Net(two_dtypes)
     ref = DDP(copy.deepcopy(model))
-    flat = flatgrad.FlatGrad(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     first_buffers = [weakref.ref(b) for b in flat.grad_buffers.values()]
     ddp = DDP(flat, **flat.ddp_kwargs())
     ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
@@ -134,7 +135,7 @@ def _variant_worker(rank: int, world_size: int, variant: str) -> None:
         "no_sync": {},
     }[variant]
     ref = DDP(copy.deepcopy(model), **kwargs)
-    flat = flatgrad.FlatGrad(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     extra = flat.ddp_kwargs() if variant != "default_flags" else {}
     ddp = DDP(flat, **kwargs, **extra)
     ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
@@ -173,7 +174,7 @@ def _slow_path_logs_worker(rank: int, world_size: int) -> None:
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
     logging.getLogger("flatgrad").addHandler(handler)
-    flat = flatgrad.FlatGrad(_Net())
+    flat = flatgrad.FlatGrad(_Net(), config=ROUTE_ALL)
     ddp = DDP(flat)  # no ddp_kwargs: DDP copies into its own buckets
     ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
     for step in range(3):
@@ -190,7 +191,7 @@ def _all_reduce_grads_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _Net()
     ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
-    flat = flatgrad.FlatGrad(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     for step in range(3):
         use_branch = not (rank == 1 and step == 1)
         flat(_tokens(rank, step), use_branch).backward()
@@ -214,7 +215,7 @@ def _compression_worker(rank: int, world_size: int, wire_dtype: torch.dtype) -> 
     torch.manual_seed(0)
     model = _Net()
     ref = DDP(copy.deepcopy(model))
-    flat = flatgrad.FlatGrad(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     ddp = DDP(flat, **flat.ddp_kwargs())
     ddp.register_comm_hook(flat.comm_state(wire_dtype=wire_dtype), flatgrad.allreduce_hook)
     for step in range(3):
@@ -238,7 +239,7 @@ def test_wire_compression_close_to_stock(wire_dtype):
 
 
 def test_comm_state_rejects_bad_wire_dtype():
-    flat = flatgrad.FlatGrad(nn.Linear(2, 2))
+    flat = flatgrad.FlatGrad(nn.Linear(2, 2), config=ROUTE_ALL)
     with pytest.raises(
         ValueError, match="wire_dtype must be torch.bfloat16, torch.float16 or None, got torch.int8"
     ):
@@ -246,13 +247,13 @@ def test_comm_state_rejects_bad_wire_dtype():
 
 
 def test_all_reduce_grads_needs_a_process_group():
-    flat = flatgrad.FlatGrad(nn.Linear(2, 2))
+    flat = flatgrad.FlatGrad(nn.Linear(2, 2), config=ROUTE_ALL)
     with pytest.raises(RuntimeError, match="initialised default process group"):
         flat.all_reduce_grads()
 
 
 def test_ddp_kwargs_one_bucket_per_buffer():
-    flat = flatgrad.FlatGrad(nn.Linear(1024, 1024))
+    flat = flatgrad.FlatGrad(nn.Linear(1024, 1024), config=ROUTE_ALL)
     kwargs = flat.ddp_kwargs()
     assert kwargs["gradient_as_bucket_view"] is True
     largest = max(b.numel() * b.element_size() for b in flat.grad_buffers.values())
@@ -274,7 +275,7 @@ def _nccl_worker(rank: int, world_size: int) -> None:
     torch.cuda.set_device(rank)
     model = _Net().cuda()
     ref = DDP(copy.deepcopy(model), device_ids=[rank])
-    flat = flatgrad.FlatGrad(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     ddp = DDP(flat, device_ids=[rank], **flat.ddp_kwargs())
     ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
     for step in range(4):

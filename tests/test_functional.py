@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import TiedLM, assert_same_grads, grad_in_buffers
+from conftest import ROUTE_ALL, TiedLM, assert_same_grads, grad_in_buffers
 from torch import nn
 
 import flatgrad
@@ -44,7 +44,7 @@ def _weight_sized_ops(
 @pytest.mark.parametrize("tied", [False, True])
 def test_backward_is_zero_copy_empty_and_accumulating(tied):
     torch.manual_seed(0)
-    flat = flatgrad.FlatGrad(_ProfiledLM(tied))
+    flat = flatgrad.FlatGrad(_ProfiledLM(tied), config=ROUTE_ALL)
     shapes = {tuple(p.shape) for p in flat.parameters() if p.dim() == 2}
     tokens = torch.randint(0, 50, (3, 7))
     for set_to_none in (True, False):  # empty slots, then accumulating into existing .grad
@@ -80,7 +80,7 @@ def test_linear_any_leading_dims(bias, batch_shape):
     torch.manual_seed(0)
     layer = nn.Linear(6, 4, bias=bias).double()
     oracle = copy.deepcopy(layer)
-    flat = flatgrad.FlatGrad(layer)
+    flat = flatgrad.FlatGrad(layer, config=ROUTE_ALL)
     for seed in range(2):
         x = torch.randn(*batch_shape, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -106,7 +106,7 @@ def test_embedding_options_match_stock(kwargs):
     torch.manual_seed(0)
     emb = nn.Embedding(9, 5, **kwargs).double()
     oracle = copy.deepcopy(emb)
-    flat = flatgrad.FlatGrad(emb)
+    flat = flatgrad.FlatGrad(emb, config=ROUTE_ALL)
     for seed in range(3):
         idx = torch.randint(0, 9, (4, 6), generator=torch.Generator().manual_seed(seed))
         flat(idx).pow(3).sum().backward()
@@ -150,7 +150,7 @@ def test_gather_of_a_wrapped_parameter_writes_its_slot():
 
     model = Scalars()
     oracle = copy.deepcopy(model)
-    flat = flatgrad.FlatGrad(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     idx = torch.randint(0, 20, (500,))
     for _ in range(2):
         with torch.profiler.profile(record_shapes=True) as prof:
@@ -173,7 +173,7 @@ def test_deterministic_mode_takes_the_deterministic_path():
     torch.manual_seed(0)
     model = TiedLM().double()
     oracle = copy.deepcopy(model)
-    flat = flatgrad.FlatGrad(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     tokens = torch.randint(0, 13, (4, 6))
     torch.use_deterministic_algorithms(True)
     try:
@@ -195,7 +195,7 @@ def test_user_tensor_hooks_see_the_gradient():
     torch.manual_seed(0)
     layer = nn.Linear(3, 3).double()
     oracle = copy.deepcopy(layer)
-    flat = flatgrad.FlatGrad(layer)
+    flat = flatgrad.FlatGrad(layer, config=ROUTE_ALL)
     layer.weight.register_hook(lambda g: g * 3)
     oracle.weight.register_hook(lambda g: g * 3)
     x = torch.randn(4, 3, dtype=torch.float64)
@@ -210,7 +210,7 @@ def test_layer_used_twice_with_unrouted_use_of_same_weight():
     torch.manual_seed(0)
     layer = nn.Linear(4, 4).double()
     oracle = copy.deepcopy(layer)
-    flat = flatgrad.FlatGrad(layer)
+    flat = flatgrad.FlatGrad(layer, config=ROUTE_ALL)
 
     def run(mod: nn.Module) -> torch.Tensor:
         x = torch.ones(2, 4, dtype=torch.float64)

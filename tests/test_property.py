@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from conftest import ROUTE_ALL
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -182,7 +183,7 @@ def test_grads_match_stock_autograd(
         assert model.head.weight is model.embed.weight
 
     oracle = copy.deepcopy(model)  # before wrapping: FlatGrad patches layer forwards
-    flat = flatgrad.FlatGrad(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
 
     for step, seed in enumerate(batch_seeds):
         if step > 0:

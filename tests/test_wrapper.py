@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 import torch.utils.checkpoint
-from conftest import TiedLM, assert_same_grads, grad_in_buffers
+from conftest import ROUTE_ALL, TiedLM, assert_same_grads, grad_in_buffers
 from torch import nn
 
 import flatgrad
@@ -102,7 +102,7 @@ def test_unused_branch_and_frozen_parameters():
     torch.manual_seed(0)
     model = _Branchy().double()
     oracle = copy.deepcopy(model)
-    flat = flatgrad.FlatGrad(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     assert all(p not in flat._store for p in model.frozen.parameters())
     x = torch.randn(3, 5, dtype=torch.float64)
     flat(x, False).backward()
@@ -165,7 +165,7 @@ def test_cpu_autocast_bfloat16():
     torch.manual_seed(0)
     model = TiedLM()
     oracle = copy.deepcopy(model)
-    flat = flatgrad.FlatGrad(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     for seed in range(2):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = flat(_tokens(seed))
@@ -209,7 +209,7 @@ def test_double_backward_create_graph(tied_pair):
 def test_conversion_after_wrapping_rebuilds_buffers(convert, dtype):
     torch.manual_seed(0)
     model = TiedLM()
-    flat = flatgrad.FlatGrad(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     flat(_tokens(0)).backward()
     assert convert(flat) is flat
     assert list(flat.grad_buffers) == [(dtype, torch.device("cpu"))]
@@ -306,7 +306,7 @@ def test_load_state_dict_assign_rebuilds(tied_pair):
 
 def test_summary_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="flatgrad"):
-        flatgrad.FlatGrad(nn.Linear(3, 4))
+        flatgrad.FlatGrad(nn.Linear(3, 4), config=ROUTE_ALL)
     (record,) = [r for r in caplog.records if r.name.startswith("flatgrad")]
     assert "1 buffer(s) for 2 parameters" in record.getMessage()
     assert "bytes" in record.getMessage()
@@ -332,9 +332,9 @@ def test_sparse_embedding_refused():
 
 def test_wrapping_twice_refused():
     model = nn.Linear(2, 2)
-    first = flatgrad.FlatGrad(model)
+    first = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     with pytest.raises(ValueError, match="already wrapped by another FlatGrad"):
-        flatgrad.FlatGrad(model)
+        flatgrad.FlatGrad(model, config=ROUTE_ALL)
     del first
 
 
@@ -344,9 +344,24 @@ def test_to_cuda_after_wrapping_moves_buffers():
     torch.manual_seed(0)
     model = TiedLM()
     oracle = copy.deepcopy(model).cuda()
-    flat = flatgrad.FlatGrad(model).cuda()
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL).cuda()
     assert list(flat.grad_buffers) == [(torch.float32, torch.device("cuda", torch.cuda.current_device()))]
     tokens = _tokens(0).cuda()
     flat(tokens).backward()
     oracle(tokens).backward()
     assert_same_grads(flat, oracle, rtol=1e-5, atol=1e-6)  # float32 on GPU: kernels may differ
+
+
+def test_linear_min_numel_routes_only_large_linears():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1024)).double()  # 256 and 16384 elements
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config={"linear_min_numel": 1000})
+    assert "forward" not in vars(model[0]) and "forward" in vars(model[1])
+    x = torch.randn(3, 16, dtype=torch.float64)
+    for _ in range(2):
+        flat(x).square().sum().backward()
+        oracle(x).square().sum().backward()
+        assert_same_grads(flat, oracle)
+        flat.zero_grad()
+        oracle.zero_grad()
