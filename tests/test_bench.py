@@ -126,6 +126,7 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
         for record in result_["configs"].values():
             assert set(record) == {
                 "median_ms",
+                "pair_ratio_to_ddp_bucket_view",
                 "min_ms",
                 "max_ms",
                 "ratio_to_ddp_default",

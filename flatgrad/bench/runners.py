@@ -59,6 +59,7 @@ CONFIGS = (
     "local_flatgrad",
 )
 BASELINE = "ddp_default"
+BEST_STOCK = "ddp_bucket_view"  # stock DDP's best setting for memory and copies
 
 
 def _device_ids(device: torch.device) -> list[int] | None:

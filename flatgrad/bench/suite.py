@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from flatgrad.bench.counters import count_step, grad_bytes
 from flatgrad.bench.models import MODELS
-from flatgrad.bench.runners import BASELINE, Runner, build_runner
+from flatgrad.bench.runners import BASELINE, BEST_STOCK, Runner, build_runner
 
 
 def _sync(device: torch.device) -> None:
@@ -29,7 +29,7 @@ def _timed_step(runner: Runner, batch: tuple[torch.Tensor, ...], device: torch.d
     runner.backward(loss)
     runner.update()
     _sync(device)
-    return time.perf_counter() - start, float(loss)
+    return time.perf_counter() - start, float(loss.detach())
 
 
 def bench_model(
@@ -70,8 +70,10 @@ def bench_model(
             "grad_bytes": grad_bytes(runner.module.parameters(), runner.bucket_buffers()),
             "final_loss": losses[runner.name],
         }
-    baseline = results.get(BASELINE, next(iter(results.values())))["median_ms"]
-    for record in results.values():
-        record["ratio_to_ddp_default"] = record["median_ms"] / baseline
+    rows = dict(zip(configs, table.tolist()))
+    for name, record in results.items():
+        for base, key in ((BASELINE, "ratio_to_ddp_default"), (BEST_STOCK, "pair_ratio_to_ddp_bucket_view")):
+            if base in rows:  # median over steps of (this step / the baseline's same step)
+                record[key] = statistics.median(a / b for a, b in zip(rows[name], rows[base]))
     grad_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"num_parameters": grad_params, "configs": results}
