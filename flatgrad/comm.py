@@ -81,13 +81,17 @@ def _all_reduce_mean(
     buffer: torch.Tensor, process_group: dist.ProcessGroup | None, wire_dtype: torch.dtype | None
 ) -> torch.futures.Future[torch.Tensor]:
     """All-reduce `buffer` in place to the group mean; the future's value is `buffer`."""
-    world_size = dist.get_world_size(process_group)
-    if wire_dtype is None or not buffer.is_floating_point() or buffer.dtype == wire_dtype:
-        buffer.div_(world_size)  # divide first to keep sums of large gradients finite
-        fut = dist.all_reduce(buffer, group=process_group, async_op=True).get_future()
+    wire = buffer
+    if wire_dtype is not None and buffer.is_floating_point() and buffer.dtype != wire_dtype:
+        wire = buffer.to(wire_dtype)
+    if dist.get_backend(process_group) == "nccl":
+        op = dist.ReduceOp.AVG  # averaged inside the reduction: no extra pass over the buffer
+    else:
+        op = dist.ReduceOp.SUM
+        wire.div_(dist.get_world_size(process_group))  # divide first, so sums stay finite
+    fut = dist.all_reduce(wire, op=op, group=process_group, async_op=True).get_future()
+    if wire is buffer:
         return fut.then(lambda f: f.value()[0])
-    wire = buffer.to(wire_dtype).div_(world_size)
-    fut = dist.all_reduce(wire, group=process_group, async_op=True).get_future()
 
     def decompress(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         return buffer.copy_(f.value()[0])
