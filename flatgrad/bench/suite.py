@@ -12,6 +12,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from flatgrad.bench.counters import count_step, grad_bytes
+from flatgrad.bench.memory import peak_mb, reset_peak
 from flatgrad.bench.models import MODELS
 from flatgrad.bench.runners import BASELINE, BEST_STOCK, Runner, build_runner
 
@@ -21,15 +22,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_step(runner: Runner, batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[float, float]:
+def _timed_step(
+    runner: Runner, batch: tuple[torch.Tensor, ...], device: torch.device
+) -> tuple[float, float, float]:
+    """(seconds, loss, peak memory MB) of one training step."""
     dist.barrier()  # every rank starts the step together; the wait is not timed
     _sync(device)
+    reset_peak(device)
     start = time.perf_counter()
     loss = runner.forward(batch)
     runner.backward(loss)
     runner.update()
     _sync(device)
-    return time.perf_counter() - start, float(loss.detach())
+    return time.perf_counter() - start, float(loss.detach()), peak_mb(device)
 
 
 def bench_model(
@@ -44,33 +49,36 @@ def bench_model(
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
     times: dict[str, list[float]] = {name: [] for name in configs}
     losses: dict[str, float] = {}
+    peaks = dict.fromkeys(configs, 0.0)
     for step in range(warmup + steps):
         batch = spec.batch(gen, device)
         shift = step % len(runners)  # rotate who goes first, so no configuration is always warm
         for runner in runners[shift:] + runners[:shift]:
-            seconds, losses[runner.name] = _timed_step(runner, batch, device)
+            seconds, losses[runner.name], peak = _timed_step(runner, batch, device)
             if step >= warmup:
                 times[runner.name].append(seconds)
+                peaks[runner.name] = max(peaks[runner.name], peak)
         if bar is not None:
             bar.update(1)
-    table = torch.tensor([times[name] for name in configs], dtype=torch.float64)
-    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    table = torch.tensor([times[name] + [peaks[name]] for name in configs], dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)  # the slowest rank's step, the largest peak
     batch = spec.batch(gen, device)
     results: dict[str, Any] = {}
+    rows = {name: row[:-1] for name, row in zip(configs, table.tolist())}
     for runner, row in zip(runners, table.tolist()):
         loss = runner.forward(batch)
         counts = count_step(functools.partial(runner.backward, loss), runner.module.parameters())
         runner.update()
         results[runner.name] = {
-            "median_ms": statistics.median(row) * 1e3,
-            "min_ms": min(row) * 1e3,
-            "max_ms": max(row) * 1e3,
+            "median_ms": statistics.median(rows[runner.name]) * 1e3,
+            "min_ms": min(rows[runner.name]) * 1e3,
+            "max_ms": max(rows[runner.name]) * 1e3,
             "collectives_per_step": counts.collectives,
             "grad_copies_per_step": counts.grad_copies,
             "grad_bytes": grad_bytes(runner.module.parameters(), runner.bucket_buffers()),
+            "peak_mem_mb": row[-1],
             "final_loss": losses[runner.name],
         }
-    rows = dict(zip(configs, table.tolist()))
     for name, record in results.items():
         for base, key in ((BASELINE, "ratio_to_ddp_default"), (BEST_STOCK, "pair_ratio_to_ddp_bucket_view")):
             if base in rows:  # median over steps of (this step / the baseline's same step)
