@@ -26,10 +26,11 @@ class GradStore:
     tensor (which would need the view to have no other reference): flatgrad sets `.grad`.
     """
 
-    # Which live store owns each parameter (by id), so that a Function given only the weight
-    # (`gather_with_index_add`) finds its slot. Weak both ways: a dropped wrapper or
-    # parameter leaves nothing behind.
-    _owners: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[GradStore]]] = {}
+    # Which live store owns each parameter, by id, so that a backward given only the weight
+    # finds its slot. A store keeps its parameters alive, so their ids are not reused while
+    # its entries stand; they go with `release()` or when the store is collected. No weak
+    # reference to a parameter (that would block torch.utils.swap_tensors).
+    _owners: dict[int, weakref.ref[GradStore]] = {}
 
     def __init__(self, params: Sequence[torch.nn.Parameter], align_bytes: int) -> None:
         self.params = tuple(params)
@@ -46,8 +47,10 @@ class GradStore:
             for index, slot in zip(group.param_indices, group.slots):
                 self._set_slot(self.params[index], key, slot)
         me = weakref.ref(self)
-        for param in self.params:
-            GradStore._owners[id(param)] = (weakref.ref(param, _forget(id(param))), me)
+        ids = [id(param) for param in self.params]
+        for param_id in ids:
+            GradStore._owners[param_id] = me
+        weakref.finalize(self, _forget, me, ids)
 
     def _set_slot(self, param: torch.Tensor, key: GroupKey, slot: SlotSpec) -> None:
         buffer = self.buffers[key]
@@ -57,16 +60,13 @@ class GradStore:
     @staticmethod
     def owner_of(param: torch.Tensor) -> GradStore | None:
         """The live store holding `param`'s slot, if any."""
-        refs = GradStore._owners.get(id(param))
-        if refs is None or refs[0]() is not param:
-            return None
-        return refs[1]()
+        ref = GradStore._owners.get(id(param))
+        store = ref() if ref is not None else None
+        return store if store is not None and param in store._entries else None
 
     def release(self) -> None:
         """Stop owning the parameters (before a rebuild replaces this store)."""
-        for param in self.params:
-            if GradStore.owner_of(param) is self:
-                del GradStore._owners[id(param)]
+        _forget(weakref.ref(self), [id(param) for param in self.params])
 
     def __contains__(self, param: object) -> bool:
         return isinstance(param, torch.Tensor) and param in self._entries
@@ -92,6 +92,13 @@ class GradStore:
             and grad.shape == view.shape
             and grad.stride() == view.stride()
         )
+
+    def place(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """Copy `grad` into `param`'s slot and make the slot its `.grad`; returns the slot."""
+        slot = self._entries[param].view
+        slot.copy_(grad.to_dense() if grad.is_sparse else grad.detach())
+        param.grad = slot
+        return slot
 
     def adopt(
         self, buffer: torch.Tensor, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
@@ -121,18 +128,13 @@ class GradStore:
             if grad is None:
                 self.flat_view(param).zero_()
             elif not self.holds(param, grad):
-                view = self.view(param)
-                view.copy_(grad.detach())
-                param.grad = view
+                self.place(param, grad)
 
 
-def _forget(param_id: int):  # type: ignore[no-untyped-def]
-    def callback(ref: weakref.ref[torch.Tensor]) -> None:
-        refs = GradStore._owners.get(param_id)
-        if refs is not None and refs[0] is ref:
+def _forget(store: weakref.ref[GradStore], ids: list[int]) -> None:
+    for param_id in ids:
+        if GradStore._owners.get(param_id) == store:
             del GradStore._owners[param_id]
-
-    return callback
 
 
 def _aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ DDP checks the hook's annotations at registration (`dist.GradBucket`, `Future[Te
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ class FlatGradCommState:
     wrapper: Any
     process_group: dist.ProcessGroup | None = None
     wire_dtype: torch.dtype | None = None
-    _warned: bool = False
+    _warned: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if self.wire_dtype is not None and self.wire_dtype not in _WIRE_DTYPES:
@@ -55,9 +55,9 @@ class FlatGradCommState:
         ):
             return
         params, grads = bucket.parameters(), bucket.gradients()
-        as_views = all(
-            p.grad is not None and p.grad.data_ptr() == g.data_ptr() for p, g in zip(params, grads)
-        )
+        # Parameters DDP found unused (find_unused_parameters=True) may have no .grad yet.
+        pairs = [(p.grad, g) for p, g in zip(params, grads) if p.grad is not None]
+        as_views = bool(pairs) and all(grad.data_ptr() == view.data_ptr() for grad, view in pairs)
         if not (as_views and store.adopt(buffer, params, grads)) and not self._warned:
             self._warned = True
             logger.warning(
@@ -65,6 +65,11 @@ class FlatGradCommState:
                 "construct DDP(flat, ..., **flat.ddp_kwargs()) (gradient_as_bucket_view=True and one "
                 "bucket per dtype) for the zero-copy, one-all-reduce path"
             )
+
+
+def _check_wire_dtype(wire_dtype: torch.dtype | None) -> None:
+    if wire_dtype is not None and wire_dtype not in _WIRE_DTYPES:
+        raise ValueError(f"wire_dtype must be torch.bfloat16, torch.float16 or None, got {wire_dtype}")
 
 
 def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -111,8 +116,7 @@ def all_reduce_grads(
         raise RuntimeError(
             "all_reduce_grads needs an initialised default process group (dist.init_process_group)"
         )
-    if wire_dtype is not None and wire_dtype not in _WIRE_DTYPES:
-        raise ValueError(f"wire_dtype must be torch.bfloat16, torch.float16 or None, got {wire_dtype}")
+    _check_wire_dtype(wire_dtype)
     store.settle()
     futures = [_all_reduce_mean(buf, process_group, wire_dtype) for buf in store.buffers.values()]
     torch.futures.wait_all(futures)

@@ -23,6 +23,7 @@ Nothing here imports torch.distributed.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
@@ -33,39 +34,45 @@ from flatgrad.buffer import GradStore
 _Mode = Literal["skip", "fresh", "out", "add"]
 
 
-def _weight_target(ctx: Any, index: int, weight: torch.Tensor) -> tuple[_Mode, torch.Tensor | None]:
-    """Where the gradient of input `index` (the leaf `weight`) goes in this backward."""
+def _weight_target(ctx: Any, index: int) -> tuple[_Mode, torch.Tensor | None, torch.Tensor | None]:
+    """Where the gradient of input `index` goes in this backward: (mode, slot, parameter).
+
+    The parameter is taken from the graph (its AccumulateGrad node), not from saved
+    tensors, which checkpointing and saved-tensor hooks hand back as other objects.
+    """
     if not ctx.needs_input_grad[index]:
-        return "skip", None
-    store = GradStore.owner_of(weight)
-    if torch.is_grad_enabled() or store is None or weight._backward_hooks:
-        return "fresh", None
+        return "skip", None, None
+    node = ctx.next_functions[index][0]
+    param = getattr(node, "variable", None)  # None unless the input is a leaf (AccumulateGrad)
+    store = GradStore.owner_of(param) if param is not None else None
+    if store is None or torch.is_grad_enabled() or param._backward_hooks:  # type: ignore[union-attr]
+        return "fresh", None, param
     try:
-        if not torch._C._will_engine_execute_node(ctx.next_functions[index][0]):
-            return "skip", None  # backward(inputs=...) without this weight
+        if not torch._C._will_engine_execute_node(node):
+            return "skip", None, param  # backward(inputs=...) without this weight
     except RuntimeError:
-        return "fresh", None  # torch.autograd.grad captures this leaf: leave .grad alone
-    grad = weight.grad
+        return "fresh", None, param  # torch.autograd.grad captures this leaf: leave .grad alone
+    grad = param.grad  # type: ignore[union-attr]
     if grad is not None:
-        return ("add", grad) if store.holds(weight, grad) else ("fresh", None)
-    return "out", store.view(weight)
+        return ("add", grad, param) if store.holds(param, grad) else ("fresh", None, param)  # type: ignore[arg-type]
+    return "out", store.view(param), param  # type: ignore[arg-type]
 
 
 def _mm_into(
-    ctx: Any, index: int, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+    ctx: Any, index: int, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor
 ) -> torch.Tensor | None:
-    """The gradient ``a @ b`` of `weight`, delivered per `_weight_target`. Computes in a's
-    dtype (the autocast dtype, if any) and casts on write, as autocast's cast node would."""
-    mode, target = _weight_target(ctx, index, weight)
+    """The weight gradient ``a @ b`` (in `dtype`), delivered per `_weight_target`. Computes
+    in a's dtype (the autocast dtype, if any) and casts on write, as autocast's cast would."""
+    mode, target, param = _weight_target(ctx, index)
     if mode == "skip":
         return None
     if mode == "fresh":
-        return a.mm(b).to(weight.dtype)
-    assert target is not None
+        return a.mm(b).to(dtype)
+    assert target is not None and param is not None
     same_dtype = target.dtype == a.dtype
     if mode == "out":
         torch.mm(a, b, out=target) if same_dtype else target.copy_(a.mm(b))
-        weight.grad = target
+        param.grad = target
     elif same_dtype:
         target.addmm_(a, b)
     else:
@@ -73,17 +80,17 @@ def _mm_into(
     return None
 
 
-def _sum_into(ctx: Any, index: int, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
-    """The gradient ``rows.sum(0)`` of `weight` (a bias), delivered per `_weight_target`."""
-    mode, target = _weight_target(ctx, index, weight)
+def _sum_into(ctx: Any, index: int, dtype: torch.dtype, rows: torch.Tensor) -> torch.Tensor | None:
+    """The bias gradient ``rows.sum(0)`` (in `dtype`), delivered per `_weight_target`."""
+    mode, target, param = _weight_target(ctx, index)
     if mode == "skip":
         return None
     if mode == "fresh":
-        return rows.sum(0).to(weight.dtype)
-    assert target is not None
+        return rows.sum(0).to(dtype)
+    assert target is not None and param is not None
     if mode == "out":
         torch.sum(rows, 0, out=target) if target.dtype == rows.dtype else target.copy_(rows.sum(0))
-        weight.grad = target
+        param.grad = target
     else:
         target.add_(rows.sum(0))
     return None
@@ -101,16 +108,21 @@ class _Linear(torch.autograd.Function):
         x, weight, bias = ctx.saved_tensors
         compute = grad_out.dtype  # differs from weight.dtype under autocast
         needs = ctx.needs_input_grad
-        rows = grad_out.reshape(-1, grad_out.shape[-1])
+        rows = _rows(grad_out)
         grad_x = grad_w = grad_b = None
         if needs[0]:
             grad_x = grad_out.matmul(_as(weight, compute))
             grad_x = _as(grad_x, x.dtype)
         if needs[1]:
-            grad_w = _mm_into(ctx, 1, weight, rows.t(), _as(x.reshape(-1, x.shape[-1]), compute))
+            grad_w = _mm_into(ctx, 1, weight.dtype, rows.t(), _as(_rows(x), compute))
         if bias is not None and needs[2]:
-            grad_b = _sum_into(ctx, 2, bias, rows)
+            grad_b = _sum_into(ctx, 2, bias.dtype, rows)
         return grad_x, grad_w, grad_b
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Leading dims flattened: (..., n) -> (N, n); explicit sizes, so n == 0 works too."""
+    return tensor.reshape(math.prod(tensor.shape[:-1]), tensor.shape[-1])
 
 
 def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -139,7 +151,8 @@ class _GatherRows(torch.autograd.Function):
         padding_idx: int | None,
         scale_grad_by_freq: bool,
     ) -> torch.Tensor:
-        ctx.save_for_backward(indices, weight)
+        ctx.save_for_backward(indices)  # not the weight: a max_norm renorm may bump its version
+        ctx.weight_meta = (weight.dtype, weight.device, weight.shape)
         ctx.padding_idx = padding_idx
         ctx.scale_grad_by_freq = scale_grad_by_freq
         flat_index = indices.reshape(-1)
@@ -147,11 +160,11 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        indices, weight = ctx.saved_tensors
-        mode, target = _weight_target(ctx, 0, weight)
+        (indices,) = ctx.saved_tensors
+        mode, target, param = _weight_target(ctx, 0)
         if mode == "skip":
             return None, None, None, None
-        dtype, device, shape = weight.dtype, weight.device, weight.shape
+        dtype, device, shape = ctx.weight_meta
         index = indices.reshape(-1)
         rows = grad_out.reshape(index.numel(), *shape[1:]).to(dtype)
         if ctx.padding_idx is not None:
@@ -164,10 +177,10 @@ class _GatherRows(torch.autograd.Function):
             if torch.is_grad_enabled():  # create_graph: keep the result differentiable
                 return fresh.index_add(0, index, rows), None, None, None
             return _scatter_rows(fresh, index, rows), None, None, None
-        assert target is not None
+        assert target is not None and param is not None
         if mode == "out":
             _scatter_rows(target.zero_(), index, rows)
-            weight.grad = target
+            param.grad = target
         else:
             _scatter_rows(target, index, rows)
         return None, None, None, None
@@ -175,6 +188,8 @@ class _GatherRows(torch.autograd.Function):
 
 def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``buffer[indices]`` along dim 0, whose backward is an `index_add_` scatter.
+
+    `indices` must lie in ``[0, len(buffer))`` (as for `index_select`; no negative ones).
 
     The default backward of ``buffer[indices]`` is ``index_put_(accumulate=True)``, which
     sorts the indices; the scatter computes the same sum without the sort. When `buffer`

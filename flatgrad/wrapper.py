@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,16 +41,30 @@ class FlatGrad(nn.Module):
         super().__init__()
         self.config = resolve_config(config)
         self.module = model
-        _route_layers(model, self.config)
         self._store: GradStore | None = None
+        self._hooks: list[Any] = []  # handles of the AccumulateGrad pre-hooks
         self._grad_accumulators: list[Any] = []
+        self._watched: tuple[tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device], ...] = ()
+        if not _trainable_parameters(model):
+            raise ValueError("model must have at least one parameter with requires_grad=True, got none")
         self._build()
+        _route_layers(model, self.config)  # after the checks above: a refused wrap changes nothing
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
-        self.register_load_state_dict_post_hook(lambda module, _: module._refresh())
         logger.info("flatgrad: %s", self._summary())
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Autograd nodes and hook handles do not copy or pickle; `__setstate__` rebuilds them.
+        state = self.__dict__.copy()
+        state.update(_store=None, _hooks=[], _grad_accumulators=[], _watched=())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._build()
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._checked_store()  # rebuilds if parameters changed since the last build
         return self.module(*args, **kwargs)
 
     @property
@@ -62,25 +75,40 @@ class FlatGrad(nn.Module):
     # --- building and re-building ---------------------------------------------------------
 
     def _build(self) -> None:
+        """Lay out the buffers for the current trainable parameters and hook them."""
         params = _trainable_parameters(self.module)
-        if not params:
-            raise ValueError("model must have at least one parameter with requires_grad=True, got none")
         if self._store is not None:
             self._store.release()
+        for handle in self._hooks:  # a graph still alive must not write into old buffers
+            handle.remove()
         self._store = store = GradStore(params, self.config.align_bytes)
-        self._grad_accumulators = []
+        self._hooks = []
+        self._grad_accumulators = []  # a parameter holds its AccumulateGrad node only weakly
         for param in params:
             accumulator: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-            accumulator.register_prehook(functools.partial(_place_incoming, store, param))
-            self._grad_accumulators.append(accumulator)  # keep alive so the hook stays
+            self._hooks.append(accumulator.register_prehook(functools.partial(_place_incoming, store, param)))
+            self._grad_accumulators.append(accumulator)
+        self._watched = tuple(
+            (module, name, param, param.requires_grad, param.dtype, param.device)
+            for module in self.module.modules()
+            for name, param in module._parameters.items()
+            if param is not None
+        )
         store.settle()  # move gradients that already exist into the buffers
 
-    def _refresh(self) -> None:
-        """Rebuild if the set of trainable parameters changed (e.g. a load with assign=True)."""
-        current = _trainable_parameters(self.module)
-        store = self._checked_store()
-        if len(current) != len(store.params) or any(a is not b for a, b in zip(current, store.params)):
-            self._build()
+    def _parameters_changed(self) -> bool:
+        """Whether a parameter was replaced, converted or (un)frozen since the last build
+        (e.g. `model.fc.weight = ...`, `model.load_state_dict(..., assign=True)`)."""
+        for module, name, param, requires_grad, dtype, device in self._watched:
+            current = module._parameters.get(name)
+            if (
+                current is not param
+                or current.requires_grad != requires_grad
+                or current.dtype != dtype
+                or current.device != device
+            ):
+                return True
+        return False
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FlatGrad:
         # .to(), .double(), .half(), .cuda() ... convert parameters and their .grad out of
@@ -91,6 +119,10 @@ class FlatGrad(nn.Module):
         return self
 
     def _checked_store(self) -> GradStore:
+        """The store, rebuilt first if the model's parameters changed behind the wrapper."""
+        if self._parameters_changed():
+            logger.info("flatgrad: parameters changed after wrapping; laying out the buffers again")
+            self._build()
         assert self._store is not None, "FlatGrad is not built"
         return self._store
 
@@ -201,9 +233,7 @@ def _place_incoming(
     grad = grads[0]
     if grad is None or param.grad is not None or torch.is_grad_enabled():
         return None
-    slot = store.view(param)
-    slot.copy_(grad)
-    param.grad = slot
+    store.place(param, grad)
     return (None,)
 
 
@@ -261,24 +291,37 @@ def _route_layers(model: nn.Module, config: FlatGradConfig) -> None:
                     f"embedding {name or '<root>'!r} must have sparse=False: a sparse gradient "
                     "cannot live in a dense flat buffer"
                 )
-            module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+            # A partial of a module-level function (not a bound method) pickles and deep-copies.
+            module.forward = functools.partial(forward, module)  # type: ignore[method-assign]
 
 
 # --- state_dict keys: the plain model's, in both directions --------------------------------
 
 
+def _rekey(mapping: dict[str, Any], old: str, new: str, root: str | None = None) -> None:
+    """Rename keys starting with `old` to start with `new` (all at once: no clashes);
+    `root`, if given, is a key equal to `old` without its dot, renamed to `new[:-1]`."""
+    moved = {k: mapping.pop(k) for k in [k for k in mapping if k.startswith(old) or k == root]}
+    for key, value in moved.items():
+        mapping[new[:-1] if key == root else new + key[len(old) :]] = value
+
+
 def _strip_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    inner = prefix + _PREFIX
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
+    """After `state_dict()`: ``<prefix>module.x`` -> ``<prefix>x``, so the keys (and the
+    version metadata) are the plain model's, also under ``DDP(flat)``."""
+    _rekey(state_dict, prefix + _PREFIX, prefix)
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
-        for key in [k for k in metadata if k == inner[:-1] or k.startswith(inner)]:
-            metadata[prefix + key[len(inner) :]] = metadata.pop(key)
+        metadata.pop(prefix[:-1], None)  # FlatGrad's own entry; the model's root takes its key
+        _rekey(metadata, prefix + _PREFIX, prefix, root=prefix + _PREFIX[:-1])
 
 
 def _add_prefix(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, *args: Any
 ) -> None:
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + _PREFIX)]:
-        state_dict[prefix + _PREFIX + key[len(prefix) :]] = state_dict.pop(key)
+    """Before loading: ``<prefix>x`` -> ``<prefix>module.x`` (every key: FlatGrad has no
+    state of its own, and a child of the model may itself be called "module")."""
+    _rekey(state_dict, prefix, prefix + _PREFIX)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        _rekey(metadata, prefix, prefix + _PREFIX, root=prefix[:-1])

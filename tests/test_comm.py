@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 import weakref
 
 import pytest
@@ -263,12 +264,14 @@ def test_ddp_kwargs_one_bucket_per_buffer():
 def _raising_worker(rank: int, world_size: int) -> None:
     if rank == 1:
         raise RuntimeError("rank 1 fails on purpose")
-    dist.barrier()  # rank 0 would wait here forever without the harness
+    time.sleep(600)  # rank 0 would wait here far past the test's deadline without the harness
 
 
 def test_a_failing_rank_fails_fast():
+    start = time.monotonic()
     with pytest.raises(Exception, match="rank 1 fails on purpose"):
         run_ranks(_raising_worker, timeout=60)
+    assert time.monotonic() - start < 60
 
 
 def _nccl_worker(rank: int, world_size: int) -> None:
@@ -293,3 +296,29 @@ def _nccl_worker(rank: int, world_size: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_nccl_fast_path_matches_stock_ddp():
     run_ranks(_nccl_worker, world_size=torch.cuda.device_count(), backend="nccl")
+
+
+def _globally_unused_worker(rank: int, world_size: int) -> None:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("flatgrad").addHandler(handler)
+    torch.manual_seed(0)
+    flat = flatgrad.FlatGrad(_Net(), config=ROUTE_ALL)
+    ddp = DDP(flat, find_unused_parameters=True, **flat.ddp_kwargs())
+    ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(4):
+        opt.zero_grad()
+        ddp(_tokens(rank, step), False).backward()  # the branch is unused on every rank
+        opt.step()
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert not warnings, warnings
+    storages = {buf.untyped_storage().data_ptr() for buf in flat.grad_buffers.values()}
+    for name, p in flat.module.named_parameters():
+        if p.requires_grad and p.grad is not None:
+            assert p.grad.untyped_storage().data_ptr() in storages, name
+
+
+def test_fast_path_kept_with_a_parameter_unused_everywhere():
+    run_ranks(_globally_unused_worker)

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from conftest import ROUTE_ALL, TiedLM, assert_same_grads, grad_in_buffers
 from torch import nn
 
@@ -222,3 +223,28 @@ def test_layer_used_twice_with_unrouted_use_of_same_weight():
         assert_same_grads(flat, oracle)
         flat.zero_grad()
         oracle.zero_grad()
+
+
+def test_embedding_with_max_norm_used_twice_in_one_forward():
+    torch.manual_seed(0)
+    emb = nn.Embedding(9, 4, max_norm=0.5).double()
+    oracle = copy.deepcopy(emb)
+    flat = flatgrad.FlatGrad(emb)
+    a, b = torch.tensor([[1, 2]]), torch.tensor([[2, 5]])
+    (flat(a).sum() + flat(b).square().sum()).backward()
+    (oracle(a).sum() + oracle(b).square().sum()).backward()
+    assert_same_grads(flat, oracle)
+
+
+def test_zero_copy_under_non_reentrant_checkpointing():
+    torch.manual_seed(0)
+    flat = flatgrad.FlatGrad(_ProfiledLM(tied=True), config=ROUTE_ALL)
+    shapes = {tuple(p.shape) for p in flat.parameters() if p.dim() == 2}
+    tokens = torch.randint(0, 50, (3, 7))
+    for set_to_none in (True, False):
+        flat.zero_grad(set_to_none=set_to_none)
+        loss = torch.utils.checkpoint.checkpoint(flat, tokens, use_reentrant=False)
+        with torch.profiler.profile(record_shapes=True) as prof:
+            loss.backward()
+        assert _weight_sized_ops(prof, shapes, _COPY_OPS) == []
+        assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters())

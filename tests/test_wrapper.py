@@ -365,3 +365,146 @@ def test_linear_min_numel_routes_only_large_linears():
         assert_same_grads(flat, oracle)
         flat.zero_grad()
         oracle.zero_grad()
+
+
+# --- the model changing behind the wrapper's back ----------------------------------------
+
+
+def _changed_model_cases():
+    def replace_param(model):
+        model.proj.weight = nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
+
+    def load_assign(model):
+        model.load_state_dict(copy.deepcopy(TiedLM().double().state_dict()), assign=True)
+
+    def unfreeze(model):
+        model.norm.weight.requires_grad_(True)
+
+    def inner_double(model):
+        model.double()
+
+    return {
+        "replace": replace_param,
+        "load_assign": load_assign,
+        "unfreeze": unfreeze,
+        "double": inner_double,
+    }
+
+
+@pytest.mark.parametrize("case", list(_changed_model_cases()))
+def test_parameters_changed_after_wrapping_are_picked_up(case):
+    torch.manual_seed(0)
+    model = TiedLM()
+    if case != "double":
+        model.double()
+    if case == "unfreeze":
+        model.norm.weight.requires_grad_(False)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    _changed_model_cases()[case](model)  # on the inner model, not through the wrapper
+    oracle = copy.deepcopy(model)
+    flat(_tokens(0)).backward()
+    oracle(_tokens(0)).backward()
+    assert_same_grads(flat, oracle)
+    torch.testing.assert_close(
+        flat.grad_norm(),
+        torch.nn.utils.get_total_norm([p.grad for p in oracle.parameters() if p.grad is not None]),
+    )
+
+
+def test_rebuild_while_a_graph_is_alive_uses_the_new_buffers():
+    torch.manual_seed(0)
+    flat = flatgrad.FlatGrad(TiedLM(), config=ROUTE_ALL)
+    loss = flat(_tokens(0))
+    flat.float()  # a no-op conversion, but a rebuild
+    loss.backward()
+    assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters())
+
+
+def test_swap_based_conversion_works():
+    flat = flatgrad.FlatGrad(TiedLM(), config=ROUTE_ALL)
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        flat.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    flat(_tokens(0)).backward()
+    assert list(flat.grad_buffers) == [(torch.float64, torch.device("cpu"))]
+    assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters())
+
+
+def test_all_parameters_frozen_after_wrapping():
+    flat = flatgrad.FlatGrad(nn.Linear(3, 3))
+    flat.requires_grad_(False)
+    flat.double()
+    assert flat.grad_buffers == {}
+
+
+def test_refused_wrap_leaves_the_model_untouched():
+    model = nn.Sequential(nn.Linear(2, 2)).requires_grad_(False)
+    with pytest.raises(ValueError):
+        flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    assert "forward" not in vars(model[0])
+
+
+def test_deepcopy_and_pickle_round_trip(tmp_path):
+    torch.manual_seed(0)
+    flat = flatgrad.FlatGrad(TiedLM().double(), config=ROUTE_ALL)
+    flat(_tokens(0)).backward()
+    for clone in (copy.deepcopy(flat), _pickled(flat, tmp_path)):
+        assert clone.grad_buffers
+        assert all(p.grad is None or grad_in_buffers(clone, p.grad) for p in clone.parameters())
+        clone.zero_grad()
+        flat.zero_grad()
+        clone(_tokens(1)).backward()
+        flat(_tokens(1)).backward()
+        for p, q in zip(clone.parameters(), flat.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+            assert grad_in_buffers(clone, p.grad)
+
+
+def _pickled(flat: flatgrad.FlatGrad, tmp_path) -> flatgrad.FlatGrad:
+    path = tmp_path / "flat.pt"
+    torch.save(flat, path)
+    return torch.load(path, weights_only=False)
+
+
+def test_state_dict_with_a_child_called_module():
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(3, 3)
+            self.bn = nn.BatchNorm1d(3)
+
+    model = Outer()
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    state = flat.state_dict()
+    assert list(state) == list(model.state_dict())
+    assert list(state._metadata) == list(model.state_dict()._metadata)
+    flat.load_state_dict(state)
+    flat.load_state_dict(Outer().state_dict())
+
+
+def test_sparse_gradient_from_an_unrouted_op_lands_dense():
+    class SparseLookup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(6, 2, dtype=torch.float64))
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return nn.functional.embedding(idx, self.table, sparse=True).sum()
+
+    model = SparseLookup()
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model)
+    idx = torch.tensor([0, 3, 3])
+    flat(idx).backward()
+    oracle(idx).backward()
+    torch.testing.assert_close(model.table.grad, oracle.table.grad.to_dense())
+    assert grad_in_buffers(flat, model.table.grad)
+
+
+def test_linear_with_zero_features():
+    layer = nn.Linear(0, 3)
+    flat = flatgrad.FlatGrad(layer, config=ROUTE_ALL)
+    flat(torch.randn(4, 0)).sum().backward()
+    torch.testing.assert_close(layer.bias.grad, torch.full((3,), 4.0))
