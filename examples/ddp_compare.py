@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -25,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from gpt_model import GPT, CharData, init_distributed, lm_loss, read_text
+from gpt_model import GPT, CharData, init_distributed, launch, lm_loss, read_text
 from run_config import CompareConfig, load_config
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -123,18 +121,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="override steps")
     args = parser.parse_args()
     cfg = load_config(CompareConfig, args.config, {"steps": args.steps})
-    quiet = os.environ.get("RANK", "0") != "0"  # only rank 0 talks
-    logging.basicConfig(
-        level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(name)s: %(message)s"
-    )
-    try:
-        compare(cfg)
-    finally:
-        # Free DDP (kept in reference cycles) while its process group still exists: a reducer
-        # collected at interpreter exit, after the group is gone, can abort the process (gloo).
-        gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    launch(lambda: compare(cfg))
 
 
 if __name__ == "__main__":

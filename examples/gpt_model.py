@@ -6,16 +6,20 @@ Not a script; the examples import it from their own directory.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import inspect
+import logging
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 # --- model ----------------------------------------------------------------------------------
 
@@ -145,3 +149,21 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def launch(run: Callable[[], None]) -> None:
+    """Run `run` with logging on rank 0 only (above any progress bar), then free DDP and
+    destroy the process group, whatever happened."""
+    quiet = os.environ.get("RANK", "0") != "0"
+    logging.basicConfig(
+        level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(name)s: %(message)s"
+    )
+    try:
+        with logging_redirect_tqdm():
+            run()
+    finally:
+        # Free DDP (kept in reference cycles) while its process group still exists: a reducer
+        # collected at interpreter exit, after the group is gone, can abort the process (gloo).
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -13,21 +13,18 @@ state_dict (``flat.state_dict()`` has its keys), the optimiser state and the run
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import math
-import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from gpt_model import GPT, CharData, init_distributed, lm_loss, read_text
+from gpt_model import GPT, CharData, init_distributed, launch, lm_loss, read_text
 from run_config import TrainConfig, load_config
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 import flatgrad
 
@@ -141,19 +138,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, help="override out_dir")
     args = parser.parse_args()
     cfg = load_config(TrainConfig, args.config, {"max_steps": args.max_steps, "out_dir": args.out_dir})
-    quiet = os.environ.get("RANK", "0") != "0"  # only rank 0 talks
-    logging.basicConfig(
-        level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(name)s: %(message)s"
-    )
-    try:
-        with logging_redirect_tqdm():  # log lines print above the progress bar, not through it
-            train(cfg)
-    finally:
-        # Free DDP (kept in reference cycles) while its process group still exists: a reducer
-        # collected at interpreter exit, after the group is gone, can abort the process (gloo).
-        gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    launch(lambda: train(cfg))
 
 
 if __name__ == "__main__":
