@@ -133,7 +133,7 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
                 "collectives_per_step",
                 "grad_copies_per_step",
                 "grad_bytes",
-                "peak_mem_mb",
+                "step_peak_extra_mb",
                 "final_loss",
             }
             assert record["min_ms"] <= record["median_ms"] <= record["max_ms"]

@@ -16,7 +16,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"{env['threads_per_rank']} thread(s)/rank, {env['gpu'] or env['cpu']}",
         f"{'model':13s} {'configuration':20s} {'median ms':>9s} {'min':>8s} {'max':>8s} "
         f"{'ratio':>6s} {'vs view':>7s} "
-        f"{'colls':>5s} {'copies':>6s} {'grad MB':>8s} {'peak MB':>8s} {'loss':>8s}",
+        f"{'colls':>5s} {'copies':>6s} {'grad MB':>8s} {'+peak MB':>8s} {'loss':>8s}",
     ]
     for model, result in report["models"].items():
         for name, r in result["configs"].items():
@@ -25,13 +25,14 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{r.get('ratio_to_ddp_default', float('nan')):6.2f} "
                 f"{r.get('pair_ratio_to_ddp_bucket_view', float('nan')):7.2f} {r['collectives_per_step']:5d} "
                 f"{r['grad_copies_per_step']:6d} "
-                f"{r['grad_bytes'] / 2**20:8.1f} {r['peak_mem_mb']:8.1f} {r['final_loss']:8.4f}"
+                f"{r['grad_bytes'] / 2**20:8.1f} {r['step_peak_extra_mb']:8.1f} {r['final_loss']:8.4f}"
             )
     lines.append(
         "ratio / vs view: median over steps of the step-time ratio to stock DDP default / to stock "
         "DDP with gradient_as_bucket_view=True (same step, interleaved); colls: collectives per step; "
         "copies: gradient-sized copies per step (profiler); grad MB: gradient memory held; "
-        "peak MB: the largest peak memory of a step (RSS on CPU, allocator on CUDA), over ranks"
+        "+peak MB: the most a step added at its peak over what was resident before it "
+        "(RSS on Linux CPUs, a lower bound; the allocator on CUDA), over ranks"
     )
     return "\n".join(lines)
 

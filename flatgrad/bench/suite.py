@@ -12,7 +12,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from flatgrad.bench.counters import count_step, grad_bytes
-from flatgrad.bench.memory import peak_mb, reset_peak
+from flatgrad.bench.memory import step_peak, step_start
 from flatgrad.bench.models import MODELS
 from flatgrad.bench.runners import BASELINE, BEST_STOCK, Runner, build_runner
 
@@ -25,16 +25,17 @@ def _sync(device: torch.device) -> None:
 def _timed_step(
     runner: Runner, batch: tuple[torch.Tensor, ...], device: torch.device
 ) -> tuple[float, float, float]:
-    """(seconds, loss, peak memory MB) of one training step."""
+    """(seconds, loss, MB the step added at its peak) of one training step."""
     dist.barrier()  # every rank starts the step together; the wait is not timed
     _sync(device)
-    reset_peak(device)
+    baseline = step_start(device)
     start = time.perf_counter()
     loss = runner.forward(batch)
     runner.backward(loss)
     runner.update()
     _sync(device)
-    return time.perf_counter() - start, float(loss.detach()), peak_mb(device)
+    seconds = time.perf_counter() - start
+    return seconds, float(loss.detach()), step_peak(device, baseline)
 
 
 def bench_model(
@@ -76,7 +77,7 @@ def bench_model(
             "collectives_per_step": counts.collectives,
             "grad_copies_per_step": counts.grad_copies,
             "grad_bytes": grad_bytes(runner.module.parameters(), runner.bucket_buffers()),
-            "peak_mem_mb": row[-1],
+            "step_peak_extra_mb": row[-1],
             "final_loss": losses[runner.name],
         }
     for name, record in results.items():
