@@ -96,6 +96,14 @@ class FlatGrad(nn.Module):
         )
         store.settle()  # move gradients that already exist into the buffers
 
+    def _remove_placement_hooks(self) -> None:
+        """Once DDP's bucket is the buffer, DDP's reducer copies a fresh gradient of an
+        unrouted parameter into it (in C++) and rebinds `.grad`: the pre-hooks, which do the
+        same in Python, only cost time. A rebuild registers them again."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
     def _parameters_changed(self) -> bool:
         """Whether a parameter was replaced, converted or (un)frozen since the last build
         (e.g. `model.fc.weight = ...`, `model.load_state_dict(..., assign=True)`)."""
