@@ -147,3 +147,20 @@ def test_bench_rejects_unknown_model():
 
     with pytest.raises(SystemExit):
         parse_args(["--models", "resnet"])
+
+
+def tiny_bench_model():
+    from flatgrad.bench.models import BenchModel
+
+    return BenchModel(_mlp, lambda gen, device: (torch.randn(4, 512, generator=gen).to(device),))
+
+
+def test_resolve_model_takes_a_factory_of_your_own():
+    from flatgrad.bench.models import MODELS, resolve_model
+
+    assert resolve_model("gpt") is MODELS["gpt"]
+    spec = resolve_model("test_bench:tiny_bench_model")
+    (x,) = spec.batch(torch.Generator().manual_seed(0), torch.device("cpu"))
+    assert spec.build()(x).shape == (4, 384)
+    with pytest.raises(TypeError, match="must return a flatgrad.bench.models.BenchModel, got Sequential"):
+        resolve_model("test_bench:_mlp")

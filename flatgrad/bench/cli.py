@@ -36,7 +36,7 @@ logger = logging.getLogger("flatgrad.bench")
 def _csv(choices: tuple[str, ...] | list[str], what: str) -> Any:
     def parse(text: str) -> list[str]:
         items = [t for t in text.split(",") if t]
-        bad = [t for t in items if t not in choices]
+        bad = [t for t in items if t not in choices and ":" not in t]
         if bad or not items:
             raise argparse.ArgumentTypeError(
                 f"{what} must be a comma-separated subset of {', '.join(choices)}, got {text!r}"
@@ -58,7 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--world-size", type=_positive, default=2, help="gloo ranks to spawn (ignored under torchrun)"
     )
-    parser.add_argument("--models", type=_csv(list(MODELS), "--models"), default=list(MODELS))
+    parser.add_argument(
+        "--models",
+        type=_csv(list(MODELS), "--models"),
+        default=list(MODELS),
+        help="comma-separated built-in models, or package.module:factory returning a BenchModel",
+    )
     parser.add_argument("--configs", type=_csv(CONFIGS, "--configs"), default=list(CONFIGS))
     parser.add_argument("--steps", type=_positive, default=20, help="timed steps per configuration")
     parser.add_argument(

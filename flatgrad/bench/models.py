@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -122,3 +123,15 @@ MODELS: dict[str, BenchModel] = {
     "gpt": BenchModel(TiedGPT, _gpt_batch),
     "mlp": BenchModel(LargeMLP, _mlp_batch),
 }
+
+
+def resolve_model(name: str) -> BenchModel:
+    """A built-in model by name, or ``"package.module:factory"``: a function of no arguments
+    returning a `BenchModel` (so you can benchmark your own model)."""
+    if ":" not in name:
+        return MODELS[name]
+    module_name, _, attr = name.partition(":")
+    spec = getattr(importlib.import_module(module_name), attr)()
+    if not isinstance(spec, BenchModel):
+        raise TypeError(f"{name} must return a flatgrad.bench.models.BenchModel, got {type(spec).__name__}")
+    return spec

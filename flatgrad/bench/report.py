@@ -50,7 +50,7 @@ def write_png(report: dict[str, Any], path: Path) -> Path | None:
     models = list(report["models"])
     configs = list(next(iter(report["models"].values()))["configs"])
     width = 0.8 / len(configs)
-    fig, ax = plt.subplots(figsize=(1.8 + 2.2 * len(models), 4.5))
+    fig, ax = plt.subplots(figsize=(1.8 + 2.2 * len(models), 5.0))
     for i, name in enumerate(configs):
         ratios = [report["models"][m]["configs"][name].get("ratio_to_ddp_default", 1.0) for m in models]
         ax.bar([j + i * width for j in range(len(models))], ratios, width, label=name)
@@ -59,7 +59,7 @@ def write_png(report: dict[str, Any], path: Path) -> Path | None:
     ax.set_ylabel("step time / stock DDP default (lower is faster)")
     env = report["environment"]
     ax.set_title(f"flatgrad-bench: {env['backend']}, {env['world_size']} ranks, torch {env['torch']}")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

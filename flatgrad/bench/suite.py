@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from flatgrad.bench.counters import count_step, grad_bytes
 from flatgrad.bench.memory import step_peak, step_start
-from flatgrad.bench.models import MODELS
+from flatgrad.bench.models import resolve_model
 from flatgrad.bench.runners import BASELINE, BEST_STOCK, Runner, build_runner
 
 
@@ -43,7 +43,7 @@ def bench_model(
 ) -> dict[str, Any]:
     """Interleaved steps of every configuration on the same data; step time is the slowest
     rank's. Then one profiled step each for collectives, copies and gradient bytes."""
-    spec = MODELS[model_name]
+    spec = resolve_model(model_name)
     torch.manual_seed(0)
     model = spec.build()
     runners = [build_runner(name, model, device) for name in configs]
