@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +165,8 @@ class FlatGrad(nn.Module):
         store = self._checked_store()
         store.settle()
         norms = [torch.linalg.vector_norm(buf, norm_type) for buf in store.buffers.values()]
+        if not norms:  # every parameter frozen since wrapping
+            return torch.zeros(())
         if len(norms) == 1:
             return norms[0]
         first = norms[0].device
@@ -207,13 +209,6 @@ class FlatGrad(nn.Module):
         decompresses into the buffer, like torch's bf16/fp16 compress hooks.
         """
         return comm.FlatGradCommState(self, process_group, wire_dtype)
-
-    def named_grad_slots(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, view of the slot) for every trainable parameter, in the model's naming."""
-        store = self._checked_store()
-        for name, param in self.module.named_parameters():
-            if param in store:
-                yield name, store.view(param)
 
 
 def _trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
