@@ -33,10 +33,7 @@ class FlatGradCommState:
     _warned: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        if self.wire_dtype is not None and self.wire_dtype not in _WIRE_DTYPES:
-            raise ValueError(
-                f"wire_dtype must be torch.bfloat16, torch.float16 or None, got {self.wire_dtype}"
-            )
+        _check_wire_dtype(self.wire_dtype)
 
     def adopt(self, bucket: dist.GradBucket) -> None:
         """Make DDP's bucket the wrapper's flat buffer, once per bucket allocation.
@@ -91,8 +88,8 @@ def _all_reduce_mean(
     wire = buffer
     if wire_dtype is not None and buffer.is_floating_point() and buffer.dtype != wire_dtype:
         wire = buffer.to(wire_dtype)
-    if dist.get_backend(process_group) == "nccl":
-        op = dist.ReduceOp.AVG  # averaged inside the reduction: no extra pass over the buffer
+    if wire.is_cuda and "nccl" in str(dist.get_backend(process_group)):
+        op = dist.ReduceOp.AVG  # NCCL averages inside the reduction: no extra pass
     else:
         op = dist.ReduceOp.SUM
         wire.div_(dist.get_world_size(process_group))  # divide first, so sums stay finite
