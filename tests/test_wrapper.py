@@ -503,6 +503,7 @@ def test_sparse_gradient_from_an_unrouted_op_lands_dense():
     assert grad_in_buffers(flat, model.table.grad)
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
 def test_linear_with_zero_features():
     layer = nn.Linear(0, 3)
     flat = flatgrad.FlatGrad(layer, config=ROUTE_ALL)
