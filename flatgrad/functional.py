@@ -24,6 +24,7 @@ Nothing here imports torch.distributed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -58,42 +59,58 @@ def _weight_target(ctx: Any, index: int) -> tuple[_Mode, torch.Tensor | None, to
     return "out", store.view(param), param  # type: ignore[arg-type]
 
 
+def _deliver(
+    ctx: Any,
+    index: int,
+    dtype: torch.dtype,
+    compute: Callable[[], torch.Tensor],
+    write: Callable[[torch.Tensor], object],
+    accumulate: Callable[[torch.Tensor], object],
+) -> torch.Tensor | None:
+    """Deliver a weight gradient per `_weight_target`: return ``compute()`` (cast to
+    `dtype`) for plain autograd, or `write` it into the empty slot and make that the
+    `.grad`, or `accumulate` it into the slot; None in the last two cases."""
+    mode, target, param = _weight_target(ctx, index)
+    if mode == "skip":
+        return None
+    if mode == "fresh":
+        return compute().to(dtype)
+    assert target is not None and param is not None
+    if mode == "out":
+        write(target)
+        param.grad = target
+    else:
+        accumulate(target)
+    return None
+
+
 def _mm_into(
     ctx: Any, index: int, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor
 ) -> torch.Tensor | None:
-    """The weight gradient ``a @ b`` (in `dtype`), delivered per `_weight_target`. Computes
-    in a's dtype (the autocast dtype, if any) and casts on write, as autocast's cast would."""
-    mode, target, param = _weight_target(ctx, index)
-    if mode == "skip":
-        return None
-    if mode == "fresh":
-        return a.mm(b).to(dtype)
-    assert target is not None and param is not None
-    same_dtype = target.dtype == a.dtype
-    if mode == "out":
-        torch.mm(a, b, out=target) if same_dtype else target.copy_(a.mm(b))
-        param.grad = target
-    elif same_dtype:
-        target.addmm_(a, b)
-    else:
-        target.add_(a.mm(b))
-    return None
+    """The weight gradient ``a @ b``. Computes in a's dtype (the autocast dtype, if any)
+    and casts on write, as autocast's cast would; in place with ``out=``/``addmm_``."""
+    same = a.dtype == dtype
+    return _deliver(
+        ctx,
+        index,
+        dtype,
+        lambda: a.mm(b),
+        lambda t: torch.mm(a, b, out=t) if same else t.copy_(a.mm(b)),
+        lambda t: t.addmm_(a, b) if same else t.add_(a.mm(b)),
+    )
 
 
 def _sum_into(ctx: Any, index: int, dtype: torch.dtype, rows: torch.Tensor) -> torch.Tensor | None:
-    """The bias gradient ``rows.sum(0)`` (in `dtype`), delivered per `_weight_target`."""
-    mode, target, param = _weight_target(ctx, index)
-    if mode == "skip":
-        return None
-    if mode == "fresh":
-        return rows.sum(0).to(dtype)
-    assert target is not None and param is not None
-    if mode == "out":
-        torch.sum(rows, 0, out=target) if target.dtype == rows.dtype else target.copy_(rows.sum(0))
-        param.grad = target
-    else:
-        target.add_(rows.sum(0))
-    return None
+    """The bias gradient ``rows.sum(0)``."""
+    same = rows.dtype == dtype
+    return _deliver(
+        ctx,
+        index,
+        dtype,
+        lambda: rows.sum(0),
+        lambda t: torch.sum(rows, 0, out=t) if same else t.copy_(rows.sum(0)),
+        lambda t: t.add_(rows.sum(0)),
+    )
 
 
 class _Linear(torch.autograd.Function):
@@ -167,11 +184,12 @@ class _GatherRows(torch.autograd.Function):
         dtype, device, shape = ctx.weight_meta
         index = indices.reshape(-1)
         rows = grad_out.reshape(index.numel(), *shape[1:]).to(dtype)
+        per_row = (-1,) + (1,) * (rows.dim() - 1)  # broadcast a per-index value over a row
         if ctx.padding_idx is not None:
-            rows = rows.masked_fill((index == ctx.padding_idx).view(-1, *[1] * (rows.dim() - 1)), 0)
+            rows = rows.masked_fill((index == ctx.padding_idx).view(per_row), 0)
         if ctx.scale_grad_by_freq:
             counts = torch.bincount(index, minlength=shape[0]).to(dtype)
-            rows = rows / counts[index].view(-1, *[1] * (rows.dim() - 1))
+            rows = rows / counts[index].view(per_row)
         if mode == "fresh":
             fresh = torch.zeros(shape, dtype=dtype, device=device)
             if torch.is_grad_enabled():  # create_graph: keep the result differentiable
