@@ -75,6 +75,11 @@ class GradStore:
         """`param`'s slot, shaped and strided like the parameter (always the same tensor)."""
         return self._entries[param].view
 
+    def slot(self, param: torch.Tensor) -> tuple[GroupKey, SlotSpec]:
+        """`param`'s group key and slot (offset and size in elements within that buffer)."""
+        entry = self._entries[param]
+        return entry.key, entry.slot
+
     def flat_view(self, param: torch.Tensor) -> torch.Tensor:
         """`param`'s slot as a 1-D view."""
         entry = self._entries[param]
