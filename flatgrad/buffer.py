@@ -40,12 +40,14 @@ class GradStore:
                     f"a parameter of shape {tuple(param.shape)} is already wrapped by another "
                     "FlatGrad; a parameter's gradient can live in one flat buffer only"
                 )
+        self.stale = False  # set when a parameter no longer fits its slot
         self.buffers: dict[GroupKey, torch.Tensor] = {}
         self._entries: dict[torch.Tensor, _Entry] = {}
         for key, group in plan_layout(self.params, align_bytes).items():
             self.buffers[key] = _aligned_zeros(group.numel, key, align_bytes)
             for index, slot in zip(group.param_indices, group.slots):
                 self._set_slot(self.params[index], key, slot)
+        self._cut_runs()
         me = weakref.ref(self)
         ids = [id(param) for param in self.params]
         for param_id in ids:
@@ -54,8 +56,31 @@ class GradStore:
 
     def _set_slot(self, param: torch.Tensor, key: GroupKey, slot: SlotSpec) -> None:
         buffer = self.buffers[key]
-        view = buffer.as_strided(slot.shape, slot.stride, buffer.storage_offset() + slot.offset)
+        # `set_` rather than a view op: the slot shares the buffer's memory but has a
+        # version counter of its own, so `_version` tells whether this slot was written
+        # (AccumulateGrad's in-place add, a Function's out=/addmm_) since it was seated.
+        view = torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
+            buffer.untyped_storage(), buffer.storage_offset() + slot.offset, slot.shape, slot.stride
+        )
         self._entries[param] = _Entry(key, slot, view)
+
+    def _cut_runs(self) -> None:
+        """1-D views covering exactly the gradient elements of every slot (never the alignment
+        padding), adjacent slots merged: what a scale (clipping) may touch. Padding stays zero
+        by construction, so whole-buffer norms and syncs may read it."""
+        spans: dict[GroupKey, list[list[int]]] = {}
+        for entry in sorted(self._entries.values(), key=lambda e: (str(e.key), e.slot.offset)):
+            runs = spans.setdefault(entry.key, [])
+            if runs and runs[-1][1] == entry.slot.offset:
+                runs[-1][1] += entry.slot.numel
+            else:
+                runs.append([entry.slot.offset, entry.slot.offset + entry.slot.numel])
+        self.runs = [
+            self.buffers[key].narrow(0, start, end - start)
+            for key, runs in spans.items()
+            for start, end in runs
+            if end > start
+        ]
 
     @staticmethod
     def owner_of(param: torch.Tensor) -> GradStore | None:
@@ -122,7 +147,41 @@ class GradStore:
             self._set_slot(param, key, slot)
             if param.grad is not None:
                 param.grad = self._entries[param].view  # same memory, now our view object
+        self._cut_runs()
         return True
+
+    def seat(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Before a backward: point every one of `params` whose `.grad` is None at its slot,
+        zeroed, so that AccumulateGrad adds the incoming gradient into it in place (in C++:
+        no hook, no copy). Returns (param, slot, slot version) for `unseat`.
+
+        A parameter whose shape, dtype or device no longer matches its slot (``param.data``
+        replaced, a conversion behind the wrapper's back) is left alone and marks the store
+        stale, so the wrapper lays the buffers out again before the next forward.
+        """
+        seated = []
+        for param in params:
+            if param.grad is None:
+                view = self._entries[param].view
+                try:
+                    param.grad = view
+                except RuntimeError:
+                    self.stale = True
+                    continue
+                seated.append((param, view))
+        if not seated:
+            return []
+        views = [view for _, view in seated]
+        torch._foreach_zero_(views)
+        return [(param, view, view._version) for param, view in seated]
+
+    @staticmethod
+    def unseat(seated: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+        """After that backward: a seated slot nothing wrote into goes back to None, as stock
+        leaves the `.grad` of a parameter that got no gradient."""
+        for param, view, version in seated:
+            if view._version == version and param.grad is view:
+                param.grad = None
 
     def settle(self) -> None:
         """Make the buffers the truth: zero the slots of parameters whose `.grad` is None

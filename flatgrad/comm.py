@@ -55,9 +55,7 @@ class FlatGradCommState:
         # Parameters DDP found unused (find_unused_parameters=True) may have no .grad yet.
         pairs = [(p.grad, g) for p, g in zip(params, grads) if p.grad is not None]
         as_views = bool(pairs) and all(grad.data_ptr() == view.data_ptr() for grad, view in pairs)
-        if as_views and store.adopt(buffer, params, grads):
-            self.wrapper._remove_placement_hooks()
-        elif not self._warned:
+        if not (as_views and store.adopt(buffer, params, grads)) and not self._warned:
             self._warned = True
             logger.warning(
                 "flatgrad: DDP keeps gradients in its own buckets, so they are copied every step; "

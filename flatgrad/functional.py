@@ -46,17 +46,27 @@ def _weight_target(ctx: Any, index: int) -> tuple[_Mode, torch.Tensor | None, to
     node = ctx.next_functions[index][0]
     param = getattr(node, "variable", None)  # None unless the input is a leaf (AccumulateGrad)
     store = GradStore.owner_of(param) if param is not None else None
-    if store is None or torch.is_grad_enabled() or param._backward_hooks:  # type: ignore[union-attr]
+    if store is None or torch.is_grad_enabled():
         return "fresh", None, param
     try:
         if not torch._C._will_engine_execute_node(node):
             return "skip", None, param  # backward(inputs=...) without this weight
     except RuntimeError:
         return "fresh", None, param  # torch.autograd.grad captures this leaf: leave .grad alone
+    view = store.view(param)  # type: ignore[arg-type]
+    if view.shape != param.shape or view.dtype != param.dtype:  # type: ignore[union-attr]
+        store.stale = True  # param.data replaced or converted behind the wrapper: lay out again
+        return "fresh", None, param
     grad = param.grad  # type: ignore[union-attr]
+    if param._backward_hooks:  # type: ignore[union-attr]
+        # Tensor hooks must see the gradient: return it, and let AccumulateGrad add the
+        # hooked result into the slot (seated here when empty).
+        if grad is None:
+            param.grad = view.zero_()  # type: ignore[union-attr]
+        return "fresh", None, param
     if grad is not None:
-        return ("add", grad, param) if store.holds(param, grad) else ("fresh", None, param)  # type: ignore[arg-type]
-    return "out", store.view(param), param  # type: ignore[arg-type]
+        return ("add", grad, param) if grad is view or store.holds(param, grad) else ("fresh", None, param)  # type: ignore[arg-type]
+    return "out", view, param
 
 
 def _deliver(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import Variable
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+from torch.nn.utils import parametrize
+from torch.utils._pytree import tree_leaves
 
 from flatgrad import comm, functional
 from flatgrad.buffer import GradStore
@@ -21,14 +29,35 @@ from flatgrad.layout import GroupKey
 logger = logging.getLogger(__name__)
 
 _PREFIX = "module."
+_execution_engine: Any = Variable._execution_engine  # type: ignore[attr-defined]
+
+
+# Bumped by every parameter or submodule registration anywhere (global nn.Module hooks,
+# installed with the first FlatGrad): forward compares one integer instead of walking the
+# model, and walks it only after something was registered.
+_GENERATION = [0]
+# (module, name, parameter, requires_grad, dtype, device, shape) as they were at the last build
+_Watched = tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size]
+_REGISTRATION_HOOKS: list[Any] = []
+
+
+def _bump_generation(*args: Any) -> None:
+    _GENERATION[0] += 1
+
+
+def _watch_registrations() -> None:
+    if not _REGISTRATION_HOOKS:
+        _REGISTRATION_HOOKS.append(register_module_parameter_registration_hook(_bump_generation))
+        _REGISTRATION_HOOKS.append(register_module_module_registration_hook(_bump_generation))
 
 
 class FlatGrad(nn.Module):
     """Wraps `model`; every trainable parameter's `.grad` lives in `grad_buffers`.
 
     Linear and Embedding layers (those that keep torch's own `forward`) run their backward
-    through Functions that write weight gradients straight into the buffer; every other
-    parameter's gradient is placed there by a pre-hook on its AccumulateGrad node.
+    through Functions that write weight gradients straight into the buffer. Every other
+    parameter's `.grad` is pointed at its zeroed slot when a backward through the wrapper's
+    output starts, so AccumulateGrad adds into the buffer in place (no hook per parameter).
     """
 
     def __init__(
@@ -42,21 +71,24 @@ class FlatGrad(nn.Module):
         self.config = resolve_config(config)
         self.module = model
         self._store: GradStore | None = None
-        self._hooks: list[Any] = []  # handles of the AccumulateGrad pre-hooks
-        self._grad_accumulators: list[Any] = []
-        self._watched: tuple[tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device], ...] = ()
+        self._seater: _Seater | None = None
+        self._watched: tuple[
+            tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size], ...
+        ] = ()
+        self._others: tuple[nn.Parameter, ...] = ()  # the model's parameters without a slot
+        self._generation = -1
         if not _trainable_parameters(model):
             raise ValueError("model must have at least one parameter with requires_grad=True, got none")
+        _watch_registrations()
         self._build()
-        _route_layers(model, self.config)  # after the checks above: a refused wrap changes nothing
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
         logger.info("flatgrad: %s", self._summary())
 
     def __getstate__(self) -> dict[str, Any]:
-        # Autograd nodes and hook handles do not copy or pickle; `__setstate__` rebuilds them.
+        # The store's views and the seater are rebuilt by `__setstate__`.
         state = self.__dict__.copy()
-        state.update(_store=None, _hooks=[], _grad_accumulators=[], _watched=())
+        state.update(_store=None, _seater=None, _watched=(), _others=(), _generation=-1)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -64,56 +96,80 @@ class FlatGrad(nn.Module):
         self._build()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._checked_store()  # rebuilds if parameters changed since the last build
-        return self.module(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return self.module(*args, **kwargs)  # traced: plain torch, nothing of ours in the graph
+        if (
+            self._generation != _GENERATION[0]
+            or self._store is None
+            or self._store.stale
+            or any(p.requires_grad for p in self._others)  # unfrozen: nothing else tells
+        ):
+            self._refresh()
+        output = self.module(*args, **kwargs)
+        seater = self._seater
+        if seater is not None and torch.is_grad_enabled():
+            seater.watch(output)
+        return output
 
     @property
     def grad_buffers(self) -> dict[GroupKey, torch.Tensor]:
         """The flat gradient buffers, one per (dtype, device); every `.grad` is a view of one."""
-        return dict(self._checked_store().buffers)
+        store = self._refresh()
+        store.settle()
+        return dict(store.buffers)
 
     # --- building and re-building ---------------------------------------------------------
 
     def _build(self) -> None:
-        """Lay out the buffers for the current trainable parameters and hook them."""
-        params = _trainable_parameters(self.module)
-        if self._store is not None:
-            self._store.release()
-        for handle in self._hooks:  # a graph still alive must not write into old buffers
-            handle.remove()
-        self._store = store = GradStore(params, self.config.align_bytes)
-        self._hooks = []
-        self._grad_accumulators = []  # a parameter holds its AccumulateGrad node only weakly
-        for param in params:
-            accumulator: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-            self._hooks.append(accumulator.register_prehook(functools.partial(_place_incoming, store, param)))
-            self._grad_accumulators.append(accumulator)
-        self._watched = tuple(
-            (module, name, param, param.requires_grad, param.dtype, param.device)
-            for module in self.module.modules()
-            for name, param in module._parameters.items()
-            if param is not None
-        )
-        store.settle()  # move gradients that already exist into the buffers
+        """Lay out the buffers for the current trainable parameters; route new layers."""
+        with torch.inference_mode(False), torch.no_grad():  # buffers must be normal tensors
+            params = _trainable_parameters(self.module)
+            old = self._store
+            if self._seater is not None:
+                self._seater.retire()  # a graph still alive must not seat into old buffers
+            if old is not None:
+                _detach_leaving(old, params)
+                old.release()
+            routed = _route_layers(self.module, self.config)
+            self._store = store = GradStore(params, self.config.align_bytes)
+            self._seater = _Seater(store, tuple(p for p in params if id(p) not in routed), self)
+            self._watched = _watch_list(self.module) or ()
+            held = {id(p) for p in params}
+            self._others = tuple(entry[2] for entry in self._watched if id(entry[2]) not in held)
+            self._generation = _GENERATION[0]
+            store.settle()  # move gradients that already exist into the buffers
 
-    def _remove_placement_hooks(self) -> None:
-        """Once DDP's bucket is the buffer, DDP's reducer copies a fresh gradient of an
-        unrouted parameter into it (in C++) and rebinds `.grad`: the pre-hooks, which do the
-        same in Python, only cost time. A rebuild registers them again."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+    def _refresh(self) -> GradStore:
+        """The store, laid out again first if the model's parameters changed: replaced,
+        added, removed, (un)frozen, converted or reshaped. O(parameters); forward calls it
+        only when something was registered since, norms and syncs always (as stock
+        `clip_grad_norm_(model.parameters())` walks the model too)."""
+        if self._store is None or self._store.stale or self._layout_changed():
+            logger.info("flatgrad: parameters changed after wrapping; laying out the buffers again")
+            self._build()
+        self._generation = _GENERATION[0]
+        assert self._store is not None, "FlatGrad is not built"
+        return self._store
 
-    def _parameters_changed(self) -> bool:
-        """Whether a parameter was replaced, converted or (un)frozen since the last build
-        (e.g. `model.fc.weight = ...`, `model.load_state_dict(..., assign=True)`)."""
-        for module, name, param, requires_grad, dtype, device in self._watched:
-            current = module._parameters.get(name)
+    def _layout_changed(self) -> bool:
+        if self._generation != _GENERATION[0]:
+            current = _watch_list(self.module)
+            if current is None:
+                return False  # reparametrized for a moment (torch.func.functional_call): keep
+            if len(current) != len(self._watched) or any(
+                a[:2] != b[:2] or a[2] is not b[2] for a, b in zip(current, self._watched)
+            ):
+                return True
+        for module, name, param, requires_grad, dtype, device, shape in self._watched:
+            current_param = module._parameters.get(name)
+            if current_param is not param:
+                # a plain tensor there is functional_call's temporary: keep the layout
+                return isinstance(current_param, nn.Parameter) or current_param is None
             if (
-                current is not param
-                or current.requires_grad != requires_grad
-                or current.dtype != dtype
-                or current.device != device
+                param.requires_grad != requires_grad
+                or param.dtype != dtype
+                or param.device != device
+                or param.shape != shape
             ):
                 return True
         return False
@@ -126,13 +182,14 @@ class FlatGrad(nn.Module):
             self._build()
         return self
 
+    def _rebuilt_seater(self) -> _Seater:
+        self._refresh()
+        assert self._seater is not None, "FlatGrad is not built"
+        return self._seater
+
     def _checked_store(self) -> GradStore:
         """The store, rebuilt first if the model's parameters changed behind the wrapper."""
-        if self._parameters_changed():
-            logger.info("flatgrad: parameters changed after wrapping; laying out the buffers again")
-            self._build()
-        assert self._store is not None, "FlatGrad is not built"
-        return self._store
+        return self._refresh()
 
     def _summary(self) -> str:
         buffers = self._checked_store().buffers
@@ -146,10 +203,11 @@ class FlatGrad(nn.Module):
     # --- flat-buffer operations -----------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Like `nn.Module.zero_grad`; with set_to_none=False it is one fill per buffer."""
-        store = self._checked_store()
+        """Like `nn.Module.zero_grad`, for every parameter of the model (frozen ones too);
+        with set_to_none=False the buffered gradients are one fill per buffer."""
+        store = self._refresh()
         if set_to_none:
-            for param in store.params:
+            for param in store.params + self._others:
                 param.grad = None
             return
         for param in store.params:
@@ -157,35 +215,53 @@ class FlatGrad(nn.Module):
                 param.grad = store.view(param)
         for buffer in store.buffers.values():
             buffer.zero_()
+        for param in self._others:
+            _zero_stock(param)
+
+    def _grads_and_norms(self, norm_type: float) -> tuple[GradStore, list[torch.Tensor], list[torch.Tensor]]:
+        """(store, gradients outside it, the per-piece norms whose `norm_type` norm is the
+        total). For a positive order a whole buffer is one piece (its padding and the slots
+        of parameters without a gradient are zero, so they add nothing); order 0 and
+        negative orders are defined by torch per gradient tensor, so each is its own piece."""
+        store = self._refresh()
+        store.settle()
+        others = [p.grad for p in self._others if p.grad is not None]
+        if norm_type > 0:
+            pieces = list(store.buffers.values())
+        else:
+            pieces = [p.grad for p in store.params if p.grad is not None]
+        norms = [torch.linalg.vector_norm(t, norm_type) for t in pieces + others]
+        return store, others, norms
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes it:
-        one `vector_norm` per buffer. Parameters whose `.grad` is None count as absent."""
+        """The norm of all gradients together, exactly as `torch.nn.utils.clip_grad_norm_`
+        computes it; a positive order costs one `vector_norm` per buffer. Parameters whose
+        `.grad` is None count as absent; frozen parameters that still hold a `.grad` count."""
         norm_type = _check_norm_type(norm_type)
-        store = self._checked_store()
-        store.settle()
-        norms = [torch.linalg.vector_norm(buf, norm_type) for buf in store.buffers.values()]
-        if not norms:  # every parameter frozen since wrapping
-            return torch.zeros(())
-        if len(norms) == 1:
-            return norms[0]
-        first = norms[0].device
-        return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+        return _total_norm(self._grads_and_norms(norm_type)[2], norm_type)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
         """Same result as `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`: scales
-        every buffer in place by ``min(1, max_norm / (total_norm + 1e-6))``."""
-        total = self.grad_norm(norm_type)
+        every gradient in place by ``min(1, max_norm / (total_norm + 1e-6))``. Only gradient
+        elements are scaled, never the alignment padding, which stays zero."""
+        norm_type = _check_norm_type(norm_type)
+        store, others, norms = self._grads_and_norms(norm_type)
+        total = _total_norm(norms, norm_type)
+        if not norms:
+            return total
         if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
             raise RuntimeError(
                 f"the total norm of order {norm_type} of the gradients is non-finite, so it "
                 "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
             )
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        for buffer in self._checked_store().buffers.values():
-            buffer.mul_(coef.to(buffer.device))
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for tensor in store.runs + others:
+            by_device.setdefault(tensor.device, []).append(tensor)
+        for device, tensors in by_device.items():
+            torch._foreach_mul_(tensors, coef.to(device))
         return total
 
     # --- synchronisation (the communication itself lives in flatgrad.comm) --------------
@@ -193,12 +269,12 @@ class FlatGrad(nn.Module):
     def all_reduce_grads(self, process_group: Any = None, wire_dtype: torch.dtype | None = None) -> None:
         """Without DDP: average all gradients over `process_group` (default: the world),
         one all-reduce per buffer. Call it after backward, before the optimizer step."""
-        comm.all_reduce_grads(self._checked_store(), process_group, wire_dtype)
+        comm.all_reduce_grads(self._refresh(), process_group, wire_dtype)
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Constructor arguments for ``DDP(flat, **flat.ddp_kwargs())``: the zero-copy,
         one-all-reduce-per-buffer path together with `allreduce_hook`."""
-        return comm.ddp_kwargs(self._checked_store())
+        return comm.ddp_kwargs(self._refresh())
 
     def comm_state(
         self, process_group: Any = None, wire_dtype: torch.dtype | None = None
@@ -211,46 +287,131 @@ class FlatGrad(nn.Module):
         return comm.FlatGradCommState(self, process_group, wire_dtype)
 
 
+class _Seater:
+    """Points `.grad` of the unrouted parameters at their zeroed slots when a backward
+    through the wrapper's output starts, and puts back None where that backward delivered
+    nothing (from an autograd final callback), so `.grad` is None exactly where stock has it.
+
+    One prehook per output node per forward, whatever the number of parameters: that, a
+    zero fill and a loop that sets `.grad` replace a Python hook per parameter per backward.
+    A parameter used outside the wrapper's output, or a backward that does not go through
+    it, still gets a correct `.grad` (outside the buffer); the next norm or sync moves it in.
+    """
+
+    def __init__(self, store: GradStore, params: tuple[nn.Parameter, ...], wrapper: FlatGrad) -> None:
+        self.store = store
+        self.params = params
+        self._wrapper = weakref.ref(wrapper)
+        self._task = -1
+        self._retired = False
+
+    def retire(self) -> None:
+        self._retired = True
+
+    def watch(self, output: Any) -> None:
+        """Hook the autograd nodes that produced `output` (a tensor or any pytree of them)."""
+        if not self.params:
+            return
+        leaves = [output] if isinstance(output, torch.Tensor) else tree_leaves(output)
+        nodes = {t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        for node in nodes:
+            node.register_prehook(self._on_backward)
+
+    def _on_backward(self, grad_outputs: Any) -> None:
+        if self._retired or torch.is_grad_enabled():  # create_graph: grads stay differentiable
+            return
+        task = torch._C._current_graph_task_id()
+        if task == self._task:
+            return  # another output of the same backward
+        self._task = task
+        seated = self.store.seat(self.params)
+        wrapper = self._wrapper()
+        if self.store.stale and wrapper is not None:
+            # A parameter was converted or reshaped behind the wrapper (model.double() on the
+            # inner model, param.data = ...): lay out again now, before any gradient arrives.
+            GradStore.unseat(seated)
+            seater = wrapper._rebuilt_seater()
+            seater._task = task
+            seated = seater.store.seat(seater.params)
+        if seated:
+            _execution_engine.queue_callback(functools.partial(GradStore.unseat, seated))
+
+
 def _trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     # parameters() yields a shared (tied) parameter once.
     return [param for param in model.parameters() if param.requires_grad]
 
 
+def _watch_list(model: nn.Module) -> tuple[_Watched, ...] | None:
+    """Every (module, name) that holds a parameter, with what a layout depends on; None while
+    a module holds a plain tensor there (torch.func.functional_call reparametrizes that way)."""
+    entries = []
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if not isinstance(param, nn.Parameter):
+                return None
+            entries.append((module, name, param, param.requires_grad, param.dtype, param.device, param.shape))
+    return tuple(entries)
+
+
+def _detach_leaving(store: GradStore, staying: list[nn.Parameter]) -> None:
+    """A parameter that leaves the buffers (frozen, replaced) keeps its `.grad` values in a
+    tensor of its own, so the old buffer can be freed."""
+    kept = {id(p) for p in staying}
+    for param in store.params:
+        if id(param) not in kept and store.holds(param, param.grad):
+            param.grad = param.grad.clone()  # type: ignore[union-attr]
+
+
+def _zero_stock(param: nn.Parameter) -> None:
+    """What `nn.Module.zero_grad(set_to_none=False)` does to one parameter."""
+    grad = param.grad
+    if grad is None:
+        return
+    if grad.grad_fn is not None:
+        grad.detach_()
+    else:
+        grad.requires_grad_(False)
+    grad.zero_()
+
+
 def _check_norm_type(norm_type: float) -> float:
     norm_type = float(norm_type)
-    if math.isnan(norm_type) or norm_type < 0:
-        raise ValueError(f"norm_type must be a non-negative number or inf, got {norm_type}")
+    if math.isnan(norm_type):
+        raise ValueError(f"norm_type must be a number or +-inf, got {norm_type}")
     return norm_type
 
 
-def _place_incoming(
-    store: GradStore, param: nn.Parameter, grads: tuple[torch.Tensor | None, ...]
-) -> tuple[torch.Tensor | None, ...] | None:
-    """AccumulateGrad pre-hook: when `.grad` is None, copy the incoming gradient into the
-    slot, make the slot the `.grad`, and hand AccumulateGrad nothing to do (its post hooks,
-    DDP's among them, still run).
-
-    When `.grad` is defined AccumulateGrad adds in place into it, which is the slot.
-    Under create_graph=True the gradient must stay differentiable: left alone.
-    """
-    grad = grads[0]
-    if grad is None or param.grad is not None or torch.is_grad_enabled():
-        return None
-    store.place(param, grad)
-    return (None,)
+def _total_norm(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """torch's combination of per-piece norms: the `norm_type` norm of their stack."""
+    if not norms:
+        return torch.tensor(0.0)
+    if len(norms) == 1 and norm_type > 0:
+        return norms[0]
+    first = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
 
 
 # --- routing supported layers through the flat-buffer Functions ----------------------------
 
 
+def _plain_torch() -> bool:
+    """Whether the routed forwards must be plain torch: under torch.compile (Dynamo traces
+    torch's own ops, no graph break) and under torch.func transforms (they need no `.grad`)."""
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+
+
 def _linear_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled():
-        return functional.linear(input, module.weight, module.bias)
-    return F.linear(input, module.weight, module.bias)
+    weight = module.weight
+    if torch.is_grad_enabled() and not weight.is_complex() and not _plain_torch():
+        return functional.linear(input, weight, module.bias)
+    return F.linear(input, weight, module.bias)
 
 
 def _embedding_forward(module: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() and not module.sparse:
+    if torch.is_grad_enabled() and not module.sparse and not _plain_torch():
         return functional.embedding(
             input,
             module.weight,
@@ -276,26 +437,44 @@ _ROUTES: dict[str, tuple[type[nn.Module], Callable[..., torch.Tensor]]] = {
 }
 
 
-def _route_layers(model: nn.Module, config: FlatGradConfig) -> None:
-    """Give every supported layer that keeps torch's own forward a flat-buffer forward.
+def _route_layers(model: nn.Module, config: FlatGradConfig) -> set[int]:
+    """Give every supported layer that keeps torch's own forward a flat-buffer forward;
+    returns the ids of the parameters those layers' Functions write themselves.
 
-    Subclasses that override `forward` (LoRA layers, quantised layers...) are left alone:
-    their parameters still get their gradients in the buffer through the pre-hook.
+    Left alone: subclasses that override `forward` (LoRA layers, quantised layers...),
+    parametrized layers (their weight is computed, never a leaf: nothing to write into,
+    and reading it would run the parametrization) and complex Linears. Their parameters
+    still get their gradients in the buffer. Never runs model code.
     """
+    chosen: list[tuple[nn.Module, Callable[..., torch.Tensor]]] = []
     for name, module in model.named_modules():
         for kind in config.layers:
             cls, forward = _ROUTES[kind]
             if not isinstance(module, cls) or type(module).forward is not cls.forward:
                 continue
-            if isinstance(module, nn.Linear) and module.weight.numel() < config.linear_min_numel:
+            if parametrize.is_parametrized(module):
                 continue
-            if isinstance(module, nn.Embedding) and module.sparse and module.weight.requires_grad:
-                raise ValueError(
-                    f"embedding {name or '<root>'!r} must have sparse=False: a sparse gradient "
-                    "cannot live in a dense flat buffer"
-                )
-            # A partial of a module-level function (not a bound method) pickles and deep-copies.
-            module.forward = functools.partial(forward, module)  # type: ignore[method-assign]
+            weight = module._parameters.get("weight")
+            if weight is None:
+                continue
+            if isinstance(module, nn.Linear) and (
+                weight.numel() < config.linear_min_numel or weight.is_complex()
+            ):
+                continue
+            if isinstance(module, nn.Embedding) and module.sparse:
+                if weight.requires_grad:
+                    raise ValueError(
+                        f"embedding {name or '<root>'!r} must have sparse=False: a sparse gradient "
+                        "cannot live in a dense flat buffer"
+                    )
+                continue
+            chosen.append((module, forward))
+    routed: set[int] = set()
+    for module, forward in chosen:  # after every check: a refused wrap changes nothing
+        # A partial of a module-level function (not a bound method) pickles and deep-copies.
+        module.forward = functools.partial(forward, module)  # type: ignore[method-assign]
+        routed.update(id(p) for p in module._parameters.values() if p is not None)
+    return routed
 
 
 # --- state_dict keys: the plain model's, in both directions --------------------------------
