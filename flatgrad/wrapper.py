@@ -6,7 +6,7 @@ import functools
 import logging
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +95,8 @@ class FlatGrad(nn.Module):
         super().__setstate__(state)
         self._build()
 
+    @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return self.module(*args, **kwargs)  # traced: plain torch, nothing of ours in the graph
         if (
             self._generation != _GENERATION[0]
             or self._store is None
@@ -110,6 +109,43 @@ class FlatGrad(nn.Module):
         if seater is not None and torch.is_grad_enabled():
             seater.watch(output)
         return output
+
+    # --- the plain model's names (state_dict, named_parameters, DCP, functional_call) ------
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped model's parameters under its own names (no ``module.`` prefix), as in
+        `state_dict`; so optimizer checkpoints keyed by name (torch.distributed.checkpoint)
+        match the plain model's, and ``flat.<name>`` resolves each of them."""
+        if not recurse:
+            return super().named_parameters(prefix, recurse, remove_duplicate)
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The wrapped model's buffers under its own names, like `named_parameters`."""
+        if not recurse:
+            return super().named_buffers(prefix, recurse, remove_duplicate)
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None or not (
+                name in inner._modules or name in inner._parameters or name in inner._buffers
+            ):
+                raise
+            return getattr(inner, name)  # a plain-model name: ``flat.fc`` is ``flat.module.fc``
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For torch.distributed.checkpoint.state_dict: a plain-model name at the top goes
+        through ``module`` (and ``module`` itself adds nothing to a name)."""
+        inner = self.module
+        return dict.fromkeys([*inner._modules, *inner._parameters, *inner._buffers], "module")
 
     @property
     def grad_buffers(self) -> dict[GroupKey, torch.Tensor]:
@@ -132,7 +168,7 @@ class FlatGrad(nn.Module):
                 old.release()
             routed = _route_layers(self.module, self.config)
             self._store = store = GradStore(params, self.config.align_bytes)
-            self._seater = _Seater(store, tuple(p for p in params if id(p) not in routed), self)
+            self._seater = _Seater(store, params, routed, self)
             self._watched = _watch_list(self.module) or ()
             held = {id(p) for p in params}
             self._others = tuple(entry[2] for entry in self._watched if id(entry[2]) not in held)
@@ -298,9 +334,12 @@ class _Seater:
     it, still gets a correct `.grad` (outside the buffer); the next norm or sync moves it in.
     """
 
-    def __init__(self, store: GradStore, params: tuple[nn.Parameter, ...], wrapper: FlatGrad) -> None:
+    def __init__(
+        self, store: GradStore, params: list[nn.Parameter], routed: set[int], wrapper: FlatGrad
+    ) -> None:
         self.store = store
-        self.params = params
+        self.params = tuple(p for p in params if id(p) not in routed)  # seated ones
+        self._routed = tuple(p for p in params if id(p) in routed)  # their Functions write the slot
         self._wrapper = weakref.ref(wrapper)
         self._task = -1
         self._retired = False
@@ -310,8 +349,6 @@ class _Seater:
 
     def watch(self, output: Any) -> None:
         """Hook the autograd nodes that produced `output` (a tensor or any pytree of them)."""
-        if not self.params:
-            return
         leaves = [output] if isinstance(output, torch.Tensor) else tree_leaves(output)
         nodes = {t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None}
         for node in nodes:
@@ -333,8 +370,17 @@ class _Seater:
             seater = wrapper._rebuilt_seater()
             seater._task = task
             seated = seater.store.seat(seater.params)
-        if seated:
-            _execution_engine.queue_callback(functools.partial(GradStore.unseat, seated))
+        _execution_engine.queue_callback(functools.partial(self._after_backward, seated))
+
+    def _after_backward(self, seated: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+        GradStore.unseat(seated)
+        # A routed weight whose gradient came through plain autograd (its layer ran inside a
+        # torch.compile'd region, or outside the Functions) is seated from now on.
+        view = self.store.view
+        bypassed = [p for p in self._routed if p.grad is not None and p.grad is not view(p)]
+        if bypassed and not self._retired:
+            self.params += tuple(bypassed)
+            self._routed = tuple(p for p in self._routed if p.grad is None or p.grad is view(p))
 
 
 def _trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
