@@ -175,6 +175,14 @@ class GradStore:
         torch._foreach_zero_(views)
         return [(param, view, view._version) for param, view in seated]
 
+    def check(self, params: Sequence[torch.Tensor]) -> None:
+        """Mark the store stale if one of `params` no longer fits its slot."""
+        for param in params:
+            view = self._entries[param].view
+            if view.shape != param.shape or view.dtype != param.dtype or view.device != param.device:
+                self.stale = True
+                return
+
     @staticmethod
     def unseat(seated: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         """After that backward: a seated slot nothing wrote into goes back to None, as stock

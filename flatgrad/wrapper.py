@@ -362,6 +362,7 @@ class _Seater:
             return  # another output of the same backward
         self._task = task
         seated = self.store.seat(self.params)
+        self.store.check(self._routed)
         wrapper = self._wrapper()
         if self.store.stale and wrapper is not None:
             # A parameter was converted or reshaped behind the wrapper (model.double() on the
@@ -497,6 +498,11 @@ def _route_layers(model: nn.Module, config: FlatGradConfig) -> set[int]:
         for kind in config.layers:
             cls, forward = _ROUTES[kind]
             if not isinstance(module, cls) or type(module).forward is not cls.forward:
+                continue
+            own = module.__dict__.get("forward")
+            if own is not None:  # routed by an earlier build, or a forward the user set: keep it
+                if isinstance(own, functools.partial) and own.func is forward:
+                    chosen.append((module, forward))
                 continue
             if parametrize.is_parametrized(module):
                 continue

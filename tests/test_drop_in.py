@@ -1,0 +1,438 @@
+"""Everyday training-loop paths around the core, each against stock PyTorch on a deep copy.
+
+The oracle is the same loop run on the plain model; float64, so equal sums agree to
+round-off (1e-12) and anything else is a real difference.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ROUTE_ALL, TiedLM, assert_same_grads, grad_in_buffers
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.nn.utils import parametrizations
+
+import flatgrad
+
+
+def _tokens(seed: int, shape: tuple[int, int] = (4, 6), vocab: int = 13) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _pair(model: nn.Module | None = None, config=ROUTE_ALL) -> tuple[flatgrad.FlatGrad, nn.Module]:
+    torch.manual_seed(0)
+    model = TiedLM().double() if model is None else model
+    oracle = copy.deepcopy(model)
+    return flatgrad.FlatGrad(model, config=config), oracle
+
+
+def _assert_params_equal(ours: nn.Module, ref: nn.Module) -> None:
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _stock_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+    return torch.nn.utils.get_total_norm(
+        [p.grad for p in model.parameters() if p.grad is not None], norm_type
+    )
+
+
+# --- 1. non-finite steps: padding stays zero, the AMP recipe recovers -----------------------
+
+
+class _Odd(nn.Module):
+    """Slot sizes that are not multiples of the alignment, so the buffer has padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 3)
+        self.b = nn.Linear(3, 7)
+        self.norm = nn.LayerNorm(7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.b(torch.tanh(self.a(x)))).square().mean()
+
+
+def test_non_finite_step_leaves_padding_zero_and_next_steps_clean():
+    flat, oracle = _pair(_Odd().double())
+    (buffer,) = flat.grad_buffers.values()
+    used = sum(p.numel() for p in flat.module.parameters())
+    assert buffer.numel() > used  # there is padding to protect
+    x = torch.randn(4, 5, dtype=torch.float64)
+    for model in (flat, oracle):
+        (model(x) * float("inf")).backward()
+    flat.clip_grad_norm_(1.0)
+    torch.nn.utils.clip_grad_norm_(oracle.parameters(), 1.0)
+    for model in (flat, oracle):
+        model.zero_grad()
+        model(x).backward()
+    torch.testing.assert_close(flat.grad_norm(), _stock_norm(oracle), rtol=1e-12, atol=0)
+    assert torch.isfinite(flat.grad_norm())
+    flat.clip_grad_norm_(1e-3)
+    torch.nn.utils.clip_grad_norm_(oracle.parameters(), 1e-3)
+    assert_same_grads(flat, oracle)
+
+
+def test_grad_scaler_overflow_step_is_skipped_and_training_recovers():
+    torch.manual_seed(0)
+    model = _Odd()  # float32: GradScaler unscales float32 gradients
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    runs = []
+    for module, clip in ((flat, flat.clip_grad_norm_), (oracle, None)):
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for step in range(4):
+            opt.zero_grad()
+            x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
+            loss = module(x) * (float("inf") if step == 1 else 1.0)  # step 1 overflows
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            if clip is not None:
+                clip(1.0)
+            else:
+                torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        runs.append(scaler.get_scale())
+    assert runs[0] == runs[1] < 1024.0  # one skipped step halved the scale on both sides
+    assert all(torch.isfinite(p).all() for p in flat.module.parameters())
+    for p, q in zip(flat.module.parameters(), oracle.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)  # float32 round-off
+
+
+# --- 2. complex Linear -----------------------------------------------------------------------
+
+
+def test_complex_linear_gradients_match_stock():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, dtype=torch.cdouble), nn.Linear(4, 2, dtype=torch.cdouble))
+    flat, oracle = _pair(model)
+    x = torch.randn(3, 4, dtype=torch.cdouble)
+    for module in (flat, oracle):
+        module(x).abs().sum().backward()
+    assert_same_grads(flat, oracle)
+
+
+# --- 3 and 8. freezing -------------------------------------------------------------------------
+
+
+def test_zero_grad_clears_layers_frozen_after_wrapping_and_before():
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    model.norm.weight.grad = torch.ones_like(model.norm.weight)  # frozen before wrapping, with a grad
+    model.norm.weight.requires_grad_(False)
+    flat, oracle = _pair(model)
+    for module in (flat, oracle):
+        module(_tokens(0)).backward()
+        module.module.proj.requires_grad_(False) if module is flat else module.proj.requires_grad_(False)
+        module.zero_grad()
+    assert all(p.grad is None for p in flat.module.parameters())
+    assert all(p.grad is None for p in oracle.parameters())
+
+
+def test_zero_grad_set_to_none_false_zeroes_frozen_grads_like_stock():
+    flat, oracle = _pair()
+    for module in (flat, oracle):
+        module(_tokens(0)).backward()
+    flat.module.proj.requires_grad_(False)
+    oracle.proj.requires_grad_(False)
+    flat.zero_grad(set_to_none=False)
+    oracle.zero_grad(set_to_none=False)
+    assert_same_grads(flat, oracle)
+
+
+def test_freezing_between_backward_and_clip_still_counts_and_scales():
+    flat, oracle = _pair()
+    for module in (flat, oracle):
+        module(_tokens(0)).backward()
+    flat.module.proj.requires_grad_(False)
+    oracle.proj.requires_grad_(False)
+    total = flat.clip_grad_norm_(1e-3)
+    ref = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 1e-3)
+    torch.testing.assert_close(total, ref, rtol=1e-12, atol=0)
+    for p, q in zip(flat.module.parameters(), oracle.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+# --- 4. parameters added or replaced after wrapping ----------------------------------------------
+
+
+class _Lora(nn.Module):
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base
+        self.down = nn.Parameter(torch.randn(rank, base.in_features, dtype=base.weight.dtype))
+        self.up = nn.Parameter(torch.randn(base.out_features, rank, dtype=base.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + F.linear(F.linear(x, self.down), self.up)
+
+
+def _grow(case: str, model: nn.Module) -> None:
+    torch.manual_seed(1)
+    if case == "register_parameter":
+        model.proj.register_parameter("extra", nn.Parameter(torch.ones(8, dtype=torch.float64)))
+        model.proj.forward = lambda x, m=model.proj: F.linear(x, m.weight, m.bias) * m.extra
+    elif case == "lora":
+        model.proj = _Lora(model.proj)
+    elif case == "replace_submodule":
+        model.proj = nn.Linear(8, 8).double()
+    elif case == "add_module":
+        model.norm = nn.Sequential(model.norm, nn.Linear(8, 8).double())
+
+
+@pytest.mark.parametrize("case", ["register_parameter", "lora", "replace_submodule", "add_module"])
+def test_parameters_added_after_wrapping_count_in_norms_clip_and_grads(case):
+    flat, oracle = _pair()
+    for module in (flat, oracle):
+        module(_tokens(0)).backward()  # the old layer's grad exists before the change
+    _grow(case, flat.module)
+    _grow(case, oracle)
+    for module in (flat, oracle):
+        module.zero_grad()
+        module(_tokens(1)).backward()
+    assert_same_grads(flat, oracle)
+    torch.testing.assert_close(flat.grad_norm(), _stock_norm(oracle), rtol=1e-12, atol=0)
+    flat.clip_grad_norm_(1e-3)
+    torch.nn.utils.clip_grad_norm_(oracle.parameters(), 1e-3)
+    assert_same_grads(flat, oracle)
+
+
+def test_assigning_a_new_module_to_the_wrapper():
+    flat, _ = _pair()
+    torch.manual_seed(3)
+    new = TiedLM(vocab=11).double()
+    oracle = copy.deepcopy(new)
+    flat.module = new
+    flat(_tokens(0, vocab=11)).backward()
+    oracle(_tokens(0, vocab=11)).backward()
+    assert_same_grads(flat, oracle)
+    torch.testing.assert_close(flat.grad_norm(), _stock_norm(oracle), rtol=1e-12, atol=0)
+
+
+# --- 5 and 11. torch.func ------------------------------------------------------------------------
+
+
+def test_functional_call_with_fast_weights_then_backward():
+    flat, oracle = _pair()
+    for module, inner in ((flat, flat.module), (oracle, oracle)):
+        params = dict(inner.named_parameters())
+        inner_loss = functional_call(module, params, (_tokens(0),))
+        grads = torch.autograd.grad(inner_loss, list(params.values()), create_graph=True)
+        fast = {name: p - 0.1 * g for (name, p), g in zip(params.items(), grads)}
+        functional_call(module, fast, (_tokens(1),)).backward()
+    assert_same_grads(flat, oracle, rtol=1e-10, atol=1e-12)
+
+
+def test_torch_func_grad_and_vmap_per_sample_gradients():
+    flat, oracle = _pair()
+    tokens = _tokens(0)
+
+    def per_sample(module: nn.Module) -> dict[str, torch.Tensor]:
+        params = {k: v.detach() for k, v in module.named_parameters()}
+
+        def loss(p: dict[str, torch.Tensor], row: torch.Tensor) -> torch.Tensor:
+            return functional_call(module, p, (row.unsqueeze(0),))
+
+        return vmap(grad(loss), in_dims=(None, 0))(params, tokens)
+
+    ours, ref = per_sample(flat), per_sample(oracle)
+    assert ours.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-12, atol=1e-12)
+    assert all(p.grad is None for p in flat.module.parameters())
+
+
+# --- 6. norm orders with two buffers ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_type", [0.0, 0.5, 1.0, 2.0, -1.0, math.inf, -math.inf])
+def test_norm_orders_with_two_buffers_match_stock(norm_type):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6).double(), nn.Linear(6, 3))
+    flat, oracle = _pair(model)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for seq in (flat.module, oracle):  # float64 layer then float32 layer: two buffers
+        seq[1](seq[0](x).float()).sum().backward()
+    assert len(flat.grad_buffers) == 2
+    torch.testing.assert_close(flat.grad_norm(norm_type), _stock_norm(oracle, norm_type), rtol=1e-6, atol=0)
+    total = flat.clip_grad_norm_(0.5, norm_type)
+    ref = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 0.5, norm_type)
+    torch.testing.assert_close(total, ref, rtol=1e-6, atol=0)
+    for p, q in zip(flat.module.parameters(), oracle.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)  # float32 half
+
+
+# --- 7. parametrized layers ---------------------------------------------------------------------
+
+
+def test_wrapping_a_spectral_norm_model_runs_no_model_code():
+    torch.manual_seed(0)
+    model = nn.Sequential(parametrizations.spectral_norm(nn.Linear(6, 6).double()), nn.Linear(6, 2).double())
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    for _ in range(2):
+        for module in (flat, oracle):
+            module.zero_grad()
+            module(x).sum().backward()
+    torch.testing.assert_close(flat(x), oracle(x), rtol=0, atol=0)
+    assert_same_grads(flat, oracle)
+
+
+# --- 9. rebuilds without grad mode --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_rebuilds_under_no_grad_and_inference_mode(mode):
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    oracle = copy.deepcopy(model)
+    with mode():
+        flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+        flat.module.proj.requires_grad_(False)
+        oracle.proj.requires_grad_(False)
+        flat.eval()(_tokens(9))  # first forward after the freeze rebuilds here
+    with torch.no_grad():  # conversions and copies (under inference_mode they would make
+        clone = copy.deepcopy(flat)  # inference-tensor parameters, for stock too)
+        flat.float().double()
+    assert isinstance(clone, flatgrad.FlatGrad)
+    flat.train()
+    flat(_tokens(0)).backward()
+    oracle(_tokens(0)).backward()
+    assert_same_grads(flat, oracle)
+
+
+# --- 10. param.data of a new shape -----------------------------------------------------------------------
+
+
+def test_growing_a_vocabulary_through_param_data():
+    flat, oracle = _pair()
+    for module in (flat, oracle):
+        module(_tokens(0)).backward()
+    torch.manual_seed(5)
+    rows = torch.randn(4, 8, dtype=torch.float64)
+    for inner in (flat.module, oracle):
+        inner.zero_grad()
+        inner.emb.weight.data = torch.cat([inner.emb.weight.data, rows])
+        inner.emb.num_embeddings = 17
+    for module in (flat, oracle):
+        module(_tokens(1, vocab=17)).backward()
+    assert_same_grads(flat, oracle)
+    torch.testing.assert_close(flat.grad_norm(), _stock_norm(oracle), rtol=1e-12, atol=0)
+
+
+# --- 12. torch.distributed.checkpoint state dicts --------------------------------------------------------
+
+
+def test_distributed_checkpoint_state_dicts_have_the_plain_model_keys():
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    flat, oracle = _pair()
+    opt = torch.optim.Adam(flat.parameters())
+    ref_opt = torch.optim.Adam(oracle.parameters())
+    for module, optimizer in ((flat, opt), (oracle, ref_opt)):
+        module(_tokens(0)).backward()
+        optimizer.step()
+    assert get_model_state_dict(flat).keys() == get_model_state_dict(oracle).keys()
+    model_sd, optim_sd = get_state_dict(flat, opt)
+    ref_model_sd, ref_optim_sd = get_state_dict(oracle, ref_opt)
+    assert model_sd.keys() == ref_model_sd.keys()
+    assert optim_sd["state"].keys() == ref_optim_sd["state"].keys()
+    assert get_optimizer_state_dict(flat, opt)["state"].keys() == ref_optim_sd["state"].keys()
+    # a checkpoint of the plain model loads into the wrapper and back
+    set_model_state_dict(flat, ref_model_sd)
+    set_optimizer_state_dict(flat, opt, ref_optim_sd)
+    _assert_params_equal(flat.module, oracle)
+
+
+def test_named_parameters_are_the_plain_model_names_and_resolve():
+    flat, oracle = _pair()
+    assert [n for n, _ in flat.named_parameters()] == [n for n, _ in oracle.named_parameters()]
+    for name, param in flat.named_parameters():
+        assert flat.get_parameter(name) is param
+    assert flat.proj is flat.module.proj
+
+
+def test_grads_live_in_the_buffer_right_after_backward():
+    flat, oracle = _pair()
+    flat.zero_grad()
+    flat(_tokens(0)).backward()
+    grads = {name: p.grad for name, p in flat.module.named_parameters()}
+    (buffer,) = flat._store.buffers.values()  # no settling: as backward left them
+    for name, g in grads.items():
+        assert g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr(), name
+    assert grad_in_buffers(flat, flat.module.norm.weight.grad)
+
+
+# --- torch.compile --------------------------------------------------------------------------------
+
+
+class _CompileLM(nn.Module):
+    """Tied embedding and LM head, routed Linears, a LayerNorm: what flatgrad routes."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        h = self.norm(h + self.down(F.gelu(self.up(h))))
+        return F.cross_entropy(self.head(h).flatten(0, 1), tokens.flatten())
+
+
+def test_dynamo_explain_counts_equal_stock():
+    torch._dynamo.reset()
+    flat, oracle = _pair(_CompileLM().double())
+    tokens = _tokens(0, vocab=64)
+    stock = torch._dynamo.explain(oracle)(tokens)
+    torch._dynamo.reset()
+    ours = torch._dynamo.explain(flat)(tokens)
+    torch._dynamo.reset()
+    inner = torch._dynamo.explain(flatgrad.FlatGrad(copy.deepcopy(oracle), config=ROUTE_ALL))(tokens)
+    assert (stock.graph_count, stock.graph_break_count) == (1, 0)
+    assert (ours.graph_count, ours.graph_break_count) == (1, 0)
+    assert (inner.graph_count, inner.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_compiled_gradients_equal_stock_and_live_in_the_buffer(backend, where):
+    torch._dynamo.reset()
+    model = _CompileLM().double()
+    oracle = copy.deepcopy(model)
+    if where == "outside":  # torch.compile(FlatGrad(model))
+        flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+        run = torch.compile(flat, backend=backend)
+    else:  # FlatGrad(torch.compile(model))
+        flat = run = flatgrad.FlatGrad(torch.compile(model, backend=backend), config=ROUTE_ALL)
+    ref = torch.compile(oracle, backend=backend)
+    for step in range(3):
+        flat.zero_grad()
+        oracle.zero_grad()
+        run(_tokens(step, vocab=64)).backward()
+        ref(_tokens(step, vocab=64)).backward()
+    (buffer,) = flat._store.buffers.values()  # as backward left them, before any settling
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    assert storages == {buffer.untyped_storage().data_ptr()}
+    for p, q in zip(model.parameters(), oracle.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
