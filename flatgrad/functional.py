@@ -217,11 +217,16 @@ class _GatherRows(torch.autograd.Function):
 def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``buffer[indices]`` along dim 0, whose backward is an `index_add_` scatter.
 
-    `indices` must lie in ``[0, len(buffer))`` (as for `index_select`; no negative ones).
+    Indices follow ``buffer[indices]``: in ``[-len(buffer), len(buffer))``, negative ones
+    counting from the end. On CPU an index out of that range raises an `IndexError` naming
+    it (a min/max over the indices: cheap next to the gather); on CUDA the check would cost
+    a device sync per call, so the gather's own device-side bounds check reports it.
 
     The default backward of ``buffer[indices]`` is ``index_put_(accumulate=True)``, which
     sorts the indices; the scatter computes the same sum without the sort. When `buffer`
     is a parameter wrapped by `FlatGrad`, its gradient is written straight into its slot.
+    Under torch.compile and torch.func transforms it is `index_select` (whose backward is
+    the same `index_add_`), so compiled graphs do not break.
     """
     if not isinstance(buffer, torch.Tensor) or not isinstance(indices, torch.Tensor):
         raise TypeError(
@@ -231,7 +236,25 @@ def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.
         raise TypeError(f"indices must be an int32 or int64 tensor, got {indices.dtype}")
     if buffer.dim() == 0:
         raise ValueError("buffer must have at least one dimension, got a 0-d tensor")
+    if _has_negative(indices, buffer.shape[0]):
+        indices = torch.where(indices < 0, indices + buffer.shape[0], indices)
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return buffer.index_select(0, indices.reshape(-1)).view(*indices.shape, *buffer.shape[1:])
     return _GatherRows.apply(buffer, indices, None, False)
+
+
+def _has_negative(indices: torch.Tensor, size: int) -> bool:
+    """Whether `indices` may hold negative entries (always assumed on accelerators, where
+    looking costs a sync); on CPU also checks the range, naming the first bad index."""
+    if not indices.numel():
+        return False
+    if indices.device.type != "cpu":
+        return True
+    low, high = int(indices.min()), int(indices.max())
+    if low < -size or high >= size:
+        bad = low if low < -size else high
+        raise IndexError(f"indices must lie in [-{size}, {size}) for a buffer of {size} rows, got {bad}")
+    return low < 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -248,3 +248,21 @@ def test_zero_copy_under_non_reentrant_checkpointing():
             loss.backward()
         assert _weight_sized_ops(prof, shapes, _COPY_OPS) == []
         assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters())
+
+
+def test_gather_with_index_add_negative_indices_like_indexing():
+    table = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    ref = table.detach().clone().requires_grad_(True)
+    idx = torch.tensor([[-1, 0, -6], [5, -1, 2]])
+    out = flatgrad.gather_with_index_add(table, idx)
+    torch.testing.assert_close(out, ref[idx], rtol=0, atol=0)
+    out.square().sum().backward()
+    ref[idx].square().sum().backward()
+    torch.testing.assert_close(table.grad, ref.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [6, -7])
+def test_gather_with_index_add_out_of_range_names_index_and_size(bad):
+    table = torch.randn(6, 3)
+    with pytest.raises(IndexError, match=rf"indices must lie in \[-6, 6\) for a buffer of 6 rows, got {bad}"):
+        flatgrad.gather_with_index_add(table, torch.tensor([0, bad, 1]))
