@@ -6,7 +6,7 @@ import functools
 import logging
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +140,14 @@ class FlatGrad(nn.Module):
             ):
                 raise
             return getattr(inner, name)  # a plain-model name: ``flat.fc`` is ``flat.module.fc``
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """The wrapped model's `load_state_dict`: same keys, and errors that name them as
+        the plain model does. (Nested in another module, e.g. ``DDP(flat)``, the keys go
+        through a pre-hook that adds the ``module.`` prefix.)"""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _fqn_modifiers(self) -> dict[str, str]:
         """For torch.distributed.checkpoint.state_dict: a plain-model name at the top goes

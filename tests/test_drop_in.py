@@ -436,3 +436,15 @@ def test_compiled_gradients_equal_stock_and_live_in_the_buffer(backend, where):
     for p, q in zip(model.parameters(), oracle.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
     torch._dynamo.reset()
+
+
+def test_load_state_dict_errors_name_the_plain_keys():
+    flat, oracle = _pair()
+    state = oracle.state_dict()
+    state["bogus.weight"] = torch.zeros(1)
+    del state["proj.bias"]
+    with pytest.raises(RuntimeError, match='Missing key\\(s\\) in state_dict: "proj.bias"') as info:
+        flat.load_state_dict(state)
+    assert "module." not in str(info.value)
+    result = flat.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["proj.bias"] and result.unexpected_keys == ["bogus.weight"]
