@@ -43,6 +43,7 @@ class GradStore:
         self.stale = False  # set when a parameter no longer fits its slot
         self.buffers: dict[GroupKey, torch.Tensor] = {}
         self._entries: dict[torch.Tensor, _Entry] = {}
+        self._views: dict[int, torch.Tensor] = {}  # by id: the backward's lookup, no Tensor hash
         for key, group in plan_layout(self.params, align_bytes).items():
             self.buffers[key] = _aligned_zeros(group.numel, key, align_bytes)
             for index, slot in zip(group.param_indices, group.slots):
@@ -63,6 +64,7 @@ class GradStore:
             buffer.untyped_storage(), buffer.storage_offset() + slot.offset, slot.shape, slot.stride
         )
         self._entries[param] = _Entry(key, slot, view)
+        self._views[id(param)] = view
 
     def _cut_runs(self) -> None:
         """1-D views covering exactly the gradient elements of every slot (never the alignment
@@ -88,6 +90,18 @@ class GradStore:
         ref = GradStore._owners.get(id(param))
         store = ref() if ref is not None else None
         return store if store is not None and param in store._entries else None
+
+    @staticmethod
+    def find(param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
+        """(live store, slot view) of `param`, if any: `owner_of` and `view` in one lookup
+        (for the layer backwards). A store keeps its parameters alive, so an id it holds
+        is not reused while it stands."""
+        ref = GradStore._owners.get(id(param))
+        store = ref() if ref is not None else None
+        if store is None:
+            return None
+        view = store._views.get(id(param))
+        return None if view is None else (store, view)
 
     def release(self) -> None:
         """Stop owning the parameters (before a rebuild replaces this store)."""

@@ -35,25 +35,29 @@ from flatgrad.buffer import GradStore
 _Mode = Literal["skip", "fresh", "out", "add"]
 
 
-def _weight_target(ctx: Any, index: int) -> tuple[_Mode, torch.Tensor | None, torch.Tensor | None]:
+def _weight_target(
+    ctx: Any, index: int, next_functions: Any = None
+) -> tuple[_Mode, torch.Tensor | None, torch.Tensor | None]:
     """Where the gradient of input `index` goes in this backward: (mode, slot, parameter).
 
     The parameter is taken from the graph (its AccumulateGrad node), not from saved
     tensors, which checkpointing and saved-tensor hooks hand back as other objects.
+    `next_functions` may be passed by a caller that needs several inputs (it costs a
+    tuple of node objects per access).
     """
     if not ctx.needs_input_grad[index]:
         return "skip", None, None
-    node = ctx.next_functions[index][0]
+    node = (next_functions or ctx.next_functions)[index][0]
     param = getattr(node, "variable", None)  # None unless the input is a leaf (AccumulateGrad)
-    store = GradStore.owner_of(param) if param is not None else None
-    if store is None or torch.is_grad_enabled():
+    found = GradStore.find(param) if param is not None else None
+    if found is None or torch.is_grad_enabled():
         return "fresh", None, param
     try:
         if not torch._C._will_engine_execute_node(node):
             return "skip", None, param  # backward(inputs=...) without this weight
     except RuntimeError:
         return "fresh", None, param  # torch.autograd.grad captures this leaf: leave .grad alone
-    view = store.view(param)  # type: ignore[arg-type]
+    store, view = found
     if view.shape != param.shape or view.dtype != param.dtype:  # type: ignore[union-attr]
         store.stale = True  # param.data replaced or converted behind the wrapper: lay out again
         return "fresh", None, param
@@ -64,9 +68,9 @@ def _weight_target(ctx: Any, index: int) -> tuple[_Mode, torch.Tensor | None, to
         if grad is None:
             param.grad = view.zero_()  # type: ignore[union-attr]
         return "fresh", None, param
-    if grad is not None:
-        return ("add", grad, param) if grad is view or store.holds(param, grad) else ("fresh", None, param)  # type: ignore[arg-type]
-    return "out", view, param
+    if grad is None:
+        return "out", view, param
+    return ("add", grad, param) if grad is view or store.holds(param, grad) else ("fresh", None, param)  # type: ignore[arg-type]
 
 
 def _deliver(
@@ -76,11 +80,12 @@ def _deliver(
     compute: Callable[[], torch.Tensor],
     write: Callable[[torch.Tensor], object],
     accumulate: Callable[[torch.Tensor], object],
+    next_functions: Any = None,
 ) -> torch.Tensor | None:
     """Deliver a weight gradient per `_weight_target`: return ``compute()`` (cast to
     `dtype`) for plain autograd, or `write` it into the empty slot and make that the
     `.grad`, or `accumulate` it into the slot; None in the last two cases."""
-    mode, target, param = _weight_target(ctx, index)
+    mode, target, param = _weight_target(ctx, index, next_functions)
     if mode == "skip":
         return None
     if mode == "fresh":
@@ -95,7 +100,7 @@ def _deliver(
 
 
 def _mm_into(
-    ctx: Any, index: int, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor
+    ctx: Any, index: int, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor, next_functions: Any = None
 ) -> torch.Tensor | None:
     """The weight gradient ``a @ b``. Computes in a's dtype (the autocast dtype, if any)
     and casts on write, as autocast's cast would; in place with ``out=``/``addmm_``."""
@@ -107,10 +112,13 @@ def _mm_into(
         lambda: a.mm(b),
         lambda t: torch.mm(a, b, out=t) if same else t.copy_(a.mm(b)),
         lambda t: t.addmm_(a, b) if same else t.add_(a.mm(b)),
+        next_functions,
     )
 
 
-def _sum_into(ctx: Any, index: int, dtype: torch.dtype, rows: torch.Tensor) -> torch.Tensor | None:
+def _sum_into(
+    ctx: Any, index: int, dtype: torch.dtype, rows: torch.Tensor, next_functions: Any = None
+) -> torch.Tensor | None:
     """The bias gradient ``rows.sum(0)``."""
     same = rows.dtype == dtype
     return _deliver(
@@ -120,6 +128,7 @@ def _sum_into(ctx: Any, index: int, dtype: torch.dtype, rows: torch.Tensor) -> t
         lambda: rows.sum(0),
         lambda t: torch.sum(rows, 0, out=t) if same else t.copy_(rows.sum(0)),
         lambda t: t.add_(rows.sum(0)),
+        next_functions,
     )
 
 
@@ -140,10 +149,11 @@ class _Linear(torch.autograd.Function):
         if needs[0]:
             grad_x = grad_out.matmul(_as(weight, compute))
             grad_x = _as(grad_x, x.dtype)
+        nexts = ctx.next_functions if needs[1] or needs[2] else None
         if needs[1]:
-            grad_w = _mm_into(ctx, 1, weight.dtype, rows.t(), _as(_rows(x), compute))
+            grad_w = _mm_into(ctx, 1, weight.dtype, rows.t(), _as(_rows(x), compute), nexts)
         if bias is not None and needs[2]:
-            grad_b = _sum_into(ctx, 2, bias.dtype, rows)
+            grad_b = _sum_into(ctx, 2, bias.dtype, rows, nexts)
         return grad_x, grad_w, grad_b
 
 
