@@ -37,6 +37,9 @@ _execution_engine: Any = Variable._execution_engine  # type: ignore[attr-defined
 # model, and walks it only after something was registered.
 _GENERATION = [0]
 # (module, name, parameter, requires_grad, dtype, device, shape) as they were at the last build
+# Unrouted parameters below this many elements are seated (zero fill + AccumulateGrad's
+# in-place add, no Python per parameter); larger ones are copied in by a pre-hook (one pass).
+_SEAT_MAX_NUMEL = 1 << 15
 _Watched = tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size]
 _REGISTRATION_HOOKS: list[Any] = []
 
@@ -346,14 +349,28 @@ class _Seater:
         self, store: GradStore, params: list[nn.Parameter], routed: set[int], wrapper: FlatGrad
     ) -> None:
         self.store = store
-        self.params = tuple(p for p in params if id(p) not in routed)  # seated ones
+        unrouted = [p for p in params if id(p) not in routed]
+        self.params = tuple(p for p in unrouted if p.numel() < _SEAT_MAX_NUMEL)  # seated ones
+        # Large unrouted parameters (a conv, an attention projection): a zero fill plus an
+        # in-place add would be two passes over the gradient where one copy will do, and a
+        # Python hook costs nothing next to it: a pre-hook on AccumulateGrad copies in.
+        self._placed = tuple(p for p in unrouted if p.numel() >= _SEAT_MAX_NUMEL)
         self._routed = tuple(p for p in params if id(p) in routed)  # their Functions write the slot
         self._wrapper = weakref.ref(wrapper)
         self._task = -1
         self._retired = False
+        self._accumulators: list[Any] = []  # a parameter holds its AccumulateGrad node weakly
+        self._hooks: list[Any] = []
+        with torch.enable_grad():
+            for param in self._placed:
+                node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+                self._hooks.append(node.register_prehook(functools.partial(_place_incoming, store, param)))
+                self._accumulators.append(node)
 
     def retire(self) -> None:
         self._retired = True
+        for handle in self._hooks:  # a graph still alive must not write into old buffers
+            handle.remove()
 
     def watch(self, output: Any) -> None:
         """Hook the autograd nodes that produced `output` (a tensor or any pytree of them)."""
@@ -370,7 +387,7 @@ class _Seater:
             return  # another output of the same backward
         self._task = task
         seated = self.store.seat(self.params)
-        self.store.check(self._routed)
+        self.store.check(self._routed + self._placed)
         wrapper = self._wrapper()
         if self.store.stale and wrapper is not None:
             # A parameter was converted or reshaped behind the wrapper (model.double() on the
@@ -390,6 +407,24 @@ class _Seater:
         if bypassed and not self._retired:
             self.params += tuple(bypassed)
             self._routed = tuple(p for p in self._routed if p.grad is None or p.grad is view(p))
+
+
+def _place_incoming(
+    store: GradStore, param: nn.Parameter, grads: tuple[torch.Tensor | None, ...]
+) -> tuple[torch.Tensor | None, ...] | None:
+    """AccumulateGrad pre-hook of a large unrouted parameter: when `.grad` is None, copy
+    the incoming gradient into the slot, make the slot the `.grad`, and hand AccumulateGrad
+    nothing to do (its post hooks, DDP's among them, still run). When `.grad` is defined
+    AccumulateGrad adds in place into it, which is the slot. Under create_graph=True the
+    gradient must stay differentiable: left alone."""
+    grad = grads[0]
+    if grad is None or param.grad is not None or torch.is_grad_enabled():
+        return None
+    if store.view(param).shape != grad.shape:
+        store.stale = True  # reshaped behind the wrapper: AccumulateGrad takes it as stock does
+        return None
+    store.place(param, grad)
+    return (None,)
 
 
 def _trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

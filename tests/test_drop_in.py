@@ -448,3 +448,32 @@ def test_load_state_dict_errors_name_the_plain_keys():
     assert "module." not in str(info.value)
     result = flat.load_state_dict(state, strict=False)
     assert result.missing_keys == ["proj.bias"] and result.unexpected_keys == ["bogus.weight"]
+
+
+class _BigRaw(nn.Module):
+    """A large unrouted parameter (copied in by a pre-hook) next to small seated ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Parameter(torch.randn(256, 160, dtype=torch.float64) / 16)  # 40960 elements
+        self.unused_big = nn.Parameter(torch.randn(256, 160, dtype=torch.float64))
+        self.norm = nn.LayerNorm(160).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x @ self.big).square().mean()
+
+
+def test_large_unrouted_parameter_lands_in_the_buffer_like_stock():
+    flat, oracle = _pair(_BigRaw())
+    for step in range(3):
+        if step != 1:  # step 1 accumulates onto step 0
+            flat.zero_grad()
+            oracle.zero_grad()
+        x = torch.randn(8, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        flat(x).backward()
+        oracle(x).backward()
+        assert flat.module.unused_big.grad is None
+        assert_same_grads(flat, oracle)
+    grads = torch.autograd.grad(flat(x), [flat.module.big])
+    torch.testing.assert_close(grads[0], torch.autograd.grad(oracle(x), [oracle.big])[0], rtol=1e-12, atol=0)
+    assert_same_grads(flat, oracle)  # torch.autograd.grad left .grad alone
