@@ -36,12 +36,12 @@ _execution_engine: Any = Variable._execution_engine  # type: ignore[attr-defined
 # installed with the first FlatGrad): forward compares one integer instead of walking the
 # model, and walks it only after something was registered.
 _GENERATION = [0]
+_REGISTRATION_HOOKS: list[Any] = []
 # (module, name, parameter, requires_grad, dtype, device, shape) as they were at the last build
+_Watched = tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size]
 # Unrouted parameters below this many elements are seated (zero fill + AccumulateGrad's
 # in-place add, no Python per parameter); larger ones are copied in by a pre-hook (one pass).
 _SEAT_MAX_NUMEL = 1 << 15
-_Watched = tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size]
-_REGISTRATION_HOOKS: list[Any] = []
 
 
 def _bump_generation(*args: Any) -> None:
@@ -75,9 +75,7 @@ class FlatGrad(nn.Module):
         self.module = model
         self._store: GradStore | None = None
         self._seater: _Seater | None = None
-        self._watched: tuple[
-            tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size], ...
-        ] = ()
+        self._watched: tuple[_Watched, ...] = ()
         self._others: tuple[nn.Parameter, ...] = ()  # the model's parameters without a slot
         self._generation = -1
         if not _trainable_parameters(model):
