@@ -359,11 +359,14 @@ class _Seater:
         self._retired = False
         self._accumulators: list[Any] = []  # a parameter holds its AccumulateGrad node weakly
         self._hooks: list[Any] = []
+        for param in self._placed:
+            self._hook(param)
+
+    def _hook(self, param: nn.Parameter) -> None:
         with torch.enable_grad():
-            for param in self._placed:
-                node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-                self._hooks.append(node.register_prehook(functools.partial(_place_incoming, store, param)))
-                self._accumulators.append(node)
+            node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        self._hooks.append(node.register_prehook(functools.partial(_place_incoming, self.store, param)))
+        self._accumulators.append(node)
 
     def retire(self) -> None:
         self._retired = True
@@ -403,7 +406,11 @@ class _Seater:
         view = self.store.view
         bypassed = [p for p in self._routed if p.grad is not None and p.grad is not view(p)]
         if bypassed and not self._retired:
-            self.params += tuple(bypassed)
+            self.params += tuple(p for p in bypassed if p.numel() < _SEAT_MAX_NUMEL)
+            for param in bypassed:
+                if param.numel() >= _SEAT_MAX_NUMEL:
+                    self._placed += (param,)
+                    self._hook(param)
             self._routed = tuple(p for p in self._routed if p.grad is None or p.grad is view(p))
 
 
