@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 LayerKind = Literal["linear", "embedding"]
 
@@ -17,7 +17,7 @@ class FlatGradConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    align_bytes: int = Field(default=256, ge=1, le=1 << 16)
+    align_bytes: StrictInt = Field(default=256, ge=1, le=1 << 16)
     """Every parameter's slot starts on a multiple of this many bytes (a power of two).
     256 matches the CUDA caching allocator's granularity, so every gradient view is as
     aligned as a freshly allocated tensor and vectorised kernels keep their fast path."""
@@ -27,7 +27,7 @@ class FlatGradConfig(BaseModel):
     Parameters of other layers still get their `.grad` in the buffer, through one
     in-place add (or one copy on the first backward after `.grad` was set to None)."""
 
-    linear_min_numel: int = Field(default=1 << 17, ge=0)
+    linear_min_numel: StrictInt = Field(default=1 << 17, ge=0)
     """`nn.Linear` layers whose weight has fewer elements keep torch's own backward. A
     custom backward costs tens of microseconds of Python per layer, more than the
     weight-sized copy it saves on a small layer (measured on CPU: routing wins from about
@@ -53,18 +53,52 @@ class FlatGradConfig(BaseModel):
         return cls.model_validate(load_mapping(path))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key repeated within one mapping (plain YAML keeps the
+    last one silently, which hides typos in configs)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _parse(path: Path, text: str) -> Any:
+    if path.suffix == ".json":
+        return json.loads(text)
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def load_mapping(path: str | Path) -> dict[str, Any]:
-    """Parse a YAML or JSON file that must hold a mapping (used by every config model)."""
+    """Parse a YAML or JSON file that must hold a mapping (used by every config model).
+    Every error names the file."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"config file {str(path)!r} is a directory, not a YAML/JSON file")
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not text.strip():
+        raise ValueError(f"config file {str(path)!r} is empty; it must hold a mapping")
+    try:
+        data = _parse(path, text)
+    except (json.JSONDecodeError, yaml.YAMLError) as error:
+        raise ValueError(f"config file {str(path)!r} is not valid {_kind(path)}: {error}") from error
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
     return data
+
+
+def _kind(path: Path) -> str:
+    return "JSON" if path.suffix == ".json" else "YAML"
 
 
 def resolve_config(config: FlatGradConfig | dict[str, Any] | str | Path | None) -> FlatGradConfig:

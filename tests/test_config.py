@@ -181,3 +181,49 @@ def test_flatgrad_config_missing_path(tmp_path: Path) -> None:
 def test_flatgrad_config_wrong_type(config: object) -> None:
     with pytest.raises(TypeError, match=rf"config must be a FlatGradConfig.*got {type(config).__name__}"):
         flatgrad.FlatGrad(_model(), config=config)  # type: ignore[arg-type]
+
+
+# --- file errors name the file; strict types ----------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_empty_file_names_the_file(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"empty{suffix}"
+    path.write_text("  \n")
+    with pytest.raises(ValueError, match=rf"config file '.*empty\{suffix}' is empty"):
+        FlatGradConfig.from_file(path)
+
+
+@pytest.mark.parametrize(
+    ("suffix", "text", "kind"), [(".yaml", "align_bytes: [1,", "YAML"), (".json", "{", "JSON")]
+)
+def test_invalid_file_names_the_file(tmp_path: Path, suffix: str, text: str, kind: str) -> None:
+    path = tmp_path / f"broken{suffix}"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"config file '.*broken\{suffix}' is not valid {kind}"):
+        FlatGradConfig.from_file(path)
+
+
+def test_directory_is_not_called_missing(tmp_path: Path) -> None:
+    with pytest.raises(IsADirectoryError, match="is a directory, not a YAML/JSON file"):
+        FlatGradConfig.from_file(tmp_path)
+
+
+def test_duplicate_yaml_key_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text("align_bytes: 64\nalign_bytes: 128\n")
+    with pytest.raises(ValueError, match=r"(?s)dup.yaml' is not valid YAML.*duplicate key 'align_bytes'"):
+        FlatGradConfig.from_file(path)
+
+
+@pytest.mark.parametrize("value", [True, "64", 64.0])
+def test_align_bytes_must_be_a_real_int(value: object) -> None:
+    with pytest.raises(ValidationError, match=r"(?s)align_bytes.*Input should be a valid integer"):
+        FlatGradConfig(align_bytes=value)  # type: ignore[arg-type]
+
+
+def test_yaml_bool_for_an_int_field_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "bool.yaml"
+    path.write_text("linear_min_numel: true\n")
+    with pytest.raises(ValidationError, match=r"(?s)linear_min_numel.*Input should be a valid integer"):
+        FlatGradConfig.from_file(path)
