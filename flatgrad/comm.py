@@ -17,6 +17,7 @@ from flatgrad.buffer import GradStore
 logger = logging.getLogger(__name__)
 
 _WIRE_DTYPES = (torch.bfloat16, torch.float16)
+_DDP_DEFAULT_BUCKET_MB = 25
 
 
 @dataclass
@@ -42,6 +43,7 @@ class FlatGradCommState:
         bucket holds the whole (dtype, device) group; otherwise stay correct on DDP's copies
         and say once how to get the zero-copy path.
         """
+        self.wrapper._ddp_forwards = -1  # the hook runs: nothing to warn about
         buffer = bucket.buffer()
         store: GradStore = self.wrapper._checked_store()
         current = store.buffers.get((buffer.dtype, buffer.device))
@@ -62,6 +64,26 @@ class FlatGradCommState:
                 "construct DDP(flat, ..., **flat.ddp_kwargs()) (gradient_as_bucket_view=True and one "
                 "bucket per dtype) for the zero-copy, one-all-reduce path"
             )
+
+
+_FORWARDS_BEFORE_WARNING = 3
+
+
+def note_forward_without_hook(num_forwards: int) -> int:
+    """Count a forward after `ddp_kwargs()` while `allreduce_hook` has not run; at the third
+    (two full steps without it) warn once and stop counting (returns -1)."""
+    num_forwards += 1
+    if num_forwards < _FORWARDS_BEFORE_WARNING:
+        return num_forwards
+    logger.warning(
+        "flatgrad: ddp_kwargs() was used but allreduce_hook has not run in %d steps, so DDP "
+        "all-reduces its own buckets and copies every gradient: register it with "
+        "ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook) (PyTorch "
+        "Lightning's DDPStrategy registers its ddp_comm_hook on CUDA only: register it "
+        "yourself on CPU)",
+        num_forwards - 1,
+    )
+    return -1
 
 
 def _check_wire_dtype(wire_dtype: torch.dtype | None) -> None:
@@ -131,4 +153,7 @@ def ddp_kwargs(store: GradStore) -> dict[str, Any]:
     sets the first bucket's cap too).
     """
     largest = max(buf.numel() * buf.element_size() for buf in store.buffers.values())
-    return {"gradient_as_bucket_view": True, "bucket_cap_mb": math.ceil(largest / 2**20) + 1}
+    cap = math.ceil(largest / 2**20) + 1
+    if cap == _DDP_DEFAULT_BUCKET_MB:
+        cap += 1  # Accelerate drops a DDP kwarg equal to DDP's default: 25 would become "unset"
+    return {"gradient_as_bucket_view": True, "bucket_cap_mb": cap}

@@ -78,6 +78,7 @@ class FlatGrad(nn.Module):
         self._watched: tuple[_Watched, ...] = ()
         self._others: tuple[nn.Parameter, ...] = ()  # the model's parameters without a slot
         self._generation = -1
+        self._ddp_forwards = -1  # forwards since ddp_kwargs() without allreduce_hook; -1: not asked
         if not _trainable_parameters(model):
             raise ValueError("model must have at least one parameter with requires_grad=True, got none")
         _watch_registrations()
@@ -105,6 +106,8 @@ class FlatGrad(nn.Module):
             or any(p.requires_grad for p in self._others)  # unfrozen: nothing else tells
         ):
             self._refresh()
+        if self._ddp_forwards >= 0:
+            self._ddp_forwards = comm.note_forward_without_hook(self._ddp_forwards)
         output = self.module(*args, **kwargs)
         seater = self._seater
         if seater is not None and torch.is_grad_enabled():
@@ -318,7 +321,9 @@ class FlatGrad(nn.Module):
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Constructor arguments for ``DDP(flat, **flat.ddp_kwargs())``: the zero-copy,
-        one-all-reduce-per-buffer path together with `allreduce_hook`."""
+        one-all-reduce-per-buffer path together with `allreduce_hook` (a warning follows
+        if the hook has not run after two steps)."""
+        self._ddp_forwards = max(self._ddp_forwards, 0)
         return comm.ddp_kwargs(self._refresh())
 
     def comm_state(

@@ -188,6 +188,29 @@ def test_slow_path_says_once_how_to_get_the_fast_path():
     run_ranks(_slow_path_logs_worker)
 
 
+def _hook_never_registered_worker(rank: int, world_size: int, register: bool) -> None:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("flatgrad").addHandler(handler)
+    flat = flatgrad.FlatGrad(_Net(), config=ROUTE_ALL)
+    ddp = DDP(flat, **flat.ddp_kwargs())  # as Lightning's DDPStrategy does on CPU: no hook
+    if register:
+        ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+    for step in range(5):
+        ddp(_tokens(rank, step)).backward()
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    if register:
+        assert warnings == [], warnings
+    else:
+        assert len(warnings) == 1 and "allreduce_hook has not run in 2 steps" in warnings[0], warnings
+
+
+@pytest.mark.parametrize("register", [False, True])
+def test_ddp_kwargs_without_the_hook_is_reported_once(register):
+    run_ranks(_hook_never_registered_worker, register)
+
+
 def _all_reduce_grads_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _Net()

@@ -477,3 +477,13 @@ def test_large_unrouted_parameter_lands_in_the_buffer_like_stock():
     grads = torch.autograd.grad(flat(x), [flat.module.big])
     torch.testing.assert_close(grads[0], torch.autograd.grad(oracle(x), [oracle.big])[0], rtol=1e-12, atol=0)
     assert_same_grads(flat, oracle)  # torch.autograd.grad left .grad alone
+
+
+def test_ddp_kwargs_never_ask_for_ddps_default_bucket_size():
+    """Accelerate drops a DDP kwarg equal to DDP's default (25 MB): several buckets again."""
+    model = nn.Module()
+    model.table = nn.Parameter(torch.zeros(6_200_000))  # 23.65 MiB: ceil + 1 would be 25
+    flat = flatgrad.FlatGrad(model)
+    kwargs = flat.ddp_kwargs()
+    assert kwargs["bucket_cap_mb"] == 26
+    assert kwargs["bucket_cap_mb"] * 2**20 > 6_200_000 * 4
