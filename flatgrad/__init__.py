@@ -2,8 +2,15 @@
 
 from flatgrad.comm import FlatGradCommState, allreduce_hook
 from flatgrad.config import FlatGradConfig
-from flatgrad.functional import gather_with_index_add
+from flatgrad.functional import gather, gather_with_index_add
 from flatgrad.wrapper import FlatGrad
 
-__all__ = ["FlatGrad", "FlatGradCommState", "FlatGradConfig", "allreduce_hook", "gather_with_index_add"]
+__all__ = [
+    "FlatGrad",
+    "FlatGradCommState",
+    "FlatGradConfig",
+    "allreduce_hook",
+    "gather",
+    "gather_with_index_add",
+]
 __version__ = "0.1.0"

@@ -255,16 +255,119 @@ def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.
 
 def _has_negative(indices: torch.Tensor, size: int) -> bool:
     """Whether `indices` may hold negative entries (always assumed on accelerators, where
-    looking costs a sync); on CPU also checks the range, naming the first bad index."""
+    looking costs a sync, and while compiling); on CPU also checks the range, naming the
+    first bad index."""
     if not indices.numel():
         return False
-    if indices.device.type != "cpu":
+    if indices.device.type != "cpu" or torch.compiler.is_compiling():
         return True
     low, high = int(indices.min()), int(indices.max())
     if low < -size or high >= size:
         bad = low if low < -size else high
         raise IndexError(f"indices must lie in [-{size}, {size}) for a buffer of {size} rows, got {bad}")
     return low < 0
+
+
+class _GatherDim(torch.autograd.Function):
+    """``torch.gather(input, dim, index)`` whose backward scatter-adds into the slot."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.input_meta = (input.dtype, input.device, input.shape, dim)
+        return torch.gather(input, dim, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (index,) = ctx.saved_tensors
+        mode, target, param = _weight_target(ctx, 0)
+        if mode == "skip":
+            return None, None, None
+        dtype, device, shape, dim = ctx.input_meta
+        values = grad_out.to(dtype)
+        if mode == "fresh":
+            fresh = torch.zeros(shape, dtype=dtype, device=device)
+            if torch.is_grad_enabled():  # create_graph: keep the result differentiable
+                return fresh.scatter_add(dim, index, values), None, None
+            return _scatter_add_into(fresh, dim, index, values), None, None
+        assert target is not None and param is not None
+        if mode == "out":
+            _scatter_add_into(target.zero_(), dim, index, values)
+            param.grad = target
+        else:
+            _scatter_add_into(target, dim, index, values)
+        return None, None, None
+
+
+def _scatter_add_into(
+    target: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    """``target.scatter_add_(dim, index, values)``: repeated positions are summed.
+
+    On CPU that kernel is run-to-run identical (each output element is summed in one
+    thread, in order); on accelerators it uses atomics, so under
+    `torch.use_deterministic_algorithms` the sum goes through the sorting
+    ``index_put_(accumulate=True)`` on linear indices instead.
+    """
+    if target.device.type == "cpu" or not torch.are_deterministic_algorithms_enabled():
+        return target.scatter_add_(dim, index, values)
+    flat = (
+        target if target.is_contiguous() else torch.zeros_like(target, memory_format=torch.contiguous_format)
+    )
+    strides = flat.stride()
+    linear = index * strides[dim]
+    for d in range(index.dim()):
+        if d != dim:
+            shape = [1] * index.dim()
+            shape[d] = index.shape[d]
+            linear = linear + torch.arange(index.shape[d], device=index.device).view(shape) * strides[d]
+    flat.view(-1).index_put_((linear.reshape(-1),), values.reshape(-1), accumulate=True)
+    return target if flat is target else target.add_(flat)
+
+
+def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """``torch.gather(input, dim, index)`` whose backward scatter-adds the output gradient
+    (repeated positions summed), straight into `input`'s slot when `input` is a parameter
+    wrapped by `FlatGrad`: no input-sized temporary, copy or add.
+
+    Same forward as `torch.gather`: `index` has `input`'s number of dimensions, is no
+    larger than `input` along every dimension but `dim`, and holds values in
+    ``[0, input.size(dim))``. On CPU an out-of-range value raises an `IndexError` naming it
+    and the size (a min/max over `index`); on accelerators that check would cost a device
+    sync per call, so torch.gather's own device-side bounds check reports it.
+    Under torch.compile and torch.func transforms it is `torch.gather` itself.
+    """
+    _check_gather(input, dim, index)
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return torch.gather(input, dim, index)
+    return _GatherDim.apply(input, dim % max(input.dim(), 1), index)
+
+
+def _check_gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> None:
+    if not isinstance(input, torch.Tensor) or not isinstance(index, torch.Tensor):
+        raise TypeError(
+            f"input and index must be tensors, got {type(input).__name__} and {type(index).__name__}"
+        )
+    if index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"index must be an int32 or int64 tensor, got {index.dtype}")
+    ndim = max(input.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"dim must lie in [{-ndim}, {ndim - 1}] for a {input.dim()}-d input, got {dim}")
+    if index.dim() != input.dim() and index.numel() > 1:
+        raise ValueError(f"index must have as many dimensions as input ({input.dim()}), got {index.dim()}")
+    gathered = dim % ndim
+    for d in range(index.dim() if index.dim() == input.dim() else 0):
+        if d != gathered and index.shape[d] > input.shape[d]:
+            raise ValueError(
+                f"index must be no larger than input along dimension {d} (not the gathered one), "
+                f"got {index.shape[d]} > {input.shape[d]}"
+            )
+    if index.device.type == "cpu" and index.numel() and not torch.compiler.is_compiling():
+        size = input.shape[gathered] if input.dim() else 1
+        low, high = int(index.min()), int(index.max())
+        if low < 0 or high >= size:
+            bad = low if low < 0 else high
+            raise IndexError(f"index values must lie in [0, {size}) along dimension {gathered}, got {bad}")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
