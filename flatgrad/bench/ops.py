@@ -65,6 +65,30 @@ def _gather() -> Case:
     return (lambda: table[idx]), (lambda: flatgrad.gather_with_index_add(ours, idx)), zero
 
 
+class _Table(nn.Module):
+    """A (4096, 1024) parameter read along dim 1 with a (4096, 256) index."""
+
+    def __init__(self, dim_gather: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4096, 1024))
+        self.gather = dim_gather
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        return self.gather(self.weight, 1, index)
+
+
+def _dim_gather(accumulate: bool) -> Case:
+    stock = _Table(torch.gather)
+    flat = flatgrad.FlatGrad(_Table(flatgrad.gather))
+    index = torch.randint(0, 1024, (4096, 256))
+
+    def zero() -> None:
+        stock.weight.grad = torch.zeros_like(stock.weight) if accumulate else None
+        flat.zero_grad(set_to_none=not accumulate)
+
+    return (lambda: stock(index)), (lambda: flat(index)), zero
+
+
 def _linear_stack(accumulate: bool) -> Case:
     stock = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
     flat = flatgrad.FlatGrad(copy.deepcopy(stock))
@@ -82,6 +106,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "embedding 50000x256, 32768 idx, fresh .grad": lambda: _embedding(False),
     "embedding 50000x256, 32768 idx, accumulating": lambda: _embedding(True),
     "gather 20-elem table, 1M idx (vs table[idx])": _gather,
+    "gather dim 1 of 4096x1024, 4096x256 idx, fresh": lambda: _dim_gather(False),
+    "gather dim 1 of 4096x1024, 4096x256 idx, accum.": lambda: _dim_gather(True),
     "linear 8x(512x512), batch 256, fresh .grad": lambda: _linear_stack(False),
     "linear 8x(512x512), batch 256, accumulating": lambda: _linear_stack(True),
 }
