@@ -108,11 +108,18 @@ class FlatGrad(nn.Module):
             self._refresh()
         if self._ddp_forwards >= 0:
             self._ddp_forwards = comm.note_forward_without_hook(self._ddp_forwards)
-        output = self.module(*args, **kwargs)
+        output = self._call_module(*args, **kwargs)
         seater = self._seater
         if seater is not None and torch.is_grad_enabled():
             seater.watch(output)
         return output
+
+    def _call_module(self, *args: Any, **kwargs: Any) -> Any:
+        # Under torch.compile(flat) the (disabled) forward frame runs eagerly and this frame
+        # is where Dynamo starts tracing: a frame of flatgrad's, so the wrapped model is
+        # traced as one graph even when its root is a torch container (nn.Sequential), whose
+        # own frames Dynamo would skip, compiling each child apart.
+        return self.module(*args, **kwargs)
 
     # --- the plain model's names (state_dict, named_parameters, DCP, functional_call) ------
 

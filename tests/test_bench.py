@@ -111,6 +111,8 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
         "small_layers,gpt",
         "--op-repeats",
         "1",
+        "--local-steps",
+        "1",
         "--out",
         str(out),
     ]
@@ -140,6 +142,36 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
         assert result_["configs"]["ddp_default"]["ratio_to_ddp_default"] == 1.0
         assert result_["configs"]["flatgrad_ddp_hook"]["collectives_per_step"] == 1
     assert {row["case"] for row in report["ops"]} and all(row["ratio"] > 0 for row in report["ops"])
+    assert {(row["model"], row["clip"]) for row in report["local"]} == {
+        (name, clip) for name in ("llama", "small_layers_64", "linear_1024") for clip in (False, True)
+    }
+    assert all(set(row) == {"model", "clip", "stock_ms", "flatgrad_ms", "ratio"} for row in report["local"])
+    assert report["compile"] is None  # only with --compile
+    assert "one process: model" in result.stdout
+
+
+def test_compile_row_counts_graphs_and_times_compiled_steps():
+    from flatgrad.bench.local import compile_row, format_local
+    from flatgrad.bench.models import BenchModel
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(_mlp(), torch.nn.Flatten(0)).append(_Mean())
+
+    spec = BenchModel(build, lambda gen, device: (torch.randn(4, 512, generator=gen).to(device),))
+    row = compile_row(2, warmup=1, spec=spec)
+    assert "error" not in row, row
+    assert (
+        (row["stock_graphs"], row["stock_breaks"])
+        == (row["flatgrad_graphs"], row["flatgrad_breaks"])
+        == (1, 0)
+    )
+    assert row["stock_ms"] > 0 and row["flatgrad_ms"] > 0 and row["ratio"] > 0
+    assert "graphs/breaks stock 1/0, flatgrad 1/0" in format_local([], row)
+
+
+class _Mean(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean()
 
 
 def test_bench_rejects_unknown_model():

@@ -411,6 +411,14 @@ def test_dynamo_explain_counts_equal_stock():
     assert (ours.graph_count, ours.graph_break_count) == (1, 0)
     assert (inner.graph_count, inner.graph_break_count) == (1, 0)
     torch._dynamo.reset()
+    seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).double()  # a torch container root
+    x = torch.randn(3, 8, dtype=torch.float64)
+    stock = torch._dynamo.explain(seq)(x)
+    torch._dynamo.reset()
+    ours = torch._dynamo.explain(flatgrad.FlatGrad(copy.deepcopy(seq), config=ROUTE_ALL))(x)
+    counts = (ours.graph_count, ours.graph_break_count)
+    assert counts == (stock.graph_count, stock.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
+from flatgrad.bench.local import compile_row, format_local, local_rows
 from flatgrad.bench.models import MODELS
 from flatgrad.bench.ops import format_ops, op_ratios
 from flatgrad.bench.report import format_table, write_png
@@ -73,6 +74,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--op-repeats", type=int, default=30, help="repeats of the single-op backward benchmarks (0: skip)"
     )
     parser.add_argument(
+        "--local-steps",
+        type=int,
+        default=20,
+        help="timed one-process steps per model for the stock-vs-FlatGrad step table (0: skip)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also the torch.compile row: graph/break counts and compiled step times (slow on CPU)",
+    )
+    parser.add_argument(
         "--threads", type=_positive, default=None, help="torch threads per rank (default: cores / ranks)"
     )
     parser.add_argument(
@@ -110,7 +122,19 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def run_rank(args: argparse.Namespace, ops: list[dict[str, Any]]) -> None:
+def one_process(args: argparse.Namespace) -> dict[str, Any]:
+    """The one-process rows (step table, compile row, single-op backwards), measured before
+    any rank exists, with every core."""
+    rows = local_rows(args.local_steps, args.warmup) if args.local_steps > 0 else []
+    compiled = compile_row(args.local_steps or 10) if args.compile else None
+    return {
+        "local": rows,
+        "compile": compiled,
+        "ops": op_ratios(args.op_repeats) if args.op_repeats else [],
+    }
+
+
+def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
     """Benchmark on this rank (process group already initialised); rank 0 reports."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = (
@@ -140,26 +164,26 @@ def run_rank(args: argparse.Namespace, ops: list[dict[str, Any]]) -> None:
         "settings": {"steps": args.steps, "warmup": args.warmup, "configs": args.configs},
         "peak_rss_mb_max_rank": float(rss),
         "models": models,
-        "ops": ops,
+        **single,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(format_table(report))
-    if ops:
-        print(format_ops(ops))
+    if single["local"] or single["compile"]:
+        print(format_local(single["local"], single["compile"]))
+    if single["ops"]:
+        print(format_ops(single["ops"]))
     png = write_png(report, args.out.with_suffix(".png"))
     print(f"report: {args.out}" + (f", chart: {png}" if png else " (install matplotlib for a chart)"))
 
 
-def _spawned(
-    rank: int, world_size: int, port: int, args: argparse.Namespace, ops: list[dict[str, Any]]
-) -> None:
+def _spawned(rank: int, world_size: int, port: int, args: argparse.Namespace, single: dict[str, Any]) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
     )
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10))
     try:
-        run_rank(args, ops)
+        run_rank(args, single)
     finally:
         gc.collect()  # free DDP reducers (reference cycles) while the group exists: gloo can abort otherwise
         dist.destroy_process_group()
@@ -178,17 +202,17 @@ def main(argv: list[str] | None = None) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
         try:
-            ops = op_ratios(args.op_repeats) if args.op_repeats and dist.get_rank() == 0 else []
+            single = one_process(args) if dist.get_rank() == 0 else {}
             dist.barrier()
-            run_rank(args, ops)
+            run_rank(args, single)
         finally:
             gc.collect()
             dist.destroy_process_group()
         return
-    ops = op_ratios(args.op_repeats) if args.op_repeats else []  # before spawning: all cores
+    single = one_process(args)  # before spawning: all cores
     mp.start_processes(
         _spawned,
-        args=(args.world_size, _free_port(), args, ops),
+        args=(args.world_size, _free_port(), args, single),
         nprocs=args.world_size,
         start_method="spawn",
     )

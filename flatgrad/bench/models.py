@@ -91,6 +91,45 @@ class LargeMLP(nn.Module):
         return F.mse_loss(x, y)
 
 
+class _LlamaBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = nn.RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.mlp_norm = nn.RMSNorm(dim)
+        self.gate_up = nn.Linear(dim, 2 * (8 * dim // 3), bias=False)
+        self.down = nn.Linear(8 * dim // 3, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, steps, dim = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(batch, steps, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(attn.transpose(1, 2).reshape(batch, steps, dim))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaLike(nn.Module):
+    """A Llama-shaped LM in plain torch: RMSNorm, attention through
+    `scaled_dot_product_attention`, a SwiGLU MLP, and an LM head tied to the embedding."""
+
+    def __init__(self, vocab: int = 4096, dim: int = 256, depth: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(_LlamaBlock(dim, heads) for _ in range(depth))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(idx)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), targets.flatten())
+
+
 @dataclass(frozen=True)
 class BenchModel:
     """A model factory and a batch factory (a batch is the forward's positional args)."""
@@ -116,6 +155,26 @@ def _gpt_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor
 def _mlp_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
     return torch.randn(16, 2048, generator=gen).to(device), torch.randn(16, 2048, generator=gen).to(device)
 
+
+def _llama_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
+    idx = torch.randint(0, 4096, (8, 65), generator=gen)
+    return idx[:, :-1].to(device), idx[:, 1:].to(device)
+
+
+def _tiny_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
+    return torch.randn(32, 64, generator=gen).to(device), torch.randn(32, generator=gen).to(device)
+
+
+def _wide_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
+    return torch.randn(64, 1024, generator=gen).to(device), torch.randn(64, 1024, generator=gen).to(device)
+
+
+# One-process step benchmarks (flatgrad.bench.local): the issue-sized models.
+LOCAL_MODELS: dict[str, BenchModel] = {
+    "llama": BenchModel(LlamaLike, _llama_batch),
+    "small_layers_64": BenchModel(lambda: ManySmallLayers(width=64, depth=48), _tiny_batch),
+    "linear_1024": BenchModel(lambda: LargeMLP(width=1024, depth=4), _wide_batch),
+}
 
 MODELS: dict[str, BenchModel] = {
     "small_layers": BenchModel(ManySmallLayers, _small_batch),
