@@ -196,3 +196,14 @@ def test_resolve_model_takes_a_factory_of_your_own():
     assert spec.build()(x).shape == (4, 384)
     with pytest.raises(TypeError, match="must return a flatgrad.bench.models.BenchModel, got Sequential"):
         resolve_model("test_bench:_mlp")
+
+
+def test_counting_prints_nothing_to_the_terminal(capfd):
+    from flatgrad.bench.counters import count_step
+
+    model = _mlp()
+    x = torch.randn(4, 512)
+    counts = count_step(lambda: model(x).sum().backward(), model.parameters())
+    assert counts.grad_copies == 0  # fresh .grad: AccumulateGrad steals, nothing is copied
+    captured = capfd.readouterr()
+    assert "USDT" not in captured.err and "USDT" not in captured.out

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +26,24 @@ class StepCounts:
     grad_copies: int
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null for the block: torch's profiler (Kineto) prints
+    two ``USDT ... profiler_start/stop`` lines per profiled region from C++, hundreds per
+    bench run, with no setting to silence them. An exception still propagates and is
+    reported after the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _is_collective(name: str) -> bool:
     return name.startswith("c10d::") and "barrier" not in name
 
@@ -35,7 +56,7 @@ def count_step(step: Callable[[], object], params: Iterable[nn.Parameter]) -> St
     the benchmark models keep activations from sharing a weight's shape.
     """
     shapes = {tuple(p.shape) for p in params if p.requires_grad and p.dim() >= 2}
-    with torch.profiler.profile(record_shapes=True) as prof:
+    with _quiet_stderr(), torch.profiler.profile(record_shapes=True) as prof:
         step()
     collectives = copies = 0
     for event in prof.events():
