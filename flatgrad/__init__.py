@@ -3,9 +3,11 @@
 from flatgrad.comm import FlatGradCommState, allreduce_hook
 from flatgrad.config import FlatGradConfig
 from flatgrad.functional import gather, gather_with_index_add
+from flatgrad.parallel import DataParallel
 from flatgrad.wrapper import FlatGrad
 
 __all__ = [
+    "DataParallel",
     "FlatGrad",
     "FlatGradCommState",
     "FlatGradConfig",

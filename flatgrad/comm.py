@@ -101,6 +101,15 @@ def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.f
     return _all_reduce_mean(bucket.buffer(), state.process_group, state.wire_dtype)
 
 
+def average_op(tensor: torch.Tensor, process_group: dist.ProcessGroup | None) -> tuple[Any, bool]:
+    """(reduce op, whether to divide by the world size first) for averaging `tensor`: NCCL
+    averages inside the reduction (`ReduceOp.AVG`, no extra pass); other backends sum a
+    tensor divided first, so that sums stay finite."""
+    if tensor.is_cuda and "nccl" in str(dist.get_backend(process_group)):
+        return dist.ReduceOp.AVG, False
+    return dist.ReduceOp.SUM, True
+
+
 def _all_reduce_mean(
     buffer: torch.Tensor, process_group: dist.ProcessGroup | None, wire_dtype: torch.dtype | None
 ) -> torch.futures.Future[torch.Tensor]:
@@ -108,10 +117,8 @@ def _all_reduce_mean(
     wire = buffer
     if wire_dtype is not None and buffer.is_floating_point() and buffer.dtype != wire_dtype:
         wire = buffer.to(wire_dtype)
-    if wire.is_cuda and "nccl" in str(dist.get_backend(process_group)):
-        op = dist.ReduceOp.AVG  # NCCL averages inside the reduction: no extra pass
-    else:
-        op = dist.ReduceOp.SUM
+    op, divide = average_op(wire, process_group)
+    if divide:
         wire.div_(dist.get_world_size(process_group))  # divide first, so sums stay finite
     fut = dist.all_reduce(wire, op=op, group=process_group, async_op=True).get_future()
     if wire is buffer:

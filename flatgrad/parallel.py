@@ -1,0 +1,256 @@
+"""`DataParallel`: overlapped, bucketed gradient averaging on FlatGrad's one flat buffer.
+
+Buckets are `narrow` views of the flat buffer, cut at slot boundaries in the buffer's order
+(the reverse of registration, roughly the order backward produces gradients), about
+`bucket_mb` each and a small first one. A post hook on every parameter's AccumulateGrad node
+(it fires also for the routed layers, whose Functions hand AccumulateGrad None) counts the
+parameter ready; when every parameter of a bucket is ready and every earlier bucket has been
+launched, the bucket's collective starts asynchronously, while backward goes on. Buckets
+therefore launch in the same order on every rank. An autograd final callback launches what
+is left (parameters unused in this step: their slots are zeroed when `.grad` is None), waits
+for everything, and settles `.grad` as stock DDP with ``find_unused_parameters=True`` does,
+so `loss.backward()` returns with averaged gradients.
+
+On CUDA with NCCL the collectives run on the process group's own communication stream,
+which waits (through an event) for the stream that produced the gradients when the
+collective is launched; `Work.wait()` in the final callback makes the current stream wait
+for the communication in turn. Nothing writes a bucket (the next micro-batch, `zero_grad`,
+the optimizer) before its collective is done, because backward does not return before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatgrad.buffer import GradStore
+from flatgrad.comm import _check_wire_dtype, average_op
+from flatgrad.wrapper import FlatGrad
+
+logger = logging.getLogger(__name__)
+
+_FIRST_BUCKET_MB = 1.0  # a small first bucket starts communication early, as in DDP
+
+
+@dataclass
+class _Bucket:
+    """One contiguous piece of a flat buffer and the parameters whose slots it holds."""
+
+    index: int
+    buffer: torch.Tensor  # a narrow view of the flat buffer
+    params: tuple[nn.Parameter, ...]
+    pending: int = 0
+    work: Any = None
+    wire: torch.Tensor | None = None
+
+
+class DataParallel(nn.Module):
+    """Averages the gradients of `flat` over `process_group` during backward, bucket by
+    bucket, overlapping communication with the rest of the backward.
+
+    ``dp(*args)`` is ``flat(*args)``; after ``loss.backward()`` returns every `.grad` is
+    averaged over the ranks (as under DDP). ``with dp.no_sync():`` accumulates locally.
+    Rank 0's parameters and buffers are broadcast at construction.
+    """
+
+    def __init__(
+        self,
+        flat: FlatGrad,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_mb: float = 25.0,
+        wire_dtype: torch.dtype | None = None,
+    ) -> None:
+        if not isinstance(flat, FlatGrad):
+            raise TypeError(f"flat must be a flatgrad.FlatGrad, got {type(flat).__name__}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DataParallel needs an initialised process group (dist.init_process_group)")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        _check_wire_dtype(wire_dtype)
+        super().__init__()
+        self.module = flat
+        self.process_group = process_group
+        self.bucket_mb = float(bucket_mb)
+        self.wire_dtype = wire_dtype
+        self.world_size = dist.get_world_size(process_group)
+        self._reduce_scatter = False  # ShardedOptimizer switches the buckets to reduce-scatter
+        self._sync = True
+        self._store: GradStore | None = None
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        self._ready: set[int] = set()
+        self._next = 0  # the next bucket to launch
+        self._task = -1
+        self._hooks: list[Any] = []
+        self._nodes: list[Any] = []
+        _broadcast_from_rank0(flat, process_group)
+        self._rebuild()
+
+    # --- public -------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module._checked_store() is not self._store:
+            self._rebuild()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate into the flat buffer without communicating; the
+        first backward outside averages everything accumulated."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The plain model's keys (no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    @property
+    def buckets(self) -> list[torch.Tensor]:
+        """The bucket views of the flat buffers, in launch order."""
+        return [bucket.buffer for bucket in self._buckets]
+
+    # --- buckets ------------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Cut the buckets of the current store and hook every parameter's AccumulateGrad."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._nodes = [], []
+        store = self.module._checked_store()
+        self._store = store
+        self._buckets = _cut_buckets(store, self.bucket_mb)
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        with torch.enable_grad():
+            for param in store.params:
+                node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+                self._hooks.append(node.register_hook(functools.partial(self._on_ready, param)))
+                self._nodes.append(node)  # a parameter holds its AccumulateGrad node only weakly
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ready = set()
+        self._next = 0
+        for bucket in self._buckets:
+            bucket.pending = len(bucket.params)
+            bucket.work = bucket.wire = None
+
+    # --- backward -----------------------------------------------------------------------
+
+    def _on_ready(self, param: nn.Parameter, grad_inputs: Any, grad_outputs: Any) -> None:
+        if not self._sync or torch.is_grad_enabled():
+            return  # no_sync(), or a create_graph backward: nothing final yet
+        task = torch._C._current_graph_task_id()
+        if task != self._task:
+            self._task = task
+            self._reset()
+            Variable_engine().queue_callback(self._finish)
+        if id(param) in self._ready:
+            raise RuntimeError(
+                "a parameter was made ready twice in one backward (reentrant activation "
+                "checkpointing runs a backward per segment); use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
+        self._ready.add(id(param))
+        bucket = self._bucket_of[id(param)]
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self, flush: bool = False) -> None:
+        """Launch buckets in order while the next one is complete (or, on flush, all)."""
+        while self._next < len(self._buckets):
+            bucket = self._buckets[self._next]
+            if bucket.pending and not flush:
+                return
+            if bucket.pending:
+                for param in bucket.params:
+                    if id(param) not in self._ready and param.grad is None:
+                        self._store.flat_view(param).zero_()  # type: ignore[union-attr]
+            self._launch(bucket)
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        wire = bucket.buffer
+        if self.wire_dtype is not None and wire.is_floating_point() and wire.dtype != self.wire_dtype:
+            wire = wire.to(self.wire_dtype)
+        op, divide = average_op(wire, self.process_group)
+        if divide:
+            wire.div_(self.world_size)  # divide first, so sums stay finite
+        if self._reduce_scatter:
+            out = wire.view(self.world_size, -1)[self._rank()]
+            bucket.work = dist.reduce_scatter_tensor(
+                out, wire, op=op, group=self.process_group, async_op=True
+            )
+        else:
+            bucket.work = dist.all_reduce(wire, op=op, group=self.process_group, async_op=True)
+        bucket.wire = wire if wire is not bucket.buffer else None
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.process_group)
+
+    def _finish(self) -> None:
+        """Final callback: launch the rest, wait, and settle `.grad` like stock DDP with
+        find_unused_parameters=True (a parameter no rank used keeps `.grad` None)."""
+        store = self._store
+        assert store is not None, "DataParallel is not built"
+        used = torch.tensor(
+            [int(id(p) in self._ready or p.grad is not None) for p in store.params], dtype=torch.uint8
+        )
+        used = used.to(next(iter(store.buffers.values())).device)
+        self._launch_ready(flush=True)
+        used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+        for bucket in self._buckets:
+            bucket.work.wait()
+            if bucket.wire is not None:
+                bucket.buffer.copy_(bucket.wire)
+        used_work.wait()
+        for param, flag in zip(store.params, used.tolist()):
+            if flag and param.grad is None:
+                param.grad = store.view(param)
+        self._task = -1
+
+
+def Variable_engine() -> Any:  # noqa: N802 (torch's own name)
+    return torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+
+
+def _cut_buckets(store: GradStore, bucket_mb: float) -> list[_Bucket]:
+    """Buckets per buffer, cut at slot boundaries in buffer order: the first about
+    `_FIRST_BUCKET_MB`, the others about `bucket_mb`."""
+    buckets: list[_Bucket] = []
+    for key, buffer in store.buffers.items():
+        slots = sorted(
+            ((store.slot(p)[1].offset, p) for p in store.params if store.slot(p)[0] == key),
+            key=lambda item: item[0],
+        )
+        cap = int(min(_FIRST_BUCKET_MB, bucket_mb) * 2**20) // buffer.element_size()
+        start, members = 0, []
+        for i, (_, param) in enumerate(slots):
+            members.append(param)
+            end = slots[i + 1][0] if i + 1 < len(slots) else buffer.numel()
+            if end - start >= cap or i + 1 == len(slots):
+                buckets.append(_Bucket(len(buckets), buffer.narrow(0, start, end - start), tuple(members)))
+                start, members = end, []
+                cap = int(bucket_mb * 2**20) // buffer.element_size()
+    return buckets
+
+
+def _broadcast_from_rank0(module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
+    """What DDP's constructor does: every rank starts from rank 0's parameters and buffers."""
+    source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=source, group=process_group)
