@@ -42,7 +42,9 @@ class _Net(nn.Module):
         self.head.weight = self.emb.weight
         self.double()
 
-    def forward(self, tokens: torch.Tensor, use_branch: bool = True, checkpoint: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, use_branch: bool = True, checkpoint: bool = False
+    ) -> torch.Tensor:
         h = self.emb(tokens)
         if checkpoint:
             h = torch.utils.checkpoint.checkpoint(self._block, h, use_reentrant=False)
@@ -143,7 +145,8 @@ def _profile_worker(rank: int, world_size: int) -> None:
     copies = [
         e.name
         for e in prof.events()
-        if e.name in {"aten::copy_", "aten::add_", "aten::clone"} and [256, 256] in [list(s) for s in e.input_shapes]
+        if e.name in {"aten::copy_", "aten::add_", "aten::clone"}
+        and [256, 256] in [list(s) for s in e.input_shapes]
     ]
     assert copies == []  # zero weight-sized gradient copies
     backward_ops = sorted(e.time_range.start for e in prof.events() if e.name == "aten::mm")
