@@ -4,6 +4,7 @@ from flatgrad.comm import FlatGradCommState, allreduce_hook
 from flatgrad.config import FlatGradConfig
 from flatgrad.functional import gather, gather_with_index_add
 from flatgrad.parallel import DataParallel
+from flatgrad.sharded import ShardedOptimizer
 from flatgrad.wrapper import FlatGrad
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "FlatGrad",
     "FlatGradCommState",
     "FlatGradConfig",
+    "ShardedOptimizer",
     "allreduce_hook",
     "gather",
     "gather_with_index_add",

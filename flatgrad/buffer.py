@@ -32,7 +32,7 @@ class GradStore:
     # reference to a parameter (that would block torch.utils.swap_tensors).
     _owners: dict[int, weakref.ref[GradStore]] = {}
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], align_bytes: int) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], align_bytes: int, multiple: int = 1) -> None:
         self.params = tuple(params)
         for param in self.params:
             if GradStore.owner_of(param) is not None:
@@ -44,7 +44,7 @@ class GradStore:
         self.buffers: dict[GroupKey, torch.Tensor] = {}
         self._entries: dict[torch.Tensor, _Entry] = {}
         self._views: dict[int, torch.Tensor] = {}  # by id: the backward's lookup, no Tensor hash
-        for key, group in plan_layout(self.params, align_bytes).items():
+        for key, group in plan_layout(self.params, align_bytes, multiple).items():
             self.buffers[key] = _aligned_zeros(group.numel, key, align_bytes)
             for index, slot in zip(group.param_indices, group.slots):
                 self._set_slot(self.params[index], key, slot)

@@ -5,6 +5,7 @@ Pure bookkeeping: reads shapes, strides and dtypes, allocates nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,11 +45,15 @@ def align_elements(align_bytes: int, element_size: int) -> int:
     return max(1, align_bytes // element_size)
 
 
-def plan_layout(params: Sequence[torch.Tensor], align_bytes: int) -> dict[GroupKey, GroupLayout]:
+def plan_layout(
+    params: Sequence[torch.Tensor], align_bytes: int, multiple: int = 1
+) -> dict[GroupKey, GroupLayout]:
     """Group `params` by (dtype, device) and give each an aligned slot.
 
     Slots follow the reverse of `params`' order (registration order), which is roughly
-    the order backward produces gradients in, so a bucket fills front to back.
+    the order backward produces gradients in, so a bucket fills front to back. Every slot
+    also starts on a multiple of `multiple` elements (a sharded optimizer passes the world
+    size, so any run of whole slots splits into equal shards).
     """
     members: dict[GroupKey, list[int]] = {}
     for index in reversed(range(len(params))):
@@ -56,7 +61,7 @@ def plan_layout(params: Sequence[torch.Tensor], align_bytes: int) -> dict[GroupK
         members.setdefault((param.dtype, param.device), []).append(index)
     layouts = {}
     for key, indices in members.items():
-        align = align_elements(align_bytes, key[0].itemsize)
+        align = math.lcm(align_elements(align_bytes, key[0].itemsize), multiple)
         offset, slots = 0, []
         for index in indices:
             param = params[index]

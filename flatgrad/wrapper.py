@@ -79,6 +79,7 @@ class FlatGrad(nn.Module):
         self._others: tuple[nn.Parameter, ...] = ()  # the model's parameters without a slot
         self._generation = -1
         self._ddp_forwards = -1  # forwards since ddp_kwargs() without allreduce_hook; -1: not asked
+        self._slot_multiple = 1  # slots start on multiples of this many elements (sharding)
         if not _trainable_parameters(model):
             raise ValueError("model must have at least one parameter with requires_grad=True, got none")
         _watch_registrations()
@@ -186,7 +187,7 @@ class FlatGrad(nn.Module):
                 _detach_leaving(old, params)
                 old.release()
             routed = _route_layers(self.module, self.config)
-            self._store = store = GradStore(params, self.config.align_bytes)
+            self._store = store = GradStore(params, self.config.align_bytes, self._slot_multiple)
             self._seater = _Seater(store, params, routed, self)
             self._watched = _watch_list(self.module) or ()
             held = {id(p) for p in params}

@@ -1,0 +1,200 @@
+"""`ShardedOptimizer`: ZeRO-1 over DataParallel's buckets of the one flat buffer.
+
+The parameters move into flat parameter buffers laid out exactly like the gradient
+buffers (every parameter becomes a view of one; `state_dict` keys do not change), with every
+slot starting on a multiple of the world size, so each bucket splits into equal shards.
+Backward reduce-scatters each bucket (asynchronously, as DataParallel all-reduces it): rank
+r ends up with the average of shard r of every bucket. `step()` runs the wrapped torch
+optimizer on this rank's shards only (1-D views of the flat parameter and gradient buffers,
+so its state is about 1/world_size of the unsharded state), then all-gathers every bucket's
+parameters. Only element-wise optimizers shard this way.
+
+After backward, the `.grad` of a model parameter is averaged only inside this rank's shards;
+`clip_grad_norm_` and `step` use exactly those. A shard is updated as one tensor, so a
+parameter that no rank used in a step is stepped with a zero gradient (momentum and weight
+decay still apply), as under DDP with ``static_graph=True``; stock DDP with
+``find_unused_parameters=True`` would skip it (its `.grad` stays None). A parameter used on
+any rank is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatgrad.parallel import DataParallel
+
+# Optimizers whose update of an element depends only on that element (and scalars): they
+# give the same result on a shard as on the whole tensor.
+_ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+
+
+@dataclass(frozen=True)
+class _Shard:
+    param: nn.Parameter  # this rank's shard of a bucket of the flat parameter buffer
+    grad: torch.Tensor  # the same shard of the gradient bucket
+    bucket: torch.Tensor  # the whole bucket of the flat parameter buffer (all-gather output)
+
+
+class ShardedOptimizer:
+    """ZeRO-1 on top of `dp`: ``ShardedOptimizer(dp, torch.optim.AdamW, lr=..., ...)``.
+
+    ``step()``, ``zero_grad(set_to_none=...)``, ``clip_grad_norm_(max_norm)`` (the global
+    norm from the shard norms, one small all-reduce), ``state_dict()`` /
+    ``load_state_dict()`` (this rank's shard of the state; resuming needs the same world
+    size and model, and is refused with a clear error otherwise).
+    """
+
+    def __init__(
+        self, dp: DataParallel, optimizer_class: type[torch.optim.Optimizer], **defaults: Any
+    ) -> None:
+        if not isinstance(dp, DataParallel):
+            raise TypeError(f"dp must be a flatgrad.DataParallel, got {type(dp).__name__}")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, _ELEMENTWISE)):
+            names = ", ".join(cls.__name__ for cls in _ELEMENTWISE)
+            given = getattr(optimizer_class, "__name__", optimizer_class)
+            raise ValueError(
+                f"optimizer_class must be an element-wise torch optimizer ({names}) so that a "
+                f"shard updates as the whole tensor would, got {given}"
+            )
+        self.dp = dp
+        self.world_size = dp.world_size
+        self.rank = dist.get_rank(dp.process_group)
+        flat = dp.module
+        flat._slot_multiple = self.world_size
+        flat._build()  # slots on multiples of the world size: equal shards per bucket
+        dp._rebuild()
+        dp._reduce_scatter = True
+        self._store = flat._checked_store()
+        self._param_buffers = _flatten_parameters(self._store)
+        self._shards = self._cut_shards()
+        self.optimizer = optimizer_class([s.param for s in self._shards], **defaults)
+
+    def _cut_shards(self) -> list[_Shard]:
+        shards = []
+        for bucket in self.dp._buckets:
+            key = (bucket.buffer.dtype, bucket.buffer.device)
+            start = bucket.buffer.storage_offset() - self._store.buffers[key].storage_offset()
+            size = bucket.buffer.numel() // self.world_size
+            params = self._param_buffers[key].narrow(0, start, bucket.buffer.numel())
+            shard = nn.Parameter(params.narrow(0, self.rank * size, size))  # shares the memory
+            shards.append(_Shard(shard, bucket.buffer.narrow(0, self.rank * size, size), params))
+        return shards
+
+    # --- the optimizer API ----------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def _check_layout(self) -> None:
+        if self.dp.module._checked_store() is not self._store:
+            raise RuntimeError(
+                "the model's parameters changed (added, replaced, frozen, converted) after the "
+                "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"
+            )
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update this rank's shards, then all-gather every bucket's parameters."""
+        self._check_layout()
+        for shard in self._shards:
+            shard.param.grad = shard.grad
+        loss = self.optimizer.step(closure)
+        group = self.dp.process_group
+        works = [
+            dist.all_gather_into_tensor(s.bucket, s.param.detach(), group=group, async_op=True)
+            for s in self._shards
+        ]
+        for work in works:
+            work.wait()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dp.module.zero_grad(set_to_none=set_to_none)
+        for shard in self._shards:
+            shard.param.grad = None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradient shards so that their global norm (the norm over every rank's
+        shards: the norm of the averaged gradients, as stock clipping computes it) is at most
+        `max_norm`; returns that norm. One all-reduce of a scalar."""
+        norm_type = float(norm_type)
+        if not (norm_type > 0 or math.isinf(norm_type)) or math.isnan(norm_type):
+            raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
+        grads = [s.grad for s in self._shards]
+        device = grads[0].device
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(device, torch.float64) for g in grads])
+        if math.isinf(norm_type):
+            total = norms.max()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.dp.process_group)
+        else:
+            total = norms.pow(norm_type).sum()
+            dist.all_reduce(total, group=self.dp.process_group)
+            total = total.pow(1.0 / norm_type)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coef.to(grad.dtype))
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state (its shards) and the layout it belongs to."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "shard_numels": [s.param.numel() for s in self._shards],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from `state_dict` (saved by this rank, same world size and model)."""
+        layout = (state_dict.get("world_size"), state_dict.get("rank"), state_dict.get("shard_numels"))
+        ours = (self.world_size, self.rank, [s.param.numel() for s in self._shards])
+        if layout != ours:
+            raise ValueError(
+                "ShardedOptimizer state must come from the same world size, rank and model: saved "
+                f"(world_size, rank, shard sizes) {layout[:2]}, this run {ours[:2]}"
+                + ("" if layout[:2] != ours[:2] else " (the shard sizes differ: another model or bucket_mb)")
+                + "; re-sharding a ZeRO-1 state is not supported"
+            )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank."""
+        return sum(
+            t.numel() * t.element_size()
+            for state in self.optimizer.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor)
+        )
+
+
+def _flatten_parameters(store: Any) -> dict[Any, torch.Tensor]:
+    """Flat parameter buffers with the gradient buffers' layout; every parameter becomes a
+    view of its slot (same shape, strides and values)."""
+    buffers = {key: torch.zeros_like(grad) for key, grad in store.buffers.items()}
+    with torch.no_grad():
+        for param in store.params:
+            key, slot = store.slot(param)
+            buffer = buffers[key]
+            view = buffer.as_strided(slot.shape, slot.stride, buffer.storage_offset() + slot.offset)
+            view.copy_(param)
+            param.data = view
+    return buffers

@@ -1,0 +1,128 @@
+"""`flatgrad.ShardedOptimizer` (ZeRO-1) against stock DDP + the same optimizer + clipping.
+
+2 and 3 gloo ranks, different data per rank, float64. The oracle is DDP
+(find_unused_parameters=True) on a deep copy with torch.optim.AdamW (weight decay) and
+`torch.nn.utils.clip_grad_norm_`; both sides average the same per-rank gradients and apply
+the same element-wise update, shard by shard on ours, so parameters agree to round-off
+(1e-10 after several steps; the clip norm is a sum in another order).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import ROUTE_ALL
+from dist_utils import run_ranks
+from test_parallel import _Net, _tokens
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import flatgrad
+
+pytestmark = pytest.mark.distributed
+
+TOL = {"rtol": 1e-10, "atol": 1e-10}
+
+
+def _build(rank: int) -> tuple[nn.Module, flatgrad.FlatGrad, flatgrad.DataParallel, flatgrad.ShardedOptimizer]:
+    torch.manual_seed(0)
+    model = _Net()
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    dp = flatgrad.DataParallel(flat, bucket_mb=0.002)  # several buckets
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    return model, flat, dp, opt
+
+
+def _train(dp, opt, rank: int, steps: range) -> list[torch.Tensor]:  # noqa: ANN001
+    norms = []
+    for step in steps:
+        opt.zero_grad()
+        # the branch is unused on rank 1 every third step (used globally: see the module notes)
+        dp(_tokens(rank, step), not (rank == 1 and step % 3 == 1)).backward()
+        norms.append(opt.clip_grad_norm_(0.5))
+        opt.step()
+    return norms
+
+
+def _equal_to_ddp_worker(rank: int, world_size: int) -> None:
+    model, flat, dp, opt = _build(rank)
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    ours = _train(dp, opt, rank, range(4))
+    for step in range(4):
+        ref_opt.zero_grad()
+        ref(_tokens(rank, step), not (rank == 1 and step % 3 == 1)).backward()
+        total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        torch.testing.assert_close(ours[step], total, **TOL)
+        ref_opt.step()
+    for (name, p), q in zip(flat.module.named_parameters(), ref.module.parameters()):
+        torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    # memory: this rank holds about 1/world_size of AdamW's state
+    full = sum(2 * p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert opt.state_bytes() <= (0.6 if world_size == 2 else 0.45) * full, (opt.state_bytes(), full)
+    # parameters are views of one flat parameter buffer per (dtype, device)
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters() if p.requires_grad}
+    assert len(storages) == 1
+    assert dp.state_dict().keys() == ref.module.state_dict().keys()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_parameters_equal_stock_ddp_adamw_with_clipping(world_size):
+    run_ranks(_equal_to_ddp_worker, world_size=world_size)
+
+
+def _profile_worker(rank: int, world_size: int) -> None:
+    _, _, dp, opt = _build(rank)
+    _train(dp, opt, rank, range(2))
+    opt.zero_grad()
+    with torch.profiler.profile() as prof:
+        dp(_tokens(rank, 5)).backward()
+        opt.step()
+    names = [e.name for e in prof.events()]
+    num_buckets = len(dp.buckets)
+    assert names.count("c10d::_reduce_scatter_base_") == num_buckets, sorted(set(names))
+    assert names.count("c10d::_allgather_base_") == num_buckets
+    assert names.count("c10d::allreduce_") == 1  # the used-parameter flags only
+
+
+def test_reduce_scatter_and_all_gather_per_bucket():
+    run_ranks(_profile_worker)
+
+
+def _resume_worker(rank: int, world_size: int, tmp: str) -> None:
+    model, flat, dp, opt = _build(rank)
+    _train(dp, opt, rank, range(2))
+    torch.save({"model": flat.state_dict(), "opt": opt.state_dict()}, f"{tmp}/ckpt{rank}.pt")
+    _train(dp, opt, rank, range(2, 4))
+    expected = [p.detach().clone() for p in model.parameters()]
+    dist.barrier()
+    model2, flat2, dp2, opt2 = _build(rank)
+    saved = torch.load(f"{tmp}/ckpt{rank}.pt")
+    flat2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    _train(dp2, opt2, rank, range(2, 4))
+    for p, q in zip(model2.parameters(), expected):
+        assert torch.equal(p, q)  # bit-identical
+    wrong = dict(saved["opt"], world_size=world_size + 1)
+    with pytest.raises(ValueError, match="same world size, rank and model"):
+        opt2.load_state_dict(wrong)
+
+
+def test_resume_from_state_dict_is_bit_identical(tmp_path):
+    run_ranks(_resume_worker, str(tmp_path))
+
+
+def _refuse_worker(rank: int, world_size: int) -> None:
+    flat = flatgrad.FlatGrad(nn.Linear(4, 4))
+    dp = flatgrad.DataParallel(flat)
+    with pytest.raises(ValueError, match="optimizer_class must be an element-wise torch optimizer"):
+        flatgrad.ShardedOptimizer(dp, torch.optim.LBFGS, lr=1.0)
+    with pytest.raises(TypeError, match="dp must be a flatgrad.DataParallel, got FlatGrad"):
+        flatgrad.ShardedOptimizer(flat, torch.optim.SGD, lr=1.0)  # type: ignore[arg-type]
+
+
+def test_optimizers_that_need_whole_tensors_are_refused():
+    run_ranks(_refuse_worker)
