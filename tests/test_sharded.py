@@ -27,7 +27,9 @@ pytestmark = pytest.mark.distributed
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 
 
-def _build(rank: int) -> tuple[nn.Module, flatgrad.FlatGrad, flatgrad.DataParallel, flatgrad.ShardedOptimizer]:
+def _build(
+    rank: int,
+) -> tuple[nn.Module, flatgrad.FlatGrad, flatgrad.DataParallel, flatgrad.ShardedOptimizer]:
     torch.manual_seed(0)
     model = _Net()
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
