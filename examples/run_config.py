@@ -146,6 +146,27 @@ class TrainConfig(_RunConfig):
     out_dir: Path = Path("out/gpt_cpu")
     """Directory for the final checkpoint ``ckpt.pt``."""
 
+    engine: Literal["ddp", "flatgrad"] = "ddp"
+    """"ddp": torch's DDP with flatgrad's comm hook (one all-reduce of the whole buffer after
+    backward); "flatgrad": `flatgrad.DataParallel`, buckets of the flat buffer all-reduced
+    while backward runs."""
+
+    zero: bool = False
+    """With engine "flatgrad": `flatgrad.ShardedOptimizer` (ZeRO-1, each rank keeps 1/N of
+    AdamW's state)."""
+
+    bucket_mb: float = Field(default=25.0, gt=0.0)
+    """Bucket size of engine "flatgrad"."""
+
+    @model_validator(mode="after")
+    def _zero_needs_the_flatgrad_engine(self) -> TrainConfig:
+        if self.zero and self.engine != "flatgrad":
+            raise ValueError(
+                'zero must be false unless engine is "flatgrad": ZeRO-1 shards the buckets of '
+                f"flatgrad.DataParallel, got engine={self.engine!r}"
+            )
+        return self
+
     @model_validator(mode="after")
     def _schedule_ends_below_peak(self) -> TrainConfig:
         if self.lr_schedule == "cosine" and self.min_lr > self.lr:

@@ -4,6 +4,7 @@ The text is the source of a few Python stdlib modules, so nothing is downloaded.
 samples its own random windows; DDP averages the gradients through `flatgrad.allreduce_hook`.
 
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --config configs/gpt_cpu.yaml
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --engine flatgrad --zero
     python examples/train_gpt.py --max-steps 50      # one process, same code path
 
 Rank 0 logs step, loss and tokens/s, and saves ``<out_dir>/ckpt.pt``: the plain model's
@@ -18,6 +19,7 @@ import math
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,9 +59,7 @@ def train(cfg: TrainConfig) -> None:
     generator = torch.Generator().manual_seed(cfg.seed + rank)  # so do the data windows
 
     flat = flatgrad.FlatGrad(model, config=cfg.flatgrad)
-    ddp = DDP(flat, device_ids=[device.index] if device.type == "cuda" else None, **flat.ddp_kwargs())
-    ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    ddp, optimizer = build_engine(cfg, flat, device)
 
     num_params = sum(p.numel() for p in model.parameters())
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * world_size
@@ -84,8 +84,8 @@ def train(cfg: TrainConfig) -> None:
                 loss = lm_loss(ddp(inputs), targets) / cfg.grad_accum_steps
                 loss.backward()
             step_loss += loss.detach()
-        if cfg.grad_clip is not None:
-            flat.clip_grad_norm_(cfg.grad_clip)  # one norm over the flat buffer
+        if cfg.grad_clip is not None:  # one norm over the flat buffer (or the shards)
+            (optimizer if cfg.zero else flat).clip_grad_norm_(cfg.grad_clip)  # type: ignore[union-attr]
         optimizer.step()
         optimizer.zero_grad()  # set_to_none=True; flatgrad keeps .grad in its buffer anyway
         bar.update()
@@ -109,10 +109,22 @@ def train(cfg: TrainConfig) -> None:
         save_checkpoint(cfg, flat, optimizer, data, losses)
 
 
+def build_engine(cfg: TrainConfig, flat: flatgrad.FlatGrad, device: torch.device) -> tuple[Any, Any]:
+    """The data-parallel wrapper and optimiser of `cfg.engine` / `cfg.zero`."""
+    if cfg.engine == "ddp":
+        ddp = DDP(flat, device_ids=[device.index] if device.type == "cuda" else None, **flat.ddp_kwargs())
+        ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+        return ddp, torch.optim.AdamW(flat.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    dp = flatgrad.DataParallel(flat, bucket_mb=cfg.bucket_mb)
+    if cfg.zero:
+        return dp, flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return dp, torch.optim.AdamW(flat.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
 def save_checkpoint(
     cfg: TrainConfig,
     flat: flatgrad.FlatGrad,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Any,
     data: CharData,
     losses: dict[int, float],
 ) -> None:
@@ -120,7 +132,7 @@ def save_checkpoint(
     path = cfg.out_dir / "ckpt.pt"
     checkpoint = {
         "model": flat.state_dict(),  # the plain GPT's keys: loads into GPT(...) directly
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer.state_dict(),  # with zero: rank 0's shard of the state
         "config": cfg.model_dump(mode="json"),
         "vocab": data.chars,
         "losses": losses,
@@ -136,8 +148,16 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=Path("configs/gpt_cpu.yaml"), help="YAML run config")
     parser.add_argument("--max-steps", type=int, help="override max_steps")
     parser.add_argument("--out-dir", type=Path, help="override out_dir")
+    parser.add_argument("--engine", choices=("ddp", "flatgrad"), help="override engine")
+    parser.add_argument("--zero", action="store_true", default=None, help="ZeRO-1 (engine flatgrad)")
     args = parser.parse_args()
-    cfg = load_config(TrainConfig, args.config, {"max_steps": args.max_steps, "out_dir": args.out_dir})
+    overrides = {
+        "max_steps": args.max_steps,
+        "out_dir": args.out_dir,
+        "engine": args.engine,
+        "zero": args.zero,
+    }
+    cfg = load_config(TrainConfig, args.config, overrides)
     launch(lambda: train(cfg))
 
 
