@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,13 @@ class DataParallel(nn.Module):
         self._task = -1
         self._hooks: list[Any] = []
         self._nodes: list[Any] = []
+        # Of the last synced backward (perf_counter seconds): when each bucket was launched,
+        # relative to the first gradient, and how long the final callback waited for
+        # communication after the backward's compute had ended (exposed communication).
+        self.launch_offsets_s: list[float] = []
+        self.exposed_s = 0.0
+        self.backward_s = 0.0  # first gradient to the end of the backward's compute
+        self._first_ready = 0.0
         _broadcast_from_rank0(flat, process_group)
         self._rebuild()
 
@@ -157,6 +165,8 @@ class DataParallel(nn.Module):
         if task != self._task:
             self._task = task
             self._reset()
+            self._first_ready = time.perf_counter()
+            self.launch_offsets_s = []
             Variable_engine().queue_callback(self._finish)
         if id(param) in self._ready:
             raise RuntimeError(
@@ -180,6 +190,7 @@ class DataParallel(nn.Module):
                     if id(param) not in self._ready and param.grad is None:
                         self._store.flat_view(param).zero_()  # type: ignore[union-attr]
             self._launch(bucket)
+            self.launch_offsets_s.append(time.perf_counter() - self._first_ready)
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -206,6 +217,8 @@ class DataParallel(nn.Module):
         find_unused_parameters=True (a parameter no rank used keeps `.grad` None)."""
         store = self._store
         assert store is not None, "DataParallel is not built"
+        compute_done = time.perf_counter()
+        self.backward_s = compute_done - self._first_ready
         used = torch.tensor(
             [int(id(p) in self._ready or p.grad is not None) for p in store.params], dtype=torch.uint8
         )
@@ -217,7 +230,9 @@ class DataParallel(nn.Module):
             if bucket.wire is not None:
                 bucket.buffer.copy_(bucket.wire)
         used_work.wait()
-        for param, flag in zip(store.params, used.tolist()):
+        flags = used.tolist()  # on CUDA this waits for the communication stream too
+        self.exposed_s = time.perf_counter() - compute_done
+        for param, flag in zip(store.params, flags):
             if flag and param.grad is None:
                 param.grad = store.view(param)
         self._task = -1

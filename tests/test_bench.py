@@ -137,10 +137,18 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
                 "grad_bytes",
                 "step_peak_extra_mb",
                 "final_loss",
+                "optimizer_state_bytes",
+                "exposed_comm_ms",
+                "bucket_launch_ms",
+                "backward_ms",
+                "bucket_bytes",
             }
             assert record["min_ms"] <= record["median_ms"] <= record["max_ms"]
         assert result_["configs"]["ddp_default"]["ratio_to_ddp_default"] == 1.0
         assert result_["configs"]["flatgrad_ddp_hook"]["collectives_per_step"] == 1
+        zero, dp = result_["configs"]["flatgrad_zero"], result_["configs"]["flatgrad_dp"]
+        assert zero["optimizer_state_bytes"] <= 0.6 * dp["optimizer_state_bytes"]
+        assert dp["exposed_comm_ms"] >= 0 and len(dp["bucket_launch_ms"]) == len(dp["bucket_bytes"])
     assert {row["case"] for row in report["ops"]} and all(row["ratio"] > 0 for row in report["ops"])
     assert {(row["model"], row["clip"]) for row in report["local"]} == {
         (name, clip) for name in ("llama", "small_layers_64", "linear_1024") for clip in (False, True)
@@ -207,3 +215,17 @@ def test_counting_prints_nothing_to_the_terminal(capfd):
     assert counts.grad_copies == 0  # fresh .grad: AccumulateGrad steals, nothing is copied
     captured = capfd.readouterr()
     assert "USDT" not in captured.err and "USDT" not in captured.out
+
+
+def test_overlap_model_arithmetic():
+    from flatgrad.bench.overlap import allreduce_ms, exposed_communication
+
+    # 2 ranks move (2 * 1/2) * n bytes: 1 GB at 1 GB/s is 1000 ms, plus 1 ms latency
+    assert allreduce_ms(1e9, 2, 1.0, 1000.0) == pytest.approx(1001.0)
+    # two 0.5 GB buckets at 1 GB/s (500 ms each, no latency), ready at 0 and 800 ms, backward 1000 ms:
+    # the first runs 0-500, the second 800-1300: 300 ms exposed; one shot after backward: 1000 ms
+    estimate = exposed_communication([0.0, 800.0], [5e8, 5e8], 1000.0, 2, 1.0, latency_us=0.0)
+    assert estimate.bucketed_exposed_ms == pytest.approx(300.0)
+    assert estimate.one_shot_exposed_ms == pytest.approx(1000.0)
+    with pytest.raises(ValueError, match="equal lengths"):
+        exposed_communication([0.0], [1, 2], 1.0, 2, 1.0)

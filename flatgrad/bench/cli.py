@@ -27,7 +27,7 @@ from tqdm import tqdm
 from flatgrad.bench.local import compile_row, format_local, local_rows
 from flatgrad.bench.models import MODELS
 from flatgrad.bench.ops import format_ops, op_ratios
-from flatgrad.bench.report import format_table, write_png
+from flatgrad.bench.report import format_overlap, format_table, write_png
 from flatgrad.bench.runners import CONFIGS
 from flatgrad.bench.suite import bench_model
 
@@ -169,6 +169,7 @@ def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(format_table(report))
+    print(format_overlap(report))
     if single["local"] or single["compile"]:
         print(format_local(single["local"], single["compile"]))
     if single["ops"]:

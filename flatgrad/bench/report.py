@@ -6,6 +6,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from flatgrad.bench.overlap import exposed_communication
+
 logger = logging.getLogger(__name__)
 
 
@@ -16,7 +18,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"{env['threads_per_rank']} thread(s)/rank, {env['gpu'] or env['cpu']}",
         f"{'model':13s} {'configuration':20s} {'median ms':>9s} {'min':>8s} {'max':>8s} "
         f"{'ratio':>6s} {'vs view':>7s} "
-        f"{'colls':>5s} {'copies':>6s} {'grad MB':>8s} {'+peak MB':>8s} {'loss':>8s}",
+        f"{'colls':>5s} {'copies':>6s} {'grad MB':>8s} {'opt MB':>7s} {'+peak MB':>8s} {'loss':>8s}",
     ]
     for model, result in report["models"].items():
         for name, r in result["configs"].items():
@@ -25,15 +27,44 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{r.get('ratio_to_ddp_default', float('nan')):6.2f} "
                 f"{r.get('pair_ratio_to_ddp_bucket_view', float('nan')):7.2f} {r['collectives_per_step']:5d} "
                 f"{r['grad_copies_per_step']:6d} "
-                f"{r['grad_bytes'] / 2**20:8.1f} {r['step_peak_extra_mb']:8.1f} {r['final_loss']:8.4f}"
+                f"{r['grad_bytes'] / 2**20:8.1f} {r['optimizer_state_bytes'] / 2**20:7.1f} "
+                f"{r['step_peak_extra_mb']:8.1f} {r['final_loss']:8.4f}"
             )
     lines.append(
         "ratio / vs view: median over steps of the step-time ratio to stock DDP default / to stock "
         "DDP with gradient_as_bucket_view=True (same step, interleaved); colls: collectives per step; "
         "copies: gradient-sized copies per step (profiler); grad MB: gradient memory held; "
+        "opt MB: optimizer state held by one rank (SGD momentum; flatgrad_zero keeps its shard); "
         "+peak MB: the most a step added at its peak over what was resident before it "
         "(RSS on Linux CPUs, a lower bound; the allocator on CUDA), over ranks"
     )
+    return "\n".join(lines)
+
+
+_LINKS_GBS = (12.5, 50.0)  # 100 Gb/s between nodes; a fast intra-node link
+
+
+def format_overlap(report: dict[str, Any]) -> str:
+    """The overlap model (flatgrad.bench.overlap) on DataParallel's measured bucket launch
+    times: exposed communication of overlapped buckets against one all-reduce after backward."""
+    lines = [
+        "overlap model (not a measurement): exposed ms after backward on a given link, from the "
+        "measured bucket launch times of flatgrad_dp",
+        f"{'model':13s} {'buckets':>7s} {'backward ms':>11s} "
+        + " ".join(f"{f'{g:g} GB/s: bucketed / one-shot':>30s}" for g in _LINKS_GBS),
+    ]
+    world_size = report["environment"]["world_size"]
+    for model, result in report["models"].items():
+        r = result["configs"].get("flatgrad_dp")
+        if not r or not r.get("bucket_bytes"):
+            continue
+        cells = []
+        for gbs in _LINKS_GBS:
+            est = exposed_communication(
+                r["bucket_launch_ms"], r["bucket_bytes"], r["backward_ms"], world_size, gbs
+            )
+            cells.append(f"{est.bucketed_exposed_ms:14.2f} / {est.one_shot_exposed_ms:13.2f}")
+        lines.append(f"{model:13s} {len(r['bucket_bytes']):7d} {r['backward_ms']:11.2f} " + " ".join(cells))
     return "\n".join(lines)
 
 

@@ -30,6 +30,18 @@ class Runner:
     optimizer: torch.optim.Optimizer
     sync: Callable[[], None] = _no_sync
     ddp: DDP | None = None
+    engine: flatgrad.DataParallel | None = None
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (a ShardedOptimizer: its shards only)."""
+        if isinstance(self.optimizer, flatgrad.ShardedOptimizer):
+            return self.optimizer.state_bytes()
+        return sum(
+            t.numel() * t.element_size()
+            for state in self.optimizer.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor)
+        )
 
     def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         self.optimizer.zero_grad()  # set_to_none=True, torch's default, for every configuration
@@ -57,6 +69,8 @@ CONFIGS = (
     "flatgrad_all_reduce",
     "local_stock",
     "local_flatgrad",
+    "flatgrad_dp",
+    "flatgrad_zero",
 )
 BASELINE = "ddp_default"
 BEST_STOCK = "ddp_bucket_view"  # stock DDP's best setting for memory and copies
@@ -88,6 +102,12 @@ def build_runner(name: str, model: nn.Module, device: torch.device, lr: float = 
         flat = flatgrad.FlatGrad(module)
         _broadcast_parameters(flat)
         wrapped, sync = flat, flat.all_reduce_grads
+    elif name in ("flatgrad_dp", "flatgrad_zero"):
+        dp = flatgrad.DataParallel(flatgrad.FlatGrad(module))
+        if name == "flatgrad_zero":
+            sharded = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=lr, momentum=0.9)
+            return Runner(name, dp, sharded, engine=dp)  # type: ignore[arg-type]
+        return Runner(name, dp, torch.optim.SGD(dp.parameters(), lr=lr, momentum=0.9), engine=dp)
     elif name == "local_stock":
         wrapped = module
     elif name == "local_flatgrad":

@@ -79,6 +79,13 @@ def bench_model(
             "grad_bytes": grad_bytes(runner.module.parameters(), runner.bucket_buffers()),
             "step_peak_extra_mb": row[-1],
             "final_loss": losses[runner.name],
+            "optimizer_state_bytes": runner.optimizer_state_bytes(),
+            "exposed_comm_ms": runner.engine.exposed_s * 1e3 if runner.engine is not None else None,
+            "bucket_launch_ms": [t * 1e3 for t in runner.engine.launch_offsets_s] if runner.engine else None,
+            "backward_ms": runner.engine.backward_s * 1e3 if runner.engine is not None else None,
+            "bucket_bytes": [b.numel() * b.element_size() for b in runner.engine.buckets]
+            if runner.engine is not None
+            else None,
         }
     for name, record in results.items():
         for base, key in ((BASELINE, "ratio_to_ddp_default"), (BEST_STOCK, "pair_ratio_to_ddp_bucket_view")):
