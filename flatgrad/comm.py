@@ -101,6 +101,12 @@ def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.f
     return _all_reduce_mean(bucket.buffer(), state.process_group, state.wire_dtype)
 
 
+# torch 2.13 renamed the flat-tensor collectives to *_single (the old names warn); older
+# releases only have the *_tensor names.
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def average_op(tensor: torch.Tensor, process_group: dist.ProcessGroup | None) -> tuple[Any, bool]:
     """(reduce op, whether to divide by the world size first) for averaging `tensor`: NCCL
     averages inside the reduction (`ReduceOp.AVG`, no extra pass); other backends sum a

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatgrad.buffer import GradStore
-from flatgrad.comm import _check_wire_dtype, average_op
+from flatgrad.comm import _check_wire_dtype, average_op, reduce_scatter_flat
 from flatgrad.wrapper import FlatGrad
 
 logger = logging.getLogger(__name__)
@@ -202,9 +202,7 @@ class DataParallel(nn.Module):
             wire.div_(self.world_size)  # divide first, so sums stay finite
         if self._reduce_scatter:
             out = wire.view(self.world_size, -1)[self._rank()]
-            bucket.work = dist.reduce_scatter_tensor(
-                out, wire, op=op, group=self.process_group, async_op=True
-            )
+            bucket.work = reduce_scatter_flat(out, wire, op=op, group=self.process_group, async_op=True)
         else:
             bucket.work = dist.all_reduce(wire, op=op, group=self.process_group, async_op=True)
         bucket.wire = wire if wire is not bucket.buffer else None

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatgrad.comm import all_gather_flat
 from flatgrad.parallel import DataParallel
 
 # Optimizers whose update of an element depends only on that element (and scalars): they
@@ -120,8 +121,7 @@ class ShardedOptimizer:
         loss = self.optimizer.step(closure)
         group = self.dp.process_group
         works = [
-            dist.all_gather_into_tensor(s.bucket, s.param.detach(), group=group, async_op=True)
-            for s in self._shards
+            all_gather_flat(s.bucket, s.param.detach(), group=group, async_op=True) for s in self._shards
         ]
         for work in works:
             work.wait()
