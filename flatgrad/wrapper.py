@@ -153,6 +153,26 @@ class FlatGrad(nn.Module):
                 raise
             return getattr(inner, name)  # a plain-model name: ``flat.fc`` is ``flat.module.fc``
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if (
+            inner is None
+            or name in self.__dict__
+            or name.startswith("_")
+            or not (name in inner._parameters or name in inner._buffers or name in inner._modules)
+        ):
+            super().__setattr__(name, value)
+        elif (
+            name in inner._parameters
+            and isinstance(value, torch.Tensor)
+            and not isinstance(value, nn.Parameter)
+        ):
+            # torch.func.functional_call(flat, {"<top-level name>": tensor}) swaps a plain tensor
+            # in for the model's parameter, as it does on the plain model
+            inner._parameters[name] = value  # type: ignore[assignment]
+        else:
+            setattr(inner, name, value)  # a plain-model name: ``flat.w = ...`` is ``flat.module.w = ...``
+
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:

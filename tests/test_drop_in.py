@@ -495,3 +495,17 @@ def test_ddp_kwargs_never_ask_for_ddps_default_bucket_size():
     kwargs = flat.ddp_kwargs()
     assert kwargs["bucket_cap_mb"] == 26
     assert kwargs["bucket_cap_mb"] * 2**20 > 6_200_000 * 4
+
+
+def test_functional_call_with_top_level_parameter_names():
+    """A parameter registered on the model's root: torch.func swaps it through the wrapper."""
+    torch.manual_seed(0)
+    model = _BigRaw()
+    flat, oracle = _pair(model)
+    x = torch.randn(4, 256, dtype=torch.float64)
+    for module in (flat, oracle):
+        params = {name: p.detach() * 2 for name, p in oracle.named_parameters()}
+        out = functional_call(module, params, (x,))
+        torch.testing.assert_close(out, functional_call(oracle, params, (x,)), rtol=0, atol=0)
+    assert flat.module.big is model.big and "big" not in flat.__dict__  # restored, nothing left over
+    assert isinstance(flat.module.big, nn.Parameter)
