@@ -299,7 +299,7 @@ def test_random_training_loops_match_stock(spec, optimizer, events, norms):
         for (name, p), q in zip(model.named_parameters(), oracle.parameters()):
             # float64 and the same sums; a few optimizer steps amplify round-off a little
             torch.testing.assert_close(
-                p, q, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{event}: {n}: {m}"
+                p, q, rtol=1e-10, atol=1e-10, msg=lambda m, n=name, e=event: f"{e}: {n}: {m}"
             )
             assert (p.grad is None) == (q.grad is None), f"after {event}: {name} grad presence"
             if q.grad is not None:
