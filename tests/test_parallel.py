@@ -183,3 +183,38 @@ def test_bad_arguments_are_refused():
         flatgrad.DataParallel(nn.Linear(2, 2))  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="needs an initialised process group"):
         flatgrad.DataParallel(flat)
+
+
+def _nccl_worker(rank: int, world_size: int, zero: bool) -> None:
+    """DataParallel (and ShardedOptimizer) on CUDA with NCCL: ReduceOp.AVG, the process group's
+    communication stream, and the final callback's waits, against stock DDP on the same GPUs."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = _Net().to(device)
+    ref = DDP(copy.deepcopy(model), device_ids=[rank], find_unused_parameters=True)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    dp = flatgrad.DataParallel(flat, bucket_mb=0.001)
+    if zero:
+        opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(dp.parameters(), lr=0.05, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        tokens = _tokens(rank, step).to(device)
+        dp(tokens).backward()
+        ref(tokens).backward()
+        opt.step()
+        ref_opt.step()
+    torch.cuda.synchronize()
+    for p, q in zip(flat.module.parameters(), ref.module.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
+@pytest.mark.parametrize("zero", [False, True])
+def test_nccl_on_two_gpus_equals_stock_ddp(zero):
+    run_ranks(_nccl_worker, zero, backend="nccl")
