@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Callable
 
 import pytest
 import torch
 from conftest import assert_same_grads, grad_in_buffers
+from test_functional import _COPY_OPS, _weight_sized_ops
 from torch import nn
 
 import flatgrad
@@ -130,29 +132,186 @@ def test_deterministic_mode_is_run_to_run_identical():
     assert torch.equal(grads[0], grads[1])
 
 
-def test_no_weight_sized_temporary_copy_or_add_in_backward():
+def _weight_sized_allocations(prof: torch.profiler.profile, numel_bytes: int) -> list[str]:
+    """Ops that allocated at least a weight's bytes (`profile_memory=True`): a temporary
+    gradient. The shapes of `aten::empty`/`aten::new_zeros` are arguments, not tensors, so
+    `_weight_sized_ops` cannot see them; their memory can."""
+    return [f"{e.name}: {e.cpu_memory_usage} B" for e in prof.events() if e.cpu_memory_usage >= numel_bytes]
+
+
+def _profiled_backward(loss: torch.Tensor) -> torch.profiler.profile:
+    with torch.profiler.profile(record_shapes=True, profile_memory=True) as prof:
+        loss.backward()
+    return prof
+
+
+class _Wide(nn.Module):
+    """A float32 table read along dim 1. From 32768 elements on the wrapper does not seat
+    its slot before backward: the gather's own "out" path writes it."""
+
+    def __init__(self, rows: int, span: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(rows, span))
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        return flatgrad.gather(self.table, 1, index).square().sum()
+
+
+@pytest.mark.parametrize(
+    ("rows", "through_wrapper"),
+    [(64, False), (64, True), (1024, True)],
+    ids=["direct-call", "wrapper-seated-slot", "wrapper-large-table"],
+)
+def test_no_weight_sized_temporary_copy_or_add_in_backward(rows, through_wrapper):
     torch.manual_seed(0)
-    model = nn.Module()
-    model.table = nn.Parameter(torch.randn(64, 48))
+    model = _Wide(rows, 48)
     flat = flatgrad.FlatGrad(model)
-    index = torch.randint(0, 48, (64, 16))
-    weight_shape = [64, 48]
-    for accumulate in (False, True):
-        if not accumulate:
-            flat.zero_grad()
-        out = flatgrad.gather(model.table, 1, index).sum()
-        with torch.profiler.profile(record_shapes=True) as prof:
-            out.backward()
-        ops = [(e.name, e.input_shapes) for e in prof.events()]
-        bad = [
-            name
-            for name, shapes in ops
-            if name in {"aten::copy_", "aten::add_", "aten::add", "aten::clone", "aten::zeros", "aten::empty"}
-            and weight_shape in [list(s) for s in shapes if s]
-        ]
-        assert not bad, (accumulate, bad)
-        assert any(name == "aten::scatter_add_" for name, _ in ops)
+    index = torch.randint(0, 48, (rows, 16))  # no activation has the table's shape
+    shape, numel_bytes = (rows, 48), rows * 48 * 4
+    for set_to_none in (True, False):  # an empty slot, then accumulating into it
+        flat.zero_grad(set_to_none=set_to_none)
+        prof = _profiled_backward(flat(index) if through_wrapper else model(index))
+        assert _weight_sized_ops(prof, {shape}, _COPY_OPS) == []
+        assert _weight_sized_allocations(prof, numel_bytes) == []
+        assert "aten::scatter_add_" in {e.name for e in prof.events()}
         assert grad_in_buffers(flat, model.table.grad)
+
+
+def test_stock_gather_backward_does_allocate_and_add_what_we_avoid():
+    """The checks above can fail: stock allocates a zeroed gradient and, accumulating, adds it."""
+    torch.manual_seed(0)
+    model = _Wide(64, 48)
+    index = torch.randint(0, 48, (64, 16))
+    model.table.grad = torch.zeros_like(model.table)
+    loss = torch.gather(model.table, 1, index).square().sum()
+    prof = _profiled_backward(loss)
+    assert _weight_sized_allocations(prof, 64 * 48 * 4)
+    assert _weight_sized_ops(prof, {(64, 48)}, _COPY_OPS)
+
+
+def test_large_wrapped_table_equals_stock_fresh_and_accumulating():
+    torch.manual_seed(0)
+    model = _Wide(1024, 48).double()
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model)
+    for step in range(4):
+        if step == 2:
+            flat.zero_grad()
+            oracle.zero_grad()
+        index = torch.randint(0, 48, (1024, 60))  # 60 > 48: every row repeats positions
+        flat(index).backward()
+        (torch.gather(oracle.table, 1, index).square().sum()).backward()
+        assert_same_grads(flat, oracle)
+
+
+class _Reused(nn.Module):
+    """One table read twice (along dims 0 and 1) and once directly in the same loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(6, 5, dtype=torch.float64))
+        self.scale = nn.Parameter(torch.randn(5, dtype=torch.float64))
+
+    def forward(
+        self, rows: torch.Tensor, cols: torch.Tensor, gather: Callable[..., torch.Tensor] = flatgrad.gather
+    ) -> torch.Tensor:
+        first = gather(self.table, 0, rows) * self.scale
+        second = gather(self.table, 1, cols)
+        return first.square().sum() + second.tanh().sum() + self.table.sin().sum()
+
+
+def _reused_index(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 6, (9, 5), generator=gen), torch.randint(0, 5, (6, 11), generator=gen)
+
+
+def test_table_read_twice_and_directly_in_one_backward_equals_stock():
+    """Both gathers write the same slot in one backward (the first makes it the .grad, the
+    second adds) and AccumulateGrad adds the direct use in place."""
+    torch.manual_seed(0)
+    model = _Reused()
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model)
+    for step in range(3):
+        flat(*_reused_index(step)).backward()
+        oracle(*_reused_index(step), gather=torch.gather).backward()
+        assert_same_grads(flat, oracle)
+
+
+def test_backward_with_inputs_leaves_the_table_without_a_gradient():
+    flat, oracle = _pair()
+    flat(_index(0)).backward(inputs=[flat.module.proj.weight])
+    _reference(oracle, _index(0)).backward(inputs=[oracle.proj.weight])
+    assert flat.module.table.grad is None
+    assert_same_grads(flat, oracle)
+
+
+def test_tensor_hook_sees_the_gradient_and_the_result_lands_in_the_buffer():
+    flat, oracle = _pair()
+    seen: list[torch.Tensor] = []
+    for model in (flat.module, oracle):
+        model.table.register_hook(lambda g: seen.append(g.clone()) or g * 3)
+    for step in range(2):
+        flat(_index(step)).backward()
+        _reference(oracle, _index(step)).backward()
+        torch.testing.assert_close(seen[-2], seen[-1], **TOL)
+    assert_same_grads(flat, oracle)
+
+
+def test_grad_assigned_by_the_user_accumulates_like_stock():
+    flat, oracle = _pair()
+    for model in (flat.module, oracle):
+        model.table.grad = torch.full_like(model.table, 0.5)
+    flat(_index(0)).backward()
+    _reference(oracle, _index(0)).backward()
+    torch.testing.assert_close(flat.module.table.grad, oracle.table.grad, **TOL)
+
+
+@pytest.mark.parametrize(
+    "make_index",
+    [
+        lambda: torch.randint(0, 5, (6, 4), dtype=torch.int32),
+        lambda: torch.randint(0, 5, (3, 4)).t(),  # non-contiguous: (4, 3) with strides (1, 4)
+        lambda: torch.randint(0, 5, (1, 4)).expand(6, 4),  # stride 0: torch's expanded-index kernel
+    ],
+    ids=["int32", "non-contiguous", "expanded"],
+)
+def test_index_layouts_and_dtypes_equal_torch_gather(make_index):
+    table, _ = _case((6, 5), 0, seed=5)
+    index = make_index()
+    ours = table.clone().requires_grad_(True)
+    ref = table.clone().requires_grad_(True)
+    weights = torch.randn(index.shape, dtype=torch.float64)
+    for _ in range(2):
+        (flatgrad.gather(ours, 0, index) * weights).sum().backward()
+        (torch.gather(ref, 0, index) * weights).sum().backward()
+    torch.testing.assert_close(ours.grad, ref.grad, **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_deterministic_mode_on_cuda_is_run_to_run_identical():
+    """On CUDA a plain scatter_add_ sums repeated positions with atomics (order varies);
+    deterministic mode must give the same bits every run, close to a float64 CPU sum."""
+    gen = torch.Generator().manual_seed(6)
+    model = nn.Module()
+    model.table = nn.Parameter(torch.randn(256, 64, generator=gen).cuda())
+    flat = flatgrad.FlatGrad(model)
+    index = torch.randint(0, 4, (256, 512), generator=gen).cuda()  # ~128 repeats per position
+    weights = torch.randn(256, 512, generator=gen).cuda()
+    grads = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(3):
+            flat.zero_grad()
+            (flatgrad.gather(model.table, 1, index) * weights).sum().backward()
+            assert grad_in_buffers(flat, model.table.grad)
+            grads.append(model.table.grad.clone())
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(grads[0], g) for g in grads[1:])
+    expected = torch.zeros(256, 64, dtype=torch.float64).scatter_add_(1, index.cpu(), weights.cpu().double())
+    torch.testing.assert_close(grads[0].cpu().double(), expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(
