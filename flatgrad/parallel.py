@@ -11,6 +11,12 @@ is left (parameters unused in this step: their slots are zeroed when `.grad` is 
 for everything, and settles `.grad` as stock DDP with ``find_unused_parameters=True`` does,
 so `loss.backward()` returns with averaged gradients.
 
+A pre hook on the nodes that made the forward's output opens each backward (queues that
+callback) before any gradient is final; a nested backward inside it (reentrant activation
+checkpointing) counts toward the same step. Whether it averages is decided by the forward,
+inside or outside `no_sync()`, as DDP decides. `torch.autograd.grad` (which accumulates
+nothing) is left alone; a create_graph backward that should average is refused.
+
 On CUDA with NCCL the collectives run on the process group's own communication stream,
 which waits (through an event) for the stream that produced the gradients when the
 collective is launched; `Work.wait()` in the final callback makes the current stream wait
@@ -31,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from flatgrad.buffer import GradStore
 from flatgrad.comm import _check_wire_dtype, average_op, reduce_scatter_flat
@@ -89,7 +96,8 @@ class DataParallel(nn.Module):
         self._bucket_of: dict[int, _Bucket] = {}
         self._ready: set[int] = set()
         self._next = 0  # the next bucket to launch
-        self._task = -1
+        self._task = -1  # the graph task of the running backward, -1 outside one
+        self._task_sync = True  # whether the running backward averages
         self._hooks: list[Any] = []
         self._nodes: list[Any] = []
         # Of the last synced backward (perf_counter seconds): when each bucket was launched,
@@ -107,12 +115,17 @@ class DataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module._checked_store() is not self._store:
             self._rebuild()
-        return self.module(*args, **kwargs)
+        self._task = -1  # no backward is running now (one that raised never finished)
+        output = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._watch(output, self._sync)
+        return output
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backwards inside accumulate into the flat buffer without communicating; the
-        first backward outside averages everything accumulated."""
+        """Forwards inside (and the backwards through their outputs) accumulate into the
+        flat buffer without communicating, as under DDP; the first backward of a forward
+        outside averages everything accumulated."""
         previous, self._sync = self._sync, False
         try:
             yield
@@ -152,27 +165,67 @@ class DataParallel(nn.Module):
     def _reset(self) -> None:
         self._ready = set()
         self._next = 0
+        self.launch_offsets_s = []
         for bucket in self._buckets:
             bucket.pending = len(bucket.params)
             bucket.work = bucket.wire = None
 
     # --- backward -----------------------------------------------------------------------
 
-    def _on_ready(self, param: nn.Parameter, grad_inputs: Any, grad_outputs: Any) -> None:
-        if not self._sync or torch.is_grad_enabled():
-            return  # no_sync(), or a create_graph backward: nothing final yet
-        task = torch._C._current_graph_task_id()
-        if task != self._task:
-            self._task = task
+    def _watch(self, output: Any, sync: bool) -> None:
+        """Open the backward's bookkeeping when it reaches `output` (a pre hook on the nodes
+        that made it), before any gradient of the model is final. Registered after
+        FlatGrad's own pre hook, so this final callback runs after FlatGrad's."""
+        leaves = [output] if isinstance(output, torch.Tensor) else tree_leaves(output)
+        nodes = {t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        for node in nodes:
+            node.register_prehook(functools.partial(self._on_backward_start, sync))
+
+    def _on_backward_start(self, sync: bool, grad_outputs: Any) -> None:
+        if torch._C._current_graph_task_id() != self._task and self._will_accumulate():
+            self._begin(sync)
+
+    def _will_accumulate(self) -> bool:
+        """Whether the running backward accumulates into a parameter: not so for
+        torch.autograd.grad, nor for backward(inputs=...) that names none of them."""
+        try:
+            return any(torch._C._will_engine_execute_node(node) for node in self._nodes)
+        except RuntimeError:  # asked during torch.autograd.grad, which never accumulates
+            return False
+
+    def _begin(self, sync: bool) -> bool:
+        """Open the running backward (decided by the forward's `no_sync` state, as DDP does);
+        False when it is a create_graph backward under no_sync (nothing to do)."""
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must stay differentiable
+            if sync:
+                raise RuntimeError(
+                    "DataParallel cannot average the gradients of a backward with "
+                    "create_graph=True (they must stay differentiable); run that forward and "
+                    "backward under dp.no_sync()"
+                )
+            return False
+        self._task = torch._C._current_graph_task_id()
+        self._task_sync = sync
+        if sync:
             self._reset()
+        Variable_engine().queue_callback(self._finish)
+        return True
+
+    def _on_ready(self, param: nn.Parameter, grad_inputs: Any, grad_outputs: Any) -> None:
+        # A backward that did not pass through dp's output (flat(x) called directly, a graph
+        # made elsewhere) opens here, with the no_sync state of now. A nested backward
+        # (reentrant activation checkpointing) belongs to the open one: same bookkeeping.
+        if self._task == -1 and not self._begin(self._sync):
+            return
+        if not self._task_sync:
+            return
+        if not self._ready:
             self._first_ready = time.perf_counter()
-            self.launch_offsets_s = []
-            Variable_engine().queue_callback(self._finish)
         if id(param) in self._ready:
             raise RuntimeError(
-                "a parameter was made ready twice in one backward (reentrant activation "
-                "checkpointing runs a backward per segment); use "
-                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+                "a parameter's gradient became final twice in one backward (a reentrant "
+                "activation checkpoint using it both inside and outside the checkpointed "
+                "function); use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
             )
         self._ready.add(id(param))
         bucket = self._bucket_of[id(param)]
@@ -211,7 +264,13 @@ class DataParallel(nn.Module):
         return dist.get_rank(self.process_group)
 
     def _finish(self) -> None:
-        """Final callback: launch the rest, wait, and settle `.grad` like stock DDP with
+        """Final callback of the running backward."""
+        self._task = -1
+        if self._task_sync:
+            self._sync_all()
+
+    def _sync_all(self) -> None:
+        """Launch the rest, wait, and settle `.grad` like stock DDP with
         find_unused_parameters=True (a parameter no rank used keeps `.grad` None)."""
         store = self._store
         assert store is not None, "DataParallel is not built"
@@ -233,7 +292,6 @@ class DataParallel(nn.Module):
         for param, flag in zip(store.params, flags):
             if flag and param.grad is None:
                 param.grad = store.view(param)
-        self._task = -1
 
 
 def Variable_engine() -> Any:  # noqa: N802 (torch's own name)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
-from conftest import ROUTE_ALL
+from conftest import ROUTE_ALL, grad_in_buffers
 from dist_utils import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -112,6 +112,119 @@ class _nothing:
 @pytest.mark.parametrize(("world_size", "bucket_mb"), [(2, 25.0), (2, 0.001), (3, 0.001)])
 def test_parameters_equal_stock_ddp(world_size, bucket_mb):
     run_ranks(_equal_to_ddp_worker, bucket_mb, world_size=world_size)
+
+
+class _Reentrant(nn.Module):
+    """Three Linears, one of them under a reentrant activation checkpoint: in the middle
+    (its gradients come from a nested backward) or last (the backward's first gradients do),
+    or none (torch.autograd.grad does not go with reentrant checkpoints)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.where = where
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.where == "none":
+            return self._last(self._middle(h))
+        if self.where == "middle":
+            h = torch.utils.checkpoint.checkpoint(self._middle, h, use_reentrant=True)
+            return self.c(h).sum()
+        return torch.utils.checkpoint.checkpoint(self._last, self._middle(h), use_reentrant=True)
+
+    def _middle(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.b(h))
+
+    def _last(self, h: torch.Tensor) -> torch.Tensor:
+        return self.c(h).sum()
+
+
+def _max_grad_diff(ours: nn.Module, ref: nn.Module) -> float:
+    return max((p.grad - q.grad).abs().max().item() for p, q in zip(ours.parameters(), ref.parameters()))
+
+
+def _backward_kinds_worker(rank: int, world_size: int) -> None:
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    x.requires_grad_(True)
+    for where in ("middle", "last"):
+        torch.manual_seed(0)
+        model = _Reentrant(where)
+        ref = DDP(copy.deepcopy(model))  # DDP supports reentrant checkpoints without unused parameters
+        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.0001)
+        for _ in range(2):
+            dp.zero_grad()
+            ref.zero_grad()
+            dp(x).backward()
+            ref(x).backward()
+            assert _max_grad_diff(model, ref.module) < 1e-12, where
+    # torch.autograd.grad accumulates nothing: the averaged .grad stay as they are
+    model.where = "none"
+    before = [p.grad.clone() for p in model.parameters()]
+    torch.autograd.grad(dp(x), x)
+    torch.autograd.grad(dp(x), list(dp.parameters()))
+    torch.autograd.grad(dp(x), x, create_graph=True)
+    assert all(torch.equal(b, p.grad) for b, p in zip(before, model.parameters()))
+    # a create_graph backward cannot be averaged: refused, allowed under no_sync
+    with pytest.raises(RuntimeError, match="cannot average the gradients of a backward with create_graph"):
+        dp(x).backward(create_graph=True)
+    with dp.no_sync():
+        dp(x).backward(create_graph=True)
+    # as under DDP, the forward decides: a forward under no_sync does not sync its backward
+    dp.zero_grad()
+    ref.zero_grad()
+    with dp.no_sync():
+        ours = dp(x)
+    with ref.no_sync():
+        theirs = ref(x)
+    ours.backward()
+    theirs.backward()
+    assert _max_grad_diff(model, ref.module) < 1e-12
+
+
+def test_reentrant_checkpointing_autograd_grad_create_graph_and_no_sync_forward():
+    run_ranks(_backward_kinds_worker)
+
+
+def _bf16_hook(state, bucket):  # noqa: ANN001, ANN202 (DDP checks annotations that are real types)
+    """DDP's bf16_compress_hook (refused by DDP on CPU): cast, divide, sum, cast back."""
+    buffer = bucket.buffer()
+    wire = buffer.to(torch.bfloat16).div_(dist.get_world_size())
+    future = dist.all_reduce(wire, async_op=True).get_future()
+    return future.then(lambda f: buffer.copy_(f.value()[0]))
+
+
+def _wire_and_rebuild_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    dp = flatgrad.DataParallel(flat, bucket_mb=0.002, wire_dtype=torch.bfloat16)
+    ref.register_comm_hook(None, _bf16_hook)
+    buckets = dp.buckets
+    for step in range(3):
+        if step == 2:  # freezing a layer lays the buffers out again; the buckets follow
+            model.fc.requires_grad_(False)
+            ref.module.fc.requires_grad_(False)
+        dp.zero_grad()
+        ref.zero_grad()
+        dp(_tokens(rank, step)).backward()
+        ref(_tokens(rank, step)).backward()
+        # bfloat16 on the wire: exactly what DDP's bf16 hook computes, element by element
+        _assert_close(flat.module, ref.module, f"step {step}")
+        for p in flat.parameters():
+            assert p.grad is None or grad_in_buffers(flat, p.grad)
+        with torch.no_grad():  # a plain SGD step on both
+            for p, q in zip(model.parameters(), ref.module.parameters()):
+                if p.grad is not None:
+                    p.sub_(0.1 * p.grad)
+                    q.sub_(0.1 * q.grad)
+    assert dp.buckets[0].data_ptr() != buckets[0].data_ptr()  # cut from the new buffer
+
+
+def test_wire_dtype_equals_ddp_bf16_hook_and_buckets_follow_a_rebuild():
+    run_ranks(_wire_and_rebuild_worker)
 
 
 def _profile_worker(rank: int, world_size: int) -> None:
