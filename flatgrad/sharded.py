@@ -62,6 +62,11 @@ class ShardedOptimizer:
     norm from the shard norms, one small all-reduce), ``state_dict()`` /
     ``load_state_dict()`` (this rank's shard of the state; resuming needs the same world
     size and model, and is refused with a clear error otherwise).
+
+    ``opt.optimizer`` is the torch optimizer over this rank's shards: give it to an LR
+    scheduler (``LambdaLR(opt.optimizer, ...)``; schedulers accept torch optimizers only).
+    ``torch.amp.GradScaler`` is not supported (its inf checks would be per shard, so the
+    ranks could disagree on skipping a step): train in bfloat16 or float32.
     """
 
     def __init__(
