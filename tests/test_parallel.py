@@ -298,14 +298,17 @@ def test_bad_arguments_are_refused():
         flatgrad.DataParallel(flat)
 
 
-def _nccl_worker(rank: int, world_size: int, zero: bool) -> None:
-    """DataParallel (and ShardedOptimizer) on CUDA with NCCL: ReduceOp.AVG, the process group's
-    communication stream, and the final callback's waits, against stock DDP on the same GPUs."""
-    device = torch.device("cuda", rank)
+def _cuda_worker(rank: int, world_size: int, zero: bool) -> None:
+    """DataParallel (and ShardedOptimizer) on CUDA, against stock DDP on the same GPUs: with
+    NCCL (one GPU per rank) ReduceOp.AVG and the process group's communication stream; with
+    gloo (both ranks on one GPU) divide-then-sum on CUDA tensors and gloo's own streams; the
+    final callback's waits either way, with micro-batches and a branch unused on one rank."""
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", rank if nccl else 0)
     torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = _Net().to(device)
-    ref = DDP(copy.deepcopy(model), device_ids=[rank], find_unused_parameters=True)
+    ref = DDP(copy.deepcopy(model), device_ids=[device.index], find_unused_parameters=True)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     dp = flatgrad.DataParallel(flat, bucket_mb=0.001)
     if zero:
@@ -316,9 +319,13 @@ def _nccl_worker(rank: int, world_size: int, zero: bool) -> None:
     for step in range(3):
         opt.zero_grad()
         ref_opt.zero_grad()
-        tokens = _tokens(rank, step).to(device)
-        dp(tokens).backward()
-        ref(tokens).backward()
+        use_branch = not (step == 1 and rank == 1)
+        with dp.no_sync():
+            dp(_tokens(rank, step, 1).to(device), use_branch).backward()
+        with ref.no_sync():
+            ref(_tokens(rank, step, 1).to(device), use_branch).backward()
+        dp(_tokens(rank, step).to(device), use_branch).backward()
+        ref(_tokens(rank, step).to(device), use_branch).backward()
         opt.step()
         ref_opt.step()
     torch.cuda.synchronize()
@@ -330,4 +337,10 @@ def _nccl_worker(rank: int, world_size: int, zero: bool) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
 @pytest.mark.parametrize("zero", [False, True])
 def test_nccl_on_two_gpus_equals_stock_ddp(zero):
-    run_ranks(_nccl_worker, zero, backend="nccl")
+    run_ranks(_cuda_worker, zero, backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gloo_on_one_gpu_equals_stock_ddp():
+    run_ranks(_cuda_worker, False)
