@@ -1,11 +1,13 @@
-"""The benchmark suite: its profiler counters on cases whose answer is known, and one tiny
-end-to-end run whose JSON must hold every figure."""
+"""The benchmark suite: its op counter on cases whose answer is known, checked against
+torch.profiler, and tiny end-to-end runs whose JSON must hold every figure."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,9 @@ from dist_utils import run_ranks
 from torch import nn
 
 import flatgrad
-from flatgrad.bench.counters import count_step, grad_bytes
+from flatgrad.bench.counters import COPY_OPS, StepCounts, count_step, grad_bytes, weight_shapes
+from flatgrad.bench.local import COMPILE_VARIANTS
+from flatgrad.bench.models import BenchModel, LlamaLike
 from flatgrad.bench.runners import CONFIGS, build_runner
 
 
@@ -28,6 +32,81 @@ def _mlp() -> nn.Module:
 def _backward_step(module: nn.Module, x: torch.Tensor):
     loss = module(x).square().mean()
     return lambda: loss.backward()
+
+
+def _profiled_counts(step: Callable[[], object], params: Iterable[nn.Parameter]) -> StepCounts:
+    """The oracle: torch.profiler's events counted with the same definitions (ops of
+    COPY_OPS with a weight-shaped input; c10d ops other than barriers)."""
+    shapes = weight_shapes(params)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        step()
+    collectives = copies = 0
+    for event in prof.events():
+        if event.name.startswith("c10d::") and "barrier" not in event.name:
+            collectives += 1
+        elif event.name in COPY_OPS and any(tuple(s) in shapes for s in event.input_shapes if s):
+            copies += 1
+    return StepCounts(collectives, copies)
+
+
+def _mixed() -> nn.Module:
+    """`_mlp` and a Linear below the default `linear_min_numel`, which flatgrad leaves to autograd."""
+    return nn.Sequential(_mlp(), nn.Linear(384, 16))
+
+
+def _grad_ops(model: nn.Module) -> Callable[[], object]:
+    """foreach, out= and in-place forms of counted ops on the four weight gradients."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None and p.dim() == 2]
+
+    def step() -> None:
+        torch._foreach_add_(grads, grads)  # 4 (the CPU fallback runs add_ per tensor)
+        torch._foreach_mul_(grads, torch.tensor(0.5))  # 4
+        torch.mul(grads[0], 1.0, out=grads[0])  # 1
+        grads[1].copy_(torch.zeros_like(grads[1]))  # 1
+
+    return step
+
+
+def _counter_case(case: str) -> tuple[Callable[[], Callable[[], object]], nn.Module, int | None]:
+    """(a factory of one step, its model, the known copy count or None where it is flatgrad's
+    business). Each step is made fresh, so the counter and the profiler see the same state."""
+    model: nn.Module = _mixed()
+    x = torch.randn(16, 512)
+    if case.startswith("flatgrad"):
+        model = flatgrad.FlatGrad(model)
+    if case.endswith("accumulating") or case == "grad ops":
+        model(x).sum().backward()
+
+    def backward_step() -> Callable[[], object]:
+        if case.endswith("fresh"):
+            model.zero_grad()
+        return _backward_step(model, x)
+
+    known = {"stock fresh": 0, "stock accumulating": 4, "grad ops": 10}.get(case)
+    return (lambda: _grad_ops(model)) if case == "grad ops" else backward_step, model, known
+
+
+@pytest.mark.parametrize(
+    "case", ["stock fresh", "stock accumulating", "flatgrad fresh", "flatgrad accumulating", "grad ops"]
+)
+def test_op_counter_agrees_with_the_profiler(case: str):
+    make_step, model, known = _counter_case(case)
+    counted = count_step(make_step(), model.parameters())
+    profiled = _profiled_counts(make_step(), model.parameters())
+    assert counted == profiled, (case, counted, profiled)
+    if known is not None:
+        assert counted == StepCounts(collectives=0, grad_copies=known)
+
+
+def test_op_counter_counts_an_op_once_where_the_profiler_lists_its_insides():
+    weight = nn.Linear(64, 64).weight
+
+    def step() -> None:
+        weight.detach().clone()  # the profiler: clone and the copy_ inside it
+        weight.detach().to(torch.float64)  # _to_copy and its copy_
+
+    assert count_step(step, [weight]) == StepCounts(collectives=0, grad_copies=2)
+    assert _profiled_counts(step, [weight]) == StepCounts(collectives=0, grad_copies=4)
 
 
 def test_counters_local_stock_accumulating_adds_once_per_weight():
@@ -82,6 +161,10 @@ def _known_ddp_costs_worker(rank: int, world_size: int) -> None:
             runner.update()
         loss = runner.forward((x,)).square().mean()
         counts = count_step(lambda r=runner, out=loss: r.backward(out), runner.module.parameters())
+        runner.update()
+        loss = runner.forward((x,)).square().mean()  # the next step, under the profiler
+        profiled = _profiled_counts(lambda r=runner, out=loss: r.backward(out), runner.module.parameters())
+        assert counts == profiled, (name, counts, profiled)
         if runner.ddp is not None and name.startswith("ddp_"):  # stock DDP: one per bucket
             collectives = len(runner.ddp.reducer._get_zeros_like_grad_buckets())
         assert (counts.collectives, counts.grad_copies) == (collectives, copies), (name, counts)
@@ -155,26 +238,125 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
     }
     assert all(set(row) == {"model", "clip", "stock_ms", "flatgrad_ms", "ratio"} for row in report["local"])
     assert report["compile"] is None  # only with --compile
+    assert report["local_settings"]["models"] == ["llama", "small_layers_64", "linear_1024"]
     assert "one process: model" in result.stdout
+    assert "USDT" not in result.stdout + result.stderr  # ops are counted without the profiler
+
+
+def _mean_mlp() -> BenchModel:
+    return BenchModel(
+        lambda: nn.Sequential(_mlp(), nn.Flatten(0)).append(_Mean()),
+        lambda gen, device: (torch.randn(4, 512, generator=gen).to(device),),
+    )
 
 
 def test_compile_row_counts_graphs_and_times_compiled_steps():
     from flatgrad.bench.local import compile_row, format_local
-    from flatgrad.bench.models import BenchModel
 
-    def build() -> torch.nn.Module:
-        return torch.nn.Sequential(_mlp(), torch.nn.Flatten(0)).append(_Mean())
+    row = compile_row(2, warmup=1, spec=_mean_mlp(), name="mlp", backend="aot_eager")
+    assert (row["model"], row["backend"], row["clip"]) == ("mlp", "aot_eager", True)
+    assert list(row["variants"]) == list(COMPILE_VARIANTS)
+    for variant, r in row["variants"].items():
+        assert r["error"] is None, (variant, r)
+        assert (r["graphs"], r["breaks"], r["break_reasons"]) == (1, 0, []), variant
+        assert r["step_ms"] > 0 and r["ratio"] > 0 and r["recompiles"] >= 0
+    assert row["variants"]["stock"]["ratio"] == 1.0
+    text = format_local([], row)
+    assert all(label in text for label in COMPILE_VARIANTS.values()), text
 
-    spec = BenchModel(build, lambda gen, device: (torch.randn(4, 512, generator=gen).to(device),))
-    row = compile_row(2, warmup=1, spec=spec)
-    assert "error" not in row, row
-    assert (
-        (row["stock_graphs"], row["stock_breaks"])
-        == (row["flatgrad_graphs"], row["flatgrad_breaks"])
-        == (1, 0)
-    )
-    assert row["stock_ms"] > 0 and row["flatgrad_ms"] > 0 and row["ratio"] > 0
-    assert "graphs/breaks stock 1/0, flatgrad 1/0" in format_local([], row)
+
+def test_compile_row_reports_a_failing_variant_and_times_the_others(monkeypatch):
+    from flatgrad.bench import local
+
+    real_variant, real_explained = local._compiled_variant, local._explained
+
+    def variant_step(variant: str, model: nn.Module, backend: local.CompileBackend) -> local.Step:
+        if variant == "compile_flat":
+            raise RuntimeError("cannot compile\nsecond line")
+        return real_variant(variant, model, backend)
+
+    def explained(variant: str, model: nn.Module) -> nn.Module:
+        if variant == "flat_compiled":
+            raise ValueError("cannot explain")
+        return real_explained(variant, model)
+
+    monkeypatch.setattr(local, "_compiled_variant", variant_step)
+    monkeypatch.setattr(local, "_explained", explained)
+    row = local.compile_row(2, warmup=1, spec=_mean_mlp(), name="mlp", backend="eager")
+    stock, failed, unexplained = (row["variants"][v] for v in COMPILE_VARIANTS)
+    assert stock["error"] is None and stock["ratio"] == 1.0
+    assert failed["error"] == "warm-up step: RuntimeError: cannot compile"
+    assert failed["graphs"] == 1 and failed["step_ms"] is None and failed["ratio"] is None
+    assert unexplained["error"] == "explain: ValueError: cannot explain"
+    assert unexplained["graphs"] is None and unexplained["ratio"] > 0
+    assert "torch.compile(FlatGrad(model)): warm-up step: RuntimeError" in local.format_compile(row)
+
+
+def _tiny_tokens(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
+    idx = torch.randint(0, 64, (2, 9), generator=gen)
+    return idx[:, :-1].to(device), idx[:, 1:].to(device)
+
+
+def tiny_llama() -> BenchModel:
+    """The bench's Llama-like LM, tiny (a factory for --local-models / --compile-model)."""
+    return BenchModel(lambda: LlamaLike(vocab=64, dim=32, depth=1, heads=2), _tiny_tokens)
+
+
+def test_bench_local_only_end_to_end(tmp_path: Path):
+    """The one-process rows alone, with the compile row (aot_eager: quick to compile)."""
+    out = tmp_path / "local.json"
+    tiny = "test_bench:tiny_llama"
+    cmd = [
+        sys.executable,
+        "-m",
+        "flatgrad.bench",
+        "--local-only",
+        "--local-models",
+        tiny,
+        "--local-steps",
+        "2",
+    ]
+    cmd += ["--warmup", "1", "--op-repeats", "0", "--compile", "--compile-model", tiny]
+    cmd += ["--compile-backend", "aot_eager", "--out", str(out)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "USDT" not in result.stdout + result.stderr
+    assert "one process: model" in result.stdout and "FlatGrad(torch.compile(model))" in result.stdout
+    report = json.loads(out.read_text())
+    assert set(report) == {"environment", "local_settings", "local", "compile", "ops"}
+    assert (report["environment"]["backend"], report["environment"]["world_size"]) == (None, 1)
+    assert report["local_settings"] == {
+        "steps": 2,
+        "warmup": 1,
+        "models": [tiny],
+        "compile": True,
+        "compile_backend": "aot_eager",
+        "threads": report["local_settings"]["threads"],
+    }
+    assert [(row["model"], row["clip"]) for row in report["local"]] == [(tiny, False), (tiny, True)]
+    for row in report["local"]:
+        assert set(row) == {"model", "clip", "stock_ms", "flatgrad_ms", "ratio"}
+        assert row["stock_ms"] > 0 and row["flatgrad_ms"] > 0 and row["ratio"] > 0
+    compiled = report["compile"]
+    assert (compiled["model"], compiled["backend"], compiled["clip"]) == (tiny, "aot_eager", True)
+    assert list(compiled["variants"]) == list(COMPILE_VARIANTS)
+    for record in compiled["variants"].values():
+        assert set(record) == {
+            "graphs",
+            "breaks",
+            "break_reasons",
+            "recompiles",
+            "step_ms",
+            "ratio",
+            "error",
+        }
+        assert record["error"] is None and record["step_ms"] > 0 and record["graphs"] >= 1
+        assert record["recompiles"] >= 0
+    assert report["ops"] == []
 
 
 class _Mean(torch.nn.Module):
@@ -187,11 +369,14 @@ def test_bench_rejects_unknown_model():
 
     with pytest.raises(SystemExit):
         parse_args(["--models", "resnet"])
+    for bad in (["--local-models", "gpt"], ["--compile-model", "llama,linear_1024"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    args = parse_args(["--local-only", "--compile-model", "linear_1024", "--compile-backend", "aot_eager"])
+    assert (args.local_only, args.compile_model, args.compile_backend) == (True, "linear_1024", "aot_eager")
 
 
 def tiny_bench_model():
-    from flatgrad.bench.models import BenchModel
-
     return BenchModel(_mlp, lambda gen, device: (torch.randn(4, 512, generator=gen).to(device),))
 
 

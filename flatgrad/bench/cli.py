@@ -2,6 +2,7 @@
 
 python -m flatgrad.bench                                  # CPU: spawns 2 gloo ranks
 python -m flatgrad.bench --models gpt,mlp --steps 30 --out bench.json
+python -m flatgrad.bench --local-only --compile --op-repeats 0   # one-process steps + compile row
 torchrun --nproc_per_node=8 -m flatgrad.bench             # GPUs: NCCL, one rank per GPU
 """
 
@@ -24,8 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-from flatgrad.bench.local import compile_row, format_local, local_rows
-from flatgrad.bench.models import MODELS
+from flatgrad.bench.local import COMPILE_BACKENDS, compile_row, format_local, local_rows
+from flatgrad.bench.models import LOCAL_MODELS, MODELS, resolve_model
 from flatgrad.bench.ops import format_ops, op_ratios
 from flatgrad.bench.report import format_overlap, format_table, write_png
 from flatgrad.bench.runners import CONFIGS
@@ -43,6 +44,18 @@ def _csv(choices: tuple[str, ...] | list[str], what: str) -> Any:
                 f"{what} must be a comma-separated subset of {', '.join(choices)}, got {text!r}"
             )
         return items
+
+    return parse
+
+
+def _one_of(choices: list[str], what: str) -> Any:
+    many = _csv(choices, what)
+
+    def parse(text: str) -> str:
+        items = many(text)
+        if len(items) != 1:
+            raise argparse.ArgumentTypeError(f"{what} must be one model, got {text!r}")
+        return items[0]
 
     return parse
 
@@ -80,10 +93,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="timed one-process steps per model for the stock-vs-FlatGrad step table (0: skip)",
     )
     parser.add_argument(
+        "--local-models",
+        type=_csv(list(LOCAL_MODELS), "--local-models"),
+        default=list(LOCAL_MODELS),
+        help="comma-separated models of the one-process step table, or package.module:factory",
+    )
+    parser.add_argument(
+        "--local-only",
+        action="store_true",
+        help="only the one-process rows (step table, compile row, single ops): no ranks",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="also the torch.compile row: graph/break counts and compiled step times (slow on CPU)",
     )
+    parser.add_argument(
+        "--compile-model",
+        type=_one_of(list(LOCAL_MODELS), "--compile-model"),
+        default="llama",
+        help="the model of the compile row (one name, or package.module:factory)",
+    )
+    parser.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default="inductor")
     parser.add_argument(
         "--threads", type=_positive, default=None, help="torch threads per rank (default: cores / ranks)"
     )
@@ -93,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _environment(backend: str, world_size: int, threads: int) -> dict[str, Any]:
+def _environment(backend: str | None, world_size: int, threads: int) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
         "torch": torch.__version__,
@@ -125,13 +156,44 @@ def _peak_rss_mb() -> float:
 def one_process(args: argparse.Namespace) -> dict[str, Any]:
     """The one-process rows (step table, compile row, single-op backwards), measured before
     any rank exists, with every core."""
-    rows = local_rows(args.local_steps, args.warmup) if args.local_steps > 0 else []
-    compiled = compile_row(args.local_steps or 10) if args.compile else None
+    models = {name: resolve_model(name, LOCAL_MODELS) for name in args.local_models}
+    rows = local_rows(args.local_steps, args.warmup, models) if args.local_steps > 0 else []
+    compiled = None
+    if args.compile:
+        spec = resolve_model(args.compile_model, LOCAL_MODELS)
+        compiled = compile_row(
+            args.local_steps or 10, args.warmup, spec, args.compile_model, args.compile_backend
+        )
     return {
+        "local_settings": {
+            "steps": args.local_steps,
+            "warmup": args.warmup,
+            "models": args.local_models,
+            "compile": args.compile,
+            "compile_backend": args.compile_backend,
+            "threads": torch.get_num_threads(),
+        },
         "local": rows,
         "compile": compiled,
         "ops": op_ratios(args.op_repeats) if args.op_repeats else [],
     }
+
+
+def _print_one_process(single: dict[str, Any]) -> None:
+    if single["local"] or single["compile"]:
+        print(format_local(single["local"], single["compile"]))
+    if single["ops"]:
+        print(format_ops(single["ops"]))
+
+
+def run_local_only(args: argparse.Namespace) -> None:
+    """The one-process rows alone: measure, print, write the JSON (no ranks, no chart)."""
+    single = one_process(args)
+    report = {"environment": _environment(None, 1, torch.get_num_threads()), **single}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    _print_one_process(single)
+    print(f"report: {args.out}")
 
 
 def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
@@ -170,10 +232,7 @@ def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
     args.out.write_text(json.dumps(report, indent=2))
     print(format_table(report))
     print(format_overlap(report))
-    if single["local"] or single["compile"]:
-        print(format_local(single["local"], single["compile"]))
-    if single["ops"]:
-        print(format_ops(single["ops"]))
+    _print_one_process(single)
     png = write_png(report, args.out.with_suffix(".png"))
     print(f"report: {args.out}" + (f", chart: {png}" if png else " (install matplotlib for a chart)"))
 
@@ -199,6 +258,10 @@ def _free_port() -> int:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    if args.local_only:
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: rank 0 alone
+            run_local_only(args)
+        return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)

@@ -1,70 +1,107 @@
-"""What a training step costs besides time, read off `torch.profiler` and the tensors."""
+"""What a training step costs besides time: the ops it dispatches, counted as they run
+(printing nothing), and the tensors it holds."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-from collections.abc import Callable, Iterable, Iterator
+import threading
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops that move a whole gradient from one tensor into another: AccumulateGrad's clone or
 # add, DDP's copy into its bucket (mul_out, or copy_ under a comm hook) and back out.
 COPY_OPS = frozenset(
     {"aten::copy_", "aten::clone", "aten::mul", "aten::mul_", "aten::add_", "aten::add", "aten::_to_copy"}
 )
+# Dispatcher namespaces of collectives: ProcessGroup's ops and the functional collectives.
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 
 
 @dataclass(frozen=True)
 class StepCounts:
-    """Per-step counts from one profiled step."""
+    """Per-step counts from one counted step."""
 
     collectives: int
     grad_copies: int
 
 
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Send file descriptor 2 to /dev/null for the block: torch's profiler (Kineto) prints
-    two ``USDT ... profiler_start/stop`` lines per profiled region from C++, hundreds per
-    bench run, with no setting to silence them. An exception still propagates and is
-    reported after the block."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
+class OpCounter(TorchDispatchMode):
+    """While active, counts collectives and gradient-sized copies as the dispatcher runs them.
+
+    It sees every op below autograd, the backward's included: on CPU the engine runs a
+    backward on the thread that called it, and its device threads (CUDA) take the calling
+    thread's dispatch modes from the graph task. Unlike `torch.profiler` it prints nothing
+    (torch 2.13's profiler prints two ``USDT`` lines per profiled region).
+
+    A copy is a call of an op in `COPY_OPS` with a tensor argument shaped like one of
+    `weight_shapes`; a ``_foreach_`` form of such an op counts once per list position holding
+    such a tensor (the per-tensor calls its CPU fallback makes, which the profiler lists).
+    Only calls from outside an op are seen: a clone or ``_to_copy`` counts once, where the
+    profiler also lists the ``copy_`` it runs inside (and, in the CPU fallback of
+    ``_foreach_mul_`` by scalars, a ``mul`` beside each ``mul_``).
+    A collective is an op of `COLLECTIVE_NAMESPACES` other than a barrier or a wait.
+    """
+
+    def __init__(self, weight_shapes: Iterable[tuple[int, ...]]) -> None:
+        super().__init__()
+        self.weight_shapes = frozenset(tuple(s) for s in weight_shapes)
+        self.collectives = 0
+        self.grad_copies = 0
+        self._lock = threading.Lock()  # backward may run on autograd's device threads
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        collectives, copies = self._classify(func, args, kwargs)
+        if collectives or copies:
+            with self._lock:
+                self.collectives += collectives
+                self.grad_copies += copies
+        return func(*args, **kwargs)
+
+    def _classify(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[int, int]:
+        """(collectives, copies) one call adds."""
+        name = func.name().split(".", 1)[0]
+        namespace, _, op = name.partition("::")
+        if namespace in COLLECTIVE_NAMESPACES:
+            return int("barrier" not in op and "wait" not in op), 0
+        inputs = [*args, *kwargs.values()]
+        if name in COPY_OPS:
+            return 0, int(any(self._weight_sized(t) for t in inputs))
+        if op.startswith("_foreach_") and f"{namespace}::{op[len('_foreach_') :]}" in COPY_OPS:
+            lists = [a for a in inputs if isinstance(a, (list, tuple)) and a]
+            per_position = zip(*(a for a in lists if all(isinstance(t, torch.Tensor) for t in a)))
+            return 0, sum(any(self._weight_sized(t) for t in tensors) for tensors in per_position)
+        return 0, 0
+
+    def _weight_sized(self, value: object) -> bool:
+        return isinstance(value, torch.Tensor) and tuple(value.shape) in self.weight_shapes
 
 
-def _is_collective(name: str) -> bool:
-    return name.startswith("c10d::") and "barrier" not in name
+def weight_shapes(params: Iterable[nn.Parameter]) -> set[tuple[int, ...]]:
+    """Shapes of the trainable weights (dim >= 2): elementwise work on activations and
+    biases does not count as a gradient copy (the benchmark models keep activations from
+    sharing a weight's shape)."""
+    return {tuple(p.shape) for p in params if p.requires_grad and p.dim() >= 2}
 
 
 def count_step(step: Callable[[], object], params: Iterable[nn.Parameter]) -> StepCounts:
-    """Profile one call of `step` and count collectives and gradient-sized copies.
-
-    A copy is an op from `COPY_OPS` whose inputs include a tensor shaped like a trainable
-    weight (dim >= 2), so elementwise work on activations and biases is not counted;
-    the benchmark models keep activations from sharing a weight's shape.
-    """
-    shapes = {tuple(p.shape) for p in params if p.requires_grad and p.dim() >= 2}
-    with _quiet_stderr(), torch.profiler.profile(record_shapes=True) as prof:
+    """Run `step` once under an `OpCounter` for the weights of `params` and return its
+    collectives and gradient-sized copies."""
+    with OpCounter(weight_shapes(params)) as counter:
         step()
-    collectives = copies = 0
-    for event in prof.events():
-        if _is_collective(event.name):
-            collectives += 1
-        elif event.name in COPY_OPS and any(tuple(s) in shapes for s in event.input_shapes if s):
-            copies += 1
-    return StepCounts(collectives, copies)
+    return StepCounts(counter.collectives, counter.grad_copies)
 
 
 def grad_bytes(params: Iterable[nn.Parameter], extra_buffers: Iterable[torch.Tensor] = ()) -> int:

@@ -2,8 +2,13 @@
 
 A step is ``optimizer.zero_grad()``, forward, backward, optionally gradient clipping
 (`torch.nn.utils.clip_grad_norm_` against `FlatGrad.clip_grad_norm_`), SGD step. Stock and
-FlatGrad train their own copies on the same batches; steps are interleaved (which goes
-first alternates) and the ratio is the median over steps of the per-step ratio.
+FlatGrad train their own copies on the same batches (made before timing); steps are
+interleaved (which goes first rotates) and the ratio is the median over steps of the
+per-step ratio.
+
+The compile row: `torch._dynamo.explain` graph and graph-break counts, and compiled step
+times, of ``torch.compile(model)`` (stock), ``torch.compile(FlatGrad(model))`` and
+``FlatGrad(torch.compile(model))``. A variant that fails is reported, not raised.
 """
 
 from __future__ import annotations
@@ -11,8 +16,8 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -20,18 +25,24 @@ from torch import nn
 import flatgrad
 from flatgrad.bench.models import LOCAL_MODELS, BenchModel
 
-Step = Callable[[int], None]
+Batch = tuple[torch.Tensor, ...]
+Step = Callable[[Batch], None]
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
+COMPILE_BACKENDS: tuple[CompileBackend, ...] = ("inductor", "aot_eager", "eager")
+# The compiled variants, each against torch.compile of the plain model ("stock").
+COMPILE_VARIANTS = {
+    "stock": "torch.compile(model)",
+    "compile_flat": "torch.compile(FlatGrad(model))",
+    "flat_compiled": "FlatGrad(torch.compile(model))",
+}
 
 
-def _step(
-    module: nn.Module, params: list[nn.Parameter], clip: Callable[[], Any] | None, spec: BenchModel
-) -> Step:
+def _step(module: nn.Module, params: list[nn.Parameter], clip: Callable[[], Any] | None) -> Step:
     optimizer = torch.optim.SGD(params, lr=1e-3)
-    device = torch.device("cpu")
 
-    def step(i: int) -> None:
+    def step(batch: Batch) -> None:
         optimizer.zero_grad()
-        module(*spec.batch(torch.Generator().manual_seed(i), device)).backward()
+        module(*batch).backward()
         if clip is not None:
             clip()
         optimizer.step()
@@ -39,38 +50,45 @@ def _step(
     return step
 
 
-def _pair(spec: BenchModel, clip: bool, compile_: bool = False) -> tuple[Step, Step]:
+def _pair(spec: BenchModel, clip: bool) -> tuple[Step, Step]:
     torch.manual_seed(0)
     model = spec.build()
     stock = copy.deepcopy(model)
     flat = flatgrad.FlatGrad(model)
-    stock_run: nn.Module = torch.compile(stock) if compile_ else stock  # type: ignore[assignment]
-    flat_run: nn.Module = torch.compile(flat) if compile_ else flat  # type: ignore[assignment]
     stock_clip = (lambda: torch.nn.utils.clip_grad_norm_(stock.parameters(), 1.0)) if clip else None
     flat_clip = (lambda: flat.clip_grad_norm_(1.0)) if clip else None
-    return (
-        _step(stock_run, list(stock.parameters()), stock_clip, spec),
-        _step(flat_run, list(flat.parameters()), flat_clip, spec),
-    )
+    return _step(stock, list(stock.parameters()), stock_clip), _step(flat, list(flat.parameters()), flat_clip)
 
 
-def interleave(stock: Step, ours: Step, steps: int, warmup: int) -> dict[str, float]:
-    """Median step times and the median per-step ratio ours / stock."""
-    for i in range(warmup):
-        stock(i)
-        ours(i)
-    times: tuple[list[float], list[float]] = ([], [])
-    for i in range(steps):
-        order = (0, 1) if i % 2 == 0 else (1, 0)
-        for j in order:
+def _batches(spec: BenchModel, count: int) -> list[Batch]:
+    return [spec.batch(torch.Generator().manual_seed(i), torch.device("cpu")) for i in range(count)]
+
+
+def _times(steps: Sequence[Step], batches: Sequence[Batch]) -> list[list[float]]:
+    """Seconds of every step function on every batch; which goes first rotates."""
+    times: list[list[float]] = [[] for _ in steps]
+    for i, batch in enumerate(batches):
+        shift = i % len(steps)
+        for j in [*range(shift, len(steps)), *range(shift)]:
             start = time.perf_counter()
-            (stock, ours)[j](warmup + i)
+            steps[j](batch)
             times[j].append(time.perf_counter() - start)
-    ratios = [b / a for a, b in zip(*times)]
+    return times
+
+
+def _median_ratio(ours: list[float], stock: list[float]) -> float:
+    return statistics.median(b / a for a, b in zip(stock, ours))
+
+
+def interleave(stock: Step, ours: Step, batches: Sequence[Batch], warmup: int) -> dict[str, float]:
+    """Median step times and the median per-step ratio ours / stock; the first `warmup`
+    batches are not timed."""
+    _times((stock, ours), batches[:warmup])
+    stock_s, ours_s = _times((stock, ours), batches[warmup:])
     return {
-        "stock_ms": statistics.median(times[0]) * 1e3,
-        "flatgrad_ms": statistics.median(times[1]) * 1e3,
-        "ratio": statistics.median(ratios),
+        "stock_ms": statistics.median(stock_s) * 1e3,
+        "flatgrad_ms": statistics.median(ours_s) * 1e3,
+        "ratio": _median_ratio(ours_s, stock_s),
     }
 
 
@@ -80,37 +98,147 @@ def local_rows(
     """One record per (model, clip) pair."""
     rows = []
     for name, spec in (models or LOCAL_MODELS).items():
+        batches = _batches(spec, warmup + steps)
         for clip in (False, True):
-            rows.append({"model": name, "clip": clip, **interleave(*_pair(spec, clip), steps, warmup)})
+            rows.append({"model": name, "clip": clip, **interleave(*_pair(spec, clip), batches, warmup)})
     return rows
 
 
-def compile_row(steps: int, warmup: int = 2, spec: BenchModel | None = None) -> dict[str, Any]:
-    """`torch._dynamo.explain` graph and break counts of the plain model and of FlatGrad
-    around it, and compiled step times (inductor, clipping on)."""
-    spec = spec or LOCAL_MODELS["llama"]
+def _compile(module: nn.Module, backend: CompileBackend = "inductor") -> nn.Module:
+    compiled = torch.compile(module, backend=backend)
+    assert isinstance(compiled, nn.Module)  # torch.compile of a Module is an OptimizedModule
+    return compiled
+
+
+def _compiled_variant(variant: str, model: nn.Module, backend: CompileBackend) -> Step:
+    """A clipped training step of `variant` (a key of `COMPILE_VARIANTS`) on a copy of `model`."""
+    module = copy.deepcopy(model)
+    if variant == "stock":
+        clip = lambda: torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)  # noqa: E731
+        return _step(_compile(module, backend), list(module.parameters()), clip)
+    if variant == "compile_flat":
+        flat = flatgrad.FlatGrad(module)
+        compiled = _compile(flat, backend)
+    else:
+        flat = compiled = flatgrad.FlatGrad(_compile(module, backend))
+    return _step(compiled, list(flat.parameters()), lambda: flat.clip_grad_norm_(1.0))
+
+
+def _explained(variant: str, model: nn.Module) -> nn.Module:
+    """What `torch._dynamo.explain` runs for `variant`: the module whose forward is compiled
+    (for ``FlatGrad(torch.compile(model))``, the model inside, with FlatGrad's routing)."""
+    module = copy.deepcopy(model)
+    if variant == "stock":
+        return module
+    if variant == "compile_flat":
+        return flatgrad.FlatGrad(module)
+    inner = flatgrad.FlatGrad(_compile(module)).module._orig_mod
+    assert isinstance(inner, nn.Module)
+    return inner
+
+
+def _explain(module: nn.Module, batch: Batch) -> dict[str, Any]:
+    torch._dynamo.reset()
+    out = torch._dynamo.explain(module)(*batch)
+    reasons = dict.fromkeys(_first_line(r.reason, 200) for r in out.break_reasons)
+    return {"graphs": out.graph_count, "breaks": out.graph_break_count, "break_reasons": list(reasons)[:3]}
+
+
+def _graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process (since the last reset of its counters)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _first_line(text: object, limit: int) -> str:
+    return next(iter(str(text).strip().splitlines()), "")[:limit]
+
+
+def _add_error(record: dict[str, Any], stage: str, error: Exception) -> None:
+    """Append "stage: Type: first line of the message" to the record's ``error``."""
+    text = f"{stage}: {type(error).__name__}: {_first_line(error, 300)}"
+    record["error"] = f"{record['error']}; {text}" if record["error"] else text
+
+
+def compile_row(
+    steps: int,
+    warmup: int = 2,
+    spec: BenchModel | None = None,
+    name: str = "llama",
+    backend: CompileBackend = "inductor",
+) -> dict[str, Any]:
+    """Per variant of `COMPILE_VARIANTS`: `torch._dynamo.explain` counts (graphs, breaks, the
+    first break reasons), the median compiled step time (clipping on) after `warmup` steps,
+    the median per-step ratio to the stock variant's, and the graphs Dynamo compiled during
+    the timed steps (recompiles: 0 unless guards keep failing). A failure is recorded in that
+    variant's ``error`` (a failing stock variant leaves no times)."""
+    spec = spec or LOCAL_MODELS[name]
+    warmup = max(warmup, 1)  # the first step compiles
     torch.manual_seed(0)
     model = spec.build()
-    batch = spec.batch(torch.Generator().manual_seed(0), torch.device("cpu"))
-    row: dict[str, Any] = {"model": "llama" if spec is LOCAL_MODELS["llama"] else "custom"}
+    batches = _batches(spec, warmup + steps)
+    keys = ("graphs", "breaks", "recompiles", "step_ms", "ratio", "error")
+    records: dict[str, dict[str, Any]] = {
+        v: {**dict.fromkeys(keys), "break_reasons": []} for v in COMPILE_VARIANTS
+    }
+    step_fns: dict[str, Step] = {}
     try:
+        for variant, record in records.items():
+            try:
+                record.update(_explain(_explained(variant, model), batches[0]))
+            except Exception as error:  # report, do not crash the run: compile support varies
+                _add_error(record, "explain", error)
         torch._dynamo.reset()
-        stock = torch._dynamo.explain(model)(*batch)
-        torch._dynamo.reset()
-        ours = torch._dynamo.explain(flatgrad.FlatGrad(copy.deepcopy(model)))(*batch)
-        row.update(
-            stock_graphs=stock.graph_count,
-            stock_breaks=stock.graph_break_count,
-            flatgrad_graphs=ours.graph_count,
-            flatgrad_breaks=ours.graph_break_count,
-        )
-        torch._dynamo.reset()
-        row.update(interleave(*_pair(spec, clip=True, compile_=True), steps, warmup))
-    except Exception as error:  # report, do not crash the run: compile support varies by platform
-        row["error"] = f"{type(error).__name__}: {error}"
+        for variant, record in records.items():
+            try:
+                step_fns[variant] = _compiled_variant(variant, model, backend)
+                for batch in batches[:warmup]:  # compiles
+                    step_fns[variant](batch)
+            except Exception as error:
+                step_fns.pop(variant, None)
+                _add_error(record, "warm-up step", error)
+        if "stock" in step_fns:
+            _time_compiled(step_fns, records, batches[warmup:])
     finally:
         torch._dynamo.reset()
-    return row
+    return {"model": name, "backend": backend, "clip": True, "variants": records}
+
+
+class _StepFailed(Exception):
+    def __init__(self, variant: str, error: Exception) -> None:
+        super().__init__(variant)
+        self.variant, self.error = variant, error
+
+
+def _tagged(variant: str, step: Step, record: dict[str, Any]) -> Step:
+    """`step`, adding the graphs Dynamo compiles in it to ``record["recompiles"]`` and naming
+    the variant in an exception."""
+    record["recompiles"] = 0
+
+    def run(batch: Batch) -> None:
+        before = _graphs_compiled()
+        try:
+            step(batch)
+        except Exception as error:
+            raise _StepFailed(variant, error) from error
+        record["recompiles"] += _graphs_compiled() - before
+
+    return run
+
+
+def _time_compiled(
+    step_fns: dict[str, Step], records: dict[str, dict[str, Any]], batches: Sequence[Batch]
+) -> None:
+    """Interleaved timed steps of the variants that warmed up; a failure leaves no times."""
+    names = list(step_fns)  # "stock" first
+    try:
+        steps = [_tagged(n, step_fns[n], records[n]) for n in names]
+        times = dict(zip(names, _times(steps, batches)))
+    except _StepFailed as failed:
+        _add_error(records[failed.variant], "timed step", failed.error)
+        return
+    for variant, seconds in times.items():
+        records[variant]["step_ms"] = statistics.median(seconds) * 1e3
+        records[variant]["ratio"] = _median_ratio(seconds, times["stock"])
 
 
 def format_local(rows: list[dict[str, Any]], compiled: dict[str, Any] | None) -> str:
@@ -121,14 +249,30 @@ def format_local(rows: list[dict[str, Any]], compiled: dict[str, Any] | None) ->
             f"{r['flatgrad_ms']:12.2f} {r['ratio']:6.3f}"
         )
     if compiled:
-        if "error" in compiled:
-            lines.append(f"torch.compile: {compiled['error']}")
-        else:
-            lines.append(
-                f"torch.compile {compiled['model']}: graphs/breaks stock {compiled['stock_graphs']}/"
-                f"{compiled['stock_breaks']}, flatgrad {compiled['flatgrad_graphs']}/"
-                f"{compiled['flatgrad_breaks']}; "
-                f"compiled step (clip) stock {compiled['stock_ms']:.1f} ms, flatgrad "
-                f"{compiled['flatgrad_ms']:.1f} ms, ratio {compiled['ratio']:.3f}"
-            )
+        lines.append(format_compile(compiled))
     return "\n".join(lines)
+
+
+def _cell(value: float | int | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_compile(row: dict[str, Any]) -> str:
+    """The compile row: one line per variant, then errors and graph-break reasons."""
+    title = f"torch.compile ({row['backend']}), {row['model']}"
+    lines = [f"{title:32s} {'graphs':>6s} {'breaks':>6s} {'step ms':>8s} {'ratio':>6s} {'recompiles':>10s}"]
+    notes = []
+    for variant, r in row["variants"].items():
+        label = COMPILE_VARIANTS[variant]
+        lines.append(
+            f"{label:32s} {_cell(r['graphs'], '6d')} {_cell(r['breaks'], '6d')} "
+            f"{_cell(r['step_ms'], '8.1f')} {_cell(r['ratio'], '6.3f')} {_cell(r['recompiles'], '10d')}"
+        )
+        notes += [f"  {label}: {r['error']}"] if r["error"] else []
+        notes += [f"  {label} breaks: {reason}" for reason in r["break_reasons"]]
+    lines.append(
+        "graphs/breaks: torch._dynamo.explain of the compiled forward; step: zero_grad, forward, "
+        "backward, clip, SGD\nratio: median per-step ratio to torch.compile(model); recompiles: graphs "
+        "compiled during the timed steps (after the warm-up)"
+    )
+    return "\n".join(lines + notes)

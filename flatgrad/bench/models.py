@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -184,11 +184,12 @@ MODELS: dict[str, BenchModel] = {
 }
 
 
-def resolve_model(name: str) -> BenchModel:
-    """A built-in model by name, or ``"package.module:factory"``: a function of no arguments
-    returning a `BenchModel` (so you can benchmark your own model)."""
+def resolve_model(name: str, models: Mapping[str, BenchModel] | None = None) -> BenchModel:
+    """A built-in model by name (from `models`, default `MODELS`), or
+    ``"package.module:factory"``: a function of no arguments returning a `BenchModel` (so you
+    can benchmark your own model)."""
     if ":" not in name:
-        return MODELS[name]
+        return (MODELS if models is None else models)[name]
     module_name, _, attr = name.partition(":")
     spec = getattr(importlib.import_module(module_name), attr)()
     if not isinstance(spec, BenchModel):

@@ -33,7 +33,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(
         "ratio / vs view: median over steps of the step-time ratio to stock DDP default / to stock "
         "DDP with gradient_as_bucket_view=True (same step, interleaved); colls: collectives per step; "
-        "copies: gradient-sized copies per step (profiler); grad MB: gradient memory held; "
+        "copies: gradient-sized copies per step (counted as dispatched); grad MB: gradient memory held; "
         "opt MB: optimizer state held by one rank (SGD momentum; flatgrad_zero keeps its shard); "
         "+peak MB: the most a step added at its peak over what was resident before it "
         "(RSS on Linux CPUs, a lower bound; the allocator on CUDA), over ranks"
