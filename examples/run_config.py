@@ -9,18 +9,28 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from flatgrad import FlatGradConfig
+from flatgrad.config import load_mapping
 
 DEFAULT_MODULES = (
     "argparse", "collections", "textwrap", "difflib", "string", "json.decoder", "json.encoder",
     "functools", "heapq", "dataclasses", "shutil", "tokenize", "csv", "random", "contextlib",
     "pprint", "calendar", "fractions",
 )  # fmt: skip
+
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, got {value}")
+    return value
+
+
+# Floats stay lax otherwise: YAML reads `3e-3` (no dot) as a string, which pydantic converts.
+_Real = Annotated[float, BeforeValidator(_not_a_bool)]
 
 
 class _Strict(BaseModel):
@@ -30,19 +40,19 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """Size of the GPT (examples/gpt_model.py)."""
 
-    n_layer: int = Field(default=4, gt=0)
+    n_layer: StrictInt = Field(default=4, gt=0)
     """Number of transformer blocks."""
 
-    n_head: int = Field(default=4, gt=0)
+    n_head: StrictInt = Field(default=4, gt=0)
     """Attention heads per block; must divide `n_embd`."""
 
-    n_embd: int = Field(default=128, gt=0)
+    n_embd: StrictInt = Field(default=128, gt=0)
     """Width of the residual stream (and of the tied token embedding / LM head)."""
 
-    block_size: int = Field(default=128, gt=0)
+    block_size: StrictInt = Field(default=128, gt=0)
     """Longest context the model can see: rows of the learned position embedding."""
 
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    dropout: _Real = Field(default=0.0, ge=0.0, lt=1.0)
     """Dropout probability on embeddings, attention and MLP outputs (0 turns it off)."""
 
     @model_validator(mode="after")
@@ -88,22 +98,22 @@ class _RunConfig(_Strict):
     data: DataConfig = DataConfig()
     """The training text."""
 
-    seq_len: int = Field(default=128, gt=0)
+    seq_len: StrictInt = Field(default=128, gt=0)
     """Characters per training window; at most `model.block_size`."""
 
-    batch_size: int = Field(default=8, gt=0)
+    batch_size: StrictInt = Field(default=8, gt=0)
     """Windows per micro-batch on each rank."""
 
-    lr: float = Field(default=3e-3, gt=0.0)
+    lr: _Real = Field(default=3e-3, gt=0.0)
     """AdamW learning rate (the peak, when a schedule is used)."""
 
-    weight_decay: float = Field(default=0.1, ge=0.0)
+    weight_decay: _Real = Field(default=0.1, ge=0.0)
     """AdamW decoupled weight decay."""
 
-    grad_clip: float | None = Field(default=1.0, gt=0.0)
+    grad_clip: _Real | None = Field(default=1.0, gt=0.0)
     """Clip the global gradient norm to this before each step; null turns it off."""
 
-    seed: int = 0
+    seed: StrictInt = 0
     """Seeds the model init (same on every rank) and the data windows (offset by rank)."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -125,22 +135,22 @@ class _RunConfig(_Strict):
 class TrainConfig(_RunConfig):
     """Run config of examples/train_gpt.py."""
 
-    grad_accum_steps: int = Field(default=1, gt=0)
+    grad_accum_steps: StrictInt = Field(default=1, gt=0)
     """Micro-batches per optimiser step; DDP syncs only on the last (``ddp.no_sync()``)."""
 
-    max_steps: int = Field(default=200, gt=0)
+    max_steps: StrictInt = Field(default=200, gt=0)
     """Optimiser steps to train for."""
 
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     """After warm-up: keep `lr`, or decay it along a cosine to `min_lr` at `max_steps`."""
 
-    warmup_steps: int = Field(default=20, ge=0)
+    warmup_steps: StrictInt = Field(default=20, ge=0)
     """Steps of linear learning-rate warm-up from 0 to `lr`."""
 
-    min_lr: float = Field(default=3e-4, ge=0.0)
+    min_lr: _Real = Field(default=3e-4, ge=0.0)
     """Learning rate at the end of the cosine schedule."""
 
-    log_interval: int = Field(default=20, gt=0)
+    log_interval: StrictInt = Field(default=20, gt=0)
     """Log step, loss and tokens/s every this many steps (and at the first and last)."""
 
     out_dir: Path = Path("out/gpt_cpu")
@@ -151,11 +161,11 @@ class TrainConfig(_RunConfig):
     backward); "flatgrad": `flatgrad.DataParallel`, buckets of the flat buffer all-reduced
     while backward runs."""
 
-    zero: bool = False
+    zero: StrictBool = False
     """With engine "flatgrad": `flatgrad.ShardedOptimizer` (ZeRO-1, each rank keeps 1/N of
     AdamW's state)."""
 
-    bucket_mb: float = Field(default=25.0, gt=0.0)
+    bucket_mb: _Real = Field(default=25.0, gt=0.0)
     """Bucket size of engine "flatgrad"."""
 
     @model_validator(mode="after")
@@ -180,10 +190,10 @@ class TrainConfig(_RunConfig):
 class CompareConfig(_RunConfig):
     """Run config of examples/ddp_compare.py (stock DDP against FlatGrad + DDP)."""
 
-    steps: int = Field(default=60, gt=0)
+    steps: StrictInt = Field(default=60, gt=0)
     """Optimiser steps each of the two runs takes."""
 
-    warmup_steps: int = Field(default=10, ge=0)
+    warmup_steps: StrictInt = Field(default=10, ge=0)
     """Leading steps left out of the timing (allocations, DDP's bucket rebuild)."""
 
     @model_validator(mode="after")
@@ -202,11 +212,6 @@ ConfigT = TypeVar("ConfigT", bound=BaseModel)
 def load_config(cls: type[ConfigT], path: str | Path, overrides: Mapping[str, Any] | None = None) -> ConfigT:
     """Read a YAML run config into `cls`; `overrides` (None values skipped) replace top-level
     keys and are validated together with the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
+    data = load_mapping(path)  # flatgrad's loader: errors name the file, repeated keys refused
     data.update({key: value for key, value in (overrides or {}).items() if value is not None})
     return cls.model_validate(data)

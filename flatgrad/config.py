@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,6 +54,9 @@ class FlatGradConfig(BaseModel):
         return cls.model_validate(load_mapping(path))
 
 
+_YAML_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """`yaml.SafeLoader` that refuses a key repeated within one mapping (plain YAML keeps the
     last one silently, which hides typos in configs)."""
@@ -60,7 +64,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == _YAML_MERGE_TAG:
+                continue  # `<<: *base`: keys written beside it override the merged ones, as in YAML
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader itself reports an unhashable key
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", key_node.start_mark
@@ -69,36 +77,58 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _unique_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise ValueError(f"duplicate key {key!r}")
+    return dict(pairs)
+
+
 def _parse(path: Path, text: str) -> Any:
     if path.suffix == ".json":
-        return json.loads(text)
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+        return json.loads(text, object_pairs_hook=_unique_json_keys)
+    loader = _UniqueKeyLoader(text)
+    loader.name = str(path)  # YAML's error marks then say which file, not "<unicode string>"
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def load_mapping(path: str | Path) -> dict[str, Any]:
-    """Parse a YAML or JSON file that must hold a mapping (used by every config model).
-    Every error names the file."""
+    """Parse a YAML or JSON file that must hold a mapping (used by every config model, the
+    examples' run configs too). Every error names the file. A YAML file holding only comments
+    is an empty mapping; an empty file, a repeated key, or a value that is not a mapping is an
+    error."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"config file {str(path)!r} is a directory, not a YAML/JSON file")
     if not path.is_file():
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"config file {str(path)!r} is not UTF-8 text: {error}") from error
     if not text.strip():
         raise ValueError(f"config file {str(path)!r} is empty; it must hold a mapping")
     try:
         data = _parse(path, text)
-    except (json.JSONDecodeError, yaml.YAMLError) as error:
+    except (ValueError, yaml.YAMLError) as error:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"config file {str(path)!r} is not valid {_kind(path)}: {error}") from error
-    if data is None:
-        return {}
+    if data is None and path.suffix != ".json":
+        return {}  # only comments
     if not isinstance(data, dict):
-        raise ValueError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
+        raise ValueError(f"config file {str(path)!r} must hold a mapping, got {_type_name(data)}")
     return data
 
 
 def _kind(path: Path) -> str:
     return "JSON" if path.suffix == ".json" else "YAML"
+
+
+def _type_name(data: Any) -> str:
+    return "null" if data is None else type(data).__name__
 
 
 def resolve_config(config: FlatGradConfig | dict[str, Any] | str | Path | None) -> FlatGradConfig:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 
 import flatgrad
 from flatgrad import FlatGradConfig
+from flatgrad.config import load_mapping
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = REPO_ROOT / "configs" / "default.yaml"
@@ -227,3 +229,68 @@ def test_yaml_bool_for_an_int_field_is_rejected(tmp_path: Path) -> None:
     path.write_text("linear_min_numel: true\n")
     with pytest.raises(ValidationError, match=r"(?s)linear_min_numel.*Input should be a valid integer"):
         FlatGradConfig.from_file(path)
+
+
+@pytest.mark.parametrize("text", ["align_bytes: true\n", 'align_bytes: "64"\n', "align_bytes: 64.0\n"])
+def test_yaml_align_bytes_of_another_type_is_rejected(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "typed.yaml"
+    path.write_text(text)
+    with pytest.raises(ValidationError, match=r"(?s)align_bytes.*Input should be a valid integer"):
+        FlatGradConfig.from_file(path)
+
+
+def test_json_align_bytes_bool_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "typed.json"
+    path.write_text('{"align_bytes": true}')
+    with pytest.raises(ValidationError, match=r"(?s)align_bytes.*Input should be a valid integer"):
+        FlatGradConfig.from_file(path)
+
+
+def test_duplicate_key_in_a_nested_yaml_mapping_names_key_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "nested.yaml"
+    path.write_text("outer:\n  key: 1\n  key: 2\n")
+    with pytest.raises(ValueError, match=r'(?s)duplicate key \'key\'\n  in ".*nested.yaml", line 3'):
+        FlatGradConfig.from_file(path)
+
+
+def test_duplicate_json_key_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "dup.json"
+    path.write_text('{"align_bytes": 64, "align_bytes": 128}')
+    with pytest.raises(ValueError, match=r"dup.json' is not valid JSON: duplicate key 'align_bytes'"):
+        FlatGradConfig.from_file(path)
+
+
+def test_yaml_merge_keys_still_work(tmp_path: Path) -> None:
+    """`<<: *anchor` is not a repeated key: the keys written beside it override, as in YAML."""
+    path = tmp_path / "merge.yaml"
+    path.write_text(
+        "base: &base {align_bytes: 64, layers: [linear]}\nconfig:\n  <<: *base\n  align_bytes: 512\n"
+    )
+    config = FlatGradConfig.model_validate(load_mapping(path)["config"])
+    assert config == FlatGradConfig(align_bytes=512, layers=("linear",))
+
+
+def test_unhashable_yaml_key_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "listkey.yaml"
+    path.write_text("? [1, 2]\n: 3\n")
+    with pytest.raises(ValueError, match=r"(?s)listkey.yaml' is not valid YAML.*found unhashable key"):
+        FlatGradConfig.from_file(path)
+
+
+def test_json_null_is_not_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "null.json"
+    path.write_text("null")
+    with pytest.raises(ValueError, match=r"null.json' must hold a mapping, got null"):
+        FlatGradConfig.from_file(path)
+
+
+def test_binary_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match=r"binary.yaml' is not UTF-8 text"):
+        FlatGradConfig.from_file(path)
+
+
+def test_directory_via_flatgrad_is_not_called_missing(tmp_path: Path) -> None:
+    with pytest.raises(IsADirectoryError, match=rf"config file '{re.escape(str(tmp_path))}' is a directory"):
+        flatgrad.FlatGrad(_model(), config=tmp_path)

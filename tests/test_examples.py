@@ -91,6 +91,54 @@ def test_load_config_rejects_missing_and_non_mapping_files(tmp_path: Path) -> No
         load_config(TrainConfig, listing)
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", r"config file '.*run.yaml' is empty"),
+        ("max_steps: 3\nmax_steps: 4\n", r"(?s)run.yaml' is not valid YAML: duplicate key 'max_steps'"),
+        ("model:\n  n_head: 2\n  n_head: 4\n", r"(?s)duplicate key 'n_head'\n  in \".*run.yaml\", line 3"),
+        ("max_steps: [3,\n", r"run.yaml' is not valid YAML"),
+    ],
+)
+def test_run_config_file_errors_name_the_file(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_config(TrainConfig, path)
+
+
+def test_run_config_directory_is_not_called_missing(tmp_path: Path) -> None:
+    with pytest.raises(IsADirectoryError, match="is a directory, not a YAML/JSON file"):
+        load_config(TrainConfig, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("max_steps: true\n", r"max_steps\n.*Input should be a valid integer"),
+        ('max_steps: "3"\n', r"max_steps\n.*Input should be a valid integer"),
+        ("max_steps: 3.0\n", r"max_steps\n.*Input should be a valid integer"),
+        ("model:\n  n_layer: yes\n", r"model.n_layer\n.*Input should be a valid integer"),
+        ('zero: "true"\n', r"zero\n.*Input should be a valid boolean"),
+        ("zero: 1\n", r"zero\n.*Input should be a valid boolean"),
+        ("grad_clip: true\n", r"grad_clip\n.*must be a number, got True"),
+    ],
+)
+def test_run_config_types_are_strict(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ValidationError, match=message):
+        load_config(TrainConfig, path)
+
+
+def test_run_config_floats_written_without_a_dot_still_load(tmp_path: Path) -> None:
+    """YAML 1.1 reads `3e-3` as a string; a float field still takes it, as before."""
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 3e-3\nmin_lr: 1e-4\n")
+    cfg = load_config(TrainConfig, path)
+    assert (cfg.lr, cfg.min_lr) == (3e-3, 1e-4)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("engine", [[], ["--engine", "flatgrad"], ["--engine", "flatgrad", "--zero"]])
 def test_train_gpt_under_torchrun_saves_a_plain_checkpoint(tmp_path: Path, engine: list[str]) -> None:
