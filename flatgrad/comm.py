@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flatgrad.buffer import GradStore
 
@@ -26,11 +27,14 @@ class FlatGradCommState:
 
     `wrapper` is the `FlatGrad` whose buffers the hook keeps pointing at DDP's buckets.
     `wire_dtype` (bfloat16 or float16) compresses floating-point buckets on the wire.
+    `num_calls` counts the hook's calls (one per bucket and synchronised backward: with
+    `ddp_kwargs()`, one per (dtype, device) buffer and step).
     """
 
     wrapper: Any
     process_group: dist.ProcessGroup | None = None
     wire_dtype: torch.dtype | None = None
+    num_calls: int = field(default=0, init=False)
     _warned: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -66,24 +70,50 @@ class FlatGradCommState:
             )
 
 
-_FORWARDS_BEFORE_WARNING = 3
+_SYNCED_FORWARDS_BEFORE_WARNING = 3
 
 
 def note_forward_without_hook(num_forwards: int) -> int:
-    """Count a forward after `ddp_kwargs()` while `allreduce_hook` has not run; at the third
-    (two full steps without it) warn once and stop counting (returns -1)."""
+    """Count the forwards whose backward DDP synchronises while `allreduce_hook` has not run
+    yet; at the third (two synchronised backward passes done without it) warn once and stop
+    counting (returns -1).
+
+    Call site: `FlatGrad.forward`, before the wrapped model runs. `FlatGrad.ddp_kwargs()`
+    starts the count at 0 in `wrapper._ddp_forwards`, the hook sets it to -1 (nothing to
+    watch), so once the hook has run a forward costs one integer compare::
+
+        if self._ddp_forwards >= 0:
+            self._ddp_forwards = comm.note_forward_without_hook(self._ddp_forwards)
+
+    Forwards under no_grad (evaluation, Lightning's sanity check) do not count, nor do
+    forwards inside ``ddp.no_sync()`` (gradient accumulation: the hook runs only on the last
+    micro-batch), nor forwards outside any DDP.
+    """
+    if not (torch.is_grad_enabled() and _ddp_will_sync()):
+        return num_forwards
     num_forwards += 1
-    if num_forwards < _FORWARDS_BEFORE_WARNING:
+    if num_forwards < _SYNCED_FORWARDS_BEFORE_WARNING:
         return num_forwards
     logger.warning(
         "flatgrad: ddp_kwargs() was used but allreduce_hook has not run in %d steps, so DDP "
         "all-reduces its own buckets and copies every gradient: register it with "
         "ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook) (PyTorch "
         "Lightning's DDPStrategy registers its ddp_comm_hook on CUDA only: register it "
-        "yourself on CPU)",
+        "yourself on CPU, see examples/lightning_train.py)",
         num_forwards - 1,
     )
     return -1
+
+
+def _ddp_will_sync() -> bool:
+    """Whether a DDP is running this forward and will all-reduce after its backward. DDP
+    exposes the module whose forward is running for TorchDynamo; a torch without that hook
+    counts every forward (then accumulation over 3+ micro-batches can warn early)."""
+    active = getattr(DDP, "_get_active_ddp_module", None)
+    if active is None:
+        return True
+    ddp = active()
+    return ddp is not None and bool(ddp.require_backward_grad_sync)
 
 
 def _check_wire_dtype(wire_dtype: torch.dtype | None) -> None:
@@ -97,6 +127,7 @@ def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.f
     Returns the bucket buffer itself, so DDP copies nothing back. With the fast path
     (`FlatGrad.ddp_kwargs()`) the bucket is the wrapper's whole flat buffer.
     """
+    state.num_calls += 1
     state.adopt(bucket)
     return _all_reduce_mean(bucket.buffer(), state.process_group, state.wire_dtype)
 

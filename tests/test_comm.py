@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+import flatgrad.comm
 
 pytestmark = pytest.mark.distributed
 
@@ -209,6 +210,74 @@ def _hook_never_registered_worker(rank: int, world_size: int, register: bool) ->
 @pytest.mark.parametrize("register", [False, True])
 def test_ddp_kwargs_without_the_hook_is_reported_once(register):
     run_ranks(_hook_never_registered_worker, register)
+
+
+def _accumulation_worker(rank: int, world_size: int, register: bool) -> None:
+    """4 micro-batches per step (3 under no_sync) and a no_grad evaluation forward between
+    them: neither is a step without the hook."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("flatgrad").addHandler(handler)
+    flat = flatgrad.FlatGrad(_Net(), config=ROUTE_ALL)
+    ddp = DDP(flat, **flat.ddp_kwargs())
+    state = flat.comm_state()
+    if register:
+        ddp.register_comm_hook(state, flatgrad.allreduce_hook)
+    num_warnings = []
+    for step in range(4):
+        for micro in range(4):
+            with torch.no_grad():
+                ddp(_tokens(rank, 50 + micro))
+            if micro < 3:
+                with ddp.no_sync():
+                    ddp(_tokens(rank, 4 * step + micro)).backward()
+            else:
+                ddp(_tokens(rank, 4 * step + micro)).backward()
+        num_warnings.append(sum(r.levelno == logging.WARNING for r in records))
+    assert state.num_calls == (4 if register else 0)  # one bucket: one call per synchronised step
+    # Without the hook: two synchronised steps pass unnoticed, the third forward warns, once.
+    assert num_warnings == ([0, 0, 0, 0] if register else [0, 0, 1, 1]), [r.getMessage() for r in records]
+
+
+@pytest.mark.parametrize("register", [False, True])
+def test_hook_warning_ignores_no_sync_and_no_grad_forwards(register):
+    run_ranks(_accumulation_worker, register)
+
+
+class _FakeDDP:
+    def __init__(self, sync: bool) -> None:
+        self.require_backward_grad_sync = sync
+
+
+def _count(monkeypatch: pytest.MonkeyPatch, active: object, times: int, num_forwards: int = 0) -> list[int]:
+    monkeypatch.setattr(DDP, "_active_ddp_module", active)
+    counts = []
+    for _ in range(times):
+        num_forwards = flatgrad.comm.note_forward_without_hook(num_forwards)
+        counts.append(num_forwards)
+    return counts
+
+
+def test_note_forward_without_hook_warns_once_at_the_third_synchronised_forward(monkeypatch, caplog):
+    with caplog.at_level(logging.WARNING, logger="flatgrad"):
+        assert _count(monkeypatch, _FakeDDP(sync=True), 3) == [1, 2, -1]
+    assert len(caplog.records) == 1
+    assert "allreduce_hook has not run in 2 steps" in caplog.records[0].getMessage()
+    assert "register it yourself on CPU" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("case", ["no_grad", "no_sync", "outside_ddp"])
+def test_note_forward_without_hook_skips_forwards_without_a_sync(monkeypatch, caplog, case):
+    active = None if case == "outside_ddp" else _FakeDDP(sync=case != "no_sync")
+    with caplog.at_level(logging.WARNING, logger="flatgrad"), torch.set_grad_enabled(case != "no_grad"):
+        assert _count(monkeypatch, active, 5, num_forwards=1) == [1] * 5
+    assert caplog.records == []
+
+
+def test_note_forward_without_hook_counts_every_forward_on_a_torch_without_the_ddp_hook(monkeypatch):
+    monkeypatch.delattr(DDP, "_get_active_ddp_module")
+    assert _count(monkeypatch, None, 3) == [1, 2, -1]
 
 
 def _all_reduce_grads_worker(rank: int, world_size: int) -> None:
