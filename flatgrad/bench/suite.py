@@ -42,7 +42,7 @@ def bench_model(
     model_name: str, configs: list[str], steps: int, warmup: int, device: torch.device, bar: tqdm | None
 ) -> dict[str, Any]:
     """Interleaved steps of every configuration on the same data; step time is the slowest
-    rank's. Then one profiled step each for collectives, copies and gradient bytes."""
+    rank's. Then one counted step each for collectives, copies and gradient bytes."""
     spec = resolve_model(model_name)
     torch.manual_seed(0)
     model = spec.build()
