@@ -24,7 +24,6 @@ Nothing here imports torch.distributed.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -47,7 +46,11 @@ def _weight_target(
     """
     if not ctx.needs_input_grad[index]:
         return "skip", None, None
-    node = (next_functions or ctx.next_functions)[index][0]
+    return _node_target((next_functions or ctx.next_functions)[index][0])
+
+
+def _node_target(node: Any) -> tuple[_Mode, torch.Tensor | None, torch.Tensor | None]:
+    """`_weight_target` for an input known to need a gradient, given its graph node."""
     param = getattr(node, "variable", None)  # None unless the input is a leaf (AccumulateGrad)
     found = GradStore.find(param) if param is not None else None
     if found is None or torch.is_grad_enabled():
@@ -58,7 +61,7 @@ def _weight_target(
     except RuntimeError:
         return "fresh", None, param  # torch.autograd.grad captures this leaf: leave .grad alone
     store, view = found
-    if view.shape != param.shape or view.dtype != param.dtype:  # type: ignore[union-attr]
+    if view.dtype != param.dtype or view.shape != param.shape:  # type: ignore[union-attr]
         store.stale = True  # param.data replaced or converted behind the wrapper: lay out again
         return "fresh", None, param
     grad = param.grad  # type: ignore[union-attr]
@@ -70,90 +73,66 @@ def _weight_target(
         return "fresh", None, param
     if grad is None:
         return "out", view, param
-    return ("add", grad, param) if grad is view or store.holds(param, grad) else ("fresh", None, param)  # type: ignore[arg-type]
-
-
-def _deliver(
-    ctx: Any,
-    index: int,
-    dtype: torch.dtype,
-    compute: Callable[[], torch.Tensor],
-    write: Callable[[torch.Tensor], object],
-    accumulate: Callable[[torch.Tensor], object],
-    next_functions: Any = None,
-) -> torch.Tensor | None:
-    """Deliver a weight gradient per `_weight_target`: return ``compute()`` (cast to
-    `dtype`) for plain autograd, or `write` it into the empty slot and make that the
-    `.grad`, or `accumulate` it into the slot; None in the last two cases."""
-    mode, target, param = _weight_target(ctx, index, next_functions)
-    if mode == "skip":
-        return None
-    if mode == "fresh":
-        return compute().to(dtype)
-    assert target is not None and param is not None
-    if mode == "out":
-        write(target)
-        param.grad = target
-    else:
-        accumulate(target)
-    return None
-
-
-def _mm_into(
-    ctx: Any, index: int, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor, next_functions: Any = None
-) -> torch.Tensor | None:
-    """The weight gradient ``a @ b``. Computes in a's dtype (the autocast dtype, if any)
-    and casts on write, as autocast's cast would; in place with ``out=``/``addmm_``."""
-    same = a.dtype == dtype
-    return _deliver(
-        ctx,
-        index,
-        dtype,
-        lambda: a.mm(b),
-        lambda t: torch.mm(a, b, out=t) if same else t.copy_(a.mm(b)),
-        lambda t: t.addmm_(a, b) if same else t.add_(a.mm(b)),
-        next_functions,
-    )
-
-
-def _sum_into(
-    ctx: Any, index: int, dtype: torch.dtype, rows: torch.Tensor, next_functions: Any = None
-) -> torch.Tensor | None:
-    """The bias gradient ``rows.sum(0)``."""
-    same = rows.dtype == dtype
-    return _deliver(
-        ctx,
-        index,
-        dtype,
-        lambda: rows.sum(0),
-        lambda t: torch.sum(rows, 0, out=t) if same else t.copy_(rows.sum(0)),
-        lambda t: t.add_(rows.sum(0)),
-        next_functions,
-    )
+    if grad is view:
+        return "add", view, param
+    return ("add", grad, param) if store.holds(param, grad) else ("fresh", None, param)  # type: ignore[arg-type]
 
 
 class _Linear(torch.autograd.Function):
+    """`F.linear` whose backward writes the weight and bias gradients into their slots.
+
+    The backward is written out flat (no helper per gradient): it runs once per layer per
+    step, and its Python is what routing a layer costs over torch's own backward.
+    """
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = F.linear(x, weight, bias)  # autocast, if on, picks the compute dtype here
-        ctx.save_for_backward(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, bias = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
         compute = grad_out.dtype  # differs from weight.dtype under autocast
-        needs = ctx.needs_input_grad
-        rows = _rows(grad_out)
         grad_x = grad_w = grad_b = None
-        if needs[0]:
-            grad_x = grad_out.matmul(_as(weight, compute))
-            grad_x = _as(grad_x, x.dtype)
-        nexts = ctx.next_functions if needs[1] or needs[2] else None
-        if needs[1]:
-            grad_w = _mm_into(ctx, 1, weight.dtype, rows.t(), _as(_rows(x), compute), nexts)
-        if bias is not None and needs[2]:
-            grad_b = _sum_into(ctx, 2, bias.dtype, rows, nexts)
+        if need_x:
+            grad_x = grad_out.matmul(weight if weight.dtype == compute else weight.to(compute))
+            if grad_x.dtype != x.dtype:
+                grad_x = grad_x.to(x.dtype)
+        if not (need_w or need_b):
+            return grad_x, None, None
+        rows = grad_out if grad_out.dim() == 2 else _rows(grad_out)
+        nexts = ctx.next_functions
+        if need_w:
+            mode, slot, param = _node_target(nexts[1][0])
+            if mode != "skip":
+                dtype = weight.dtype
+                rows_t = rows.t()
+                xs = x if x.dim() == 2 else _rows(x)
+                if xs.dtype != compute:
+                    xs = xs.to(compute)
+                if mode == "fresh":
+                    grad_w = _as(rows_t.mm(xs), dtype)
+                elif mode == "out":
+                    # Computed in the autocast dtype and cast on write, as autocast's cast would.
+                    torch.mm(rows_t, xs, out=slot) if compute == dtype else slot.copy_(rows_t.mm(xs))  # type: ignore[union-attr]
+                    param.grad = slot  # type: ignore[union-attr]
+                else:
+                    slot.addmm_(rows_t, xs) if compute == dtype else slot.add_(rows_t.mm(xs))  # type: ignore[union-attr]
+        if need_b and ctx.bias_dtype is not None:
+            mode, slot, param = _node_target(nexts[2][0])
+            if mode != "skip":
+                dtype = ctx.bias_dtype
+                if mode == "fresh":
+                    grad_b = _as(rows.sum(0), dtype)
+                elif mode == "out":
+                    torch.sum(rows, 0, out=slot) if compute == dtype else slot.copy_(rows.sum(0))  # type: ignore[union-attr]
+                    param.grad = slot  # type: ignore[union-attr]
+                else:
+                    slot.add_(rows.sum(0))  # type: ignore[union-attr]
         return grad_x, grad_w, grad_b
 
 
