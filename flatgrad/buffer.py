@@ -41,6 +41,7 @@ class GradStore:
                     "FlatGrad; a parameter's gradient can live in one flat buffer only"
                 )
         self.stale = False  # set when a parameter no longer fits its slot
+        self.version = 0  # bumped when slots move (`adopt`): spans cut before are stale
         self.buffers: dict[GroupKey, torch.Tensor] = {}
         self._entries: dict[torch.Tensor, _Entry] = {}
         self._views: dict[int, torch.Tensor] = {}  # by id: the backward's lookup, no Tensor hash
@@ -83,6 +84,29 @@ class GradStore:
             for start, end in runs
             if end > start
         ]
+
+    def spans(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """1-D views of the buffers that cover the slots of `params` and no other slot, as
+        few as the layout allows: slots adjacent in a buffer (alignment padding between
+        them included, which is zero anyway) share one view. Zeroing these is one fill
+        per view instead of one per parameter. Valid while `version` stays the same."""
+        wanted = {id(param) for param in params}
+        spans: list[tuple[GroupKey, int, int]] = []
+        entries = sorted(self._entries.items(), key=lambda item: (str(item[1].key), item[1].slot.offset))
+        open_span = False  # whether the previous slot of the same buffer extended spans[-1]
+        for index, (param, entry) in enumerate(entries):
+            same_buffer = index > 0 and entries[index - 1][1].key == entry.key
+            if id(param) not in wanted:
+                open_span = False
+                continue
+            end = entry.slot.offset + entry.slot.numel
+            if open_span and same_buffer:
+                key, start, _ = spans[-1]
+                spans[-1] = (key, start, end)
+            else:
+                spans.append((entry.key, entry.slot.offset, end))
+            open_span = True
+        return [self.buffers[key].narrow(0, start, end - start) for key, start, end in spans if end > start]
 
     @staticmethod
     def owner_of(param: torch.Tensor) -> GradStore | None:
@@ -162,21 +186,26 @@ class GradStore:
             if param.grad is not None:
                 param.grad = self._entries[param].view  # same memory, now our view object
         self._cut_runs()
+        self.version += 1
         return True
 
-    def seat(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    def seat(
+        self, params: Sequence[torch.Tensor], spans: Sequence[torch.Tensor] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """Before a backward: point every one of `params` whose `.grad` is None at its slot,
         zeroed, so that AccumulateGrad adds the incoming gradient into it in place (in C++:
-        no hook, no copy). Returns (param, slot, slot version) for `unseat`.
+        no hook, no copy). Returns (param, slot, slot version) for `unseat`. `spans`
+        (``self.spans(params)``) zeroes the slots in a few fills when every `.grad` was None.
 
         A parameter whose shape, dtype or device no longer matches its slot (``param.data``
         replaced, a conversion behind the wrapper's back) is left alone and marks the store
         stale, so the wrapper lays the buffers out again before the next forward.
         """
         seated = []
+        views = self._views
         for param in params:
             if param.grad is None:
-                view = self._entries[param].view
+                view = views[id(param)]
                 try:
                     param.grad = view
                 except RuntimeError:
@@ -185,8 +214,12 @@ class GradStore:
                 seated.append((param, view))
         if not seated:
             return []
-        views = [view for _, view in seated]
-        torch._foreach_zero_(views)
+        if spans is not None and len(seated) == len(params):
+            torch._foreach_zero_(list(spans))  # every slot is seated: zero them whole
+        else:
+            torch._foreach_zero_([view for _, view in seated])
+        # Slots have version counters of their own (see `_set_slot`), which a fill through a
+        # span does not bump: `unseat` compares against the versions read here.
         return [(param, view, view._version) for param, view in seated]
 
     def check(self, params: Sequence[torch.Tensor]) -> None:

@@ -24,6 +24,7 @@ Nothing here imports torch.distributed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -349,6 +350,15 @@ def _check_gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> None:
             raise IndexError(f"index values must lie in [0, {size}) along dimension {gathered}, got {bad}")
 
 
+def _direct_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``cls.apply`` without `Function.apply`'s Python layer (a third of a small layer's
+    forward cost), for the routed layers' forwards, which have checked that no torch.func
+    transform is active: that layer only reroutes those and unwraps dead functorch
+    wrappers, which the callers do for the input with `unwrap_if_dead`."""
+    descriptor: Any = torch._C._FunctionBase.__dict__.get("apply")
+    return descriptor.__get__(None, cls) if hasattr(descriptor, "__get__") else cls.apply
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` whose weight and bias gradients go straight into their flat-buffer slots."""
     return _Linear.apply(x, weight, bias)
@@ -367,3 +377,9 @@ def embedding(
         with torch.no_grad():  # what F.embedding does: renormalise the looked-up rows in place
             torch.embedding_renorm_(weight, indices.reshape(-1), max_norm, norm_type)
     return _GatherRows.apply(weight, indices, padding_idx, scale_grad_by_freq)
+
+
+_apply_linear = _direct_apply(_Linear)
+unwrap_if_dead: Callable[[torch.Tensor], torch.Tensor] = getattr(
+    torch._C._functorch, "unwrap_if_dead", lambda tensor: tensor
+)

@@ -387,6 +387,8 @@ class _Seater:
         # Python hook costs nothing next to it: a pre-hook on AccumulateGrad copies in.
         self._placed = tuple(p for p in unrouted if p.numel() >= _SEAT_MAX_NUMEL)
         self._routed = tuple(p for p in params if id(p) in routed)  # their Functions write the slot
+        self._spans = store.spans(self.params)
+        self._spans_version = store.version
         self._wrapper = weakref.ref(wrapper)
         self._task = -1
         self._retired = False
@@ -420,7 +422,9 @@ class _Seater:
         if task == self._task:
             return  # another output of the same backward
         self._task = task
-        seated = self.store.seat(self.params)
+        if self._spans_version != self.store.version:  # DDP's bucket adopted as the buffer
+            self._spans, self._spans_version = self.store.spans(self.params), self.store.version
+        seated = self.store.seat(self.params, self._spans)
         self.store.check(self._routed + self._placed)
         wrapper = self._wrapper()
         if self.store.stale and wrapper is not None:
@@ -429,22 +433,23 @@ class _Seater:
             GradStore.unseat(seated)
             seater = wrapper._rebuilt_seater()
             seater._task = task
-            seated = seater.store.seat(seater.params)
+            seated = seater.store.seat(seater.params, seater._spans)
         _execution_engine.queue_callback(functools.partial(self._after_backward, seated))
 
     def _after_backward(self, seated: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         GradStore.unseat(seated)
         # A routed weight whose gradient came through plain autograd (its layer ran inside a
         # torch.compile'd region, or outside the Functions) is seated from now on.
-        view = self.store.view
-        bypassed = [p for p in self._routed if p.grad is not None and p.grad is not view(p)]
+        views = self.store._views
+        bypassed = [p for p in self._routed if p.grad is not None and p.grad is not views[id(p)]]
         if bypassed and not self._retired:
             self.params += tuple(p for p in bypassed if p.numel() < _SEAT_MAX_NUMEL)
+            self._spans, self._spans_version = self.store.spans(self.params), self.store.version
             for param in bypassed:
                 if param.numel() >= _SEAT_MAX_NUMEL:
                     self._placed += (param,)
                     self._hook(param)
-            self._routed = tuple(p for p in self._routed if p.grad is None or p.grad is view(p))
+            self._routed = tuple(p for p in self._routed if p.grad is None or p.grad is views[id(p)])
 
 
 def _place_incoming(
@@ -534,7 +539,7 @@ def _plain_torch() -> bool:
 def _linear_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     weight = module.weight
     if torch.is_grad_enabled() and not weight.is_complex() and not _plain_torch():
-        return functional.linear(input, weight, module.bias)
+        return functional._apply_linear(functional.unwrap_if_dead(input), weight, module.bias)
     return F.linear(input, weight, module.bias)
 
 

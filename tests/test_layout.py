@@ -295,3 +295,28 @@ def test_store_settle() -> None:
         assert param.grad is None
         assert torch.count_nonzero(store.flat_view(param)) == 0
     store.release()
+
+
+@pytest.mark.parametrize("align_bytes", [4, 64, 256])
+def test_store_spans_cover_exactly_the_chosen_slots(align_bytes: int) -> None:
+    """Spans zero the chosen parameters' slots (and padding) but never another slot; slots
+    next to each other in a buffer share one span, across dtypes too."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = [3, 5, 64, 1, 17, 8, 2, 33, 4]
+    params = [
+        nn.Parameter(torch.randn(n, generator=gen, dtype=torch.float64 if i % 4 == 3 else torch.float32))
+        for i, n in enumerate(sizes)
+    ]
+    store = GradStore(params, align_bytes)
+    chosen = [p for i, p in enumerate(params) if i not in (2, 6)]
+    for buffer in store.buffers.values():
+        buffer.fill_(7)
+    torch._foreach_zero_(store.spans(chosen))
+    for param in params:
+        expected = 0.0 if any(param is c for c in chosen) else 7.0
+        assert bool((store.view(param) == expected).all()), (tuple(param.shape), expected)
+    # Unchosen slots 2 and 6 (both float32) split the float32 slots into at most three spans;
+    # the float64 ones are adjacent and make one.
+    assert len(store.spans(chosen)) <= 4
+    assert len(store.spans(params)) == len(store.buffers)
+    assert store.spans([]) == []
