@@ -2,20 +2,24 @@
 
 Buckets are `narrow` views of the flat buffer, cut at slot boundaries in the buffer's order
 (the reverse of registration, roughly the order backward produces gradients), about
-`bucket_mb` each and a small first one. A post hook on every parameter's AccumulateGrad node
-(it fires also for the routed layers, whose Functions hand AccumulateGrad None) counts the
-parameter ready; when every parameter of a bucket is ready and every earlier bucket has been
-launched, the bucket's collective starts asynchronously, while backward goes on. Buckets
-therefore launch in the same order on every rank. An autograd final callback launches what
-is left (parameters unused in this step: their slots are zeroed when `.grad` is None), waits
-for everything, and settles `.grad` as stock DDP with ``find_unused_parameters=True`` does,
-so `loss.backward()` returns with averaged gradients.
+`bucket_mb` each and a small first one. A post hook on the AccumulateGrad node of every
+parameter but those of the last bucket (it fires also for the routed layers, whose Functions
+hand AccumulateGrad None) counts the parameter ready; when every parameter of a bucket is
+ready and every earlier bucket has been launched, the bucket's collective starts
+asynchronously, while backward goes on. Buckets therefore launch in the same order on every
+rank. An autograd final callback launches what is left (the last bucket, whose gradients are
+the backward's last anyway: no Python hook per parameter for it, and none at all for a model
+that fits one bucket; parameters unused in this step, whose slots are zeroed when `.grad`
+is None), waits for everything, and settles `.grad` as stock DDP with
+``find_unused_parameters=True`` does, so `loss.backward()` returns with averaged gradients.
 
 A pre hook on the nodes that made the forward's output opens each backward (queues that
 callback) before any gradient is final; a nested backward inside it (reentrant activation
 checkpointing) counts toward the same step. Whether it averages is decided by the forward,
-inside or outside `no_sync()`, as DDP decides. `torch.autograd.grad` (which accumulates
-nothing) is left alone; a create_graph backward that should average is refused.
+inside or outside `no_sync()`, as DDP decides. As under DDP, a backward whose graph does not
+go through dp's output (``dp.module(x)`` called directly) is not averaged.
+`torch.autograd.grad` (which accumulates nothing) is left alone; a create_graph backward
+that should average is refused.
 
 On CUDA with NCCL the collectives run on the process group's own communication stream,
 which waits (through an event) for the stream that produced the gradients when the
@@ -101,12 +105,12 @@ class DataParallel(nn.Module):
         self._hooks: list[Any] = []
         self._nodes: list[Any] = []
         # Of the last synced backward (perf_counter seconds): when each bucket was launched,
-        # relative to the first gradient, and how long the final callback waited for
+        # relative to the backward's start, and how long the final callback waited for
         # communication after the backward's compute had ended (exposed communication).
         self.launch_offsets_s: list[float] = []
         self.exposed_s = 0.0
-        self.backward_s = 0.0  # first gradient to the end of the backward's compute
-        self._first_ready = 0.0
+        self.backward_s = 0.0  # the backward's start to the end of its compute
+        self._started = 0.0
         _broadcast_from_rank0(flat, process_group)
         self._rebuild()
 
@@ -147,7 +151,8 @@ class DataParallel(nn.Module):
     # --- buckets ------------------------------------------------------------------------
 
     def _rebuild(self) -> None:
-        """Cut the buckets of the current store and hook every parameter's AccumulateGrad."""
+        """Cut the buckets of the current store and hook the AccumulateGrad nodes of the
+        parameters of every bucket but the last (which the final callback launches)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks, self._nodes = [], []
@@ -155,10 +160,12 @@ class DataParallel(nn.Module):
         self._store = store
         self._buckets = _cut_buckets(store, self.bucket_mb)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        hooked = {id(p) for bucket in self._buckets[:-1] for p in bucket.params}
         with torch.enable_grad():
             for param in store.params:
                 node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-                self._hooks.append(node.register_hook(functools.partial(self._on_ready, param)))
+                if id(param) in hooked:
+                    self._hooks.append(node.register_hook(functools.partial(self._on_ready, param)))
                 self._nodes.append(node)  # a parameter holds its AccumulateGrad node only weakly
         self._reset()
 
@@ -208,19 +215,16 @@ class DataParallel(nn.Module):
         self._task_sync = sync
         if sync:
             self._reset()
+            self._started = time.perf_counter()
         Variable_engine().queue_callback(self._finish)
         return True
 
     def _on_ready(self, param: nn.Parameter, grad_inputs: Any, grad_outputs: Any) -> None:
-        # A backward that did not pass through dp's output (flat(x) called directly, a graph
-        # made elsewhere) opens here, with the no_sync state of now. A nested backward
-        # (reentrant activation checkpointing) belongs to the open one: same bookkeeping.
-        if self._task == -1 and not self._begin(self._sync):
+        # A backward that did not pass through dp's output (dp.module(x) called directly) is
+        # not averaged, as under DDP. A nested backward (reentrant activation checkpointing)
+        # belongs to the open one: same bookkeeping.
+        if self._task == -1 or not self._task_sync:
             return
-        if not self._task_sync:
-            return
-        if not self._ready:
-            self._first_ready = time.perf_counter()
         if id(param) in self._ready:
             raise RuntimeError(
                 "a parameter's gradient became final twice in one backward (a reentrant "
@@ -230,7 +234,8 @@ class DataParallel(nn.Module):
         self._ready.add(id(param))
         bucket = self._bucket_of[id(param)]
         bucket.pending -= 1
-        self._launch_ready()
+        if not bucket.pending:
+            self._launch_ready()
 
     def _launch_ready(self, flush: bool = False) -> None:
         """Launch buckets in order while the next one is complete (or, on flush, all)."""
@@ -243,7 +248,7 @@ class DataParallel(nn.Module):
                     if id(param) not in self._ready and param.grad is None:
                         self._store.flat_view(param).zero_()  # type: ignore[union-attr]
             self._launch(bucket)
-            self.launch_offsets_s.append(time.perf_counter() - self._first_ready)
+            self.launch_offsets_s.append(time.perf_counter() - self._started)
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -275,7 +280,7 @@ class DataParallel(nn.Module):
         store = self._store
         assert store is not None, "DataParallel is not built"
         compute_done = time.perf_counter()
-        self.backward_s = compute_done - self._first_ready
+        self.backward_s = compute_done - self._started
         used = torch.tensor(
             [int(id(p) in self._ready or p.grad is not None) for p in store.params], dtype=torch.uint8
         )

@@ -99,6 +99,12 @@ def _equal_to_ddp_worker(rank: int, world_size: int, bucket_mb: float) -> None:
         ref_opt.step()
     _assert_close(flat.module, ref.module, "final")
     assert dp.state_dict().keys() == model.state_dict().keys()
+    # As under DDP, a backward whose graph bypasses the wrapper's output is not averaged.
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    flat(_tokens(rank, 9), True, False).backward()
+    ref.module(_tokens(rank, 9), True, False).backward()
+    _assert_close(flat.module, ref.module, "bypassed")
 
 
 class _nothing:

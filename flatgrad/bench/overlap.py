@@ -1,7 +1,7 @@
 """What overlapping bucket communication with backward would expose on a given link.
 
 A model, not a measurement: one link serves one collective at a time; bucket i can start
-when its gradients are final (its measured launch time, relative to the first gradient of
+when its gradients are final (its measured launch time, relative to the start of
 the backward) and when bucket i-1 is done; a ring all-reduce of n bytes over world size w
 moves ``2 (w - 1) / w * n`` bytes per rank, plus a fixed latency per collective. The exposed
 communication is what remains after the backward's compute ends. The alternative, one
