@@ -28,11 +28,12 @@ class FlatGradConfig(BaseModel):
     Parameters of other layers still get their `.grad` in the buffer, through one
     in-place add (or one copy on the first backward after `.grad` was set to None)."""
 
-    linear_min_numel: StrictInt = Field(default=1 << 17, ge=0)
-    """`nn.Linear` layers whose weight has fewer elements keep torch's own backward. A
-    custom backward costs tens of microseconds of Python per layer, more than the
-    weight-sized copy it saves on a small layer (measured on CPU: routing wins from about
-    384x384 up). Their gradients still land in the buffer. 0 routes every Linear."""
+    linear_min_numel: StrictInt = Field(default=3 << 15, ge=0)
+    """`nn.Linear` layers whose weight has fewer elements (98304, about 313x313) keep
+    torch's own backward. A custom backward costs tens of microseconds of Python per layer,
+    more than the zero fill and in-place add it saves on a small layer (measured on CPU:
+    routing wins from between 256x256 and 320x320 up). Their gradients still land in the
+    buffer. 0 routes every Linear."""
 
     @field_validator("align_bytes")
     @classmethod
