@@ -281,11 +281,11 @@ class DataParallel(nn.Module):
         assert store is not None, "DataParallel is not built"
         compute_done = time.perf_counter()
         self.backward_s = compute_done - self._started
+        self._launch_ready(flush=True)  # first: the flags below are made while it runs
         used = torch.tensor(
             [int(id(p) in self._ready or p.grad is not None) for p in store.params], dtype=torch.uint8
         )
         used = used.to(next(iter(store.buffers.values())).device)
-        self._launch_ready(flush=True)
         used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
         for bucket in self._buckets:
             bucket.work.wait()
