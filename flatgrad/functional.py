@@ -330,6 +330,8 @@ def _check_gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> None:
         )
     if index.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"index must be an int32 or int64 tensor, got {index.dtype}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
     ndim = max(input.dim(), 1)
     if not -ndim <= dim < ndim:
         raise IndexError(f"dim must lie in [{-ndim}, {ndim - 1}] for a {input.dim()}-d input, got {dim}")

@@ -348,6 +348,16 @@ def test_deterministic_mode_on_cuda_is_run_to_run_identical():
             r"index must have as many dimensions as input \(2\)",
         ),
         (lambda t: flatgrad.gather([1.0], 0, torch.zeros(1, dtype=torch.long)), TypeError, "must be tensors"),
+        (
+            lambda t: flatgrad.gather(t, True, torch.zeros(2, 2, dtype=torch.long)),
+            TypeError,
+            "dim must be an int, got bool",
+        ),
+        (
+            lambda t: flatgrad.gather(t, 1.0, torch.zeros(2, 2, dtype=torch.long)),
+            TypeError,
+            "dim must be an int, got float",
+        ),
     ],
 )
 def test_bad_input_is_refused_clearly(make, error, match):
