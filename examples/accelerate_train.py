@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator, DistributedDataParallelKwargs
-from recipe_probe import StepProbe, TinyLM, batch, summarise
+from recipe_probe import StepProbe, TinyLM, batch, run_and_summarise
 
 import flatgrad
 
@@ -67,15 +65,9 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true", help="flatgrad's run, then the stock run")
     parser.add_argument("--report", type=Path, help="rank 0 writes a JSON report here (probes every step)")
     args = parser.parse_args()
-    runs = ("flatgrad", "stock") if args.compare else ("stock",) if args.stock else ("flatgrad",)
-    try:
-        reports = {run: train(args.steps, run == "stock", args.report is not None) for run in runs}
-        if dist.get_rank() == 0:
-            summarise(reports, args.report)
-    finally:
-        gc.collect()  # free DDP while the process group exists (gloo can abort otherwise)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_and_summarise(
+        args.stock, args.compare, lambda stock: train(args.steps, stock, args.report is not None), args.report
+    )
 
 
 if __name__ == "__main__":

@@ -23,15 +23,13 @@ tests/test_frameworks.py checks them).
 from __future__ import annotations
 
 import argparse
-import gc
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
-from recipe_probe import StepProbe, TinyLM, batch, summarise
+from recipe_probe import StepProbe, TinyLM, batch, run_and_summarise
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -121,18 +119,12 @@ def main() -> None:
     )
     parser.add_argument("--report", type=Path, help="rank 0 writes a JSON report here (probes every step)")
     args = parser.parse_args()
-    runs = ("flatgrad", "stock") if args.compare else ("stock",) if args.stock else ("flatgrad",)
-    try:
-        reports = {
-            run: train(args.steps, run == "stock", args.report is not None, args.hook_via_lightning)
-            for run in runs
-        }
-        if dist.get_rank() == 0:
-            summarise(reports, args.report)
-    finally:
-        gc.collect()  # free DDP while the process group exists (gloo can abort otherwise)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_and_summarise(
+        args.stock,
+        args.compare,
+        lambda stock: train(args.steps, stock, args.report is not None, args.hook_via_lightning),
+        args.report,
+    )
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@ checks. Not a recipe itself: the recipes run the same without the probe.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import flatgrad
@@ -109,3 +111,19 @@ def summarise(reports: dict[str, dict[str, Any]], path: Path | None) -> None:
         print(f"largest parameter difference: {max((p - q).abs().max().item() for p, q in zip(a, b)):.3g}")
     if path is not None:
         path.write_text(json.dumps(reports))
+
+
+def run_and_summarise(
+    stock: bool, compare: bool, train: Callable[[bool], dict[str, Any]], path: Path | None
+) -> None:
+    """Run the flatgrad recipe, the stock one or both (`train(stock)` returns a run's
+    report); rank 0 summarises; the process group is destroyed at the end."""
+    runs = ("flatgrad", "stock") if compare else ("stock",) if stock else ("flatgrad",)
+    try:
+        reports = {run: train(run == "stock") for run in runs}
+        if dist.get_rank() == 0:
+            summarise(reports, path)
+    finally:
+        gc.collect()  # free DDP while the process group exists (gloo can abort otherwise)
+        if dist.is_initialized():
+            dist.destroy_process_group()

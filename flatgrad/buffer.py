@@ -41,7 +41,8 @@ class GradStore:
                     "FlatGrad; a parameter's gradient can live in one flat buffer only"
                 )
         self.stale = False  # set when a parameter no longer fits its slot
-        self.version = 0  # bumped when slots move (`adopt`): spans cut before are stale
+        # `spans` of the last parameter tuple `seat` zeroed whole; dropped when slots move.
+        self._seat_spans: tuple[Sequence[torch.Tensor], list[torch.Tensor]] | None = None
         self.buffers: dict[GroupKey, torch.Tensor] = {}
         self._entries: dict[torch.Tensor, _Entry] = {}
         self._views: dict[int, torch.Tensor] = {}  # by id: the backward's lookup, no Tensor hash
@@ -89,7 +90,7 @@ class GradStore:
         """1-D views of the buffers that cover the slots of `params` and no other slot, as
         few as the layout allows: slots adjacent in a buffer (alignment padding between
         them included, which is zero anyway) share one view. Zeroing these is one fill
-        per view instead of one per parameter. Valid while `version` stays the same."""
+        per view instead of one per parameter."""
         wanted = {id(param) for param in params}
         spans: list[tuple[GroupKey, int, int]] = []
         entries = sorted(self._entries.items(), key=lambda item: (str(item[1].key), item[1].slot.offset))
@@ -186,16 +187,15 @@ class GradStore:
             if param.grad is not None:
                 param.grad = self._entries[param].view  # same memory, now our view object
         self._cut_runs()
-        self.version += 1
+        self._seat_spans = None
         return True
 
-    def seat(
-        self, params: Sequence[torch.Tensor], spans: Sequence[torch.Tensor] | None = None
-    ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    def seat(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """Before a backward: point every one of `params` whose `.grad` is None at its slot,
         zeroed, so that AccumulateGrad adds the incoming gradient into it in place (in C++:
-        no hook, no copy). Returns (param, slot, slot version) for `unseat`. `spans`
-        (``self.spans(params)``) zeroes the slots in a few fills when every `.grad` was None.
+        no hook, no copy). Returns (param, slot, slot version) for `unseat`. When every
+        `.grad` was None the slots are zeroed in a few fills (`spans`, cut once per `params`
+        tuple and kept while the slots stay where they are).
 
         A parameter whose shape, dtype or device no longer matches its slot (``param.data``
         replaced, a conversion behind the wrapper's back) is left alone and marks the store
@@ -214,8 +214,11 @@ class GradStore:
                 seated.append((param, view))
         if not seated:
             return []
-        if spans is not None and len(seated) == len(params):
-            torch._foreach_zero_(list(spans))  # every slot is seated: zero them whole
+        if len(seated) == len(params):
+            cached = self._seat_spans
+            if cached is None or cached[0] is not params:
+                cached = self._seat_spans = (params, self.spans(params))
+            torch._foreach_zero_(cached[1])
         else:
             torch._foreach_zero_([view for _, view in seated])
         # Slots have version counters of their own (see `_set_slot`), which a fill through a

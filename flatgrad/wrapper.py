@@ -387,8 +387,6 @@ class _Seater:
         # Python hook costs nothing next to it: a pre-hook on AccumulateGrad copies in.
         self._placed = tuple(p for p in unrouted if p.numel() >= _SEAT_MAX_NUMEL)
         self._routed = tuple(p for p in params if id(p) in routed)  # their Functions write the slot
-        self._spans = store.spans(self.params)
-        self._spans_version = store.version
         self._wrapper = weakref.ref(wrapper)
         self._task = -1
         self._retired = False
@@ -422,9 +420,7 @@ class _Seater:
         if task == self._task:
             return  # another output of the same backward
         self._task = task
-        if self._spans_version != self.store.version:  # DDP's bucket adopted as the buffer
-            self._spans, self._spans_version = self.store.spans(self.params), self.store.version
-        seated = self.store.seat(self.params, self._spans)
+        seated = self.store.seat(self.params)
         self.store.check(self._routed + self._placed)
         wrapper = self._wrapper()
         if self.store.stale and wrapper is not None:
@@ -433,7 +429,7 @@ class _Seater:
             GradStore.unseat(seated)
             seater = wrapper._rebuilt_seater()
             seater._task = task
-            seated = seater.store.seat(seater.params, seater._spans)
+            seated = seater.store.seat(seater.params)
         _execution_engine.queue_callback(functools.partial(self._after_backward, seated))
 
     def _after_backward(self, seated: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
@@ -444,7 +440,6 @@ class _Seater:
         bypassed = [p for p in self._routed if p.grad is not None and p.grad is not views[id(p)]]
         if bypassed and not self._retired:
             self.params += tuple(p for p in bypassed if p.numel() < _SEAT_MAX_NUMEL)
-            self._spans, self._spans_version = self.store.spans(self.params), self.store.version
             for param in bypassed:
                 if param.numel() >= _SEAT_MAX_NUMEL:
                     self._placed += (param,)

@@ -211,10 +211,77 @@ def test_directory_is_not_called_missing(tmp_path: Path) -> None:
         FlatGradConfig.from_file(tmp_path)
 
 
-def test_duplicate_yaml_key_is_an_error(tmp_path: Path) -> None:
-    path = tmp_path / "dup.yaml"
-    path.write_text("align_bytes: 64\nalign_bytes: 128\n")
-    with pytest.raises(ValueError, match=r"(?s)dup.yaml' is not valid YAML.*duplicate key 'align_bytes'"):
+# A file FlatGradConfig.from_file refuses: (file name, contents, error, pattern of the message).
+BAD_FILES = [
+    (
+        "dup.yaml",
+        "align_bytes: 64\nalign_bytes: 128\n",
+        ValueError,
+        r"(?s)dup.yaml' is not valid YAML.*duplicate key 'align_bytes'",
+    ),
+    (
+        "nested.yaml",
+        "outer:\n  key: 1\n  key: 2\n",
+        ValueError,
+        r'(?s)duplicate key \'key\'\n  in ".*nested.yaml", line 3',
+    ),
+    (
+        "dup.json",
+        '{"align_bytes": 64, "align_bytes": 128}',
+        ValueError,
+        r"dup.json' is not valid JSON: duplicate key 'align_bytes'",
+    ),
+    (
+        "bool.yaml",
+        "linear_min_numel: true\n",
+        ValidationError,
+        r"(?s)linear_min_numel.*Input should be a valid integer",
+    ),
+    (
+        "typed.yaml",
+        "align_bytes: true\n",
+        ValidationError,
+        r"(?s)align_bytes.*Input should be a valid integer",
+    ),
+    (
+        "typed.yaml",
+        'align_bytes: "64"\n',
+        ValidationError,
+        r"(?s)align_bytes.*Input should be a valid integer",
+    ),
+    (
+        "typed.yaml",
+        "align_bytes: 64.0\n",
+        ValidationError,
+        r"(?s)align_bytes.*Input should be a valid integer",
+    ),
+    (
+        "typed.json",
+        '{"align_bytes": true}',
+        ValidationError,
+        r"(?s)align_bytes.*Input should be a valid integer",
+    ),
+    (
+        "listkey.yaml",
+        "? [1, 2]\n: 3\n",
+        ValueError,
+        r"(?s)listkey.yaml' is not valid YAML.*found unhashable key",
+    ),
+    ("null.json", "null", ValueError, r"null.json' must hold a mapping, got null"),
+    ("binary.yaml", b"\xff\xfe\x00", ValueError, r"binary.yaml' is not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize(("name", "contents", "error", "match"), BAD_FILES)
+def test_bad_file_is_refused_naming_file_and_constraint(
+    tmp_path: Path, name: str, contents: str | bytes, error: type[Exception], match: str
+) -> None:
+    path = tmp_path / name
+    if isinstance(contents, bytes):
+        path.write_bytes(contents)
+    else:
+        path.write_text(contents)
+    with pytest.raises(error, match=match):
         FlatGradConfig.from_file(path)
 
 
@@ -222,42 +289,6 @@ def test_duplicate_yaml_key_is_an_error(tmp_path: Path) -> None:
 def test_align_bytes_must_be_a_real_int(value: object) -> None:
     with pytest.raises(ValidationError, match=r"(?s)align_bytes.*Input should be a valid integer"):
         FlatGradConfig(align_bytes=value)  # type: ignore[arg-type]
-
-
-def test_yaml_bool_for_an_int_field_is_rejected(tmp_path: Path) -> None:
-    path = tmp_path / "bool.yaml"
-    path.write_text("linear_min_numel: true\n")
-    with pytest.raises(ValidationError, match=r"(?s)linear_min_numel.*Input should be a valid integer"):
-        FlatGradConfig.from_file(path)
-
-
-@pytest.mark.parametrize("text", ["align_bytes: true\n", 'align_bytes: "64"\n', "align_bytes: 64.0\n"])
-def test_yaml_align_bytes_of_another_type_is_rejected(tmp_path: Path, text: str) -> None:
-    path = tmp_path / "typed.yaml"
-    path.write_text(text)
-    with pytest.raises(ValidationError, match=r"(?s)align_bytes.*Input should be a valid integer"):
-        FlatGradConfig.from_file(path)
-
-
-def test_json_align_bytes_bool_is_rejected(tmp_path: Path) -> None:
-    path = tmp_path / "typed.json"
-    path.write_text('{"align_bytes": true}')
-    with pytest.raises(ValidationError, match=r"(?s)align_bytes.*Input should be a valid integer"):
-        FlatGradConfig.from_file(path)
-
-
-def test_duplicate_key_in_a_nested_yaml_mapping_names_key_file_and_line(tmp_path: Path) -> None:
-    path = tmp_path / "nested.yaml"
-    path.write_text("outer:\n  key: 1\n  key: 2\n")
-    with pytest.raises(ValueError, match=r'(?s)duplicate key \'key\'\n  in ".*nested.yaml", line 3'):
-        FlatGradConfig.from_file(path)
-
-
-def test_duplicate_json_key_is_an_error(tmp_path: Path) -> None:
-    path = tmp_path / "dup.json"
-    path.write_text('{"align_bytes": 64, "align_bytes": 128}')
-    with pytest.raises(ValueError, match=r"dup.json' is not valid JSON: duplicate key 'align_bytes'"):
-        FlatGradConfig.from_file(path)
 
 
 def test_yaml_merge_keys_still_work(tmp_path: Path) -> None:
@@ -268,27 +299,6 @@ def test_yaml_merge_keys_still_work(tmp_path: Path) -> None:
     )
     config = FlatGradConfig.model_validate(load_mapping(path)["config"])
     assert config == FlatGradConfig(align_bytes=512, layers=("linear",))
-
-
-def test_unhashable_yaml_key_names_the_file(tmp_path: Path) -> None:
-    path = tmp_path / "listkey.yaml"
-    path.write_text("? [1, 2]\n: 3\n")
-    with pytest.raises(ValueError, match=r"(?s)listkey.yaml' is not valid YAML.*found unhashable key"):
-        FlatGradConfig.from_file(path)
-
-
-def test_json_null_is_not_a_mapping(tmp_path: Path) -> None:
-    path = tmp_path / "null.json"
-    path.write_text("null")
-    with pytest.raises(ValueError, match=r"null.json' must hold a mapping, got null"):
-        FlatGradConfig.from_file(path)
-
-
-def test_binary_file_names_the_file(tmp_path: Path) -> None:
-    path = tmp_path / "binary.yaml"
-    path.write_bytes(b"\xff\xfe\x00")
-    with pytest.raises(ValueError, match=r"binary.yaml' is not UTF-8 text"):
-        FlatGradConfig.from_file(path)
 
 
 def test_directory_via_flatgrad_is_not_called_missing(tmp_path: Path) -> None:
