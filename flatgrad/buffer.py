@@ -253,6 +253,21 @@ class GradStore:
                 self.place(param, grad)
 
 
+def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply `tensors` in place by the 0-d `coef` (a clipping coefficient), one foreach
+    per device. A CPU `coef` of exactly 1 (clipping that does not clip: the norm is under
+    `max_norm`) skips the pass: ``x * 1.0`` is ``x`` in every floating dtype, so the result
+    is bitwise what stock's unconditional multiply gives, minus a read and write of every
+    gradient. On accelerators the multiply always runs: reading `coef` would sync."""
+    if coef.device.type == "cpu" and bool(coef == 1.0):
+        return
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device, []).append(tensor)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, coef.to(device))
+
+
 def _forget(store: weakref.ref[GradStore], ids: list[int]) -> None:
     for param_id in ids:
         if GradStore._owners.get(param_id) == store:

@@ -22,7 +22,7 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_leaves
 
 from flatgrad import comm, functional
-from flatgrad.buffer import GradStore
+from flatgrad.buffer import GradStore, scale_
 from flatgrad.config import FlatGradConfig, resolve_config
 from flatgrad.layout import GroupKey
 
@@ -321,7 +321,8 @@ class FlatGrad(nn.Module):
     ) -> torch.Tensor:
         """Same result as `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`: scales
         every gradient in place by ``min(1, max_norm / (total_norm + 1e-6))``. Only gradient
-        elements are scaled, never the alignment padding, which stays zero."""
+        elements are scaled, never the alignment padding, which stays zero; on the CPU a
+        factor of exactly 1 skips the pass (see `flatgrad.buffer.scale_`)."""
         norm_type = _check_norm_type(norm_type)
         store, others, norms = self._grads_and_norms(norm_type)
         total = _total_norm(norms, norm_type)
@@ -332,12 +333,7 @@ class FlatGrad(nn.Module):
                 f"the total norm of order {norm_type} of the gradients is non-finite, so it "
                 "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
             )
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for tensor in store.runs + others:
-            by_device.setdefault(tensor.device, []).append(tensor)
-        for device, tensors in by_device.items():
-            torch._foreach_mul_(tensors, coef.to(device))
+        scale_(store.runs + others, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
         return total
 
     # --- synchronisation (the communication itself lives in flatgrad.comm) --------------

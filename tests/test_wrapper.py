@@ -10,6 +10,7 @@ import torch
 import torch.utils.checkpoint
 from conftest import ROUTE_ALL, TiedLM, assert_same_grads, grad_in_buffers
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flatgrad
 
@@ -251,6 +252,40 @@ def test_grad_norm_and_clip_match_torch(tied_pair, norm_type):
     ref_total = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 0.01, norm_type)
     torch.testing.assert_close(total, ref_total, rtol=1e-12, atol=0)
     assert_same_grads(flat, oracle)
+
+
+@pytest.mark.parametrize("max_norm", [1e6, 0.01])
+def test_clip_under_max_norm_skips_the_scale_on_cpu(tied_pair, max_norm):
+    # Oracle: stock clip_grad_norm_, which always multiplies, by exactly 1.0 when the norm is
+    # under max_norm: skipping that multiply must leave every gradient bitwise as it was.
+    flat, oracle = tied_pair
+    flat(_tokens(0)).backward()
+    oracle(_tokens(0)).backward()
+    before = {name: p.grad.clone() for name, p in flat.module.named_parameters()}
+    with _OpNames() as ops:
+        total = flat.clip_grad_norm_(max_norm)
+    ref_total = torch.nn.utils.clip_grad_norm_(oracle.parameters(), max_norm)
+    torch.testing.assert_close(total, ref_total, rtol=1e-12, atol=0)
+    assert_same_grads(flat, oracle)
+    scales = [op for op in ops.names if "mul_" in op]  # the in-place scale, not max_norm / total
+    if max_norm > total:
+        assert scales == [], ops.names
+        for name, p in flat.module.named_parameters():
+            assert torch.equal(p.grad, before[name]), name
+    else:
+        assert scales, ops.names
+
+
+class _OpNames(TorchDispatchMode):
+    """Records the name of every op dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
 
 
 def test_stale_slots_do_not_leak_into_norms(tied_pair):
