@@ -41,8 +41,11 @@ class GradStore:
                     "FlatGrad; a parameter's gradient can live in one flat buffer only"
                 )
         self.stale = False  # set when a parameter no longer fits its slot
-        # `spans` of the last parameter tuple `seat` zeroed whole; dropped when slots move.
-        self._seat_spans: tuple[Sequence[torch.Tensor], list[torch.Tensor]] | None = None
+        # The last parameter tuple `seat` was given, its (parameter, slot) pairs and `spans`;
+        # dropped when the slots move.
+        self._seat_cache: (
+            tuple[Sequence[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]] | None
+        ) = None
         self.buffers: dict[GroupKey, torch.Tensor] = {}
         self._entries: dict[torch.Tensor, _Entry] = {}
         self._views: dict[int, torch.Tensor] = {}  # by id: the backward's lookup, no Tensor hash
@@ -187,48 +190,52 @@ class GradStore:
             if param.grad is not None:
                 param.grad = self._entries[param].view  # same memory, now our view object
         self._cut_runs()
-        self._seat_spans = None
+        self._seat_cache = None
         return True
 
     def seat(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """Before a backward: point every one of `params` whose `.grad` is None at its slot,
         zeroed, so that AccumulateGrad adds the incoming gradient into it in place (in C++:
         no hook, no copy). Returns (param, slot, slot version) for `unseat`. When every
-        `.grad` was None the slots are zeroed in a few fills (`spans`, cut once per `params`
-        tuple and kept while the slots stay where they are).
+        `.grad` was None the slots are zeroed in a few fills (`spans`). The (parameter, slot)
+        pairs and the spans are cut once per `params` tuple and kept while the slots stay
+        where they are: this runs before every backward, once per parameter.
 
         A parameter whose shape, dtype or device no longer matches its slot (``param.data``
         replaced, a conversion behind the wrapper's back) is left alone and marks the store
         stale, so the wrapper lays the buffers out again before the next forward.
         """
-        seated = []
-        views = self._views
-        for param in params:
-            if param.grad is None:
-                view = views[id(param)]
-                try:
-                    param.grad = view
-                except RuntimeError:
-                    self.stale = True
-                    continue
-                seated.append((param, view))
+        cached = self._seat_cache
+        if cached is None or cached[0] is not params:
+            views = self._views
+            pairs = [(param, views[id(param)]) for param in params]
+            cached = self._seat_cache = (params, pairs, self.spans(params))
+        _, pairs, spans = cached
+        seated = [pair for pair in pairs if pair[0].grad is None]
         if not seated:
             return []
-        if len(seated) == len(params):
-            cached = self._seat_spans
-            if cached is None or cached[0] is not params:
-                cached = self._seat_spans = (params, self.spans(params))
-            torch._foreach_zero_(cached[1])
-        else:
-            torch._foreach_zero_([view for _, view in seated])
+        refused = False
+        for param, view in seated:
+            try:
+                param.grad = view
+            except RuntimeError:
+                refused = True
+        if refused:
+            self.stale = True
+            seated = [pair for pair in seated if pair[0].grad is pair[1]]
+            if not seated:
+                return []
         # Slots have version counters of their own (see `_set_slot`), which a fill through a
-        # span does not bump: `unseat` compares against the versions read here.
+        # span does not bump: `unseat` compares against the versions read after the fill.
+        torch._foreach_zero_(spans if len(seated) == len(pairs) else [view for _, view in seated])
         return [(param, view, view._version) for param, view in seated]
 
     def check(self, params: Sequence[torch.Tensor]) -> None:
-        """Mark the store stale if one of `params` no longer fits its slot."""
+        """Mark the store stale if one of `params` no longer fits its slot (before every
+        backward: by id, as `Tensor.__hash__` is Python)."""
+        views = self._views
         for param in params:
-            view = self._entries[param].view
+            view = views[id(param)]
             if view.shape != param.shape or view.dtype != param.dtype or view.device != param.device:
                 self.stale = True
                 return
@@ -245,11 +252,12 @@ class GradStore:
         """Make the buffers the truth: zero the slots of parameters whose `.grad` is None
         (stale values must not reach a norm or a sync) and move any `.grad` that lives
         elsewhere (assigned by the user, or produced with create_graph=True) into its slot."""
+        views = self._views
         for param in self.params:
             grad = param.grad
             if grad is None:
-                self.flat_view(param).zero_()
-            elif not self.holds(param, grad):
+                views[id(param)].zero_()
+            elif grad is not views[id(param)] and not self.holds(param, grad):
                 self.place(param, grad)
 
 
