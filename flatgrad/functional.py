@@ -99,13 +99,18 @@ class _Linear(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad
         compute = grad_out.dtype  # differs from weight.dtype under autocast
         grad_x = grad_w = grad_b = None
+        # Flattened once for every product: a non-contiguous gradient (one that comes back
+        # through a permute, as a fused qkv projection's does) is copied at most once here,
+        # as stock's view backward does, not again inside a 3-D matmul.
+        rows = grad_out if grad_out.dim() == 2 else _rows(grad_out)
         if need_x:
-            grad_x = grad_out.matmul(weight if weight.dtype == compute else weight.to(compute))
+            grad_x = rows.mm(weight if weight.dtype == compute else weight.to(compute))
+            if grad_out.dim() != 2:
+                grad_x = grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1])
             if grad_x.dtype != x.dtype:
                 grad_x = grad_x.to(x.dtype)
         if not (need_w or need_b):
             return grad_x, None, None
-        rows = grad_out if grad_out.dim() == 2 else _rows(grad_out)
         nexts = ctx.next_functions
         if need_w:
             mode, slot, param = _node_target(nexts[1][0])

@@ -76,7 +76,7 @@ def test_stock_backward_does_copy_what_we_avoid():
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("batch_shape", [(5,), (2, 3), (2, 1, 4)])
+@pytest.mark.parametrize("batch_shape", [(), (5,), (2, 3), (2, 1, 4)])
 def test_linear_any_leading_dims(bias, batch_shape):
     torch.manual_seed(0)
     layer = nn.Linear(6, 4, bias=bias).double()
@@ -88,6 +88,22 @@ def test_linear_any_leading_dims(bias, batch_shape):
         flat(xa).sin().sum().backward()
         oracle(xb).sin().sum().backward()
         torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-12, atol=1e-12)
+    assert_same_grads(flat, oracle)
+
+
+def test_linear_non_contiguous_output_gradient():
+    # The output goes through a transpose (as a fused qkv projection's does through a
+    # permute), so the gradient reaching the layer's backward is not contiguous.
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 4).double()
+    oracle = copy.deepcopy(layer)
+    flat = flatgrad.FlatGrad(layer, config=ROUTE_ALL)
+    x = torch.randn(2, 3, 6, dtype=torch.float64)
+    scale = torch.randn(3, 2, 4, dtype=torch.float64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (flat(xa).transpose(0, 1) * scale).sum().backward()
+    (oracle(xb).transpose(0, 1) * scale).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-12, atol=1e-12)
     assert_same_grads(flat, oracle)
 
 
