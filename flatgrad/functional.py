@@ -379,14 +379,17 @@ def embedding(
     norm_type: float = 2.0,
     scale_grad_by_freq: bool = False,
 ) -> torch.Tensor:
-    """`F.embedding` (dense) with an `index_add_` backward into the weight's slot."""
+    """`F.embedding` (dense) with an `index_add_` backward into the weight's slot; for the
+    routed layers' forwards, which have checked that no torch.func transform is active
+    (see `_direct_apply`)."""
     if max_norm is not None:
         with torch.no_grad():  # what F.embedding does: renormalise the looked-up rows in place
             torch.embedding_renorm_(weight, indices.reshape(-1), max_norm, norm_type)
-    return _GatherRows.apply(weight, indices, padding_idx, scale_grad_by_freq)
+    return _apply_gather_rows(weight, unwrap_if_dead(indices), padding_idx, scale_grad_by_freq)
 
 
 _apply_linear = _direct_apply(_Linear)
+_apply_gather_rows = _direct_apply(_GatherRows)
 unwrap_if_dead: Callable[[torch.Tensor], torch.Tensor] = getattr(
     torch._C._functorch, "unwrap_if_dead", lambda tensor: tensor
 )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import resource
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
@@ -21,6 +23,8 @@ from flatgrad.bench.counters import COPY_OPS, StepCounts, count_step, grad_bytes
 from flatgrad.bench.local import COMPILE_VARIANTS
 from flatgrad.bench.models import BenchModel, LlamaLike
 from flatgrad.bench.runners import CONFIGS, build_runner
+
+_FAULTS = {"stock_faults", "flatgrad_faults"}  # minor page faults per step, each side
 
 
 def _mlp() -> nn.Module:
@@ -196,6 +200,8 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
         "1",
         "--local-steps",
         "1",
+        "--malloc",
+        "pinned",
         "--out",
         str(out),
     ]
@@ -236,7 +242,9 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
     assert {(row["model"], row["clip"]) for row in report["local"]} == {
         (name, clip) for name in ("llama", "small_layers_64", "linear_1024") for clip in (False, True)
     }
-    assert all(set(row) == {"model", "clip", "stock_ms", "flatgrad_ms", "ratio"} for row in report["local"])
+    keys = {"model", "clip", "stock_ms", "flatgrad_ms", "ratio"} | _FAULTS
+    assert all(set(row) == keys and row["stock_faults"] >= 0 for row in report["local"])
+    assert report["environment"]["malloc"] == ("pinned" if platform.libc_ver()[0] == "glibc" else "glibc")
     assert report["compile"] is None  # only with --compile
     assert report["local_settings"]["models"] == ["llama", "small_layers_64", "linear_1024"]
     assert "one process: model" in result.stdout
@@ -339,7 +347,7 @@ def test_bench_local_only_end_to_end(tmp_path: Path):
     }
     assert [(row["model"], row["clip"]) for row in report["local"]] == [(tiny, False), (tiny, True)]
     for row in report["local"]:
-        assert set(row) == {"model", "clip", "stock_ms", "flatgrad_ms", "ratio"}
+        assert set(row) == {"model", "clip", "stock_ms", "flatgrad_ms", "ratio"} | _FAULTS
         assert row["stock_ms"] > 0 and row["flatgrad_ms"] > 0 and row["ratio"] > 0
     compiled = report["compile"]
     assert (compiled["model"], compiled["backend"], compiled["clip"]) == (tiny, "aot_eager", True)
@@ -414,3 +422,35 @@ def test_overlap_model_arithmetic():
     assert estimate.one_shot_exposed_ms == pytest.approx(1000.0)
     with pytest.raises(ValueError, match="equal lengths"):
         exposed_communication([0.0], [1, 2], 1.0, 2, 1.0)
+
+
+_HEAP_CYCLES = """
+import sys
+import torch
+from flatgrad.bench.memory import minor_faults, pin_malloc
+assert sys.argv[1] == "glibc" or pin_malloc()
+def step():  # a step's transients: 64 MiB in 1 MiB tensors, and one 32 MiB tensor (mmapped)
+    blocks = [torch.ones(1 << 18) for _ in range(64)]
+    large = torch.ones(8 << 20)
+    del blocks, large
+step()
+before = minor_faults()
+step()
+print(minor_faults() - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_pinned_malloc_reuses_the_memory_a_step_freed():
+    """What ``--malloc pinned`` removes: glibc gives the heap memory a step freed back to the
+    OS and the next step faults it in again page by page; pinned, the next step reuses it
+    (only the tensor too large for the heap is mapped afresh)."""
+    faults = {}
+    for mode in ("glibc", "pinned"):
+        result = subprocess.run(
+            [sys.executable, "-c", _HEAP_CYCLES, mode], capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        faults[mode] = int(result.stdout.split()[-1])
+    heap_pages = 64 * (1 << 20) // resource.getpagesize()
+    assert faults["glibc"] - faults["pinned"] > heap_pages // 2, faults

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from flatgrad.bench.local import COMPILE_BACKENDS, compile_row, format_local, local_rows
+from flatgrad.bench.memory import pin_malloc
 from flatgrad.bench.models import LOCAL_MODELS, MODELS, resolve_model
 from flatgrad.bench.ops import format_ops, op_ratios
 from flatgrad.bench.report import format_overlap, format_table, write_png
@@ -119,14 +120,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=_positive, default=None, help="torch threads per rank (default: cores / ranks)"
     )
     parser.add_argument(
+        "--malloc",
+        choices=("glibc", "pinned"),
+        default="glibc",
+        help="glibc: the C allocator as it comes; pinned: glibc's heap thresholds fixed in every "
+        "benchmark process (no trimming of the heap's top), so that steps do not re-fault the "
+        "memory freed by the step before, at random on either side of a comparison",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("bench_results.json"), help="JSON report (a PNG goes beside it)"
     )
     return parser.parse_args(argv)
 
 
-def _environment(backend: str | None, world_size: int, threads: int) -> dict[str, Any]:
+def _set_malloc(args: argparse.Namespace) -> None:
+    """Apply ``--malloc`` to this process; a pin that cannot take effect (not glibc) is
+    reported and recorded as "glibc"."""
+    if args.malloc == "pinned" and not pin_malloc():
+        logger.warning("--malloc pinned needs glibc's mallopt; measuring with the allocator as it comes")
+        args.malloc = "glibc"
+
+
+def _environment(backend: str | None, world_size: int, threads: int, malloc: str) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
+        "malloc": malloc,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "backend": backend,
@@ -189,7 +207,7 @@ def _print_one_process(single: dict[str, Any]) -> None:
 def run_local_only(args: argparse.Namespace) -> None:
     """The one-process rows alone: measure, print, write the JSON (no ranks, no chart)."""
     single = one_process(args)
-    report = {"environment": _environment(None, 1, torch.get_num_threads()), **single}
+    report = {"environment": _environment(None, 1, torch.get_num_threads(), args.malloc), **single}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     _print_one_process(single)
@@ -222,7 +240,7 @@ def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
     if rank != 0:
         return
     report = {
-        "environment": _environment(dist.get_backend(), world_size, threads),
+        "environment": _environment(dist.get_backend(), world_size, threads, args.malloc),
         "settings": {"steps": args.steps, "warmup": args.warmup, "configs": args.configs},
         "peak_rss_mb_max_rank": float(rss),
         "models": models,
@@ -241,6 +259,7 @@ def _spawned(rank: int, world_size: int, port: int, args: argparse.Namespace, si
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
     )
+    _set_malloc(args)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10))
     try:
         run_rank(args, single)
@@ -258,6 +277,7 @@ def _free_port() -> int:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    _set_malloc(args)
     if args.local_only:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: rank 0 alone
             run_local_only(args)

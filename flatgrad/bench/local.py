@@ -4,7 +4,7 @@ A step is ``optimizer.zero_grad()``, forward, backward, optionally gradient clip
 (`torch.nn.utils.clip_grad_norm_` against `FlatGrad.clip_grad_norm_`), SGD step. Stock and
 FlatGrad train their own copies on the same batches (made before timing); steps are
 interleaved (which goes first rotates) and the ratio is the median over steps of the
-per-step ratio.
+per-step ratio. Each step's minor page faults are counted too (see `memory.pin_malloc`).
 
 The compile row: `torch._dynamo.explain` graph and graph-break counts, and compiled step
 times, of ``torch.compile(model)`` (stock), ``torch.compile(FlatGrad(model))`` and
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import flatgrad
+from flatgrad.bench.memory import minor_faults
 from flatgrad.bench.models import LOCAL_MODELS, BenchModel
 
 Batch = tuple[torch.Tensor, ...]
@@ -64,15 +65,21 @@ def _batches(spec: BenchModel, count: int) -> list[Batch]:
     return [spec.batch(torch.Generator().manual_seed(i), torch.device("cpu")) for i in range(count)]
 
 
-def _times(steps: Sequence[Step], batches: Sequence[Batch]) -> list[list[float]]:
-    """Seconds of every step function on every batch; which goes first rotates."""
+def _times(
+    steps: Sequence[Step], batches: Sequence[Batch], faults: list[list[int]] | None = None
+) -> list[list[float]]:
+    """Seconds of every step function on every batch; which goes first rotates. `faults`,
+    if given, gets each step's minor page faults, per step function."""
     times: list[list[float]] = [[] for _ in steps]
     for i, batch in enumerate(batches):
         shift = i % len(steps)
         for j in [*range(shift, len(steps)), *range(shift)]:
+            before = minor_faults()
             start = time.perf_counter()
             steps[j](batch)
             times[j].append(time.perf_counter() - start)
+            if faults is not None:
+                faults[j].append(minor_faults() - before)
     return times
 
 
@@ -81,14 +88,17 @@ def _median_ratio(ours: list[float], stock: list[float]) -> float:
 
 
 def interleave(stock: Step, ours: Step, batches: Sequence[Batch], warmup: int) -> dict[str, float]:
-    """Median step times and the median per-step ratio ours / stock; the first `warmup`
-    batches are not timed."""
+    """Median step times, the median per-step ratio ours / stock, and the mean minor page
+    faults per step of each; the first `warmup` batches are not timed."""
     _times((stock, ours), batches[:warmup])
-    stock_s, ours_s = _times((stock, ours), batches[warmup:])
+    faults: list[list[int]] = [[], []]
+    stock_s, ours_s = _times((stock, ours), batches[warmup:], faults)
     return {
         "stock_ms": statistics.median(stock_s) * 1e3,
         "flatgrad_ms": statistics.median(ours_s) * 1e3,
         "ratio": _median_ratio(ours_s, stock_s),
+        "stock_faults": statistics.fmean(faults[0]),
+        "flatgrad_faults": statistics.fmean(faults[1]),
     }
 
 
@@ -242,11 +252,15 @@ def _time_compiled(
 
 
 def format_local(rows: list[dict[str, Any]], compiled: dict[str, Any] | None) -> str:
-    lines = [f"{'one process: model':22s} {'clip':>5s} {'stock ms':>9s} {'flatgrad ms':>12s} {'ratio':>6s}"]
+    lines = [
+        f"{'one process: model':22s} {'clip':>5s} {'stock ms':>9s} {'flatgrad ms':>12s} {'ratio':>6s} "
+        f"{'faults/step stock':>17s} {'flatgrad':>8s}"
+    ]
     for r in rows:
         lines.append(
             f"{r['model']:22s} {('yes' if r['clip'] else 'no'):>5s} {r['stock_ms']:9.2f} "
-            f"{r['flatgrad_ms']:12.2f} {r['ratio']:6.3f}"
+            f"{r['flatgrad_ms']:12.2f} {r['ratio']:6.3f} "
+            f"{r['stock_faults']:17.0f} {r['flatgrad_faults']:8.0f}"
         )
     if compiled:
         lines.append(format_compile(compiled))
