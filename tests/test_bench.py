@@ -446,9 +446,10 @@ def test_pinned_malloc_reuses_the_memory_a_step_freed():
     OS and the next step faults it in again page by page; pinned, the next step reuses it
     (only the tensor too large for the heap is mapped afresh)."""
     faults = {}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     for mode in ("glibc", "pinned"):
         result = subprocess.run(
-            [sys.executable, "-c", _HEAP_CYCLES, mode], capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", _HEAP_CYCLES, mode], capture_output=True, text=True, timeout=120, env=env
         )
         assert result.returncode == 0, result.stderr[-2000:]
         faults[mode] = int(result.stdout.split()[-1])
