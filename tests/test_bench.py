@@ -426,21 +426,23 @@ def test_overlap_model_arithmetic():
 
 _HEAP_CYCLES = """
 import ctypes
-import sys
 import torch
 from flatgrad.bench.memory import minor_faults, pin_malloc
 libc = ctypes.CDLL(None)
 # A heap that gives any freed top over 128 KiB back (glibc's starting threshold; its
 # self-adjusting default gets there or not depending on the process's history).
 assert libc.mallopt(-1, 128 << 10) and libc.mallopt(-3, 32 << 20)
-assert sys.argv[1] == "trimming" or pin_malloc()
 def step():  # a step's transients: 128 MiB in 1 MiB tensors
     blocks = [torch.ones(1 << 18) for _ in range(128)]
     del blocks
-step()
-before = minor_faults()
-step()
-print(minor_faults() - before)
+def second_step_faults():
+    step()
+    before = minor_faults()
+    step()
+    return minor_faults() - before
+trimming = second_step_faults()
+assert pin_malloc()
+print(trimming, second_step_faults())
 """
 
 
@@ -448,14 +450,20 @@ print(minor_faults() - before)
 def test_pinned_malloc_reuses_the_memory_a_step_freed():
     """What ``--malloc pinned`` removes: a heap that gives the memory a step freed back to the
     OS faults it in again page by page in the next step; pinned (over that same setting),
-    the next step reuses it."""
-    faults = {}
+    the next step reuses it. Even so set, glibc does not trim in every process (about one in
+    five here, the same code each time, with or without address-space randomisation): such
+    a process says nothing about the pin, so another one is started."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    for mode in ("trimming", "pinned"):
+    pages = 128 * (1 << 20) // resource.getpagesize()
+    seen = []
+    for _ in range(8):
         result = subprocess.run(
-            [sys.executable, "-c", _HEAP_CYCLES, mode], capture_output=True, text=True, timeout=120, env=env
+            [sys.executable, "-c", _HEAP_CYCLES], capture_output=True, text=True, timeout=120, env=env
         )
         assert result.returncode == 0, result.stderr[-2000:]
-        faults[mode] = int(result.stdout.split()[-1])
-    pages = 128 * (1 << 20) // resource.getpagesize()
-    assert faults["trimming"] > pages // 2 and faults["pinned"] < pages // 16, faults
+        trimming, pinned = map(int, result.stdout.split()[-2:])
+        seen.append((trimming, pinned))
+        if trimming > pages // 2:
+            assert pinned < pages // 16, seen
+            return
+    pytest.fail(f"no process trimmed its heap: (trimming, pinned) faults {seen}")
