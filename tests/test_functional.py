@@ -4,6 +4,7 @@ checked with torch.profiler."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -84,10 +85,7 @@ def test_linear_any_leading_dims(bias, batch_shape):
     flat = flatgrad.FlatGrad(layer, config=ROUTE_ALL)
     for seed in range(2):
         x = torch.randn(*batch_shape, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-        flat(xa).sin().sum().backward()
-        oracle(xb).sin().sum().backward()
-        torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-12, atol=1e-12)
+        _backward_both(flat, oracle, x, lambda out: out.sin().sum())
     assert_same_grads(flat, oracle)
 
 
@@ -100,11 +98,16 @@ def test_linear_non_contiguous_output_gradient():
     flat = flatgrad.FlatGrad(layer, config=ROUTE_ALL)
     x = torch.randn(2, 3, 6, dtype=torch.float64)
     scale = torch.randn(3, 2, 4, dtype=torch.float64)
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    (flat(xa).transpose(0, 1) * scale).sum().backward()
-    (oracle(xb).transpose(0, 1) * scale).sum().backward()
-    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-12, atol=1e-12)
+    _backward_both(flat, oracle, x, lambda out: (out.transpose(0, 1) * scale).sum())
     assert_same_grads(flat, oracle)
+
+
+def _backward_both(flat: nn.Module, oracle: nn.Module, x: torch.Tensor, loss: Callable) -> None:
+    """Backward of ``loss(module(x))`` through both on copies of `x`; input gradients equal."""
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    loss(flat(xa)).backward()
+    loss(oracle(xb)).backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(
