@@ -7,7 +7,8 @@ import gc
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -34,6 +35,23 @@ def _entry(
     finally:
         gc.collect()  # free DDP reducers (reference cycles) while the group exists: gloo can abort otherwise
         dist.destroy_process_group()
+
+
+@contextmanager
+def rank_profile(**kwargs: Any) -> Iterator[torch.profiler.profile]:
+    """`torch.profiler.profile` for a gloo rank: waits for the rank's collectives to finish
+    before the profiler stops.
+
+    A gloo work marks its future complete (what DDP's reducer and comm hooks wait on) and
+    only then, in `Work::finish` on the gloo worker thread, ends its profiler event. A
+    profiler stopped in between has that thread writing an event while the results are
+    taken apart, which corrupts the heap now and then (about 1 run in 40 here). A
+    `barrier()` waits, through `Work::wait`, for every earlier work's `finish`.
+    """
+    with torch.profiler.profile(**kwargs) as prof:
+        yield prof
+        if dist.is_initialized():
+            dist.barrier()
 
 
 def run_ranks(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROUTE_ALL
-from dist_utils import run_ranks
+from dist_utils import rank_profile, run_ranks
 from torch import nn
 
 import flatgrad
@@ -42,7 +42,7 @@ def _profiled_counts(step: Callable[[], object], params: Iterable[nn.Parameter])
     """The oracle: torch.profiler's events counted with the same definitions (ops of
     COPY_OPS with a weight-shaped input; c10d ops other than barriers)."""
     shapes = weight_shapes(params)
-    with torch.profiler.profile(record_shapes=True) as prof:
+    with rank_profile(record_shapes=True) as prof:
         step()
     collectives = copies = 0
     for event in prof.events():

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import ROUTE_ALL
-from dist_utils import run_ranks
+from dist_utils import rank_profile, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -92,7 +92,7 @@ def _fast_path_worker(rank: int, world_size: int, two_dtypes: bool) -> None:
         opt.zero_grad()  # set_to_none=True, torch's default
         ref_opt.zero_grad()
         loss = ddp(_tokens(rank, step))
-        with torch.profiler.profile(record_shapes=True) as prof:
+        with rank_profile(record_shapes=True) as prof:
             loss.backward()
         ref(_tokens(rank, step)).backward()
         for p, q in zip(flat.parameters(), ref.parameters()):
@@ -289,7 +289,7 @@ def _all_reduce_grads_worker(rank: int, world_size: int) -> None:
         use_branch = not (rank == 1 and step == 1)
         flat(_tokens(rank, step), use_branch).backward()
         ref(_tokens(rank, step), use_branch).backward()
-        with torch.profiler.profile() as prof:
+        with rank_profile() as prof:
             flat.all_reduce_grads()
         assert [e.name for e in prof.events()].count("c10d::allreduce_") == 1
         for p, q in zip(flat.module.parameters(), ref.module.parameters()):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from conftest import ROUTE_ALL, grad_in_buffers
-from dist_utils import run_ranks
+from dist_utils import rank_profile, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -251,7 +251,7 @@ def _profile_worker(rank: int, world_size: int) -> None:
         loss = dp(x).square().mean()
         if step == 2:
             dist.all_reduce = spy  # type: ignore[assignment]
-            with torch.profiler.profile(record_shapes=True) as prof:
+            with rank_profile(record_shapes=True) as prof:
                 loss.backward()
             dist.all_reduce = original  # type: ignore[assignment]
             ended = time.perf_counter()

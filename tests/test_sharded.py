@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import ROUTE_ALL
-from dist_utils import run_ranks
+from dist_utils import rank_profile, run_ranks
 from test_parallel import _Net, _tokens
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -86,7 +86,7 @@ def _profile_worker(rank: int, world_size: int) -> None:
     _, _, dp, opt = _build(rank)
     _train(dp, opt, rank, range(2))
     opt.zero_grad()
-    with torch.profiler.profile() as prof:
+    with rank_profile() as prof:
         dp(_tokens(rank, 5)).backward()
         opt.step()
     names = [e.name for e in prof.events()]
