@@ -25,6 +25,7 @@ from flatgrad.bench.models import BenchModel, LlamaLike
 from flatgrad.bench.runners import CONFIGS, build_runner
 
 _FAULTS = {"stock_faults", "flatgrad_faults"}  # minor page faults per step, each side
+_LOCAL_KEYS = {"model", "clip", "stock_ms", "flatgrad_ms", "ratio", "control_ratio"} | _FAULTS
 
 
 def _mlp() -> nn.Module:
@@ -242,8 +243,7 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
     assert {(row["model"], row["clip"]) for row in report["local"]} == {
         (name, clip) for name in ("llama", "small_layers_64", "linear_1024") for clip in (False, True)
     }
-    keys = {"model", "clip", "stock_ms", "flatgrad_ms", "ratio"} | _FAULTS
-    assert all(set(row) == keys and row["stock_faults"] >= 0 for row in report["local"])
+    assert all(set(row) == _LOCAL_KEYS and row["stock_faults"] >= 0 for row in report["local"])
     assert report["environment"]["malloc"] == ("pinned" if platform.libc_ver()[0] == "glibc" else "glibc")
     assert report["compile"] is None  # only with --compile
     assert report["local_settings"]["models"] == ["llama", "small_layers_64", "linear_1024"]
@@ -271,6 +271,28 @@ def test_compile_row_counts_graphs_and_times_compiled_steps():
     assert row["variants"]["stock"]["ratio"] == 1.0
     text = format_local([], row)
     assert all(label in text for label in COMPILE_VARIANTS.values()), text
+
+
+def test_one_process_rows_time_the_control_in_the_same_rotation(monkeypatch):
+    from flatgrad.bench import local
+
+    clock = [0.0]
+    order: list[str] = []
+    monkeypatch.setattr(local.time, "perf_counter", lambda: clock[0])
+
+    def step(name: str, seconds: float) -> local.Step:
+        def run(batch: local.Batch) -> None:
+            order.append(name)
+            clock[0] += seconds * float(batch[0])  # every side slower on a later batch alike
+
+        return run
+
+    batches = [(torch.tensor(float(i + 1)),) for i in range(5)]
+    row = local.interleave(step("stock", 1.0), step("control", 2.0), step("ours", 3.0), batches, warmup=2)
+    timed = ["stock", "control", "ours", "control", "ours", "stock", "ours", "stock", "control"]
+    assert order[6:] == timed  # after the warm-up, each goes first in turn
+    assert row["ratio"] == 3.0 and row["control_ratio"] == 2.0
+    assert row["stock_ms"] == 4000.0 and row["flatgrad_ms"] == 12000.0  # batches 3, 4, 5: median 4
 
 
 def test_compile_row_reports_a_failing_variant_and_times_the_others(monkeypatch):
@@ -347,7 +369,7 @@ def test_bench_local_only_end_to_end(tmp_path: Path):
     }
     assert [(row["model"], row["clip"]) for row in report["local"]] == [(tiny, False), (tiny, True)]
     for row in report["local"]:
-        assert set(row) == {"model", "clip", "stock_ms", "flatgrad_ms", "ratio"} | _FAULTS
+        assert set(row) == _LOCAL_KEYS
         assert row["stock_ms"] > 0 and row["flatgrad_ms"] > 0 and row["ratio"] > 0
     compiled = report["compile"]
     assert (compiled["model"], compiled["backend"], compiled["clip"]) == (tiny, "aot_eager", True)

@@ -6,6 +6,12 @@ FlatGrad train their own copies on the same batches (made before timing); steps 
 interleaved (which goes first rotates) and the ratio is the median over steps of the
 per-step ratio. Each step's minor page faults are counted too (see `memory.pin_malloc`).
 
+Every row also times a second stock copy, the control, in the same rotation: its ratio to
+stock is what two identical models measure apart on this machine (where each model's
+tensors landed in memory, the order of the steps), the floor under which a flatgrad ratio
+says nothing. All three are deep copies of one built model, so none is favoured by how its
+memory was allocated.
+
 The compile row: `torch._dynamo.explain` graph and graph-break counts, and compiled step
 times, of ``torch.compile(model)`` (stock), ``torch.compile(FlatGrad(model))`` and
 ``FlatGrad(torch.compile(model))``. A variant that fails is reported, not raised.
@@ -51,14 +57,20 @@ def _step(module: nn.Module, params: list[nn.Parameter], clip: Callable[[], Any]
     return step
 
 
-def _pair(spec: BenchModel, clip: bool) -> tuple[Step, Step]:
+def _stock_step(model: nn.Module, clip: bool) -> Step:
+    stock = copy.deepcopy(model)
+    stock_clip = (lambda: torch.nn.utils.clip_grad_norm_(stock.parameters(), 1.0)) if clip else None
+    return _step(stock, list(stock.parameters()), stock_clip)
+
+
+def _trio(spec: BenchModel, clip: bool) -> tuple[Step, Step, Step]:
+    """(stock, the stock control, flatgrad) steps, each on its own deep copy of one model."""
     torch.manual_seed(0)
     model = spec.build()
-    stock = copy.deepcopy(model)
-    flat = flatgrad.FlatGrad(model)
-    stock_clip = (lambda: torch.nn.utils.clip_grad_norm_(stock.parameters(), 1.0)) if clip else None
+    stock, control = _stock_step(model, clip), _stock_step(model, clip)
+    flat = flatgrad.FlatGrad(copy.deepcopy(model))
     flat_clip = (lambda: flat.clip_grad_norm_(1.0)) if clip else None
-    return _step(stock, list(stock.parameters()), stock_clip), _step(flat, list(flat.parameters()), flat_clip)
+    return stock, control, _step(flat, list(flat.parameters()), flat_clip)
 
 
 def _batches(spec: BenchModel, count: int) -> list[Batch]:
@@ -87,18 +99,23 @@ def _median_ratio(ours: list[float], stock: list[float]) -> float:
     return statistics.median(b / a for a, b in zip(stock, ours))
 
 
-def interleave(stock: Step, ours: Step, batches: Sequence[Batch], warmup: int) -> dict[str, float]:
-    """Median step times, the median per-step ratio ours / stock, and the mean minor page
-    faults per step of each; the first `warmup` batches are not timed."""
-    _times((stock, ours), batches[:warmup])
-    faults: list[list[int]] = [[], []]
-    stock_s, ours_s = _times((stock, ours), batches[warmup:], faults)
+def interleave(
+    stock: Step, control: Step, ours: Step, batches: Sequence[Batch], warmup: int
+) -> dict[str, float]:
+    """Median step times, the median per-step ratios ours / stock and control / stock, and
+    the mean minor page faults per step of stock and ours; the first `warmup` batches are
+    not timed."""
+    steps = (stock, control, ours)
+    _times(steps, batches[:warmup])
+    faults: list[list[int]] = [[], [], []]
+    stock_s, control_s, ours_s = _times(steps, batches[warmup:], faults)
     return {
         "stock_ms": statistics.median(stock_s) * 1e3,
         "flatgrad_ms": statistics.median(ours_s) * 1e3,
         "ratio": _median_ratio(ours_s, stock_s),
+        "control_ratio": _median_ratio(control_s, stock_s),
         "stock_faults": statistics.fmean(faults[0]),
-        "flatgrad_faults": statistics.fmean(faults[1]),
+        "flatgrad_faults": statistics.fmean(faults[2]),
     }
 
 
@@ -110,7 +127,7 @@ def local_rows(
     for name, spec in (models or LOCAL_MODELS).items():
         batches = _batches(spec, warmup + steps)
         for clip in (False, True):
-            rows.append({"model": name, "clip": clip, **interleave(*_pair(spec, clip), batches, warmup)})
+            rows.append({"model": name, "clip": clip, **interleave(*_trio(spec, clip), batches, warmup)})
     return rows
 
 
@@ -254,12 +271,12 @@ def _time_compiled(
 def format_local(rows: list[dict[str, Any]], compiled: dict[str, Any] | None) -> str:
     lines = [
         f"{'one process: model':22s} {'clip':>5s} {'stock ms':>9s} {'flatgrad ms':>12s} {'ratio':>6s} "
-        f"{'faults/step stock':>17s} {'flatgrad':>8s}"
+        f"{'control':>7s} {'faults/step stock':>17s} {'flatgrad':>8s}"
     ]
     for r in rows:
         lines.append(
             f"{r['model']:22s} {('yes' if r['clip'] else 'no'):>5s} {r['stock_ms']:9.2f} "
-            f"{r['flatgrad_ms']:12.2f} {r['ratio']:6.3f} "
+            f"{r['flatgrad_ms']:12.2f} {r['ratio']:6.3f} {r['control_ratio']:7.3f} "
             f"{r['stock_faults']:17.0f} {r['flatgrad_faults']:8.0f}"
         )
     if compiled:
