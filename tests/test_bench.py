@@ -24,8 +24,8 @@ from flatgrad.bench.local import COMPILE_VARIANTS
 from flatgrad.bench.models import BenchModel, LlamaLike
 from flatgrad.bench.runners import CONFIGS, build_runner
 
-_FAULTS = {"stock_faults", "flatgrad_faults"}  # minor page faults per step, each side
-_LOCAL_KEYS = {"model", "clip", "stock_ms", "flatgrad_ms", "ratio", "control_ratio"} | _FAULTS
+_LOCAL_KEYS = {"model", "clip", "stock_ms", "flatgrad_ms", "ratio", "control_ratio"}
+_LOCAL_KEYS |= {"stock_faults", "flatgrad_faults"}  # minor page faults per step, each side
 
 
 def _mlp() -> nn.Module:
@@ -449,11 +449,13 @@ def test_overlap_model_arithmetic():
 _HEAP_CYCLES = """
 import ctypes
 import torch
-from flatgrad.bench.memory import minor_faults, pin_malloc
+from flatgrad.bench.memory import (
+    _M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD, _MMAP_THRESHOLD_MAX, minor_faults, pin_malloc
+)
 libc = ctypes.CDLL(None)
 # A heap that gives any freed top over 128 KiB back (glibc's starting threshold; its
 # self-adjusting default gets there or not depending on the process's history).
-assert libc.mallopt(-1, 128 << 10) and libc.mallopt(-3, 32 << 20)
+assert libc.mallopt(_M_TRIM_THRESHOLD, 128 << 10) and libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
 def step():  # a step's transients: 128 MiB in 1 MiB tensors
     blocks = [torch.ones(1 << 18) for _ in range(128)]
     del blocks

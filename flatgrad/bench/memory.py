@@ -24,7 +24,7 @@ import torch
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 # mallopt parameters (glibc's malloc.h), and the largest mmap threshold glibc accepts on
-# 64-bit (half its heap size, 64 MiB).
+# 64-bit: 32 MiB, half its 64 MiB heap size.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20
