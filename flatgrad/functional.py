@@ -366,11 +366,6 @@ def _direct_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
     return descriptor.__get__(None, cls) if hasattr(descriptor, "__get__") else cls.apply
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` whose weight and bias gradients go straight into their flat-buffer slots."""
-    return _Linear.apply(x, weight, bias)
-
-
 def embedding(
     indices: torch.Tensor,
     weight: torch.Tensor,
