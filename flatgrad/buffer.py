@@ -49,6 +49,7 @@ class GradStore:
         self.buffers: dict[GroupKey, torch.Tensor] = {}
         self._entries: dict[torch.Tensor, _Entry] = {}
         self._views: dict[int, torch.Tensor] = {}  # by id: the backward's lookup, no Tensor hash
+        self._addresses: dict[int, int] = {}  # by id: where each view points (see `intact`)
         for key, group in plan_layout(self.params, align_bytes, multiple).items():
             self.buffers[key] = _aligned_zeros(group.numel, key, align_bytes)
             for index, slot in zip(group.param_indices, group.slots):
@@ -70,6 +71,7 @@ class GradStore:
         )
         self._entries[param] = _Entry(key, slot, view)
         self._views[id(param)] = view
+        self._addresses[id(param)] = view.data_ptr()
 
     def _cut_runs(self) -> None:
         """1-D views covering exactly the gradient elements of every slot (never the alignment
@@ -227,18 +229,32 @@ class GradStore:
                 return []
         # Slots have version counters of their own (see `_set_slot`), which a fill through a
         # span does not bump: `unseat` compares against the versions read after the fill.
-        torch._foreach_zero_(spans if len(seated) == len(pairs) else [view for _, view in seated])
+        zeroed = spans if len(seated) == len(pairs) else [view for _, view in seated]
+        if zeroed:  # none when every seated parameter has zero elements
+            torch._foreach_zero_(zeroed)
         return [(param, view, view._version) for param, view in seated]
 
     def check(self, params: Sequence[torch.Tensor]) -> None:
-        """Mark the store stale if one of `params` no longer fits its slot (before every
-        backward: by id, as `Tensor.__hash__` is Python)."""
+        """Mark the store stale if one of `params` no longer fits its slot, or a slot view
+        no longer points at its slot (before every backward: by id, as `Tensor.__hash__` is
+        Python)."""
         views = self._views
         for param in params:
             view = views[id(param)]
             if view.shape != param.shape or view.dtype != param.dtype or view.device != param.device:
                 self.stale = True
                 return
+        if not self.intact():
+            self.stale = True
+
+    def intact(self) -> bool:
+        """Whether every slot view still points at its slot. ``param.grad.data = t`` (older
+        training code, `nn.Module._apply` converting gradients) re-points the view object
+        itself, which is the `.grad`, at other memory; the identity tests of the hot path
+        would then trust a tensor the buffers no longer hold, so the wrapper lays the
+        buffers out again (and moves that `.grad`'s values in) when this is False."""
+        # Both dicts gain their keys together in `_set_slot`, so they iterate in one order.
+        return list(map(_data_ptr, self._views.values())) == list(self._addresses.values())
 
     @staticmethod
     def unseat(seated: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
@@ -259,6 +275,9 @@ class GradStore:
                 views[id(param)].zero_()
             elif grad is not views[id(param)] and not self.holds(param, grad):
                 self.place(param, grad)
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:

@@ -28,11 +28,24 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
 from flatgrad.buffer import GradStore
 
 _Mode = Literal["skip", "fresh", "out", "add"]
+
+
+def plain_torch() -> bool:
+    """Whether the routed forwards and the gathers must be plain torch ops: under
+    torch.compile (Dynamo traces torch's own ops, no graph break), under torch.func
+    transforms (they need no `.grad`) and inside a forward-mode AD level (these Functions
+    have no jvp; torch's ops do)."""
+    return (
+        torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+        or forward_ad._current_level >= 0
+    )
 
 
 def _weight_target(
@@ -56,6 +69,8 @@ def _node_target(node: Any) -> tuple[_Mode, torch.Tensor | None, torch.Tensor | 
     found = GradStore.find(param) if param is not None else None
     if found is None or torch.is_grad_enabled():
         return "fresh", None, param
+    if not param.requires_grad:  # type: ignore[union-attr]
+        return "skip", None, param  # frozen since the forward: AccumulateGrad skips it too
     try:
         if not torch._C._will_engine_execute_node(node):
             return "skip", None, param  # backward(inputs=...) without this weight
@@ -220,8 +235,8 @@ def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.
     The default backward of ``buffer[indices]`` is ``index_put_(accumulate=True)``, which
     sorts the indices; the scatter computes the same sum without the sort. When `buffer`
     is a parameter wrapped by `FlatGrad`, its gradient is written straight into its slot.
-    Under torch.compile and torch.func transforms it is `index_select` (whose backward is
-    the same `index_add_`), so compiled graphs do not break.
+    Under torch.compile, torch.func transforms and forward-mode AD it is `index_select`
+    (whose backward is the same `index_add_`), so compiled graphs do not break.
     """
     if not isinstance(buffer, torch.Tensor) or not isinstance(indices, torch.Tensor):
         raise TypeError(
@@ -233,7 +248,7 @@ def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.
         raise ValueError("buffer must have at least one dimension, got a 0-d tensor")
     if _has_negative(indices, buffer.shape[0]):
         indices = torch.where(indices < 0, indices + buffer.shape[0], indices)
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if plain_torch():
         return buffer.index_select(0, indices.reshape(-1)).view(*indices.shape, *buffer.shape[1:])
     return _GatherRows.apply(buffer, indices, None, False)
 
@@ -320,10 +335,10 @@ def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     ``[0, input.size(dim))``. On CPU an out-of-range value raises an `IndexError` naming it
     and the size (a min/max over `index`); on accelerators that check would cost a device
     sync per call, so torch.gather's own device-side bounds check reports it.
-    Under torch.compile and torch.func transforms it is `torch.gather` itself.
+    Under torch.compile, torch.func transforms and forward-mode AD it is `torch.gather` itself.
     """
     _check_gather(input, dim, index)
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if plain_torch():
         return torch.gather(input, dim, index)
     return _GatherDim.apply(input, dim % max(input.dim(), 1), index)
 

@@ -41,11 +41,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from flatgrad.buffer import GradStore
 from flatgrad.comm import _check_wire_dtype, average_op, reduce_scatter_flat
-from flatgrad.wrapper import FlatGrad
+from flatgrad.wrapper import FlatGrad, output_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -183,9 +182,7 @@ class DataParallel(nn.Module):
         """Open the backward's bookkeeping when it reaches `output` (a pre hook on the nodes
         that made it), before any gradient of the model is final. Registered after
         FlatGrad's own pre hook, so this final callback runs after FlatGrad's."""
-        leaves = [output] if isinstance(output, torch.Tensor) else tree_leaves(output)
-        nodes = {t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-        for node in nodes:
+        for node in output_nodes(output):
             node.register_prehook(functools.partial(self._on_backward_start, sync))
 
     def _on_backward_start(self, sync: bool, grad_outputs: Any) -> None:

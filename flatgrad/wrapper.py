@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -220,7 +221,8 @@ class FlatGrad(nn.Module):
         added, removed, (un)frozen, converted or reshaped. O(parameters); forward calls it
         only when something was registered since, norms and syncs always (as stock
         `clip_grad_norm_(model.parameters())` walks the model too)."""
-        if self._store is None or self._store.stale or self._layout_changed():
+        store = self._store
+        if store is None or store.stale or not store.intact() or self._layout_changed():
             logger.info("flatgrad: parameters changed after wrapping; laying out the buffers again")
             self._build()
         self._generation = _GENERATION[0]
@@ -310,8 +312,9 @@ class FlatGrad(nn.Module):
         return store, others, norms
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of all gradients together, exactly as `torch.nn.utils.clip_grad_norm_`
-        computes it; a positive order costs one `vector_norm` per buffer. Parameters whose
+        """The norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes
+        it (up to summation order: a positive order costs one `vector_norm` per buffer where
+        stock takes one per tensor, so the last bits can differ). Parameters whose
         `.grad` is None count as absent; frozen parameters that still hold a `.grad` count."""
         norm_type = _check_norm_type(norm_type)
         return _total_norm(self._grads_and_norms(norm_type)[2], norm_type)
@@ -403,10 +406,8 @@ class _Seater:
             handle.remove()
 
     def watch(self, output: Any) -> None:
-        """Hook the autograd nodes that produced `output` (a tensor or any pytree of them)."""
-        leaves = [output] if isinstance(output, torch.Tensor) else tree_leaves(output)
-        nodes = {t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-        for node in nodes:
+        """Hook the autograd nodes that produced `output` (see `output_nodes`)."""
+        for node in output_nodes(output):
             node.register_prehook(self._on_backward)
 
     def _on_backward(self, grad_outputs: Any) -> None:
@@ -452,13 +453,32 @@ def _place_incoming(
     AccumulateGrad adds in place into it, which is the slot. Under create_graph=True the
     gradient must stay differentiable: left alone."""
     grad = grads[0]
-    if grad is None or param.grad is not None or torch.is_grad_enabled():
-        return None
+    if grad is None or param.grad is not None or torch.is_grad_enabled() or not param.requires_grad:
+        return None  # (frozen since the forward: AccumulateGrad skips it, as stock's does)
     if store.view(param).shape != grad.shape:
         store.stale = True  # reshaped behind the wrapper: AccumulateGrad takes it as stock does
         return None
     store.place(param, grad)
     return (None,)
+
+
+def output_nodes(output: Any) -> set[Any]:
+    """The autograd nodes that made the tensors of a model's output: a tensor, any pytree
+    of them, and the fields of dataclass instances in it (a dataclass is one opaque pytree
+    leaf unless registered, and models return them: output classes, loss records)."""
+    if isinstance(output, torch.Tensor):
+        return set() if output.grad_fn is None else {output.grad_fn}
+    nodes = set()
+    stack, seen = tree_leaves(output), set()
+    while stack:
+        leaf = stack.pop()
+        if isinstance(leaf, torch.Tensor):
+            if leaf.grad_fn is not None:
+                nodes.add(leaf.grad_fn)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and id(leaf) not in seen:
+            seen.add(id(leaf))
+            stack.extend(tree_leaves([getattr(leaf, field.name) for field in dataclasses.fields(leaf)]))
+    return nodes
 
 
 def _trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -521,21 +541,15 @@ def _total_norm(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 # --- routing supported layers through the flat-buffer Functions ----------------------------
 
 
-def _plain_torch() -> bool:
-    """Whether the routed forwards must be plain torch: under torch.compile (Dynamo traces
-    torch's own ops, no graph break) and under torch.func transforms (they need no `.grad`)."""
-    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-
-
 def _linear_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     weight = module.weight
-    if torch.is_grad_enabled() and not weight.is_complex() and not _plain_torch():
+    if torch.is_grad_enabled() and not weight.is_complex() and not functional.plain_torch():
         return functional._apply_linear(functional.unwrap_if_dead(input), weight, module.bias)
     return F.linear(input, weight, module.bias)
 
 
 def _embedding_forward(module: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() and not module.sparse and not _plain_torch():
+    if torch.is_grad_enabled() and not module.sparse and not functional.plain_torch():
         return functional.embedding(
             input,
             module.weight,

@@ -36,6 +36,8 @@ def grad_in_buffers(flat: flatgrad.FlatGrad, grad: torch.Tensor) -> bool:
     for buf in flat.grad_buffers.values():
         if grad.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
             continue
+        if not grad.numel():
+            return True  # an empty tensor's data_ptr() is 0: its storage is the buffer's
         start, end = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
         if start <= grad.data_ptr() and grad.data_ptr() + grad.numel() * grad.element_size() <= end:
             return True

@@ -7,6 +7,7 @@ round-off (1e-12) and anything else is a real difference.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -509,3 +510,150 @@ def test_functional_call_with_top_level_parameter_names():
         torch.testing.assert_close(out, functional_call(oracle, params, (x,)), rtol=0, atol=0)
     assert flat.module.big is model.big and "big" not in flat.__dict__  # restored, nothing left over
     assert isinstance(flat.module.big, nn.Parameter)
+
+
+# --- 9. paths that reach the slot views themselves, and outputs, modes and sizes ------------
+
+
+@pytest.mark.parametrize("config", [None, ROUTE_ALL], ids=["default", "route-all"])
+def test_grad_data_assignment_is_followed_like_stock(config):
+    """``p.grad.data = ...`` (older training code) re-points the `.grad` object, which is
+    the slot view, at other memory: the next backward, norm and clip still give stock's."""
+    flat, oracle = _pair(config=config)
+    for step in range(3):
+        for module in (flat.module, oracle):
+            for param in module.parameters():
+                param.grad = None
+        flat(_tokens(step)).backward()
+        oracle(_tokens(step)).backward()
+        for module in (flat.module, oracle):
+            for param in module.parameters():
+                param.grad.data = param.grad.data.clamp(-0.01, 0.01)
+        flat.grad_buffers  # noqa: B018 (reading it moves the re-pointed gradients in)
+        assert_same_grads(flat, oracle)
+        flat(_tokens(step + 7)).backward()  # accumulates onto the clamped values
+        oracle(_tokens(step + 7)).backward()
+        assert_same_grads(flat, oracle)
+        for module in (flat.module, oracle):
+            for param in module.parameters():
+                param.grad.data = param.grad.data * 3
+        total = flat.clip_grad_norm_(0.05)
+        torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(oracle.parameters(), 0.05))
+        assert_same_grads(flat, oracle)
+
+
+@pytest.mark.parametrize("convert", ["double", "channels_last"])
+def test_converting_the_inner_model_while_grads_exist(convert):
+    """`nn.Module._apply` converts each `.grad` through ``grad.data = fn(grad)``: the slot
+    views themselves change, behind the wrapper; the next backward must still be stock's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(64, 300), nn.Linear(300, 2))
+    flat, oracle = _pair(model, config=None)  # the Linear(64, 300) is routed, the rest seated
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    flat(x).square().sum().backward()
+    oracle(x).square().sum().backward()
+    for module in (flat.module, oracle):
+        if convert == "double":
+            module.double()
+        else:
+            module.to(memory_format=torch.channels_last)
+    x = x.double() if convert == "double" else x
+    for zero in (True, False):  # empty slots, then accumulating onto the converted grads
+        if zero:
+            for module in (flat.module, oracle):
+                module.zero_grad()
+        flat(x).square().sum().backward()
+        oracle(x).square().sum().backward()
+        assert_same_grads(flat, oracle, rtol=1e-6 if convert != "double" else 1e-12, atol=1e-6)
+    assert {key[0] for key in flat.grad_buffers} == {next(oracle.parameters()).dtype}
+
+
+def test_freezing_between_forward_and_backward_leaves_grad_none_like_stock():
+    """AccumulateGrad skips a parameter that stopped requiring grad after the forward; so
+    do the routed backwards and the pre-hook of large unrouted parameters."""
+    for model, x in (
+        (TiedLM().double(), _tokens(0)),
+        (_BigRaw(), torch.randn(4, 256, dtype=torch.float64)),
+    ):
+        flat, oracle = _pair(model)
+        losses = flat(x), oracle(x)
+        for module in (flat.module, oracle):
+            for name, param in module.named_parameters():
+                if name in ("emb.weight", "proj.weight", "big", "norm.weight"):
+                    param.requires_grad_(False)
+        for loss in losses:
+            loss.backward()
+        flat.grad_buffers  # noqa: B018 (the frozen ones leave the buffers: laid out again)
+        assert_same_grads(flat, oracle)
+
+
+def test_forward_mode_ad_through_routed_layers():
+    """The routed Functions have no jvp: inside a forward-AD level the layers are plain
+    torch, as under torch.func."""
+    import torch.autograd.forward_ad as fwad
+
+    flat, oracle = _pair()
+    for module in (flat.module, oracle):
+        module.emb.weight.requires_grad_(False)  # a dual input of the head instead
+    hidden = torch.randn(4, 6, 8, dtype=torch.float64)
+    tangent = torch.randn_like(hidden)
+    results = []
+    for module in (flat.module, oracle):
+        with fwad.dual_level():
+            out = module.head(module.proj(fwad.make_dual(hidden, tangent)))
+            results.append(fwad.unpack_dual(out))
+    torch.testing.assert_close(results[0].primal, results[1].primal, rtol=0, atol=0)
+    torch.testing.assert_close(results[0].tangent, results[1].tangent, rtol=1e-12, atol=1e-12)
+    table = torch.randn(13, 8, dtype=torch.float64)
+    with fwad.dual_level():
+        dual = fwad.make_dual(table, torch.ones_like(table))
+        rows = flatgrad.gather_with_index_add(dual, _tokens(1))
+        torch.testing.assert_close(fwad.unpack_dual(rows).tangent, torch.ones(4, 6, 8, dtype=torch.float64))
+
+
+class _EmptySeated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3).double()
+        self.empty = nn.Parameter(torch.zeros(0, 4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum() + self.empty.sum()
+
+
+def test_zero_element_parameters_seated_alone():
+    """Every seated parameter has zero elements: nothing to zero, no error."""
+    flat, oracle = _pair(_EmptySeated())
+    x = torch.randn(2, 4, dtype=torch.float64)
+    flat(x).backward()
+    oracle(x).backward()
+    assert_same_grads(flat, oracle)
+
+
+@dataclasses.dataclass
+class _Output:
+    loss: torch.Tensor
+    extras: dict[str, torch.Tensor]
+
+
+class _DataclassOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8).double()
+        self.norm = nn.LayerNorm(8).double()
+
+    def forward(self, x: torch.Tensor) -> _Output:
+        hidden = self.norm(self.lin(x))
+        return _Output(hidden.square().mean(), {"aux": hidden.sum()})
+
+
+def test_a_dataclass_output_is_watched_like_a_pytree():
+    """A model returning a dataclass (one opaque pytree leaf) still gets every `.grad` in
+    the buffers right after backward, not only at the next norm or sync."""
+    flat, oracle = _pair(_DataclassOut(), config=None)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    flat(x).loss.backward()
+    oracle(x).loss.backward()
+    for name, param in flat.module.named_parameters():
+        assert grad_in_buffers(flat, param.grad), name  # grad_in_buffers reads without settling
+    assert_same_grads(flat, oracle)
