@@ -34,6 +34,7 @@ import contextlib
 import functools
 import logging
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -321,8 +322,29 @@ def _cut_buckets(store: GradStore, bucket_mb: float) -> list[_Bucket]:
     return buckets
 
 
+def _check_same_model(module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank unless all ranks hold parameters and buffers of the same shapes,
+    dtypes and trainability, in the same order (DDP's constructor checks this too): the
+    broadcast and the buckets would otherwise hang or mix unrelated slots. One all-reduce
+    (MAX) of a digest and its negation: equal on all ranks exactly when min equals max."""
+    tensors = [*module.parameters(), *module.buffers()]
+    described = [(tuple(t.shape), str(t.dtype), t.requires_grad) for t in tensors]
+    digest = zlib.crc32(repr(described).encode())
+    device = tensors[0].device if tensors else torch.device("cpu")
+    seen = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=process_group)
+    high, low = int(seen[0]), -int(seen[1])
+    if high != low:
+        raise ValueError(
+            f"the model differs across ranks (rank {dist.get_rank(process_group)}: "
+            f"{len(described)} parameters and buffers): every rank must wrap the same model, "
+            "with the same parameter and buffer shapes, dtypes and requires_grad, in the same order"
+        )
+
+
 def _broadcast_from_rank0(module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
     """What DDP's constructor does: every rank starts from rank 0's parameters and buffers."""
+    _check_same_model(module, process_group)
     source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:

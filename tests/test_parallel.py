@@ -296,6 +296,22 @@ def test_a_failing_rank_ends_the_run_quickly():
     assert time.monotonic() - start < 80
 
 
+def _mismatch_worker(rank: int, world_size: int, how: str) -> None:
+    if how == "extra layer":
+        model = nn.Sequential(nn.Linear(4, 4), *([nn.Linear(4, 4)] if rank == 1 else []))
+    else:  # same number of tensors, other shapes: a broadcast would not even complain
+        model = nn.Sequential(nn.Linear(4, 4 + rank), nn.Linear(4 + rank, 4))
+    with pytest.raises(ValueError, match=f"the model differs across ranks \\(rank {rank}: "):
+        flatgrad.DataParallel(flatgrad.FlatGrad(model))
+
+
+@pytest.mark.parametrize("how", ["extra layer", "other widths"])
+def test_different_models_across_ranks_are_refused_on_every_rank(how):
+    """As DDP's constructor does: a clear error on every rank, not a hang in the broadcast
+    (an extra layer) or buckets that mix unrelated slots (other widths)."""
+    run_ranks(_mismatch_worker, how, timeout=90)
+
+
 def test_bad_arguments_are_refused():
     flat = flatgrad.FlatGrad(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="flat must be a flatgrad.FlatGrad, got Linear"):
