@@ -94,6 +94,7 @@ class DataParallel(nn.Module):
         self.wire_dtype = wire_dtype
         self.world_size = dist.get_world_size(process_group)
         self._reduce_scatter = False  # ShardedOptimizer switches the buckets to reduce-scatter
+        self._scattered = False  # the last synchronised backward reduce-scattered (see _begin)
         self._sync = True
         self._store: GradStore | None = None
         self._buckets: list[_Bucket] = []
@@ -209,6 +210,8 @@ class DataParallel(nn.Module):
                     "backward under dp.no_sync()"
                 )
             return False
+        if self._scattered:
+            self._check_unscattered()
         self._task = torch._C._current_graph_task_id()
         self._task_sync = sync
         if sync:
@@ -271,6 +274,25 @@ class DataParallel(nn.Module):
         self._task = -1
         if self._task_sync:
             self._sync_all()
+            self._scattered = self._reduce_scatter
+
+    def _check_unscattered(self) -> None:
+        """Before a backward that would add onto reduce-scattered gradients: refuse. After a
+        reduce-scatter a rank holds the average of its own shard only; another backward's
+        local gradients added onto that and reduce-scattered again are not the average of
+        the two (stock DDP's all-reduced gradients are the same on every rank, so there it
+        adds up). Every rank runs the same backwards, so every rank raises. Gradients set to
+        None or zeroed (by any zero_grad) since are fine: a read of the buffers, only here."""
+        store = self._store
+        held = store is not None and any(p.grad is not None for p in store.params)
+        if held and any(bool(buffer.any()) for buffer in store.buffers.values()):  # type: ignore[union-attr]
+            raise RuntimeError(
+                "ShardedOptimizer: a backward after a synchronised backward and before "
+                "zero_grad(): the first one reduce-scattered the gradients, so this one "
+                "cannot add to them; accumulate micro-batches under dp.no_sync() and "
+                "synchronise only the last, then step() and zero_grad()"
+            )
+        self._scattered = False
 
     def _sync_all(self) -> None:
         """Launch the rest, wait, and settle `.grad` like stock DDP with

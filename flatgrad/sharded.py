@@ -134,6 +134,7 @@ class ShardedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.dp.module.zero_grad(set_to_none=set_to_none)
+        self.dp._scattered = False
         for shard in self._shards:
             shard.param.grad = None
 

@@ -134,3 +134,40 @@ def _refuse_worker(rank: int, world_size: int) -> None:
 
 def test_optimizers_that_need_whole_tensors_are_refused():
     run_ranks(_refuse_worker)
+
+
+def _accumulate_synced_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).double()
+    ref = copy.deepcopy(model)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model))
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(3, 4, dtype=torch.float64, generator=gen) for _ in range(4)]
+    dp(batches[0]).square().sum().backward()
+    with pytest.raises(RuntimeError, match="accumulate micro-batches under dp.no_sync"):
+        dp(batches[1]).square().sum().backward()
+    # adding onto reduce-scattered shards under no_sync: also refused
+    with pytest.raises(RuntimeError, match="accumulate micro-batches under dp.no_sync"), dp.no_sync():
+        dp(batches[1]).square().sum().backward()
+    for zero in (lambda: opt.zero_grad(), lambda: model.zero_grad(set_to_none=False)):
+        zero()
+        ref_opt.zero_grad()
+        for x in batches[2:]:  # the supported way: no_sync, then one synchronised backward
+            with dp.no_sync(), ddp.no_sync():
+                dp(x).square().sum().backward()
+                ddp(x).square().sum().backward()
+        dp(batches[0]).square().sum().backward()
+        ddp(batches[0]).square().sum().backward()
+        opt.step()
+        ref_opt.step()
+        torch.testing.assert_close(model.weight, ref.weight, rtol=1e-12, atol=1e-12)
+
+
+def test_a_second_synchronised_backward_before_zero_grad_is_refused():
+    """Reduce-scattered gradients are averaged on their own shard only: another backward
+    added onto them would not be the average of both (stock DDP's all-reduce adds up), so
+    it is refused on every rank; after any zero_grad accumulation works as usual."""
+    run_ranks(_accumulate_synced_worker, timeout=90)
