@@ -112,6 +112,7 @@ class DataParallel(nn.Module):
         self.exposed_s = 0.0
         self.backward_s = 0.0  # the backward's start to the end of its compute
         self._started = 0.0
+        _check_same_model(flat, process_group)
         _broadcast_from_rank0(flat, process_group)
         self._rebuild()
 
@@ -285,7 +286,7 @@ class DataParallel(nn.Module):
         None or zeroed (by any zero_grad) since are fine: a read of the buffers, only here."""
         store = self._store
         held = store is not None and any(p.grad is not None for p in store.params)
-        if held and any(bool(buffer.any()) for buffer in store.buffers.values()):  # type: ignore[union-attr]
+        if store is not None and held and any(bool(b.any()) for b in store.buffers.values()):
             raise RuntimeError(
                 "ShardedOptimizer: a backward after a synchronised backward and before "
                 "zero_grad(): the first one reduce-scattered the gradients, so this one "
@@ -366,7 +367,6 @@ def _check_same_model(module: nn.Module, process_group: dist.ProcessGroup | None
 
 def _broadcast_from_rank0(module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
     """What DDP's constructor does: every rank starts from rank 0's parameters and buffers."""
-    _check_same_model(module, process_group)
     source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
