@@ -50,8 +50,14 @@ class GradStore:
         self._entries: dict[torch.Tensor, _Entry] = {}
         self._views: dict[int, torch.Tensor] = {}  # by id: the backward's lookup, no Tensor hash
         self._addresses: dict[int, int] = {}  # by id: where each view points (see `intact`)
+        # Per group: the buffer followed, in the same memory, by one used-flag element per
+        # parameter, and those parameters (see `flagged`).
+        self._flagged: dict[GroupKey, tuple[torch.Tensor, tuple[torch.nn.Parameter, ...]]] = {}
         for key, group in plan_layout(self.params, align_bytes, multiple).items():
-            self.buffers[key] = _aligned_zeros(group.numel, key, align_bytes)
+            members = tuple(self.params[index] for index in group.param_indices)
+            raw = _aligned_zeros(group.numel + len(members), key, align_bytes)
+            self.buffers[key] = raw.narrow(0, 0, group.numel)
+            self._flagged[key] = (raw, members)
             for index, slot in zip(group.param_indices, group.slots):
                 self._set_slot(self.params[index], key, slot)
         self._cut_runs()
@@ -185,6 +191,7 @@ class GradStore:
         if len(params) != len(group) or {id(p) for p in params} != {id(p) for p in group}:
             return False
         self.buffers[key] = buffer
+        self._flagged.pop(key, None)  # DDP's bucket has no room after it
         base = int(buffer.storage_offset())
         for param, grad in zip(params, grads):
             slot = SlotSpec(int(grad.storage_offset()) - base, grad.numel(), tuple(grad.shape), grad.stride())
@@ -194,6 +201,21 @@ class GradStore:
         self._cut_runs()
         self._seat_cache = None
         return True
+
+    def flagged(self, key: GroupKey) -> tuple[torch.Tensor, tuple[torch.nn.Parameter, ...]] | None:
+        """(the group's buffer followed by one flag per parameter, those parameters), with
+        each flag set to 1 where the parameter's `.grad` is defined and 0 where it is None;
+        None once the buffer is a DDP bucket (`adopt`). A sync that all-reduces this one
+        tensor instead of the buffer learns in the same collective which parameters some
+        rank used: a flag above 0 (sums and averages of 0s and 1s). That is what stock DDP
+        with find_unused_parameters=True learns from its extra all-reduce of used flags."""
+        found = self._flagged.get(key)
+        if found is None:
+            return None
+        raw, members = found
+        used = [float(param.grad is not None) for param in members]
+        raw.narrow(0, raw.numel() - len(members), len(members)).copy_(torch.tensor(used, dtype=raw.dtype))
+        return found
 
     def seat(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """Before a backward: point every one of `params` whose `.grad` is None at its slot,
@@ -259,10 +281,22 @@ class GradStore:
     @staticmethod
     def unseat(seated: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         """After that backward: a seated slot nothing wrote into goes back to None, as stock
-        leaves the `.grad` of a parameter that got no gradient."""
+        leaves the `.grad` of a parameter that got no gradient.
+
+        Nothing wrote into it when its version is unchanged: AccumulateGrad adds in place
+        into a defined dense `.grad` outside create_graph. The `.grad` may no longer be the
+        slot then: DDP's reducer, with find_unused_parameters or static_graph, marks a
+        locally unused parameter ready and, finding its `.grad` defined (the seated zeros)
+        outside the current bucket, copies it in and re-binds `.grad` to the bucket view
+        (`mark_variable_ready_dense`). Stock has None there, so it goes back to None too;
+        this callback runs before the reducer's `finalize_backward` (queued earlier, when
+        the backward started), which then points a globally used parameter's `.grad` at its
+        bucket and leaves a globally unused one None, as for stock."""
         for param, view, version in seated:
-            if view._version == version and param.grad is view:
-                param.grad = None
+            if view._version == version:
+                grad = param.grad
+                if grad is view or (grad is not None and grad.grad_fn is None and not grad.requires_grad):
+                    param.grad = None
 
     def settle(self) -> None:
         """Make the buffers the truth: zero the slots of parameters whose `.grad` is None

@@ -172,8 +172,11 @@ def all_reduce_grads(
 ) -> None:
     """Average every buffer over the group: one all-reduce per (dtype, device) buffer.
 
-    A parameter without a gradient on this rank contributes zeros; afterwards every
-    parameter's `.grad` is its slot, as DDP with find_unused_parameters=True leaves it.
+    A parameter without a gradient on this rank contributes zeros. Afterwards `.grad` is
+    as stock DDP with find_unused_parameters=True leaves it: the slot for every parameter
+    some rank used, None for a parameter no rank used. The used flags travel in the same
+    all-reduce, after the buffer (`GradStore.flagged`); a buffer adopted from a DDP bucket
+    has no room for them, and its flags take one more, small, all-reduce.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -181,11 +184,26 @@ def all_reduce_grads(
         )
     _check_wire_dtype(wire_dtype)
     store.settle()
-    futures = [_all_reduce_mean(buf, process_group, wire_dtype) for buf in store.buffers.values()]
+    futures, flagged, unflagged = [], [], []
+    for key, buffer in store.buffers.items():
+        found = store.flagged(key)
+        if found is None:
+            futures.append(_all_reduce_mean(buffer, process_group, wire_dtype))
+            unflagged += [p for p in store.params if store.slot(p)[0] == key]
+        else:
+            raw, members = found
+            futures.append(_all_reduce_mean(raw, process_group, wire_dtype))
+            flagged.append((raw.narrow(0, raw.numel() - len(members), len(members)), members))
+    if unflagged:
+        used = torch.tensor([p.grad is not None for p in unflagged], dtype=torch.uint8)
+        used = used.to(unflagged[0].device)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=process_group)
+        flagged.append((used, tuple(unflagged)))
     torch.futures.wait_all(futures)
-    for param in store.params:
-        if param.grad is None:
-            param.grad = store.view(param)
+    for flags, members in flagged:
+        for param, flag in zip(members, flags.tolist()):  # on CUDA this waits for the sync
+            if flag > 0 and param.grad is None:
+                param.grad = store.view(param)
 
 
 def ddp_kwargs(store: GradStore) -> dict[str, Any]:

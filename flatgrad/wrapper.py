@@ -343,7 +343,9 @@ class FlatGrad(nn.Module):
 
     def all_reduce_grads(self, process_group: Any = None, wire_dtype: torch.dtype | None = None) -> None:
         """Without DDP: average all gradients over `process_group` (default: the world),
-        one all-reduce per buffer. Call it after backward, before the optimizer step."""
+        one all-reduce per buffer. Call it after backward, before the optimizer step.
+        Afterwards `.grad` is as stock DDP with find_unused_parameters=True leaves it (None
+        only for a parameter no rank used)."""
         comm.all_reduce_grads(self._refresh(), process_group, wire_dtype)
 
     def ddp_kwargs(self) -> dict[str, Any]:

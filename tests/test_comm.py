@@ -414,3 +414,47 @@ def _globally_unused_worker(rank: int, world_size: int) -> None:
 
 def test_fast_path_kept_with_a_parameter_unused_everywhere():
     run_ranks(_globally_unused_worker)
+
+
+def _unused_everywhere_worker(rank: int, world_size: int, sync: str, route_all: bool) -> None:
+    """A parameter no rank uses keeps `.grad` None, as under stock DDP, so AdamW's weight
+    decay leaves it alone (a zero `.grad` would move it). The branch is unused on rank 1 in
+    step 1 and on every rank in steps 0, 2 and 3; with static_graph on every rank always."""
+    torch.manual_seed(0)
+    model = _Net(two_dtypes=True)
+    flags = {"static_graph": True} if sync == "static_graph" else {"find_unused_parameters": True}
+    ref = DDP(copy.deepcopy(model), **flags)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL if route_all else None)
+    trained: nn.Module = flat
+    if sync != "all_reduce_grads":
+        trained = DDP(flat, **flags, **flat.ddp_kwargs())
+        trained.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+    opt = torch.optim.AdamW(trained.parameters(), lr=0.1, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    for step in range(4):
+        use_branch = sync != "static_graph" and step == 1 and rank == 0
+        trained(_tokens(rank, step), use_branch).backward()
+        if sync == "all_reduce_grads":
+            with rank_profile() as prof:
+                flat.all_reduce_grads()
+            # the used flags travel in the buffers' all-reduces: one per (dtype, device)
+            assert [e.name for e in prof.events()].count("c10d::allreduce_") == 2
+        ref(_tokens(rank, step), use_branch).backward()
+        for (name, p), q in zip(flat.module.named_parameters(), ref.module.parameters()):
+            assert (p.grad is None) == (q.grad is None), (step, name)
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6, msg=name)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for (name, p), q in zip(flat.module.named_parameters(), ref.module.parameters()):
+            torch.testing.assert_close(
+                p, q, rtol=1e-6, atol=1e-6, msg=lambda m, n=name, s=step: f"{s} {n}: {m}"
+            )
+
+
+@pytest.mark.parametrize("route_all", [False, True], ids=["default", "route-all"])
+@pytest.mark.parametrize("sync", ["find_unused", "static_graph", "all_reduce_grads"])
+def test_a_parameter_no_rank_uses_keeps_grad_none_like_stock_ddp(sync, route_all):
+    run_ranks(_unused_everywhere_worker, sync, route_all)
