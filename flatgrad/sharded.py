@@ -81,6 +81,15 @@ class ShardedOptimizer:
                 f"optimizer_class must be an element-wise torch optimizer ({names}) so that a "
                 f"shard updates as the whole tensor would, got {given}"
             )
+        if dp._reduce_scatter:
+            raise ValueError(
+                "dp already has a ShardedOptimizer (its buckets are reduce-scattered for that "
+                "one's shards); build one ShardedOptimizer per DataParallel"
+            )
+        # The optimizer's arguments are checked before anything moves: a typo raises here
+        # and leaves dp and the model as they were.
+        probe = next(iter(dp.module._checked_store().buffers.values()))
+        optimizer_class([nn.Parameter(torch.zeros(1, dtype=probe.dtype, device=probe.device))], **defaults)
         self.dp = dp
         self.world_size = dp.world_size
         self.rank = dist.get_rank(dp.process_group)

@@ -130,6 +130,22 @@ def _refuse_worker(rank: int, world_size: int) -> None:
         flatgrad.ShardedOptimizer(dp, torch.optim.LBFGS, lr=1.0)
     with pytest.raises(TypeError, match="dp must be a flatgrad.DataParallel, got FlatGrad"):
         flatgrad.ShardedOptimizer(flat, torch.optim.SGD, lr=1.0)  # type: ignore[arg-type]
+    # Bad optimizer arguments raise before anything moves: dp stays a plain DataParallel.
+    weight = flat.module.weight
+    with pytest.raises(TypeError, match="weight_deacy"):
+        flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=1.0, weight_deacy=0.1)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=-1.0)
+    assert flat.module.weight is weight and weight.data_ptr() != 0
+    assert weight.untyped_storage().size() == weight.numel() * weight.element_size()  # not moved
+    dp(torch.full((2, 4), float(rank + 1))).sum().backward()
+    grads = [torch.empty_like(weight.grad) for _ in range(world_size)]
+    dist.all_gather(grads, weight.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)  # all-reduced, not scattered
+    torch.testing.assert_close(weight.grad, torch.full((4, 4), 3.0))  # (2 + 4) / 2
+    flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=1.0)
+    with pytest.raises(ValueError, match="dp already has a ShardedOptimizer"):
+        flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=1.0)
 
 
 def test_optimizers_that_need_whole_tensors_are_refused():
