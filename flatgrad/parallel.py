@@ -45,7 +45,7 @@ from torch import nn
 
 from flatgrad.buffer import GradStore
 from flatgrad.comm import _check_wire_dtype, average_op, reduce_scatter_flat
-from flatgrad.wrapper import FlatGrad, output_nodes
+from flatgrad.wrapper import FlatGrad, named_modules_through, output_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +144,19 @@ class DataParallel(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """The plain model's names, as in `state_dict` (``dp.named_parameters()`` gives
+        ``fc.weight``), so torch.distributed.checkpoint keys optimizer state as for the plain
+        model."""
+        return named_modules_through(self, memo, prefix, remove_duplicate)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For torch.distributed.checkpoint.state_dict: a plain-model name goes through
+        ``module`` (the FlatGrad, which resolves it)."""
+        return dict.fromkeys(self.module._fqn_modifiers(), "module")
 
     @property
     def buckets(self) -> list[torch.Tensor]:

@@ -135,6 +135,17 @@ class FlatGrad(nn.Module):
             return super().named_parameters(prefix, recurse, remove_duplicate)
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """The wrapper, then the wrapped model's modules under their own names (the wrapped
+        model itself under the wrapper's name). A module holding the wrapper names its
+        parameters as if it held the plain model (``DDP(flat).named_parameters()`` gives
+        ``module.fc.weight``, as ``DDP(model)`` does), which is what
+        torch.distributed.checkpoint keys optimizer state by, and what DDP's
+        ``parameters_to_ignore`` names are matched against."""
+        return named_modules_through(self, memo, prefix, remove_duplicate)
+
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -462,6 +473,22 @@ def _place_incoming(
         return None
     store.place(param, grad)
     return (None,)
+
+
+def named_modules_through(
+    wrapper: nn.Module, memo: set[nn.Module] | None, prefix: str, remove_duplicate: bool
+) -> Iterator[tuple[str, nn.Module]]:
+    """`nn.Module.named_modules` of a wrapper that adds no name: the wrapper under
+    `prefix`, then its ``module``'s modules under the same prefix."""
+    if memo is None:
+        memo = set()
+    if remove_duplicate:
+        if wrapper in memo:
+            return
+        memo.add(wrapper)
+    yield prefix, wrapper
+    inner: nn.Module = wrapper.module  # type: ignore[assignment]
+    yield from inner.named_modules(memo, prefix, remove_duplicate)
 
 
 def output_nodes(output: Any) -> set[Any]:

@@ -458,3 +458,67 @@ def _unused_everywhere_worker(rank: int, world_size: int, sync: str, route_all: 
 @pytest.mark.parametrize("sync", ["find_unused", "static_graph", "all_reduce_grads"])
 def test_a_parameter_no_rank_uses_keeps_grad_none_like_stock_ddp(sync, route_all):
     run_ranks(_unused_everywhere_worker, sync, route_all)
+
+
+def _checkpoint_names_worker(rank: int, world_size: int, tmp: str) -> None:
+    """torch.distributed.checkpoint under DDP(flat) and flatgrad.DataParallel keys model and
+    optimizer state as for DDP(model), so a checkpoint saved by one loads into the other;
+    DDP's parameters_to_ignore matches the plain model's names."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def trained(wrap: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model: nn.Module = _Net()
+        if wrap != "stock":
+            flat = flatgrad.FlatGrad(model)
+            model = flatgrad.DataParallel(flat) if wrap == "dp" else DDP(flat, **flat.ddp_kwargs())
+        else:
+            model = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+        for step in range(2):
+            model(_tokens(rank, step)).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    states = {wrap: get_state_dict(*trained(wrap)) for wrap in ("stock", "ddp", "dp")}
+    ref_model, ref_optim = states["stock"]
+    for wrap in ("ddp", "dp"):
+        model_sd, optim_sd = states[wrap]
+        assert model_sd.keys() == ref_model.keys(), wrap
+        assert optim_sd["state"].keys() == ref_optim["state"].keys(), wrap
+        assert optim_sd["param_groups"][0]["params"] == ref_optim["param_groups"][0]["params"], wrap
+        for key, value in optim_sd["state"].items():
+            for name, tensor in value.items():
+                torch.testing.assert_close(tensor, ref_optim["state"][key][name], rtol=1e-12, atol=1e-12)
+    # saved from DDP(flat), loaded into DDP(model): the next step equals continuing stock
+    model, opt = trained("ddp")
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    torch.manual_seed(1)
+    fresh = DDP(_Net())
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1, weight_decay=0.1)
+    fresh_sd, fresh_optim_sd = get_state_dict(fresh, fresh_opt)
+    state = {"model": fresh_sd, "optim": fresh_optim_sd}
+    dcp.load(state, checkpoint_id=tmp)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    ref, ref_opt = trained("stock")
+    for module, optimizer in ((fresh, fresh_opt), (ref, ref_opt)):
+        module(_tokens(rank, 9)).backward()
+        optimizer.step()
+    _assert_params_equal(fresh.module, ref.module)
+    # parameters_to_ignore by the plain model's names: that gradient is not averaged
+    torch.manual_seed(0)
+    flat = flatgrad.FlatGrad(_Net())
+    local = flatgrad.FlatGrad(copy.deepcopy(flat.module))
+    DDP._set_params_and_buffers_to_ignore_for_model(flat, ["head.weight"])
+    ddp = DDP(flat)
+    for module in (ddp, local):
+        module(_tokens(rank, 0)).backward()
+    torch.testing.assert_close(flat.module.head.weight.grad, local.module.head.weight.grad, rtol=0, atol=0)
+    assert not torch.equal(flat.module.fc.weight.grad, local.module.fc.weight.grad)
+
+
+def test_distributed_checkpoints_and_ignored_parameters_use_the_plain_names(tmp_path):
+    run_ranks(_checkpoint_names_worker, str(tmp_path))

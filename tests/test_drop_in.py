@@ -365,6 +365,12 @@ def test_named_parameters_are_the_plain_model_names_and_resolve():
     for name, param in flat.named_parameters():
         assert flat.get_parameter(name) is param
     assert flat.proj is flat.module.proj
+    # modules under the plain names too (after the wrapper itself), so a module holding the
+    # wrapper names its parameters as one holding the plain model does
+    assert [(n, m) for n, m in flat.named_modules()][1:] == list(flat.module.named_modules())
+    holder, plain_holder = nn.ModuleDict({"net": flat}), nn.ModuleDict({"net": oracle})
+    assert [n for n, _ in holder.named_parameters()] == [n for n, _ in plain_holder.named_parameters()]
+    assert list(holder.parameters()) == list(flat.module.parameters())
 
 
 def test_grads_live_in_the_buffer_right_after_backward():
