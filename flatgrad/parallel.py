@@ -50,6 +50,7 @@ from flatgrad.wrapper import FlatGrad, named_modules_through, output_nodes
 logger = logging.getLogger(__name__)
 
 _FIRST_BUCKET_MB = 1.0  # a small first bucket starts communication early, as in DDP
+_BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
 
 
 @dataclass
@@ -70,7 +71,9 @@ class DataParallel(nn.Module):
 
     ``dp(*args)`` is ``flat(*args)``; after ``loss.backward()`` returns every `.grad` is
     averaged over the ranks (as under DDP). ``with dp.no_sync():`` accumulates locally.
-    Rank 0's parameters and buffers are broadcast at construction.
+    Rank 0's parameters and buffers are broadcast at construction, and with
+    `broadcast_buffers` (DDP's flag and default) its buffers (BatchNorm statistics) again
+    before each forward that follows a synchronised training forward, as DDP does.
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class DataParallel(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         bucket_mb: float = 25.0,
         wire_dtype: torch.dtype | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         if not isinstance(flat, FlatGrad):
             raise TypeError(f"flat must be a flatgrad.FlatGrad, got {type(flat).__name__}")
@@ -93,6 +97,11 @@ class DataParallel(nn.Module):
         self.bucket_mb = float(bucket_mb)
         self.wire_dtype = wire_dtype
         self.world_size = dist.get_world_size(process_group)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        # DDP's require_forward_param_sync: whether the last forward trained and synchronised
+        # (True before the first), which is when the next forward broadcasts the buffers.
+        self._sync_buffers_next = True
+        self._has_buffers = False  # whether the model had buffers at the last (re)build
         self._reduce_scatter = False  # ShardedOptimizer switches the buckets to reduce-scatter
         self._scattered = False  # the last synchronised backward reduce-scattered (see _begin)
         self._sync = True
@@ -122,10 +131,26 @@ class DataParallel(nn.Module):
         if self.module._checked_store() is not self._store:
             self._rebuild()
         self._task = -1  # no backward is running now (one that raised never finished)
+        if self._sync_buffers_next and self.broadcast_buffers and self._has_buffers:
+            self._broadcast_buffers()
         output = self.module(*args, **kwargs)
-        if torch.is_grad_enabled():
+        training = torch.is_grad_enabled()
+        self._sync_buffers_next = training and self._sync
+        if training:
             self._watch(output, self._sync)
         return output
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers to every rank, as DDP's forward does: the buffers found now (a
+        buffer may have been re-assigned), coalesced into few broadcasts
+        (`dist._broadcast_coalesced`, DDP's own, 250 MiB pieces), without bumping their
+        version counters (a buffer saved for a backward stays usable, as under DDP)."""
+        buffers = list(self.module.buffers())
+        if not buffers:
+            return
+        group = self.process_group or dist.distributed_c10d._get_default_group()
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            dist._broadcast_coalesced(group, buffers, _BROADCAST_BUCKET_BYTES, 0)  # type: ignore[attr-defined]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -173,6 +198,7 @@ class DataParallel(nn.Module):
         self._hooks, self._nodes = [], []
         store = self.module._checked_store()
         self._store = store
+        self._has_buffers = any(True for _ in self.module.buffers())
         self._buckets = _cut_buckets(store, self.bucket_mb)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         hooked = {id(p) for bucket in self._buckets[:-1] for p in bucket.params}

@@ -366,3 +366,52 @@ def test_nccl_on_two_gpus_equals_stock_ddp(zero):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gloo_on_one_gpu_equals_stock_ddp():
     run_ranks(_cuda_worker, False)
+
+
+class _Normed(nn.Module):
+    """BatchNorm: its running statistics are buffers that each rank updates from its own data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 1)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bn(self.fc(x)))).square().mean()
+
+
+def _buffers_worker(rank: int, world_size: int, broadcast_buffers: bool) -> None:
+    torch.manual_seed(0)
+    model = _Normed()
+    ref = DDP(copy.deepcopy(model), broadcast_buffers=broadcast_buffers)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), broadcast_buffers=broadcast_buffers)
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(5):
+        x = torch.randn(8, 6, generator=gen, dtype=torch.float64)
+        extra = torch.randn(8, 6, generator=gen, dtype=torch.float64)
+        for module, optimizer in ((dp, opt), (ref, ref_opt)):
+            if step == 2:  # a no_sync micro-batch: the next forward does not broadcast
+                with module.no_sync():
+                    module(extra * (rank + 1)).backward()
+            if step == 3:  # an evaluation forward: nor does the one after it
+                with torch.no_grad():
+                    module(extra)
+            module(x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        for (name, ours), theirs in zip(model.named_buffers(), ref.module.buffers()):
+            torch.testing.assert_close(ours, theirs, **TOL, msg=lambda m, n=name, s=step: f"{s} {n}: {m}")
+        _assert_close(model, ref.module, f"step {step}")
+    stats = torch.stack([model.bn.running_mean, ref.module.bn.running_mean])
+    gathered = [torch.empty_like(stats) for _ in range(world_size)]
+    dist.all_gather(gathered, stats)
+    assert not torch.equal(gathered[0], gathered[1])  # ranks see different data: the test can tell
+
+
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+def test_buffers_are_broadcast_before_forward_like_ddp(broadcast_buffers):
+    run_ranks(_buffers_worker, broadcast_buffers)
