@@ -34,6 +34,10 @@ import torch.nn.functional as F
 from flatgrad.buffer import GradStore
 
 _Mode = Literal["skip", "fresh", "out", "add"]
+# Compiled autograd traces a Function's backward with Dynamo: the graph and `.grad` are not
+# there to look at, so the gradient is returned and the traced AccumulateGrad takes it, as
+# for stock (the next norm or sync moves it into its slot).
+_TRACED: tuple[_Mode, None, None] = ("fresh", None, None)
 
 
 def plain_torch() -> bool:
@@ -60,6 +64,8 @@ def _weight_target(
     """
     if not ctx.needs_input_grad[index]:
         return "skip", None, None
+    if torch.compiler.is_compiling():
+        return _TRACED
     return _node_target((next_functions or ctx.next_functions)[index][0])
 
 
@@ -126,9 +132,9 @@ class _Linear(torch.autograd.Function):
                 grad_x = grad_x.to(x.dtype)
         if not (need_w or need_b):
             return grad_x, None, None
-        nexts = ctx.next_functions
+        nexts = None if torch.compiler.is_compiling() else ctx.next_functions  # see _TRACED
         if need_w:
-            mode, slot, param = _node_target(nexts[1][0])
+            mode, slot, param = _TRACED if nexts is None else _node_target(nexts[1][0])
             if mode != "skip":
                 dtype = weight.dtype
                 rows_t = rows.t()
@@ -144,7 +150,7 @@ class _Linear(torch.autograd.Function):
                 else:
                     slot.addmm_(rows_t, xs) if compute == dtype else slot.add_(rows_t.mm(xs))  # type: ignore[union-attr]
         if need_b and ctx.bias_dtype is not None:
-            mode, slot, param = _node_target(nexts[2][0])
+            mode, slot, param = _TRACED if nexts is None else _node_target(nexts[2][0])
             if mode != "skip":
                 dtype = ctx.bias_dtype
                 if mode == "fresh":

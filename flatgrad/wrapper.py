@@ -426,6 +426,8 @@ class _Seater:
     def _on_backward(self, grad_outputs: Any) -> None:
         if self._retired or torch.is_grad_enabled():  # create_graph: grads stay differentiable
             return
+        if torch.compiler.is_compiling():
+            return  # compiled autograd traces this hook: see README
         task = torch._C._current_graph_task_id()
         if task == self._task:
             return  # another output of the same backward

@@ -453,6 +453,35 @@ def test_compiled_gradients_equal_stock_and_live_in_the_buffer(backend, where):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("config", [None, ROUTE_ALL], ids=["default", "route-all"])
+def test_compiled_autograd_gradients_equal_stock(config):
+    """Compiled autograd traces backward (the routed Functions' and the seating hook) with
+    Dynamo: routed layers hand their gradients to the traced AccumulateGrad as stock's do,
+    and the next norm moves them into the buffer."""
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    flat, oracle = _pair(_CompileLM().double(), config=config)
+    opt = torch.optim.AdamW(flat.parameters(), lr=0.01, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(oracle.parameters(), lr=0.01, weight_decay=0.1)
+    for step in range(2):
+        for model in (flat, oracle):
+            with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                for micro in range(2):  # accumulation: the second backward adds
+                    model(_tokens(10 * step + micro, vocab=64)).backward()
+        flat.grad_buffers  # noqa: B018 (moves gradients that landed outside into their slots)
+        assert_same_grads(flat, oracle)
+        torch.testing.assert_close(
+            flat.clip_grad_norm_(0.1), torch.nn.utils.clip_grad_norm_(oracle.parameters(), 0.1)
+        )
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    _assert_params_equal(flat.module, oracle)
+    torch._dynamo.reset()
+
+
 def test_load_state_dict_errors_name_the_plain_keys():
     flat, oracle = _pair()
     state = oracle.state_dict()
