@@ -432,10 +432,11 @@ class _Seater:
         if task == self._task:
             return  # another output of the same backward
         self._task = task
-        seated = self.store.seat(self.params)
-        self.store.check(self._routed + self._placed)
+        store = self.store
+        store.check(self._routed + self._placed)  # the seated ones are checked by `seat`
+        seated = [] if store.stale else store.seat(self.params)
         wrapper = self._wrapper()
-        if self.store.stale and wrapper is not None:
+        if store.stale and wrapper is not None:
             # A parameter was converted or reshaped behind the wrapper (model.double() on the
             # inner model, param.data = ...): lay out again now, before any gradient arrives.
             GradStore.unseat(seated)
