@@ -207,7 +207,7 @@ class GradStore:
         each flag set to 1 where the parameter's `.grad` is defined and 0 where it is None;
         None once the buffer is a DDP bucket (`adopt`). A sync that all-reduces this one
         tensor instead of the buffer learns in the same collective which parameters some
-        rank used: a flag above 0 (sums and averages of 0s and 1s). That is what stock DDP
+        rank used: a flag other than 0 (sums and averages of 0s and 1s). That is what stock DDP
         with find_unused_parameters=True learns from its extra all-reduce of used flags."""
         found = self._flagged.get(key)
         if found is None:
@@ -281,22 +281,10 @@ class GradStore:
     @staticmethod
     def unseat(seated: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         """After that backward: a seated slot nothing wrote into goes back to None, as stock
-        leaves the `.grad` of a parameter that got no gradient.
-
-        Nothing wrote into it when its version is unchanged: AccumulateGrad adds in place
-        into a defined dense `.grad` outside create_graph. The `.grad` may no longer be the
-        slot then: DDP's reducer, with find_unused_parameters or static_graph, marks a
-        locally unused parameter ready and, finding its `.grad` defined (the seated zeros)
-        outside the current bucket, copies it in and re-binds `.grad` to the bucket view
-        (`mark_variable_ready_dense`). Stock has None there, so it goes back to None too;
-        this callback runs before the reducer's `finalize_backward` (queued earlier, when
-        the backward started), which then points a globally used parameter's `.grad` at its
-        bucket and leaves a globally unused one None, as for stock."""
+        leaves the `.grad` of a parameter that got no gradient."""
         for param, view, version in seated:
-            if view._version == version:
-                grad = param.grad
-                if grad is view or (grad is not None and grad.grad_fn is None and not grad.requires_grad):
-                    param.grad = None
+            if view._version == version and param.grad is view:
+                param.grad = None
 
     def settle(self) -> None:
         """Make the buffers the truth: zero the slots of parameters whose `.grad` is None

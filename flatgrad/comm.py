@@ -6,6 +6,7 @@ DDP checks the hook's annotations at registration (`dist.GradBucket`, `Future[Te
 
 import logging
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,18 +51,22 @@ class FlatGradCommState:
         self.wrapper._ddp_forwards = -1  # the hook runs: nothing to warn about
         buffer = bucket.buffer()
         store: GradStore = self.wrapper._checked_store()
-        current = store.buffers.get((buffer.dtype, buffer.device))
+        key = (buffer.dtype, buffer.device)
+        current = store.buffers.get(key)
         if (
             current is not None
             and current.data_ptr() == buffer.data_ptr()
             and current.numel() == buffer.numel()
         ):
+            self.wrapper._adopted.add(key)
             return
         params, grads = bucket.parameters(), bucket.gradients()
         # Parameters DDP found unused (find_unused_parameters=True) may have no .grad yet.
         pairs = [(p.grad, g) for p, g in zip(params, grads) if p.grad is not None]
         as_views = bool(pairs) and all(grad.data_ptr() == view.data_ptr() for grad, view in pairs)
-        if not (as_views and store.adopt(buffer, params, grads)) and not self._warned:
+        if as_views and store.adopt(buffer, params, grads):
+            self.wrapper._adopted.add(key)
+        elif not self._warned:
             self._warned = True
             logger.warning(
                 "flatgrad: DDP keeps gradients in its own buckets, so they are copied every step; "
@@ -103,6 +108,34 @@ def note_forward_without_hook(num_forwards: int) -> int:
         num_forwards - 1,
     )
     return -1
+
+
+# (the DDP, whether it had rebuilt its buckets) as seen by a forward; see `bucket_view_ddp`
+DDPState = tuple[weakref.ref[Any], bool]
+
+
+def bucket_view_ddp(previous: DDPState | None) -> DDPState | None:
+    """Which DDP will synchronise the running forward's backward into buckets that `.grad`
+    views (gradient_as_bucket_view=True), with whether it has rebuilt its buckets (DDP does
+    once, in the second iteration's forward); `previous` itself when that has not changed.
+    None when no such DDP runs the forward (no DDP, ``no_sync()``, no_grad, DDP's copies).
+
+    Call site: `FlatGrad.forward`. Until `allreduce_hook` has made that DDP's current
+    bucket the flat buffer (`FlatGradCommState.adopt`), the wrapper seats nothing: DDP's
+    reducer takes a defined `.grad` outside its bucket for a gradient, copies it in and
+    points `.grad` at the bucket (`mark_variable_ready_dense`), so the seated zeros of a
+    parameter no rank used would survive as a zero `.grad` where stock keeps None.
+    """
+    active = getattr(DDP, "_get_active_ddp_module", None)
+    ddp = active() if active is not None else None
+    if ddp is None or not (ddp.require_backward_grad_sync and ddp.gradient_as_bucket_view):
+        return None
+    if not torch.is_grad_enabled():
+        return None
+    rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", False))
+    if previous is not None and previous[0]() is ddp and previous[1] == rebuilt:
+        return previous
+    return (weakref.ref(ddp), rebuilt)
 
 
 def _ddp_will_sync() -> bool:
@@ -202,7 +235,7 @@ def all_reduce_grads(
     torch.futures.wait_all(futures)
     for flags, members in flagged:
         for param, flag in zip(members, flags.tolist()):  # on CUDA this waits for the sync
-            if flag > 0 and param.grad is None:
+            if flag != 0 and param.grad is None:  # (complex buffers carry complex flags)
                 param.grad = store.view(param)
 
 

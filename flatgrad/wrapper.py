@@ -80,6 +80,10 @@ class FlatGrad(nn.Module):
         self._others: tuple[nn.Parameter, ...] = ()  # the model's parameters without a slot
         self._generation = -1
         self._ddp_forwards = -1  # forwards since ddp_kwargs() without allreduce_hook; -1: not asked
+        # The DDP that synchronised the last synchronised forward into bucket views, and the
+        # groups whose buffer is its current bucket (`allreduce_hook` adopted it).
+        self._ddp_state: comm.DDPState | None = None
+        self._adopted: set[GroupKey] = set()
         self._slot_multiple = 1  # slots start on multiples of this many elements (sharding)
         if not _trainable_parameters(model):
             raise ValueError("model must have at least one parameter with requires_grad=True, got none")
@@ -92,7 +96,15 @@ class FlatGrad(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         # The store's views and the seater are rebuilt by `__setstate__`.
         state = self.__dict__.copy()
-        state.update(_store=None, _seater=None, _watched=(), _others=(), _generation=-1)
+        state.update(
+            _store=None,
+            _seater=None,
+            _watched=(),
+            _others=(),
+            _generation=-1,
+            _ddp_state=None,
+            _adopted=set(),
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -110,9 +122,15 @@ class FlatGrad(nn.Module):
             self._refresh()
         if self._ddp_forwards >= 0:
             self._ddp_forwards = comm.note_forward_without_hook(self._ddp_forwards)
+        ddp_state = comm.bucket_view_ddp(self._ddp_state)
+        if ddp_state is not self._ddp_state and ddp_state is not None:
+            self._ddp_state, self._adopted = ddp_state, set()  # another DDP, or its buckets moved
         output = self._call_module(*args, **kwargs)
         seater = self._seater
         if seater is not None and torch.is_grad_enabled():
+            # Under a DDP whose current buckets are not the flat buffers yet: seat nothing
+            # (see `comm.bucket_view_ddp`); the gradients take stock's way into DDP's buckets.
+            seater.seating = ddp_state is None or len(self._adopted) == len(seater.store.buffers)
             seater.watch(output)
         return output
 
@@ -220,6 +238,7 @@ class FlatGrad(nn.Module):
                 old.release()
             routed = _route_layers(self.module, self.config)
             self._store = store = GradStore(params, self.config.align_bytes, self._slot_multiple)
+            self._adopted = set()  # new buffers: no DDP bucket is one of them
             self._seater = _Seater(store, params, routed, self)
             self._watched = _watch_list(self.module) or ()
             held = {id(p) for p in params}
@@ -402,6 +421,7 @@ class _Seater:
         self._wrapper = weakref.ref(wrapper)
         self._task = -1
         self._retired = False
+        self.seating = True  # False: the next backward seats nothing (set by the forward)
         self._accumulators: list[Any] = []  # a parameter holds its AccumulateGrad node weakly
         self._hooks: list[Any] = []
         for param in self._placed:
@@ -434,7 +454,7 @@ class _Seater:
         self._task = task
         store = self.store
         store.check(self._routed + self._placed)  # the seated ones are checked by `seat`
-        seated = [] if store.stale else store.seat(self.params)
+        seated = [] if store.stale or not self.seating else store.seat(self.params)
         wrapper = self._wrapper()
         if store.stale and wrapper is not None:
             # A parameter was converted or reshaped behind the wrapper (model.double() on the

@@ -419,10 +419,13 @@ def test_fast_path_kept_with_a_parameter_unused_everywhere():
 def _unused_everywhere_worker(rank: int, world_size: int, sync: str, route_all: bool) -> None:
     """A parameter no rank uses keeps `.grad` None, as under stock DDP, so AdamW's weight
     decay leaves it alone (a zero `.grad` would move it). The branch is unused on rank 1 in
-    step 1 and on every rank in steps 0, 2 and 3; with static_graph on every rank always."""
+    step 1 and on every rank in steps 0, 2 and 3; with static_graph on every rank always, or
+    (static_graph_one_rank) used on rank 0 only: a parameter some rank used has its
+    averaged `.grad` on every rank."""
     torch.manual_seed(0)
     model = _Net(two_dtypes=True)
-    flags = {"static_graph": True} if sync == "static_graph" else {"find_unused_parameters": True}
+    static = sync.startswith("static_graph")
+    flags = {"static_graph": True} if static else {"find_unused_parameters": True}
     ref = DDP(copy.deepcopy(model), **flags)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL if route_all else None)
     trained: nn.Module = flat
@@ -432,7 +435,8 @@ def _unused_everywhere_worker(rank: int, world_size: int, sync: str, route_all: 
     opt = torch.optim.AdamW(trained.parameters(), lr=0.1, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
     for step in range(4):
-        use_branch = sync != "static_graph" and step == 1 and rank == 0
+        use_branch = rank == 0 and (step == 1 or sync == "static_graph_one_rank")
+        use_branch = use_branch and sync != "static_graph"
         trained(_tokens(rank, step), use_branch).backward()
         if sync == "all_reduce_grads":
             with rank_profile() as prof:
@@ -455,7 +459,7 @@ def _unused_everywhere_worker(rank: int, world_size: int, sync: str, route_all: 
 
 
 @pytest.mark.parametrize("route_all", [False, True], ids=["default", "route-all"])
-@pytest.mark.parametrize("sync", ["find_unused", "static_graph", "all_reduce_grads"])
+@pytest.mark.parametrize("sync", ["find_unused", "static_graph", "static_graph_one_rank", "all_reduce_grads"])
 def test_a_parameter_no_rank_uses_keeps_grad_none_like_stock_ddp(sync, route_all):
     run_ranks(_unused_everywhere_worker, sync, route_all)
 
@@ -522,3 +526,24 @@ def _checkpoint_names_worker(rank: int, world_size: int, tmp: str) -> None:
 
 def test_distributed_checkpoints_and_ignored_parameters_use_the_plain_names(tmp_path):
     run_ranks(_checkpoint_names_worker, str(tmp_path))
+
+
+def _complex_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4, dtype=torch.complex128)
+    unused = nn.Parameter(torch.randn(3, dtype=torch.complex128))
+    model.register_parameter("unused", unused)
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    flat = flatgrad.FlatGrad(model)
+    x = torch.randn(2, 4, dtype=torch.complex128, generator=torch.Generator().manual_seed(rank))
+    flat(x).abs().sum().backward()
+    flat.all_reduce_grads()
+    ref(x).abs().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_all_reduce_grads_of_complex_parameters_matches_stock_ddp():
+    run_ranks(_complex_worker)

@@ -482,6 +482,30 @@ def test_compiled_autograd_gradients_equal_stock(config):
     torch._dynamo.reset()
 
 
+class _AssignsGrad(TiedLM):
+    """A tensor hook that sets a parameter's `.grad` during backward, before that
+    parameter's AccumulateGrad runs (which then adds into that tensor)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        normed = self.norm(torch.tanh(self.proj(self.emb(tokens))))
+        weight = self.norm.weight
+
+        def assign(grad: torch.Tensor) -> None:  # runs before the norm's backward
+            weight.grad = torch.ones_like(weight)
+
+        normed.register_hook(assign)
+        return self.head(normed).square().mean()
+
+
+@pytest.mark.parametrize("config", [None, ROUTE_ALL], ids=["default", "route-all"])
+def test_a_grad_assigned_by_a_hook_during_backward_is_kept_like_stock(config):
+    flat, oracle = _pair(_AssignsGrad().double(), config=config)
+    for model in (flat, oracle):
+        model(_tokens(0)).backward()
+    assert flat.module.norm.weight.grad is not None
+    assert_same_grads(flat, oracle)
+
+
 def test_load_state_dict_errors_name_the_plain_keys():
     flat, oracle = _pair()
     state = oracle.state_dict()
