@@ -228,8 +228,20 @@ class DataParallel(nn.Module):
             node.register_prehook(functools.partial(self._on_backward_start, sync))
 
     def _on_backward_start(self, sync: bool, grad_outputs: Any) -> None:
-        if torch._C._current_graph_task_id() != self._task and self._will_accumulate():
-            self._begin(sync)
+        if torch._C._current_graph_task_id() != self._task:
+            if self._will_accumulate():
+                self._begin(sync)
+        elif sync and not self._task_sync:
+            self._upgrade()
+
+    def _upgrade(self) -> None:
+        """One backward through the outputs of a forward under `no_sync()` and of one outside
+        it, the first reached first: it averages, as under DDP (the synchronised forward
+        prepared DDP's reducer for this backward). Gradients final before now count at the
+        final callback, which launches every bucket not launched yet."""
+        self._task_sync = True  # (a create_graph backward never opened a task: `_begin`)
+        self._reset()
+        self._started = time.perf_counter()
 
     def _will_accumulate(self) -> bool:
         """Whether the running backward accumulates into a parameter: not so for

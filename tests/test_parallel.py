@@ -415,3 +415,28 @@ def _buffers_worker(rank: int, world_size: int, broadcast_buffers: bool) -> None
 @pytest.mark.parametrize("broadcast_buffers", [True, False])
 def test_buffers_are_broadcast_before_forward_like_ddp(broadcast_buffers):
     run_ranks(_buffers_worker, broadcast_buffers)
+
+
+def _mixed_outputs_worker(rank: int, world_size: int) -> None:
+    """One backward through an output of a forward under no_sync() and one of a forward
+    outside it averages everything, as under DDP, whichever output backward reaches first."""
+    torch.manual_seed(0)
+    model = _Net()
+    ref = DDP(copy.deepcopy(model))
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL))
+    for quiet_reached_first in (True, False):
+        # the engine reaches the output of the later forward first (larger sequence number)
+        for module in (dp, ref):
+            module.zero_grad()
+            if quiet_reached_first:
+                loud = module(_tokens(rank, 1))
+            with module.no_sync():
+                quiet = module(_tokens(rank, 0))
+            if not quiet_reached_first:
+                loud = module(_tokens(rank, 1))
+            (loud + 2 * quiet).backward()
+        _assert_close(model, ref.module, f"quiet_reached_first={quiet_reached_first}")
+
+
+def test_one_backward_through_synced_and_no_sync_outputs_averages_like_ddp():
+    run_ranks(_mixed_outputs_worker)
