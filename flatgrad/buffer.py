@@ -18,6 +18,9 @@ class _Entry:
     view: torch.Tensor  # the slot, shaped and strided like the parameter; becomes its .grad
 
 
+_Flagged = tuple[torch.Tensor, torch.Tensor, tuple[torch.nn.Parameter, ...]]
+
+
 class GradStore:
     """One zero-initialised 1-D tensor per (dtype, device) group, and each parameter's slot.
 
@@ -51,13 +54,13 @@ class GradStore:
         self._views: dict[int, torch.Tensor] = {}  # by id: the backward's lookup, no Tensor hash
         self._addresses: dict[int, int] = {}  # by id: where each view points (see `intact`)
         # Per group: the buffer followed, in the same memory, by one used-flag element per
-        # parameter, and those parameters (see `flagged`).
-        self._flagged: dict[GroupKey, tuple[torch.Tensor, tuple[torch.nn.Parameter, ...]]] = {}
+        # parameter; those flags; and those parameters (see `flagged`).
+        self._flagged: dict[GroupKey, _Flagged] = {}
         for key, group in plan_layout(self.params, align_bytes, multiple).items():
             members = tuple(self.params[index] for index in group.param_indices)
             raw = _aligned_zeros(group.numel + len(members), key, align_bytes)
             self.buffers[key] = raw.narrow(0, 0, group.numel)
-            self._flagged[key] = (raw, members)
+            self._flagged[key] = (raw, raw.narrow(0, group.numel, len(members)), members)
             for index, slot in zip(group.param_indices, group.slots):
                 self._set_slot(self.params[index], key, slot)
         self._cut_runs()
@@ -202,8 +205,9 @@ class GradStore:
         self._seat_cache = None
         return True
 
-    def flagged(self, key: GroupKey) -> tuple[torch.Tensor, tuple[torch.nn.Parameter, ...]] | None:
-        """(the group's buffer followed by one flag per parameter, those parameters), with
+    def flagged(self, key: GroupKey) -> _Flagged | None:
+        """(the group's buffer followed by one flag per parameter, the flags, those
+        parameters), with
         each flag set to 1 where the parameter's `.grad` is defined and 0 where it is None;
         None once the buffer is a DDP bucket (`adopt`). A sync that all-reduces this one
         tensor instead of the buffer learns in the same collective which parameters some
@@ -212,9 +216,9 @@ class GradStore:
         found = self._flagged.get(key)
         if found is None:
             return None
-        raw, members = found
+        _, flags, members = found
         used = [float(param.grad is not None) for param in members]
-        raw.narrow(0, raw.numel() - len(members), len(members)).copy_(torch.tensor(used, dtype=raw.dtype))
+        flags.copy_(torch.tensor(used, dtype=flags.dtype))
         return found
 
     def seat(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:

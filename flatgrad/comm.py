@@ -126,8 +126,7 @@ def bucket_view_ddp(previous: DDPState | None) -> DDPState | None:
     points `.grad` at the bucket (`mark_variable_ready_dense`), so the seated zeros of a
     parameter no rank used would survive as a zero `.grad` where stock keeps None.
     """
-    active = getattr(DDP, "_get_active_ddp_module", None)
-    ddp = active() if active is not None else None
+    ddp = _active_ddp()
     if ddp is None or not (ddp.require_backward_grad_sync and ddp.gradient_as_bucket_view):
         return None
     if not torch.is_grad_enabled():
@@ -142,11 +141,16 @@ def _ddp_will_sync() -> bool:
     """Whether a DDP is running this forward and will all-reduce after its backward. DDP
     exposes the module whose forward is running for TorchDynamo; a torch without that hook
     counts every forward (then accumulation over 3+ micro-batches can warn early)."""
-    active = getattr(DDP, "_get_active_ddp_module", None)
-    if active is None:
+    if getattr(DDP, "_get_active_ddp_module", None) is None:
         return True
-    ddp = active()
+    ddp = _active_ddp()
     return ddp is not None and bool(ddp.require_backward_grad_sync)
+
+
+def _active_ddp() -> Any:
+    """The DDP whose forward is running (DDP exposes it for TorchDynamo), if any."""
+    active = getattr(DDP, "_get_active_ddp_module", None)
+    return active() if active is not None else None
 
 
 def _check_wire_dtype(wire_dtype: torch.dtype | None) -> None:
@@ -224,9 +228,9 @@ def all_reduce_grads(
             futures.append(_all_reduce_mean(buffer, process_group, wire_dtype))
             unflagged += [p for p in store.params if store.slot(p)[0] == key]
         else:
-            raw, members = found
+            raw, flags, members = found
             futures.append(_all_reduce_mean(raw, process_group, wire_dtype))
-            flagged.append((raw.narrow(0, raw.numel() - len(members), len(members)), members))
+            flagged.append((flags, members))
     if unflagged:
         used = torch.tensor([p.grad is not None for p in unflagged], dtype=torch.uint8)
         used = used.to(unflagged[0].device)
