@@ -716,3 +716,67 @@ def test_a_dataclass_output_is_watched_like_a_pytree():
     for name, param in flat.module.named_parameters():
         assert grad_in_buffers(flat, param.grad), name  # grad_in_buffers reads without settling
     assert_same_grads(flat, oracle)
+
+
+def _tiny_llama_with_lora(checkpointing: bool) -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
+    peft = pytest.importorskip("peft", reason="pip install -e '.[dev,frameworks]'")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config).double(), lora)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # zero at init: nonzero, so lora_A's gradient is too
+            nn.init.normal_(param, std=0.02)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return model.train()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers renaming its checkpointing API
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_peft_lora_on_a_transformers_llama_trains_as_stock(checkpointing):
+    """LoRA through peft on a transformers Llama (built from a config): frozen base
+    weights, adapters routed inside peft's wrapper Linears, a tied embedding, with and
+    without transformers' activation checkpointing; then a second adapter added mid-run.
+    AdamW with weight decay and clipping over two accumulated micro-batches per step: the
+    parameters and `.grad` None-ness equal stock's, every gradient lies in the buffers,
+    and the buffers hold the trainable parameters only."""
+    flat, oracle = _pair(_tiny_llama_with_lora(checkpointing))
+    gen = torch.Generator().manual_seed(1)
+
+    def train(steps: int) -> None:
+        trainable = [[p for p in m.parameters() if p.requires_grad] for m in (flat, oracle)]
+        ours, stock = (torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1) for ps in trainable)
+        for _ in range(steps):
+            ours.zero_grad()
+            stock.zero_grad()
+            for _ in range(2):
+                ids = torch.randint(0, 97, (2, 8), generator=gen)
+                flat(input_ids=ids, labels=ids).loss.backward()
+                oracle(input_ids=ids, labels=ids).loss.backward()
+            torch.testing.assert_close(
+                flat.clip_grad_norm_(1.0), nn.utils.clip_grad_norm_(trainable[1], 1.0), rtol=1e-12, atol=0
+            )
+            ours.step()
+            stock.step()
+        assert_same_grads(flat, oracle)
+        _assert_params_equal(flat, oracle)
+        assert sum(b.numel() for b in flat.grad_buffers.values()) == sum(p.numel() for p in trainable[0])
+
+    train(2)
+    peft = pytest.importorskip("peft")
+    for model in (flat.module, oracle):
+        torch.manual_seed(5)
+        extra = peft.LoraConfig(r=2, target_modules=["k_proj", "o_proj"], lora_dropout=0.0)
+        model.add_adapter("extra", extra)
+        model.base_model.set_adapter(["default", "extra"])
+        torch.manual_seed(6)
+        for name, param in model.named_parameters():
+            if "lora_B.extra" in name:
+                nn.init.normal_(param, std=0.02)
+    train(2)
