@@ -165,8 +165,36 @@ def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.f
     (`FlatGrad.ddp_kwargs()`) the bucket is the wrapper's whole flat buffer.
     """
     state.num_calls += 1
+    if isinstance(bucket, tuple):  # DDP's Python reducer: see `_python_reducer_mean`
+        _python_reducer_mean(state, *bucket)
+        return None  # type: ignore[return-value]  # (that reducer ignores what hooks return)
     state.adopt(bucket)
     return _all_reduce_mean(bucket.buffer(), state.process_group, state.wire_dtype)
+
+
+def _python_reducer_mean(state: FlatGradCommState, grad: torch.Tensor, param: torch.Tensor) -> None:
+    """`allreduce_hook` under DDP's Python reducer (``torch._dynamo.config.optimize_ddp =
+    "python_reducer"``, for compiled autograd), which calls comm hooks once per parameter
+    with ``(param.grad, param)`` after its AccumulateGrad, ignoring what they return: average
+    that gradient in place with a traceable functional all-reduce, as DDP does there without
+    a hook. One collective per parameter, as stock's; compiled autograd leaves `.grad`
+    outside the buffer anyway (see README, "Compiled autograd")."""
+    import torch.distributed._functional_collectives as fcol
+
+    state.wrapper._ddp_forwards = -1
+    if not state._warned:
+        state._warned = True
+        logger.warning(
+            "flatgrad: DDP's python reducer (optimize_ddp='python_reducer') calls allreduce_hook "
+            "once per parameter: gradients are averaged one all-reduce each, as DDP does there"
+        )
+    wire = grad
+    if state.wire_dtype is not None and grad.is_floating_point() and grad.dtype != state.wire_dtype:
+        wire = grad.to(state.wire_dtype)
+    wire = wire / dist.get_world_size(state.process_group)
+    group = state.process_group or dist.group.WORLD
+    assert group is not None  # the hook runs inside DDP: a process group exists
+    grad.copy_(fcol.all_reduce(wire, "sum", group))
 
 
 # torch 2.13 renamed the flat-tensor collectives to *_single (the old names warn); older

@@ -171,6 +171,45 @@ def test_ddp_variants_match_stock_ddp(variant):
     run_ranks(_variant_worker, variant)
 
 
+def _python_reducer_worker(rank: int, world_size: int, compiled: bool) -> None:
+    import contextlib
+
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.config.optimize_ddp = "python_reducer"  # read by DDP's constructor
+    torch.manual_seed(0)
+    model = _Net()
+    ref = DDP(copy.deepcopy(model))
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    ddp = DDP(flat, **flat.ddp_kwargs())
+    ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.01, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    for step in range(3):
+        for model in (ddp, ref):
+            backend = torch.compile(backend="aot_eager")
+            with compiled_autograd._enable(backend) if compiled else contextlib.nullcontext():
+                model(_tokens(rank, step)).backward()
+        for (name, p), q in zip(flat.module.named_parameters(), ref.module.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    _assert_params_equal(flat.module, ref.module)
+    _assert_ranks_agree(flat.module)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_autograd"])
+def test_allreduce_hook_under_ddps_python_reducer_matches_stock(compiled):
+    """DDP's Python reducer (``optimize_ddp="python_reducer"``, what compiled autograd needs)
+    calls comm hooks per parameter with ``(grad, param)``: the hook averages each gradient
+    as DDP does there, so training equals stock DDP under the same reducer."""
+    torch._dynamo.reset()
+    run_ranks(_python_reducer_worker, compiled, timeout=240)
+
+
 def _slow_path_logs_worker(rank: int, world_size: int) -> None:
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
