@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import time
 import zlib
 from collections.abc import Iterator
@@ -228,6 +229,13 @@ class DataParallel(nn.Module):
             node.register_prehook(functools.partial(self._on_backward_start, sync))
 
     def _on_backward_start(self, sync: bool, grad_outputs: Any) -> None:
+        if _in_compiled_autograd():
+            raise RuntimeError(
+                "DataParallel cannot run its bucket hooks under compiled autograd (it refuses "
+                "the final callback that launches the last bucket); under compiled autograd use "
+                "DDP with torch._dynamo.config.optimize_ddp = 'python_reducer' and "
+                "flatgrad.allreduce_hook, or run this backward without compiled autograd"
+            )
         if torch._C._current_graph_task_id() != self._task:
             if self._will_accumulate():
                 self._begin(sync)
@@ -369,6 +377,13 @@ class DataParallel(nn.Module):
         for param, flag in zip(store.params, flags):
             if flag and param.grad is None:
                 param.grad = store.view(param)
+
+
+def _in_compiled_autograd() -> bool:
+    """Whether compiled autograd runs this backward (its hooks are traced into a graph, and
+    an autograd final callback is refused there)."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(module, "in_compiled_autograd_region", False)) or torch.compiler.is_compiling()
 
 
 def Variable_engine() -> Any:  # noqa: N802 (torch's own name)

@@ -296,6 +296,23 @@ def test_a_failing_rank_ends_the_run_quickly():
     assert time.monotonic() - start < 80
 
 
+def _compiled_autograd_worker(rank: int, world_size: int) -> None:
+    from torch._dynamo import compiled_autograd
+
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(_Net(), config=ROUTE_ALL))
+    compiled = compiled_autograd._enable(torch.compile(backend="aot_eager"))
+    with pytest.raises(RuntimeError, match="cannot run its bucket hooks under compiled autograd"), compiled:
+        dp(_tokens(rank, 0)).backward()
+
+
+def test_compiled_autograd_is_refused_with_a_clear_error_on_every_rank():
+    """Compiled autograd traces backward hooks into a graph and refuses autograd final
+    callbacks, which DataParallel needs to launch its last bucket: a clear error at the
+    start of that backward, on every rank, before any collective (so nothing hangs)."""
+    torch._dynamo.reset()
+    run_ranks(_compiled_autograd_worker, timeout=120)
+
+
 def _mismatch_worker(rank: int, world_size: int, how: str) -> None:
     if how == "extra layer":
         model = nn.Sequential(nn.Linear(4, 4), *([nn.Linear(4, 4)] if rank == 1 else []))
