@@ -29,7 +29,8 @@ class FlatGradCommState:
     `wrapper` is the `FlatGrad` whose buffers the hook keeps pointing at DDP's buckets.
     `wire_dtype` (bfloat16 or float16) compresses floating-point buckets on the wire.
     `num_calls` counts the hook's calls (one per bucket and synchronised backward: with
-    `ddp_kwargs()`, one per (dtype, device) buffer and step).
+    `ddp_kwargs()`, one per (dtype, device) buffer and step; under DDP's Python reducer,
+    one per parameter and step).
     """
 
     wrapper: Any
