@@ -183,6 +183,16 @@ class GradStore:
         param.grad = slot
         return slot
 
+    def take_in(self, params: Sequence[torch.Tensor]) -> None:
+        """Move the `.grad` of each of `params` that lives outside its slot (a routed layer
+        that ran as plain torch, under torch.compile or torch.func; a `.grad` assigned by
+        hand) into the slot, so a sync of the slots sees it."""
+        views = self._views
+        for param in params:
+            grad = param.grad
+            if grad is not None and grad is not views[id(param)] and not self.holds(param, grad):
+                self.place(param, grad)
+
     def adopt(
         self, buffer: torch.Tensor, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
     ) -> bool:

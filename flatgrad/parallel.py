@@ -128,6 +128,10 @@ class DataParallel(nn.Module):
 
     # --- public -------------------------------------------------------------------------
 
+    # Eager even under torch.compile(dp), as FlatGrad.forward: its bookkeeping (the hooks on
+    # the output's nodes that open each backward) must see the real output, not a traced
+    # one; the wrapped model is still compiled (FlatGrad's forward hands it to Dynamo).
+    @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module._checked_store() is not self._store:
             self._rebuild()
@@ -308,6 +312,7 @@ class DataParallel(nn.Module):
                 for param in bucket.params:
                     if id(param) not in self._ready and param.grad is None:
                         self._store.flat_view(param).zero_()  # type: ignore[union-attr]
+            self._store.take_in(bucket.params)  # type: ignore[union-attr]
             self._launch(bucket)
             self.launch_offsets_s.append(time.perf_counter() - self._started)
             self._next += 1

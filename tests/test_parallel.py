@@ -296,6 +296,34 @@ def test_a_failing_rank_ends_the_run_quickly():
     assert time.monotonic() - start < 80
 
 
+def _compiled_worker(rank: int, world_size: int, bucket_mb: float) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
+    compiled = torch.compile(dp, backend="aot_eager")
+    opt = torch.optim.AdamW(dp.parameters(), lr=0.05, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(3):
+        compiled(_tokens(rank, step)).backward()
+        ref(_tokens(rank, step)).backward()
+        _assert_close(flat.module, ref.module, f"step {step}")
+        assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters() if p.grad is not None)
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("bucket_mb", [25.0, 0.001], ids=["one_bucket", "buckets"])
+def test_torch_compile_of_dataparallel_averages_from_the_first_step(bucket_mb):
+    """torch.compile(dp): the compiled model's first backward hands the routed weights'
+    gradients to AccumulateGrad outside the buffer (the layers run as plain torch); each
+    bucket takes them in before its collective, so step 0 is averaged too (it was not)."""
+    run_ranks(_compiled_worker, bucket_mb, timeout=240)
+
+
 def _compiled_autograd_worker(rank: int, world_size: int) -> None:
     from torch._dynamo import compiled_autograd
 
