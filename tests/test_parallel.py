@@ -324,6 +324,28 @@ def test_torch_compile_of_dataparallel_averages_from_the_first_step(bucket_mb):
     run_ranks(_compiled_worker, bucket_mb, timeout=240)
 
 
+def _assigned_grad_worker(rank: int, world_size: int, bucket_mb: float) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
+    for module in (flat.module, ref.module):
+        for param in module.parameters():
+            if param.requires_grad:  # a .grad of one's own, outside the buffer
+                param.grad = torch.full_like(param, float(rank + 1))
+    dp(_tokens(rank, 0)).backward()
+    ref(_tokens(rank, 0)).backward()
+    _assert_close(flat.module, ref.module, "assigned")
+
+
+@pytest.mark.parametrize("bucket_mb", [25.0, 0.001], ids=["one_bucket", "buckets"])
+def test_a_grad_assigned_before_backward_is_averaged_like_ddp(bucket_mb):
+    """Stock DDP averages whatever `.grad` holds after backward, a tensor assigned before
+    it included (AccumulateGrad adds into it); DataParallel takes it into the slot first."""
+    run_ranks(_assigned_grad_worker, bucket_mb)
+
+
 def _compiled_autograd_worker(rank: int, world_size: int) -> None:
     from torch._dynamo import compiled_autograd
 
