@@ -73,12 +73,18 @@ def _assert_close(ours: nn.Module, ref: nn.Module, what: str) -> None:
             torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
-def _equal_to_ddp_worker(rank: int, world_size: int, bucket_mb: float) -> None:
+def _dp_and_ddp(bucket_mb: float) -> tuple[flatgrad.FlatGrad, flatgrad.DataParallel, DDP]:
+    """One `_Net` under FlatGrad + DataParallel, and a copy of it under stock DDP."""
     torch.manual_seed(0)
     model = _Net()
     ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
+    return flat, flatgrad.DataParallel(flat, bucket_mb=bucket_mb), ref
+
+
+def _equal_to_ddp_worker(rank: int, world_size: int, bucket_mb: float) -> None:
+    flat, dp, ref = _dp_and_ddp(bucket_mb)
+    model = flat.module
     assert len(dp.buckets) >= (2 if bucket_mb < 0.01 else 1)
     opt = torch.optim.AdamW(dp.parameters(), lr=0.05, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
@@ -298,11 +304,7 @@ def test_a_failing_rank_ends_the_run_quickly():
 
 def _compiled_worker(rank: int, world_size: int, bucket_mb: float) -> None:
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = _Net()
-    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
-    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
+    flat, dp, ref = _dp_and_ddp(bucket_mb)
     compiled = torch.compile(dp, backend="aot_eager")
     opt = torch.optim.AdamW(dp.parameters(), lr=0.05, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
@@ -325,11 +327,7 @@ def test_torch_compile_of_dataparallel_averages_from_the_first_step(bucket_mb):
 
 
 def _assigned_grad_worker(rank: int, world_size: int, bucket_mb: float) -> None:
-    torch.manual_seed(0)
-    model = _Net()
-    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
-    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
+    flat, dp, ref = _dp_and_ddp(bucket_mb)
     for module in (flat.module, ref.module):
         for param in module.parameters():
             if param.requires_grad:  # a .grad of one's own, outside the buffer
