@@ -27,6 +27,9 @@ class FlatGradCommState:
     """State of `allreduce_hook`; build it with `FlatGrad.comm_state()`.
 
     `wrapper` is the `FlatGrad` whose buffers the hook keeps pointing at DDP's buckets.
+    `process_group` is the group to average over, None for the default group: the hook
+    does not see the group DDP was given (torch's own hooks take theirs the same way), so
+    a DDP on a sub-group needs the same group here.
     `wire_dtype` (bfloat16 or float16) compresses floating-point buckets on the wire.
     `num_calls` counts the hook's calls (one per bucket and synchronised backward: with
     `ddp_kwargs()`, one per (dtype, device) buffer and step; under DDP's Python reducer,
