@@ -183,14 +183,18 @@ class GradStore:
         param.grad = slot
         return slot
 
-    def take_in(self, params: Sequence[torch.Tensor]) -> None:
+    def take_in(self, params: Sequence[torch.Tensor], zero_empty: bool = False) -> None:
         """Move the `.grad` of each of `params` that lives outside its slot (a routed layer
         that ran as plain torch, under torch.compile or torch.func; a `.grad` assigned by
-        hand) into the slot, so a sync of the slots sees it."""
+        hand, or produced with create_graph=True) into the slot, so a sync of the slots sees
+        it; with `zero_empty`, also zero the slots of those whose `.grad` is None."""
         views = self._views
         for param in params:
             grad = param.grad
-            if grad is not None and grad is not views[id(param)] and not self.holds(param, grad):
+            if grad is None:
+                if zero_empty:
+                    views[id(param)].zero_()
+            elif grad is not views[id(param)] and not self.holds(param, grad):
                 self.place(param, grad)
 
     def adopt(
@@ -217,8 +221,7 @@ class GradStore:
 
     def flagged(self, key: GroupKey) -> _Flagged | None:
         """(the group's buffer followed by one flag per parameter, the flags, those
-        parameters), with
-        each flag set to 1 where the parameter's `.grad` is defined and 0 where it is None;
+        parameters), with each flag set to 1 where the parameter's `.grad` is defined and 0 where it is None;
         None once the buffer is a DDP bucket (`adopt`). A sync that all-reduces this one
         tensor instead of the buffer learns in the same collective which parameters some
         rank used: a flag other than 0 (sums and averages of 0s and 1s). That is what stock DDP
@@ -303,14 +306,8 @@ class GradStore:
     def settle(self) -> None:
         """Make the buffers the truth: zero the slots of parameters whose `.grad` is None
         (stale values must not reach a norm or a sync) and move any `.grad` that lives
-        elsewhere (assigned by the user, or produced with create_graph=True) into its slot."""
-        views = self._views
-        for param in self.params:
-            grad = param.grad
-            if grad is None:
-                views[id(param)].zero_()
-            elif grad is not views[id(param)] and not self.holds(param, grad):
-                self.place(param, grad)
+        elsewhere into its slot (`take_in`)."""
+        self.take_in(self.params, zero_empty=True)
 
 
 _data_ptr = torch.Tensor.data_ptr

@@ -162,6 +162,13 @@ def _check_wire_dtype(wire_dtype: torch.dtype | None) -> None:
         raise ValueError(f"wire_dtype must be torch.bfloat16, torch.float16 or None, got {wire_dtype}")
 
 
+def to_wire(tensor: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` as sent: cast to `wire_dtype` when one is set and `tensor` is floating point."""
+    if wire_dtype is not None and tensor.is_floating_point() and tensor.dtype != wire_dtype:
+        return tensor.to(wire_dtype)
+    return tensor
+
+
 def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket over the group with one all-reduce.
 
@@ -192,10 +199,7 @@ def _python_reducer_mean(state: FlatGradCommState, grad: torch.Tensor, param: to
             "flatgrad: DDP's python reducer (optimize_ddp='python_reducer') calls allreduce_hook "
             "once per parameter: gradients are averaged one all-reduce each, as DDP does there"
         )
-    wire = grad
-    if state.wire_dtype is not None and grad.is_floating_point() and grad.dtype != state.wire_dtype:
-        wire = grad.to(state.wire_dtype)
-    wire = wire / dist.get_world_size(state.process_group)
+    wire = to_wire(grad, state.wire_dtype) / dist.get_world_size(state.process_group)
     group = state.process_group or dist.group.WORLD
     assert group is not None  # the hook runs inside DDP: a process group exists
     grad.copy_(fcol.all_reduce(wire, "sum", group))
@@ -220,9 +224,7 @@ def _all_reduce_mean(
     buffer: torch.Tensor, process_group: dist.ProcessGroup | None, wire_dtype: torch.dtype | None
 ) -> torch.futures.Future[torch.Tensor]:
     """All-reduce `buffer` in place to the group mean; the future's value is `buffer`."""
-    wire = buffer
-    if wire_dtype is not None and buffer.is_floating_point() and buffer.dtype != wire_dtype:
-        wire = buffer.to(wire_dtype)
+    wire = to_wire(buffer, wire_dtype)
     op, divide = average_op(wire, process_group)
     if divide:
         wire.div_(dist.get_world_size(process_group))  # divide first, so sums stay finite

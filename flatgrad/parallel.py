@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatgrad.buffer import GradStore
-from flatgrad.comm import _check_wire_dtype, average_op, reduce_scatter_flat
+from flatgrad.comm import _check_wire_dtype, average_op, reduce_scatter_flat, to_wire
 from flatgrad.wrapper import FlatGrad, named_modules_through, output_nodes
 
 logger = logging.getLogger(__name__)
@@ -318,9 +318,7 @@ class DataParallel(nn.Module):
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        wire = bucket.buffer
-        if self.wire_dtype is not None and wire.is_floating_point() and wire.dtype != self.wire_dtype:
-            wire = wire.to(self.wire_dtype)
+        wire = to_wire(bucket.buffer, self.wire_dtype)
         op, divide = average_op(wire, self.process_group)
         if divide:
             wire.div_(self.world_size)  # divide first, so sums stay finite
