@@ -72,7 +72,7 @@ class FlatGrad(nn.Module):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         super().__init__()
-        self.config = resolve_config(config)
+        self.flatgrad_config = resolve_config(config)
         self.module = model
         self._store: GradStore | None = None
         self._seater: _Seater | None = None
@@ -108,6 +108,8 @@ class FlatGrad(nn.Module):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "config" in state:  # pickled before the wrapper's own config became flatgrad_config
+            state["flatgrad_config"] = state.pop("config")
         super().__setstate__(state)
         self._build()
 
@@ -172,16 +174,43 @@ class FlatGrad(nn.Module):
             return super().named_buffers(prefix, recurse, remove_duplicate)
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
+    @property
+    def config(self) -> Any:
+        """The wrapped model's ``config`` where it has one (a transformers model's, which
+        `Trainer`, accelerate and peft read and write through the model they are given);
+        otherwise this wrapper's `FlatGradConfig`, which `flatgrad_config` always is."""
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if inner is not None and hasattr(inner, "config"):
+            return inner.config
+        return self.flatgrad_config
+
+    @config.setter
+    def config(self, value: Any) -> None:
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if inner is None or not hasattr(inner, "config"):
+            raise AttributeError(
+                "FlatGrad's own config is fixed when wrapping (flatgrad_config); "
+                "wrap the model again to change it"
+            )
+        inner.config = value
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
             inner = self.__dict__.get("_modules", {}).get("module")
             if inner is None or not (
-                name in inner._modules or name in inner._parameters or name in inner._buffers
+                name in inner._modules
+                or name in inner._parameters
+                or name in inner._buffers
+                or (not name.startswith("_") and hasattr(inner, name))
             ):
                 raise
-            return getattr(inner, name)  # a plain-model name: ``flat.fc`` is ``flat.module.fc``
+            # A plain-model name (``flat.fc`` is ``flat.module.fc``) or a public attribute
+            # of the model (``flat.generate``, ``flat.main_input_name``): what a library
+            # handed the wrapped model in place of the plain one looks up on it. Private
+            # names stay the wrapper's: libraries probe those to tell wrappers apart.
+            return getattr(inner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         inner = self.__dict__.get("_modules", {}).get("module")
@@ -236,8 +265,8 @@ class FlatGrad(nn.Module):
             if old is not None:
                 _detach_leaving(old, params)
                 old.release()
-            routed = _route_layers(self.module, self.config)
-            self._store = store = GradStore(params, self.config.align_bytes, self._slot_multiple)
+            routed = _route_layers(self.module, self.flatgrad_config)
+            self._store = store = GradStore(params, self.flatgrad_config.align_bytes, self._slot_multiple)
             self._adopted = set()  # new buffers: no DDP bucket is one of them
             self._seater = _Seater(store, params, routed, self)
             self._watched = _watch_list(self.module) or ()

@@ -780,3 +780,85 @@ def test_peft_lora_on_a_transformers_llama_trains_as_stock(checkpointing):
             if "lora_B.extra" in name:
                 nn.init.normal_(param, std=0.02)
     train(2)
+
+
+def _tiny_llama() -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).double()
+
+
+def test_the_wrapped_models_config_and_public_attributes_are_reached_through_the_wrapper():
+    """``flat.config`` is a transformers model's own config (Trainer, accelerate and peft
+    read and write it through the model they are handed); the wrapper's own is
+    `flatgrad_config`, and on a model without a ``config`` it is ``flat.config`` too.
+    Public attributes and methods of the model are reached through the wrapper; private
+    ones, and names the model lacks, are not."""
+    model = _tiny_llama()
+    flat = flatgrad.FlatGrad(model, config={"align_bytes": 512})
+    assert flat.config is model.config
+    flat.config.use_cache = False
+    assert model.config.use_cache is False
+    assert flat.flatgrad_config == flatgrad.FlatGradConfig(align_bytes=512)
+    assert flat.main_input_name == "input_ids"
+    assert flat.get_input_embeddings() is model.model.embed_tokens
+    with pytest.raises(AttributeError):
+        flat._tied_weights_keys  # noqa: B018  (private: the wrapper's own namespace)
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        flat.no_such_thing  # noqa: B018
+    plain = flatgrad.FlatGrad(nn.Linear(3, 3), config={"align_bytes": 512})
+    assert plain.config is plain.flatgrad_config
+    with pytest.raises(AttributeError, match="flatgrad_config"):
+        plain.config = flatgrad.FlatGradConfig()
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_transformers_trainer_trains_a_wrapped_model_as_stock(tmp_path):
+    """`transformers.Trainer` given ``FlatGrad(model)`` (a tied Llama in float64): two
+    accumulated micro-batches per step, clipping, AdamW and a schedule. Losses, gradient
+    norms and parameters equal a Trainer on the plain model, and before every optimizer
+    step every `.grad` lies in the buffers."""
+    transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
+    pytest.importorskip("accelerate", reason="pip install -e '.[dev,frameworks]'")
+    flat, oracle = _pair(_tiny_llama())
+    misplaced: list[str] = []
+
+    class _InBuffers(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            named = flat.module.named_parameters()
+            misplaced.extend(name for name, p in named if not grad_in_buffers(flat, p.grad))
+
+    def train(model: nn.Module, name: str) -> list[dict[str, float]]:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+            max_steps=3, learning_rate=1e-3, max_grad_norm=1.0, logging_steps=1, report_to=[],
+            save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+            remove_unused_columns=False,  # the wrapper's forward takes (*args, **kwargs)
+        )  # fmt: skip
+        callbacks = [_InBuffers()] if model is flat else []
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks)
+        trainer.train()
+        logs = trainer.state.log_history
+        return [{k: v for k, v in log.items() if k in ("loss", "grad_norm")} for log in logs]
+
+    ours, stock = train(flat, "flat"), train(oracle, "stock")
+    assert len(ours) == 4 and all("loss" in log for log in ours[:3])
+    for mine, theirs in zip(ours, stock):
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-12, abs=0), key
+    _assert_params_equal(flat, oracle)
+    assert not misplaced
