@@ -54,7 +54,7 @@ class FlatGradCommState:
         """
         self.wrapper._ddp_forwards = -1  # the hook runs: nothing to warn about
         buffer = bucket.buffer()
-        store: GradStore = self.wrapper._checked_store()
+        store: GradStore = self.wrapper._current_store()  # once per bucket per step: no full walk
         key = (buffer.dtype, buffer.device)
         current = store.buffers.get(key)
         if (

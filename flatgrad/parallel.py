@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 import sys
 import time
 import zlib
@@ -133,8 +134,9 @@ class DataParallel(nn.Module):
     # one; the wrapped model is still compiled (FlatGrad's forward hands it to Dynamo).
     @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.module._checked_store() is not self._store:
-            self._rebuild()
+        store = self.module._current_store()
+        if store is not self._store or not all(map(_trainable, store.params)):
+            self._rebuild()  # (a held parameter frozen since: the full check lays out again)
         self._task = -1  # no backward is running now (one that raised never finished)
         if self._sync_buffers_next and self.broadcast_buffers and self._has_buffers:
             self._broadcast_buffers()
@@ -240,6 +242,8 @@ class DataParallel(nn.Module):
                 "DDP with torch._dynamo.config.optimize_ddp = 'python_reducer' and "
                 "flatgrad.allreduce_hook, or run this backward without compiled autograd"
             )
+        if self.module._store is not self._store:
+            self._rebuild()  # FlatGrad's pre hook, just before, laid out again (a stale slot)
         if torch._C._current_graph_task_id() != self._task:
             if self._will_accumulate():
                 self._begin(sync)
@@ -380,6 +384,9 @@ class DataParallel(nn.Module):
         for param, flag in zip(store.params, flags):
             if flag and param.grad is None:
                 param.grad = store.view(param)
+
+
+_trainable = operator.attrgetter("requires_grad")
 
 
 def _in_compiled_autograd() -> bool:

@@ -115,13 +115,7 @@ class FlatGrad(nn.Module):
 
     @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if (
-            self._generation != _GENERATION[0]
-            or self._store is None
-            or self._store.stale
-            or any(p.requires_grad for p in self._others)  # unfrozen: nothing else tells
-        ):
-            self._refresh()
+        self._current_store()
         if self._ddp_forwards >= 0:
             self._ddp_forwards = comm.note_forward_without_hook(self._ddp_forwards)
         ddp_state = comm.bucket_view_ddp(self._ddp_state)
@@ -327,6 +321,22 @@ class FlatGrad(nn.Module):
     def _checked_store(self) -> GradStore:
         """The store, rebuilt first if the model's parameters changed behind the wrapper."""
         return self._refresh()
+
+    def _current_store(self) -> GradStore:
+        """The store, laid out again first only on what the per-step paths (every forward,
+        DataParallel's forward, the DDP hook) can see in O(1): a parameter registered since,
+        a slot found stale during a backward, a parameter without a slot unfrozen. The rest
+        (a held parameter frozen, converted or re-pointed in place) is found by the full walk
+        of `_refresh` at the next norm or sync, or as staleness by the next backward."""
+        store = self._store
+        if (
+            store is None
+            or self._generation != _GENERATION[0]
+            or store.stale
+            or any(p.requires_grad for p in self._others)  # unfrozen: nothing else tells
+        ):
+            return self._refresh()
+        return store
 
     def _summary(self) -> str:
         buffers = self._checked_store().buffers

@@ -239,6 +239,47 @@ def test_wire_dtype_equals_ddp_bf16_hook_and_buckets_follow_a_rebuild():
     run_ranks(_wire_and_rebuild_worker)
 
 
+def _converted_worker(rank: int, world_size: int) -> None:
+    """The model converted behind the wrapper (``flat.module.float()`` / ``.double()`` on
+    the plain model, not on the wrapper) and a layer frozen behind it, between steps. The
+    forward's per-step check is O(1) and does not look at dtypes; the slots are found stale
+    when the backward starts, FlatGrad lays out again there, and DataParallel cuts its
+    buckets from the new buffers before any gradient is final. Oracle: stock autograd on a
+    copy converted the same way, averaged by one all-reduce per gradient."""
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    dp = flatgrad.DataParallel(flat, bucket_mb=0.002)
+    for step, change in enumerate(["", "float", "double", "freeze"]):
+        for module in (model, ref):
+            if change == "freeze":
+                module.fc.requires_grad_(False)
+            elif change:
+                getattr(module, change)()
+        dp.zero_grad()
+        ref.zero_grad()
+        dp(_tokens(rank, step)).backward()
+        ref(_tokens(rank, step)).backward()
+        for q in ref.parameters():
+            if q.grad is not None:
+                dist.all_reduce(q.grad)
+                q.grad.div_(world_size)
+        tol = TOL if model.fc.bias.dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+        for (name, p), q in zip(flat.module.named_parameters(), ref.parameters()):
+            assert p.dtype == q.dtype, name
+            assert (p.grad is None) == (q.grad is None), f"step {step} {name}"
+            if q.grad is not None:
+                where = f"step {step} {name}"
+                torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m, w=where: f"{w}: {m}")
+                assert grad_in_buffers(flat, p.grad), f"step {step} {name}"
+        assert {b.dtype for b in dp.buckets} == {model.fc.bias.dtype}
+
+
+def test_conversions_and_freezing_behind_the_wrapper_are_followed_by_the_buckets():
+    run_ranks(_converted_worker)
+
+
 def _profile_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]).double()
