@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import operator
 import sys
 import time
 import zlib
@@ -134,9 +133,8 @@ class DataParallel(nn.Module):
     # one; the wrapped model is still compiled (FlatGrad's forward hands it to Dynamo).
     @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        store = self.module._current_store()
-        if store is not self._store or not all(map(_trainable, store.params)):
-            self._rebuild()  # (a held parameter frozen since: the full check lays out again)
+        if self.module._steady_store() is not self._store:
+            self._rebuild()
         self._task = -1  # no backward is running now (one that raised never finished)
         if self._sync_buffers_next and self.broadcast_buffers and self._has_buffers:
             self._broadcast_buffers()
@@ -384,9 +382,6 @@ class DataParallel(nn.Module):
         for param, flag in zip(store.params, flags):
             if flag and param.grad is None:
                 param.grad = store.view(param)
-
-
-_trainable = operator.attrgetter("requires_grad")
 
 
 def _in_compiled_autograd() -> bool:

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import logging
 import math
+import operator
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -43,6 +44,7 @@ _Watched = tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, 
 # Unrouted parameters below this many elements are seated (zero fill + AccumulateGrad's
 # in-place add, no Python per parameter); larger ones are copied in by a pre-hook (one pass).
 _SEAT_MAX_NUMEL = 1 << 15
+_trainable = operator.attrgetter("requires_grad")
 
 
 def _bump_generation(*args: Any) -> None:
@@ -337,6 +339,13 @@ class FlatGrad(nn.Module):
         ):
             return self._refresh()
         return store
+
+    def _steady_store(self) -> GradStore:
+        """`_current_store`, and the full walk of `_refresh` when a held parameter was frozen
+        since (one `requires_grad` read per parameter): for DataParallel's forward and
+        ShardedOptimizer's step, whose buckets and shards must not keep a frozen slot."""
+        store = self._current_store()
+        return store if all(map(_trainable, store.params)) else self._refresh()
 
     def _summary(self) -> str:
         buffers = self._checked_store().buffers
