@@ -121,7 +121,9 @@ class ShardedOptimizer:
         return self.optimizer.param_groups
 
     def _check_layout(self) -> None:
-        if self.dp.module._steady_store() is not self._store:
+        # The full walk (a conversion between backward and step must raise here: the
+        # parameters are views of the flat parameter buffer the all-gather refills).
+        if self.dp.module._checked_store() is not self._store:
             raise RuntimeError(
                 "the model's parameters changed (added, replaced, frozen, converted) after the "
                 "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"

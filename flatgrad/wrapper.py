@@ -342,8 +342,8 @@ class FlatGrad(nn.Module):
 
     def _steady_store(self) -> GradStore:
         """`_current_store`, and the full walk of `_refresh` when a held parameter was frozen
-        since (one `requires_grad` read per parameter): for DataParallel's forward and
-        ShardedOptimizer's step, whose buckets and shards must not keep a frozen slot."""
+        since (one `requires_grad` read per parameter): for DataParallel's forward, whose
+        buckets must not keep communicating a frozen slot."""
         store = self._current_store()
         return store if all(map(_trainable, store.params)) else self._refresh()
 

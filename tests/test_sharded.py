@@ -187,3 +187,26 @@ def test_a_second_synchronised_backward_before_zero_grad_is_refused():
     added onto them would not be the average of both (stock DDP's all-reduce adds up), so
     it is refused on every rank; after any zero_grad accumulation works as usual."""
     run_ranks(_accumulate_synced_worker, timeout=90)
+
+
+def _layout_change_worker(rank: int, world_size: int) -> None:
+    """The parameters of a ShardedOptimizer are views of its flat parameter buffer, which
+    the all-gather refills: a conversion or a freeze behind the wrapper, before a step or
+    between a backward and its step, is refused at `step()` on every rank, never a silent
+    update of parameters that no longer are those views."""
+    for change in ("float", "freeze"):
+        model, flat, dp, opt = _build(rank)
+        dp(_tokens(rank, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+        dp(_tokens(rank, 1)).backward()
+        if change == "float":
+            model.float()
+        else:
+            model.fc.requires_grad_(False)
+        with pytest.raises(RuntimeError, match="parameters changed"):
+            opt.step()
+
+
+def test_a_layout_change_before_step_is_refused():
+    run_ranks(_layout_change_worker)
