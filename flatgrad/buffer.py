@@ -231,7 +231,10 @@ class GradStore:
             return None
         _, flags, members = found
         used = [float(param.grad is not None) for param in members]
-        flags.copy_(torch.tensor(used, dtype=flags.dtype))
+        if all(used):
+            flags.fill_(1)  # the usual step: no host data to send
+        else:
+            flags.copy_(host_tensor(used, flags.dtype, flags.device), non_blocking=True)
         return found
 
     def seat(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -311,6 +314,18 @@ class GradStore:
 
 
 _data_ptr = torch.Tensor.data_ptr
+
+
+def host_tensor(values: Sequence[bool | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`. For an accelerator it is staged in pinned memory
+    and copied without blocking: a copy from pageable memory would make the host wait for
+    everything queued on the stream (the whole backward), where the copy needs only to be
+    ordered after it. Pinned blocks come from torch's caching host allocator, which does
+    not hand a block out again before the copy that reads it has run."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    staged = torch.tensor(values, dtype=dtype, pin_memory=True)
+    return staged.to(device, non_blocking=True)
 
 
 def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:

@@ -7,6 +7,7 @@ DDP checks the hook's annotations at registration (`dist.GradBucket`, `Future[Te
 import logging
 import math
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from flatgrad.buffer import GradStore
+from flatgrad.buffer import GradStore, host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -266,13 +267,23 @@ def all_reduce_grads(
             futures.append(_all_reduce_mean(raw, process_group, wire_dtype))
             flagged.append((flags, members))
     if unflagged:
-        used = torch.tensor([p.grad is not None for p in unflagged], dtype=torch.uint8)
-        used = used.to(unflagged[0].device)
+        used = host_tensor([p.grad is not None for p in unflagged], torch.uint8, unflagged[0].device)
         dist.all_reduce(used, op=dist.ReduceOp.MAX, group=process_group)
         flagged.append((used, tuple(unflagged)))
     torch.futures.wait_all(futures)
+    settle_unused(store, flagged)
+
+
+def settle_unused(store: GradStore, flagged: Sequence[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]) -> None:
+    """After a sync that carried used flags (`flags[i]` other than 0: some rank used
+    `members[i]`): `.grad` becomes the slot for each parameter without a `.grad` here that
+    another rank used, as stock DDP with find_unused_parameters=True leaves it. The flags
+    are read only when this rank has such a parameter: on CUDA reading them waits for the
+    communication, and in the usual step every parameter has its `.grad` already."""
     for flags, members in flagged:
-        for param, flag in zip(members, flags.tolist()):  # on CUDA this waits for the sync
+        if all(param.grad is not None for param in members):
+            continue
+        for param, flag in zip(members, flags.tolist()):
             if flag != 0 and param.grad is None:  # (complex buffers carry complex flags)
                 param.grad = store.view(param)
 

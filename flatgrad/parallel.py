@@ -44,8 +44,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatgrad.buffer import GradStore
-from flatgrad.comm import _check_wire_dtype, average_op, reduce_scatter_flat, to_wire
+from flatgrad.buffer import GradStore, host_tensor
+from flatgrad.comm import _check_wire_dtype, average_op, reduce_scatter_flat, settle_unused, to_wire
+from flatgrad.layout import GroupKey
 from flatgrad.wrapper import FlatGrad, named_modules_through, output_nodes
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,11 @@ class _Bucket:
     pending: int = 0
     work: Any = None
     wire: torch.Tensor | None = None
+    # The last bucket of a group also carries the group's used flags (`GradStore.flagged`:
+    # they follow the buffer in memory), so the all-reduce that averages it tells which
+    # parameters some rank used; `sent` is what its collective ran on.
+    flags_of: GroupKey | None = None
+    sent: torch.Tensor | None = None
 
 
 class DataParallel(nn.Module):
@@ -110,6 +116,9 @@ class DataParallel(nn.Module):
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._ready: set[int] = set()
+        # (flags, their parameters) of the running backward's sync: carried by the last
+        # bucket of each group, or by one small all-reduce of their own (see `_sync_all`).
+        self._flagged: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []
         self._next = 0  # the next bucket to launch
         self._task = -1  # the graph task of the running backward, -1 outside one
         self._task_sync = True  # whether the running backward averages
@@ -217,11 +226,12 @@ class DataParallel(nn.Module):
 
     def _reset(self) -> None:
         self._ready = set()
+        self._flagged = []
         self._next = 0
         self.launch_offsets_s = []
         for bucket in self._buckets:
             bucket.pending = len(bucket.params)
-            bucket.work = bucket.wire = None
+            bucket.work = bucket.wire = bucket.sent = None
 
     # --- backward -----------------------------------------------------------------------
 
@@ -320,16 +330,27 @@ class DataParallel(nn.Module):
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        wire = to_wire(bucket.buffer, self.wire_dtype)
+        sent = bucket.buffer
+        if bucket.flags_of is not None and not self._reduce_scatter:
+            # Every parameter of the group is final now: its buckets launch in order, this
+            # is the last, and an earlier one with a parameter not ready waits for the flush.
+            found = self._store.flagged(bucket.flags_of)  # type: ignore[union-attr]
+            if found is not None:
+                raw, flags, members = found
+                start = bucket.buffer.storage_offset() - raw.storage_offset()
+                sent = raw.narrow(0, start, raw.numel() - start)
+                self._flagged.append((flags, members))
+        wire = to_wire(sent, self.wire_dtype)
         op, divide = average_op(wire, self.process_group)
         if divide:
-            wire.div_(self.world_size)  # divide first, so sums stay finite
+            wire.div_(self.world_size)  # divide first, so sums stay finite (flags stay > 0)
         if self._reduce_scatter:
             out = wire.view(self.world_size, -1)[self._rank()]
             bucket.work = reduce_scatter_flat(out, wire, op=op, group=self.process_group, async_op=True)
         else:
             bucket.work = dist.all_reduce(wire, op=op, group=self.process_group, async_op=True)
-        bucket.wire = wire if wire is not bucket.buffer else None
+        bucket.sent = sent
+        bucket.wire = wire if wire is not sent else None
 
     def _rank(self) -> int:
         return dist.get_rank(self.process_group)
@@ -367,21 +388,26 @@ class DataParallel(nn.Module):
         compute_done = time.perf_counter()
         self.backward_s = compute_done - self._started
         self._launch_ready(flush=True)  # first: the flags below are made while it runs
-        used = torch.tensor(
-            [int(id(p) in self._ready or p.grad is not None) for p in store.params], dtype=torch.uint8
-        )
-        used = used.to(next(iter(store.buffers.values())).device)
-        used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+        # Groups whose flags did not travel with their last bucket (reduce-scatter, a buffer
+        # without room for them): one small all-reduce of theirs.
+        carried = {id(p) for _, members in self._flagged for p in members}
+        rest = tuple(p for p in store.params if id(p) not in carried)
+        used_work = None
+        if rest:
+            ready = self._ready
+            used = host_tensor(
+                [id(p) in ready or p.grad is not None for p in rest], torch.uint8, rest[0].device
+            )
+            used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+            self._flagged.append((used, rest))
         for bucket in self._buckets:
             bucket.work.wait()
             if bucket.wire is not None:
-                bucket.buffer.copy_(bucket.wire)
-        used_work.wait()
-        flags = used.tolist()  # on CUDA this waits for the communication stream too
+                bucket.sent.copy_(bucket.wire)  # type: ignore[union-attr]
+        if used_work is not None:
+            used_work.wait()
         self.exposed_s = time.perf_counter() - compute_done
-        for param, flag in zip(store.params, flags):
-            if flag and param.grad is None:
-                param.grad = store.view(param)
+        settle_unused(store, self._flagged)
 
 
 def _in_compiled_autograd() -> bool:
@@ -410,7 +436,12 @@ def _cut_buckets(store: GradStore, bucket_mb: float) -> list[_Bucket]:
             members.append(param)
             end = slots[i + 1][0] if i + 1 < len(slots) else buffer.numel()
             if end - start >= cap or i + 1 == len(slots):
-                buckets.append(_Bucket(len(buckets), buffer.narrow(0, start, end - start), tuple(members)))
+                flags_of = key if i + 1 == len(slots) else None
+                buckets.append(
+                    _Bucket(
+                        len(buckets), buffer.narrow(0, start, end - start), tuple(members), flags_of=flags_of
+                    )
+                )
                 start, members = end, []
                 cap = int(bucket_mb * 2**20) // buffer.element_size()
     return buckets

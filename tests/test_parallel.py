@@ -307,7 +307,7 @@ def _profile_worker(rank: int, world_size: int) -> None:
     events = [e for e in prof.events() if e.name.startswith("c10d::allreduce_")]
     num_buckets = len(dp.buckets)
     assert num_buckets >= 3
-    assert len(events) == num_buckets + 1  # one per bucket, plus the tiny used-parameter flags
+    assert len(events) == num_buckets  # one per bucket: the used flags travel with the last
     copies = [
         e.name
         for e in prof.events()
@@ -474,6 +474,35 @@ def test_gloo_on_one_gpu_equals_stock_ddp():
     run_ranks(_cuda_worker, False)
 
 
+def _no_sync_worker(rank: int, world_size: int) -> None:
+    """A synchronised step on CUDA with NCCL, every parameter used: the host never waits
+    for the GPU (the used flags travel with the last bucket and are not read back; nothing
+    is copied from pageable memory). `torch.cuda.set_sync_debug_mode("error")` raises on
+    any synchronising call."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).to(device)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.3)
+    x = torch.randn(16, 256, device=device)
+    for step in range(3):
+        dp.zero_grad()
+        if step == 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            dp(x).square().mean().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
+def test_a_dataparallel_step_does_not_make_the_host_wait_for_the_gpu():
+    run_ranks(_no_sync_worker, world_size=1, backend="nccl")
+
+
 class _Normed(nn.Module):
     """BatchNorm: its running statistics are buffers that each rank updates from its own data."""
 
@@ -546,3 +575,59 @@ def _mixed_outputs_worker(rank: int, world_size: int) -> None:
 
 def test_one_backward_through_synced_and_no_sync_outputs_averages_like_ddp():
     run_ranks(_mixed_outputs_worker)
+
+
+class _TwoDtypes(nn.Module):
+    """A float64 and a float32 group (two flat buffers), each with a layer some ranks use
+    on some steps only, and a layer no rank uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8).double()
+        self.a_branch = nn.Linear(8, 8).double()
+        self.b = nn.Linear(8, 8)
+        self.b_branch = nn.Linear(8, 8)
+        self.never = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_a: bool, use_b: bool) -> torch.Tensor:
+        h = self.a(x)
+        if use_a:
+            h = self.a_branch(h)
+        h = self.b(h.float())
+        if use_b:
+            h = self.b_branch(h)
+        return h.square().mean()
+
+
+def _two_dtypes_worker(rank: int, world_size: int) -> None:
+    for bucket_mb in (25.0, 0.0005):  # one bucket per group; several
+        torch.manual_seed(0)
+        model = _TwoDtypes()
+        ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+        flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+        dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
+        assert len(flat.grad_buffers) == 2
+        for step in range(4):
+            # step 0: all ranks use both branches; 1: rank 0 only uses a_branch; 2: only
+            # rank 1 uses b_branch; 3: no rank uses either
+            use_a = step == 0 or (step == 1 and rank == 0)
+            use_b = step == 0 or (step == 2 and rank == 1)
+            dp.zero_grad()
+            ref.zero_grad()
+            gen = torch.Generator().manual_seed(rank + 10 * step)
+            x = torch.randn(4, 8, dtype=torch.float64, generator=gen)
+            dp(x, use_a, use_b).backward()
+            ref(x, use_a, use_b).backward()
+            for (name, p), q in zip(flat.module.named_parameters(), ref.module.parameters()):
+                assert (p.grad is None) == (q.grad is None), f"{bucket_mb} step {step} {name}"
+                if q.grad is not None:
+                    tol = TOL if q.dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-7}
+                    torch.testing.assert_close(p.grad, q.grad, **tol)
+                    assert grad_in_buffers(flat, p.grad)
+
+
+def test_two_dtypes_with_parameters_unused_on_some_ranks_match_ddp():
+    """The used flags travel with each group's last bucket: `.grad` None-ness and values
+    equal DDP(find_unused_parameters=True) for parameters used on every rank, on some, and
+    on none, in both groups, with one bucket per group and with several."""
+    run_ranks(_two_dtypes_worker)
