@@ -324,6 +324,8 @@ def host_tensor(values: Sequence[bool | float], dtype: torch.dtype, device: torc
     not hand a block out again before the copy that reads it has run."""
     if device.type == "cpu":
         return torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":  # (pinned staging is CUDA's; other backends copy as they do)
+        return torch.tensor(values, dtype=dtype).to(device)
     staged = torch.tensor(values, dtype=dtype, pin_memory=True)
     return staged.to(device, non_blocking=True)
 
