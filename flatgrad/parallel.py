@@ -320,11 +320,10 @@ class DataParallel(nn.Module):
             bucket = self._buckets[self._next]
             if bucket.pending and not flush:
                 return
-            if bucket.pending:
-                for param in bucket.params:
-                    if id(param) not in self._ready and param.grad is None:
-                        self._store.flat_view(param).zero_()  # type: ignore[union-attr]
-            self._store.take_in(bucket.params)  # type: ignore[union-attr]
+            # Zero the slots of parameters without a `.grad` (unused, or whose AccumulateGrad
+            # ran with an undefined gradient): the slot may still hold an earlier step's
+            # values. Move in any `.grad` that lives outside its slot.
+            self._store.take_in(bucket.params, zero_empty=True)  # type: ignore[union-attr]
             self._launch(bucket)
             self.launch_offsets_s.append(time.perf_counter() - self._started)
             self._next += 1

@@ -47,6 +47,21 @@ _SEAT_MAX_NUMEL = 1 << 15
 _trainable = operator.attrgetter("requires_grad")
 
 
+def _model_setting(model: nn.Module, name: str) -> bool:
+    """Whether `name` is a public attribute of `model` that is not a method (a setting such
+    as ``accepts_loss_kwargs`` or ``generation_config``): read and written through the
+    wrapper. Methods are not (``flat.module.generate``), as with DDP: generic code that
+    probes ``hasattr(m, "reset_parameters")`` over `flat.modules()` would otherwise find the
+    model's method twice."""
+    if name.startswith("_") or hasattr(FlatGrad, name):
+        return False
+    try:
+        value = getattr(model, name)
+    except AttributeError:
+        return False
+    return not callable(value)
+
+
 def _bump_generation(*args: Any) -> None:
     _GENERATION[0] += 1
 
@@ -79,6 +94,9 @@ class FlatGrad(nn.Module):
         self._store: GradStore | None = None
         self._seater: _Seater | None = None
         self._watched: tuple[_Watched, ...] = ()
+        # (module._parameters, name, parameter) of every entry of `_watched`: what
+        # `_steady_store` checks by identity each step.
+        self._holders: tuple[tuple[dict[str, Any], str, nn.Parameter], ...] = ()
         self._others: tuple[nn.Parameter, ...] = ()  # the model's parameters without a slot
         self._generation = -1
         self._ddp_forwards = -1  # forwards since ddp_kwargs() without allreduce_hook; -1: not asked
@@ -102,6 +120,7 @@ class FlatGrad(nn.Module):
             _store=None,
             _seater=None,
             _watched=(),
+            _holders=(),
             _others=(),
             _generation=-1,
             _ddp_state=None,
@@ -199,13 +218,12 @@ class FlatGrad(nn.Module):
                 name in inner._modules
                 or name in inner._parameters
                 or name in inner._buffers
-                or (not name.startswith("_") and hasattr(inner, name))
+                or _model_setting(inner, name)
             ):
                 raise
-            # A plain-model name (``flat.fc`` is ``flat.module.fc``) or a public attribute
-            # of the model (``flat.generate``, ``flat.main_input_name``): what a library
-            # handed the wrapped model in place of the plain one looks up on it. Private
-            # names stay the wrapper's: libraries probe those to tell wrappers apart.
+            # A plain-model name (``flat.fc`` is ``flat.module.fc``), or a public setting
+            # of the model (``flat.accepts_loss_kwargs``, ``flat.main_input_name``), which
+            # libraries handed the wrapped model read off it to decide how to call it.
             return getattr(inner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -214,7 +232,13 @@ class FlatGrad(nn.Module):
             inner is None
             or name in self.__dict__
             or name.startswith("_")
-            or not (name in inner._parameters or name in inner._buffers or name in inner._modules)
+            or hasattr(type(self), name)
+            or not (
+                name in inner._parameters
+                or name in inner._buffers
+                or name in inner._modules
+                or _model_setting(inner, name)
+            )
         ):
             super().__setattr__(name, value)
         elif (
@@ -266,6 +290,7 @@ class FlatGrad(nn.Module):
             self._adopted = set()  # new buffers: no DDP bucket is one of them
             self._seater = _Seater(store, params, routed, self)
             self._watched = _watch_list(self.module) or ()
+            self._holders = tuple((entry[0]._parameters, entry[1], entry[2]) for entry in self._watched)
             held = {id(p) for p in params}
             self._others = tuple(entry[2] for entry in self._watched if id(entry[2]) not in held)
             self._generation = _GENERATION[0]
@@ -342,10 +367,15 @@ class FlatGrad(nn.Module):
 
     def _steady_store(self) -> GradStore:
         """`_current_store`, and the full walk of `_refresh` when a held parameter was frozen
-        since (one `requires_grad` read per parameter): for DataParallel's forward, whose
-        buckets must not keep communicating a frozen slot."""
+        since, or a parameter object was put in place without registering it
+        (``module._parameters[name] = p``: accelerate's `set_module_tensor_to_device`, a
+        conversion under ``torch.__future__.set_overwrite_module_params_on_conversion``).
+        One `requires_grad` read and one identity test per parameter: for DataParallel's
+        forward, whose buckets must neither keep a frozen slot nor miss a new parameter."""
         store = self._current_store()
-        return store if all(map(_trainable, store.params)) else self._refresh()
+        if all(map(_trainable, store.params)) and all(d.get(n) is p for d, n, p in self._holders):
+            return store
+        return self._refresh()
 
     def _summary(self) -> str:
         buffers = self._checked_store().buffers

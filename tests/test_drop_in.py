@@ -792,24 +792,33 @@ def _tiny_llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config).double()
 
 
-def test_the_wrapped_models_config_and_public_attributes_are_reached_through_the_wrapper():
+def test_the_wrapped_models_config_is_reached_through_the_wrapper():
     """``flat.config`` is a transformers model's own config (Trainer, accelerate and peft
     read and write it through the model they are handed); the wrapper's own is
     `flatgrad_config`, and on a model without a ``config`` it is ``flat.config`` too.
-    Public attributes and methods of the model are reached through the wrapper; private
-    ones, and names the model lacks, are not."""
+    Other public settings of the model are read and written through the wrapper; its
+    methods are not (as with DDP): ``hasattr`` probes over `flat.modules()`
+    (``reset_parameters``) find each method once."""
     model = _tiny_llama()
     flat = flatgrad.FlatGrad(model, config={"align_bytes": 512})
     assert flat.config is model.config
     flat.config.use_cache = False
     assert model.config.use_cache is False
+    flat.config = model.config
+    assert flat.config is model.config
     assert flat.flatgrad_config == flatgrad.FlatGradConfig(align_bytes=512)
+    assert flat.model is model.model  # a submodule: a plain-model name
     assert flat.main_input_name == "input_ids"
-    assert flat.get_input_embeddings() is model.model.embed_tokens
-    with pytest.raises(AttributeError):
-        flat._tied_weights_keys  # noqa: B018  (private: the wrapper's own namespace)
-    with pytest.raises(AttributeError, match="no_such_thing"):
-        flat.no_such_thing  # noqa: B018
+    model.temperature = 1.0
+    flat.temperature = 2.0
+    assert model.temperature == 2.0 and "temperature" not in flat.__dict__
+    flat.extra = 3  # a name the model does not have: the wrapper's own
+    assert not hasattr(model, "extra")
+    with pytest.raises(AttributeError, match="generate"):
+        flat.generate  # noqa: B018
+    with pytest.raises(AttributeError, match="_tied_weights_keys"):
+        flat._tied_weights_keys  # noqa: B018
+    assert not hasattr(flatgrad.FlatGrad(nn.Linear(3, 3)), "reset_parameters")
     plain = flatgrad.FlatGrad(nn.Linear(3, 3), config={"align_bytes": 512})
     assert plain.config is plain.flatgrad_config
     with pytest.raises(AttributeError, match="flatgrad_config"):

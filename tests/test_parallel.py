@@ -631,3 +631,71 @@ def test_two_dtypes_with_parameters_unused_on_some_ranks_match_ddp():
     equal DDP(find_unused_parameters=True) for parameters used on every rank, on some, and
     on none, in both groups, with one bucket per group and with several."""
     run_ranks(_two_dtypes_worker)
+
+
+class _NoneForWeight(torch.autograd.Function):
+    """``x * w.mean()`` whose backward hands `w` no gradient (AccumulateGrad still runs)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * w.mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+class _Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 6)  # registered first: the last bucket
+        self.b = nn.Linear(6, 6)
+        self.w = nn.Parameter(torch.randn(200, 200))  # large, unrouted: copied in, not seated
+        self.double()
+
+    def forward(self, x: torch.Tensor, none_for_w: bool) -> torch.Tensor:
+        h = self.b(self.first(x))
+        h = _NoneForWeight.apply(h, self.w) if none_for_w else h * self.w.mean()
+        return h.square().mean()
+
+
+def _replaced_and_none_worker(rank: int, world_size: int) -> None:
+    for bucket_mb in (25.0, 1e-6):
+        torch.manual_seed(0)
+        model = _Holder()
+        ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+        flat = flatgrad.FlatGrad(model)
+        dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
+        x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+        for step in range(3):
+            if step == 1:  # parameter objects swapped in without registering them
+                previous = torch.__future__.get_overwrite_module_params_on_conversion()
+                torch.__future__.set_overwrite_module_params_on_conversion(True)
+                try:
+                    model.b.float().double()
+                finally:
+                    torch.__future__.set_overwrite_module_params_on_conversion(previous)
+            none_for_w = step == 2 and rank == 1  # AccumulateGrad runs with no gradient
+            dp.zero_grad()
+            ref.zero_grad()
+            dp(x, none_for_w).backward()
+            ref(x, none_for_w).backward()
+            # (float32 round trips of float32-initialised values: the oracle's unconverted
+            # `b` holds the same values, and DDP averages it)
+            for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+                assert (p.grad is None) == (q.grad is None), f"{bucket_mb} step {step} {name}"
+                if q.grad is not None:
+                    torch.testing.assert_close(p.grad, q.grad, **TOL)
+            for name, p in model.b.named_parameters():  # averaged: equal on every rank
+                gathered = [torch.empty_like(p.grad) for _ in range(world_size)]
+                dist.all_gather(gathered, p.grad)
+                assert all(torch.equal(g, gathered[0]) for g in gathered), f"{bucket_mb} step {step} b.{name}"
+                assert grad_in_buffers(flat, p.grad)
+
+
+def test_parameters_swapped_in_unregistered_and_a_weight_given_no_gradient_are_averaged_like_ddp():
+    """A parameter object put in place without the registration hook (a conversion under
+    ``set_overwrite_module_params_on_conversion(True)``) is laid out and averaged from the
+    next forward on; a large unrouted weight whose AccumulateGrad runs with no gradient on
+    one rank contributes zeros there, not the slot's previous values (as DDP)."""
+    run_ranks(_replaced_and_none_worker)
