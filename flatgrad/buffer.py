@@ -56,6 +56,9 @@ class GradStore:
         # Per group: the buffer followed, in the same memory, by one used-flag element per
         # parameter; those flags; and those parameters (see `flagged`).
         self._flagged: dict[GroupKey, _Flagged] = {}
+        # What `seat` seated for the running backward, until its final callback `unseat`s
+        # it (`flagged` may be asked before that: see there).
+        self.seated: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for key, group in plan_layout(self.params, align_bytes, multiple).items():
             members = tuple(self.params[index] for index in group.param_indices)
             raw = _aligned_zeros(group.numel + len(members), key, align_bytes)
@@ -230,6 +233,13 @@ class GradStore:
         if found is None:
             return None
         _, flags, members = found
+        if self.seated:
+            # Asked inside the backward (DataParallel launching a group's last bucket, when
+            # every gradient of the group is final): a seated slot nothing wrote into is
+            # unused, as the final callback's `unseat` will find, and as DDP counts a
+            # parameter whose AccumulateGrad ran with no gradient.
+            entries = self._entries
+            GradStore.unseat([s for s in self.seated if entries[s[0]].key == key])
         used = [float(param.grad is not None) for param in members]
         if all(used):
             flags.fill_(1)  # the usual step: no host data to send
@@ -255,6 +265,7 @@ class GradStore:
             pairs = [(param, views[id(param)]) for param in params]
             cached = self._seat_cache = (params, pairs, self.spans(params))
         _, pairs, spans = cached
+        self.seated = []
         seated = [pair for pair in pairs if pair[0].grad is None]
         if not seated:
             return []
@@ -274,7 +285,8 @@ class GradStore:
         zeroed = spans if len(seated) == len(pairs) else [view for _, view in seated]
         if zeroed:  # none when every seated parameter has zero elements
             torch._foreach_zero_(zeroed)
-        return [(param, view, view._version) for param, view in seated]
+        self.seated = [(param, view, view._version) for param, view in seated]
+        return self.seated
 
     def check(self, params: Sequence[torch.Tensor]) -> None:
         """Mark the store stale if one of `params` no longer fits its slot, or a slot view

@@ -538,13 +538,16 @@ class _Seater:
             # A parameter was converted or reshaped behind the wrapper (model.double() on the
             # inner model, param.data = ...): lay out again now, before any gradient arrives.
             GradStore.unseat(seated)
+            store.seated = []
             seater = wrapper._rebuilt_seater()
             seater._task = task
-            seated = seater.store.seat(seater.params)
-        _execution_engine.queue_callback(functools.partial(self._after_backward, seated))
+            store = seater.store
+            seated = store.seat(seater.params)
+        _execution_engine.queue_callback(functools.partial(self._after_backward, store, seated))
 
-    def _after_backward(self, seated: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+    def _after_backward(self, store: GradStore, seated: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         GradStore.unseat(seated)
+        store.seated = []
         # A routed weight whose gradient came through plain autograd (its layer ran inside a
         # torch.compile'd region, or outside the Functions) is seated from now on.
         views = self.store._views

@@ -699,3 +699,53 @@ def test_parameters_swapped_in_unregistered_and_a_weight_given_no_gradient_are_a
     next forward on; a large unrouted weight whose AccumulateGrad runs with no gradient on
     one rank contributes zeros there, not the slot's previous values (as DDP)."""
     run_ranks(_replaced_and_none_worker)
+
+
+class _EarlyGroup(nn.Module):
+    """A float32 group whose gradients are all final before the float64 group's (its last
+    bucket launches inside the backward), holding a small seated parameter `s` whose
+    AccumulateGrad may run with no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8).double()
+        self.b = nn.Linear(8, 8)
+        self.s = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor, none_for_s: bool) -> torch.Tensor:
+        h = self.b(self.a(x).float())
+        h = _NoneForWeight.apply(h, self.s) if none_for_s else h * self.s.mean()
+        return h.square().mean()
+
+
+def _early_group_worker(rank: int, world_size: int) -> None:
+    for bucket_mb in (25.0, 1e-6):
+        torch.manual_seed(0)
+        model = _EarlyGroup()
+        ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+        flat = flatgrad.FlatGrad(model)
+        dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
+        for step in range(3):
+            # step 0: no rank gives `s` a gradient; 1: rank 0 only; 2: every rank
+            none_for_s = step == 0 or (step == 1 and rank == 1)
+            gen = torch.Generator().manual_seed(rank + 10 * step)
+            x = torch.randn(4, 8, dtype=torch.float64, generator=gen)
+            dp.zero_grad()
+            ref.zero_grad()
+            dp(x, none_for_s).backward()
+            ref(x, none_for_s).backward()
+            launched_inside = dp.launch_offsets_s[0] < dp.backward_s
+            for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+                assert (p.grad is None) == (q.grad is None), f"{bucket_mb} step {step} {name}"
+                if q.grad is not None:
+                    tol = TOL if q.dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-7}
+                    torch.testing.assert_close(p.grad, q.grad, **tol)
+                    assert grad_in_buffers(flat, p.grad)
+            assert launched_inside, "the float32 group's bucket should launch inside the backward"
+
+
+def test_a_seated_parameter_given_no_gradient_by_any_rank_keeps_none_in_an_early_bucket():
+    """A small (seated) parameter whose AccumulateGrad runs with no gradient, in a group
+    whose last bucket (with the used flags) launches inside the backward: None where no rank
+    gave it a gradient, the average where one did, as DDP(find_unused_parameters=True)."""
+    run_ranks(_early_group_worker)
