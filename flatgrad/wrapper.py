@@ -47,19 +47,24 @@ _SEAT_MAX_NUMEL = 1 << 15
 _trainable = operator.attrgetter("requires_grad")
 
 
-def _model_setting(model: nn.Module, name: str) -> bool:
-    """Whether `name` is a public attribute of `model` that is not a method (a setting such
-    as ``accepts_loss_kwargs`` or ``generation_config``): read and written through the
-    wrapper. Methods are not (``flat.module.generate``), as with DDP: generic code that
-    probes ``hasattr(m, "reset_parameters")`` over `flat.modules()` would otherwise find the
-    model's method twice."""
-    if name.startswith("_") or hasattr(FlatGrad, name):
-        return False
-    try:
-        value = getattr(model, name)
-    except AttributeError:
-        return False
-    return not callable(value)
+# Model methods that generic per-module walkers call on every module they meet
+# (``m.reset_parameters()`` if ``hasattr(m, "reset_parameters")``, as torch's meta-device
+# materialisation does): through the wrapper they would reach the model twice.
+_NOT_FORWARDED = frozenset({"reset_parameters"})
+
+
+def _forwarded(model: nn.Module, name: str) -> bool:
+    """Whether `name`, not the wrapper's own, is read and written on the wrapped `model`:
+    its public attributes (``flat.generate``, ``flat.accepts_loss_kwargs``,
+    ``flat.gradient_checkpointing_enable()``), which libraries handed the wrapped model
+    (transformers' Trainer) read, call and set as on the plain one. One rule for reads and
+    writes, so a value written through the wrapper is the one read back."""
+    return (
+        not name.startswith("_")
+        and name not in _NOT_FORWARDED
+        and not hasattr(FlatGrad, name)
+        and hasattr(model, name)
+    )
 
 
 def _bump_generation(*args: Any) -> None:
@@ -94,9 +99,6 @@ class FlatGrad(nn.Module):
         self._store: GradStore | None = None
         self._seater: _Seater | None = None
         self._watched: tuple[_Watched, ...] = ()
-        # (module._parameters, name, parameter) of every entry of `_watched`: what
-        # `_steady_store` checks by identity each step.
-        self._holders: tuple[tuple[dict[str, Any], str, nn.Parameter], ...] = ()
         self._others: tuple[nn.Parameter, ...] = ()  # the model's parameters without a slot
         self._generation = -1
         self._ddp_forwards = -1  # forwards since ddp_kwargs() without allreduce_hook; -1: not asked
@@ -120,7 +122,6 @@ class FlatGrad(nn.Module):
             _store=None,
             _seater=None,
             _watched=(),
-            _holders=(),
             _others=(),
             _generation=-1,
             _ddp_state=None,
@@ -218,12 +219,11 @@ class FlatGrad(nn.Module):
                 name in inner._modules
                 or name in inner._parameters
                 or name in inner._buffers
-                or _model_setting(inner, name)
+                or _forwarded(inner, name)
             ):
                 raise
-            # A plain-model name (``flat.fc`` is ``flat.module.fc``), or a public setting
-            # of the model (``flat.accepts_loss_kwargs``, ``flat.main_input_name``), which
-            # libraries handed the wrapped model read off it to decide how to call it.
+            # A plain-model name (``flat.fc`` is ``flat.module.fc``), or a public attribute
+            # of the model (see `_forwarded`).
             return getattr(inner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -237,7 +237,7 @@ class FlatGrad(nn.Module):
                 name in inner._parameters
                 or name in inner._buffers
                 or name in inner._modules
-                or _model_setting(inner, name)
+                or _forwarded(inner, name)
             )
         ):
             super().__setattr__(name, value)
@@ -290,7 +290,6 @@ class FlatGrad(nn.Module):
             self._adopted = set()  # new buffers: no DDP bucket is one of them
             self._seater = _Seater(store, params, routed, self)
             self._watched = _watch_list(self.module) or ()
-            self._holders = tuple((entry[0]._parameters, entry[1], entry[2]) for entry in self._watched)
             held = {id(p) for p in params}
             self._others = tuple(entry[2] for entry in self._watched if id(entry[2]) not in held)
             self._generation = _GENERATION[0]
@@ -367,15 +366,13 @@ class FlatGrad(nn.Module):
 
     def _steady_store(self) -> GradStore:
         """`_current_store`, and the full walk of `_refresh` when a held parameter was frozen
-        since, or a parameter object was put in place without registering it
-        (``module._parameters[name] = p``: accelerate's `set_module_tensor_to_device`, a
-        conversion under ``torch.__future__.set_overwrite_module_params_on_conversion``).
-        One `requires_grad` read and one identity test per parameter: for DataParallel's
-        forward, whose buckets must neither keep a frozen slot nor miss a new parameter."""
+        since (one `requires_grad` read per parameter): for DataParallel's forward, whose
+        buckets must not keep communicating a frozen slot. A parameter object put in place
+        without registering it (``module._parameters[name] = p``: `torch.func.functional_call`,
+        accelerate's `set_module_tensor_to_device`) is not followed here, as DDP's reducer
+        does not follow it: its gradient stays local (the next flat op lays out again)."""
         store = self._current_store()
-        if all(map(_trainable, store.params)) and all(d.get(n) is p for d, n, p in self._holders):
-            return store
-        return self._refresh()
+        return store if all(map(_trainable, store.params)) else self._refresh()
 
     def _summary(self) -> str:
         buffers = self._checked_store().buffers

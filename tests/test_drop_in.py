@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -792,13 +793,14 @@ def _tiny_llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config).double()
 
 
-def test_the_wrapped_models_config_is_reached_through_the_wrapper():
+def test_the_wrapped_models_config_and_public_attributes_are_reached_through_the_wrapper():
     """``flat.config`` is a transformers model's own config (Trainer, accelerate and peft
     read and write it through the model they are handed); the wrapper's own is
     `flatgrad_config`, and on a model without a ``config`` it is ``flat.config`` too.
-    Other public settings of the model are read and written through the wrapper; its
-    methods are not (as with DDP): ``hasattr`` probes over `flat.modules()`
-    (``reset_parameters``) find each method once."""
+    The model's public attributes, methods included, are read, called and written through
+    the wrapper by one rule; ``reset_parameters`` is not (a walker over `flat.modules()`
+    that calls it on every module that has one meets the model once), nor are private
+    names, nor names the model lacks."""
     model = _tiny_llama()
     flat = flatgrad.FlatGrad(model, config={"align_bytes": 512})
     assert flat.config is model.config
@@ -809,16 +811,36 @@ def test_the_wrapped_models_config_is_reached_through_the_wrapper():
     assert flat.flatgrad_config == flatgrad.FlatGradConfig(align_bytes=512)
     assert flat.model is model.model  # a submodule: a plain-model name
     assert flat.main_input_name == "input_ids"
+    assert flat.get_input_embeddings() is model.model.embed_tokens
+    assert flat.generate.__func__ is type(model).generate
     model.temperature = 1.0
     flat.temperature = 2.0
     assert model.temperature == 2.0 and "temperature" not in flat.__dict__
+    model.loss_hook = None  # a setting that becomes callable and back: one rule both ways
+    flat.loss_hook = F.mse_loss
+    assert flat.loss_hook is F.mse_loss and model.loss_hook is F.mse_loss
+    flat.loss_hook = None
+    assert model.loss_hook is None and flat.loss_hook is None and "loss_hook" not in flat.__dict__
     flat.extra = 3  # a name the model does not have: the wrapper's own
     assert not hasattr(model, "extra")
-    with pytest.raises(AttributeError, match="generate"):
-        flat.generate  # noqa: B018
     with pytest.raises(AttributeError, match="_tied_weights_keys"):
         flat._tied_weights_keys  # noqa: B018
-    assert not hasattr(flatgrad.FlatGrad(nn.Linear(3, 3)), "reset_parameters")
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        flat.no_such_thing  # noqa: B018
+    linear = nn.Linear(3, 3)
+    calls: list[nn.Module] = []
+    original = nn.Linear.reset_parameters
+
+    def counted(self: nn.Linear) -> None:
+        calls.append(self)
+        original(self)
+
+    wrapped = flatgrad.FlatGrad(linear)
+    with mock.patch.object(nn.Linear, "reset_parameters", counted):
+        for module in wrapped.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    assert calls == [linear]
     plain = flatgrad.FlatGrad(nn.Linear(3, 3), config={"align_bytes": 512})
     assert plain.config is plain.flatgrad_config
     with pytest.raises(AttributeError, match="flatgrad_config"):
@@ -835,11 +857,17 @@ class _Tokens(torch.utils.data.Dataset):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-def test_transformers_trainer_trains_a_wrapped_model_as_stock(tmp_path):
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"gradient_checkpointing": True, "neftune_noise_alpha": 5.0}],
+    ids=["plain", "checkpointing_neftune"],
+)
+def test_transformers_trainer_trains_a_wrapped_model_as_stock(tmp_path, options):
     """`transformers.Trainer` given ``FlatGrad(model)`` (a tied Llama in float64): two
-    accumulated micro-batches per step, clipping, AdamW and a schedule. Losses, gradient
-    norms and parameters equal a Trainer on the plain model, and before every optimizer
-    step every `.grad` lies in the buffers."""
+    accumulated micro-batches per step, clipping, AdamW and a schedule; also with Trainer's
+    activation checkpointing and NEFTune (which it turns on by calling model methods).
+    Losses, gradient norms, the counted FLOPs and parameters equal a Trainer on the plain
+    model, and before every optimizer step every `.grad` lies in the buffers."""
     transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
     pytest.importorskip("accelerate", reason="pip install -e '.[dev,frameworks]'")
     flat, oracle = _pair(_tiny_llama())
@@ -856,12 +884,16 @@ def test_transformers_trainer_trains_a_wrapped_model_as_stock(tmp_path):
             max_steps=3, learning_rate=1e-3, max_grad_norm=1.0, logging_steps=1, report_to=[],
             save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
             remove_unused_columns=False,  # the wrapper's forward takes (*args, **kwargs)
+            **options,
         )  # fmt: skip
         callbacks = [_InBuffers()] if model is flat else []
         trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks)
         trainer.train()
         logs = trainer.state.log_history
+        flops.append(trainer.state.total_flos)
         return [{k: v for k, v in log.items() if k in ("loss", "grad_norm")} for log in logs]
+
+    flops: list[float] = []
 
     ours, stock = train(flat, "flat"), train(oracle, "stock")
     assert len(ours) == 4 and all("loss" in log for log in ours[:3])
@@ -869,5 +901,6 @@ def test_transformers_trainer_trains_a_wrapped_model_as_stock(tmp_path):
         assert mine.keys() == theirs.keys()
         for key in mine:
             assert mine[key] == pytest.approx(theirs[key], rel=1e-12, abs=0), key
+    assert flops[0] == flops[1] > 0
     _assert_params_equal(flat, oracle)
     assert not misplaced

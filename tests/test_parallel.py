@@ -668,11 +668,12 @@ def _replaced_and_none_worker(rank: int, world_size: int) -> None:
         dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
         x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
         for step in range(3):
-            if step == 1:  # parameter objects swapped in without registering them
+            if step == 1:  # parameter objects swapped in without registering them, on both
                 previous = torch.__future__.get_overwrite_module_params_on_conversion()
                 torch.__future__.set_overwrite_module_params_on_conversion(True)
                 try:
                     model.b.float().double()
+                    ref.module.b.float().double()
                 finally:
                     torch.__future__.set_overwrite_module_params_on_conversion(previous)
             none_for_w = step == 2 and rank == 1  # AccumulateGrad runs with no gradient
@@ -680,24 +681,19 @@ def _replaced_and_none_worker(rank: int, world_size: int) -> None:
             ref.zero_grad()
             dp(x, none_for_w).backward()
             ref(x, none_for_w).backward()
-            # (float32 round trips of float32-initialised values: the oracle's unconverted
-            # `b` holds the same values, and DDP averages it)
             for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
                 assert (p.grad is None) == (q.grad is None), f"{bucket_mb} step {step} {name}"
                 if q.grad is not None:
-                    torch.testing.assert_close(p.grad, q.grad, **TOL)
-            for name, p in model.b.named_parameters():  # averaged: equal on every rank
-                gathered = [torch.empty_like(p.grad) for _ in range(world_size)]
-                dist.all_gather(gathered, p.grad)
-                assert all(torch.equal(g, gathered[0]) for g in gathered), f"{bucket_mb} step {step} b.{name}"
-                assert grad_in_buffers(flat, p.grad)
+                    torch.testing.assert_close(p.grad, q.grad, **TOL, msg=f"{bucket_mb} step {step} {name}")
 
 
-def test_parameters_swapped_in_unregistered_and_a_weight_given_no_gradient_are_averaged_like_ddp():
+def test_parameters_swapped_in_unregistered_and_a_weight_given_no_gradient_match_ddp():
     """A parameter object put in place without the registration hook (a conversion under
-    ``set_overwrite_module_params_on_conversion(True)``) is laid out and averaged from the
-    next forward on; a large unrouted weight whose AccumulateGrad runs with no gradient on
-    one rank contributes zeros there, not the slot's previous values (as DDP)."""
+    ``set_overwrite_module_params_on_conversion(True)``, as `torch.func.functional_call`
+    and accelerate's `set_module_tensor_to_device` do) keeps its local gradient, as under
+    DDP, whose reducer does not follow it either; a large unrouted weight whose
+    AccumulateGrad runs with no gradient on one rank contributes zeros there, not the
+    slot's previous values (as DDP)."""
     run_ranks(_replaced_and_none_worker)
 
 
@@ -749,3 +745,34 @@ def test_a_seated_parameter_given_no_gradient_by_any_rank_keeps_none_in_an_early
     whose last bucket (with the used flags) launches inside the backward: None where no rank
     gave it a gradient, the average where one did, as DDP(find_unused_parameters=True)."""
     run_ranks(_early_group_worker)
+
+
+def _functional_call_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    ref = DDP(copy.deepcopy(model))
+    flat = flatgrad.FlatGrad(model)
+    dp = flatgrad.DataParallel(flat)
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    store = flat._store
+    for wrapper, inner in ((dp, model), (ref, ref.module)):
+        temp = {"module." + n: nn.Parameter(p.detach().clone()) for n, p in inner.named_parameters()}
+        torch.func.functional_call(wrapper, temp, (x,)).sum().backward()
+        grad = temp["module.0.weight"].grad
+        gathered = [torch.empty_like(grad) for _ in range(world_size)]
+        dist.all_gather(gathered, grad)
+        assert not torch.equal(gathered[0], gathered[1]), "temporary parameters are not averaged (DDP)"
+        assert all(p.grad is None for p in inner.parameters())
+    assert flat._store is store  # not laid out onto the temporary parameters
+    for module in (dp, ref):
+        module(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.module.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+    assert flat._store is store
+
+
+def test_functional_call_through_dataparallel_leaves_the_temporary_parameters_local_as_ddp():
+    """`torch.func.functional_call(dp, {...: nn.Parameter})`: the temporary parameters get
+    their local gradients, not averaged (DDP's reducer is bound to the model's own), nothing
+    is laid out again, and the next plain step averages the model's parameters as DDP."""
+    run_ranks(_functional_call_worker)
