@@ -39,6 +39,12 @@ _Mode = Literal["skip", "fresh", "out", "add"]
 # for stock (the next norm or sync moves it into its slot).
 _TRACED: tuple[_Mode, None, None] = ("fresh", None, None)
 
+# Undefined gradients: the Functions below do not materialise an undefined output gradient (an
+# output nothing differentiable used, a consumer that returned None for it) as zeros: they
+# get None and hand every input None, as torch's own backwards do, so the slot is not
+# written and `.grad` stays None where stock leaves it (not a zero `.grad` that AdamW or
+# weight decay would then move).
+
 
 def plain_torch() -> bool:
     """Whether the routed forwards and the gathers must be plain torch ops: under
@@ -111,11 +117,14 @@ class _Linear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = F.linear(x, weight, bias)  # autocast, if on, picks the compute dtype here
         ctx.save_for_backward(x, weight)
+        ctx.set_materialize_grads(False)  # see the note on undefined gradients
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if grad_out is None:
+            return None, None, None
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
         compute = grad_out.dtype  # differs from weight.dtype under autocast
@@ -195,6 +204,7 @@ class _GatherRows(torch.autograd.Function):
         scale_grad_by_freq: bool,
     ) -> torch.Tensor:
         ctx.save_for_backward(indices)  # not the weight: a max_norm renorm may bump its version
+        ctx.set_materialize_grads(False)  # see the note on undefined gradients
         ctx.weight_meta = (weight.dtype, weight.device, weight.shape)
         ctx.padding_idx = padding_idx
         ctx.scale_grad_by_freq = scale_grad_by_freq
@@ -202,10 +212,10 @@ class _GatherRows(torch.autograd.Function):
         return weight.index_select(0, flat_index).view(*indices.shape, *weight.shape[1:])
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         (indices,) = ctx.saved_tensors
         mode, target, param = _weight_target(ctx, 0)
-        if mode == "skip":
+        if mode == "skip" or grad_out is None:
             return None, None, None, None
         dtype, device, shape = ctx.weight_meta
         index = indices.reshape(-1)
@@ -280,14 +290,15 @@ class _GatherDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(index)
+        ctx.set_materialize_grads(False)  # see the note on undefined gradients
         ctx.input_meta = (input.dtype, input.device, input.shape, dim)
         return torch.gather(input, dim, index)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         (index,) = ctx.saved_tensors
         mode, target, param = _weight_target(ctx, 0)
-        if mode == "skip":
+        if mode == "skip" or grad_out is None:
             return None, None, None
         dtype, device, shape, dim = ctx.input_meta
         values = grad_out.to(dtype)

@@ -904,3 +904,62 @@ def test_transformers_trainer_trains_a_wrapped_model_as_stock(tmp_path, options)
     assert flops[0] == flops[1] > 0
     _assert_params_equal(flat, oracle)
     assert not misplaced
+
+
+class _DropFirst(torch.autograd.Function):
+    """``b`` in the forward; `a` gets no gradient (None) in the backward."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return b + 0 * a.sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+        return None, grad
+
+
+class _Undefined(nn.Module):
+    """A routed Linear and an embedding whose outputs get an undefined gradient on the
+    steps `drop` says, beside a Linear that always gets one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(10, 4)
+        self.gated = nn.Linear(4, 4)
+        self.main = nn.Linear(4, 4)
+
+    def forward(self, idx: torch.Tensor, drop: bool) -> torch.Tensor:
+        x = self.tokens(idx)
+        gated = self.gated(x)
+        out = self.main(x.detach())
+        out = _DropFirst.apply(x + gated, out) if drop else out + gated
+        return out.square().mean()
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_routed_layers_whose_output_gets_no_gradient_keep_grad_none_as_stock(checkpointed):
+    """An undefined output gradient reaching a routed Linear or an embedding leaves its
+    `.grad` None, as stock's, not a zero `.grad` that AdamW and weight decay would move
+    (AdamW, two steps dropping, one not, then one dropping again with `.grad` held)."""
+    flat, oracle = _pair(_Undefined().double())
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (flat, oracle)]
+    idx = torch.tensor([[1, 2, 3], [3, 4, 0]])
+
+    def loss(model: nn.Module, drop: bool) -> torch.Tensor:
+        if checkpointed:
+            return torch.utils.checkpoint.checkpoint(model, idx, drop, use_reentrant=False)
+        return model(idx, drop)
+
+    for step, drop in enumerate([True, True, False]):
+        for model, opt in zip((flat, oracle), opts):
+            opt.zero_grad()
+            loss(model, drop).backward()
+        for (name, p), q in zip(flat.named_parameters(), oracle.parameters()):
+            assert (p.grad is None) == (q.grad is None), f"step {step} {name}"
+        for opt in opts:
+            opt.step()
+        _assert_params_equal(flat, oracle)
+    for model in (flat, oracle):  # accumulating onto held gradients: unchanged by a drop
+        loss(model, False).backward()
+        loss(model, True).backward()
+    assert_same_grads(flat, oracle)
