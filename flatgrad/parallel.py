@@ -142,9 +142,10 @@ class DataParallel(nn.Module):
     # one; the wrapped model is still compiled (FlatGrad's forward hands it to Dynamo).
     @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._task != -1:
+            self._drain()  # a backward that raised never finished
         if self.module._steady_store() is not self._store:
             self._rebuild()
-        self._task = -1  # no backward is running now (one that raised never finished)
         if self._sync_buffers_next and self.broadcast_buffers and self._has_buffers:
             self._broadcast_buffers()
         output = self.module(*args, **kwargs)
@@ -153,6 +154,17 @@ class DataParallel(nn.Module):
         if training:
             self._watch(output, self._sync)
         return output
+
+    def _drain(self) -> None:
+        """Wait for the collectives a backward that raised had launched, before this step
+        writes any gradient: in flight, they would land on top of it. (That step's
+        launched buckets hold averages of partial gradients, as DDP's bucket views would;
+        `zero_grad()` before the next backward, as after any failed step.)"""
+        self._task = -1
+        for bucket in self._buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+        self._reset()
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers to every rank, as DDP's forward does: the buffers found now (a

@@ -776,3 +776,47 @@ def test_functional_call_through_dataparallel_leaves_the_temporary_parameters_lo
     their local gradients, not averaged (DDP's reducer is bound to the model's own), nothing
     is laid out again, and the next plain step averages the model's parameters as DDP."""
     run_ranks(_functional_call_worker)
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise RuntimeError("boom")
+
+
+def _raised_backward_worker(rank: int, world_size: int) -> None:
+    for bucket_mb in (25.0, 1e-6):
+        torch.manual_seed(0)
+        model = _EarlyGroup()
+        ref = copy.deepcopy(model)
+        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=bucket_mb)
+        x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+        # raises after the float32 group's bucket launched, before the float64 group's
+        with pytest.raises(RuntimeError, match="boom"):
+            model_out = dp(_Boom.apply(x), False)
+            model_out.backward()
+        assert dp._buckets[0].work is not None, "a bucket should be in flight"
+        for step in range(3):
+            dp.zero_grad()
+            ref.zero_grad()
+            gen = torch.Generator().manual_seed(rank + 10 * step)
+            batch = torch.randn(4, 8, dtype=torch.float64, generator=gen)
+            dp(batch, False).backward()
+            ref(batch, False).backward()
+            for p in ref.parameters():  # the oracle: stock autograd, then an average
+                dist.all_reduce(p.grad)
+                p.grad /= world_size
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                tol = TOL if q.dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-7}
+                torch.testing.assert_close(p.grad, q.grad, **tol, msg=f"{bucket_mb} step {step} {name}")
+
+
+def test_collectives_launched_by_a_backward_that_raised_do_not_land_on_the_next_step():
+    """A backward that raises after a bucket was launched (an OOM skipped by the training
+    loop): the next forward waits for what is in flight, so the next steps' gradients are
+    the averages of their own (it landed on them before)."""
+    run_ranks(_raised_backward_worker)
