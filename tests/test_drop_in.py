@@ -720,15 +720,9 @@ def test_a_dataclass_output_is_watched_like_a_pytree():
 
 
 def _tiny_llama_with_lora(checkpointing: bool) -> nn.Module:
-    transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
     peft = pytest.importorskip("peft", reason="pip install -e '.[dev,frameworks]'")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
-    model = peft.get_peft_model(transformers.LlamaForCausalLM(config).double(), lora)
+    model = peft.get_peft_model(_tiny_llama(), lora)
     for name, param in model.named_parameters():
         if "lora_B" in name:  # zero at init: nonzero, so lora_A's gradient is too
             nn.init.normal_(param, std=0.02)

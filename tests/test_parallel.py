@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -73,13 +75,25 @@ def _assert_close(ours: nn.Module, ref: nn.Module, what: str) -> None:
             torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
-def _dp_and_ddp(bucket_mb: float) -> tuple[flatgrad.FlatGrad, flatgrad.DataParallel, DDP]:
-    """One `_Net` under FlatGrad + DataParallel, and a copy of it under stock DDP."""
+def _dp_and_ddp(
+    bucket_mb: float, build: Callable[[], nn.Module] = _Net, config: Any = ROUTE_ALL
+) -> tuple[flatgrad.FlatGrad, flatgrad.DataParallel, DDP]:
+    """One model (`_Net` unless `build` says) under FlatGrad + DataParallel, and a copy of
+    it under stock DDP."""
     torch.manual_seed(0)
-    model = _Net()
+    model = build()
     ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
-    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    flat = flatgrad.FlatGrad(model, config=config)
     return flat, flatgrad.DataParallel(flat, bucket_mb=bucket_mb), ref
+
+
+def _assert_grads_match(ours: nn.Module, ref: nn.Module, what: str) -> None:
+    """`.grad` None-ness and values equal the oracle's (float32 ones to float32 precision)."""
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), f"{what} {name}"
+        if q.grad is not None:
+            tol = TOL if q.dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-7}
+            torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m, n=name: f"{what} {n}: {m}")
 
 
 def _equal_to_ddp_worker(rank: int, world_size: int, bucket_mb: float) -> None:
@@ -601,11 +615,7 @@ class _TwoDtypes(nn.Module):
 
 def _two_dtypes_worker(rank: int, world_size: int) -> None:
     for bucket_mb in (25.0, 0.0005):  # one bucket per group; several
-        torch.manual_seed(0)
-        model = _TwoDtypes()
-        ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
-        flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-        dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
+        flat, dp, ref = _dp_and_ddp(bucket_mb, _TwoDtypes)
         assert len(flat.grad_buffers) == 2
         for step in range(4):
             # step 0: all ranks use both branches; 1: rank 0 only uses a_branch; 2: only
@@ -618,12 +628,8 @@ def _two_dtypes_worker(rank: int, world_size: int) -> None:
             x = torch.randn(4, 8, dtype=torch.float64, generator=gen)
             dp(x, use_a, use_b).backward()
             ref(x, use_a, use_b).backward()
-            for (name, p), q in zip(flat.module.named_parameters(), ref.module.parameters()):
-                assert (p.grad is None) == (q.grad is None), f"{bucket_mb} step {step} {name}"
-                if q.grad is not None:
-                    tol = TOL if q.dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-7}
-                    torch.testing.assert_close(p.grad, q.grad, **tol)
-                    assert grad_in_buffers(flat, p.grad)
+            _assert_grads_match(flat.module, ref.module, f"{bucket_mb} step {step}")
+            assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters() if p.grad is not None)
 
 
 def test_two_dtypes_with_parameters_unused_on_some_ranks_match_ddp():
@@ -661,11 +667,8 @@ class _Holder(nn.Module):
 
 def _replaced_and_none_worker(rank: int, world_size: int) -> None:
     for bucket_mb in (25.0, 1e-6):
-        torch.manual_seed(0)
-        model = _Holder()
-        ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
-        flat = flatgrad.FlatGrad(model)
-        dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
+        flat, dp, ref = _dp_and_ddp(bucket_mb, _Holder, None)
+        model = flat.module
         x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
         for step in range(3):
             if step == 1:  # parameter objects swapped in without registering them, on both
@@ -681,10 +684,7 @@ def _replaced_and_none_worker(rank: int, world_size: int) -> None:
             ref.zero_grad()
             dp(x, none_for_w).backward()
             ref(x, none_for_w).backward()
-            for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
-                assert (p.grad is None) == (q.grad is None), f"{bucket_mb} step {step} {name}"
-                if q.grad is not None:
-                    torch.testing.assert_close(p.grad, q.grad, **TOL, msg=f"{bucket_mb} step {step} {name}")
+            _assert_grads_match(model, ref.module, f"{bucket_mb} step {step}")
 
 
 def test_parameters_swapped_in_unregistered_and_a_weight_given_no_gradient_match_ddp():
@@ -716,11 +716,8 @@ class _EarlyGroup(nn.Module):
 
 def _early_group_worker(rank: int, world_size: int) -> None:
     for bucket_mb in (25.0, 1e-6):
-        torch.manual_seed(0)
-        model = _EarlyGroup()
-        ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
-        flat = flatgrad.FlatGrad(model)
-        dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
+        flat, dp, ref = _dp_and_ddp(bucket_mb, _EarlyGroup, None)
+        model = flat.module
         for step in range(3):
             # step 0: no rank gives `s` a gradient; 1: rank 0 only; 2: every rank
             none_for_s = step == 0 or (step == 1 and rank == 1)
@@ -731,12 +728,8 @@ def _early_group_worker(rank: int, world_size: int) -> None:
             dp(x, none_for_s).backward()
             ref(x, none_for_s).backward()
             launched_inside = dp.launch_offsets_s[0] < dp.backward_s
-            for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
-                assert (p.grad is None) == (q.grad is None), f"{bucket_mb} step {step} {name}"
-                if q.grad is not None:
-                    tol = TOL if q.dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-7}
-                    torch.testing.assert_close(p.grad, q.grad, **tol)
-                    assert grad_in_buffers(flat, p.grad)
+            _assert_grads_match(model, ref.module, f"{bucket_mb} step {step}")
+            assert all(grad_in_buffers(flat, p.grad) for p in model.parameters() if p.grad is not None)
             assert launched_inside, "the float32 group's bucket should launch inside the backward"
 
 
@@ -810,9 +803,7 @@ def _raised_backward_worker(rank: int, world_size: int) -> None:
             for p in ref.parameters():  # the oracle: stock autograd, then an average
                 dist.all_reduce(p.grad)
                 p.grad /= world_size
-            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-                tol = TOL if q.dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-7}
-                torch.testing.assert_close(p.grad, q.grad, **tol, msg=f"{bucket_mb} step {step} {name}")
+            _assert_grads_match(model, ref, f"{bucket_mb} step {step}")
 
 
 def test_collectives_launched_by_a_backward_that_raised_do_not_land_on_the_next_step():
