@@ -56,8 +56,9 @@ class GradStore:
         # Per group: the buffer followed, in the same memory, by one used-flag element per
         # parameter; those flags; and those parameters (see `flagged`).
         self._flagged: dict[GroupKey, _Flagged] = {}
-        # What `seat` seated for the running backward, until its final callback `unseat`s
-        # it (`flagged` may be asked before that: see there).
+        # What `seat` last seated, until that backward's final callback `unseat`s it
+        # (`flagged` may be asked before that: see there). A nested backward that seats
+        # nothing (the outer one seated every slot) leaves it alone.
         self.seated: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for key, group in plan_layout(self.params, align_bytes, multiple).items():
             members = tuple(self.params[index] for index in group.param_indices)
@@ -265,7 +266,6 @@ class GradStore:
             pairs = [(param, views[id(param)]) for param in params]
             cached = self._seat_cache = (params, pairs, self.spans(params))
         _, pairs, spans = cached
-        self.seated = []
         seated = [pair for pair in pairs if pair[0].grad is None]
         if not seated:
             return []

@@ -535,7 +535,8 @@ class _Seater:
             # A parameter was converted or reshaped behind the wrapper (model.double() on the
             # inner model, param.data = ...): lay out again now, before any gradient arrives.
             GradStore.unseat(seated)
-            store.seated = []
+            if store.seated is seated:
+                store.seated = []
             seater = wrapper._rebuilt_seater()
             seater._task = task
             store = seater.store
@@ -544,7 +545,8 @@ class _Seater:
 
     def _after_backward(self, store: GradStore, seated: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         GradStore.unseat(seated)
-        store.seated = []
+        if store.seated is seated:
+            store.seated = []
         # A routed weight whose gradient came through plain autograd (its layer ran inside a
         # torch.compile'd region, or outside the Functions) is seated from now on.
         views = self.store._views

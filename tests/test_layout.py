@@ -320,3 +320,17 @@ def test_store_spans_cover_exactly_the_chosen_slots(align_bytes: int) -> None:
     assert len(store.spans(chosen)) <= 4
     assert len(store.spans(params)) == len(store.buffers)
     assert store.spans([]) == []
+
+
+def test_a_seat_that_seats_nothing_keeps_the_record_of_the_running_one():
+    """A nested backward whose seating finds every slot seated already (the outer backward
+    seated them) leaves the outer one's record, which `flagged` and its final callback use,
+    as it is; unseating it puts back None where nothing was written."""
+    params = [nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(2))]
+    store = GradStore(params, 256)
+    outer = store.seat(params)
+    assert [entry[0] for entry in outer] == params and store.seated is outer
+    assert store.seat(params) == [] and store.seated is outer
+    params[0].grad.add_(1.0)  # delivered; params[1] is not
+    GradStore.unseat(outer)
+    assert params[0].grad is not None and params[1].grad is None
