@@ -24,7 +24,7 @@ from flatgrad.bench.local import COMPILE_VARIANTS
 from flatgrad.bench.models import BenchModel, LlamaLike
 from flatgrad.bench.runners import CONFIGS, build_runner
 
-_LOCAL_KEYS = {"model", "clip", "stock_ms", "flatgrad_ms", "ratio", "control_ratio"}
+_LOCAL_KEYS = {"model", "clip", "micro_batches", "stock_ms", "flatgrad_ms", "ratio", "control_ratio"}
 _LOCAL_KEYS |= {"stock_faults", "flatgrad_faults"}  # minor page faults per step, each side
 
 
@@ -240,8 +240,10 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
         assert zero["optimizer_state_bytes"] <= 0.6 * dp["optimizer_state_bytes"]
         assert dp["exposed_comm_ms"] >= 0 and len(dp["bucket_launch_ms"]) == len(dp["bucket_bytes"])
     assert {row["case"] for row in report["ops"]} and all(row["ratio"] > 0 for row in report["ops"])
-    assert {(row["model"], row["clip"]) for row in report["local"]} == {
-        (name, clip) for name in ("llama", "small_layers_64", "linear_1024") for clip in (False, True)
+    assert {(row["model"], row["clip"], row["micro_batches"]) for row in report["local"]} == {
+        (name, clip, micro)
+        for name in ("llama", "small_layers_64", "linear_1024")
+        for clip, micro in ((False, 1), (True, 1), (False, 4))
     }
     assert all(set(row) == _LOCAL_KEYS and row["stock_faults"] >= 0 for row in report["local"])
     assert report["environment"]["malloc"] == ("pinned" if platform.libc_ver()[0] == "glibc" else "glibc")
@@ -345,6 +347,8 @@ def test_bench_local_only_end_to_end(tmp_path: Path):
         tiny,
         "--local-steps",
         "2",
+        "--local-accumulate",
+        "3",
     ]
     cmd += ["--warmup", "1", "--op-repeats", "0", "--compile", "--compile-model", tiny]
     cmd += ["--compile-backend", "aot_eager", "--out", str(out)]
@@ -363,11 +367,13 @@ def test_bench_local_only_end_to_end(tmp_path: Path):
         "steps": 2,
         "warmup": 1,
         "models": [tiny],
+        "accumulate": 3,
         "compile": True,
         "compile_backend": "aot_eager",
         "threads": report["local_settings"]["threads"],
     }
-    assert [(row["model"], row["clip"]) for row in report["local"]] == [(tiny, False), (tiny, True)]
+    rows = [(row["model"], row["clip"], row["micro_batches"]) for row in report["local"]]
+    assert rows == [(tiny, False, 1), (tiny, True, 1), (tiny, False, 3)]
     for row in report["local"]:
         assert set(row) == _LOCAL_KEYS
         assert row["stock_ms"] > 0 and row["flatgrad_ms"] > 0 and row["ratio"] > 0

@@ -100,6 +100,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated models of the one-process step table, or package.module:factory",
     )
     parser.add_argument(
+        "--local-accumulate",
+        type=int,
+        default=4,
+        help="micro-batches per step of each one-process model's gradient-accumulation row (<2: no such row)",
+    )
+    parser.add_argument(
         "--local-only",
         action="store_true",
         help="only the one-process rows (step table, compile row, single ops): no ranks",
@@ -175,7 +181,9 @@ def one_process(args: argparse.Namespace) -> dict[str, Any]:
     """The one-process rows (step table, compile row, single-op backwards), measured before
     any rank exists, with every core."""
     models = {name: resolve_model(name, LOCAL_MODELS) for name in args.local_models}
-    rows = local_rows(args.local_steps, args.warmup, models) if args.local_steps > 0 else []
+    rows = []
+    if args.local_steps > 0:
+        rows = local_rows(args.local_steps, args.warmup, models, args.local_accumulate)
     compiled = None
     if args.compile:
         spec = resolve_model(args.compile_model, LOCAL_MODELS)
@@ -187,6 +195,7 @@ def one_process(args: argparse.Namespace) -> dict[str, Any]:
             "steps": args.local_steps,
             "warmup": args.warmup,
             "models": args.local_models,
+            "accumulate": args.local_accumulate,
             "compile": args.compile,
             "compile_backend": args.compile_backend,
             "threads": torch.get_num_threads(),

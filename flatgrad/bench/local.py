@@ -1,7 +1,10 @@
 """One-process training steps, stock against FlatGrad, and the torch.compile row.
 
 A step is ``optimizer.zero_grad()``, forward, backward, optionally gradient clipping
-(`torch.nn.utils.clip_grad_norm_` against `FlatGrad.clip_grad_norm_`), SGD step. Stock and
+(`torch.nn.utils.clip_grad_norm_` against `FlatGrad.clip_grad_norm_`), SGD step; each model
+also gets a row with gradient accumulation (several forward-backward micro-batches per step,
+no clipping), where stock adds every micro-batch after the first into `.grad` and flatgrad's
+routed layers accumulate inside their GEMMs (`addmm_`). Stock and
 FlatGrad train their own copies on the same batches (made before timing); steps are
 interleaved (which goes first rotates) and the ratio is the median over steps of the
 per-step ratio. Each step's minor page faults are counted too (see `memory.pin_malloc`).
@@ -44,12 +47,15 @@ COMPILE_VARIANTS = {
 }
 
 
-def _step(module: nn.Module, params: list[nn.Parameter], clip: Callable[[], Any] | None) -> Step:
+def _step(
+    module: nn.Module, params: list[nn.Parameter], clip: Callable[[], Any] | None, micro_batches: int = 1
+) -> Step:
     optimizer = torch.optim.SGD(params, lr=1e-3)
 
     def step(batch: Batch) -> None:
         optimizer.zero_grad()
-        module(*batch).backward()
+        for _ in range(micro_batches):
+            module(*batch).backward()
         if clip is not None:
             clip()
         optimizer.step()
@@ -57,20 +63,20 @@ def _step(module: nn.Module, params: list[nn.Parameter], clip: Callable[[], Any]
     return step
 
 
-def _stock_step(model: nn.Module, clip: bool) -> Step:
+def _stock_step(model: nn.Module, clip: bool, micro_batches: int) -> Step:
     stock = copy.deepcopy(model)
     stock_clip = (lambda: torch.nn.utils.clip_grad_norm_(stock.parameters(), 1.0)) if clip else None
-    return _step(stock, list(stock.parameters()), stock_clip)
+    return _step(stock, list(stock.parameters()), stock_clip, micro_batches)
 
 
-def _trio(spec: BenchModel, clip: bool) -> tuple[Step, Step, Step]:
+def _trio(spec: BenchModel, clip: bool, micro_batches: int = 1) -> tuple[Step, Step, Step]:
     """(stock, the stock control, flatgrad) steps, each on its own deep copy of one model."""
     torch.manual_seed(0)
     model = spec.build()
-    stock, control = _stock_step(model, clip), _stock_step(model, clip)
+    stock, control = _stock_step(model, clip, micro_batches), _stock_step(model, clip, micro_batches)
     flat = flatgrad.FlatGrad(copy.deepcopy(model))
     flat_clip = (lambda: flat.clip_grad_norm_(1.0)) if clip else None
-    return stock, control, _step(flat, list(flat.parameters()), flat_clip)
+    return stock, control, _step(flat, list(flat.parameters()), flat_clip, micro_batches)
 
 
 def _batches(spec: BenchModel, count: int) -> list[Batch]:
@@ -120,14 +126,17 @@ def interleave(
 
 
 def local_rows(
-    steps: int, warmup: int = 3, models: dict[str, BenchModel] | None = None
+    steps: int, warmup: int = 3, models: dict[str, BenchModel] | None = None, accumulate: int = 4
 ) -> list[dict[str, Any]]:
-    """One record per (model, clip) pair."""
+    """Per model: one record without and one with clipping (one micro-batch per step), and,
+    if `accumulate` > 1, one with that many micro-batches per step (no clipping)."""
+    variants = [(False, 1), (True, 1)] + ([(False, accumulate)] if accumulate > 1 else [])
     rows = []
     for name, spec in (models or LOCAL_MODELS).items():
         batches = _batches(spec, warmup + steps)
-        for clip in (False, True):
-            rows.append({"model": name, "clip": clip, **interleave(*_trio(spec, clip), batches, warmup)})
+        for clip, micro in variants:
+            measured = interleave(*_trio(spec, clip, micro), batches, warmup)
+            rows.append({"model": name, "clip": clip, "micro_batches": micro, **measured})
     return rows
 
 
@@ -270,13 +279,13 @@ def _time_compiled(
 
 def format_local(rows: list[dict[str, Any]], compiled: dict[str, Any] | None) -> str:
     lines = [
-        f"{'one process: model':22s} {'clip':>5s} {'stock ms':>9s} {'flatgrad ms':>12s} {'ratio':>6s} "
-        f"{'control':>7s} {'faults/step stock':>17s} {'flatgrad':>8s}"
+        f"{'one process: model':22s} {'clip':>5s} {'micro':>5s} {'stock ms':>9s} {'flatgrad ms':>12s} "
+        f"{'ratio':>6s} {'control':>7s} {'faults/step stock':>17s} {'flatgrad':>8s}"
     ]
     for r in rows:
         lines.append(
-            f"{r['model']:22s} {('yes' if r['clip'] else 'no'):>5s} {r['stock_ms']:9.2f} "
-            f"{r['flatgrad_ms']:12.2f} {r['ratio']:6.3f} {r['control_ratio']:7.3f} "
+            f"{r['model']:22s} {('yes' if r['clip'] else 'no'):>5s} {r['micro_batches']:5d} "
+            f"{r['stock_ms']:9.2f} {r['flatgrad_ms']:12.2f} {r['ratio']:6.3f} {r['control_ratio']:7.3f} "
             f"{r['stock_faults']:17.0f} {r['flatgrad_faults']:8.0f}"
         )
     if compiled:
