@@ -152,6 +152,15 @@ def _ddp_will_sync() -> bool:
     return ddp is not None and bool(ddp.require_backward_grad_sync)
 
 
+def under_ddp() -> bool:
+    """Whether a DDP runs this forward, synchronising or in ``no_sync()`` (then its reducer,
+    not flatgrad, decides where `.grad` lives). A torch without DDP's hook for TorchDynamo
+    answers True: the answer only ever holds flatgrad back."""
+    if getattr(DDP, "_get_active_ddp_module", None) is None:
+        return True
+    return _active_ddp() is not None
+
+
 def _active_ddp() -> Any:
     """The DDP whose forward is running (DDP exposes it for TorchDynamo), if any."""
     active = getattr(DDP, "_get_active_ddp_module", None)

@@ -149,6 +149,7 @@ class FlatGrad(nn.Module):
             # Under a DDP whose current buckets are not the flat buffers yet: seat nothing
             # (see `comm.bucket_view_ddp`); the gradients take stock's way into DDP's buckets.
             seater.seating = ddp_state is None or len(self._adopted) == len(seater.store.buffers)
+            seater.alone = not comm.under_ddp()
             seater.watch(output)
         return output
 
@@ -497,6 +498,7 @@ class _Seater:
         self._task = -1
         self._retired = False
         self.seating = True  # False: the next backward seats nothing (set by the forward)
+        self.alone = True  # False: a DDP's reducer places the next backward's gradients
         self._accumulators: list[Any] = []  # a parameter holds its AccumulateGrad node weakly
         self._hooks: list[Any] = []
         for param in self._placed:
@@ -548,10 +550,16 @@ class _Seater:
         if store.seated is seated:
             store.seated = []
         # A routed weight whose gradient came through plain autograd (its layer ran inside a
-        # torch.compile'd region, or outside the Functions) is seated from now on.
+        # torch.compile'd region, or its owner used the weight without calling the layer)
+        # got a tensor of its own from AccumulateGrad: outside DDP it moves into the slot
+        # now, so that `.grad` lives in the buffer when the backward returns (under DDP it
+        # is the reducer's bucket view), and from now on the weight is seated (or placed)
+        # like an unrouted one.
         views = self.store._views
         bypassed = [p for p in self._routed if p.grad is not None and p.grad is not views[id(p)]]
         if bypassed and not self._retired:
+            if self.alone and not self.store.stale:
+                self.store.take_in(bypassed)
             self.params += tuple(p for p in bypassed if p.numel() < _SEAT_MAX_NUMEL)
             for param in bypassed:
                 if param.numel() >= _SEAT_MAX_NUMEL:
@@ -717,7 +725,12 @@ def _route_layers(model: nn.Module, config: FlatGradConfig) -> set[int]:
     still get their gradients in the buffer. Never runs model code.
     """
     chosen: list[tuple[nn.Module, Callable[..., torch.Tensor]]] = []
+    # nn.MultiheadAttention never calls its out_proj (its forward reads out_proj.weight):
+    # routed, that Linear would only ever see its gradient arrive through plain autograd.
+    uncalled = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
     for name, module in model.named_modules():
+        if id(module) in uncalled:
+            continue
         for kind in config.layers:
             cls, forward = _ROUTES[kind]
             if not isinstance(module, cls) or type(module).forward is not cls.forward:

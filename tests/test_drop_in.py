@@ -385,6 +385,49 @@ def test_grads_live_in_the_buffer_right_after_backward():
     assert grad_in_buffers(flat, flat.module.norm.weight.grad)
 
 
+class _SkipsForward(nn.Module):
+    """Uses a Linear's weight without calling the Linear (as `nn.MultiheadAttention` does
+    with its out_proj): a routed layer whose gradient comes through plain autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(F.linear(x, self.lin.weight, self.lin.bias))).square().mean()
+
+
+class _Mean(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.square().mean()
+
+
+def _attention() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    return nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), _Mean())
+
+
+@pytest.mark.parametrize("build", [_SkipsForward, _attention], ids=["functional", "attention"])
+def test_a_layer_whose_owner_skips_its_forward_lands_in_the_buffer_from_the_first_backward(build):
+    torch.manual_seed(0)
+    flat, oracle = _pair(build().double(), config=ROUTE_ALL)
+    width = 6 if build is _SkipsForward else 16
+    mha = [m for m in flat.modules() if isinstance(m, nn.MultiheadAttention)]
+    assert all("forward" not in m.out_proj.__dict__ for m in mha)  # never called: not routed
+    for step in range(4):
+        if step != 1:  # step 1 accumulates onto step 0
+            flat.zero_grad()
+            oracle.zero_grad()
+        x = torch.randn(3, 5, width, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        for model in (flat, oracle):
+            model(x).backward()
+        (buffer,) = flat._store.buffers.values()  # as backward left them, before any settling
+        for name, param in flat.module.named_parameters():
+            assert param.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr(), name
+        assert_same_grads(flat, oracle)
+
+
 # --- torch.compile --------------------------------------------------------------------------------
 
 
@@ -446,11 +489,12 @@ def test_compiled_gradients_equal_stock_and_live_in_the_buffer(backend, where):
         oracle.zero_grad()
         run(_tokens(step, vocab=64)).backward()
         ref(_tokens(step, vocab=64)).backward()
-    (buffer,) = flat._store.buffers.values()  # as backward left them, before any settling
-    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
-    assert storages == {buffer.untyped_storage().data_ptr()}
-    for p, q in zip(model.parameters(), oracle.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+        # from the first step on, as backward left them (before any settling)
+        (buffer,) = flat._store.buffers.values()
+        storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+        assert storages == {buffer.untyped_storage().data_ptr()}, step
+        for p, q in zip(model.parameters(), oracle.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
     torch._dynamo.reset()
 
 

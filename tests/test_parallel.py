@@ -811,3 +811,44 @@ def test_collectives_launched_by_a_backward_that_raised_do_not_land_on_the_next_
     loop): the next forward waits for what is in flight, so the next steps' gradients are
     the averages of their own (it landed on them before)."""
     run_ranks(_raised_backward_worker)
+
+
+class _SkipsForward(nn.Module):
+    """A Linear whose weight its owner uses without calling it (as nn.MultiheadAttention
+    does with its out_proj), and an attention layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(nn.functional.linear(x, self.lin.weight, self.lin.bias))
+        return self.attn(h, h, h, need_weights=False)[0].square().mean()
+
+
+def _skipped_forward_worker(rank: int, world_size: int) -> None:
+    for bucket_mb in (25.0, 1e-6):
+        flat, dp, ref = _dp_and_ddp(bucket_mb, _SkipsForward)
+        hooked = flatgrad.FlatGrad(copy.deepcopy(ref.module), config=ROUTE_ALL)
+        ddp = DDP(hooked, **hooked.ddp_kwargs())
+        ddp.register_comm_hook(hooked.comm_state(), flatgrad.allreduce_hook)
+        for step in range(3):
+            if step != 1:  # step 1 accumulates onto step 0
+                for model in (dp, ref, ddp):
+                    model.zero_grad()
+            gen = torch.Generator().manual_seed(rank + 10 * step)
+            x = torch.randn(3, 5, 16, dtype=torch.float64, generator=gen)
+            for model in (dp, ref, ddp):
+                model(x).backward()
+            for ours in (flat, hooked):
+                _assert_grads_match(ours.module, ref.module, f"{bucket_mb} step {step}")
+                storages = {p.grad.untyped_storage().data_ptr() for p in ours.parameters()}
+                assert storages == {b.untyped_storage().data_ptr() for b in ours._store.buffers.values()}
+
+
+def test_a_layer_whose_owner_skips_its_forward_is_averaged_in_the_buffer_as_ddp():
+    """From the first step on, under DataParallel (one bucket and several) and under DDP
+    with `allreduce_hook`, against stock DDP; as backward left `.grad` (no settling)."""
+    run_ranks(_skipped_forward_worker)
