@@ -592,6 +592,35 @@ def test_large_unrouted_parameter_lands_in_the_buffer_like_stock():
     assert_same_grads(flat, oracle)  # torch.autograd.grad left .grad alone
 
 
+@pytest.mark.parametrize("case", ["routed", "default", "placed"])
+def test_an_optimizer_stepping_inside_backward_matches_stock(case):
+    """The optimizer-in-backward recipe: a post-accumulate-grad hook per parameter steps
+    that parameter's own AdamW and drops its `.grad`, whether the gradient was written by a
+    routed layer, added into a seated slot or copied in by a placed parameter's pre-hook."""
+    if case == "placed":
+        flat, oracle = _pair(_BigRaw(), config=None)
+        inputs = [
+            torch.randn(8, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+            for i in range(4)
+        ]
+    else:
+        flat, oracle = _pair(config=ROUTE_ALL if case == "routed" else None)
+        inputs = [_tokens(i) for i in range(4)]
+    for model in (flat, oracle):
+        steppers = {p: torch.optim.AdamW([p], lr=0.01, weight_decay=0.1) for p in model.parameters()}
+
+        def step(param: torch.Tensor, steppers=steppers) -> None:
+            steppers[param].step()
+            steppers[param].zero_grad()
+
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(step)
+        for x in inputs:
+            model(x).backward()
+    _assert_params_equal(flat.module, oracle)
+    assert all(p.grad is None for p in flat.parameters())
+
+
 def test_ddp_kwargs_never_ask_for_ddps_default_bucket_size():
     """Accelerate drops a DDP kwarg equal to DDP's default (25 MB): several buckets again."""
     model = nn.Module()
