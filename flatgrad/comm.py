@@ -146,9 +146,10 @@ def _ddp_will_sync() -> bool:
     """Whether a DDP is running this forward and will all-reduce after its backward. DDP
     exposes the module whose forward is running for TorchDynamo; a torch without that hook
     counts every forward (then accumulation over 3+ micro-batches can warn early)."""
-    if getattr(DDP, "_get_active_ddp_module", None) is None:
+    active = getattr(DDP, "_get_active_ddp_module", None)
+    if active is None:
         return True
-    ddp = _active_ddp()
+    ddp = active()
     return ddp is not None and bool(ddp.require_backward_grad_sync)
 
 
@@ -156,9 +157,8 @@ def under_ddp() -> bool:
     """Whether a DDP runs this forward, synchronising or in ``no_sync()`` (then its reducer,
     not flatgrad, decides where `.grad` lives). A torch without DDP's hook for TorchDynamo
     answers True: the answer only ever holds flatgrad back."""
-    if getattr(DDP, "_get_active_ddp_module", None) is None:
-        return True
-    return _active_ddp() is not None
+    active = getattr(DDP, "_get_active_ddp_module", None)
+    return active is None or active() is not None
 
 
 def _active_ddp() -> Any:
