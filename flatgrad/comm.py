@@ -55,6 +55,13 @@ class FlatGradCommState:
         """
         self.wrapper._ddp_forwards = -1  # the hook runs: nothing to warn about
         buffer = bucket.buffer()
+        if buffer.layout != torch.strided:
+            return  # a sparse gradient (DDP gives each its own bucket): averaged as it is
+        if torch._C._current_graph_task_id() == -1:
+            # Not inside a backward: DDP's `Join` shadowing one on a rank that ran out of
+            # inputs, with zero stand-in buckets (`_match_all_reduce_for_bwd_pass`). They
+            # are only all-reduced; nothing to adopt, nothing to warn about.
+            return
         store: GradStore = self.wrapper._current_store()  # once per bucket per step: no full walk
         key = (buffer.dtype, buffer.device)
         current = store.buffers.get(key)
@@ -99,7 +106,7 @@ def note_forward_without_hook(num_forwards: int) -> int:
     forwards inside ``ddp.no_sync()`` (gradient accumulation: the hook runs only on the last
     micro-batch), nor forwards outside any DDP.
     """
-    if not (torch.is_grad_enabled() and _ddp_will_sync()):
+    if not (torch.is_grad_enabled() and ddp_will_sync()):
         return num_forwards
     num_forwards += 1
     if num_forwards < _SYNCED_FORWARDS_BEFORE_WARNING:
@@ -142,7 +149,7 @@ def bucket_view_ddp(previous: DDPState | None) -> DDPState | None:
     return (weakref.ref(ddp), rebuilt)
 
 
-def _ddp_will_sync() -> bool:
+def ddp_will_sync() -> bool:
     """Whether a DDP is running this forward and will all-reduce after its backward. DDP
     exposes the module whose forward is running for TorchDynamo; a torch without that hook
     counts every forward (then accumulation over 3+ micro-batches can warn early)."""

@@ -98,6 +98,7 @@ class DataParallel(nn.Module):
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         _check_wire_dtype(wire_dtype)
+        flat._refuse_sparse("DataParallel")
         super().__init__()
         self.module = flat
         self.process_group = process_group
@@ -223,6 +224,7 @@ class DataParallel(nn.Module):
             handle.remove()
         self._hooks, self._nodes = [], []
         store = self.module._checked_store()
+        self.module._refuse_sparse("DataParallel")  # (a sparse embedding added since)
         self._store = store
         self._has_buffers = any(True for _ in self.module.buffers())
         self._buckets = _cut_buckets(store, self.bucket_mb)

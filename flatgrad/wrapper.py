@@ -23,7 +23,7 @@ from torch.nn.modules.module import (
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_leaves
 
-from flatgrad import comm, functional
+from flatgrad import _norms, comm, functional
 from flatgrad.buffer import GradStore, scale_
 from flatgrad.config import FlatGradConfig, resolve_config
 from flatgrad.layout import GroupKey
@@ -45,12 +45,17 @@ _Watched = tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, 
 # in-place add, no Python per parameter); larger ones are copied in by a pre-hook (one pass).
 _SEAT_MAX_NUMEL = 1 << 15
 _trainable = operator.attrgetter("requires_grad")
+_SPARSE_LAYERS = (nn.Embedding, nn.EmbeddingBag)
 
 
 # Model methods that generic per-module walkers call on every module they meet
 # (``m.reset_parameters()`` if ``hasattr(m, "reset_parameters")``, as torch's meta-device
 # materialisation does): through the wrapper they would reach the model twice.
 _NOT_FORWARDED = frozenset({"reset_parameters"})
+# Private attributes that libraries set on the model they are handed and read back from the
+# module they give DDP: `DDP._set_params_and_buffers_to_ignore_for_model(model, names)`
+# (names are the plain model's, which DDP(flat) walks).
+_FORWARDED_PRIVATE = frozenset({"_ddp_params_and_buffers_to_ignore"})
 
 
 def _forwarded(model: nn.Module, name: str) -> bool:
@@ -100,6 +105,10 @@ class FlatGrad(nn.Module):
         self._seater: _Seater | None = None
         self._watched: tuple[_Watched, ...] = ()
         self._others: tuple[nn.Parameter, ...] = ()  # the model's parameters without a slot
+        self._frozen: tuple[nn.Parameter, ...] = ()
+        # Of those, the ones of layers that make sparse gradients (`_sparse_ids`): stock's
+        # sparse `.grad`, outside the buffers; the rest of `_others` is frozen.
+        self._sparse: tuple[nn.Parameter, ...] = ()
         self._generation = -1
         self._ddp_forwards = -1  # forwards since ddp_kwargs() without allreduce_hook; -1: not asked
         # The DDP that synchronised the last synchronised forward into bucket views, and the
@@ -108,7 +117,10 @@ class FlatGrad(nn.Module):
         self._adopted: set[GroupKey] = set()
         self._slot_multiple = 1  # slots start on multiples of this many elements (sharding)
         if not _trainable_parameters(model):
-            raise ValueError("model must have at least one parameter with requires_grad=True, got none")
+            raise ValueError(
+                "model must have at least one parameter with requires_grad=True (and a dense "
+                "gradient: sparse embeddings keep theirs outside the flat buffers), got none"
+            )
         _watch_registrations()
         self._build()
         self.register_state_dict_post_hook(_strip_prefix)
@@ -123,6 +135,8 @@ class FlatGrad(nn.Module):
             _seater=None,
             _watched=(),
             _others=(),
+            _sparse=(),
+            _frozen=(),
             _generation=-1,
             _ddp_state=None,
             _adopted=set(),
@@ -146,10 +160,17 @@ class FlatGrad(nn.Module):
         output = self._call_module(*args, **kwargs)
         seater = self._seater
         if seater is not None and torch.is_grad_enabled():
-            # Under a DDP whose current buckets are not the flat buffers yet: seat nothing
-            # (see `comm.bucket_view_ddp`); the gradients take stock's way into DDP's buckets.
-            seater.seating = ddp_state is None or len(self._adopted) == len(seater.store.buffers)
-            seater.alone = not comm.under_ddp()
+            # Under a DDP that synchronises this backward into buckets that are not the flat
+            # buffers (its own copies, or bucket views `allreduce_hook` has not adopted yet):
+            # seat nothing, the gradients take stock's way into DDP's buckets. DDP's reducer
+            # leaves the `.grad` of a parameter no rank used untouched, so a seated zero would
+            # survive where stock keeps None (see `comm.bucket_view_ddp`).
+            alone = not comm.under_ddp()
+            if ddp_state is not None:
+                seater.seating = len(self._adopted) == len(seater.store.buffers)
+            else:
+                seater.seating = alone or not comm.ddp_will_sync()
+            seater.alone = alone
             seater.watch(output)
         return output
 
@@ -217,7 +238,8 @@ class FlatGrad(nn.Module):
         except AttributeError:
             inner = self.__dict__.get("_modules", {}).get("module")
             if inner is None or not (
-                name in inner._modules
+                name in _FORWARDED_PRIVATE
+                or name in inner._modules
                 or name in inner._parameters
                 or name in inner._buffers
                 or _forwarded(inner, name)
@@ -292,7 +314,11 @@ class FlatGrad(nn.Module):
             self._seater = _Seater(store, params, routed, self)
             self._watched = _watch_list(self.module) or ()
             held = {id(p) for p in params}
-            self._others = tuple(entry[2] for entry in self._watched if id(entry[2]) not in held)
+            # by id, once each: a tied parameter is held by two modules
+            self._others = tuple({id(e[2]): e[2] for e in self._watched if id(e[2]) not in held}.values())
+            sparse = _sparse_ids(self.module)
+            self._sparse = tuple(p for p in self._others if id(p) in sparse)
+            self._frozen = tuple(p for p in self._others if id(p) not in sparse)
             self._generation = _GENERATION[0]
             store.settle()  # move gradients that already exist into the buffers
 
@@ -360,7 +386,7 @@ class FlatGrad(nn.Module):
             store is None
             or self._generation != _GENERATION[0]
             or store.stale
-            or any(p.requires_grad for p in self._others)  # unfrozen: nothing else tells
+            or any(p.requires_grad for p in self._frozen)  # unfrozen: nothing else tells
         ):
             return self._refresh()
         return store
@@ -402,11 +428,14 @@ class FlatGrad(nn.Module):
         for param in self._others:
             _zero_stock(param)
 
-    def _grads_and_norms(self, norm_type: float) -> tuple[GradStore, list[torch.Tensor], list[torch.Tensor]]:
-        """(store, gradients outside it, the per-piece norms whose `norm_type` norm is the
-        total). For a positive order a whole buffer is one piece (its padding and the slots
-        of parameters without a gradient are zero, so they add nothing); order 0 and
-        negative orders are defined by torch per gradient tensor, so each is its own piece."""
+    def _grads_and_norms(
+        self, norm_type: float
+    ) -> tuple[GradStore, list[torch.Tensor], list[torch.Tensor], torch.dtype]:
+        """(store, gradients outside it, the per-piece float64 norms whose `norm_type` norm
+        is the total, the total's dtype). For a positive order a whole buffer is one piece
+        (its padding and the slots of parameters without a gradient are zero, so they add
+        nothing), its norm accumulated in chunks (`flatgrad._norms`); order 0 and negative
+        orders are defined by torch per gradient tensor, so each is its own piece."""
         store = self._refresh()
         store.settle()
         others = [p.grad for p in self._others if p.grad is not None]
@@ -414,27 +443,34 @@ class FlatGrad(nn.Module):
             pieces = list(store.buffers.values())
         else:
             pieces = [p.grad for p in store.params if p.grad is not None]
-        norms = [torch.linalg.vector_norm(t, norm_type) for t in pieces + others]
-        return store, others, norms
+        pieces += others
+        norms = [_norms.vector_norm(t, norm_type) for t in pieces]
+        dtypes = [_norms.norm_dtype(t.dtype) for t in pieces]
+        dtype = functools.reduce(torch.promote_types, dtypes, torch.float32)
+        return store, others, norms, dtype
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes
-        it (up to summation order: a positive order costs one `vector_norm` per buffer where
-        stock takes one per tensor, so the last bits can differ). Parameters whose
-        `.grad` is None count as absent; frozen parameters that still hold a `.grad` count."""
+        it, but accumulated in float64 over chunks of each buffer: within about 1e-9
+        (float32 gradients) or 1e-7 (bfloat16/float16) of the float64 norm at any size, and
+        returned in at least float32 (stock's bfloat16 norm keeps 3 digits). Parameters
+        whose `.grad` is None count as absent; frozen parameters that still hold a `.grad`
+        count, a tied one once."""
         norm_type = _check_norm_type(norm_type)
-        return _total_norm(self._grads_and_norms(norm_type)[2], norm_type)
+        _, _, norms, dtype = self._grads_and_norms(norm_type)
+        return _norms.total_norm(norms, norm_type, dtype)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> torch.Tensor:
-        """Same result as `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`: scales
-        every gradient in place by ``min(1, max_norm / (total_norm + 1e-6))``. Only gradient
-        elements are scaled, never the alignment padding, which stays zero; on the CPU a
-        factor of exactly 1 skips the pass (see `flatgrad.buffer.scale_`)."""
+        """`torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on the flat buffers:
+        scales every gradient in place by ``min(1, max_norm / (total_norm + 1e-6))``, with
+        the total norm of `grad_norm` (more exact than stock's). Only gradient elements are
+        scaled, never the alignment padding, which stays zero; on the CPU a factor of
+        exactly 1 skips the pass (see `flatgrad.buffer.scale_`)."""
         norm_type = _check_norm_type(norm_type)
-        store, others, norms = self._grads_and_norms(norm_type)
-        total = _total_norm(norms, norm_type)
+        store, others, norms, dtype = self._grads_and_norms(norm_type)
+        total = _norms.total_norm(norms, norm_type, dtype)
         if not norms:
             return total
         if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
@@ -452,7 +488,22 @@ class FlatGrad(nn.Module):
         one all-reduce per buffer. Call it after backward, before the optimizer step.
         Afterwards `.grad` is as stock DDP with find_unused_parameters=True leaves it (None
         only for a parameter no rank used)."""
-        comm.all_reduce_grads(self._refresh(), process_group, wire_dtype)
+        store = self._refresh()
+        self._refuse_sparse("all_reduce_grads")
+        comm.all_reduce_grads(store, process_group, wire_dtype)
+
+    def _refuse_sparse(self, what: str) -> None:
+        """Raise unless every trainable parameter has a slot: flatgrad's own syncs average
+        the flat buffers only, so a sparse gradient (kept outside them) would stay local.
+        The same on every rank (it depends on the model only)."""
+        sparse = [p for p in self._sparse if p.requires_grad]
+        if sparse:
+            raise ValueError(
+                f"{what} averages the flat buffers only, and {len(sparse)} parameter(s) of "
+                "sparse embeddings (sparse=True) keep their sparse gradients outside them; "
+                "synchronise this model with DDP(flat, ...) (it all-reduces sparse gradients), "
+                "or make the embeddings dense (sparse=False)"
+            )
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Constructor arguments for ``DDP(flat, **flat.ddp_kwargs())``: the zero-copy,
@@ -622,8 +673,24 @@ def output_nodes(output: Any) -> set[Any]:
 
 
 def _trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    # parameters() yields a shared (tied) parameter once.
-    return [param for param in model.parameters() if param.requires_grad]
+    """The parameters that get a slot: trainable, with a dense gradient. (parameters()
+    yields a shared, tied, parameter once.)"""
+    sparse = _sparse_ids(model)
+    return [param for param in model.parameters() if param.requires_grad and id(param) not in sparse]
+
+
+def _sparse_ids(model: nn.Module) -> set[int]:
+    """Ids of the parameters of layers that make sparse gradients: `nn.Embedding` and
+    `nn.EmbeddingBag` with ``sparse=True``, as DDP tells them (`produces_sparse_gradient` in
+    `DistributedDataParallel._build_params_for_reducer`). They keep stock's sparse `.grad`
+    (a dense slot would cost a full table per step and break `torch.optim.SparseAdam`)."""
+    return {
+        id(param)
+        for module in model.modules()
+        if isinstance(module, _SPARSE_LAYERS) and module.sparse
+        for param in module._parameters.values()
+        if param is not None
+    }
 
 
 def _watch_list(model: nn.Module) -> tuple[_Watched, ...] | None:
@@ -666,16 +733,6 @@ def _check_norm_type(norm_type: float) -> float:
     if math.isnan(norm_type):
         raise ValueError(f"norm_type must be a number or +-inf, got {norm_type}")
     return norm_type
-
-
-def _total_norm(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """torch's combination of per-piece norms: the `norm_type` norm of their stack."""
-    if not norms:
-        return torch.tensor(0.0)
-    if len(norms) == 1 and norm_type > 0:
-        return norms[0]
-    first = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
 
 
 # --- routing supported layers through the flat-buffer Functions ----------------------------
@@ -728,7 +785,7 @@ def _route_layers(model: nn.Module, config: FlatGradConfig) -> set[int]:
     # nn.MultiheadAttention never calls its out_proj (its forward reads out_proj.weight):
     # routed, that Linear would only ever see its gradient arrive through plain autograd.
     uncalled = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
-    for name, module in model.named_modules():
+    for module in model.modules():
         if id(module) in uncalled:
             continue
         for kind in config.layers:
@@ -750,12 +807,7 @@ def _route_layers(model: nn.Module, config: FlatGradConfig) -> set[int]:
             ):
                 continue
             if isinstance(module, nn.Embedding) and module.sparse:
-                if weight.requires_grad:
-                    raise ValueError(
-                        f"embedding {name or '<root>'!r} must have sparse=False: a sparse gradient "
-                        "cannot live in a dense flat buffer"
-                    )
-                continue
+                continue  # a sparse gradient stays outside the buffers (`_sparse_ids`)
             chosen.append((module, forward))
     routed: set[int] = set()
     for module, forward in chosen:  # after every check: a refused wrap changes nothing

@@ -586,3 +586,200 @@ def _complex_worker(rank: int, world_size: int) -> None:
 
 def test_all_reduce_grads_of_complex_parameters_matches_stock_ddp():
     run_ranks(_complex_worker)
+
+
+# --- the user's own DDP flags: DDP(FlatGrad(m), ...) without ddp_kwargs() ----------------
+# Modelled on PyTorch's test_output_unused_in_loss_tuple_module,
+# test_undefined_grad_parity_unused_parameters and test_ddp_build_debug_param_to_name_mapping
+# (torch/testing/_internal/distributed/distributed_test.py).
+
+
+class _TwoOutputs(nn.Module):
+    """Two outputs; the loss may leave `a`'s unused (and `c` is never used)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(10, 10, bias=False)
+        self.b = nn.Linear(10, 10, bias=False)
+        self.c = nn.Linear(5, 5, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(x)
+
+
+class _Undefined(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(2, 10, bias=False)
+        self.fc2 = nn.Linear(10, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x))).softmax(dim=1)
+
+
+def _own_flags_worker(rank: int, world_size: int, hook: bool, bucket_view: bool, config: object) -> None:
+    def wrap(model: nn.Module) -> nn.Module:
+        flat = flatgrad.FlatGrad(model, config=config)
+        ddp = DDP(flat, find_unused_parameters=True, gradient_as_bucket_view=bucket_view)
+        if hook:
+            ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+        return ddp
+
+    def same_grads(ours: nn.Module, ref: nn.Module, what: str) -> None:
+        for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+            assert (p.grad is None) == (q.grad is None), f"{what} {name}: {p.grad} against stock {q.grad}"
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=f"{what} {name}")
+
+    torch.manual_seed(0)
+    model = _Undefined().double()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True, gradient_as_bucket_view=bucket_view)
+    ours = wrap(model)
+    x = torch.ones(1, 2, dtype=torch.float64)
+    for module in (ours, ref):  # every gradient undefined: stock leaves every .grad None
+        torch._C._functions.UndefinedGrad()(module(x).sum()).backward()
+    same_grads(ours, ref, "undefined gradient:")
+
+    model = _TwoOutputs().double()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True, gradient_as_bucket_view=bucket_view)
+    ours = wrap(model)
+    x = torch.randn(10, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    for module in (ours, ref):
+        module(x)[1].sum().backward()  # the output `a` unused in the loss
+    same_grads(ours, ref, "output unused:")
+    for step in range(5):  # no zero_grad: a's .grad (once it has one) must stay untouched
+        for module in (ours, ref):
+            a, b = module(x)
+            (a @ b if step < 2 else b).sum().backward()
+        same_grads(ours, ref, f"step {step}:")
+
+
+@pytest.mark.parametrize("config", [None, ROUTE_ALL], ids=["seated", "routed"])
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["copies", "bucket_view"])
+@pytest.mark.parametrize("hook", [False, True], ids=["no_hook", "allreduce_hook"])
+def test_unused_and_undefined_gradients_keep_grad_none_under_the_users_own_ddp_flags(
+    hook, bucket_view, config
+):
+    run_ranks(_own_flags_worker, hook, bucket_view, config)
+
+
+class _TwoLin(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(10, 10, bias=False)
+        self.b = nn.Linear(10, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def _ignored_before_wrapping_worker(rank: int, world_size: int, fast: bool) -> None:
+    torch.manual_seed(0)
+    model = _TwoLin().double()
+    local = copy.deepcopy(model)
+    ref_model = copy.deepcopy(model)
+    for module in (model, ref_model):  # set on the plain model, as libraries do, before wrapping
+        DDP._set_params_and_buffers_to_ignore_for_model(module, ["a.weight"])
+    flat = flatgrad.FlatGrad(model)
+    ours = DDP(flat, **flat.ddp_kwargs()) if fast else DDP(flat)
+    if fast:
+        ours.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+    ref = DDP(ref_model)
+    params, _ = ours._build_params_for_reducer()
+    assert ours._build_debug_param_to_name_mapping(params) == {0: "b.weight"}
+    assert ours.parameters_to_ignore == {"a.weight"}
+    x = torch.randn(4, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    for module in (ours, ref, local):
+        module(x).sum().backward()
+    # the ignored weight keeps its local gradient, as under stock DDP; the other is averaged
+    torch.testing.assert_close(model.a.weight.grad, ref_model.a.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(model.a.weight.grad, local.a.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(model.b.weight.grad, ref_model.b.weight.grad, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(model.b.weight.grad, local.b.weight.grad)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["own_flags", "ddp_kwargs"])
+def test_parameters_ignored_on_the_model_before_wrapping_are_ignored_by_ddp(fast):
+    run_ranks(_ignored_before_wrapping_worker, fast)
+
+
+class _Uneven(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc(x))).square().mean()
+
+
+def _join_worker(rank: int, world_size: int) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.algorithms.join import Join
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("flatgrad").addHandler(handler)
+    torch.manual_seed(0)
+    model = _Uneven().double()
+    ref = DDP(copy.deepcopy(model))
+    ref.register_comm_hook(None, allreduce_hook)
+    flat = flatgrad.FlatGrad(model)
+    ours = DDP(flat, **flat.ddp_kwargs())
+    ours.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+    batches = 2 + 3 * rank  # rank 0 runs out of inputs first and joins
+    for module in (ours, ref):
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        with Join([module]):
+            for step in range(batches):
+                x = torch.randn(
+                    4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * rank + step)
+                )
+                module(x).backward()
+                opt.step()
+                opt.zero_grad()
+    _assert_params_equal(ours.module, ref.module)
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+
+
+def test_join_with_uneven_inputs_matches_ddp_without_a_warning():
+    run_ranks(_join_worker)
+
+
+def _sparse_worker(rank: int, world_size: int, fast: bool) -> None:
+    from test_wrapper import _Recommender, _recommender_batch
+
+    torch.manual_seed(0)
+    model = _Recommender()
+    ref = DDP(copy.deepcopy(model))
+    flat = flatgrad.FlatGrad(model)
+    ours = DDP(flat, **flat.ddp_kwargs()) if fast else DDP(flat)
+    if fast:
+        ours.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+
+    def optimizers(m: nn.Module) -> list[torch.optim.Optimizer]:
+        tables = [m.bag.weight, m.emb.weight]
+        return [torch.optim.SparseAdam(tables, lr=0.1), torch.optim.AdamW(m.mlp.parameters(), lr=0.1)]
+
+    opts = {id(ours): optimizers(model), id(ref): optimizers(ref.module)}
+    for step in range(3):
+        for module in (ours, ref):
+            module(*_recommender_batch(10 * rank + step)).backward()
+            assert module.module.bag.weight.grad.is_sparse
+            if module is ours and fast and step == 2:  # the dense rest: one adopted bucket
+                storages = {b.untyped_storage().data_ptr() for b in flat.grad_buffers.values()}
+                assert {p.grad.untyped_storage().data_ptr() for p in model.mlp.parameters()} <= storages
+            for opt in opts[id(module)]:
+                opt.step()
+            module.zero_grad()
+    _assert_params_equal(ours.module, ref.module)
+    with pytest.raises(ValueError, match="DataParallel averages the flat buffers only.*sparse"):
+        flatgrad.DataParallel(flatgrad.FlatGrad(_Recommender()))
+    with pytest.raises(ValueError, match="all_reduce_grads averages the flat buffers only.*DDP"):
+        flat.all_reduce_grads()
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["own_flags", "ddp_kwargs"])
+def test_sparse_embeddings_under_ddp_match_stock_and_flatgrads_own_syncs_refuse_them(fast):
+    run_ranks(_sparse_worker, fast)

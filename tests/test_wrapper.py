@@ -360,9 +360,87 @@ def test_no_trainable_parameters():
         flatgrad.FlatGrad(nn.ReLU())
 
 
-def test_sparse_embedding_refused():
-    with pytest.raises(ValueError, match="embedding 'emb' must have sparse=False"):
+class _Recommender(nn.Module):
+    """Sparse-gradient tables (an EmbeddingBag and an Embedding) feeding a dense MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 4, mode="sum", sparse=True)
+        self.emb = nn.Embedding(20, 4, sparse=True)
+        self.mlp = nn.Linear(8, 1)
+        self.double()
+
+    def forward(self, idx: torch.Tensor, offsets: torch.Tensor, idx2: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.cat([self.bag(idx, offsets), self.emb(idx2).sum(1)], 1)).square().mean()
+
+
+def _recommender_batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return (
+        torch.randint(0, 20, (12,), generator=gen),
+        torch.tensor([0, 5, 9]),
+        torch.randint(0, 20, (3, 2), generator=gen),
+    )
+
+
+def test_sparse_embeddings_keep_stock_sparse_gradients_outside_the_buffers():
+    """Oracle: the same model unwrapped, SparseAdam on the tables and AdamW on the rest."""
+    torch.manual_seed(0)
+    model = _Recommender()
+    ref = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model)
+
+    def optimizers(m: _Recommender) -> list[torch.optim.Optimizer]:
+        tables = [m.bag.weight, m.emb.weight]
+        return [torch.optim.SparseAdam(tables, lr=0.1), torch.optim.AdamW(m.mlp.parameters(), lr=0.1)]
+
+    ours, stock = optimizers(model), optimizers(ref)
+    for step in range(3):
+        batch = _recommender_batch(step)
+        flat(*batch).backward()
+        ref(*batch).backward()
+        assert model.bag.weight.grad.is_sparse and model.emb.weight.grad.is_sparse
+        assert grad_in_buffers(flat, model.mlp.weight.grad)
+        dense = [p.grad.to_dense() for p in ref.parameters()]
+        expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in dense]))
+        torch.testing.assert_close(flat.grad_norm(), expected, rtol=1e-12, atol=0)
+        for opt in ours + stock:
+            opt.step()
+        flat.zero_grad(set_to_none=step % 2 == 0)
+        ref.zero_grad(set_to_none=step % 2 == 0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+    assert flat.module.emb.forward.__func__ is nn.Embedding.forward  # not routed
+
+
+def test_a_model_of_sparse_embeddings_only_is_refused():
+    with pytest.raises(ValueError, match="at least one parameter with requires_grad=True .*sparse"):
         flatgrad.FlatGrad(nn.ModuleDict({"emb": nn.Embedding(4, 2, sparse=True)}))
+
+
+def test_a_frozen_tied_parameter_that_holds_a_grad_counts_once_in_the_norm():
+    """Oracle: torch.nn.utils.clip_grad_norm_(model.parameters()) on a deep copy, which sees
+    the tied embedding/head weight once."""
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    ref = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    tokens = torch.randint(0, 13, (3, 5), generator=torch.Generator().manual_seed(1))
+    flat(tokens).backward()
+    ref(tokens).backward()
+    model.emb.weight.requires_grad_(False)  # frozen after the backward: its .grad stays
+    ref.emb.weight.requires_grad_(False)
+    torch.testing.assert_close(
+        flat.grad_norm(),
+        torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None]),
+        rtol=1e-12,
+        atol=0,
+    )
+    ours = flat.clip_grad_norm_(0.1)
+    stock = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    torch.testing.assert_close(ours, stock, rtol=1e-12, atol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15)
 
 
 def test_wrapping_twice_refused():
