@@ -10,7 +10,11 @@ so its state is about 1/world_size of the unsharded state), then all-gathers eve
 parameters. Only element-wise optimizers shard this way.
 
 After backward, the `.grad` of a model parameter is averaged only inside this rank's shards;
-`clip_grad_norm_` and `step` use exactly those. A shard is updated as one tensor, so a
+`clip_grad_norm_` and `step` use exactly those. Until the gradients are zeroed every `.grad`
+is a `flatgrad._scattered.ScatteredGrad` (the slot's memory) that raises on any read of its
+values, so ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` or a logged
+``p.grad.norm()`` fails loudly on every rank instead of computing a different wrong value
+on each. A shard is updated as one tensor, so a
 parameter that no rank used in a step is stepped with a zero gradient (momentum and weight
 decay still apply), as under DDP with ``static_graph=True``; stock DDP with
 ``find_unused_parameters=True`` would skip it (its `.grad` stays None). A parameter used on
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatgrad._scattered import unguarded, unmark_scattered
 from flatgrad.comm import all_gather_flat
 from flatgrad.parallel import DataParallel
 
@@ -123,7 +128,9 @@ class ShardedOptimizer:
     def _check_layout(self) -> None:
         # The full walk (a conversion between backward and step must raise here: the
         # parameters are views of the flat parameter buffer the all-gather refills).
-        if self.dp.module._checked_store() is not self._store:
+        with unguarded():  # a change moves the reduce-scattered .grads (refused just below)
+            store = self.dp.module._checked_store()
+        if store is not self._store:
             raise RuntimeError(
                 "the model's parameters changed (added, replaced, frozen, converted) after the "
                 "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"
@@ -144,6 +151,9 @@ class ShardedOptimizer:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        # The reduce-scattered `.grad`s go first (to plain zeroed slots, or None): a layout
+        # change found by the zeroing below moves plain gradients, not guarded ones.
+        unmark_scattered(self._store, to_none=set_to_none)
         self.dp.module.zero_grad(set_to_none=set_to_none)
         self.dp._scattered = False
         for shard in self._shards:

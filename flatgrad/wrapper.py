@@ -24,6 +24,7 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_leaves
 
 from flatgrad import comm, functional
+from flatgrad._scattered import refuse_scattered
 from flatgrad.buffer import GradStore, scale_
 from flatgrad.config import FlatGradConfig, resolve_config
 from flatgrad.layout import GroupKey
@@ -423,6 +424,7 @@ class FlatGrad(nn.Module):
         stock takes one per tensor, so the last bits can differ). Parameters whose
         `.grad` is None count as absent; frozen parameters that still hold a `.grad` count."""
         norm_type = _check_norm_type(norm_type)
+        refuse_scattered(self._store, "flat.grad_norm()")
         return _total_norm(self._grads_and_norms(norm_type)[2], norm_type)
 
     def clip_grad_norm_(
@@ -433,6 +435,7 @@ class FlatGrad(nn.Module):
         elements are scaled, never the alignment padding, which stays zero; on the CPU a
         factor of exactly 1 skips the pass (see `flatgrad.buffer.scale_`)."""
         norm_type = _check_norm_type(norm_type)
+        refuse_scattered(self._store, "flat.clip_grad_norm_()")
         store, others, norms = self._grads_and_norms(norm_type)
         total = _total_norm(norms, norm_type)
         if not norms:

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROUTE_ALL
+from conftest import ROUTE_ALL, grad_in_buffers
 from dist_utils import rank_profile, run_ranks
 from test_parallel import _Net, _tokens
 from torch import nn
@@ -201,7 +201,9 @@ def _layout_change_worker(rank: int, world_size: int) -> None:
         opt.zero_grad()
         dp(_tokens(rank, 1)).backward()
         if change == "float":
-            model.float()
+            # converting the reduce-scattered .grad is refused at once (see test_sharded_grad_...)
+            with pytest.raises(RuntimeError, match="float on a parameter's .grad under a ShardedOptimizer"):
+                model.float()
         else:
             model.fc.requires_grad_(False)
         with pytest.raises(RuntimeError, match="parameters changed"):
@@ -210,3 +212,76 @@ def _layout_change_worker(rank: int, world_size: int) -> None:
 
 def test_a_layout_change_before_step_is_refused():
     run_ranks(_layout_change_worker)
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _stock(model: nn.Module) -> tuple[DDP, torch.optim.Optimizer]:
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    return ref, torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+
+
+def _assert_params_close(model: nn.Module, ref: DDP) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+        torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _scattered_grad_worker(rank: int, world_size: int) -> None:
+    model, flat, dp, opt = _build(rank)
+    ref, ref_opt = _stock(model)
+    advice = r"use opt\.clip_grad_norm_\(max_norm\) to clip"
+    # every way to zero between steps: ShardedOptimizer's, and behind its back (the next
+    # backward finds the zeroed buffers and makes .grad plain before any gradient arrives)
+    zeroers = [
+        lambda: opt.zero_grad(),
+        lambda: opt.zero_grad(set_to_none=False),
+        lambda: flat.zero_grad(set_to_none=False),
+        lambda: model.zero_grad(set_to_none=False),  # stock's: a zero_ per .grad, let through
+    ]
+    for step, zero in enumerate(zeroers):
+        zero()
+        ref_opt.zero_grad()
+        dp(_tokens(rank, step)).backward()
+        ref(_tokens(rank, step)).backward()
+        # each rank holds the average of its own shard only: torch's clip (either path), a
+        # norm for logging and the flat-buffer norms would all be quietly wrong, per rank
+        for wrong in (
+            lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+            lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True),
+            lambda: model.fc.weight.grad.norm(),
+            lambda: model.fc.weight.grad * 2,
+            lambda: model.fc.weight.grad.clone(),
+            lambda: flat.grad_norm(),
+            lambda: flat.clip_grad_norm_(1.0),
+        ):
+            with pytest.raises(RuntimeError, match=advice):
+                wrong()
+        # metadata reads stay (flatgrad's own identity tests read them): still the slots
+        for p in _trainable(model):
+            assert p.grad.shape == p.shape and p.grad.dtype == p.dtype
+            assert grad_in_buffers(flat, p.grad)
+        assert "reduce-scattered by a ShardedOptimizer" in repr(model.fc.weight.grad)
+        # ShardedOptimizer's own clip is the global norm, as stock's over DDP's gradients
+        total = opt.clip_grad_norm_(1.0)
+        torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0), **TOL)
+        opt.step()
+        ref_opt.step()
+        _assert_params_close(model, ref)
+    opt.zero_grad(set_to_none=False)  # plain zeroed slots, readable again
+    for p in _trainable(model):
+        assert type(p.grad) is torch.Tensor and grad_in_buffers(flat, p.grad)
+        assert not p.grad.any()
+    assert float(flat.grad_norm()) == 0.0
+    dp(_tokens(rank, 9)).backward()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_torch_clip_grad_norm_after_a_sharded_backward_raises_on_every_rank():
+    """After a reduce-scattering backward `.grad` is right only inside this rank's shard:
+    torch.nn.utils.clip_grad_norm_ and every other read of its values raise on every rank,
+    pointing at opt.clip_grad_norm_ (stock DDP + AdamW + stock clipping is the oracle for
+    that and for the steps); metadata reads and every zero_grad keep working."""
+    run_ranks(_scattered_grad_worker, timeout=90)
