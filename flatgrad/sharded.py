@@ -183,10 +183,12 @@ class ShardedOptimizer:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # The reduce-scattered `.grad`s go first (to plain zeroed slots, or None): a layout
-        # change found by the zeroing below moves plain gradients, not guarded ones.
-        unmark_scattered(self._store, to_none=set_to_none)
-        self.dp.module.zero_grad(set_to_none=set_to_none)
+        # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s
+        # (a clone each) before they are dropped or zeroed.
+        with unguarded():
+            self.dp.module.zero_grad(set_to_none=set_to_none)
+        if not set_to_none:
+            unmark_scattered(self._store)  # plain zeroed slots (set_to_none=True left None)
         self.dp._scattered = False
         for shard in self._shards:
             shard.param.grad = None

@@ -196,7 +196,7 @@ def _layout_change_worker(rank: int, world_size: int) -> None:
     the all-gather refills: a conversion or a freeze behind the wrapper, before a step or
     between a backward and its step, is refused at `step()` on every rank, never a silent
     update of parameters that no longer are those views."""
-    for change in ("float", "freeze"):
+    for change in ("float", "freeze", "freeze, zero_grad"):
         model, flat, dp, opt = _build(rank)
         dp(_tokens(rank, 0)).backward()
         opt.step()
@@ -208,6 +208,8 @@ def _layout_change_worker(rank: int, world_size: int) -> None:
                 model.float()
         else:
             model.fc.requires_grad_(False)
+        if change == "freeze, zero_grad":
+            opt.zero_grad()  # lays the buffers out again, moving the reduce-scattered .grads
         with pytest.raises(RuntimeError, match="parameters changed"):
             opt.step()
 
