@@ -64,13 +64,17 @@ class _Shard:
 class ShardedOptimizer:
     """ZeRO-1 on top of `dp`: ``ShardedOptimizer(dp, torch.optim.AdamW, lr=..., ...)``.
 
-    ``step()``, ``zero_grad(set_to_none=...)``, ``clip_grad_norm_(max_norm)`` (the global
-    norm from the shard norms, one small all-reduce), ``state_dict()`` /
-    ``load_state_dict()`` (this rank's shard of the state; resuming needs the same world
-    size and model, and is refused with a clear error otherwise).
+    ``step(closure=None)``, ``zero_grad(set_to_none=...)``, ``clip_grad_norm_(max_norm)``
+    (the global norm from the shard norms, one small all-reduce: use it, not
+    ``torch.nn.utils.clip_grad_norm_``, which refuses the reduce-scattered `.grad`),
+    ``state_dict()`` / ``load_state_dict()`` (this rank's shard of the state: every rank
+    saves and loads its own; resuming needs the same world size and model, and is refused
+    on every rank with a clear error otherwise).
 
     ``opt.optimizer`` is the torch optimizer over this rank's shards: give it to an LR
     scheduler (``LambdaLR(opt.optimizer, ...)``; schedulers accept torch optimizers only).
+    It cannot take model parameters (``add_param_group`` refuses them: each is stepped
+    through its shard already).
     ``torch.amp.GradScaler`` is not supported (its inf checks would be per shard, so the
     ranks could disagree on skipping a step): train in bfloat16 or float32.
     """
