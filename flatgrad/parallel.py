@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatgrad._scattered import mark_scattered, unmark_scattered
 from flatgrad.buffer import GradStore, host_tensor
 from flatgrad.comm import _check_wire_dtype, average_op, reduce_scatter_flat, settle_unused, to_wire
 from flatgrad.layout import GroupKey
@@ -374,6 +375,8 @@ class DataParallel(nn.Module):
         if self._task_sync:
             self._sync_all()
             self._scattered = self._reduce_scatter
+            if self._scattered:  # .grad refuses math until zeroed: see flatgrad._scattered
+                mark_scattered(self._store)  # type: ignore[arg-type]
 
     def _check_unscattered(self) -> None:
         """Before a backward that would add onto reduce-scattered gradients: refuse. After a
@@ -392,6 +395,8 @@ class DataParallel(nn.Module):
                 "synchronise only the last, then step() and zero_grad()"
             )
         self._scattered = False
+        if store is not None:  # zeroed behind ShardedOptimizer's back (model.zero_grad)
+            unmark_scattered(store)
 
     def _sync_all(self) -> None:
         """Launch the rest, wait, and settle `.grad` like stock DDP with

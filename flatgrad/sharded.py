@@ -10,7 +10,11 @@ so its state is about 1/world_size of the unsharded state), then all-gathers eve
 parameters. Only element-wise optimizers shard this way.
 
 After backward, the `.grad` of a model parameter is averaged only inside this rank's shards;
-`clip_grad_norm_` and `step` use exactly those. A shard is updated as one tensor, so a
+`clip_grad_norm_` and `step` use exactly those. Until the gradients are zeroed every `.grad`
+is a `flatgrad._scattered.ScatteredGrad` (the slot's memory) that raises on any read of its
+values, so ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` or a logged
+``p.grad.norm()`` fails loudly on every rank instead of computing a different wrong value
+on each. A shard is updated as one tensor, so a
 parameter that no rank used in a step is stepped with a zero gradient (momentum and weight
 decay still apply), as under DDP with ``static_graph=True``; stock DDP with
 ``find_unused_parameters=True`` would skip it (its `.grad` stays None). A parameter used on
@@ -19,6 +23,7 @@ any rank is exact.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatgrad import _norms
+from flatgrad._scattered import unguarded, unmark_scattered
 from flatgrad.comm import all_gather_flat
 from flatgrad.parallel import DataParallel
 
@@ -58,13 +65,17 @@ class _Shard:
 class ShardedOptimizer:
     """ZeRO-1 on top of `dp`: ``ShardedOptimizer(dp, torch.optim.AdamW, lr=..., ...)``.
 
-    ``step()``, ``zero_grad(set_to_none=...)``, ``clip_grad_norm_(max_norm)`` (the global
-    norm from the shard norms, one small all-reduce), ``state_dict()`` /
-    ``load_state_dict()`` (this rank's shard of the state; resuming needs the same world
-    size and model, and is refused with a clear error otherwise).
+    ``step(closure=None)``, ``zero_grad(set_to_none=...)``, ``clip_grad_norm_(max_norm)``
+    (the global norm from the shard norms, one small all-reduce: use it, not
+    ``torch.nn.utils.clip_grad_norm_``, which refuses the reduce-scattered `.grad`),
+    ``state_dict()`` / ``load_state_dict()`` (this rank's shard of the state: every rank
+    saves and loads its own; resuming needs the same world size and model, and is refused
+    on every rank with a clear error otherwise).
 
     ``opt.optimizer`` is the torch optimizer over this rank's shards: give it to an LR
     scheduler (``LambdaLR(opt.optimizer, ...)``; schedulers accept torch optimizers only).
+    It cannot take model parameters (``add_param_group`` refuses them: each is stepped
+    through its shard already).
     ``torch.amp.GradScaler`` is not supported (its inf checks would be per shard, so the
     ranks could disagree on skipping a step): train in bfloat16 or float32.
     """
@@ -102,6 +113,13 @@ class ShardedOptimizer:
         self._param_buffers = _flatten_parameters(self._store)
         self._shards = self._cut_shards()
         self.optimizer = optimizer_class([s.param for s in self._shards], **defaults)
+        self._shard_ids = frozenset(id(s.param) for s in self._shards)
+        # Model parameters given to the inner optimizer would be stepped twice (there and
+        # through their shard): refused at the call. (An instance attribute: the optimizer
+        # pickles and deep-copies by its state only.)
+        self.optimizer.add_param_group = functools.partial(  # type: ignore[method-assign]
+            _add_shard_group, self.optimizer.add_param_group, self._shard_ids
+        )
 
     def _cut_shards(self) -> list[_Shard]:
         shards = []
@@ -123,18 +141,44 @@ class ShardedOptimizer:
     def _check_layout(self) -> None:
         # The full walk (a conversion between backward and step must raise here: the
         # parameters are views of the flat parameter buffer the all-gather refills).
-        if self.dp.module._checked_store() is not self._store:
+        with unguarded():  # a change moves the reduce-scattered .grads (refused just below)
+            store = self.dp.module._checked_store()
+        if store is not self._store:
             raise RuntimeError(
                 "the model's parameters changed (added, replaced, frozen, converted) after the "
                 "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"
             )
 
+    def _check_inner(self) -> None:
+        # A parameter put into the inner optimizer's groups by hand (past add_param_group)
+        # would be stepped there and through its shard: a wrong update, so refused.
+        held = [id(p) for group in self.optimizer.param_groups for p in group["params"]]
+        if len(held) != len(self._shard_ids) or set(held) != self._shard_ids:
+            raise RuntimeError(
+                "ShardedOptimizer's inner optimizer must hold exactly this rank's flat shards "
+                f"({len(self._shard_ids)} tensors), got {len(held)} tensors in its param_groups: "
+                "model parameters cannot be added to it (each is already stepped through its shard)"
+            )
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Update this rank's shards, then all-gather every bucket's parameters."""
+        """Update this rank's shards, then all-gather every bucket's parameters.
+
+        As a torch optimizer's: `closure` (which zeroes the gradients, runs forward and
+        backward and returns the loss) runs first, under grad mode, and its loss is
+        returned. When no parameter has a `.grad` (``zero_grad()`` and no backward since)
+        nothing moves and nothing is communicated, as stock skips parameters without one.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         self._check_layout()
+        self._check_inner()
+        if all(p.grad is None for p in self._store.params):
+            return loss  # every rank sees the same: a sync sets .grad alike on all
         for shard in self._shards:
             shard.param.grad = shard.grad
-        loss = self.optimizer.step(closure)
+        self.optimizer.step()
         group = self.dp.process_group
         works = [
             all_gather_flat(s.bucket, s.param.detach(), group=group, async_op=True) for s in self._shards
@@ -144,7 +188,12 @@ class ShardedOptimizer:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.dp.module.zero_grad(set_to_none=set_to_none)
+        # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s
+        # (a clone each) before they are dropped or zeroed.
+        with unguarded():
+            self.dp.module.zero_grad(set_to_none=set_to_none)
+        if not set_to_none:
+            unmark_scattered(self._store)  # plain zeroed slots (set_to_none=True left None)
         self.dp._scattered = False
         for shard in self._shards:
             shard.param.grad = None
@@ -158,7 +207,8 @@ class ShardedOptimizer:
             raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
         grads = [s.grad for s in self._shards]
         device = grads[0].device
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(device, torch.float64) for g in grads])
+        # float64 partial norms, accumulated in chunks (see flatgrad._norms)
+        norms = torch.stack([_norms.vector_norm(g, norm_type).to(device) for g in grads])
         if math.isinf(norm_type):
             total = norms.max()
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.dp.process_group)
@@ -169,7 +219,8 @@ class ShardedOptimizer:
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for grad in grads:
             grad.mul_(coef.to(grad.dtype))
-        return total
+        dtype = functools.reduce(torch.promote_types, [_norms.norm_dtype(g.dtype) for g in grads])
+        return total.to(dtype)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (its shards) and the layout it belongs to."""
@@ -181,15 +232,24 @@ class ShardedOptimizer:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from `state_dict` (saved by this rank, same world size and model)."""
-        layout = (state_dict.get("world_size"), state_dict.get("rank"), state_dict.get("shard_numels"))
+        """Resume from `state_dict`, saved by this rank (same world size and model): every
+        rank saves and loads its own (a file per rank). Checked on every rank together
+        (one small all-reduce), so a state from another rank raises the same error on
+        every rank instead of on that one alone (the others would hang or die later)."""
         ours = (self.world_size, self.rank, [s.param.numel() for s in self._shards])
-        if layout != ours:
+        saved = _saved_layout(state_dict)
+        flags = torch.zeros(self.world_size, dtype=torch.int32, device=self._shards[0].param.device)
+        flags[self.rank] = int(saved != ours)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp.process_group)
+        wrong = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+        if wrong:
+            mine = "" if saved == ours else f" (this rank {self.rank}: {_layout_mismatch(saved, ours)})"
             raise ValueError(
-                "ShardedOptimizer state must come from the same world size, rank and model: saved "
-                f"(world_size, rank, shard sizes) {layout[:2]}, this run {ours[:2]}"
-                + ("" if layout[:2] != ours[:2] else " (the shard sizes differ: another model or bucket_mb)")
-                + "; re-sharding a ZeRO-1 state is not supported"
+                "ShardedOptimizer state must come from the same world size, rank and model: the "
+                f"state given to rank(s) {wrong} does not match{mine}; each rank must save and "
+                "load its own shard state (a file per rank, e.g. "
+                "torch.save(opt.state_dict(), f'optim_rank{rank}.pt') on every rank); "
+                "re-sharding a ZeRO-1 state is not supported"
             )
         self.optimizer.load_state_dict(state_dict["optimizer"])
 
@@ -201,6 +261,38 @@ class ShardedOptimizer:
             for t in state.values()
             if isinstance(t, torch.Tensor)
         )
+
+
+def _add_shard_group(
+    add: Callable[[dict[str, Any]], None], shards: frozenset[int], group: dict[str, Any]
+) -> None:
+    """The inner optimizer's `add_param_group`: only this rank's shards may go in (torch's
+    own checks the rest)."""
+    params = group.get("params", ()) if isinstance(group, dict) else ()
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    if any(id(p) not in shards for p in params):
+        raise ValueError(
+            "ShardedOptimizer's inner optimizer holds this rank's flat shards only and cannot "
+            "take model parameters (they are stepped through their shards already, and would be "
+            "stepped twice); plan parameter groups when building the ShardedOptimizer"
+        )
+    add(group)
+
+
+def _saved_layout(state_dict: Any) -> tuple[Any, Any, Any] | None:
+    """(world_size, rank, shard sizes) a ShardedOptimizer state was saved with; None for
+    anything else."""
+    if not isinstance(state_dict, dict) or "optimizer" not in state_dict:
+        return None
+    return (state_dict.get("world_size"), state_dict.get("rank"), state_dict.get("shard_numels"))
+
+
+def _layout_mismatch(saved: tuple[Any, Any, Any] | None, ours: tuple[Any, Any, Any]) -> str:
+    if saved is None:
+        return "not a ShardedOptimizer.state_dict()"
+    if saved[:2] != ours[:2]:
+        return f"saved (world_size, rank) {saved[:2]}, this run {ours[:2]}"
+    return "the shard sizes differ: another model or bucket_mb"
 
 
 def _flatten_parameters(store: Any) -> dict[Any, torch.Tensor]:

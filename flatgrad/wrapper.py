@@ -24,6 +24,7 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_leaves
 
 from flatgrad import _norms, comm, functional
+from flatgrad._scattered import refuse_scattered
 from flatgrad.buffer import GradStore, scale_
 from flatgrad.config import FlatGradConfig, resolve_config
 from flatgrad.layout import GroupKey
@@ -420,8 +421,8 @@ class FlatGrad(nn.Module):
             for param in store.params + self._others:
                 param.grad = None
             return
-        for param in store.params:
-            if param.grad is not None and not store.holds(param, param.grad):
+        for param in store.params:  # (a ScatteredGrad, or a `.grad` outside its slot)
+            if param.grad is not None and param.grad is not store.view(param):
                 param.grad = store.view(param)
         for buffer in store.buffers.values():
             buffer.zero_()
@@ -457,6 +458,7 @@ class FlatGrad(nn.Module):
         whose `.grad` is None count as absent; frozen parameters that still hold a `.grad`
         count, a tied one once."""
         norm_type = _check_norm_type(norm_type)
+        refuse_scattered(self._store, "flat.grad_norm()")
         _, _, norms, dtype = self._grads_and_norms(norm_type)
         return _norms.total_norm(norms, norm_type, dtype)
 
@@ -469,6 +471,7 @@ class FlatGrad(nn.Module):
         scaled, never the alignment padding, which stays zero; on the CPU a factor of
         exactly 1 skips the pass (see `flatgrad.buffer.scale_`)."""
         norm_type = _check_norm_type(norm_type)
+        refuse_scattered(self._store, "flat.clip_grad_norm_()")
         store, others, norms, dtype = self._grads_and_norms(norm_type)
         total = _norms.total_norm(norms, norm_type, dtype)
         if not norms:

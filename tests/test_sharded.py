@@ -10,11 +10,13 @@ the same element-wise update, shard by shard on ours, so parameters agree to rou
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROUTE_ALL
+from conftest import ROUTE_ALL, grad_in_buffers
 from dist_utils import rank_profile, run_ranks
 from test_parallel import _Net, _tokens
 from torch import nn
@@ -194,19 +196,213 @@ def _layout_change_worker(rank: int, world_size: int) -> None:
     the all-gather refills: a conversion or a freeze behind the wrapper, before a step or
     between a backward and its step, is refused at `step()` on every rank, never a silent
     update of parameters that no longer are those views."""
-    for change in ("float", "freeze"):
+    for change in ("float", "freeze", "freeze, zero_grad"):
         model, flat, dp, opt = _build(rank)
         dp(_tokens(rank, 0)).backward()
         opt.step()
         opt.zero_grad()
         dp(_tokens(rank, 1)).backward()
         if change == "float":
-            model.float()
+            # converting the reduce-scattered .grad is refused at once (see test_sharded_grad_...)
+            with pytest.raises(RuntimeError, match="float on a parameter's .grad under a ShardedOptimizer"):
+                model.float()
         else:
             model.fc.requires_grad_(False)
+        if change == "freeze, zero_grad":
+            opt.zero_grad()  # lays the buffers out again, moving the reduce-scattered .grads
         with pytest.raises(RuntimeError, match="parameters changed"):
             opt.step()
 
 
 def test_a_layout_change_before_step_is_refused():
     run_ranks(_layout_change_worker)
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _stock(model: nn.Module) -> tuple[DDP, torch.optim.Optimizer]:
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    return ref, torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+
+
+def _assert_params_close(model: nn.Module, ref: DDP) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+        torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _scattered_grad_worker(rank: int, world_size: int) -> None:
+    model, flat, dp, opt = _build(rank)
+    ref, ref_opt = _stock(model)
+    advice = r"use opt\.clip_grad_norm_\(max_norm\) to clip"
+    # every way to zero between steps: ShardedOptimizer's, and behind its back (the next
+    # backward finds the zeroed buffers and makes .grad plain before any gradient arrives)
+    zeroers = [
+        lambda: opt.zero_grad(),
+        lambda: opt.zero_grad(set_to_none=False),
+        lambda: flat.zero_grad(set_to_none=False),
+        lambda: model.zero_grad(set_to_none=False),  # stock's: a zero_ per .grad, let through
+    ]
+    for step, zero in enumerate(zeroers):
+        zero()
+        ref_opt.zero_grad()
+        dp(_tokens(rank, step)).backward()
+        ref(_tokens(rank, step)).backward()
+        # each rank holds the average of its own shard only: torch's clip (either path), a
+        # norm for logging and the flat-buffer norms would all be quietly wrong, per rank
+        for wrong in (
+            lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+            lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True),
+            lambda: model.fc.weight.grad.norm(),
+            lambda: model.fc.weight.grad * 2,
+            lambda: model.fc.weight.grad.clone(),
+            lambda: flat.grad_norm(),
+            lambda: flat.clip_grad_norm_(1.0),
+        ):
+            with pytest.raises(RuntimeError, match=advice):
+                wrong()
+        # metadata reads stay (flatgrad's own identity tests read them): still the slots
+        for p in _trainable(model):
+            assert p.grad.shape == p.shape and p.grad.dtype == p.dtype
+            assert grad_in_buffers(flat, p.grad)
+        assert "reduce-scattered by a ShardedOptimizer" in repr(model.fc.weight.grad)
+        # ShardedOptimizer's own clip is the global norm, as stock's over DDP's gradients
+        total = opt.clip_grad_norm_(1.0)
+        torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0), **TOL)
+        opt.step()
+        ref_opt.step()
+        _assert_params_close(model, ref)
+    opt.zero_grad(set_to_none=False)  # plain zeroed slots, readable again
+    for p in _trainable(model):
+        assert type(p.grad) is torch.Tensor and grad_in_buffers(flat, p.grad)
+        assert not p.grad.any()
+    assert float(flat.grad_norm()) == 0.0
+    dp(_tokens(rank, 9)).backward()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_torch_clip_grad_norm_after_a_sharded_backward_raises_on_every_rank():
+    """After a reduce-scattering backward `.grad` is right only inside this rank's shard:
+    torch.nn.utils.clip_grad_norm_ and every other read of its values raise on every rank,
+    pointing at opt.clip_grad_norm_ (stock DDP + AdamW + stock clipping is the oracle for
+    that and for the steps); metadata reads and every zero_grad keep working."""
+    run_ranks(_scattered_grad_worker, timeout=90)
+
+
+def _param_group_worker(rank: int, world_size: int) -> None:
+    model, flat, dp, opt = _build(rank)
+    ref, ref_opt = _stock(model)
+    no_decay = [model.norm.weight, model.norm.bias]
+    with pytest.raises(ValueError, match="holds this rank's flat shards only and cannot take model param"):
+        opt.optimizer.add_param_group({"params": no_decay, "weight_decay": 0.0})
+    assert len(opt.param_groups) == 1
+    for step in range(2):  # nothing was added: stepped once, as stock
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        dp(_tokens(rank, step)).backward()
+        ref(_tokens(rank, step)).backward()
+        opt.step()
+        ref_opt.step()
+    _assert_params_close(model, ref)
+    opt.param_groups[0]["params"].append(model.norm.weight)  # past add_param_group
+    with pytest.raises(RuntimeError, match="inner optimizer must hold exactly this rank's flat shards"):
+        opt.step()
+
+
+def test_model_parameters_are_refused_by_the_inner_optimizer():
+    """A model parameter in the inner optimizer would be stepped there and again through
+    its shard: add_param_group raises at the call, and step() refuses one put in by hand."""
+    run_ranks(_param_group_worker, timeout=90)
+
+
+def _closure(module: nn.Module, zero_grad: Callable[[], None], tokens: torch.Tensor) -> Callable[..., Any]:
+    def closure() -> torch.Tensor:
+        zero_grad()
+        loss = module(tokens)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def _closure_worker(rank: int, world_size: int) -> None:
+    model, flat, dp, opt = _build(rank)
+    ref, ref_opt = _stock(model)
+    for step in range(3):
+        with torch.no_grad():  # torch's step runs the closure under grad mode anyway
+            loss = opt.step(_closure(dp, opt.zero_grad, _tokens(rank, step)))
+        ref_loss = ref_opt.step(_closure(ref, ref_opt.zero_grad, _tokens(rank, step)))
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        _assert_params_close(model, ref)
+
+
+def test_step_with_a_closure_equals_stock():
+    """opt.step(closure), torch's documented pattern (the closure zeroes, runs forward and
+    backward and returns the loss), against stock DDP + AdamW with the same closure."""
+    run_ranks(_closure_worker, timeout=90)
+
+
+def _no_backward_worker(rank: int, world_size: int) -> None:
+    model, flat, dp, opt = _build(rank)
+    ref, ref_opt = _stock(model)
+
+    def backward(step: int) -> None:
+        dp(_tokens(rank, step)).backward()
+        ref(_tokens(rank, step)).backward()
+
+    for set_to_none in (True, False):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        backward(0)
+        opt.step()
+        ref_opt.step()
+        # no backward since: set_to_none=True leaves every .grad None (stock moves nothing);
+        # set_to_none=False steps with zero gradients (AdamW's momentum and decay move)
+        opt.zero_grad(set_to_none=set_to_none)
+        ref_opt.zero_grad(set_to_none=set_to_none)
+        before = [p.detach().clone() for p in model.parameters()]
+        with rank_profile() as prof:
+            opt.step()
+        ref_opt.step()
+        _assert_params_close(model, ref)
+        gathers = [e.name for e in prof.events()].count("c10d::_allgather_base_")
+        moved = any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        assert (gathers, moved) == ((0, False) if set_to_none else (len(dp.buckets), True))
+    opt.zero_grad()  # a last step: AdamW's step counts (bias correction) agree with stock's
+    ref_opt.zero_grad()
+    backward(1)
+    opt.step()
+    ref_opt.step()
+    _assert_params_close(model, ref)
+
+
+def test_step_without_a_backward_after_zero_grad_equals_stock():
+    run_ranks(_no_backward_worker, timeout=90)
+
+
+def _load_other_rank_worker(rank: int, world_size: int, tmp: str) -> None:
+    _, _, dp, opt = _build(rank)
+    _train(dp, opt, rank, range(1))
+    if rank == 0:  # as nanoGPT's train.py checkpoints: the master process saves
+        torch.save(opt.state_dict(), f"{tmp}/ckpt.pt")
+    dist.barrier()
+    before = opt.optimizer.state_dict()
+    with pytest.raises(
+        ValueError,
+        match=r"the state given to rank\(s\) \[1\] does not match.*"
+        r"each rank must save and load its own shard state",
+    ):
+        opt.load_state_dict(torch.load(f"{tmp}/ckpt.pt"))
+    after = opt.optimizer.state_dict()
+    for index, state in before["state"].items():  # nothing was loaded, on any rank
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(after["state"][index][key]))
+    _train(dp, opt, rank, range(1, 2))  # and the ranks still train together
+
+
+def test_loading_another_ranks_state_raises_on_every_rank(tmp_path):
+    """Rank 0's state loaded on every rank (one checkpoint file, as nanoGPT saves): every
+    rank raises the same error naming rank 1, none is left waiting in a collective."""
+    run_ranks(_load_other_rank_worker, str(tmp_path), timeout=90)
