@@ -9,6 +9,8 @@ samples its own random windows; DDP averages the gradients through `flatgrad.all
 
 Rank 0 logs step, loss and tokens/s, and saves ``<out_dir>/ckpt.pt``: the plain model's
 state_dict (``flat.state_dict()`` has its keys), the optimiser state and the run config.
+With ``--zero`` the optimiser state is sharded: every rank saves its own shard to
+``<out_dir>/optim_rank<r>.pt`` (resume on the same world size, each rank loading its own).
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def train(cfg: TrainConfig) -> None:
     if rank == 0:
         first, last = min(losses), max(losses)
         logger.info("loss %.4f at step %d -> %.4f at step %d", losses[first], first, losses[last], last)
-        save_checkpoint(cfg, flat, optimizer, data, losses)
+    save_checkpoint(cfg, flat, optimizer, data, losses, rank)
 
 
 def build_engine(cfg: TrainConfig, flat: flatgrad.FlatGrad, device: torch.device) -> tuple[Any, Any]:
@@ -127,16 +129,24 @@ def save_checkpoint(
     optimizer: Any,
     data: CharData,
     losses: dict[int, float],
+    rank: int,
 ) -> None:
+    """Rank 0 saves ckpt.pt; with zero, every rank also saves its own shard of the
+    optimiser state (optim_rank<r>.pt: each rank loads its own, on the same world size)."""
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.zero:
+        torch.save(optimizer.state_dict(), cfg.out_dir / f"optim_rank{rank}.pt")
+    if rank != 0:
+        return
     path = cfg.out_dir / "ckpt.pt"
     checkpoint = {
         "model": flat.state_dict(),  # the plain GPT's keys: loads into GPT(...) directly
-        "optimizer": optimizer.state_dict(),  # with zero: rank 0's shard of the state
         "config": cfg.model_dump(mode="json"),
         "vocab": data.chars,
         "losses": losses,
     }
+    if not cfg.zero:
+        checkpoint["optimizer"] = optimizer.state_dict()
     torch.save(checkpoint, path)
     logger.info("saved %s", path)
 
