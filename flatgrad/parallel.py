@@ -8,17 +8,24 @@ hand AccumulateGrad None) counts the parameter ready; when every parameter of a 
 ready and every earlier bucket has been launched, the bucket's collective starts
 asynchronously, while backward goes on. Buckets therefore launch in the same order on every
 rank. An autograd final callback launches what is left (the last bucket, whose gradients are
-the backward's last anyway: no Python hook per parameter for it, and none at all for a model
-that fits one bucket; parameters unused in this step, whose slots are zeroed when `.grad`
-is None), waits for everything, and settles `.grad` as stock DDP with
-``find_unused_parameters=True`` does, so `loss.backward()` returns with averaged gradients.
+the backward's last anyway, so its parameters' hooks do not count; parameters unused in this
+step, whose slots are zeroed when `.grad` is None), waits for everything, and settles `.grad`
+as stock DDP with ``find_unused_parameters=True`` does, so `loss.backward()` returns with
+averaged gradients.
 
-A pre hook on the nodes that made the forward's output opens each backward (queues that
-callback) before any gradient is final; a nested backward inside it (reentrant activation
-checkpointing) counts toward the same step. Whether it averages is decided by the forward,
-inside or outside `no_sync()`, as DDP decides. As under DDP, a backward whose graph does not
-go through dp's output (``dp.module(x)`` called directly) is not averaged.
-`torch.autograd.grad` (which accumulates nothing) is left alone; a create_graph backward
+Which backwards average, as under DDP, whose hooks sit on the parameters: a backward through
+the output of a forward averages when that forward synchronised (grad enabled, outside
+`no_sync()`); a pre hook on the nodes that made the output opens it (queues that callback)
+before any gradient is final. Any other backward that accumulates into a parameter averages
+when a synchronising forward came since the last averaged backward, whichever graph it goes
+through: a loss kept on the module during forward (an auxiliary loss), an output dp cannot
+look into (a plain object, a dict subclass); the first AccumulateGrad hook it reaches opens
+it. So every parameter has a hook, those of the last bucket included (a Python call per
+parameter per backward, about 0.1-0.2 us on a CPU, that returns at once when a backward is
+open). A backward after a forward that did not synchronise (``dp.module(x)`` called
+directly, a forward under no_sync()) that goes through no synchronising output stays local.
+A nested backward (reentrant activation checkpointing) counts toward the backward it runs
+in. `torch.autograd.grad` (which accumulates nothing) is left alone; a create_graph backward
 that should average is refused.
 
 On CUDA with NCCL the collectives run on the process group's own communication stream,
@@ -78,7 +85,8 @@ class DataParallel(nn.Module):
     bucket, overlapping communication with the rest of the backward.
 
     ``dp(*args)`` is ``flat(*args)``; after ``loss.backward()`` returns every `.grad` is
-    averaged over the ranks (as under DDP). ``with dp.no_sync():`` accumulates locally.
+    averaged over the ranks (as under DDP), also when the loss does not come out of dp's
+    output (an auxiliary loss kept on the module). ``with dp.no_sync():`` accumulates locally.
     Rank 0's parameters and buffers are broadcast at construction, and with
     `broadcast_buffers` (DDP's flag and default) its buffers (BatchNorm statistics) again
     before each forward that follows a synchronised training forward, as DDP does.
@@ -124,6 +132,10 @@ class DataParallel(nn.Module):
         self._next = 0  # the next bucket to launch
         self._task = -1  # the graph task of the running backward, -1 outside one
         self._task_sync = True  # whether the running backward averages
+        # DDP's expect_autograd_hooks_: a synchronising training forward came since the last
+        # averaged backward, so the next backward averages whichever graph it goes through.
+        self._armed = False
+        self._deferrals: list[Any] = []  # hooks that carry a nested backward's end outward
         self._hooks: list[Any] = []
         self._nodes: list[Any] = []
         # Of the last synced backward (perf_counter seconds): when each bucket was launched,
@@ -154,6 +166,7 @@ class DataParallel(nn.Module):
         training = torch.is_grad_enabled()
         self._sync_buffers_next = training and self._sync
         if training:
+            self._armed = self._armed or self._sync
             self._watch(output, self._sync)
         return output
 
@@ -163,6 +176,7 @@ class DataParallel(nn.Module):
         launched buckets hold averages of partial gradients, as DDP's bucket views would;
         `zero_grad()` before the next backward, as after any failed step.)"""
         self._task = -1
+        self._forget_deferrals()
         for bucket in self._buckets:
             if bucket.work is not None:
                 bucket.work.wait()
@@ -219,8 +233,9 @@ class DataParallel(nn.Module):
     # --- buckets ------------------------------------------------------------------------
 
     def _rebuild(self) -> None:
-        """Cut the buckets of the current store and hook the AccumulateGrad nodes of the
-        parameters of every bucket but the last (which the final callback launches)."""
+        """Cut the buckets of the current store and hook every parameter's AccumulateGrad
+        node: those of every bucket but the last count it ready, those of the last (which the
+        final callback launches) only open a backward that reached none of dp's outputs."""
         for handle in self._hooks:
             handle.remove()
         self._hooks, self._nodes = [], []
@@ -236,6 +251,8 @@ class DataParallel(nn.Module):
                 node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
                 if id(param) in hooked:
                     self._hooks.append(node.register_hook(functools.partial(self._on_ready, param)))
+                else:
+                    self._hooks.append(node.register_hook(self._on_last_ready))
                 self._nodes.append(node)  # a parameter holds its AccumulateGrad node only weakly
         self._reset()
 
@@ -258,13 +275,7 @@ class DataParallel(nn.Module):
             node.register_prehook(functools.partial(self._on_backward_start, sync))
 
     def _on_backward_start(self, sync: bool, grad_outputs: Any) -> None:
-        if _in_compiled_autograd():
-            raise RuntimeError(
-                "DataParallel cannot run its bucket hooks under compiled autograd (it refuses "
-                "the final callback that launches the last bucket); under compiled autograd use "
-                "DDP with torch._dynamo.config.optimize_ddp = 'python_reducer' and "
-                "flatgrad.allreduce_hook, or run this backward without compiled autograd"
-            )
+        _refuse_compiled_autograd()
         if self.module._store is not self._store:
             self._rebuild()  # FlatGrad's pre hook, just before, laid out again (a stale slot)
         if torch._C._current_graph_task_id() != self._task:
@@ -279,6 +290,7 @@ class DataParallel(nn.Module):
         prepared DDP's reducer for this backward). Gradients final before now count at the
         final callback, which launches every bucket not launched yet."""
         self._task_sync = True  # (a create_graph backward never opened a task: `_begin`)
+        self._armed = False
         self._reset()
         self._started = time.perf_counter()
 
@@ -291,8 +303,11 @@ class DataParallel(nn.Module):
             return False
 
     def _begin(self, sync: bool) -> bool:
-        """Open the running backward (decided by the forward's `no_sync` state, as DDP does);
-        False when it is a create_graph backward under no_sync (nothing to do)."""
+        """Open the running backward, averaging when `sync` (the no_sync state of the forward
+        whose output it reached, or the arming: see `_open`), as DDP decides; False when it
+        is a create_graph backward under no_sync (nothing to do)."""
+        if sync:
+            self._armed = False  # this backward is the one the synchronising forward armed
         if torch.is_grad_enabled():  # create_graph=True: the gradients must stay differentiable
             if sync:
                 raise RuntimeError(
@@ -311,11 +326,29 @@ class DataParallel(nn.Module):
         Variable_engine().queue_callback(self._finish)
         return True
 
+    def _open(self) -> bool:
+        """From an AccumulateGrad hook, when no backward is open (this one reached none of
+        dp's outputs): open it, averaging, when a synchronising forward armed it, as DDP's
+        hooks on the parameters do. Its first final gradient is this hook's: FlatGrad seated
+        no slot for it (no output pre hook ran), so the small parameters' gradients land in
+        tensors of their own, which each bucket takes into its slots before it launches."""
+        if not self._armed:
+            return False
+        _refuse_compiled_autograd()
+        return self._begin(True)
+
+    def _on_last_ready(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        # A parameter of the last bucket: the final callback launches that bucket, so there
+        # is nothing to count; only a backward that reached none of dp's outputs to open.
+        if self._task == -1:
+            self._open()
+
     def _on_ready(self, param: nn.Parameter, grad_inputs: Any, grad_outputs: Any) -> None:
-        # A backward that did not pass through dp's output (dp.module(x) called directly) is
-        # not averaged, as under DDP. A nested backward (reentrant activation checkpointing)
-        # belongs to the open one: same bookkeeping.
-        if self._task == -1 or not self._task_sync:
+        # A nested backward (reentrant activation checkpointing) belongs to the open one:
+        # same bookkeeping.
+        if self._task == -1 and not self._open():
+            return
+        if not self._task_sync:
             return
         if id(param) in self._ready:
             raise RuntimeError(
@@ -371,12 +404,39 @@ class DataParallel(nn.Module):
 
     def _finish(self) -> None:
         """Final callback of the running backward."""
+        outer = torch._C._current_autograd_node()
+        if outer is not None:
+            self._defer(outer)
+            return
         self._task = -1
+        self._forget_deferrals()
         if self._task_sync:
             self._sync_all()
             self._scattered = self._reduce_scatter
             if self._scattered:  # .grad refuses math until zeroed: see flatgrad._scattered
                 mark_scattered(self._store)  # type: ignore[arg-type]
+
+    def _defer(self, outer: Any) -> None:
+        """This backward ran inside a node of another one, `outer` (a reentrant activation
+        checkpoint recomputing its part of the graph), which may have gradients still to
+        come: that one's end is this step's. A post hook on `outer` (it runs in the outer
+        backward once the node returns) queues the final callback there."""
+
+        pending = [True]  # once: the node may run again (retain_graph) before it is removed
+
+        def finish_outside(grad_inputs: Any, grad_outputs: Any) -> None:
+            if pending:
+                pending.clear()
+                self._task = torch._C._current_graph_task_id()
+                Variable_engine().queue_callback(self._finish)
+
+        self._deferrals.append(outer.register_hook(finish_outside))
+
+    def _forget_deferrals(self) -> None:
+        # Outside any hook dispatch (a final callback, a forward), where removing is safe.
+        for handle in self._deferrals:
+            handle.remove()
+        self._deferrals = []
 
     def _check_unscattered(self) -> None:
         """Before a backward that would add onto reduce-scattered gradients: refuse. After a
@@ -426,6 +486,16 @@ class DataParallel(nn.Module):
             used_work.wait()
         self.exposed_s = time.perf_counter() - compute_done
         settle_unused(store, self._flagged)
+
+
+def _refuse_compiled_autograd() -> None:
+    if _in_compiled_autograd():
+        raise RuntimeError(
+            "DataParallel cannot run its bucket hooks under compiled autograd (it refuses "
+            "the final callback that launches the last bucket); under compiled autograd use "
+            "DDP with torch._dynamo.config.optimize_ddp = 'python_reducer' and "
+            "flatgrad.allreduce_hook, or run this backward without compiled autograd"
+        )
 
 
 def _in_compiled_autograd() -> bool:

@@ -119,7 +119,8 @@ def _equal_to_ddp_worker(rank: int, world_size: int, bucket_mb: float) -> None:
         ref_opt.step()
     _assert_close(flat.module, ref.module, "final")
     assert dp.state_dict().keys() == model.state_dict().keys()
-    # As under DDP, a backward whose graph bypasses the wrapper's output is not averaged.
+    # As under DDP, a backward whose graph bypasses the wrapper's output is not averaged
+    # after an averaged one (no synchronising forward since).
     opt.zero_grad()
     ref_opt.zero_grad()
     flat(_tokens(rank, 9), True, False).backward()
@@ -852,3 +853,227 @@ def test_a_layer_whose_owner_skips_its_forward_is_averaged_in_the_buffer_as_ddp(
     """From the first step on, under DataParallel (one bucket and several) and under DDP
     with `allreduce_hook`, against stock DDP; as backward left `.grad` (no settling)."""
     run_ranks(_skipped_forward_worker)
+
+
+class _Result:
+    """A plain object holding the loss: an opaque pytree leaf, not a dataclass."""
+
+    def __init__(self, loss: torch.Tensor) -> None:
+        self.loss = loss
+
+
+class _LossDict(dict):
+    """A dict subclass, which torch.utils._pytree does not flatten (an opaque leaf)."""
+
+
+class _Aux(nn.Module):
+    """Keeps an auxiliary loss on itself during forward (``self.aux``) and returns the main
+    loss as it is, in a plain object or in a dict subclass: none of the outputs but the first
+    shows dp a tensor. Routed layers (Linear, Embedding), a small unrouted parameter (seated
+    on the output path) and a large one (copied in by a pre-hook). The auxiliary loss reaches
+    every parameter, so stock DDP with default flags averages it whichever loss is backwarded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 16)
+        self.fc = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 40)
+        self.big = nn.Parameter(torch.randn(200, 200) / 200)  # above _SEAT_MAX_NUMEL: placed
+        self.double()
+
+    def forward(self, tokens: torch.Tensor, wrap: str = "tensor") -> Any:
+        h = self.norm(torch.tanh(self.fc(self.emb(tokens)))) * (1 + self.big.mean())
+        logits = self.head(h)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+        self.aux = logits.square().mean()
+        if wrap == "object":
+            return _Result(loss)
+        if wrap == "dict":
+            return _LossDict(loss=loss)
+        return loss
+
+
+def _dp_and_default_ddp(bucket_mb: float) -> tuple[flatgrad.FlatGrad, flatgrad.DataParallel, DDP]:
+    """`_Aux` under FlatGrad + DataParallel and a copy under stock DDP with default flags
+    (every parameter is used in every step: DDP's hooks on the parameters average any
+    backward after its forward)."""
+    torch.manual_seed(0)
+    model = _Aux()
+    ref = DDP(copy.deepcopy(model))
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
+    assert len(dp.buckets) >= (1 if bucket_mb > 1 else 3)
+    return flat, dp, ref
+
+
+def _main_loss(output: Any) -> torch.Tensor:
+    if isinstance(output, _Result):
+        return output.loss
+    return output["loss"] if isinstance(output, dict) else output
+
+
+def _step(module: nn.Module, tokens: torch.Tensor, wrap: str, which: str) -> None:
+    """One forward of `module` (dp or the DDP oracle) and the backward of `which` loss."""
+    output = module(tokens, wrap)
+    inner = module.module.module if isinstance(module, flatgrad.DataParallel) else module.module
+    if which == "aux":
+        inner.aux.backward()
+    elif which == "sum":
+        (_main_loss(output) + 0.5 * inner.aux).backward()
+    else:
+        _main_loss(output).backward()
+
+
+def _bypass_worker(rank: int, world_size: int, bucket_mb: float, cases: list[tuple[str, str, str]]) -> None:
+    """Each case is (wrap, rank 0's loss, rank 1's loss); a plain SGD step after each, so the
+    later cases start from parameters that only agree if every earlier one averaged."""
+    flat, dp, ref = _dp_and_default_ddp(bucket_mb)
+    model = flat.module
+    for step, (wrap, *losses) in enumerate(cases):
+        for module in (dp, ref):
+            module.zero_grad()
+            _step(module, _tokens(rank, step), wrap, losses[rank])
+        what = f"{bucket_mb} step {step} {wrap} {losses[rank]}"
+        _assert_grads_match(model, ref.module, what)
+        assert all(grad_in_buffers(flat, p.grad) for p in model.parameters()), what
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref.module.parameters()):
+                p.sub_(0.1 * p.grad)
+                q.sub_(0.1 * q.grad)
+    _assert_close(model, ref.module, "final")
+
+
+_BYPASS_CASES = {
+    "aux": [("tensor", "aux", "aux"), ("tensor", "sum", "sum"), ("tensor", "aux", "aux")],
+    "wrapped": [("object", "main", "main"), ("dict", "main", "main"), ("object", "sum", "sum")],
+    "split": [
+        ("tensor", "main", "aux"),
+        ("tensor", "aux", "main"),
+        ("object", "main", "sum"),
+        ("dict", "aux", "main"),
+    ],
+}
+
+
+@pytest.mark.parametrize("bucket_mb", [25.0, 0.0005], ids=["one_bucket", "buckets"])
+@pytest.mark.parametrize("case", list(_BYPASS_CASES))
+def test_a_loss_that_bypasses_the_output_is_averaged_like_ddp(case, bucket_mb):
+    """A loss that reaches the parameters around dp's output is averaged, as under stock
+    DDP (whose hooks sit on the parameters, armed by the forward): an auxiliary loss kept on
+    the module, backwarded alone or added to the output's loss ("aux"); the output returned
+    in a plain object or a dict subclass, which dp cannot look into ("wrapped"); one rank's
+    loss through the output and the other's around it ("split": both average, no hang)."""
+    run_ranks(_bypass_worker, bucket_mb, _BYPASS_CASES[case], timeout=100)
+
+
+def _armed_worker(rank: int, world_size: int) -> None:
+    """Which backwards that go through no synchronising output average, step by step against
+    DDP with default flags: the first after a synchronising training forward does (DDP's
+    hooks on the parameters are armed by its forward), whatever graph it goes through, and
+    disarms; one with no such forward since does not."""
+    flat, dp, ref = _dp_and_default_ddp(25.0)
+    model = flat.module
+    params = list(model.parameters())
+
+    def both(step: Callable[[nn.Module, nn.Module], None], what: str, zero: bool = True) -> None:
+        for wrapper, inner in ((dp, model), (ref, ref.module)):
+            if zero:
+                wrapper.zero_grad()
+            step(wrapper, inner)
+        _assert_grads_match(model, ref.module, what)
+
+    tokens = [_tokens(rank, step) for step in range(6)]
+    # no forward through the wrapper yet: local
+    both(lambda w, m: m(tokens[0]).backward(), "before any dp forward")
+    # a synchronising forward whose output is dropped: the next backward averages...
+    both(lambda w, m: (w(tokens[1]), m(tokens[2]).backward()), "after a dropped output")
+    # ...and only that one
+    both(lambda w, m: m(tokens[3]).backward(), "the next one", zero=False)
+
+    def quiet(w: nn.Module, m: nn.Module) -> None:
+        with w.no_sync():
+            w(tokens[4])
+        m.aux.backward()
+
+    both(quiet, "after a no_sync forward")
+
+    def grad_first(w: nn.Module, m: nn.Module) -> None:
+        w(tokens[5])  # torch.autograd.grad accumulates nothing: the next backward averages
+        torch.autograd.grad(m.aux, list(m.parameters()), retain_graph=True)
+        m.aux.backward()
+
+    both(grad_first, "after torch.autograd.grad")
+    dp(tokens[0])
+    with pytest.raises(RuntimeError, match="cannot average the gradients of a backward with create_graph"):
+        model.aux.backward(create_graph=True)
+    for p in params:
+        p.grad = None
+    both(lambda w, m: w(tokens[1]).backward(), "a step after the refused one")
+
+
+def test_a_backward_through_no_output_averages_after_a_synchronising_forward_as_ddp():
+    run_ranks(_armed_worker)
+
+
+class _CheckpointedAux(nn.Module):
+    """An auxiliary loss computed under a reentrant activation checkpoint from the model's
+    last layer: backwarded alone, its first gradients come from the checkpoint's nested
+    backward, and the other layers' after that backward ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.b(self.a(x)))
+        self.aux = torch.utils.checkpoint.checkpoint(self._last, h, use_reentrant=True)
+        return h.square().mean()
+
+    def _last(self, h: torch.Tensor) -> torch.Tensor:
+        return self.c(h).square().mean()
+
+
+def _checkpointed_aux_worker(rank: int, world_size: int) -> None:
+    for bucket_mb in (25.0, 1e-6):
+        torch.manual_seed(0)
+        model = _CheckpointedAux()
+        ref = DDP(copy.deepcopy(model))  # DDP supports reentrant checkpoints without unused parameters
+        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=bucket_mb)
+        for step in range(2):
+            gen = torch.Generator().manual_seed(rank + 10 * step)
+            x = torch.randn(4, 8, dtype=torch.float64, generator=gen)
+            for wrapper in (dp, ref):
+                wrapper.zero_grad()
+                wrapper(x)
+                wrapper.module.aux.backward()
+            _assert_grads_match(model, ref.module, f"{bucket_mb} step {step}")
+
+
+def test_a_bypassing_backward_opened_inside_a_reentrant_checkpoint_averages_at_its_end():
+    """The first gradient of a backward that reached no output of dp's comes from a nested
+    backward (a reentrant checkpoint): the step ends with the outer backward, not the nested
+    one (which would launch every bucket before the other layers' gradients exist)."""
+    run_ranks(_checkpointed_aux_worker)
+
+
+def _sharded_bypass_worker(rank: int, world_size: int) -> None:
+    for bucket_mb in (25.0, 0.0005):
+        flat, dp, ref = _dp_and_default_ddp(bucket_mb)
+        opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.01)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+        for step, (wrap, *losses) in enumerate(_BYPASS_CASES["split"]):
+            for module, optimizer in ((dp, opt), (ref, ref_opt)):
+                _step(module, _tokens(rank, step), wrap, losses[rank])
+                optimizer.step()
+                optimizer.zero_grad()
+            where = f"{bucket_mb} step {step}"
+            for (name, p), q in zip(flat.module.named_parameters(), ref.module.parameters()):
+                torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=f"{where} {name}": f"{n}: {m}")
+
+
+def test_a_loss_that_bypasses_the_output_is_reduce_scattered_for_a_sharded_optimizer():
+    """The same as the "split" case with ShardedOptimizer (reduce-scatter, a shard step and
+    an all-gather): the parameters equal those of stock DDP with AdamW after every step."""
+    run_ranks(_sharded_bypass_worker)
