@@ -205,6 +205,17 @@ class DataParallel(nn.Module):
         finally:
             self._sync = previous
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's flag, which `no_sync()` toggles: whether the next forward's backward
+        averages. nanoGPT's train.py sets it directly instead of entering `no_sync()`
+        (``model.require_backward_grad_sync = micro_step == last``); that works here too."""
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync = bool(value)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The plain model's keys (no ``module.`` prefix)."""
         return self.module.state_dict(*args, **kwargs)

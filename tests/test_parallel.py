@@ -1077,3 +1077,34 @@ def test_a_loss_that_bypasses_the_output_is_reduce_scattered_for_a_sharded_optim
     """The same as the "split" case with ShardedOptimizer (reduce-scatter, a shard step and
     an all-gather): the parameters equal those of stock DDP with AdamW after every step."""
     run_ranks(_sharded_bypass_worker)
+
+
+def _require_backward_grad_sync_worker(rank: int, world_size: int) -> None:
+    flat, dp, ref = _dp_and_ddp(0.002)
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted  # type: ignore[assignment]
+    try:
+        for step in range(2):
+            for micro in range(3):  # nanoGPT's train.py: the flag instead of no_sync()
+                for model in (dp, ref):
+                    model.require_backward_grad_sync = micro == 2
+                    (model(_tokens(rank, step, micro)) / 3).backward()
+                if micro < 2:
+                    assert not calls, "a micro-batch with the flag off communicated"
+            assert calls and dp.require_backward_grad_sync
+            _assert_grads_match(flat.module, ref.module, f"step {step}")
+            calls.clear()
+            for model in (dp, ref):
+                model.zero_grad()
+    finally:
+        dist.all_reduce = all_reduce  # type: ignore[assignment]
+
+
+def test_require_backward_grad_sync_set_by_hand_accumulates_locally_as_ddp():
+    run_ranks(_require_backward_grad_sync_worker)
