@@ -51,11 +51,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatgrad._names import PlainNames
 from flatgrad._scattered import mark_scattered, unmark_scattered
 from flatgrad.buffer import GradStore, host_tensor
 from flatgrad.comm import _check_wire_dtype, average_op, reduce_scatter_flat, settle_unused, to_wire
 from flatgrad.layout import GroupKey
-from flatgrad.wrapper import FlatGrad, named_modules_through, output_nodes
+from flatgrad.wrapper import FlatGrad, _add_prefix, output_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class _Bucket:
     sent: torch.Tensor | None = None
 
 
-class DataParallel(nn.Module):
+class DataParallel(PlainNames):
     """Averages the gradients of `flat` over `process_group` during backward, bucket by
     bucket, overlapping communication with the rest of the backward.
 
@@ -110,6 +111,7 @@ class DataParallel(nn.Module):
         flat._refuse_sparse("DataParallel")
         super().__init__()
         self.module = flat
+        self._share_root()
         self.process_group = process_group
         self.bucket_mb = float(bucket_mb)
         self.wire_dtype = wire_dtype
@@ -223,18 +225,11 @@ class DataParallel(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def named_modules(
-        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Module]]:
-        """The plain model's names, as in `state_dict` (``dp.named_parameters()`` gives
-        ``fc.weight``), so torch.distributed.checkpoint keys optimizer state as for the plain
-        model."""
-        return named_modules_through(self, memo, prefix, remove_duplicate)
-
-    def _fqn_modifiers(self) -> dict[str, str]:
-        """For torch.distributed.checkpoint.state_dict: a plain-model name goes through
-        ``module`` (the FlatGrad, which resolves it)."""
-        return dict.fromkeys(self.module._fqn_modifiers(), "module")
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # Nested in a module, whose `state_dict` gets the plain model's keys under `prefix`
+        # (`state_dict` above): the FlatGrad below takes them under ``prefix + "module."``.
+        _add_prefix(self, state_dict, prefix, args[0])
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     @property
     def buckets(self) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ import logging
 import math
 import operator
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_leaves
 
 from flatgrad import _norms, comm, functional
+from flatgrad._names import PlainNames
 from flatgrad._scattered import refuse_scattered
 from flatgrad.buffer import GradStore, scale_
 from flatgrad.config import FlatGradConfig, resolve_config
@@ -83,7 +84,7 @@ def _watch_registrations() -> None:
         _REGISTRATION_HOOKS.append(register_module_module_registration_hook(_bump_generation))
 
 
-class FlatGrad(nn.Module):
+class FlatGrad(PlainNames):
     """Wraps `model`; every trainable parameter's `.grad` lives in `grad_buffers`.
 
     Linear and Embedding layers (those that keep torch's own `forward`) run their backward
@@ -102,6 +103,7 @@ class FlatGrad(nn.Module):
         super().__init__()
         self.flatgrad_config = resolve_config(config)
         self.module = model
+        self._share_root()
         self._store: GradStore | None = None
         self._seater: _Seater | None = None
         self._watched: tuple[_Watched, ...] = ()
@@ -182,36 +184,7 @@ class FlatGrad(nn.Module):
         # own frames Dynamo would skip, compiling each child apart.
         return self.module(*args, **kwargs)
 
-    # --- the plain model's names (state_dict, named_parameters, DCP, functional_call) ------
-
-    def named_parameters(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The wrapped model's parameters under its own names (no ``module.`` prefix), as in
-        `state_dict`; so optimizer checkpoints keyed by name (torch.distributed.checkpoint)
-        match the plain model's, and ``flat.<name>`` resolves each of them."""
-        if not recurse:
-            return super().named_parameters(prefix, recurse, remove_duplicate)
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
-
-    def named_modules(
-        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, nn.Module]]:
-        """The wrapper, then the wrapped model's modules under their own names (the wrapped
-        model itself under the wrapper's name). A module holding the wrapper names its
-        parameters as if it held the plain model (``DDP(flat).named_parameters()`` gives
-        ``module.fc.weight``, as ``DDP(model)`` does), which is what
-        torch.distributed.checkpoint keys optimizer state by, and what DDP's
-        ``parameters_to_ignore`` names are matched against."""
-        return named_modules_through(self, memo, prefix, remove_duplicate)
-
-    def named_buffers(
-        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The wrapped model's buffers under its own names, like `named_parameters`."""
-        if not recurse:
-            return super().named_buffers(prefix, recurse, remove_duplicate)
-        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+    # --- the plain model's names (the walks are `PlainNames`'; state_dict, functional_call) --
 
     @property
     def config(self) -> Any:
@@ -283,12 +256,6 @@ class FlatGrad(nn.Module):
         the plain model does. (Nested in another module, e.g. ``DDP(flat)``, the keys go
         through a pre-hook that adds the ``module.`` prefix.)"""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def _fqn_modifiers(self) -> dict[str, str]:
-        """For torch.distributed.checkpoint.state_dict: a plain-model name at the top goes
-        through ``module`` (and ``module`` itself adds nothing to a name)."""
-        inner = self.module
-        return dict.fromkeys([*inner._modules, *inner._parameters, *inner._buffers], "module")
 
     @property
     def grad_buffers(self) -> dict[GroupKey, torch.Tensor]:
@@ -638,22 +605,6 @@ def _place_incoming(
         return None
     store.place(param, grad)
     return (None,)
-
-
-def named_modules_through(
-    wrapper: nn.Module, memo: set[nn.Module] | None, prefix: str, remove_duplicate: bool
-) -> Iterator[tuple[str, nn.Module]]:
-    """`nn.Module.named_modules` of a wrapper that adds no name: the wrapper under
-    `prefix`, then its ``module``'s modules under the same prefix."""
-    if memo is None:
-        memo = set()
-    if remove_duplicate:
-        if wrapper in memo:
-            return
-        memo.add(wrapper)
-    yield prefix, wrapper
-    inner: nn.Module = wrapper.module  # type: ignore[assignment]
-    yield from inner.named_modules(memo, prefix, remove_duplicate)
 
 
 def output_nodes(output: Any) -> set[Any]:

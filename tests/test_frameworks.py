@@ -1,5 +1,6 @@
 """The framework recipes (examples/lightning_train.py, examples/accelerate_train.py) on 2 CPU
-processes under torchrun (gloo, 127.0.0.1).
+processes under torchrun (gloo, 127.0.0.1); then, in one process, transformers' `Trainer`
+choosing the parameters it decays by name, on the wrapper as on the plain model.
 
 Each recipe runs twice in the same 2 processes (``--compare``), with flatgrad and as the same
 framework's stock DDP run, and reports per step (examples/recipe_probe.py): the comm hook's
@@ -22,12 +23,13 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+
+import flatgrad
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
 DEADLINE_S = 180  # a run takes 15-30 s; a hung rendezvous or collective must not hang the suite
-
-pytestmark = pytest.mark.distributed
 
 
 def _needs(package: str) -> None:
@@ -62,6 +64,7 @@ def _assert_params_equal(ours: dict[str, Any], stock: dict[str, Any]) -> None:
         torch.testing.assert_close(torch.tensor(p), torch.tensor(q), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("script", "package"), [("accelerate_train.py", "accelerate"), ("lightning_train.py", "lightning")]
 )
@@ -85,6 +88,7 @@ def test_recipe_runs_the_hook_once_per_step_without_copies_and_matches_stock(
     _assert_params_equal(ours, stock)
 
 
+@pytest.mark.distributed
 def test_lightning_hook_given_to_ddp_strategy_never_runs_on_cpu_and_flatgrad_says_so(tmp_path: Path) -> None:
     """The recipe Lightning's docs suggest, `DDPStrategy(ddp_comm_hook=...)`, registers the hook
     on CUDA only: on CPU it never runs, DDP copies, and flatgrad logs that once per rank."""
@@ -95,3 +99,122 @@ def test_lightning_hook_given_to_ddp_strategy_never_runs_on_cpu_and_flatgrad_say
     assert all(n > 0 for n in report["grad_copies"]), report["grad_copies"]
     assert output.count("allreduce_hook has not run in 2 steps") == 2, output[-6000:]
     assert "register it yourself on CPU" in output
+
+
+# --- transformers' Trainer: weight decay chosen by name --------------------------------------
+
+
+def _llama() -> nn.Module:
+    """A tiny Llama with tied embeddings, from a config (no download), in float64."""
+    transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).double()
+
+
+def _clip() -> nn.Module:
+    """A tiny CLIP: a transformers model with a parameter at its root (``logit_scale``)."""
+    transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
+    torch.manual_seed(0)
+    text = dict(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )  # fmt: skip
+    vision = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8
+    )
+    config = transformers.CLIPConfig(
+        text_config=text, vision_config={**vision, "patch_size": 4}, projection_dim=8
+    )
+    return transformers.CLIPModel(config).double()
+
+
+def _lora(model: nn.Module) -> nn.Module:
+    peft = pytest.importorskip("peft", reason="pip install -e '.[dev,frameworks]'")
+    torch.manual_seed(1)
+    return peft.get_peft_model(
+        model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
+
+
+def _wrapped(case: str) -> tuple[nn.Module, nn.Module, dict[str, nn.Parameter]]:
+    """The model given to Trainer, the plain model it stands for (the same weights), and the
+    given model's parameters by plain name, read under the wrapper (not through it)."""
+    if case == "flatgrad_then_peft":
+        flat = flatgrad.FlatGrad(_llama())
+        given = _lora(flat)
+        return given, _lora(_llama()), {f"base_model.model.{n}": p for n, p in flat.module.named_parameters()}
+    builders = {"llama": _llama, "clip_root_parameter": _clip, "peft_then_flatgrad": lambda: _lora(_llama())}
+    build = builders[case]
+    flat = flatgrad.FlatGrad(build())
+    return flat, build(), dict(flat.module.named_parameters())
+
+
+def _trainer(model: nn.Module, output_dir: Path, dataset: Any = None, **options: Any) -> Any:
+    transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
+    pytest.importorskip("accelerate", reason="pip install -e '.[dev,frameworks]'")
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir), weight_decay=0.1, report_to=[], save_strategy="no", use_cpu=True,
+        seed=0, disable_tqdm=True, **options,
+    )  # fmt: skip
+    return transformers.Trainer(model=model, args=args, train_dataset=dataset)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("case", ["llama", "clip_root_parameter", "peft_then_flatgrad", "flatgrad_then_peft"])
+def test_trainer_decays_the_parameters_of_a_wrapped_model_it_decays_on_the_plain_one(tmp_path, case):
+    """Trainer names the parameters it decays by recursing `named_children` and reading each
+    module's own ``_parameters``, then matches those names against `named_parameters`: its
+    decay names and optimizer groups (weight decay and the very parameters, in order) equal
+    the plain model's; also for a parameter at the model's root (CLIP's ``logit_scale``) and
+    with peft on either side of the wrapper."""
+    given, plain, by_name = _wrapped(case)
+    ours, stock = _trainer(given, tmp_path / "flat"), _trainer(plain, tmp_path / "stock")
+    names = stock.get_decay_parameter_names(plain)
+    assert ours.get_decay_parameter_names(given) == names
+    plain_names = {id(p): n for n, p in plain.named_parameters()}
+    groups, ref_groups = ours.create_optimizer().param_groups, stock.create_optimizer().param_groups
+    assert [g["weight_decay"] for g in groups] == [g["weight_decay"] for g in ref_groups] == [0.1, 0.0]
+    assert ref_groups[0]["params"]  # something to decay
+    for group, ref in zip(groups, ref_groups):
+        assert [id(p) for p in group["params"]] == [id(by_name[plain_names[id(q)]]) for q in ref["params"]]
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_trainer_with_weight_decay_trains_a_wrapped_model_as_stock(tmp_path):
+    """`Trainer(model=FlatGrad(model))` with ``weight_decay=0.1`` (a tied Llama in float64,
+    two accumulated micro-batches per step, clipping, AdamW and a schedule): losses,
+    gradient norms and parameters equal a Trainer on the plain model's, to float64
+    round-off (the same sums; 1e-12), so the same parameters were decayed."""
+    flat, plain = flatgrad.FlatGrad(_llama()), _llama()
+
+    def train(model: nn.Module, name: str) -> list[dict[str, float]]:
+        trainer = _trainer(
+            model, tmp_path / name, _Tokens(), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+            max_steps=3, learning_rate=1e-2, max_grad_norm=1.0, logging_steps=1,
+            remove_unused_columns=False,  # the wrapper's forward takes (*args, **kwargs)
+        )  # fmt: skip
+        trainer.train()
+        logs = trainer.state.log_history
+        return [{k: v for k, v in log.items() if k in ("loss", "grad_norm")} for log in logs]
+
+    ours, stock = train(flat, "flat"), train(plain, "stock")
+    assert len(ours) == 4 and all("loss" in log for log in ours[:3])
+    for mine, theirs in zip(ours, stock):
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-12, abs=0), key
+    for (name, p), q in zip(flat.module.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import pickle
+from unittest import mock
 
 import pytest
 import torch
 import torch.utils.checkpoint
 from conftest import ROUTE_ALL, TiedLM, assert_same_grads, grad_in_buffers
+from dist_utils import run_ranks
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -622,3 +625,212 @@ def test_linear_with_zero_features():
     flat = flatgrad.FlatGrad(layer, config=ROUTE_ALL)
     flat(torch.randn(4, 0)).sum().backward()
     torch.testing.assert_close(layer.bias.grad, torch.full((3,), 4.0))
+
+
+# --- every walk gives the plain model's names ------------------------------------------------
+
+
+class _Rooted(nn.Module):
+    """Parameters and buffers at the root beside the children (as CLIP's ``logit_scale`` or a
+    ViT's ``cls_token``), a LayerNorm, a tied weight and a BatchNorm."""
+
+    def __init__(self, body: str = "body") -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("shift", torch.zeros(4))
+        self.register_buffer("scratch", torch.zeros(1), persistent=False)
+        self.emb = nn.Embedding(11, 4)
+        self.body_name = body
+        self.add_module(body, nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.BatchNorm1d(5)))
+        self.head = nn.Linear(4, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.get_submodule(self.body_name)(self.emb(tokens) * self.scale + self.shift)
+        return nn.functional.cross_entropy(self.head(hidden).flatten(0, 1), tokens.flatten())
+
+
+def trainer_style_names(model: nn.Module) -> list[str]:
+    """transformers' ``trainer_pt_utils.get_parameter_names`` without its filters: recurses
+    `named_children` and reads each module's own ``_parameters`` (what Trainer's weight-decay
+    grouping is built from)."""
+    names = [f"{name}.{n}" for name, child in model.named_children() for n in trainer_style_names(child)]
+    return names + list(model._parameters)
+
+
+def mingpt_groups(model: nn.Module) -> tuple[list[str], list[str]]:
+    """minGPT's ``configure_optimizers`` (as Lightning modules copy it): each module's own
+    parameters by full name, weights of Linears decayed, biases and LayerNorm/Embedding
+    weights not; checked and resolved through `named_parameters` as there."""
+    decay, no_decay = set(), set()
+    for mn, m in model.named_modules():
+        for pn, _ in m.named_parameters(recurse=False):
+            fpn = f"{mn}.{pn}" if mn else pn
+            if pn.endswith("weight") and isinstance(m, nn.Linear):
+                decay.add(fpn)
+            else:
+                no_decay.add(fpn)
+    params = dict(model.named_parameters())
+    decay &= params.keys()  # a tied weight is named once, by named_parameters
+    no_decay = (no_decay & params.keys()) - decay
+    assert params.keys() == decay | no_decay
+    for name, param in params.items():
+        assert model.get_parameter(name) is param, name
+    return sorted(decay), sorted(no_decay)
+
+
+def assert_walks_name_the_plain_model(wrapped: nn.Module, plain: nn.Module, wrappers: set[nn.Module]) -> None:
+    """Every module-walking API on `wrapped` (a model holding `wrappers` where `plain` holds
+    the plain model, or the outermost wrapper itself) gives `plain`'s names."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    def names(items) -> list[str]:  # type: ignore[no-untyped-def]
+        return [name for name, _ in items]
+
+    assert names(wrapped.named_children()) == names(plain.named_children())
+    assert list(wrapped.children()) == [child for _, child in wrapped.named_children()]
+    modules = [(n, m) for n, m in wrapped.named_modules() if m not in wrappers]
+    assert names(modules) == names(plain.named_modules())
+    for (name, module), (_, ref) in zip(modules, plain.named_modules()):
+        assert type(module) is type(ref)
+        found = wrapped.get_submodule(name)  # a holder's child is the wrapper, standing for the model
+        assert found is module or (found in wrappers and found._plain_model is module), name
+    for recurse in (True, False):
+        assert names(wrapped.named_parameters(recurse=recurse)) == names(
+            plain.named_parameters(recurse=recurse)
+        )
+        assert names(wrapped.named_buffers(recurse=recurse)) == names(plain.named_buffers(recurse=recurse))
+    for name, param in wrapped.named_parameters():
+        assert wrapped.get_parameter(name) is param, name
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    assert list(get_model_state_dict(wrapped)) == list(get_model_state_dict(plain))
+    assert trainer_style_names(wrapped) == trainer_style_names(plain)
+    assert mingpt_groups(wrapped) == mingpt_groups(plain)
+
+
+@pytest.mark.parametrize("model", [TiedLM, _Rooted])
+def test_every_walk_names_the_wrapped_model_as_the_plain_one(model):
+    """`named_children` (which transformers' Trainer recurses to choose the parameters it
+    decays, reading each module's own ``_parameters``), `children`, `named_modules` (after
+    the wrapper itself), `get_submodule`, `named_parameters`, `named_buffers` (recursing or
+    not), ``state_dict`` and torch.distributed.checkpoint keys, and minGPT's weight-decay
+    grouping: the plain model's names, on the wrapper and on a module holding it."""
+    torch.manual_seed(0)
+    plain = model().double()
+    flat = flatgrad.FlatGrad(copy.deepcopy(plain), config=ROUTE_ALL)
+    assert_walks_name_the_plain_model(flat, plain, {flat})
+    assert_walks_name_the_plain_model(nn.ModuleDict({"net": flat}), nn.ModuleDict({"net": plain}), {flat})
+    assert flat.get_submodule("") is flat
+    assert flat.get_submodule("module.emb") is flat.module.emb  # the wrapper's own path still resolves
+
+
+def test_a_child_called_module_is_found_under_its_plain_name():
+    """A model whose child is called ``module``, as the wrapper's attribute is: the wrapper's
+    walks, `get_submodule` and torch.distributed.checkpoint still name and find the model's
+    child (a checkpoint of the plain model loads through the wrapper)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(0)
+    plain = _Rooted(body="module").double()
+    flat = flatgrad.FlatGrad(copy.deepcopy(plain), config=ROUTE_ALL)
+    assert_walks_name_the_plain_model(flat, plain, {flat})
+    assert flat.get_submodule("module") is flat.module.module
+    opts = [torch.optim.Adam(m.parameters()) for m in (flat, plain)]
+    for model, opt in zip((flat, plain), opts):
+        model(_tokens(0, (3, 5), vocab=11)).backward()
+        opt.step()
+    (model_sd, optim_sd), (ref_model_sd, ref_optim_sd) = (
+        get_state_dict(m, o) for m, o in zip((flat, plain), opts)
+    )
+    assert model_sd.keys() == ref_model_sd.keys() and optim_sd["state"].keys() == ref_optim_sd["state"].keys()
+    set_state_dict(flat, opts[0], model_state_dict=ref_model_sd, optim_state_dict=ref_optim_sd)
+
+
+def test_nn_module_recursion_reaches_the_wrapped_model_once():
+    """nn.Module's own walks through `children()`, which are now the model's: `train`/`eval`
+    reach the model's root, `apply` calls its function once on each module (the model's root
+    included, the wrapper last), a conversion converts each tensor once and lays the buffers
+    out again; the root's parameters and buffers are the model's own, also after a copy,
+    and one registered on the root after wrapping is seen through the wrapper;
+    `convert_sync_batchnorm`, which rebuilds a model from `named_children`, converts the
+    model's layers in place; state_dict round-trips, nested too."""
+    torch.manual_seed(0)
+    flat = flatgrad.FlatGrad(_Rooted().double(), config=ROUTE_ALL)
+    model = flat.module
+    flat.eval()
+    assert not flat.training and not model.training and not model.body[2].training
+    flat.train()
+    assert flat.training and model.training and model.body[2].training
+    with pytest.raises(ValueError, match="training mode must be a bool, got int"):
+        flat.train(1)  # type: ignore[arg-type]
+    calls: list[nn.Module] = []
+    flat.apply(calls.append)
+    plain_calls: list[nn.Module] = []
+    model.apply(plain_calls.append)
+    assert calls == [*plain_calls, flat]  # each module once, the model's root included
+    converted: list[int] = []
+
+    def convert(tensor: torch.Tensor) -> torch.Tensor:
+        converted.append(id(tensor))
+        return tensor.float()
+
+    copy.deepcopy(model)._apply(convert)  # stock: each module converts its own (a tied one twice)
+    num_stock = len(converted)
+    converted.clear()
+    tensors = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    with mock.patch.object(_Rooted, "_apply", autospec=True, side_effect=nn.Module._apply) as root_apply:
+        flat._apply(convert)  # through the model's root, whose own `_apply` may do more (RNNs do)
+    assert root_apply.call_count == 1
+    assert len(converted) == num_stock and set(converted) == tensors
+    assert model.scale.dtype == torch.float32 and {key[0] for key in flat.grad_buffers} == {torch.float32}
+    assert flat.scale is model.scale and flat.shift is model.shift
+    for clone in (copy.deepcopy(flat), pickle.loads(pickle.dumps(flat))):
+        assert clone.get_parameter("scale") is clone.module.scale
+        assert [n for n, _ in clone.named_parameters(recurse=False)] == ["scale"]
+    model.register_parameter("late", nn.Parameter(torch.ones(4)))
+    assert [n for n, _ in flat.named_parameters(recurse=False)] == ["scale", "late"]
+    assert flat.late is model.late
+    before = {name: type(m) for name, m in model.named_modules()}
+    assert nn.SyncBatchNorm.convert_sync_batchnorm(flat) is flat
+    assert isinstance(model.body[2], nn.SyncBatchNorm)
+    assert [n for n, _ in flat.named_modules()][1:] == list(before)
+    assert list(flat._modules) == ["module"]
+    holder = nn.ModuleDict({"net": flat})
+    state = holder.state_dict()
+    assert list(state) == ["net." + key for key in model.state_dict()]
+    holder.load_state_dict(state)
+    flat.load_state_dict(model.state_dict())
+
+
+def _dataparallel_names_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    plain = _Rooted().double()
+    flat = flatgrad.FlatGrad(copy.deepcopy(plain), config=ROUTE_ALL)
+    dp = flatgrad.DataParallel(flat)
+    model = flat.module
+    assert_walks_name_the_plain_model(dp, plain, {dp, flat})
+    holder, plain_holder = nn.ModuleDict({"net": dp}), nn.ModuleDict({"net": plain})
+    assert_walks_name_the_plain_model(holder, plain_holder, {dp, flat})
+    holder.load_state_dict(plain_holder.state_dict())  # nested: the plain keys, both directions
+    dp.eval()
+    assert not dp.training and not flat.training and not model.training and not model.body[2].training
+    dp.train()
+    assert model.training and model.body[2].training
+    calls: list[nn.Module] = []
+    dp.apply(calls.append)
+    plain_calls: list[nn.Module] = []
+    model.apply(plain_calls.append)
+    assert calls == [*plain_calls, flat, dp]
+    dp.float()  # through the FlatGrad, which lays its buffers out again
+    assert {key[0] for key in flat.grad_buffers} == {torch.float32}
+    dp(_tokens(rank, (3, 5), vocab=11)).backward()
+    assert all(grad_in_buffers(flat, p.grad) for p in model.parameters())
+
+
+@pytest.mark.distributed
+def test_dataparallel_walks_name_the_plain_model():
+    """`flatgrad.DataParallel(flat)`, and a module holding it, are walked (children,
+    modules, submodules, parameters and buffers, state_dict and torch.distributed.checkpoint
+    keys, Trainer's and minGPT's weight-decay grouping) under the plain model's names;
+    `train`, `apply` and a conversion reach the model through the FlatGrad (2 gloo ranks)."""
+    run_ranks(_dataparallel_names_worker)
