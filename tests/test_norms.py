@@ -71,3 +71,9 @@ def test_vector_norm_of_sparse_and_complex_tensors():
     assert _norms.norm_dtype(torch.complex64) == torch.float32
     assert _norms.norm_dtype(torch.float16) == torch.float32
     assert _norms.norm_dtype(torch.float64) == torch.float64
+
+
+def test_bfloat16_is_upcast_exactly():
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x[:4] = torch.tensor([float("inf"), -0.0, float("nan"), 1e-40])  # specials and a subnormal
+    assert torch.equal(_norms._upcast(x).view(torch.int32), x.float().view(torch.int32))
