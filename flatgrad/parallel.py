@@ -153,24 +153,33 @@ class DataParallel(PlainNames):
 
     # --- public -------------------------------------------------------------------------
 
-    # Eager even under torch.compile(dp), as FlatGrad.forward: its bookkeeping (the hooks on
-    # the output's nodes that open each backward) must see the real output, not a traced
-    # one; the wrapped model is still compiled (FlatGrad's forward hands it to Dynamo).
+    # Eager even under torch.compile(dp), as FlatGrad.forward (the frame only): its
+    # bookkeeping (the hooks on the output's nodes that open each backward) must see the
+    # real output, not a traced one, and is disabled as a whole so that Dynamo sees none of
+    # it; the wrapped model is still compiled (FlatGrad's forward hands it to Dynamo).
     @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
+        output = self.module(*args, **kwargs)
+        self._after_forward(output)
+        return output
+
+    @torch.compiler.disable
+    def _before_forward(self) -> None:
         if self._task != -1:
             self._drain()  # a backward that raised never finished
         if self.module._steady_store() is not self._store:
             self._rebuild()
         if self._sync_buffers_next and self.broadcast_buffers and self._has_buffers:
             self._broadcast_buffers()
-        output = self.module(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _after_forward(self, output: Any) -> None:
         training = torch.is_grad_enabled()
         self._sync_buffers_next = training and self._sync
         if training:
             self._armed = self._armed or self._sync
             self._watch(output, self._sync)
-        return output
 
     def _drain(self) -> None:
         """Wait for the collectives a backward that raised had launched, before this step

@@ -16,16 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Variable
-from torch.nn.modules.module import (
-    register_module_module_registration_hook,
-    register_module_parameter_registration_hook,
-)
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_leaves
 
 from flatgrad import _norms, comm, functional
 from flatgrad._names import PlainNames
 from flatgrad._scattered import refuse_scattered
+from flatgrad._watch import LayoutWatch
 from flatgrad.buffer import GradStore, scale_
 from flatgrad.config import FlatGradConfig, resolve_config
 from flatgrad.layout import GroupKey
@@ -36,11 +33,6 @@ _PREFIX = "module."
 _execution_engine: Any = Variable._execution_engine  # type: ignore[attr-defined]
 
 
-# Bumped by every parameter or submodule registration anywhere (global nn.Module hooks,
-# installed with the first FlatGrad): forward compares one integer instead of walking the
-# model, and walks it only after something was registered.
-_GENERATION = [0]
-_REGISTRATION_HOOKS: list[Any] = []
 # (module, name, parameter, requires_grad, dtype, device, shape) as they were at the last build
 _Watched = tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size]
 # Unrouted parameters below this many elements are seated (zero fill + AccumulateGrad's
@@ -74,16 +66,6 @@ def _forwarded(model: nn.Module, name: str) -> bool:
     )
 
 
-def _bump_generation(*args: Any) -> None:
-    _GENERATION[0] += 1
-
-
-def _watch_registrations() -> None:
-    if not _REGISTRATION_HOOKS:
-        _REGISTRATION_HOOKS.append(register_module_parameter_registration_hook(_bump_generation))
-        _REGISTRATION_HOOKS.append(register_module_module_registration_hook(_bump_generation))
-
-
 class FlatGrad(PlainNames):
     """Wraps `model`; every trainable parameter's `.grad` lives in `grad_buffers`.
 
@@ -103,7 +85,7 @@ class FlatGrad(PlainNames):
         super().__init__()
         self.flatgrad_config = resolve_config(config)
         self.module = model
-        self._share_root()
+        self._watch_model()
         self._store: GradStore | None = None
         self._seater: _Seater | None = None
         self._watched: tuple[_Watched, ...] = ()
@@ -124,7 +106,6 @@ class FlatGrad(PlainNames):
                 "model must have at least one parameter with requires_grad=True (and a dense "
                 "gradient: sparse embeddings keep theirs outside the flat buffers), got none"
             )
-        _watch_registrations()
         self._build()
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
@@ -141,6 +122,7 @@ class FlatGrad(PlainNames):
             _sparse=(),
             _frozen=(),
             _generation=-1,
+            _watch=None,
             _ddp_state=None,
             _adopted=set(),
         )
@@ -150,32 +132,47 @@ class FlatGrad(PlainNames):
         if "config" in state:  # pickled before the wrapper's own config became flatgrad_config
             state["flatgrad_config"] = state.pop("config")
         super().__setstate__(state)
+        self._watch_model()
         self._build()
 
+    # Eager under torch.compile(flat) (the frame only: what it calls is compiled unless
+    # disabled itself). The bookkeeping around the model is disabled as a whole, so Dynamo
+    # sees none of it; `_call_module` is where it starts tracing the model.
     @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        ddp_state = self._before_forward()
+        output = self._call_module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._after_forward(output, ddp_state)
+        return output
+
+    @torch.compiler.disable
+    def _before_forward(self) -> comm.DDPState | None:
         self._current_store()
         if self._ddp_forwards >= 0:
             self._ddp_forwards = comm.note_forward_without_hook(self._ddp_forwards)
         ddp_state = comm.bucket_view_ddp(self._ddp_state)
         if ddp_state is not self._ddp_state and ddp_state is not None:
             self._ddp_state, self._adopted = ddp_state, set()  # another DDP, or its buckets moved
-        output = self._call_module(*args, **kwargs)
+        return ddp_state
+
+    @torch.compiler.disable
+    def _after_forward(self, output: Any, ddp_state: comm.DDPState | None) -> None:
         seater = self._seater
-        if seater is not None and torch.is_grad_enabled():
-            # Under a DDP that synchronises this backward into buckets that are not the flat
-            # buffers (its own copies, or bucket views `allreduce_hook` has not adopted yet):
-            # seat nothing, the gradients take stock's way into DDP's buckets. DDP's reducer
-            # leaves the `.grad` of a parameter no rank used untouched, so a seated zero would
-            # survive where stock keeps None (see `comm.bucket_view_ddp`).
-            alone = not comm.under_ddp()
-            if ddp_state is not None:
-                seater.seating = len(self._adopted) == len(seater.store.buffers)
-            else:
-                seater.seating = alone or not comm.ddp_will_sync()
-            seater.alone = alone
-            seater.watch(output)
-        return output
+        if seater is None:
+            return
+        # Under a DDP that synchronises this backward into buckets that are not the flat
+        # buffers (its own copies, or bucket views `allreduce_hook` has not adopted yet):
+        # seat nothing, the gradients take stock's way into DDP's buckets. DDP's reducer
+        # leaves the `.grad` of a parameter no rank used untouched, so a seated zero would
+        # survive where stock keeps None (see `comm.bucket_view_ddp`).
+        alone = not comm.under_ddp()
+        if ddp_state is not None:
+            seater.seating = len(self._adopted) == len(seater.store.buffers)
+        else:
+            seater.seating = alone or not comm.ddp_will_sync()
+        seater.alone = alone
+        seater.watch(output)
 
     def _call_module(self, *args: Any, **kwargs: Any) -> Any:
         # Under torch.compile(flat) the (disabled) forward frame runs eagerly and this frame
@@ -266,6 +263,20 @@ class FlatGrad(PlainNames):
 
     # --- building and re-building ---------------------------------------------------------
 
+    def _watch_model(self) -> None:
+        """Watch the model's registrations (`LayoutWatch`) while this wrapper lives; when
+        it is collected the model is as it was before wrapping (plain dicts, torch's
+        forwards), unless another wrapper still holds it."""
+        self._watch = watch = LayoutWatch()
+        weakref.finalize(self, watch.close, _unroute).atexit = False
+        self._cover()
+
+    def _cover(self) -> None:
+        """Watch this wrapper and every module of the model not watched yet; the root dicts
+        the wrapper shares with the model are then the watched ones (`PlainNames`)."""
+        self._watch.cover(self)
+        self._share_root()
+
     def _build(self) -> None:
         """Lay out the buffers for the current trainable parameters; route new layers."""
         with torch.inference_mode(False), torch.no_grad():  # buffers must be normal tensors
@@ -287,7 +298,8 @@ class FlatGrad(PlainNames):
             sparse = _sparse_ids(self.module)
             self._sparse = tuple(p for p in self._others if id(p) in sparse)
             self._frozen = tuple(p for p in self._others if id(p) not in sparse)
-            self._generation = _GENERATION[0]
+            self._cover()
+            self._generation = self._watch.generation
             store.settle()  # move gradients that already exist into the buffers
 
     def _refresh(self) -> GradStore:
@@ -299,12 +311,13 @@ class FlatGrad(PlainNames):
         if store is None or store.stale or not store.intact() or self._layout_changed():
             logger.info("flatgrad: parameters changed after wrapping; laying out the buffers again")
             self._build()
-        self._generation = _GENERATION[0]
+        self._generation = self._watch.generation
         assert self._store is not None, "FlatGrad is not built"
         return self._store
 
     def _layout_changed(self) -> bool:
-        if self._generation != _GENERATION[0]:
+        if self._generation != self._watch.generation:
+            self._cover()  # a module added since is watched from now on
             current = _watch_list(self.module)
             if current is None:
                 return False  # reparametrized for a moment (torch.func.functional_call): keep
@@ -352,7 +365,7 @@ class FlatGrad(PlainNames):
         store = self._store
         if (
             store is None
-            or self._generation != _GENERATION[0]
+            or self._generation != self._watch.generation
             or store.stale
             or any(p.requires_grad for p in self._frozen)  # unfrozen: nothing else tells
         ):
@@ -362,10 +375,8 @@ class FlatGrad(PlainNames):
     def _steady_store(self) -> GradStore:
         """`_current_store`, and the full walk of `_refresh` when a held parameter was frozen
         since (one `requires_grad` read per parameter): for DataParallel's forward, whose
-        buckets must not keep communicating a frozen slot. A parameter object put in place
-        without registering it (``module._parameters[name] = p``: `torch.func.functional_call`,
-        accelerate's `set_module_tensor_to_device`) is not followed here, as DDP's reducer
-        does not follow it: its gradient stays local (the next flat op lays out again)."""
+        buckets must not keep communicating a frozen slot. `torch.func.functional_call`'s
+        temporaries (plain tensors) keep the layout: their gradients stay local, as DDP's."""
         store = self._current_store()
         return store if all(map(_trainable, store.params)) else self._refresh()
 
@@ -769,6 +780,13 @@ def _route_layers(model: nn.Module, config: FlatGradConfig) -> set[int]:
         module.forward = functools.partial(forward, module)  # type: ignore[method-assign]
         routed.update(id(p) for p in module._parameters.values() if p is not None)
     return routed
+
+
+def _unroute(module: nn.Module) -> None:
+    """Give a routed layer torch's own forward back (its wrapper is gone)."""
+    own = module.__dict__.get("forward")
+    if isinstance(own, functools.partial) and any(own.func is route for _, route in _ROUTES.values()):
+        del module.__dict__["forward"]
 
 
 # --- state_dict keys: the plain model's, in both directions --------------------------------

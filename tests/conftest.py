@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import flatgrad
@@ -29,6 +30,25 @@ class TiedLM(nn.Module):
         hidden = self.norm(torch.tanh(self.proj(self.emb(tokens))))
         logits = self.head(hidden)
         return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+class CompileLM(nn.Module):
+    """Tied embedding and LM head, routed Linears, a LayerNorm: what flatgrad routes (the
+    torch.compile tests' model)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        h = self.norm(h + self.down(F.gelu(self.up(h))))
+        return F.cross_entropy(self.head(h).flatten(0, 1), tokens.flatten())
 
 
 def grad_in_buffers(flat: flatgrad.FlatGrad, grad: torch.Tensor) -> bool:

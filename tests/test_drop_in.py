@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROUTE_ALL, TiedLM, assert_same_grads, grad_in_buffers
+from conftest import ROUTE_ALL, CompileLM, TiedLM, assert_same_grads, grad_in_buffers
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils import parametrizations
@@ -431,27 +431,9 @@ def test_a_layer_whose_owner_skips_its_forward_lands_in_the_buffer_from_the_firs
 # --- torch.compile --------------------------------------------------------------------------------
 
 
-class _CompileLM(nn.Module):
-    """Tied embedding and LM head, routed Linears, a LayerNorm: what flatgrad routes."""
-
-    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.up = nn.Linear(dim, 2 * dim)
-        self.down = nn.Linear(2 * dim, dim)
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.emb(tokens)
-        h = self.norm(h + self.down(F.gelu(self.up(h))))
-        return F.cross_entropy(self.head(h).flatten(0, 1), tokens.flatten())
-
-
 def test_dynamo_explain_counts_equal_stock():
     torch._dynamo.reset()
-    flat, oracle = _pair(_CompileLM().double())
+    flat, oracle = _pair(CompileLM().double())
     tokens = _tokens(0, vocab=64)
     stock = torch._dynamo.explain(oracle)(tokens)
     torch._dynamo.reset()
@@ -476,7 +458,7 @@ def test_dynamo_explain_counts_equal_stock():
 @pytest.mark.parametrize("where", ["outside", "inside"])
 def test_compiled_gradients_equal_stock_and_live_in_the_buffer(backend, where):
     torch._dynamo.reset()
-    model = _CompileLM().double()
+    model = CompileLM().double()
     oracle = copy.deepcopy(model)
     if where == "outside":  # torch.compile(FlatGrad(model))
         flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
@@ -506,7 +488,7 @@ def test_compiled_autograd_gradients_equal_stock(config):
     from torch._dynamo import compiled_autograd
 
     torch._dynamo.reset()
-    flat, oracle = _pair(_CompileLM().double(), config=config)
+    flat, oracle = _pair(CompileLM().double(), config=config)
     opt = torch.optim.AdamW(flat.parameters(), lr=0.01, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(oracle.parameters(), lr=0.01, weight_decay=0.1)
     for step in range(2):
