@@ -31,7 +31,7 @@ logger = logging.getLogger("flatgrad.bench.device")  # also under python -m
 
 Check = Callable[[DeviceRun], Outcome]
 CHECKS: dict[str, Check] = {
-    "exactness: float64 (tied LM, micro-batches, checkpoint, unused branch)": device_checks.check_exact_float64,
+    "exactness: float64 (tied LM, checkpoint, unused branch)": device_checks.check_exact_float64,
     "exactness: bf16 autocast (float32 parameters)": device_checks.check_exact_bf16_autocast,
     "zero-copy backward: ops": device_checks.check_zero_copy_ops,
     "zero-copy backward: CUDA memcpy": device_checks.check_zero_copy_kernels,
