@@ -18,7 +18,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -180,24 +180,74 @@ def compare(
     return {"max_abs_diff": worst, **({"allreduces_per_step": counts} if count else {})}
 
 
-def gloo_paths(device: torch.device) -> dict[str, Any]:
-    """Every flatgrad path against stock DDP on this rank (the default group, gloo)."""
+Builder = Callable[[nn.Module, torch.device], Trainer]
+
+
+class SyncPath(NamedTuple):
+    """A flatgrad path, its stock oracle, and how the branch may go unused in step 1."""
+
+    name: str
+    stock: Builder
+    ours: Builder
+    skip_branch: bool  # the last rank skips the branch in step 1
+    # Whether the path matches stock when no rank uses the branch: ShardedOptimizer steps a
+    # whole shard, so an unused parameter moves (zero gradient, momentum and weight decay
+    # still apply; documented in flatgrad.sharded) where stock skips it.
+    none_used_ok: bool = True
+    count_allreduces: bool = False  # per step: one per gradient buffer expected
+
+
+# DDP without find_unused_parameters needs every parameter used: the hook path and its
+# oracle always run the branch.
+PATHS = (
+    SyncPath("DataParallel", stock_ddp, flat_dp, True),
+    SyncPath(
+        "ShardedOptimizer", stock_ddp, lambda m, d: flat_dp(m, d, sharded=True), True, none_used_ok=False
+    ),
+    SyncPath("all_reduce_grads", stock_ddp, flat_all_reduce, True),
+    SyncPath(
+        "DDP + allreduce_hook",
+        lambda m, d: stock_ddp(m, d, find_unused=False),
+        flat_hook,
+        False,
+        count_allreduces=True,
+    ),
+)
+
+
+def run_paths(device: torch.device, oracle: Builder | None = None) -> dict[str, dict[str, Any]]:
+    """Every path of `PATHS` in the default group against its stock oracle (or `oracle`),
+    each isolated: a failure is recorded as ``{"error": ...}`` and the next path runs
+    (every rank fails alike: the paths are deterministic). On one rank, a path that cannot
+    match stock with the branch unused everywhere keeps it used."""
     torch.manual_seed(0)
     model = CommNet().double().to(device)
-    results = {}
-    for ours, skip in (
-        (flat_dp, True),
-        (lambda m, d: flat_dp(m, d, sharded=True), True),
-        (flat_all_reduce, True),
-    ):
-        stock = stock_ddp(model, device, find_unused=True)
-        trainer = ours(model, device)
-        results[trainer.name] = compare(stock, trainer, device, skip_branch=skip)
-    trainer = flat_hook(model, device)
-    results[trainer.name] = compare(
-        stock_ddp(model, device, find_unused=False), trainer, device, False, count=True
-    )
+    results: dict[str, dict[str, Any]] = {}
+    for path in PATHS:
+        skip = path.skip_branch and (path.none_used_ok or dist.get_world_size() > 1)
+        try:
+            stock, ours = (oracle or path.stock)(model, device), path.ours(model, device)
+            results[path.name] = compare(stock, ours, device, skip, path.count_allreduces)
+        except Exception as error:  # the other paths still run
+            results[path.name] = {"error": f"{type(error).__name__}: {error}"}
     return results
+
+
+def paths_outcome(results: dict[str, dict[str, Any]], setting: str) -> Outcome:
+    """Passed when no path failed; the detail gives each path's largest difference (and
+    all-reduce counts) or its error."""
+    parts = []
+    for name, r in results.items():
+        if "error" in r:
+            parts.append(f"{name}: FAILED {r['error']}")
+            continue
+        counted = f", all-reduces per step {r['allreduces_per_step']}" if "allreduces_per_step" in r else ""
+        parts.append(f"{name}: max |diff| {r['max_abs_diff']:.2g}{counted}")
+    detail = (
+        f"{setting}; {STEPS} AdamW steps of {MICRO_BATCHES} micro-batches with clipping, float64, "
+        f"parameters compared at rtol {RTOL:g}: " + "; ".join(parts)
+    )
+    return Outcome(all("error" not in r for r in results.values()), detail)
 
 
 def _rank_main(rank: int, world_size: int, port: int, device_name: str, out: str) -> None:
@@ -206,7 +256,7 @@ def _rank_main(rank: int, world_size: int, port: int, device_name: str, out: str
     timeout = datetime.timedelta(seconds=60)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
     try:
-        results = gloo_paths(torch.device(device_name))
+        results = run_paths(torch.device(device_name))
         dist.barrier()
         if rank == 0:
             Path(out).write_text(json.dumps(results))
@@ -222,7 +272,7 @@ def _free_port() -> int:
 
 
 def spawn_gloo(device: torch.device, world_size: int = 2, timeout: float = RANKS_TIMEOUT_S) -> dict[str, Any]:
-    """Run `gloo_paths` on `world_size` spawned ranks; rank 0's results. A rank's exception
+    """Run `run_paths` on `world_size` spawned ranks; rank 0's results. A rank's exception
     is raised here (with its traceback); so is a run past `timeout` seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
@@ -239,19 +289,7 @@ def spawn_gloo(device: torch.device, world_size: int = 2, timeout: float = RANKS
         return dict(json.loads(out.read_text()))
 
 
-def _summary(results: dict[str, Any]) -> str:
-    parts = []
-    for name, r in results.items():
-        counted = f", all-reduces per step {r['allreduces_per_step']}" if "allreduces_per_step" in r else ""
-        parts.append(f"{name}: max |diff| {r['max_abs_diff']:.2g}{counted}")
-    return "; ".join(parts)
-
-
 def check_gloo_two_ranks(run: DeviceRun) -> Outcome:
     tensors = "CUDA tensors on one GPU" if run.cuda else "CPU tensors"
     results = spawn_gloo(torch.device("cuda", 0) if run.cuda else torch.device("cpu"))
-    detail = (
-        f"2 gloo ranks ({tensors}), {STEPS} AdamW steps of {MICRO_BATCHES} micro-batches with clipping, "
-        f"float64, parameters equal stock DDP (rtol {RTOL:g}): {_summary(results)}"
-    )
-    return Outcome(True, detail)
+    return paths_outcome(results, f"2 gloo ranks ({tensors}) against stock DDP")

@@ -21,15 +21,7 @@ from flatgrad.bench.device_base import (
     profiled,
     single_rank_group,
 )
-from flatgrad.bench.device_comm import (
-    CommNet,
-    batch,
-    compare,
-    flat_all_reduce,
-    flat_dp,
-    flat_hook,
-    stock_plain,
-)
+from flatgrad.bench.device_comm import CommNet, batch, flat_dp, paths_outcome, run_paths, stock_plain
 from flatgrad.comm import average_op
 
 
@@ -39,33 +31,14 @@ def _same(ours: torch.Tensor | None, stock: torch.Tensor | None) -> None:
     torch.testing.assert_close(ours, stock, rtol=1e-12, atol=1e-12)
 
 
-def single_rank_paths(device: torch.device) -> dict[str, dict[str, object]]:
-    """Every flatgrad path against a plain stock model (world size 1: averaging is the
-    identity), in the default group of this process."""
-    torch.manual_seed(0)
-    model = CommNet().double().to(device)
-    builders = (flat_dp, lambda m, d: flat_dp(m, d, sharded=True), flat_all_reduce, flat_hook)
-    results = {}
-    for build in builders:
-        ours = build(model, device)
-        hook = ours.buffers > 0  # DDP (the hook path) needs every parameter used
-        results[ours.name] = compare(
-            stock_plain(model, device), ours, device, skip_branch=not hook, count=hook
-        )
-    return results
-
-
 def check_nccl_single_rank(run: DeviceRun) -> Outcome:
+    """Every path on one NCCL rank against a plain stock model (world size 1: averaging is
+    the identity; the branch is skipped in step 1, so it has no gradient anywhere)."""
     if not run.cuda:
         return skipped_nccl()
     with single_rank_group("nccl", run.device):
-        results = single_rank_paths(run.device)
-    parts = [
-        f"{name}: max |diff| {r['max_abs_diff']:.2g}"
-        + (f", all-reduces per step {r['allreduces_per_step']}" if "allreduces_per_step" in r else "")
-        for name, r in results.items()
-    ]
-    return Outcome(True, "NCCL world size 1, parameters equal a plain stock run: " + "; ".join(parts))
+        results = run_paths(run.device, oracle=stock_plain)
+    return paths_outcome(results, "NCCL world size 1 against a plain stock model")
 
 
 def skipped_nccl() -> Outcome:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -179,9 +180,9 @@ def _leaf(tensor: torch.Tensor) -> nn.Parameter:
 
 
 def _embedding_rows(run: DeviceRun, rows: int, dim: int, tokens: int, repeats: int) -> list[RatioRecord]:
-    gen = torch.Generator().manual_seed(0)
-    table = torch.randn(rows, dim, generator=gen).to(run.device)
-    idx = torch.randint(0, rows, (tokens,), generator=gen).to(run.device)
+    gen = torch.Generator(run.device).manual_seed(0)  # made on the device: GiBs on CUDA
+    table = torch.randn(rows, dim, generator=gen, device=run.device)
+    idx = torch.randint(0, rows, (tokens,), generator=gen, device=run.device)
     flat = flatgrad.FlatGrad(nn.Embedding.from_pretrained(table, freeze=False))
     plain = _leaf(table)
 
@@ -236,15 +237,15 @@ def _gather_row(
 
 
 def check_gather_ratios(run: DeviceRun) -> Outcome:
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(run.device).manual_seed(0)
     big, reads = (1 << 24, 1 << 22) if run.cuda else (1 << 20, 1 << 20)
     rows_, cols, picks = (8192, 4096, 1024) if run.cuda else (1024, 256, 64)
-    small = torch.randn(20, generator=gen).to(run.device)
-    bins = torch.randint(0, 20, (1_000_000,), generator=gen).to(run.device)
-    large = torch.randn(big, generator=gen).to(run.device)
-    large_idx = torch.randint(0, big, (reads,), generator=gen).to(run.device)
-    matrix = torch.randn(rows_, cols, generator=gen).to(run.device)
-    index = torch.randint(0, cols, (rows_, picks), generator=gen).to(run.device)
+    small = torch.randn(20, generator=gen, device=run.device)
+    bins = torch.randint(0, 20, (1_000_000,), generator=gen, device=run.device)
+    large = torch.randn(big, generator=gen, device=run.device)
+    large_idx = torch.randint(0, big, (reads,), generator=gen, device=run.device)
+    matrix = torch.randn(rows_, cols, generator=gen, device=run.device)
+    index = torch.randint(0, cols, (rows_, picks), generator=gen, device=run.device)
     index_read = flatgrad.gather_with_index_add
     rows = [
         _gather_row(
@@ -322,6 +323,9 @@ def _train(
             trainer.optimizer.zero_grad(set_to_none=True)
             trainer.forward(*batch).backward()
             trainer.optimizer.step()
+        # A gloo work holds its tensors until its worker thread finishes it: wait for that
+        # here, or a bucket DDP has replaced may still count in the next step.
+        dist.barrier()
     if cuda:
         sync(device)
         peaks["step"] = torch.cuda.max_memory_allocated(device) - base
