@@ -1,7 +1,7 @@
 """Device truth: flatgrad against stock PyTorch on the device at hand, in one command.
 
 python -m flatgrad.bench.device --out DIR                 # CUDA when available, else CPU
-python -m flatgrad.bench.device --device cpu --quick --out DIR
+python -m flatgrad.bench.device --device cpu --quick --out DIR [--threads 1]
 
 Writes DIR/report.json and DIR/report.md and exits 1 if any check failed. Every check runs
 isolated: an exception inside one is that check failing (with its traceback's tail), and the
@@ -180,6 +180,13 @@ def write_report(report: DeviceReport, out: Path) -> None:
     (out / "report.md").write_text(format_markdown(report))
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m flatgrad.bench.device", description=__doc__.splitlines()[0]
@@ -194,6 +201,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick", action="store_true", help="scaled-down workloads (a minute on a small CPU)"
     )
     parser.add_argument("--out", type=Path, required=True, help="directory for report.json and report.md")
+    parser.add_argument(
+        "--threads",
+        type=_positive,
+        default=None,
+        help="CPU threads of this process (torch.set_num_threads; default: torch's). On a CPU shared "
+        "with other work, 1 keeps OpenMP's barriers from timing the scheduler instead of the kernels",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device, and torch.cuda.is_available() is False")
@@ -205,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
     args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = (
         torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     )

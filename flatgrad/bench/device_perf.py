@@ -102,7 +102,7 @@ def step_ratio(
     autocast: bool = False,
 ) -> RatioRecord:
     """flatgrad/stock of a training step of `model` (stock: a deep copy of it)."""
-    repeats, warmup = (6, 2) if run.quick else (10, 3)
+    repeats, warmup = (8, 2) if run.quick else (10, 3)
     batches = [spec.batch(torch.Generator().manual_seed(i), run.device) for i in range(micro * 2)]
     stock = copy.deepcopy(model)
     flat = flatgrad.FlatGrad(model)
@@ -131,12 +131,14 @@ def check_step_ratios(run: DeviceRun) -> Outcome:
 
 def _gpt(run: DeviceRun) -> tuple[str, BenchModel]:
     """~350M parameters on CUDA (d 1024, 24 blocks, vocab 50304, 8 x 1024 tokens per
-    micro-batch); a tiny one on CPU."""
-    vocab, dim, depth, heads, batch, seq = (
-        ((512, 64, 2, 4, 4, 32) if run.quick else (4096, 256, 2, 4, 8, 64))
-        if not run.cuda
-        else (50304, 1024, 24, 16, 8, 1024)
-    )
+    micro-batch; ~60M with --quick); small ones on CPU."""
+    sizes = {  # (cuda, quick): vocab, dim, depth, heads, batch, sequence
+        (True, False): (50304, 1024, 24, 16, 8, 1024),
+        (True, True): (32000, 512, 8, 8, 8, 512),
+        (False, False): (4096, 256, 2, 4, 8, 64),
+        (False, True): (512, 64, 2, 4, 4, 32),
+    }
+    vocab, dim, depth, heads, batch, seq = sizes[run.cuda, run.quick]
 
     def tokens(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
         idx = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
@@ -204,12 +206,12 @@ def _embedding_rows(run: DeviceRun, rows: int, dim: int, tokens: int, repeats: i
 
 def check_embedding_ratios(run: DeviceRun) -> Outcome:
     if run.cuda:
-        sizes = [(r, 4096, t) for r in (50_000, 128_000) for t in (8192, 65536)]
+        sizes = [(r, 4096, t) for r in (50_000, 128_000) for t in (8192, 65536)][: 2 if run.quick else 4]
     else:
         sizes = [(r, 64, t) for r in (5_000, 20_000) for t in (1024, 8192)]
     rows = []
     for size in sizes:
-        rows += _embedding_rows(run, *size, repeats=8 if run.quick else 15)
+        rows += _embedding_rows(run, *size, repeats=15 if run.quick else 25)
         gc.collect()
     return Outcome(True, f"{len(rows)} embedding backward rows", ratios=rows)
 
@@ -230,7 +232,7 @@ def _gather_row(
     times = interleaved(
         _backward_timer(lambda: ours_read(ours, *args), zero, run.device),
         _backward_timer(lambda: stock_read(stock, *args), zero, run.device),
-        repeats=8 if run.quick else 15,
+        repeats=10 if run.quick else 20,
         warmup=2,
     )
     return ratio_row(name, *times)
