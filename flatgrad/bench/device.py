@@ -70,7 +70,8 @@ class DeviceReport(BaseModel):
 def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
-    return f"CPU: {_cpu_name()}, {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    return f"CPU: {_cpu_name()}, {threads} thread{'s' if threads != 1 else ''}"
 
 
 def _cpu_name() -> str:
