@@ -56,7 +56,7 @@ def _no_host_sync() -> Iterator[None]:
 
 
 def _dp_step(device: torch.device, sharded: bool, use_branch: bool) -> tuple[int, int, list[str]]:
-    """One profiled synchronised backward of DataParallel (or ShardedOptimizer): (pinned
+    """One synchronised backward (profiled) of DataParallel (or ShardedOptimizer): (pinned
     host-to-device copies, pageable ones, parameters left without .grad). DataParallel's
     gradients must equal a plain stock backward's (ShardedOptimizer's `.grad` are
     reduce-scattered shards, compared by the NCCL paths check after its steps)."""
@@ -64,8 +64,9 @@ def _dp_step(device: torch.device, sharded: bool, use_branch: bool) -> tuple[int
     model = CommNet().double().to(device)
     stock, ours = stock_plain(model, device), flat_dp(model, device, sharded=sharded)
     stock.forward(*batch(0, 0, 0, device), use_branch).backward()
+    loss = ours.forward(*batch(0, 0, 0, device), use_branch)
     with profiled(device) as prof:
-        ours.forward(*batch(0, 0, 0, device), use_branch).backward()
+        loss.backward()
     missing = [n for n, p in zip(dict(model.named_parameters()), ours.params) if p.grad is None]
     for p, q in zip(ours.params, stock.params):
         assert (p.grad is None) == (q.grad is None), "a .grad is None on one side only"
