@@ -1,0 +1,227 @@
+"""`python -m flatgrad.bench.device`: the CPU --quick run end to end (its report must hold
+every figure, every check passed or skipped with a reason), a failing check reported as such
+with a non-zero exit, the measuring helpers on cases whose answer is known, and on CUDA (marked
+gpu, skipped here) the whole command and each CUDA-only branch of the library."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from torch import nn
+
+import flatgrad
+from flatgrad.bench import device, device_checks, device_cuda
+from flatgrad.bench.device_base import DeviceRun, Outcome, peak_bytes, single_rank_group
+from flatgrad.bench.device_comm import paths_outcome, run_paths, stock_plain
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = DeviceRun(torch.device("cpu"), quick=True)
+# Checks that must run for real on CPU (not be skipped).
+CPU_CHECKS = {
+    "exactness: float64 (tied LM, checkpoint, unused branch)",
+    "exactness: bf16 autocast (float32 parameters)",
+    "zero-copy backward: ops",
+    "sort-free backward: ops",
+    "collectives: gloo 2 ranks",
+    "ratios: training steps",
+    "ratios: GPT bf16",
+    "ratios: embedding backward",
+    "ratios: gathers",
+    "memory: peak allocated",
+}
+
+
+def _run_cli(out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """The command in a fresh interpreter, importing flatgrad from this checkout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "flatgrad.bench.device", *args, "--out", str(out)]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _load(out: Path) -> dict:
+    return json.loads((out / "report.json").read_text())
+
+
+@pytest.mark.distributed
+def test_quick_cpu_run_writes_a_complete_report(tmp_path: Path):
+    proc = _run_cli(tmp_path, "--device", "cpu", "--quick", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = _load(tmp_path)
+    assert isinstance(report["device"], str) and report["device"].startswith("CPU")
+    assert report["torch"] == torch.__version__
+    assert isinstance(report["date"], str) and report["date"][:2] == "20"
+    assert [c["name"] for c in report["checks"]] == list(device.CHECKS)
+    for check in report["checks"]:
+        assert check["passed"] in (True, None), check
+        assert isinstance(check["detail"], str) and check["detail"], check
+    assert {c["name"] for c in report["checks"] if c["passed"] is True} == CPU_CHECKS
+    assert len(report["ratios"]) >= 15
+    for row in report["ratios"]:
+        assert row["name"] and row["flatgrad_ms"] > 0 and row["stock_ms"] > 0 and row["ratio"] > 0, row
+    assert any("20-element table" in row["name"] for row in report["ratios"])
+    assert len(report["memory"]) == 5
+    for row in report["memory"]:
+        assert row["name"] and row["flatgrad_bytes"] > 0 and row["stock_bytes"] > 0, row
+    markdown = (tmp_path / "report.md").read_text()
+    for heading in ("## Checks", "## Ratios", "## Memory", "| check | result |", "| measurement |"):
+        assert heading in markdown
+    assert markdown.count("| skipped |") == len(device.CHECKS) - len(CPU_CHECKS)
+
+
+def _boom(run: DeviceRun) -> Outcome:
+    raise RuntimeError("boom on purpose")
+
+
+def _fine(run: DeviceRun) -> Outcome:
+    return Outcome(True, "fine")
+
+
+def test_a_raising_check_fails_the_run_and_the_others_still_run(tmp_path: Path, monkeypatch, capsys):
+    monkeypatch.setattr(device, "CHECKS", {"raises": _boom, "after it": _fine})
+    assert device.main(["--device", "cpu", "--out", str(tmp_path)]) == 1
+    checks = {c["name"]: c for c in _load(tmp_path)["checks"]}
+    assert checks["raises"]["passed"] is False
+    assert "RuntimeError: boom on purpose" in checks["raises"]["detail"]
+    assert "Traceback" in checks["raises"]["detail"] or "_boom" in checks["raises"]["detail"]
+    assert checks["after it"]["passed"] is True
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| raises | **FAIL** |" in markdown and "boom on purpose" in markdown
+    assert "1 failed" in capsys.readouterr().out
+
+
+def test_a_check_left_with_a_process_group_is_cleaned_up(tmp_path: Path, monkeypatch):
+    def leaves_a_group(run: DeviceRun) -> Outcome:
+        torch.distributed.init_process_group(
+            "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+        )
+        raise ValueError("left a group behind")
+
+    monkeypatch.setattr(device, "CHECKS", {"leaves": leaves_a_group, "needs none": _fine})
+    assert device.main(["--device", "cpu", "--out", str(tmp_path)]) == 1
+    assert not torch.distributed.is_initialized()
+
+
+def test_cuda_without_a_gpu_is_refused(tmp_path: Path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(SystemExit):
+        device.parse_args(["--device", "cuda", "--out", str(tmp_path)])
+    assert "--device cuda needs a CUDA device" in capsys.readouterr().err
+
+
+def test_peak_bytes_of_a_known_allocation():
+    """The oracle: a 4 MiB tensor held while a 1 MiB one comes and goes, inside a range."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        big = torch.ones(1 << 20)  # 4 MiB
+        with torch.profiler.record_function("inside"):
+            small = torch.ones(1 << 18)  # 1 MiB
+            del small
+        del big
+    assert (5 << 20) <= peak_bytes(prof) < (5 << 20) + 4096
+    assert (5 << 20) <= peak_bytes(prof, within="inside") < (5 << 20) + 4096
+    with pytest.raises(ValueError, match="must hold one 'missing' range, got 0"):
+        peak_bytes(prof, within="missing")
+
+
+def test_the_zero_copy_check_fails_on_stock_backward(monkeypatch):
+    """With FlatGrad replaced by the plain model, the check must see stock's copies."""
+    assert device_checks.check_zero_copy_ops(CPU).passed is True
+    monkeypatch.setattr(device_checks.flatgrad, "FlatGrad", lambda model, config=None: model)
+    outcome = device_checks.check_zero_copy_ops(CPU)
+    assert outcome.passed is False and "flatgrad [0, 0]" not in outcome.detail
+
+
+def test_the_exactness_check_reports_a_wrong_gradient():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    stock = nn.Linear(4, 3).double()
+    stock.load_state_dict(model.state_dict())
+    flat = flatgrad.FlatGrad(model, config=device_checks.ROUTE_ALL)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    flat(x).sum().backward()
+    stock(x).sum().backward()
+    assert device_checks._grad_problems(flat, stock, 1e-12)[0] == []
+    with torch.no_grad():
+        model.weight.grad[0, 0] += 1e-6
+    problems, worst = device_checks._grad_problems(flat, stock, 1e-12)
+    assert len(problems) == 1 and problems[0].startswith("weight: max |flatgrad - stock|") and worst > 1e-12
+
+
+def test_the_sort_counter_sees_index_put():
+    """weight[idx] backward is index_put_(accumulate=True): the counter must find it."""
+    weight = torch.randn(50, 4, requires_grad=True)
+    prof = device_checks.profile_backward(CPU, weight[torch.randint(0, 50, (200,))])
+    assert prof.count(device_checks.SORT_OPS) >= 1
+
+
+def test_single_rank_paths_on_gloo_match_a_plain_stock_model():
+    """What the NCCL world-size-1 check runs, here on an in-process gloo rank."""
+    with single_rank_group("gloo", torch.device("cpu")):
+        results = run_paths(torch.device("cpu"), oracle=stock_plain)
+    outcome = paths_outcome(results, "gloo world size 1")
+    assert outcome.passed, outcome.detail
+    assert results["DDP + allreduce_hook"]["allreduces_per_step"] == [1, 1, 1]
+
+
+def test_cuda_only_checks_are_skipped_with_a_reason_on_cpu():
+    for check in (device_cuda.check_nccl_single_rank, device_cuda.check_cuda_branches):
+        outcome = check(CPU)
+        assert outcome.passed is None and outcome.detail
+
+
+# --- on CUDA (skipped here) ---------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@needs_cuda
+@pytest.mark.parametrize("quick", [True, False], ids=["quick", "full"])
+def test_device_command_on_cuda_passes_every_check(tmp_path: Path, quick: bool):
+    """The full run must finish within 8 minutes on one H100."""
+    proc = _run_cli(tmp_path, "--device", "cuda", *(["--quick"] if quick else []), timeout=900)
+    report = _load(tmp_path)
+    failed = [(c["name"], c["detail"]) for c in report["checks"] if c["passed"] is not True]
+    assert not failed, failed
+    assert proc.returncode == 0
+    assert quick or report["seconds"] < 480
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "check",
+    [
+        device_checks.check_exact_float64,
+        device_checks.check_exact_bf16_autocast,
+        device_checks.check_zero_copy_kernels,
+        device_checks.check_sort_free_kernels,
+    ],
+    ids=lambda c: c.__name__,
+)
+def test_device_check_on_cuda(check):
+    outcome = check(DeviceRun(torch.device("cuda", 0), quick=True))
+    assert outcome.passed is True, outcome.detail
+
+
+def _branch_worker(rank: int, world_size: int, index: int) -> None:
+    where, what, show = device_cuda.BRANCHES[index]
+    show(DeviceRun(torch.device("cuda", 0), quick=True))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("index", range(len(device_cuda.BRANCHES)), ids=[b[0] for b in device_cuda.BRANCHES])
+def test_cuda_branch_runs_and_matches_stock(index: int):
+    """Each CUDA-only branch of the library, on one NCCL rank, with its evidence."""
+    run_ranks(_branch_worker, index, world_size=1, backend="nccl")
