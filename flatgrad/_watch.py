@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.utils import _named_member_accessor
 
@@ -41,6 +42,16 @@ class LayoutWatch:
     def __init__(self) -> None:
         self.generation = 0
         self._covered: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # Containers whose `__delitem__` replaces ``_modules`` as a whole (`nn.Sequential`,
+        # `nn.ModuleList`): ``del seq[n:]`` with nothing to delete writes no key, so that
+        # replacement is checked for at every forward (a few containers per model).
+        self._containers: tuple[nn.Module, ...] = ()
+
+    def changed(self, generation: int) -> bool:
+        """Whether something was registered since `generation` (O(containers))."""
+        return self.generation != generation or any(
+            type(m.__dict__["_modules"]) is not _WatchedDict for m in self._containers
+        )
 
     def cover(self, model: nn.Module) -> None:
         """Watch every module of `model` (after a registration: the new ones, and those whose
@@ -51,6 +62,7 @@ class LayoutWatch:
                 if not any(watch is self for watch in watches):
                     watches.append(self)
             self._covered.add(module)
+        self._containers = tuple(m for m in self._covered if hasattr(type(m), "__delitem__"))
 
     def close(self, unroute: Callable[[nn.Module], None]) -> None:
         """Stop watching; a module no other watch covers gets plain dicts back and is
@@ -82,12 +94,12 @@ class _WatchedDict(dict):  # type: ignore[type-arg]
             watch.generation += 1
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if sys._getframe(1).f_code not in _TEMPORARY_WRITERS:
+        if _counted():
             self._bump()
         super().__setitem__(key, value)
 
     def __delitem__(self, key: Any) -> None:
-        if sys._getframe(1).f_code not in _TEMPORARY_WRITERS:
+        if _counted():
             self._bump()
         super().__delitem__(key)
 
@@ -97,6 +109,13 @@ class _WatchedDict(dict):  # type: ignore[type-arg]
 
     def __reduce__(self) -> tuple[type[dict[Any, Any]], tuple[dict[Any, Any]]]:
         return (dict, (dict(self),))
+
+
+def _counted() -> bool:
+    """Whether the write calling `_WatchedDict` is a change of the model: not one of
+    `_TEMPORARY_WRITERS`, and not inside code Dynamo traces (`torch.func.functional_call`
+    under torch.compile; a frame read would break the graph)."""
+    return not torch.compiler.is_compiling() and sys._getframe(2).f_code not in _TEMPORARY_WRITERS
 
 
 def _bumping(name: str) -> Any:

@@ -316,7 +316,7 @@ class FlatGrad(PlainNames):
         return self._store
 
     def _layout_changed(self) -> bool:
-        if self._generation != self._watch.generation:
+        if self._watch.changed(self._generation):
             self._cover()  # a module added since is watched from now on
             current = _watch_list(self.module)
             if current is None:
@@ -365,7 +365,7 @@ class FlatGrad(PlainNames):
         store = self._store
         if (
             store is None
-            or self._generation != self._watch.generation
+            or self._watch.changed(self._generation)
             or store.stale
             or any(p.requires_grad for p in self._frozen)  # unfrozen: nothing else tells
         ):

@@ -157,3 +157,43 @@ def test_functional_call_is_not_a_change_and_a_module_dict_replaced_whole_is_wat
     flat(x).sum().backward()
     oracle(x).sum().backward()
     assert_same_grads(flat, oracle)
+
+
+def test_a_container_emptied_by_nothing_then_grown_is_seen_at_the_next_forward():
+    """``del seq[n:]`` with nothing to delete writes no key but replaces ``_modules`` as a
+    whole: a layer appended afterwards still gets its slot at the next forward."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)).double()
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    flat(x).sum().backward()
+    added = nn.Linear(1, 1).double()
+    for module, layer in ((model, added), (oracle, copy.deepcopy(added))):
+        del module[2:]
+        module.append(layer)
+        module.zero_grad()
+    flat(x).sum().backward()
+    oracle(x).sum().backward()
+    assert len(flat._store.params) == 6  # laid out by the forward, before any flat op
+    assert_same_grads(flat, oracle)
+
+
+def test_functional_call_on_a_wrapped_model_compiles_with_fullgraph():
+    """Writes that Dynamo traces (functional_call's swaps) are not counted and add no break."""
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    flat = flatgrad.FlatGrad(model)
+    params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    generation = flat._watch.generation
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (x,)).sum()
+
+    compiled = torch.compile(loss, backend="eager", fullgraph=True)
+    x = torch.randn(4, 8)
+    compiled(params, x).backward()
+    expected = {n: torch.autograd.grad(loss(params, x), p)[0] for n, p in params.items()}
+    for name, param in params.items():
+        torch.testing.assert_close(param.grad, expected[name])
+    assert flat._watch.generation == generation
+    torch._dynamo.reset()
