@@ -26,14 +26,19 @@ from torch import nn
 _ROOT_STATE = ("_parameters", "_buffers", "_non_persistent_buffers_set")
 
 
+def share_root(wrapper: nn.Module) -> None:
+    """Take the model's root ``_parameters``, ``_buffers`` and non-persistent set as the
+    wrapper's own (the same objects); called once ``module`` is set, and again whenever the
+    model's root dicts were replaced (`flatgrad._watch` swaps them)."""
+    inner = wrapper.__dict__["_modules"]["module"]
+    wrapper.__dict__.update({key: inner.__dict__[key] for key in _ROOT_STATE})
+
+
 class PlainNames(nn.Module):
     """Base of `FlatGrad` and `DataParallel`: walked, they name everything as the plain model does."""
 
     def _share_root(self) -> None:
-        """Take the model's root ``_parameters``, ``_buffers`` and non-persistent set as
-        this wrapper's own (the same objects); called once ``module`` is set."""
-        inner = self._inner
-        self.__dict__.update({key: inner.__dict__[key] for key in _ROOT_STATE})
+        share_root(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -179,3 +184,37 @@ def named_modules_through(
         memo.add(wrapper)
     yield prefix, wrapper
     yield from wrapper._inner.named_modules(memo, prefix, remove_duplicate)
+
+
+# --- state_dict keys: the plain model's, in both directions --------------------------------
+
+_PREFIX = "module."
+
+
+def _rekey(mapping: dict[str, Any], old: str, new: str, root: str | None = None) -> None:
+    """Rename keys starting with `old` to start with `new` (all at once: no clashes);
+    `root`, if given, is a key equal to `old` without its dot, renamed to `new[:-1]`."""
+    moved = {k: mapping.pop(k) for k in [k for k in mapping if k.startswith(old) or k == root]}
+    for key, value in moved.items():
+        mapping[new[:-1] if key == root else new + key[len(old) :]] = value
+
+
+def strip_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """After `state_dict()`: ``<prefix>module.x`` -> ``<prefix>x``, so the keys (and the
+    version metadata) are the plain model's, also under ``DDP(flat)``."""
+    _rekey(state_dict, prefix + _PREFIX, prefix)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        metadata.pop(prefix[:-1], None)  # FlatGrad's own entry; the model's root takes its key
+        _rekey(metadata, prefix + _PREFIX, prefix, root=prefix + _PREFIX[:-1])
+
+
+def add_prefix(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, *args: Any
+) -> None:
+    """Before loading: ``<prefix>x`` -> ``<prefix>module.x`` (every key: FlatGrad has no
+    state of its own, and a child of the model may itself be called "module")."""
+    _rekey(state_dict, prefix, prefix + _PREFIX)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        _rekey(metadata, prefix, prefix + _PREFIX, root=prefix[:-1])

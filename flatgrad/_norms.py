@@ -12,8 +12,10 @@ within about 1e-9 (float32) or 1e-7 (bfloat16, float16) of the float64 norm at a
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -80,3 +82,21 @@ def _upcast(block: torch.Tensor) -> torch.Tensor:
     if block.dtype == torch.bfloat16:
         return (block.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
     return block.float()
+
+
+def piece_norms(
+    store: Any, others: list[torch.Tensor], norm_type: float
+) -> tuple[list[torch.Tensor], torch.dtype]:
+    """The per-piece float64 norms whose `norm_type` norm is the total of a store's
+    gradients and `others` (gradients outside it), and the total's dtype. For a positive
+    order a whole buffer is one piece (its padding and the slots of parameters without a
+    gradient are zero, so they add nothing); order 0 and negative orders are defined by
+    torch per gradient tensor, so each is its own piece."""
+    if norm_type > 0:
+        pieces = list(store.buffers.values())
+    else:
+        pieces = [p.grad for p in store.params if p.grad is not None]
+    pieces += others
+    norms = [vector_norm(t, norm_type) for t in pieces]
+    dtype = functools.reduce(torch.promote_types, [norm_dtype(t.dtype) for t in pieces], torch.float32)
+    return norms, dtype

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from flatgrad._torch_compat import DisableTorchFunctionSubclass
 from flatgrad.buffer import GradStore
 
 # What a ScatteredGrad lets through: metadata (no value is read), `requires_grad` (set to
@@ -84,7 +85,7 @@ class ScatteredGrad(torch.Tensor):
                 "values; any value computed from .grad (torch.nn.utils.clip_grad_norm_, "
                 f"p.grad.norm() for logging) would be wrong and differ between ranks; {_ADVICE}"
             )
-        with torch._C.DisableTorchFunctionSubclass():
+        with DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
 
@@ -103,7 +104,7 @@ def _op(func: Any) -> tuple[str, bool]:
 
 
 def _describe(grad: torch.Tensor) -> str:
-    with torch._C.DisableTorchFunctionSubclass():
+    with DisableTorchFunctionSubclass():
         shape, dtype = tuple(grad.shape), grad.dtype
     return (
         f"ScatteredGrad(shape={shape}, dtype={dtype}): reduce-scattered by a ShardedOptimizer's "
@@ -143,3 +144,24 @@ def refuse_scattered(store: GradStore | None, what: str) -> None:
             "reduce-scattered (each rank holds the average over the ranks only in its own shard), "
             f"so a norm of them would be wrong and differ between ranks; {_ADVICE}"
         )
+
+
+def refuse_adding_onto_scattered(store: GradStore | None) -> None:
+    """Before a backward that would add onto reduce-scattered gradients: refuse. After a
+    reduce-scatter a rank holds the average of its own shard only; another backward's
+    local gradients added onto that and reduce-scattered again are not the average of the
+    two (stock DDP's all-reduced gradients are the same on every rank, so there it adds
+    up). Every rank runs the same backwards, so every rank raises. Gradients set to None or
+    zeroed (by any zero_grad) since are fine: a read of the buffers, only here; then `.grad`
+    is plain again."""
+    if store is None:
+        return
+    held = any(p.grad is not None for p in store.params)
+    if held and any(bool(b.any()) for b in store.buffers.values()):
+        raise RuntimeError(
+            "ShardedOptimizer: a backward after a synchronised backward and before "
+            "zero_grad(): the first one reduce-scattered the gradients, so this one "
+            "cannot add to them; accumulate micro-batches under dp.no_sync() and "
+            "synchronise only the last, then step() and zero_grad()"
+        )
+    unmark_scattered(store)  # zeroed behind ShardedOptimizer's back (model.zero_grad)

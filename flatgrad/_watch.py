@@ -25,15 +25,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils import _named_member_accessor
+
+from flatgrad._torch_compat import swap_tensor_code
 
 _WATCHED = ("_parameters", "_modules")
 # `torch.func.functional_call` swaps its temporaries into ``_parameters`` for one call
 # (`torch.nn.utils.stateless._reparametrize_module`, through `swap_tensor`) and back: not a
 # change of the model (its gradients stay local, as under DDP), so not counted.
-_TEMPORARY_WRITERS = frozenset(
-    fn.__code__ for fn in [getattr(_named_member_accessor, "swap_tensor", None)] if fn is not None
-)
+_TEMPORARY_WRITERS = swap_tensor_code
 
 
 class LayoutWatch:

@@ -153,6 +153,11 @@ class GradStore:
     def __contains__(self, param: object) -> bool:
         return isinstance(param, torch.Tensor) and param in self._entries
 
+    @property
+    def views(self) -> dict[int, torch.Tensor]:
+        """Each held parameter's slot view, by ``id(param)`` (the backward's lookup)."""
+        return self._views
+
     def view(self, param: torch.Tensor) -> torch.Tensor:
         """`param`'s slot, shaped and strided like the parameter (always the same tensor)."""
         return self._entries[param].view

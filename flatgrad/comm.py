@@ -1,7 +1,8 @@
-"""Synchronising the flat buffers across ranks: the DDP comm hook and the no-DDP sync.
+"""Synchronising the flat buffers across ranks: the DDP comm hook, the no-DDP sync, and the
+collectives over tensors that DataParallel's buckets launch (`launch_average`).
 
-The only module of flatgrad that imports torch.distributed. No postponed annotations here:
-DDP checks the hook's annotations at registration (`dist.GradBucket`, `Future[Tensor]`).
+No postponed annotations here: DDP checks the hook's annotations at registration
+(`dist.GradBucket`, `Future[Tensor]`).
 """
 
 import logging
@@ -13,8 +14,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+from flatgrad._torch_compat import active_ddp_getter, ddp_rebuilt_buckets, graph_task_id
 from flatgrad.buffer import GradStore, host_tensor
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class FlatGradCommState:
     _warned: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        _check_wire_dtype(self.wire_dtype)
+        check_wire_dtype(self.wire_dtype)
 
     def adopt(self, bucket: dist.GradBucket) -> None:
         """Make DDP's bucket the wrapper's flat buffer, once per bucket allocation.
@@ -53,16 +54,17 @@ class FlatGradCommState:
         bucket holds the whole (dtype, device) group; otherwise stay correct on DDP's copies
         and say once how to get the zero-copy path.
         """
-        self.wrapper._ddp_forwards = -1  # the hook runs: nothing to warn about
+        engine = self.wrapper._engine
+        engine.hook_ran()  # nothing to warn about
         buffer = bucket.buffer()
         if buffer.layout != torch.strided:
             return  # a sparse gradient (DDP gives each its own bucket): averaged as it is
-        if torch._C._current_graph_task_id() == -1:
+        if graph_task_id() == -1:
             # Not inside a backward: DDP's `Join` shadowing one on a rank that ran out of
             # inputs, with zero stand-in buckets (`_match_all_reduce_for_bwd_pass`). They
             # are only all-reduced; nothing to adopt, nothing to warn about.
             return
-        store: GradStore = self.wrapper._current_store()  # once per bucket per step: no full walk
+        store: GradStore = engine.current()  # once per bucket per step: no full walk
         key = (buffer.dtype, buffer.device)
         current = store.buffers.get(key)
         if (
@@ -70,14 +72,14 @@ class FlatGradCommState:
             and current.data_ptr() == buffer.data_ptr()
             and current.numel() == buffer.numel()
         ):
-            self.wrapper._adopted.add(key)
+            engine.adopted.add(key)
             return
         params, grads = bucket.parameters(), bucket.gradients()
         # Parameters DDP found unused (find_unused_parameters=True) may have no .grad yet.
         pairs = [(p.grad, g) for p, g in zip(params, grads) if p.grad is not None]
         as_views = bool(pairs) and all(grad.data_ptr() == view.data_ptr() for grad, view in pairs)
         if as_views and store.adopt(buffer, params, grads):
-            self.wrapper._adopted.add(key)
+            engine.adopted.add(key)
         elif not self._warned:
             self._warned = True
             logger.warning(
@@ -95,12 +97,13 @@ def note_forward_without_hook(num_forwards: int) -> int:
     yet; at the third (two synchronised backward passes done without it) warn once and stop
     counting (returns -1).
 
-    Call site: `FlatGrad.forward`, before the wrapped model runs. `FlatGrad.ddp_kwargs()`
-    starts the count at 0 in `wrapper._ddp_forwards`, the hook sets it to -1 (nothing to
-    watch), so once the hook has run a forward costs one integer compare::
+    Call site: `GradEngine.before_forward`, before the wrapped model runs.
+    `FlatGrad.ddp_kwargs()` starts the count at 0 (`GradEngine.expect_hook`), the hook sets
+    it to -1 (`GradEngine.hook_ran`: nothing to watch), so once the hook has run a forward
+    costs one integer compare::
 
-        if self._ddp_forwards >= 0:
-            self._ddp_forwards = comm.note_forward_without_hook(self._ddp_forwards)
+        if self.ddp_forwards >= 0:
+            self.ddp_forwards = comm.note_forward_without_hook(self.ddp_forwards)
 
     Forwards under no_grad (evaluation, Lightning's sanity check) do not count, nor do
     forwards inside ``ddp.no_sync()`` (gradient accumulation: the hook runs only on the last
@@ -143,7 +146,7 @@ def bucket_view_ddp(previous: DDPState | None) -> DDPState | None:
         return None
     if not torch.is_grad_enabled():
         return None
-    rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", False))
+    rebuilt = ddp_rebuilt_buckets(ddp)
     if previous is not None and previous[0]() is ddp and previous[1] == rebuilt:
         return previous
     return (weakref.ref(ddp), rebuilt)
@@ -153,7 +156,7 @@ def ddp_will_sync() -> bool:
     """Whether a DDP is running this forward and will all-reduce after its backward. DDP
     exposes the module whose forward is running for TorchDynamo; a torch without that hook
     counts every forward (then accumulation over 3+ micro-batches can warn early)."""
-    active = getattr(DDP, "_get_active_ddp_module", None)
+    active = active_ddp_getter()
     if active is None:
         return True
     ddp = active()
@@ -164,17 +167,17 @@ def under_ddp() -> bool:
     """Whether a DDP runs this forward, synchronising or in ``no_sync()`` (then its reducer,
     not flatgrad, decides where `.grad` lives). A torch without DDP's hook for TorchDynamo
     answers True: the answer only ever holds flatgrad back."""
-    active = getattr(DDP, "_get_active_ddp_module", None)
+    active = active_ddp_getter()
     return active is None or active() is not None
 
 
 def _active_ddp() -> Any:
     """The DDP whose forward is running (DDP exposes it for TorchDynamo), if any."""
-    active = getattr(DDP, "_get_active_ddp_module", None)
+    active = active_ddp_getter()
     return active() if active is not None else None
 
 
-def _check_wire_dtype(wire_dtype: torch.dtype | None) -> None:
+def check_wire_dtype(wire_dtype: torch.dtype | None) -> None:
     if wire_dtype is not None and wire_dtype not in _WIRE_DTYPES:
         raise ValueError(f"wire_dtype must be torch.bfloat16, torch.float16 or None, got {wire_dtype}")
 
@@ -209,7 +212,7 @@ def _python_reducer_mean(state: FlatGradCommState, grad: torch.Tensor, param: to
     outside the buffer anyway (see README, "Compiled autograd")."""
     import torch.distributed._functional_collectives as fcol
 
-    state.wrapper._ddp_forwards = -1
+    state.wrapper._engine.hook_ran()
     if not state._warned:
         state._warned = True
         logger.warning(
@@ -270,7 +273,7 @@ def all_reduce_grads(
         raise RuntimeError(
             "all_reduce_grads needs an initialised default process group (dist.init_process_group)"
         )
-    _check_wire_dtype(wire_dtype)
+    check_wire_dtype(wire_dtype)
     store.settle()
     futures, flagged, unflagged = [], [], []
     for key, buffer in store.buffers.items():
@@ -317,3 +320,23 @@ def ddp_kwargs(store: GradStore) -> dict[str, Any]:
     if cap == _DDP_DEFAULT_BUCKET_MB:
         cap += 1  # Accelerate drops a DDP kwarg equal to DDP's default: 25 would become "unset"
     return {"gradient_as_bucket_view": True, "bucket_cap_mb": cap}
+
+
+def launch_average(
+    sent: torch.Tensor, process_group: dist.ProcessGroup | None, wire_dtype: torch.dtype | None, scatter: bool
+) -> tuple[Any, torch.Tensor | None]:
+    """Start averaging `sent` over `process_group` asynchronously: an all-reduce in place,
+    or (`scatter`) a reduce-scatter whose result is this rank's piece of `sent`. Returns the
+    work and the wire tensor when it is not `sent` itself (a `wire_dtype` copy, which the
+    caller copies back once the work is done)."""
+    wire = to_wire(sent, wire_dtype)
+    op, divide = average_op(wire, process_group)
+    world_size = dist.get_world_size(process_group)
+    if divide:
+        wire.div_(world_size)  # divide first, so sums stay finite (used flags stay > 0)
+    if scatter:
+        out = wire.view(world_size, -1)[dist.get_rank(process_group)]
+        work = reduce_scatter_flat(out, wire, op=op, group=process_group, async_op=True)
+    else:
+        work = dist.all_reduce(wire, op=op, group=process_group, async_op=True)
+    return work, (wire if wire is not sent else None)

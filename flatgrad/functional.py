@@ -18,32 +18,27 @@ slot, and that later addition would be lost. Once `.grad` is the slot every late
 adds into it, and AccumulateGrad adds any other (unrouted) contribution into it in place.
 Returning None still runs AccumulateGrad's post hooks (DDP's reducer hooks).
 
+Undefined gradients are not materialised as zeros (an output nothing differentiable used, a
+consumer that returned None for it): the Functions hand every input None, as torch's own
+backwards do, so the slot is not written and `.grad` stays None where stock leaves it.
 Nothing here imports torch.distributed.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 
+from flatgrad._torch_compat import fast_apply, functorch_active, will_execute
 from flatgrad.buffer import GradStore
 
 _Mode = Literal["skip", "fresh", "out", "add"]
-# Compiled autograd traces a Function's backward with Dynamo: the graph and `.grad` are not
-# there to look at, so the gradient is returned and the traced AccumulateGrad takes it, as
-# for stock (the next norm or sync moves it into its slot).
+# Compiled autograd traces a Function's backward with Dynamo (no graph or `.grad` to look
+# at): the gradient is returned to the traced AccumulateGrad, as for stock.
 _TRACED: tuple[_Mode, None, None] = ("fresh", None, None)
-
-# Undefined gradients: the Functions below do not materialise an undefined output gradient (an
-# output nothing differentiable used, a consumer that returned None for it) as zeros: they
-# get None and hand every input None, as torch's own backwards do, so the slot is not
-# written and `.grad` stays None where stock leaves it (not a zero `.grad` that AdamW or
-# weight decay would then move).
 
 
 def plain_torch() -> bool:
@@ -51,11 +46,7 @@ def plain_torch() -> bool:
     torch.compile (Dynamo traces torch's own ops, no graph break), under torch.func
     transforms (they need no `.grad`) and inside a forward-mode AD level (these Functions
     have no jvp; torch's ops do)."""
-    return (
-        torch.compiler.is_compiling()
-        or torch._C._are_functorch_transforms_active()
-        or forward_ad._current_level >= 0
-    )
+    return torch.compiler.is_compiling() or functorch_active()
 
 
 def _weight_target(
@@ -84,7 +75,7 @@ def _node_target(node: Any) -> tuple[_Mode, torch.Tensor | None, torch.Tensor | 
     if not param.requires_grad:  # type: ignore[union-attr]
         return "skip", None, param  # frozen since the forward: AccumulateGrad skips it too
     try:
-        if not torch._C._will_engine_execute_node(node):
+        if not will_execute(node):
             return "skip", None, param  # backward(inputs=...) without this weight
     except RuntimeError:
         return "fresh", None, param  # torch.autograd.grad captures this leaf: leave .grad alone
@@ -117,7 +108,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = F.linear(x, weight, bias)  # autocast, if on, picks the compute dtype here
         ctx.save_for_backward(x, weight)
-        ctx.set_materialize_grads(False)  # see the note on undefined gradients
+        ctx.set_materialize_grads(False)  # see the module doc on undefined gradients
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
@@ -204,7 +195,7 @@ class _GatherRows(torch.autograd.Function):
         scale_grad_by_freq: bool,
     ) -> torch.Tensor:
         ctx.save_for_backward(indices)  # not the weight: a max_norm renorm may bump its version
-        ctx.set_materialize_grads(False)  # see the note on undefined gradients
+        ctx.set_materialize_grads(False)  # see the module doc on undefined gradients
         ctx.weight_meta = (weight.dtype, weight.device, weight.shape)
         ctx.padding_idx = padding_idx
         ctx.scale_grad_by_freq = scale_grad_by_freq
@@ -290,7 +281,7 @@ class _GatherDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(index)
-        ctx.set_materialize_grads(False)  # see the note on undefined gradients
+        ctx.set_materialize_grads(False)  # see the module doc on undefined gradients
         ctx.input_meta = (input.dtype, input.device, input.shape, dim)
         return torch.gather(input, dim, index)
 
@@ -389,34 +380,7 @@ def _check_gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> None:
             raise IndexError(f"index values must lie in [0, {size}) along dimension {gathered}, got {bad}")
 
 
-def _direct_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
-    """``cls.apply`` without `Function.apply`'s Python layer (a third of a small layer's
-    forward cost), for the routed layers' forwards, which have checked that no torch.func
-    transform is active: that layer only reroutes those and unwraps dead functorch
-    wrappers, which the callers do for the input with `unwrap_if_dead`."""
-    descriptor: Any = torch._C._FunctionBase.__dict__.get("apply")
-    return descriptor.__get__(None, cls) if hasattr(descriptor, "__get__") else cls.apply
-
-
-def embedding(
-    indices: torch.Tensor,
-    weight: torch.Tensor,
-    padding_idx: int | None = None,
-    max_norm: float | None = None,
-    norm_type: float = 2.0,
-    scale_grad_by_freq: bool = False,
-) -> torch.Tensor:
-    """`F.embedding` (dense) with an `index_add_` backward into the weight's slot; for the
-    routed layers' forwards, which have checked that no torch.func transform is active
-    (see `_direct_apply`)."""
-    if max_norm is not None:
-        with torch.no_grad():  # what F.embedding does: renormalise the looked-up rows in place
-            torch.embedding_renorm_(weight, indices.reshape(-1), max_norm, norm_type)
-    return _apply_gather_rows(weight, unwrap_if_dead(indices), padding_idx, scale_grad_by_freq)
-
-
-_apply_linear = _direct_apply(_Linear)
-_apply_gather_rows = _direct_apply(_GatherRows)
-unwrap_if_dead: Callable[[torch.Tensor], torch.Tensor] = getattr(
-    torch._C._functorch, "unwrap_if_dead", lambda tensor: tensor
-)
+# The routed layers' forwards (`flatgrad._routing`), which have checked that no torch.func
+# transform is active: `Function.apply` without its Python layer (`fast_apply`).
+linear_into_slot = fast_apply(_Linear)
+gather_rows_into_slot = fast_apply(_GatherRows)

@@ -92,24 +92,22 @@ class ShardedOptimizer:
                 f"optimizer_class must be an element-wise torch optimizer ({names}) so that a "
                 f"shard updates as the whole tensor would, got {given}"
             )
-        if dp._reduce_scatter:
+        if dp._engine.reduce_scatter:
             raise ValueError(
                 "dp already has a ShardedOptimizer (its buckets are reduce-scattered for that "
                 "one's shards); build one ShardedOptimizer per DataParallel"
             )
         # The optimizer's arguments are checked before anything moves: a typo raises here
         # and leaves dp and the model as they were.
-        probe = next(iter(dp.module._checked_store().buffers.values()))
+        probe = next(iter(dp.module._engine.refresh().buffers.values()))
         optimizer_class([nn.Parameter(torch.zeros(1, dtype=probe.dtype, device=probe.device))], **defaults)
         self.dp = dp
         self.world_size = dp.world_size
         self.rank = dist.get_rank(dp.process_group)
         flat = dp.module
-        flat._slot_multiple = self.world_size
-        flat._build()  # slots on multiples of the world size: equal shards per bucket
-        dp._rebuild()
-        dp._reduce_scatter = True
-        self._store = flat._checked_store()
+        # slots on multiples of the world size: equal shards per bucket
+        self._store = flat._engine.use_slot_multiple(self.world_size)
+        self._bucket_views = dp._engine.use_reduce_scatter(self._store)
         self._param_buffers = _flatten_parameters(self._store)
         self._shards = self._cut_shards()
         self.optimizer = optimizer_class([s.param for s in self._shards], **defaults)
@@ -123,13 +121,11 @@ class ShardedOptimizer:
 
     def _cut_shards(self) -> list[_Shard]:
         shards = []
-        for bucket in self.dp._buckets:
-            key = (bucket.buffer.dtype, bucket.buffer.device)
-            start = bucket.buffer.storage_offset() - self._store.buffers[key].storage_offset()
-            size = bucket.buffer.numel() // self.world_size
-            params = self._param_buffers[key].narrow(0, start, bucket.buffer.numel())
+        for view, start in self._bucket_views:
+            size = view.numel() // self.world_size
+            params = self._param_buffers[(view.dtype, view.device)].narrow(0, start, view.numel())
             shard = nn.Parameter(params.narrow(0, self.rank * size, size))  # shares the memory
-            shards.append(_Shard(shard, bucket.buffer.narrow(0, self.rank * size, size), params))
+            shards.append(_Shard(shard, view.narrow(0, self.rank * size, size), params))
         return shards
 
     # --- the optimizer API ----------------------------------------------------------------
@@ -142,7 +138,7 @@ class ShardedOptimizer:
         # The full walk (a conversion between backward and step must raise here: the
         # parameters are views of the flat parameter buffer the all-gather refills).
         with unguarded():  # a change moves the reduce-scattered .grads (refused just below)
-            store = self.dp.module._checked_store()
+            store = self.dp.module._engine.refresh()
         if store is not self._store:
             raise RuntimeError(
                 "the model's parameters changed (added, replaced, frozen, converted) after the "
@@ -194,7 +190,7 @@ class ShardedOptimizer:
             self.dp.module.zero_grad(set_to_none=set_to_none)
         if not set_to_none:
             unmark_scattered(self._store)  # plain zeroed slots (set_to_none=True left None)
-        self.dp._scattered = False
+        self.dp._engine.grads_cleared()
         for shard in self._shards:
             shard.param.grad = None
 

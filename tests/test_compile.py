@@ -130,7 +130,7 @@ def test_fullgraph_compile_of_the_wrapper_equals_stock_and_lives_in_the_buffer(b
             else:
                 flat.zero_grad()
                 run(_tokens(step)).backward()
-                (buffer,) = flat._store.buffers.values()  # as backward left them
+                (buffer,) = flat._engine.store.buffers.values()  # as backward left them
                 assert {p.grad.untyped_storage().data_ptr() for p in model.parameters()} == {
                     buffer.untyped_storage().data_ptr()
                 }

@@ -379,7 +379,7 @@ def test_grads_live_in_the_buffer_right_after_backward():
     flat.zero_grad()
     flat(_tokens(0)).backward()
     grads = {name: p.grad for name, p in flat.module.named_parameters()}
-    (buffer,) = flat._store.buffers.values()  # no settling: as backward left them
+    (buffer,) = flat._engine.store.buffers.values()  # no settling: as backward left them
     for name, g in grads.items():
         assert g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr(), name
     assert grad_in_buffers(flat, flat.module.norm.weight.grad)
@@ -422,7 +422,7 @@ def test_a_layer_whose_owner_skips_its_forward_lands_in_the_buffer_from_the_firs
         x = torch.randn(3, 5, width, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
         for model in (flat, oracle):
             model(x).backward()
-        (buffer,) = flat._store.buffers.values()  # as backward left them, before any settling
+        (buffer,) = flat._engine.store.buffers.values()  # as backward left them, before any settling
         for name, param in flat.module.named_parameters():
             assert param.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr(), name
         assert_same_grads(flat, oracle)
@@ -472,7 +472,7 @@ def test_compiled_gradients_equal_stock_and_live_in_the_buffer(backend, where):
         run(_tokens(step, vocab=64)).backward()
         ref(_tokens(step, vocab=64)).backward()
         # from the first step on, as backward left them (before any settling)
-        (buffer,) = flat._store.buffers.values()
+        (buffer,) = flat._engine.store.buffers.values()
         storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
         assert storages == {buffer.untyped_storage().data_ptr()}, step
         for p, q in zip(model.parameters(), oracle.parameters()):

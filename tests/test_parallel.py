@@ -754,7 +754,7 @@ def _functional_call_worker(rank: int, world_size: int) -> None:
     flat = flatgrad.FlatGrad(model)
     dp = flatgrad.DataParallel(flat)
     x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
-    store = flat._store
+    store = flat._engine.store
     for wrapper, inner in ((dp, model), (ref, ref.module)):
         temp = {"module." + n: nn.Parameter(p.detach().clone()) for n, p in inner.named_parameters()}
         torch.func.functional_call(wrapper, temp, (x,)).sum().backward()
@@ -763,12 +763,12 @@ def _functional_call_worker(rank: int, world_size: int) -> None:
         dist.all_gather(gathered, grad)
         assert not torch.equal(gathered[0], gathered[1]), "temporary parameters are not averaged (DDP)"
         assert all(p.grad is None for p in inner.parameters())
-    assert flat._store is store  # not laid out onto the temporary parameters
+    assert flat._engine.store is store  # not laid out onto the temporary parameters
     for module in (dp, ref):
         module(x).sum().backward()
     for p, q in zip(model.parameters(), ref.module.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **TOL)
-    assert flat._store is store
+    assert flat._engine.store is store
 
 
 def test_functional_call_through_dataparallel_leaves_the_temporary_parameters_local_as_ddp():
@@ -799,7 +799,7 @@ def _raised_backward_worker(rank: int, world_size: int) -> None:
         with pytest.raises(RuntimeError, match="boom"):
             model_out = dp(_Boom.apply(x), False)
             model_out.backward()
-        assert dp._buckets[0].work is not None, "a bucket should be in flight"
+        assert dp._engine.last_round.work[0] is not None, "a bucket should be in flight"
         for step in range(3):
             dp.zero_grad()
             ref.zero_grad()
@@ -852,7 +852,9 @@ def _skipped_forward_worker(rank: int, world_size: int) -> None:
             for ours in (flat, hooked):
                 _assert_grads_match(ours.module, ref.module, f"{bucket_mb} step {step}")
                 storages = {p.grad.untyped_storage().data_ptr() for p in ours.parameters()}
-                assert storages == {b.untyped_storage().data_ptr() for b in ours._store.buffers.values()}
+                assert storages == {
+                    b.untyped_storage().data_ptr() for b in ours._engine.store.buffers.values()
+                }
 
 
 def test_a_layer_whose_owner_skips_its_forward_is_averaged_in_the_buffer_as_ddp():

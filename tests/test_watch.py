@@ -69,9 +69,9 @@ def test_a_model_wrapped_again_after_its_wrapper_is_gone_is_watched_and_routed_a
     second(_tokens(1)).backward()
     oracle(_tokens(1)).backward()
     assert_same_grads(second, oracle)
-    generation = second._watch.generation
+    generation = second._engine.watch.generation
     model.extra = nn.Linear(8, 8).double()  # seen by the wrapper alive
-    assert second._watch.generation != generation
+    assert second._engine.watch.generation != generation
     del second
     gc.collect()
     assert not is_watched(model.modules())
@@ -109,10 +109,10 @@ def test_a_parameter_registered_later_in_a_module_without_parameters_lands_in_th
 
 def test_registrations_in_models_flatgrad_does_not_wrap_are_not_seen():
     flat = flatgrad.FlatGrad(TiedLM().double(), config=ROUTE_ALL)
-    generation = flat._watch.generation
+    generation = flat._engine.watch.generation
     other = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
     other.append(nn.Linear(3, 3))
-    assert flat._watch.generation == generation
+    assert flat._engine.watch.generation == generation
     assert not is_watched(other.modules())
 
 
@@ -140,19 +140,19 @@ def test_functional_call_is_not_a_change_and_a_module_dict_replaced_whole_is_wat
     oracle = copy.deepcopy(model)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     x = torch.randn(3, 4, dtype=torch.float64)
-    generation, store = flat._watch.generation, flat._store
+    generation, store = flat._engine.watch.generation, flat._engine.store
     params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
     torch.func.functional_call(flat, params, (x,)).sum().backward()
-    assert flat._watch.generation == generation and flat._store is store
+    assert flat._engine.watch.generation == generation and flat._engine.store is store
     del model[3]
     del oracle[3]
     flat(x).sum().backward()
     assert is_watched([model])
-    generation = flat._watch.generation
+    generation = flat._engine.watch.generation
     added = nn.Linear(1, 1).double()
     oracle.append(copy.deepcopy(added))
     model.append(added)
-    assert flat._watch.generation != generation
+    assert flat._engine.watch.generation != generation
     flat.zero_grad()
     flat(x).sum().backward()
     oracle(x).sum().backward()
@@ -174,7 +174,7 @@ def test_a_container_emptied_by_nothing_then_grown_is_seen_at_the_next_forward()
         module.zero_grad()
     flat(x).sum().backward()
     oracle(x).sum().backward()
-    assert len(flat._store.params) == 6  # laid out by the forward, before any flat op
+    assert len(flat._engine.store.params) == 6  # laid out by the forward, before any flat op
     assert_same_grads(flat, oracle)
 
 
@@ -184,7 +184,7 @@ def test_functional_call_on_a_wrapped_model_compiles_with_fullgraph():
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     flat = flatgrad.FlatGrad(model)
     params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
-    generation = flat._watch.generation
+    generation = flat._engine.watch.generation
 
     def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return torch.func.functional_call(model, p, (x,)).sum()
@@ -195,5 +195,5 @@ def test_functional_call_on_a_wrapped_model_compiles_with_fullgraph():
     expected = {n: torch.autograd.grad(loss(params, x), p)[0] for n, p in params.items()}
     for name, param in params.items():
         torch.testing.assert_close(param.grad, expected[name])
-    assert flat._watch.generation == generation
+    assert flat._engine.watch.generation == generation
     torch._dynamo.reset()

@@ -107,7 +107,7 @@ def test_unused_branch_and_frozen_parameters():
     model = _Branchy().double()
     oracle = copy.deepcopy(model)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    assert all(p not in flat._store for p in model.frozen.parameters())
+    assert all(p not in flat._engine.store for p in model.frozen.parameters())
     x = torch.randn(3, 5, dtype=torch.float64)
     flat(x, False).backward()
     oracle(x, False).backward()

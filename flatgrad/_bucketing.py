@@ -1,0 +1,265 @@
+"""`BucketSync`: the overlapped bucket averaging of one `DataParallel` (see `flatgrad.parallel`
+for how it works): buckets cut from the flat buffers, AccumulateGrad hooks that count
+readiness and launch buckets in order, and the final callback that launches the rest,
+waits, and settles `.grad` as stock DDP does."""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatgrad._buckets import Bucket, Round, cut_buckets
+from flatgrad._scattered import mark_scattered, refuse_adding_onto_scattered
+from flatgrad._seating import output_nodes
+from flatgrad._torch_compat import (
+    current_autograd_node,
+    graph_task_id,
+    in_compiled_autograd,
+    queue_callback,
+    will_execute,
+)
+from flatgrad.buffer import GradStore
+
+
+class BucketSync:
+    """Buckets over one `GradEngine`'s store, and the averaging of each backward."""
+
+    def __init__(
+        self,
+        grads: Any,
+        process_group: dist.ProcessGroup | None,
+        bucket_mb: float,
+        wire_dtype: torch.dtype | None,
+    ) -> None:
+        self._grads = grads  # the FlatGrad's GradEngine
+        self.process_group = process_group
+        self.bucket_mb = bucket_mb
+        self.wire_dtype = wire_dtype
+        self.has_buffers = False  # whether the model had buffers at the last (re)build
+        self.reduce_scatter = False  # ShardedOptimizer switches the buckets to reduce-scatter
+        self._scattered = False  # the last synchronised backward reduce-scattered (see _begin)
+        self._store: GradStore | None = None
+        self._buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
+        self._round: Round | None = None  # the running or last synchronised backward's
+        self._task = -1  # the graph task of the running backward, -1 outside one
+        self._task_sync = True  # whether the running backward averages
+        # DDP's expect_autograd_hooks_: a synchronising training forward came since the last
+        # averaged backward, so the next backward averages whichever graph it goes through.
+        self._armed = False
+        self._deferrals: list[Any] = []  # hooks that carry a nested backward's end outward
+        self._hooks: list[Any] = []
+        self._nodes: list[Any] = []
+        self.rebuild()
+
+    def _new_round(self) -> Round:
+        return Round(self._buckets, self._store, self.process_group, self.wire_dtype, self.reduce_scatter)
+
+    @property
+    def last_round(self) -> Round:
+        """The running or last synchronised backward's round (its timings)."""
+        assert self._round is not None, "DataParallel is not built"
+        return self._round
+
+    @property
+    def store(self) -> GradStore | None:
+        """The store the buckets were cut from."""
+        return self._store
+
+    @property
+    def buckets(self) -> list[torch.Tensor]:
+        """The bucket views of the flat buffers, in launch order."""
+        return [bucket.buffer for bucket in self._buckets]
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether a backward is open (one that raised never closes: `drain` first)."""
+        return self._task != -1
+
+    def use_reduce_scatter(self, store: GradStore) -> list[tuple[torch.Tensor, int]]:
+        """Switch to reduce-scatter (ZeRO-1) over `store`, laid out for it; returns each
+        bucket's (view, offset in its flat buffer), in launch order."""
+        self.reduce_scatter = True
+        self.rebuild()
+        assert self._store is store, "the store changed while switching to reduce-scatter"
+        offset = {key: int(buffer.storage_offset()) for key, buffer in store.buffers.items()}
+        key = operator.attrgetter("dtype", "device")
+        return [(b.buffer, int(b.buffer.storage_offset()) - offset[key(b.buffer)]) for b in self._buckets]
+
+    def grads_cleared(self) -> None:
+        """The reduce-scattered gradients were zeroed: the next backward may add again."""
+        self._scattered = False
+
+    def drain(self) -> None:
+        """Wait for the collectives a backward that raised had launched, before this step
+        writes any gradient: in flight, they would land on top of it. (That step's
+        launched buckets hold averages of partial gradients, as DDP's bucket views would;
+        `zero_grad()` before the next backward, as after any failed step.)"""
+        self._task = -1
+        self._forget_deferrals()
+        if self._round is not None:
+            self._round.wait_launched()
+        self._round = self._new_round()
+
+    def rebuild(self) -> None:
+        """Cut the buckets of the current store and hook every parameter's AccumulateGrad
+        node: those of every bucket but the last count it ready, those of the last (which the
+        final callback launches) only open a backward that reached none of dp's outputs."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._nodes = [], []
+        store = self._grads.refresh()
+        self._grads.refuse_sparse("DataParallel")  # (a sparse embedding added since)
+        self._store = store
+        self.has_buffers = any(True for _ in self._grads.model.buffers())
+        self._buckets = cut_buckets(store, self.bucket_mb)
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        hooked = {id(p) for bucket in self._buckets[:-1] for p in bucket.params}
+        with torch.enable_grad():
+            for param in store.params:
+                node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+                if id(param) in hooked:
+                    self._hooks.append(node.register_hook(functools.partial(self._on_ready, param)))
+                else:
+                    self._hooks.append(node.register_hook(self._on_last_ready))
+                self._nodes.append(node)  # a parameter holds its AccumulateGrad node only weakly
+        self._round = self._new_round()
+
+    # --- backward -----------------------------------------------------------------------
+
+    def watch(self, output: Any, sync: bool) -> None:
+        """After a training forward: arm (a synchronising forward makes the next backward
+        average, whichever graph it goes through) and open the backward's bookkeeping when
+        it reaches `output` (a pre hook on the nodes that made it), before any gradient of
+        the model is final. Registered after FlatGrad's own pre hook, so this final
+        callback runs after FlatGrad's."""
+        self._armed = self._armed or sync
+        for node in output_nodes(output):
+            node.register_prehook(functools.partial(self._on_backward_start, sync))
+
+    def _on_backward_start(self, sync: bool, grad_outputs: Any) -> None:
+        _refuse_compiled_autograd()
+        if self._grads.store is not self._store:
+            self.rebuild()  # FlatGrad's pre hook, just before, laid out again (a stale slot)
+        if graph_task_id() != self._task:
+            if self._will_accumulate():
+                self._begin(sync)
+        elif sync and not self._task_sync:
+            self._upgrade()
+
+    def _upgrade(self) -> None:
+        """One backward through the outputs of a forward under `no_sync()` and of one outside
+        it, the first reached first: it averages, as under DDP (the synchronised forward
+        prepared DDP's reducer for this backward). Gradients final before now count at the
+        final callback, which launches every bucket not launched yet."""
+        self._task_sync = True  # (a create_graph backward never opened a task: `_begin`)
+        self._armed = False
+        self._round = self._new_round()
+
+    def _will_accumulate(self) -> bool:
+        """Whether the running backward accumulates into a parameter: not so for
+        torch.autograd.grad, nor for backward(inputs=...) that names none of them."""
+        try:
+            return any(will_execute(node) for node in self._nodes)
+        except RuntimeError:  # asked during torch.autograd.grad, which never accumulates
+            return False
+
+    def _begin(self, sync: bool) -> bool:
+        """Open the running backward, averaging when `sync` (the no_sync state of the forward
+        whose output it reached, or the arming: see `_open`), as DDP decides; False when it
+        is a create_graph backward under no_sync (nothing to do)."""
+        if sync:
+            self._armed = False  # this backward is the one the synchronising forward armed
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must stay differentiable
+            if sync:
+                raise RuntimeError(
+                    "DataParallel cannot average the gradients of a backward with "
+                    "create_graph=True (they must stay differentiable); run that forward and "
+                    "backward under dp.no_sync()"
+                )
+            return False
+        if self._scattered:
+            refuse_adding_onto_scattered(self._store)
+            self._scattered = False
+        self._task = graph_task_id()
+        self._task_sync = sync
+        if sync:
+            self._round = self._new_round()
+        queue_callback(self._finish)
+        return True
+
+    def _open(self) -> bool:
+        """From an AccumulateGrad hook, when no backward is open (this one reached none of
+        dp's outputs): open it, averaging, when a synchronising forward armed it, as DDP's
+        hooks on the parameters do. Its first final gradient is this hook's: FlatGrad seated
+        no slot for it (no output pre hook ran), so the small parameters' gradients land in
+        tensors of their own, which each bucket takes into its slots before it launches."""
+        if not self._armed:
+            return False
+        _refuse_compiled_autograd()
+        return self._begin(True)
+
+    def _on_last_ready(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        # A parameter of the last bucket: the final callback launches that bucket, so there
+        # is nothing to count; only a backward that reached none of dp's outputs to open.
+        if self._task == -1:
+            self._open()
+
+    def _on_ready(self, param: nn.Parameter, grad_inputs: Any, grad_outputs: Any) -> None:
+        # A nested backward (reentrant activation checkpointing) belongs to the open one:
+        # same bookkeeping.
+        if self._task == -1 and not self._open():
+            return
+        if self._task_sync:  # (a synchronising backward always has its round)
+            self._round.mark_ready(param, self._bucket_of[id(param)])  # type: ignore[union-attr]
+
+    def _finish(self) -> None:
+        """Final callback of the running backward."""
+        outer = current_autograd_node()
+        if outer is not None:
+            self._defer(outer)
+            return
+        self._task = -1
+        self._forget_deferrals()
+        if self._task_sync:
+            self.last_round.sync_all()
+            self._scattered = self.reduce_scatter
+            if self._scattered:  # .grad refuses math until zeroed: see flatgrad._scattered
+                mark_scattered(self._store)  # type: ignore[arg-type]
+
+    def _defer(self, outer: Any) -> None:
+        """This backward ran inside a node of another one, `outer` (a reentrant activation
+        checkpoint recomputing its part of the graph), which may have gradients still to
+        come: that one's end is this step's. A post hook on `outer` (it runs in the outer
+        backward once the node returns) queues the final callback there."""
+
+        pending = [True]  # once: the node may run again (retain_graph) before it is removed
+
+        def finish_outside(grad_inputs: Any, grad_outputs: Any) -> None:
+            if pending:
+                pending.clear()
+                self._task = graph_task_id()
+                queue_callback(self._finish)
+
+        self._deferrals.append(outer.register_hook(finish_outside))
+
+    def _forget_deferrals(self) -> None:
+        # Outside any hook dispatch (a final callback, a forward), where removing is safe.
+        for handle in self._deferrals:
+            handle.remove()
+        self._deferrals = []
+
+
+def _refuse_compiled_autograd() -> None:
+    if in_compiled_autograd():
+        raise RuntimeError(
+            "DataParallel cannot run its bucket hooks under compiled autograd (it refuses "
+            "the final callback that launches the last bucket); under compiled autograd use "
+            "DDP with torch._dynamo.config.optimize_ddp = 'python_reducer' and "
+            "flatgrad.allreduce_hook, or run this backward without compiled autograd"
+        )

@@ -1,0 +1,276 @@
+"""`GradEngine`: one wrapper's gradient store, seater and layout watch, built and rebuilt
+together, and what each forward does about them (lay out again, seat or not under DDP).
+
+`FlatGrad` owns one (its `_engine`); `DataParallel`, `ShardedOptimizer` and the DDP hook's
+state reach the store through it. The engine holds its wrapper weakly, to read the model
+it holds (``flat.module`` can be reassigned) and to watch the wrapper's own dicts.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from flatgrad import comm
+from flatgrad._names import share_root
+from flatgrad._routing import route_layers, unroute
+from flatgrad._seating import Seater
+from flatgrad._watch import LayoutWatch
+from flatgrad.buffer import GradStore
+from flatgrad.config import FlatGradConfig
+from flatgrad.layout import GroupKey
+
+logger = logging.getLogger("flatgrad.wrapper")
+
+# (module, name, parameter, requires_grad, dtype, device, shape) as they were at the last build
+_Watched = tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size]
+_trainable = operator.attrgetter("requires_grad")
+_SPARSE_LAYERS = (nn.Embedding, nn.EmbeddingBag)
+
+
+class GradEngine:
+    """Builds, checks and rebuilds the gradient layout of the model its wrapper holds."""
+
+    def __init__(self, root: nn.Module, config: FlatGradConfig, slot_multiple: int = 1) -> None:
+        self._root = weakref.ref(root)
+        self.config = config
+        self.slot_multiple = slot_multiple  # slots start on multiples of this many elements (ZeRO)
+        self.store: GradStore | None = None
+        self.seater: Seater | None = None
+        self._watched: tuple[_Watched, ...] = ()
+        self.others: tuple[nn.Parameter, ...] = ()  # the model's parameters without a slot
+        self.frozen: tuple[nn.Parameter, ...] = ()
+        # Of those, the ones of layers that make sparse gradients (`sparse_ids`): stock's
+        # sparse `.grad`, outside the buffers; the rest of `others` is frozen.
+        self.sparse: tuple[nn.Parameter, ...] = ()
+        self.generation = -1
+        self.ddp_forwards = -1  # forwards since ddp_kwargs() without allreduce_hook; -1: not asked
+        # The DDP that synchronised the last synchronised forward into bucket views, and the
+        # groups whose buffer is its current bucket (`allreduce_hook` adopted it).
+        self.ddp_state: comm.DDPState | None = None
+        self.adopted: set[GroupKey] = set()
+        # Watch the model's registrations while the wrapper lives; when it is collected the
+        # model is as it was before wrapping (plain dicts, torch's forwards).
+        self.watch = LayoutWatch()
+        weakref.finalize(root, self.watch.close, unroute).atexit = False
+        self.cover()
+        self.build()
+
+    @property
+    def model(self) -> nn.Module:
+        root = self._root()
+        assert root is not None, "the wrapper is gone"
+        model: nn.Module = root._modules["module"]  # type: ignore[assignment]
+        return model
+
+    def cover(self) -> None:
+        """Watch the wrapper and every module of the model not watched yet; the root dicts
+        the wrapper shares with the model are then the watched ones (`share_root`)."""
+        root = self._root()
+        if root is not None:
+            self.watch.cover(root)
+            share_root(root)
+
+    def use_slot_multiple(self, multiple: int) -> GradStore:
+        """Lay out again with every slot starting on a multiple of `multiple` elements
+        (ZeRO-1: equal shards per bucket)."""
+        self.slot_multiple = multiple
+        self.build()
+        return self.refresh()
+
+    def expect_hook(self) -> None:
+        """`ddp_kwargs()` was asked for: warn if `allreduce_hook` does not run."""
+        self.ddp_forwards = max(self.ddp_forwards, 0)
+
+    def hook_ran(self) -> None:
+        self.ddp_forwards = -1
+
+    def refuse_sparse(self, what: str) -> None:
+        """Raise unless every trainable parameter has a slot: flatgrad's own syncs average
+        the flat buffers only, so a sparse gradient (kept outside them) would stay local.
+        The same on every rank (it depends on the model only)."""
+        sparse = [p for p in self.sparse if p.requires_grad]
+        if sparse:
+            raise ValueError(
+                f"{what} averages the flat buffers only, and {len(sparse)} parameter(s) of "
+                "sparse embeddings (sparse=True) keep their sparse gradients outside them; "
+                "synchronise this model with DDP(flat, ...) (it all-reduces sparse gradients), "
+                "or make the embeddings dense (sparse=False)"
+            )
+
+    @torch.compiler.disable
+    def before_forward(self) -> comm.DDPState | None:
+        self.current()
+        if self.ddp_forwards >= 0:
+            self.ddp_forwards = comm.note_forward_without_hook(self.ddp_forwards)
+        ddp_state = comm.bucket_view_ddp(self.ddp_state)
+        if ddp_state is not self.ddp_state and ddp_state is not None:
+            self.ddp_state, self.adopted = ddp_state, set()  # another DDP, or its buckets moved
+        return ddp_state
+
+    @torch.compiler.disable
+    def after_forward(self, output: Any, ddp_state: comm.DDPState | None) -> None:
+        seater = self.seater
+        if seater is None:
+            return
+        # Under a DDP that synchronises this backward into buckets that are not the flat
+        # buffers (its own copies, or bucket views `allreduce_hook` has not adopted yet):
+        # seat nothing, the gradients take stock's way into DDP's buckets. DDP's reducer
+        # leaves the `.grad` of a parameter no rank used untouched, so a seated zero would
+        # survive where stock keeps None (see `comm.bucket_view_ddp`).
+        alone = not comm.under_ddp()
+        if ddp_state is not None:
+            seater.seating = len(self.adopted) == len(seater.store.buffers)
+        else:
+            seater.seating = alone or not comm.ddp_will_sync()
+        seater.alone = alone
+        seater.watch(output)
+
+    def build(self) -> None:
+        """Lay out the buffers for the current trainable parameters; route new layers."""
+        with torch.inference_mode(False), torch.no_grad():  # buffers must be normal tensors
+            params = trainable_parameters(self.model)
+            old = self.store
+            if self.seater is not None:
+                self.seater.retire()  # a graph still alive must not seat into old buffers
+            if old is not None:
+                _detach_leaving(old, params)
+                old.release()
+            routed = route_layers(self.model, self.config)
+            self.store = store = GradStore(params, self.config.align_bytes, self.slot_multiple)
+            self.adopted = set()  # new buffers: no DDP bucket is one of them
+            self.seater = Seater(store, params, routed, self)
+            self._watched = _watch_list(self.model) or ()
+            held = {id(p) for p in params}
+            # by id, once each: a tied parameter is held by two modules
+            self.others = tuple({id(e[2]): e[2] for e in self._watched if id(e[2]) not in held}.values())
+            sparse = sparse_ids(self.model)
+            self.sparse = tuple(p for p in self.others if id(p) in sparse)
+            self.frozen = tuple(p for p in self.others if id(p) not in sparse)
+            self.cover()
+            self.generation = self.watch.generation
+            store.settle()  # move gradients that already exist into the buffers
+
+    def refresh(self) -> GradStore:
+        """The store, laid out again first if the model's parameters changed: replaced,
+        added, removed, (un)frozen, converted or reshaped. O(parameters); forward calls it
+        only when something was registered since, norms and syncs always (as stock
+        `clip_grad_norm_(model.parameters())` walks the model too)."""
+        store = self.store
+        if store is None or store.stale or not store.intact() or self._layout_changed():
+            logger.info("flatgrad: parameters changed after wrapping; laying out the buffers again")
+            self.build()
+        self.generation = self.watch.generation
+        assert self.store is not None, "the engine is not built"
+        return self.store
+
+    def _layout_changed(self) -> bool:
+        if self.watch.changed(self.generation):
+            self.cover()  # a module added since is watched from now on
+            current = _watch_list(self.model)
+            if current is None:
+                return False  # reparametrized for a moment (torch.func.functional_call): keep
+            if len(current) != len(self._watched) or any(
+                a[:2] != b[:2] or a[2] is not b[2] for a, b in zip(current, self._watched)
+            ):
+                return True
+        for module, name, param, requires_grad, dtype, device, shape in self._watched:
+            current_param = module._parameters.get(name)
+            if current_param is not param:
+                # a plain tensor there is functional_call's temporary: keep the layout
+                return isinstance(current_param, nn.Parameter) or current_param is None
+            if (
+                param.requires_grad != requires_grad
+                or param.dtype != dtype
+                or param.device != device
+                or param.shape != shape
+            ):
+                return True
+        return False
+
+    def rebuilt_seater(self) -> Seater:
+        self.refresh()
+        assert self.seater is not None, "the engine is not built"
+        return self.seater
+
+    def current(self) -> GradStore:
+        """The store, laid out again first only on what the per-step paths (every forward,
+        DataParallel's forward, the DDP hook) can see in O(1): a parameter registered since,
+        a slot found stale during a backward, a parameter without a slot unfrozen. The rest
+        (a held parameter frozen, converted or re-pointed in place) is found by the full walk
+        of `_refresh` at the next norm or sync, or as staleness by the next backward."""
+        store = self.store
+        if (
+            store is None
+            or self.watch.changed(self.generation)
+            or store.stale
+            or any(p.requires_grad for p in self.frozen)  # unfrozen: nothing else tells
+        ):
+            return self.refresh()
+        return store
+
+    def steady(self) -> GradStore:
+        """`_current_store`, and the full walk of `_refresh` when a held parameter was frozen
+        since (one `requires_grad` read per parameter): for DataParallel's forward, whose
+        buckets must not keep communicating a frozen slot. `torch.func.functional_call`'s
+        temporaries (plain tensors) keep the layout: their gradients stay local, as DDP's."""
+        store = self.current()
+        return store if all(map(_trainable, store.params)) else self.refresh()
+
+    def summary(self) -> str:
+        buffers = self.refresh().buffers
+        parts = [
+            f"{key[0]}@{key[1]}: {buf.numel()} elements, {buf.numel() * buf.element_size()} bytes"
+            for key, buf in buffers.items()
+        ]
+        num_params = len(self.refresh().params)
+        return f"{len(buffers)} buffer(s) for {num_params} parameters ({'; '.join(parts)})"
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that get a slot: trainable, with a dense gradient. (parameters()
+    yields a shared, tied, parameter once.)"""
+    sparse = sparse_ids(model)
+    return [param for param in model.parameters() if param.requires_grad and id(param) not in sparse]
+
+
+def sparse_ids(model: nn.Module) -> set[int]:
+    """Ids of the parameters of layers that make sparse gradients: `nn.Embedding` and
+    `nn.EmbeddingBag` with ``sparse=True``, as DDP tells them (`produces_sparse_gradient` in
+    `DistributedDataParallel._build_params_for_reducer`). They keep stock's sparse `.grad`
+    (a dense slot would cost a full table per step and break `torch.optim.SparseAdam`)."""
+    return {
+        id(param)
+        for module in model.modules()
+        if isinstance(module, _SPARSE_LAYERS) and module.sparse
+        for param in module._parameters.values()
+        if param is not None
+    }
+
+
+def _watch_list(model: nn.Module) -> tuple[_Watched, ...] | None:
+    """Every (module, name) that holds a parameter, with what a layout depends on; None while
+    a module holds a plain tensor there (torch.func.functional_call reparametrizes that way)."""
+    entries = []
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if not isinstance(param, nn.Parameter):
+                return None
+            entries.append((module, name, param, param.requires_grad, param.dtype, param.device, param.shape))
+    return tuple(entries)
+
+
+def _detach_leaving(store: GradStore, staying: list[nn.Parameter]) -> None:
+    """A parameter that leaves the buffers (frozen, replaced) keeps its `.grad` values in a
+    tensor of its own, so the old buffer can be freed."""
+    kept = {id(p) for p in staying}
+    for param in store.params:
+        if id(param) not in kept and store.holds(param, param.grad):
+            param.grad = param.grad.clone()  # type: ignore[union-attr]

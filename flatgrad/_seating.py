@@ -1,0 +1,156 @@
+"""Seating: during one backward through a wrapper's output, the gradients of the
+parameters no routed Function writes land in their slots, with stock's `.grad` None-ness.
+
+Small unrouted parameters are *seated*: `.grad` points at the zeroed slot when the backward
+starts, so AccumulateGrad adds into the buffer in place. Large ones are *placed*: a pre-hook
+on their AccumulateGrad copies the incoming gradient into the slot (one pass instead of a
+zero fill and an add).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from flatgrad._torch_compat import graph_task_id, queue_callback, tree_leaves
+from flatgrad.buffer import GradStore
+
+# Unrouted parameters below this many elements are seated (zero fill + AccumulateGrad's
+# in-place add, no Python per parameter); larger ones are copied in by a pre-hook (one pass).
+SEAT_MAX_NUMEL = 1 << 15
+
+
+class Seater:
+    """Points `.grad` of the unrouted parameters at their zeroed slots when a backward
+    through the wrapper's output starts, and puts back None where that backward delivered
+    nothing (from an autograd final callback), so `.grad` is None exactly where stock has it.
+
+    One prehook per output node per forward, whatever the number of parameters: that, a
+    zero fill and a loop that sets `.grad` replace a Python hook per parameter per backward.
+    A parameter used outside the wrapper's output, or a backward that does not go through
+    it, still gets a correct `.grad` (outside the buffer); the next norm or sync moves it in.
+    """
+
+    def __init__(self, store: GradStore, params: list[nn.Parameter], routed: set[int], engine: Any) -> None:
+        self.store = store
+        unrouted = [p for p in params if id(p) not in routed]
+        self.params = tuple(p for p in unrouted if p.numel() < SEAT_MAX_NUMEL)  # seated ones
+        # Large unrouted parameters (a conv, an attention projection): a zero fill plus an
+        # in-place add would be two passes over the gradient where one copy will do, and a
+        # Python hook costs nothing next to it: a pre-hook on AccumulateGrad copies in.
+        self._placed = tuple(p for p in unrouted if p.numel() >= SEAT_MAX_NUMEL)
+        self._routed = tuple(p for p in params if id(p) in routed)  # their Functions write the slot
+        self._owner = weakref.ref(engine)  # the GradEngine that lays out again
+        self._task = -1
+        self._retired = False
+        self.seating = True  # False: the next backward seats nothing (set by the forward)
+        self.alone = True  # False: a DDP's reducer places the next backward's gradients
+        self._accumulators: list[Any] = []  # a parameter holds its AccumulateGrad node weakly
+        self._hooks: list[Any] = []
+        for param in self._placed:
+            self._hook(param)
+
+    def _hook(self, param: nn.Parameter) -> None:
+        with torch.enable_grad():
+            node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        self._hooks.append(node.register_prehook(functools.partial(_place_incoming, self.store, param)))
+        self._accumulators.append(node)
+
+    def retire(self) -> None:
+        self._retired = True
+        for handle in self._hooks:  # a graph still alive must not write into old buffers
+            handle.remove()
+
+    def watch(self, output: Any) -> None:
+        """Hook the autograd nodes that produced `output` (see `output_nodes`)."""
+        for node in output_nodes(output):
+            node.register_prehook(self._on_backward)
+
+    def _on_backward(self, grad_outputs: Any) -> None:
+        if self._retired or torch.is_grad_enabled():  # create_graph: grads stay differentiable
+            return
+        if torch.compiler.is_compiling():
+            return  # compiled autograd traces this hook: see README
+        task = graph_task_id()
+        if task == self._task:
+            return  # another output of the same backward
+        self._task = task
+        store = self.store
+        store.check(self._routed + self._placed)  # the seated ones are checked by `seat`
+        seated = [] if store.stale or not self.seating else store.seat(self.params)
+        engine = self._owner()
+        if store.stale and engine is not None:
+            # A parameter was converted or reshaped behind the wrapper (model.double() on the
+            # inner model, param.data = ...): lay out again now, before any gradient arrives.
+            GradStore.unseat(seated)
+            if store.seated is seated:
+                store.seated = []
+            seater = engine.rebuilt_seater()
+            seater._task = task
+            store = seater.store
+            seated = store.seat(seater.params)
+        queue_callback(functools.partial(self._after_backward, store, seated))
+
+    def _after_backward(self, store: GradStore, seated: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+        GradStore.unseat(seated)
+        if store.seated is seated:
+            store.seated = []
+        # A routed weight whose gradient came through plain autograd (its layer ran inside a
+        # torch.compile'd region, or its owner used the weight without calling the layer)
+        # got a tensor of its own from AccumulateGrad: outside DDP it moves into the slot
+        # now, so that `.grad` lives in the buffer when the backward returns (under DDP it
+        # is the reducer's bucket view), and from now on the weight is seated (or placed)
+        # like an unrouted one.
+        views = self.store.views
+        bypassed = [p for p in self._routed if p.grad is not None and p.grad is not views[id(p)]]
+        if bypassed and not self._retired:
+            if self.alone and not self.store.stale:
+                self.store.take_in(bypassed)
+            self.params += tuple(p for p in bypassed if p.numel() < SEAT_MAX_NUMEL)
+            for param in bypassed:
+                if param.numel() >= SEAT_MAX_NUMEL:
+                    self._placed += (param,)
+                    self._hook(param)
+            self._routed = tuple(p for p in self._routed if p.grad is None or p.grad is views[id(p)])
+
+
+def _place_incoming(
+    store: GradStore, param: nn.Parameter, grads: tuple[torch.Tensor | None, ...]
+) -> tuple[torch.Tensor | None, ...] | None:
+    """AccumulateGrad pre-hook of a large unrouted parameter: when `.grad` is None, copy
+    the incoming gradient into the slot, make the slot the `.grad`, and hand AccumulateGrad
+    nothing to do (its post hooks, DDP's among them, still run). When `.grad` is defined
+    AccumulateGrad adds in place into it, which is the slot. Under create_graph=True the
+    gradient must stay differentiable: left alone."""
+    grad = grads[0]
+    if grad is None or param.grad is not None or torch.is_grad_enabled() or not param.requires_grad:
+        return None  # (frozen since the forward: AccumulateGrad skips it, as stock's does)
+    if store.view(param).shape != grad.shape:
+        store.stale = True  # reshaped behind the wrapper: AccumulateGrad takes it as stock does
+        return None
+    store.place(param, grad)
+    return (None,)
+
+
+def output_nodes(output: Any) -> set[Any]:
+    """The autograd nodes that made the tensors of a model's output: a tensor, any pytree
+    of them, and the fields of dataclass instances in it (a dataclass is one opaque pytree
+    leaf unless registered, and models return them: output classes, loss records)."""
+    if isinstance(output, torch.Tensor):
+        return set() if output.grad_fn is None else {output.grad_fn}
+    nodes = set()
+    stack, seen = tree_leaves(output), set()
+    while stack:
+        leaf = stack.pop()
+        if isinstance(leaf, torch.Tensor):
+            if leaf.grad_fn is not None:
+                nodes.add(leaf.grad_fn)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and id(leaf) not in seen:
+            seen.add(id(leaf))
+            stack.extend(tree_leaves([getattr(leaf, field.name) for field in dataclasses.fields(leaf)]))
+    return nodes

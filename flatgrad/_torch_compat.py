@@ -1,0 +1,126 @@
+"""Every private PyTorch name flatgrad uses, resolved in one place.
+
+Checked against torch 2.4 through 2.13 (the range ``pyproject.toml`` accepts is ``>=2.4``);
+where a name is missing in some release a fallback says what happens then. Nothing else in
+the package reads a private name of torch's (``torch._C``, ``_execution_engine``, DDP's
+class-level helpers); an nn.Module's own ``_parameters``/``_modules``/``_buffers`` dicts are
+torch's documented extension surface and are read where they are needed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable, forward_ad
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import _named_member_accessor
+from torch.utils._pytree import tree_leaves
+
+__all__ = [
+    "DisableTorchFunctionSubclass",
+    "active_ddp_getter",
+    "broadcast_coalesced",
+    "current_autograd_node",
+    "ddp_rebuilt_buckets",
+    "fast_apply",
+    "functorch_active",
+    "graph_task_id",
+    "in_compiled_autograd",
+    "preserve_version_counter",
+    "queue_callback",
+    "swap_tensor_code",
+    "tree_leaves",
+    "unwrap_if_dead",
+    "will_execute",
+]
+
+# --- autograd engine ------------------------------------------------------------------------
+
+_ENGINE: Any = Variable._execution_engine  # type: ignore[attr-defined]
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run `callback` when the running backward ends (an autograd final callback)."""
+    _ENGINE.queue_callback(callback)
+
+
+graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+"""The running backward's graph task (-1 outside one): tells backwards apart."""
+
+will_execute: Callable[[Any], bool] = torch._C._will_engine_execute_node
+"""Whether the running backward will run `node` (raises outside a backward's hooks)."""
+
+current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
+"""The node whose hook or Function is running (None at the top level of a backward)."""
+
+DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
+"""A context where tensor subclasses' ``__torch_function__`` is not called."""
+
+# `Function.apply` without its Python wrapper (the C++ descriptor `_FunctionBase.apply`):
+# None where a release has no such descriptor, and `torch.autograd.Function.apply` is used.
+_APPLY_DESCRIPTOR: Any = torch._C._FunctionBase.__dict__.get("apply")
+
+
+def fast_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``cls.apply`` through the C++ descriptor where there is one (skips the Python
+    wrapper's checks for functorch and setup_context, which flatgrad's Functions decide
+    themselves); `cls.apply` elsewhere."""
+    if _APPLY_DESCRIPTOR is None:
+        return cls.apply
+    bound: Callable[..., Any] = _APPLY_DESCRIPTOR.__get__(None, cls)
+    return bound
+
+
+def functorch_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp) or forward-mode AD is running."""
+    return bool(torch._C._are_functorch_transforms_active()) or forward_ad._current_level >= 0
+
+
+unwrap_if_dead: Callable[[torch.Tensor], torch.Tensor] = getattr(
+    torch._C._functorch, "unwrap_if_dead", lambda tensor: tensor
+)
+"""A tensor left wrapped by a finished torch.func transform, unwrapped (identity before 2.1)."""
+
+
+def in_compiled_autograd() -> bool:
+    """Whether compiled autograd runs this backward (its hooks are traced into a graph, and
+    an autograd final callback is refused there), or Dynamo is tracing."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(module, "in_compiled_autograd_region", False)) or torch.compiler.is_compiling()
+
+
+preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
+"""Write tensors without bumping their version counters (DDP's buffer broadcast does)."""
+
+# --- torch.func ---------------------------------------------------------------------------
+
+# `torch.func.functional_call` swaps its temporaries into a module's `_parameters` through
+# this function (`torch.nn.utils.stateless._reparametrize_module`); None if it is missing.
+_SWAP_TENSOR = getattr(_named_member_accessor, "swap_tensor", None)
+swap_tensor_code = frozenset([_SWAP_TENSOR.__code__] if _SWAP_TENSOR is not None else [])
+
+# --- DDP --------------------------------------------------------------------------------------
+
+
+def active_ddp_getter() -> Callable[[], Any] | None:
+    """DDP's own tracking of the DDP whose forward is running (kept for TorchDynamo): a
+    function returning it or None; None itself where this torch has no such tracking."""
+    getter: Callable[[], Any] | None = getattr(DDP, "_get_active_ddp_module", None)
+    return getter
+
+
+def ddp_rebuilt_buckets(ddp: Any) -> bool:
+    """Whether `ddp` has rebuilt its buckets (in the second iteration's forward)."""
+    return bool(getattr(ddp, "_has_rebuilt_buckets", False))
+
+
+def broadcast_coalesced(
+    process_group: dist.ProcessGroup | None, tensors: list[torch.Tensor], bucket_bytes: int, src: int
+) -> None:
+    """DDP's own coalesced broadcast of `tensors` from `src`, in pieces of `bucket_bytes`."""
+    group = process_group or dist.distributed_c10d._get_default_group()
+    dist._broadcast_coalesced(group, tensors, bucket_bytes, src)  # type: ignore[attr-defined]
