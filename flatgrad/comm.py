@@ -28,14 +28,21 @@ _DDP_DEFAULT_BUCKET_MB = 25
 class FlatGradCommState:
     """State of `allreduce_hook`; build it with `FlatGrad.comm_state()`.
 
-    `wrapper` is the `FlatGrad` whose buffers the hook keeps pointing at DDP's buckets.
-    `process_group` is the group to average over, None for the default group: the hook
-    does not see the group DDP was given (torch's own hooks take theirs the same way), so
-    a DDP on a sub-group needs the same group here.
-    `wire_dtype` (bfloat16 or float16) compresses floating-point buckets on the wire.
-    `num_calls` counts the hook's calls (one per bucket and synchronised backward: with
-    `ddp_kwargs()`, one per (dtype, device) buffer and step; under DDP's Python reducer,
-    one per parameter and step).
+    Args:
+        wrapper: The `FlatGrad` whose buffers the hook keeps pointing at DDP's buckets.
+        process_group: The group to average over, None for the default group: the hook
+            does not see the group DDP was given (torch's own hooks take theirs the same
+            way), so a DDP on a sub-group needs the same group here.
+        wire_dtype: ``torch.bfloat16`` or ``torch.float16`` compresses floating-point buckets
+            on the wire; None sends them as they are.
+
+    Attributes:
+        num_calls: The hook's calls (one per bucket and synchronised backward: with
+            `ddp_kwargs()`, one per (dtype, device) buffer and step; under DDP's Python
+            reducer, one per parameter and step).
+
+    Raises:
+        ValueError: `wire_dtype` is not torch.bfloat16, torch.float16 or None.
     """
 
     wrapper: Any
@@ -192,8 +199,17 @@ def to_wire(tensor: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.Tenso
 def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket over the group with one all-reduce.
 
-    Returns the bucket buffer itself, so DDP copies nothing back. With the fast path
-    (`FlatGrad.ddp_kwargs()`) the bucket is the wrapper's whole flat buffer.
+    With the fast path (`FlatGrad.ddp_kwargs()`) the bucket is the wrapper's whole flat
+    buffer. Register it with ``ddp.register_comm_hook(flat.comm_state(), allreduce_hook)``.
+
+    Args:
+        state: The `FlatGradCommState` of the wrapped model (`FlatGrad.comm_state()`).
+        bucket: DDP's gradient bucket (under DDP's Python reducer, a ``(grad, param)`` pair,
+            averaged in place).
+
+    Returns:
+        A future whose value is the bucket buffer itself, averaged in place, so DDP copies
+        nothing back (None under DDP's Python reducer, which ignores it).
     """
     state.num_calls += 1
     if isinstance(bucket, tuple):  # DDP's Python reducer: see `_python_reducer_mean`

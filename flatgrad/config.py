@@ -31,9 +31,8 @@ class FlatGradConfig(BaseModel):
     linear_min_numel: StrictInt = Field(default=3 << 15, ge=0)
     """`nn.Linear` layers whose weight has fewer elements (98304, about 313x313) keep
     torch's own backward. A custom backward costs tens of microseconds of Python per layer,
-    more than the zero fill and in-place add it saves on a small layer (measured on CPU:
-    routing wins from between 256x256 and 320x320 up). Their gradients still land in the
-    buffer. 0 routes every Linear."""
+    more than the zero fill and in-place add it saves on a small layer. Their gradients
+    still land in the buffer. 0 routes every Linear."""
 
     @field_validator("align_bytes")
     @classmethod
@@ -51,7 +50,23 @@ class FlatGradConfig(BaseModel):
 
     @classmethod
     def from_file(cls, path: str | Path) -> FlatGradConfig:
-        """Read a config from a YAML (``.yaml``/``.yml``) or JSON file."""
+        """Read a config from a YAML (``.yaml``/``.yml``) or JSON file.
+
+        Args:
+            path: The file; a ``.json`` suffix is read as JSON, any other as YAML. A YAML
+                file holding only comments gives the defaults.
+
+        Returns:
+            The validated `FlatGradConfig`.
+
+        Raises:
+            FileNotFoundError: `path` does not exist.
+            IsADirectoryError: `path` is a directory.
+            ValueError: The file is empty, not UTF-8, not valid YAML/JSON, repeats a key, or
+                does not hold a mapping (every message names the file).
+            pydantic.ValidationError: A field is unknown or has an invalid value (a
+                ValueError too).
+        """
         return cls.model_validate(load_mapping(path))
 
 

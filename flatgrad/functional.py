@@ -244,6 +244,18 @@ def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.
     is a parameter wrapped by `FlatGrad`, its gradient is written straight into its slot.
     Under torch.compile, torch.func transforms and forward-mode AD it is `index_select`
     (whose backward is the same `index_add_`), so compiled graphs do not break.
+
+    Args:
+        buffer: The tensor to gather rows from (at least 1-d).
+        indices: An int32 or int64 tensor of row indices, of any shape.
+
+    Returns:
+        A tensor of shape ``(*indices.shape, *buffer.shape[1:])``.
+
+    Raises:
+        TypeError: `buffer` or `indices` is not a tensor, or `indices` is not int32/int64.
+        ValueError: `buffer` is 0-d.
+        IndexError: On CPU, an index lies outside ``[-len(buffer), len(buffer))``.
     """
     if not isinstance(buffer, torch.Tensor) or not isinstance(indices, torch.Tensor):
         raise TypeError(
@@ -344,6 +356,22 @@ def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     and the size (a min/max over `index`); on accelerators that check would cost a device
     sync per call, so torch.gather's own device-side bounds check reports it.
     Under torch.compile, torch.func transforms and forward-mode AD it is `torch.gather` itself.
+
+    Args:
+        input: The tensor to gather from.
+        dim: The dimension to gather along; negative counts from the end.
+        index: An int32 or int64 tensor of positions along `dim`.
+
+    Returns:
+        A tensor of `index`'s shape and `input`'s dtype, as `torch.gather` returns.
+
+    Raises:
+        TypeError: `input` or `index` is not a tensor, `index` is not int32/int64, or `dim`
+            is not an int.
+        IndexError: `dim` is out of range for `input`; or, on CPU, a value of `index` lies
+            outside ``[0, input.size(dim))``.
+        ValueError: `index` has another number of dimensions than `input` (and more than
+            one element), or is larger than `input` along a dimension other than `dim`.
     """
     _check_gather(input, dim, index)
     if plain_torch():

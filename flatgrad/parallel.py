@@ -21,9 +21,9 @@ when a synchronising forward came since the last averaged backward, whichever gr
 through: a loss kept on the module during forward (an auxiliary loss), an output dp cannot
 look into (a plain object, a dict subclass); the first AccumulateGrad hook it reaches opens
 it. So every parameter has a hook, those of the last bucket included (a Python call per
-parameter per backward, about 0.1-0.2 us on a CPU, that returns at once when a backward is
-open). A backward after a forward that did not synchronise (``dp.module(x)`` called
-directly, a forward under no_sync()) that goes through no synchronising output stays local.
+parameter per backward that returns at once when a backward is open). A backward after a
+forward that did not synchronise (``dp.module(x)`` called directly, a forward under
+no_sync()) that goes through no synchronising output stays local.
 A nested backward (reentrant activation checkpointing) counts toward the backward it runs
 in. `torch.autograd.grad` (which accumulates nothing) is left alone; a create_graph backward
 that should average is refused.
@@ -69,6 +69,23 @@ class DataParallel(PlainNames):
     Rank 0's parameters and buffers are broadcast at construction, and with
     `broadcast_buffers` (DDP's flag and default) its buffers (BatchNorm statistics) again
     before each forward that follows a synchronised training forward, as DDP does.
+
+    Args:
+        flat: The `FlatGrad`-wrapped model; every rank must wrap the same model.
+        process_group: The group to average over; None for the default group.
+        bucket_mb: The approximate size of a bucket in MiB (the first one is smaller).
+        wire_dtype: ``torch.bfloat16`` or ``torch.float16`` to average a compressed copy of
+            each floating-point bucket (decompressed into it); None sends the buckets as they are.
+        broadcast_buffers: Whether rank 0's buffers are broadcast again before a forward that
+            follows a synchronised training forward, as DDP's flag of that name.
+
+    Raises:
+        TypeError: `flat` is not a `FlatGrad`.
+        RuntimeError: No process group is initialised (``dist.init_process_group``).
+        ValueError: `bucket_mb` is not positive; `wire_dtype` is not one of the above; the
+            model has sparse embeddings (``sparse=True``), whose gradients live outside the
+            flat buffers; or the ranks' models differ in their parameters' and buffers'
+            shapes, dtypes, trainability or order (raised on every rank).
     """
 
     def __init__(
@@ -111,6 +128,20 @@ class DataParallel(PlainNames):
     # it; the wrapped model is still compiled (FlatGrad's forward hands it to Dynamo).
     @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``flat(*args, **kwargs)``; a backward through the output averages when this
+        forward synchronises (grad enabled, outside `no_sync()`).
+
+        Args:
+            *args: Positional arguments, passed to the wrapped model unchanged.
+            **kwargs: Keyword arguments, passed to the wrapped model unchanged.
+
+        Returns:
+            The wrapped model's output, unchanged.
+
+        Raises:
+            ValueError: A sparse embedding (``sparse=True``) was added to the model since
+                construction.
+        """
         self._before_forward()
         output = self.module(*args, **kwargs)
         self._after_forward(output)
@@ -148,7 +179,11 @@ class DataParallel(PlainNames):
     def no_sync(self) -> Iterator[None]:
         """Forwards inside (and the backwards through their outputs) accumulate into the
         flat buffer without communicating, as under DDP; the first backward of a forward
-        outside averages everything accumulated."""
+        outside averages everything accumulated.
+
+        Returns:
+            A context manager (``with dp.no_sync():``), which binds nothing.
+        """
         previous, self._sync = self._sync, False
         try:
             yield
@@ -159,7 +194,11 @@ class DataParallel(PlainNames):
     def require_backward_grad_sync(self) -> bool:
         """DDP's flag, which `no_sync()` toggles: whether the next forward's backward
         averages. nanoGPT's train.py sets it directly instead of entering `no_sync()`
-        (``model.require_backward_grad_sync = micro_step == last``); that works here too."""
+        (``model.require_backward_grad_sync = micro_step == last``); that works here too.
+
+        Returns:
+            True unless inside `no_sync()` or set to False.
+        """
         return self._sync
 
     @require_backward_grad_sync.setter
@@ -167,10 +206,34 @@ class DataParallel(PlainNames):
         self._sync = bool(value)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The plain model's keys (no ``module.`` prefix)."""
+        """The wrapped model's state dict, under the plain model's keys (no ``module.`` prefix).
+
+        Args:
+            *args: Passed to `nn.Module.state_dict` unchanged.
+            **kwargs: Passed to `nn.Module.state_dict` unchanged (``destination``, ``prefix``,
+                ``keep_vars``).
+
+        Returns:
+            The plain model's state dict.
+        """
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """`FlatGrad.load_state_dict`: the plain model's keys (no ``module.`` prefix).
+
+        Args:
+            state_dict: The plain model's keys and values, as `state_dict` returns them.
+            strict: Whether the keys must match the model's exactly, as in torch.
+            assign: Whether to assign the given tensors instead of copying into the existing
+                ones, as in torch.
+
+        Returns:
+            torch's ``(missing_keys, unexpected_keys)`` named tuple.
+
+        Raises:
+            RuntimeError: As torch's own: a key is missing or unexpected (with
+                ``strict=True``), or a tensor's shape differs from the parameter's or buffer's.
+        """
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -181,24 +244,40 @@ class DataParallel(PlainNames):
 
     @property
     def buckets(self) -> list[torch.Tensor]:
-        """The bucket views of the flat buffers, in launch order."""
+        """The bucket views of the flat buffers, in launch order.
+
+        Returns:
+            A new list of 1-D `narrow` views of the flat gradient buffers.
+        """
         return self._engine.buckets
 
     @property
     def launch_offsets_s(self) -> list[float]:
-        """Of the last synchronised backward: when each bucket was launched (seconds from
-        the backward's start)."""
+        """Of the last synchronised backward: when each bucket was launched.
+
+        Returns:
+            Seconds from the backward's start, one per bucket in launch order (empty before
+            the first synchronised backward).
+        """
         return self._engine.last_round.launch_offsets_s
 
     @property
     def exposed_s(self) -> float:
         """Of the last synchronised backward: how long the final callback waited for
-        communication after the backward's compute had ended."""
+        communication after the backward's compute had ended.
+
+        Returns:
+            Seconds (0.0 before the first synchronised backward).
+        """
         return self._engine.last_round.exposed_s
 
     @property
     def backward_s(self) -> float:
-        """Of the last synchronised backward: its start to the end of its compute."""
+        """Of the last synchronised backward: its start to the end of its compute.
+
+        Returns:
+            Seconds (0.0 before the first synchronised backward).
+        """
         return self._engine.last_round.backward_s
 
 

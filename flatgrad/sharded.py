@@ -78,6 +78,24 @@ class ShardedOptimizer:
     through its shard already).
     ``torch.amp.GradScaler`` is not supported (its inf checks would be per shard, so the
     ranks could disagree on skipping a step): train in bfloat16 or float32.
+
+    Construction lays the model's parameters out again (flat parameter buffers, slots on
+    multiples of the world size) and switches `dp`'s buckets to reduce-scatter.
+
+    Args:
+        dp: The `DataParallel` whose buckets are sharded; one ShardedOptimizer per
+            DataParallel.
+        optimizer_class: An element-wise torch optimizer class (SGD, Adam, AdamW, Adamax,
+            NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop, ASGD, or a subclass).
+        **defaults: The optimizer's arguments (``lr``, ``weight_decay``, ...), checked by
+            `optimizer_class` before anything moves: its error for an invalid one (a
+            ValueError for a negative ``lr``, a TypeError for an unknown name) leaves `dp`
+            and the model as they were.
+
+    Raises:
+        TypeError: `dp` is not a `DataParallel`.
+        ValueError: `optimizer_class` is not an element-wise torch optimizer, or `dp`
+            already has a ShardedOptimizer.
     """
 
     def __init__(
@@ -132,6 +150,11 @@ class ShardedOptimizer:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's parameter groups (over this rank's shards).
+
+        Returns:
+            ``opt.optimizer.param_groups`` itself: setting a group's ``lr`` changes the step.
+        """
         return self.optimizer.param_groups
 
     def _check_layout(self) -> None:
@@ -163,6 +186,18 @@ class ShardedOptimizer:
         backward and returns the loss) runs first, under grad mode, and its loss is
         returned. When no parameter has a `.grad` (``zero_grad()`` and no backward since)
         nothing moves and nothing is communicated, as stock skips parameters without one.
+
+        Args:
+            closure: Optional; zeroes the gradients, runs forward and backward, and returns
+                the loss.
+
+        Returns:
+            The closure's loss, or None without a closure.
+
+        Raises:
+            RuntimeError: The model's parameters changed (added, replaced, frozen, converted)
+                since construction; or the inner optimizer's param_groups hold other tensors
+                than exactly this rank's shards.
         """
         loss = None
         if closure is not None:
@@ -184,6 +219,12 @@ class ShardedOptimizer:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the model's gradients (`FlatGrad.zero_grad`) and drop the shards' `.grad`;
+        afterwards a `.grad` is plain again (no longer reduce-scattered).
+
+        Args:
+            set_to_none: True sets every model `.grad` to None; False zeroes them in place.
+        """
         # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s
         # (a clone each) before they are dropped or zeroed.
         with unguarded():
@@ -197,7 +238,18 @@ class ShardedOptimizer:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradient shards so that their global norm (the norm over every rank's
         shards: the norm of the averaged gradients, as stock clipping computes it) is at most
-        `max_norm`; returns that norm. One all-reduce of a scalar."""
+        `max_norm`. One all-reduce of a scalar: every rank must call it.
+
+        Args:
+            max_norm: The largest global norm the gradients keep.
+            norm_type: The order of the norm: positive, or ``float("inf")`` for the max norm.
+
+        Returns:
+            The global norm before clipping, as a 0-d tensor in at least float32.
+
+        Raises:
+            ValueError: `norm_type` is NaN, zero or a finite negative number.
+        """
         norm_type = float(norm_type)
         if not (norm_type > 0 or math.isinf(norm_type)) or math.isnan(norm_type):
             raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
@@ -219,7 +271,12 @@ class ShardedOptimizer:
         return total.to(dtype)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state (its shards) and the layout it belongs to."""
+        """This rank's optimizer state (its shards) and the layout it belongs to.
+
+        Returns:
+            ``{"optimizer": the inner optimizer's state_dict(), "world_size": ..., "rank": ...,
+            "shard_numels": [elements of each shard]}``.
+        """
         return {
             "optimizer": self.optimizer.state_dict(),
             "world_size": self.world_size,
@@ -231,7 +288,18 @@ class ShardedOptimizer:
         """Resume from `state_dict`, saved by this rank (same world size and model): every
         rank saves and loads its own (a file per rank). Checked on every rank together
         (one small all-reduce), so a state from another rank raises the same error on
-        every rank instead of on that one alone (the others would hang or die later)."""
+        every rank instead of on that one alone (the others would hang or die later).
+
+        Args:
+            state_dict: What `state_dict` returned on this rank, with the same world size and
+                model.
+
+        Raises:
+            ValueError: On every rank, when any rank's `state_dict` is not a
+                ShardedOptimizer state or was saved with another world size, rank or shard
+                sizes (another model or bucket_mb); re-sharding is not supported. Also
+                whatever the inner optimizer's `load_state_dict` raises.
+        """
         ours = (self.world_size, self.rank, [s.param.numel() for s in self._shards])
         saved = _saved_layout(state_dict)
         flags = torch.zeros(self.world_size, dtype=torch.int32, device=self._shards[0].param.device)
@@ -250,7 +318,11 @@ class ShardedOptimizer:
         self.optimizer.load_state_dict(state_dict["optimizer"])
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state held by this rank."""
+        """Bytes of optimizer state held by this rank.
+
+        Returns:
+            The summed size of the tensors in the inner optimizer's state.
+        """
         return sum(
             t.numel() * t.element_size()
             for state in self.optimizer.state.values()

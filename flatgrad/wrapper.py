@@ -59,6 +59,17 @@ class FlatGrad(PlainNames):
     through Functions that write weight gradients straight into the buffer. Every other
     parameter's `.grad` is pointed at its zeroed slot when a backward through the wrapper's
     output starts, so AccumulateGrad adds into the buffer in place (no hook per parameter).
+
+    Args:
+        model: The module to wrap.
+        config: A `FlatGradConfig`, a dict of its fields, a path to a YAML/JSON file
+            (`FlatGradConfig.from_file`), or None for the defaults.
+
+    Raises:
+        TypeError: `model` is not an `nn.Module`, or `config` is none of the above.
+        ValueError: `model` has no trainable parameter with a dense gradient, or `config`
+            holds an invalid value (a `pydantic.ValidationError`). A config file raises as
+            `FlatGradConfig.from_file` does.
     """
 
     def __init__(
@@ -102,6 +113,15 @@ class FlatGrad(PlainNames):
     # sees none of it; `_call_module` is where it starts tracing the model.
     @torch.compiler.disable(recursive=False)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped model; a backward through the output accumulates into the buffers.
+
+        Args:
+            *args: Positional arguments, passed to the wrapped model unchanged.
+            **kwargs: Keyword arguments, passed to the wrapped model unchanged.
+
+        Returns:
+            The wrapped model's output, unchanged.
+        """
         engine = self._engine
         ddp_state = engine.before_forward()
         output = self._call_module(*args, **kwargs)
@@ -186,12 +206,31 @@ class FlatGrad(PlainNames):
     ) -> Any:
         """The wrapped model's `load_state_dict`: same keys, and errors that name them as
         the plain model does. (Nested in another module, e.g. ``DDP(flat)``, the keys go
-        through a pre-hook that adds the ``module.`` prefix.)"""
+        through a pre-hook that adds the ``module.`` prefix.)
+
+        Args:
+            state_dict: The plain model's keys (no ``module.`` prefix) and values.
+            strict: Whether the keys must match the model's exactly, as in torch.
+            assign: Whether to assign the given tensors instead of copying into the existing
+                ones, as in torch.
+
+        Returns:
+            torch's ``(missing_keys, unexpected_keys)`` named tuple.
+
+        Raises:
+            RuntimeError: As torch's own: a key is missing or unexpected (with
+                ``strict=True``), or a tensor's shape differs from the parameter's or buffer's.
+        """
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     @property
     def grad_buffers(self) -> dict[GroupKey, torch.Tensor]:
-        """The flat gradient buffers, one per (dtype, device); every `.grad` is a view of one."""
+        """The flat gradient buffers, one per (dtype, device); every `.grad` is a view of one.
+
+        Returns:
+            A new dict from ``(dtype, device)`` to that group's flat buffer (the live
+            tensor, not a copy), laid out again first if the parameters changed.
+        """
         store = self._engine.refresh()
         store.settle()
         return dict(store.buffers)
@@ -208,8 +247,13 @@ class FlatGrad(PlainNames):
     # --- flat-buffer operations -----------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Like `nn.Module.zero_grad`, for every parameter of the model (frozen ones too);
-        with set_to_none=False the buffered gradients are one fill per buffer."""
+        """Like `nn.Module.zero_grad`, for every parameter of the model (frozen ones too).
+
+        Args:
+            set_to_none: True sets every `.grad` to None; False zeroes them, the buffered
+                gradients with one fill per buffer (a `.grad` that is not its slot's view is
+                pointed back at it).
+        """
         store = self._engine.refresh()
         if set_to_none:
             for param in store.params + self._engine.others:
@@ -238,7 +282,19 @@ class FlatGrad(PlainNames):
         (float32 gradients) or 1e-7 (bfloat16/float16) of the float64 norm at any size, and
         returned in at least float32 (stock's bfloat16 norm keeps 3 digits). Parameters
         whose `.grad` is None count as absent; frozen parameters that still hold a `.grad`
-        count, a tied one once."""
+        count, a tied one once.
+
+        Args:
+            norm_type: The order of the norm (``float("inf")`` for the max norm), as in torch.
+
+        Returns:
+            The total norm as a 0-d tensor (0 when no parameter has a `.grad`).
+
+        Raises:
+            ValueError: `norm_type` is NaN.
+            RuntimeError: The gradients are reduce-scattered by a `ShardedOptimizer` (after
+                its synchronised backward, until ``zero_grad()``); use its `clip_grad_norm_`.
+        """
         norm_type = _check_norm_type(norm_type)
         refuse_scattered(self._engine.store, "flat.grad_norm()")
         _, _, norms, dtype = self._grads_and_norms(norm_type)
@@ -251,7 +307,22 @@ class FlatGrad(PlainNames):
         scales every gradient in place by ``min(1, max_norm / (total_norm + 1e-6))``, with
         the total norm of `grad_norm` (more exact than stock's). Only gradient elements are
         scaled, never the alignment padding, which stays zero; on the CPU a factor of
-        exactly 1 skips the pass (see `flatgrad.buffer.scale_`)."""
+        exactly 1 skips the pass (see `flatgrad.buffer.scale_`).
+
+        Args:
+            max_norm: The largest total norm the gradients keep.
+            norm_type: The order of the norm (``float("inf")`` for the max norm), as in torch.
+            error_if_nonfinite: Raise instead of clipping when the total norm is NaN or infinite.
+
+        Returns:
+            The total norm before clipping, as `grad_norm` returns it.
+
+        Raises:
+            ValueError: `norm_type` is NaN.
+            RuntimeError: The total norm is non-finite and `error_if_nonfinite` is True; or the
+                gradients are reduce-scattered by a `ShardedOptimizer` (after its synchronised
+                backward, until ``zero_grad()``): use its `clip_grad_norm_`.
+        """
         norm_type = _check_norm_type(norm_type)
         refuse_scattered(self._engine.store, "flat.clip_grad_norm_()")
         store, others, norms, dtype = self._grads_and_norms(norm_type)
@@ -272,7 +343,19 @@ class FlatGrad(PlainNames):
         """Without DDP: average all gradients over `process_group` (default: the world),
         one all-reduce per buffer. Call it after backward, before the optimizer step.
         Afterwards `.grad` is as stock DDP with find_unused_parameters=True leaves it (None
-        only for a parameter no rank used)."""
+        only for a parameter no rank used).
+
+        Args:
+            process_group: The group to average over; None for the default group.
+            wire_dtype: ``torch.bfloat16`` or ``torch.float16`` to all-reduce a compressed copy
+                of the floating-point buffers (decompressed into them); None sends them as
+                they are.
+
+        Raises:
+            ValueError: The model has sparse embeddings (``sparse=True``), whose gradients
+                live outside the flat buffers, or `wire_dtype` is not one of the above.
+            RuntimeError: No default process group is initialised (``dist.init_process_group``).
+        """
         store = self._engine.refresh()
         self._engine.refuse_sparse("all_reduce_grads")
         comm.all_reduce_grads(store, process_group, wire_dtype)
@@ -280,7 +363,12 @@ class FlatGrad(PlainNames):
     def ddp_kwargs(self) -> dict[str, Any]:
         """Constructor arguments for ``DDP(flat, **flat.ddp_kwargs())``: the zero-copy,
         one-all-reduce-per-buffer path together with `allreduce_hook` (a warning follows
-        if the hook has not run after two steps)."""
+        if the hook has not run after two steps).
+
+        Returns:
+            ``{"gradient_as_bucket_view": True, "bucket_cap_mb": cap}``, with a cap above the
+            largest buffer, so that DDP keeps one bucket per (dtype, device).
+        """
         self._engine.expect_hook()
         return comm.ddp_kwargs(self._engine.refresh())
 
@@ -289,8 +377,18 @@ class FlatGrad(PlainNames):
     ) -> comm.FlatGradCommState:
         """State for ``ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)``.
 
-        `wire_dtype` (torch.bfloat16 or torch.float16) all-reduces a compressed copy and
-        decompresses into the buffer, like torch's bf16/fp16 compress hooks.
+        Args:
+            process_group: The group to average over, None for the default group; a DDP on a
+                sub-group needs the same group here (the hook does not see DDP's).
+            wire_dtype: ``torch.bfloat16`` or ``torch.float16`` all-reduces a compressed copy and
+                decompresses into the buffer, like torch's bf16/fp16 compress hooks; None
+                sends the buffer as it is.
+
+        Returns:
+            A `FlatGradCommState` for this wrapper.
+
+        Raises:
+            ValueError: `wire_dtype` is not torch.bfloat16, torch.float16 or None.
         """
         return comm.FlatGradCommState(self, process_group, wire_dtype)
 
