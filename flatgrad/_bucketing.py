@@ -35,8 +35,10 @@ class BucketSync:
         process_group: dist.ProcessGroup | None,
         bucket_mb: float,
         wire_dtype: torch.dtype | None,
+        check_finite: bool = False,
     ) -> None:
         self._grads = grads  # the FlatGrad's GradEngine
+        self.check_finite = check_finite
         self.process_group = process_group
         self.bucket_mb = bucket_mb
         self.wire_dtype = wire_dtype
@@ -58,7 +60,13 @@ class BucketSync:
         self.rebuild()
 
     def _new_round(self) -> Round:
-        return Round(self._buckets, self._store, self.process_group, self.wire_dtype, self.reduce_scatter)
+        names = self._parameter_names if self.check_finite else None
+        return Round(
+            self._buckets, self._store, self.process_group, self.wire_dtype, self.reduce_scatter, names
+        )
+
+    def _parameter_names(self) -> dict[int, str]:
+        return {id(p): name for name, p in self._grads.model.named_parameters()}
 
     @property
     def last_round(self) -> Round:

@@ -5,6 +5,7 @@ settling of `.grad`). `flatgrad._bucketing.BucketSync` decides which backwards a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +46,15 @@ class Round:
         process_group: dist.ProcessGroup | None,
         wire_dtype: torch.dtype | None,
         scatter: bool,
+        check_finite: Callable[[], dict[int, str]] | None = None,
     ) -> None:
         self.buckets = buckets
         self.store = store
         self.process_group, self.wire_dtype, self.scatter = process_group, wire_dtype, scatter
+        # With `check_finite` (the parameters' names, asked for only to raise): per launched
+        # bucket, whether its local gradients were all finite (a device tensor, no sync).
+        self.check_finite = check_finite
+        self.finite: list[torch.Tensor] = []
         self.pending = [len(bucket.params) for bucket in self.buckets]
         self.work: list[Any] = [None] * len(self.buckets)
         self.wire: list[torch.Tensor | None] = [None] * len(self.buckets)
@@ -103,6 +109,8 @@ class Round:
                 start = bucket.buffer.storage_offset() - raw.storage_offset()
                 sent = raw.narrow(0, start, raw.numel() - start)
                 self.flagged.append((flags, members))
+        if self.check_finite is not None:
+            self.finite.append(torch.isfinite(bucket.buffer).all())
         i = bucket.index
         self.work[i], self.wire[i] = launch_average(sent, self.process_group, self.wire_dtype, self.scatter)
         self.sent[i] = sent
@@ -132,6 +140,7 @@ class Round:
             )
             used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
             self.flagged.append((used, rest))
+        nonfinite = self._launch_finite_check(store) if self.check_finite is not None else None
         for work, wire, sent in zip(self.work, self.wire, self.sent):
             work.wait()
             if wire is not None:
@@ -140,6 +149,41 @@ class Round:
             used_work.wait()
         self.exposed_s = time.perf_counter() - compute_done
         settle_unused(store, self.flagged)
+        if nonfinite is not None:
+            self._raise_if_nonfinite(*nonfinite)
+
+    def _launch_finite_check(self, store: GradStore) -> tuple[torch.Tensor, Any]:
+        """Which ranks had a non-finite local gradient: one small all-reduce of a flag per
+        rank, launched with the buckets', so every rank learns it (and raises) together."""
+        device = next(iter(store.buffers.values())).device
+        ranks = torch.zeros(dist.get_world_size(self.process_group), dtype=torch.int32, device=device)
+        if self.finite:
+            ranks[dist.get_rank(self.process_group)] = (~torch.stack(self.finite)).any().to(torch.int32)
+        return ranks, dist.all_reduce(ranks, group=self.process_group, async_op=True)
+
+    def _raise_if_nonfinite(self, ranks: torch.Tensor, work: Any) -> None:
+        work.wait()
+        bad = [rank for rank, flag in enumerate(ranks.tolist()) if flag]
+        if not bad:
+            return
+        rank = dist.get_rank(self.process_group)
+        where = f"rank(s) {bad} (each names its own parameters)"
+        if rank in bad:
+            names = self.check_finite() if self.check_finite is not None else {}
+            local = [
+                names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
+                for bucket, finite in zip(self.buckets, self.finite)
+                if not bool(finite)
+                for p in bucket.params
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            ]
+            where = f"rank {rank} (this rank) in {local[:8]}" + (
+                f", and rank(s) {bad}" if len(bad) > 1 else ""
+            )
+        raise RuntimeError(
+            f"DataParallel(check_finite=True): a non-finite gradient (NaN or inf) before averaging on "
+            f"{where}; this step's gradients are not usable: skip it (zero_grad) or stop"
+        )
 
 
 def cut_buckets(store: GradStore, bucket_mb: float) -> list[Bucket]:

@@ -78,9 +78,13 @@ class DataParallel(PlainNames):
             each floating-point bucket (decompressed into it); None sends the buckets as they are.
         broadcast_buffers: Whether rank 0's buffers are broadcast again before a forward that
             follows a synchronised training forward, as DDP's flag of that name.
+        check_finite: Whether a non-finite local gradient on any rank makes
+            ``loss.backward()`` raise `RuntimeError` on every rank, the rank that made it
+            naming itself and the parameters (one flag all-reduce and one host sync per
+            synchronised backward); off, a NaN is averaged into every rank, as under DDP.
 
     Raises:
-        TypeError: `flat` is not a `FlatGrad`.
+        TypeError: `flat` is not a `FlatGrad`, or `check_finite` is not a bool.
         RuntimeError: No process group is initialised (``dist.init_process_group``).
         ValueError: `bucket_mb` is not positive; `wire_dtype` is not one of the above; the
             model has sparse embeddings (``sparse=True``), whose gradients live outside the
@@ -95,6 +99,7 @@ class DataParallel(PlainNames):
         bucket_mb: float = 25.0,
         wire_dtype: torch.dtype | None = None,
         broadcast_buffers: bool = True,
+        check_finite: bool = False,
     ) -> None:
         if not isinstance(flat, FlatGrad):
             raise TypeError(f"flat must be a flatgrad.FlatGrad, got {type(flat).__name__}")
@@ -103,6 +108,8 @@ class DataParallel(PlainNames):
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         check_wire_dtype(wire_dtype)
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
         flat._engine.refuse_sparse("DataParallel")
         super().__init__()
         self.module = flat
@@ -118,7 +125,7 @@ class DataParallel(PlainNames):
         self._sync = True
         _check_same_model(flat, process_group)
         _broadcast_from_rank0(flat, process_group)
-        self._engine = BucketSync(flat._engine, process_group, self.bucket_mb, wire_dtype)
+        self._engine = BucketSync(flat._engine, process_group, self.bucket_mb, wire_dtype, check_finite)
 
     # --- public -------------------------------------------------------------------------
 

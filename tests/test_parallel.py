@@ -1116,3 +1116,43 @@ def _require_backward_grad_sync_worker(rank: int, world_size: int) -> None:
 
 def test_require_backward_grad_sync_set_by_hand_accumulates_locally_as_ddp():
     run_ranks(_require_backward_grad_sync_worker)
+
+
+class _Poisoned(nn.Module):
+    """A loss whose gradient for `bias` is `poison` (NaN on one rank), the rest finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bias = nn.Parameter(torch.zeros(8))
+        self.double()
+
+    def forward(self, x: torch.Tensor, poison: float) -> torch.Tensor:
+        return self.fc(x).square().mean() + (self.bias * poison).sum()
+
+
+def _check_finite_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    flat = flatgrad.FlatGrad(_Poisoned(), config=ROUTE_ALL)
+    with pytest.raises(TypeError, match="check_finite must be a bool, got str"):
+        flatgrad.DataParallel(flat, check_finite="yes")  # type: ignore[arg-type]
+    dp = flatgrad.DataParallel(flat, check_finite=True)
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    dp(x, 0.0).backward()  # all finite: averaged as usual
+    assert all(bool(torch.isfinite(p.grad).all()) for p in flat.parameters())
+    flat.zero_grad()
+    expected = r"on rank 1 \(this rank\) in \['bias'\]" if rank == 1 else r"on rank\(s\) \[1\]"
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"check_finite=True\): a non-finite gradient .* " + expected):
+        dp(x, float("nan") if rank == 1 else 0.0).backward()
+    assert time.monotonic() - started < 60
+    flat.zero_grad()
+    dp(x, 0.0).backward()  # nothing left in flight: the next step averages
+    assert all(bool(torch.isfinite(p.grad).all()) for p in flat.parameters())
+
+
+def test_check_finite_makes_every_rank_raise_naming_the_rank_and_parameter():
+    """`DataParallel(flat, check_finite=True)`: a NaN gradient made on rank 1 only makes
+    both ranks raise from the same backward (no hang), rank 1 naming itself and the
+    parameter whose gradient really is non-finite, rank 0 naming rank 1."""
+    run_ranks(_check_finite_worker, timeout=90)
