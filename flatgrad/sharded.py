@@ -248,10 +248,11 @@ class ShardedOptimizer:
             The global norm before clipping, as a 0-d tensor in at least float32.
 
         Raises:
-            ValueError: `norm_type` is NaN, zero or a finite negative number.
+            ValueError: `norm_type` is NaN, zero or negative (``-inf`` included: the minimum
+                over shards would need another reduction, and nobody clips by it).
         """
         norm_type = float(norm_type)
-        if not (norm_type > 0 or math.isinf(norm_type)) or math.isnan(norm_type):
+        if not norm_type > 0:  # (False for NaN too)
             raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
         grads = [s.grad for s in self._shards]
         device = grads[0].device

@@ -298,6 +298,9 @@ def _param_group_worker(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="holds this rank's flat shards only and cannot take model param"):
         opt.optimizer.add_param_group({"params": no_decay, "weight_decay": 0.0})
     assert len(opt.param_groups) == 1
+    for bad in (0.0, -1.0, float("-inf"), float("nan")):  # checked before any collective
+        with pytest.raises(ValueError, match="norm_type must be positive or inf"):
+            opt.clip_grad_norm_(1.0, norm_type=bad)
     for step in range(2):  # nothing was added: stepped once, as stock
         opt.zero_grad()
         ref_opt.zero_grad()
