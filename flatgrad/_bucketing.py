@@ -49,7 +49,7 @@ class BucketSync:
         self._buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
         self._round: Round | None = None  # the running or last synchronised backward's
-        self._task = -1  # the graph task of the running backward, -1 outside one
+        self._task: int | None = None  # the graph task of the running backward, if one is open
         self._task_sync = True  # whether the running backward averages
         # DDP's expect_autograd_hooks_: a synchronising training forward came since the last
         # averaged backward, so the next backward averages whichever graph it goes through.
@@ -87,7 +87,7 @@ class BucketSync:
     @property
     def in_backward(self) -> bool:
         """Whether a backward is open (one that raised never closes: `drain` first)."""
-        return self._task != -1
+        return self._task is not None
 
     def use_reduce_scatter(self, store: GradStore) -> list[tuple[torch.Tensor, int]]:
         """Switch to reduce-scatter (ZeRO-1) over `store`, laid out for it; returns each
@@ -108,7 +108,7 @@ class BucketSync:
         writes any gradient: in flight, they would land on top of it. (That step's
         launched buckets hold averages of partial gradients, as DDP's bucket views would;
         `zero_grad()` before the next backward, as after any failed step.)"""
-        self._task = -1
+        self._task = None
         self._forget_deferrals()
         if self._round is not None:
             self._round.wait_launched()
@@ -215,13 +215,13 @@ class BucketSync:
     def _on_last_ready(self, grad_inputs: Any, grad_outputs: Any) -> None:
         # A parameter of the last bucket: the final callback launches that bucket, so there
         # is nothing to count; only a backward that reached none of dp's outputs to open.
-        if self._task == -1:
+        if self._task is None:
             self._open()
 
     def _on_ready(self, param: nn.Parameter, grad_inputs: Any, grad_outputs: Any) -> None:
         # A nested backward (reentrant activation checkpointing) belongs to the open one:
         # same bookkeeping.
-        if self._task == -1 and not self._open():
+        if self._task is None and not self._open():
             return
         if self._task_sync:  # (a synchronising backward always has its round)
             self._round.mark_ready(param, self._bucket_of[id(param)])  # type: ignore[union-attr]
@@ -232,7 +232,7 @@ class BucketSync:
         if outer is not None:
             self._defer(outer)
             return
-        self._task = -1
+        self._task = None
         self._forget_deferrals()
         if self._task_sync:
             self.last_round.sync_all()

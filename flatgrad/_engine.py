@@ -49,7 +49,8 @@ class GradEngine:
         # sparse `.grad`, outside the buffers; the rest of `others` is frozen.
         self.sparse: tuple[nn.Parameter, ...] = ()
         self.generation = -1
-        self.ddp_forwards = -1  # forwards since ddp_kwargs() without allreduce_hook; -1: not asked
+        # Forwards since ddp_kwargs() without allreduce_hook; None: not asked, or the hook ran.
+        self.ddp_forwards: int | None = None
         # The DDP that synchronised the last synchronised forward into bucket views, and the
         # groups whose buffer is its current bucket (`allreduce_hook` adopted it).
         self.ddp_state: comm.DDPState | None = None
@@ -85,10 +86,11 @@ class GradEngine:
 
     def expect_hook(self) -> None:
         """`ddp_kwargs()` was asked for: warn if `allreduce_hook` does not run."""
-        self.ddp_forwards = max(self.ddp_forwards, 0)
+        if self.ddp_forwards is None:
+            self.ddp_forwards = 0
 
     def hook_ran(self) -> None:
-        self.ddp_forwards = -1
+        self.ddp_forwards = None
 
     def refuse_sparse(self, what: str) -> None:
         """Raise unless every trainable parameter has a slot: flatgrad's own syncs average
@@ -106,7 +108,7 @@ class GradEngine:
     @torch.compiler.disable
     def before_forward(self) -> comm.DDPState | None:
         self.current()
-        if self.ddp_forwards >= 0:
+        if self.ddp_forwards is not None:
             self.ddp_forwards = comm.note_forward_without_hook(self.ddp_forwards)
         ddp_state = comm.bucket_view_ddp(self.ddp_state)
         if ddp_state is not self.ddp_state and ddp_state is not None:

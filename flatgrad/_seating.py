@@ -46,7 +46,7 @@ class Seater:
         self._placed = tuple(p for p in unrouted if p.numel() >= SEAT_MAX_NUMEL)
         self._routed = tuple(p for p in params if id(p) in routed)  # their Functions write the slot
         self._owner = weakref.ref(engine)  # the GradEngine that lays out again
-        self._task = -1
+        self._task: int | None = None  # the graph task of the last backward it opened
         self._retired = False
         self.seating = True  # False: the next backward seats nothing (set by the forward)
         self.alone = True  # False: a DDP's reducer places the next backward's gradients

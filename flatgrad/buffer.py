@@ -29,20 +29,9 @@ class GradStore:
     tensor (which would need the view to have no other reference): flatgrad sets `.grad`.
     """
 
-    # Which live store owns each parameter, by id, so that a backward given only the weight
-    # finds its slot. A store keeps its parameters alive, so their ids are not reused while
-    # its entries stand; they go with `release()` or when the store is collected. No weak
-    # reference to a parameter (that would block torch.utils.swap_tensors).
-    _owners: dict[int, weakref.ref[GradStore]] = {}
-
     def __init__(self, params: Sequence[torch.nn.Parameter], align_bytes: int, multiple: int = 1) -> None:
         self.params = tuple(params)
-        for param in self.params:
-            if GradStore.owner_of(param) is not None:
-                raise ValueError(
-                    f"a parameter of shape {tuple(param.shape)} is already wrapped by another "
-                    "FlatGrad; a parameter's gradient can live in one flat buffer only"
-                )
+        REGISTRY.check_free(self.params)
         self.stale = False  # set when a parameter no longer fits its slot
         # The last parameter tuple `seat` was given, its (parameter, slot) pairs and `spans`;
         # dropped when the slots move.
@@ -68,11 +57,7 @@ class GradStore:
             for index, slot in zip(group.param_indices, group.slots):
                 self._set_slot(self.params[index], key, slot)
         self._cut_runs()
-        me = weakref.ref(self)
-        ids = [id(param) for param in self.params]
-        for param_id in ids:
-            GradStore._owners[param_id] = me
-        weakref.finalize(self, _forget, me, ids)
+        REGISTRY.claim(self)
 
     def _set_slot(self, param: torch.Tensor, key: GroupKey, slot: SlotSpec) -> None:
         buffer = self.buffers[key]
@@ -127,28 +112,9 @@ class GradStore:
             open_span = True
         return [self.buffers[key].narrow(0, start, end - start) for key, start, end in spans if end > start]
 
-    @staticmethod
-    def owner_of(param: torch.Tensor) -> GradStore | None:
-        """The live store holding `param`'s slot, if any."""
-        ref = GradStore._owners.get(id(param))
-        store = ref() if ref is not None else None
-        return store if store is not None and param in store._entries else None
-
-    @staticmethod
-    def find(param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
-        """(live store, slot view) of `param`, if any: `owner_of` and `view` in one lookup
-        (for the layer backwards). A store keeps its parameters alive, so an id it holds
-        is not reused while it stands."""
-        ref = GradStore._owners.get(id(param))
-        store = ref() if ref is not None else None
-        if store is None:
-            return None
-        view = store._views.get(id(param))
-        return None if view is None else (store, view)
-
     def release(self) -> None:
         """Stop owning the parameters (before a rebuild replaces this store)."""
-        _forget(weakref.ref(self), [id(param) for param in self.params])
+        REGISTRY.forget(weakref.ref(self), [id(param) for param in self.params])
 
     def __contains__(self, param: object) -> bool:
         return isinstance(param, torch.Tensor) and param in self._entries
@@ -362,10 +328,54 @@ def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
         torch._foreach_mul_(group, coef.to(device))
 
 
-def _forget(store: weakref.ref[GradStore], ids: list[int]) -> None:
-    for param_id in ids:
-        if GradStore._owners.get(param_id) == store:
-            del GradStore._owners[param_id]
+class SlotRegistry:
+    """Which live store owns each parameter, by id, so that a backward given only the weight
+    finds its slot. A store keeps its parameters alive, so their ids are not reused while
+    its entries stand; they go with `GradStore.release` or when the store is collected. No
+    weak reference to a parameter (that would block torch.utils.swap_tensors)."""
+
+    def __init__(self) -> None:
+        self._owners: dict[int, weakref.ref[GradStore]] = {}
+
+    def check_free(self, params: Sequence[torch.Tensor]) -> None:
+        for param in params:
+            if self.owner_of(param) is not None:
+                raise ValueError(
+                    f"a parameter of shape {tuple(param.shape)} is already wrapped by another "
+                    "FlatGrad; a parameter's gradient can live in one flat buffer only"
+                )
+
+    def claim(self, store: GradStore) -> None:
+        me = weakref.ref(store)
+        ids = [id(param) for param in store.params]
+        for param_id in ids:
+            self._owners[param_id] = me
+        weakref.finalize(store, self.forget, me, ids)
+
+    def forget(self, store: weakref.ref[GradStore], ids: list[int]) -> None:
+        for param_id in ids:
+            if self._owners.get(param_id) == store:
+                del self._owners[param_id]
+
+    def owner_of(self, param: torch.Tensor) -> GradStore | None:
+        """The live store holding `param`'s slot, if any."""
+        ref = self._owners.get(id(param))
+        store = ref() if ref is not None else None
+        return store if store is not None and param in store else None
+
+    def find(self, param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
+        """(live store, slot view) of `param`, if any: `owner_of` and the view in one lookup
+        (for the layer backwards). A store keeps its parameters alive, so an id it holds
+        is not reused while it stands."""
+        ref = self._owners.get(id(param))
+        store = ref() if ref is not None else None
+        if store is None:
+            return None
+        view = store.views.get(id(param))
+        return None if view is None else (store, view)
+
+
+REGISTRY = SlotRegistry()
 
 
 def _aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:

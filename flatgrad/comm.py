@@ -99,17 +99,17 @@ class FlatGradCommState:
 _SYNCED_FORWARDS_BEFORE_WARNING = 3
 
 
-def note_forward_without_hook(num_forwards: int) -> int:
+def note_forward_without_hook(num_forwards: int) -> int | None:
     """Count the forwards whose backward DDP synchronises while `allreduce_hook` has not run
     yet; at the third (two synchronised backward passes done without it) warn once and stop
-    counting (returns -1).
+    counting (returns None).
 
     Call site: `GradEngine.before_forward`, before the wrapped model runs.
     `FlatGrad.ddp_kwargs()` starts the count at 0 (`GradEngine.expect_hook`), the hook sets
-    it to -1 (`GradEngine.hook_ran`: nothing to watch), so once the hook has run a forward
-    costs one integer compare::
+    it to None (`GradEngine.hook_ran`: nothing to watch), so once the hook has run a forward
+    costs one comparison::
 
-        if self.ddp_forwards >= 0:
+        if self.ddp_forwards is not None:
             self.ddp_forwards = comm.note_forward_without_hook(self.ddp_forwards)
 
     Forwards under no_grad (evaluation, Lightning's sanity check) do not count, nor do
@@ -129,7 +129,7 @@ def note_forward_without_hook(num_forwards: int) -> int:
         "yourself on CPU, see examples/lightning_train.py)",
         num_forwards - 1,
     )
-    return -1
+    return None
 
 
 # (the DDP, whether it had rebuilt its buckets) as seen by a forward; see `bucket_view_ddp`

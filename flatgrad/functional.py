@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from flatgrad._torch_compat import fast_apply, functorch_active, will_execute
-from flatgrad.buffer import GradStore
+from flatgrad.buffer import REGISTRY
 
 _Mode = Literal["skip", "fresh", "out", "add"]
 # Compiled autograd traces a Function's backward with Dynamo (no graph or `.grad` to look
@@ -69,7 +69,7 @@ def _weight_target(
 def _node_target(node: Any) -> tuple[_Mode, torch.Tensor | None, torch.Tensor | None]:
     """`_weight_target` for an input known to need a gradient, given its graph node."""
     param = getattr(node, "variable", None)  # None unless the input is a leaf (AccumulateGrad)
-    found = GradStore.find(param) if param is not None else None
+    found = REGISTRY.find(param) if param is not None else None
     if found is None or torch.is_grad_enabled():
         return "fresh", None, param
     if not param.requires_grad:  # type: ignore[union-attr]

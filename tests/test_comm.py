@@ -289,18 +289,22 @@ class _FakeDDP:
         self.require_backward_grad_sync = sync
 
 
-def _count(monkeypatch: pytest.MonkeyPatch, active: object, times: int, num_forwards: int = 0) -> list[int]:
+def _count(
+    monkeypatch: pytest.MonkeyPatch, active: object, times: int, num_forwards: int = 0
+) -> list[int | None]:
     monkeypatch.setattr(DDP, "_active_ddp_module", active)
-    counts = []
+    counts: list[int | None] = []
+    count: int | None = num_forwards
     for _ in range(times):
-        num_forwards = flatgrad.comm.note_forward_without_hook(num_forwards)
-        counts.append(num_forwards)
+        assert count is not None, "counting stopped early"
+        count = flatgrad.comm.note_forward_without_hook(count)
+        counts.append(count)
     return counts
 
 
 def test_note_forward_without_hook_warns_once_at_the_third_synchronised_forward(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="flatgrad"):
-        assert _count(monkeypatch, _FakeDDP(sync=True), 3) == [1, 2, -1]
+        assert _count(monkeypatch, _FakeDDP(sync=True), 3) == [1, 2, None]
     assert len(caplog.records) == 1
     assert "allreduce_hook has not run in 2 steps" in caplog.records[0].getMessage()
     assert "register it yourself on CPU" in caplog.records[0].getMessage()
@@ -316,7 +320,7 @@ def test_note_forward_without_hook_skips_forwards_without_a_sync(monkeypatch, ca
 
 def test_note_forward_without_hook_counts_every_forward_on_a_torch_without_the_ddp_hook(monkeypatch):
     monkeypatch.delattr(DDP, "_get_active_ddp_module")
-    assert _count(monkeypatch, None, 3) == [1, 2, -1]
+    assert _count(monkeypatch, None, 3) == [1, 2, None]
 
 
 def _all_reduce_grads_worker(rank: int, world_size: int) -> None:
