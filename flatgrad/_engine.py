@@ -25,7 +25,7 @@ from flatgrad.buffer import GradStore
 from flatgrad.config import FlatGradConfig
 from flatgrad.layout import GroupKey
 
-logger = logging.getLogger("flatgrad.wrapper")
+logger = logging.getLogger(__name__)
 
 # (module, name, parameter, requires_grad, dtype, device, shape) as they were at the last build
 _Watched = tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size]
@@ -59,8 +59,7 @@ class GradEngine:
         # model is as it was before wrapping (plain dicts, torch's forwards).
         self.watch = LayoutWatch()
         weakref.finalize(root, self.watch.close, unroute).atexit = False
-        self.cover()
-        self.build()
+        self.build()  # (covers the wrapper and the model)
 
     @property
     def model(self) -> nn.Module:
@@ -82,7 +81,8 @@ class GradEngine:
         (ZeRO-1: equal shards per bucket)."""
         self.slot_multiple = multiple
         self.build()
-        return self.refresh()
+        assert self.store is not None, "the engine is not built"
+        return self.store
 
     def expect_hook(self) -> None:
         """`ddp_kwargs()` was asked for: warn if `allreduce_hook` does not run."""

@@ -48,7 +48,9 @@ class LayoutWatch:
 
     def changed(self, generation: int) -> bool:
         """Whether something was registered since `generation` (O(containers))."""
-        return self.generation != generation or any(
+        if self.generation != generation:
+            return True
+        return bool(self._containers) and any(
             type(m.__dict__["_modules"]) is not _WatchedDict for m in self._containers
         )
 

@@ -226,21 +226,8 @@ class DataParallel(PlainNames):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """`FlatGrad.load_state_dict`: the plain model's keys (no ``module.`` prefix).
-
-        Args:
-            state_dict: The plain model's keys and values, as `state_dict` returns them.
-            strict: Whether the keys must match the model's exactly, as in torch.
-            assign: Whether to assign the given tensors instead of copying into the existing
-                ones, as in torch.
-
-        Returns:
-            torch's ``(missing_keys, unexpected_keys)`` named tuple.
-
-        Raises:
-            RuntimeError: As torch's own: a key is missing or unexpected (with
-                ``strict=True``), or a tensor's shape differs from the parameter's or buffer's.
-        """
+        """`FlatGrad.load_state_dict` (the plain model's keys, no ``module.`` prefix): same
+        arguments, return value and errors."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:

@@ -52,10 +52,21 @@ def _train(run: Callable[..., Any], steps: int = 12) -> dict[str, int]:
         if step % 4 == 3:
             with torch.no_grad():
                 run(input_ids=ids)
-    return {
-        "graphs": counters["stats"]["unique_graphs"],
-        "breaks": sum(counters["graph_break"].values()),
-    }
+    graphs, breaks = _graphs_and_breaks()
+    return {"graphs": graphs, "breaks": breaks}
+
+
+def _fresh_model() -> nn.Module:
+    """A seeded float64 `CompileLM`, with Dynamo's caches and counters cleared."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    return CompileLM().double()
+
+
+def _graphs_and_breaks() -> tuple[int, int]:
+    """Dynamo's counts since the last `counters.clear()`: unique graphs, graph breaks."""
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 def _compiled_counts(make: Callable[[nn.Module], Callable[..., Any]]) -> dict[str, int]:
@@ -113,10 +124,7 @@ def test_fullgraph_compile_of_the_wrapper_equals_stock_and_lives_in_the_buffer(b
     evaluation forward under no_grad between steps compiles no extra graph beyond stock's."""
     counts = {}
     for name in ("stock", "flatgrad"):
-        torch._dynamo.reset()
-        counters.clear()
-        torch.manual_seed(0)
-        model = CompileLM().double()
+        model = _fresh_model()
         if name == "stock":
             oracle, run_oracle = model, torch.compile(model, backend=backend, fullgraph=True)
         else:
@@ -136,7 +144,7 @@ def test_fullgraph_compile_of_the_wrapper_equals_stock_and_lives_in_the_buffer(b
                 }
             with torch.no_grad():
                 (run_oracle if name == "stock" else run)(_tokens(step))
-        counts[name] = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+        counts[name] = _graphs_and_breaks()
     torch._dynamo.reset()
     assert_same_grads(flat, oracle)
     assert counts["flatgrad"] == counts["stock"] == (2, 0)
@@ -147,10 +155,7 @@ def _ddp_fullgraph_worker(rank: int, world_size: int) -> None:
     plain model compiled the same way: equal gradients in the buffer, stock's graphs."""
     results = {}
     for name in ("stock", "flatgrad"):
-        torch._dynamo.reset()
-        counters.clear()
-        torch.manual_seed(0)
-        model = CompileLM().double()
+        model = _fresh_model()
         if name == "stock":
             oracle = model
             ddp = DDP(torch.compile(model, backend="aot_eager", fullgraph=True))
@@ -162,7 +167,7 @@ def _ddp_fullgraph_worker(rank: int, world_size: int) -> None:
         for step in range(3):
             ddp.zero_grad()
             ddp(_tokens(10 * step + rank)).backward()
-        results[name] = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+        results[name] = _graphs_and_breaks()
     torch._dynamo.reset()
     assert_same_grads(flat, oracle)
     assert results["flatgrad"] == results["stock"], results
@@ -176,10 +181,7 @@ def test_ddp_of_a_fullgraph_compiled_wrapper_equals_stock_ddp():
 def _dataparallel_fullgraph_worker(rank: int, world_size: int) -> None:
     """torch.compile(DataParallel(flat), fullgraph=True): averaged gradients equal stock
     DDP's of the plain model, in the buffer, with stock's graph count."""
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    model = CompileLM().double()
+    model = _fresh_model()
     oracle = DDP(copy.deepcopy(model))
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     run = torch.compile(flatgrad.DataParallel(flat), backend="aot_eager", fullgraph=True)
@@ -188,7 +190,7 @@ def _dataparallel_fullgraph_worker(rank: int, world_size: int) -> None:
         oracle.zero_grad()
         run(_tokens(10 * step + rank)).backward()
         oracle(_tokens(10 * step + rank)).backward()
-    graphs = counters["stats"]["unique_graphs"]
+    graphs, _ = _graphs_and_breaks()
     torch._dynamo.reset()
     assert dist.get_world_size() == world_size
     assert_same_grads(flat, oracle.module)

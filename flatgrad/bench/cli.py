@@ -61,7 +61,8 @@ def _one_of(choices: list[str], what: str) -> Any:
     return parse
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
@@ -71,7 +72,7 @@ def _positive(text: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="flatgrad-bench", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--world-size", type=_positive, default=2, help="gloo ranks to spawn (ignored under torchrun)"
+        "--world-size", type=positive_int, default=2, help="gloo ranks to spawn (ignored under torchrun)"
     )
     parser.add_argument(
         "--models",
@@ -80,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated built-in models, or package.module:factory returning a BenchModel",
     )
     parser.add_argument("--configs", type=_csv(CONFIGS, "--configs"), default=list(CONFIGS))
-    parser.add_argument("--steps", type=_positive, default=20, help="timed steps per configuration")
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per configuration")
     parser.add_argument(
         "--warmup", type=int, default=3, help="untimed steps first (DDP rebuilds buckets in step 2)"
     )
@@ -123,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default="inductor")
     parser.add_argument(
-        "--threads", type=_positive, default=None, help="torch threads per rank (default: cores / ranks)"
+        "--threads", type=positive_int, default=None, help="torch threads per rank (default: cores / ranks)"
     )
     parser.add_argument(
         "--malloc",
@@ -156,14 +157,15 @@ def _environment(backend: str | None, world_size: int, threads: int, malloc: str
         "backend": backend,
         "world_size": world_size,
         "threads_per_rank": threads,
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "gpu": gpu,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import platform
 import sys
 import time
 import traceback
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 
 from flatgrad.bench import device_checks, device_comm, device_cuda, device_perf
+from flatgrad.bench.cli import cpu_name, positive_int
 from flatgrad.bench.device_base import CheckRecord, DeviceRun, MemoryRecord, Outcome, RatioRecord, now
 
 logger = logging.getLogger("flatgrad.bench.device")  # also under python -m
@@ -71,17 +71,7 @@ def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
     threads = torch.get_num_threads()
-    return f"CPU: {_cpu_name()}, {threads} thread{'s' if threads != 1 else ''}"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return f"CPU: {cpu_name()}, {threads} thread{'s' if threads != 1 else ''}"
 
 
 def _tail(error: BaseException) -> str:
@@ -181,13 +171,6 @@ def write_report(report: DeviceReport, out: Path) -> None:
     (out / "report.md").write_text(format_markdown(report))
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m flatgrad.bench.device", description=__doc__.splitlines()[0]
@@ -204,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="directory for report.json and report.md")
     parser.add_argument(
         "--threads",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="CPU threads of this process (torch.set_num_threads; default: torch's). On a CPU shared "
         "with other work, 1 keeps OpenMP's barriers from timing the scheduler instead of the kernels",
