@@ -57,25 +57,34 @@ _ELEMENTWISE = (
 
 @dataclass(frozen=True)
 class _Shard:
-    param: nn.Parameter  # this rank's shard of a bucket of the flat parameter buffer
+    param: torch.Tensor  # this rank's shard of a bucket of the flat parameter buffer
     grad: torch.Tensor  # the same shard of the gradient bucket
     bucket: torch.Tensor  # the whole bucket of the flat parameter buffer (all-gather output)
 
 
-class ShardedOptimizer:
-    """ZeRO-1 on top of `dp`: ``ShardedOptimizer(dp, torch.optim.AdamW, lr=..., ...)``.
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 on top of `dp`: ``ShardedOptimizer(dp, torch.optim.AdamW, lr=..., ...)``, or
+    with parameter groups as a torch optimizer takes them:
+    ``ShardedOptimizer(dp, torch.optim.AdamW, [{"params": decay, "weight_decay": 0.1},
+    {"params": no_decay, "weight_decay": 0.0}], lr=...)``.
 
-    ``step(closure=None)``, ``zero_grad(set_to_none=...)``, ``clip_grad_norm_(max_norm)``
-    (the global norm from the shard norms, one small all-reduce: use it, not
-    ``torch.nn.utils.clip_grad_norm_``, which refuses the reduce-scattered `.grad`),
-    ``state_dict()`` / ``load_state_dict()`` (this rank's shard of the state: every rank
-    saves and loads its own; resuming needs the same world size and model, and is refused
-    on every rank with a clear error otherwise).
+    A `torch.optim.Optimizer`: `param_groups` hold the model's parameters and are live (an
+    LR scheduler, ``LambdaLR(opt, ...)``, or a loop writing ``group["lr"]`` changes the next
+    step), `add_param_group` takes parameters of `dp` not in a group yet. Each group's
+    hyper-parameters apply to exactly its parameters, also where parameters of several
+    groups share a bucket. ``step(closure=None)``, ``zero_grad(set_to_none=...)``,
+    ``clip_grad_norm_(max_norm)`` (the global norm from the shard norms, one small
+    all-reduce: use it, not ``torch.nn.utils.clip_grad_norm_``, which refuses the
+    reduce-scattered `.grad`), ``state_dict()`` / ``load_state_dict()`` (this rank's shard
+    of the state: every rank saves and loads its own; resuming needs the same world size and
+    model, and is refused on every rank with a clear error otherwise).
 
-    ``opt.optimizer`` is the torch optimizer over this rank's shards: give it to an LR
-    scheduler (``LambdaLR(opt.optimizer, ...)``; schedulers accept torch optimizers only).
-    It cannot take model parameters (``add_param_group`` refuses them: each is stepped
-    through its shard already).
+    ``opt.optimizer`` is the torch optimizer that steps this rank's shards: one group per
+    group of `param_groups` (their hyper-parameters copied over at every step), over 1-D
+    pieces of the flat parameter buffer (runs of one group's parameters inside this rank's
+    shard of a bucket). It cannot take model parameters (its ``add_param_group`` refuses
+    them: each is stepped through its shard already). Its ``state`` is the per-element
+    optimizer state; this optimizer's own ``state`` stays empty.
     ``torch.amp.GradScaler`` is not supported (its inf checks would be per shard, so the
     ranks could disagree on skipping a step): train in bfloat16 or float32.
 
@@ -87,6 +96,10 @@ class ShardedOptimizer:
             DataParallel.
         optimizer_class: An element-wise torch optimizer class (SGD, Adam, AdamW, Adamax,
             NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop, ASGD, or a subclass).
+        params: Parameters of `dp` or parameter groups (dicts with ``"params"`` and
+            per-group options), as a torch optimizer's first argument; None (the default)
+            puts every trainable parameter of `dp` in one group. A parameter in no group is
+            not stepped (its gradient is still averaged).
         **defaults: The optimizer's arguments (``lr``, ``weight_decay``, ...), checked by
             `optimizer_class` before anything moves: its error for an invalid one (a
             ValueError for a negative ``lr``, a TypeError for an unknown name) leaves `dp`
@@ -94,12 +107,17 @@ class ShardedOptimizer:
 
     Raises:
         TypeError: `dp` is not a `DataParallel`.
-        ValueError: `optimizer_class` is not an element-wise torch optimizer, or `dp`
-            already has a ShardedOptimizer.
+        ValueError: `optimizer_class` is not an element-wise torch optimizer, `dp` already
+            has a ShardedOptimizer, or `params` holds a tensor that is not a parameter of
+            `dp` (or one twice).
     """
 
     def __init__(
-        self, dp: DataParallel, optimizer_class: type[torch.optim.Optimizer], **defaults: Any
+        self,
+        dp: DataParallel,
+        optimizer_class: type[torch.optim.Optimizer],
+        params: Any = None,
+        **defaults: Any,
     ) -> None:
         if not isinstance(dp, DataParallel):
             raise TypeError(f"dp must be a flatgrad.DataParallel, got {type(dp).__name__}")
@@ -115,10 +133,25 @@ class ShardedOptimizer:
                 "dp already has a ShardedOptimizer (its buckets are reduce-scattered for that "
                 "one's shards); build one ShardedOptimizer per DataParallel"
             )
+        if params is None:
+            params = [p for p in dp.parameters() if p.requires_grad]
+        groups = _as_groups(params)
+        self._names = {id(p): name for name, p in dp.named_parameters()}
+        for group in groups:
+            for param in group["params"]:
+                if id(param) not in self._names:
+                    raise ValueError(
+                        "ShardedOptimizer's params must be parameters of dp (its model's), got a "
+                        f"tensor of shape {tuple(param.shape)} that is not one"
+                    )
         # The optimizer's arguments are checked before anything moves: a typo raises here
-        # and leaves dp and the model as they were.
+        # (a duplicate parameter in the groups just below) and leaves dp and the model as
+        # they were.
         probe = next(iter(dp.module._engine.refresh().buffers.values()))
-        optimizer_class([nn.Parameter(torch.zeros(1, dtype=probe.dtype, device=probe.device))], **defaults)
+        dummies = [nn.Parameter(probe.new_zeros(1)) for _ in groups]
+        checked = optimizer_class([dict(g, params=[d]) for g, d in zip(groups, dummies)], **defaults)
+        self._ready = False  # the inner optimizer exists (add_param_group gives it a group too)
+        super().__init__(groups, checked.defaults)
         self.dp = dp
         self.world_size = dp.world_size
         self.rank = dist.get_rank(dp.process_group)
@@ -128,34 +161,80 @@ class ShardedOptimizer:
         self._bucket_views = dp._engine.use_reduce_scatter(self._store)
         self._param_buffers = _flatten_parameters(self._store)
         self._shards = self._cut_shards()
-        self.optimizer = optimizer_class([s.param for s in self._shards], **defaults)
-        self._shard_ids = frozenset(id(s.param) for s in self._shards)
+        # Per group: this rank's pieces of its parameters (1-D views of the flat parameter
+        # buffer) and the same pieces of the gradient buffer.
+        self._pieces = [self._cut_pieces(group["params"]) for group in self.param_groups]
+        self.optimizer = optimizer_class(
+            [self._inner_group(group, pieces) for group, pieces in zip(self.param_groups, self._pieces)]
+        )
         # Model parameters given to the inner optimizer would be stepped twice (there and
         # through their shard): refused at the call. (An instance attribute: the optimizer
         # pickles and deep-copies by its state only.)
         self.optimizer.add_param_group = functools.partial(  # type: ignore[method-assign]
-            _add_shard_group, self.optimizer.add_param_group, self._shard_ids
+            _add_shard_group, self.optimizer.add_param_group, self._piece_ids
         )
+        self._held = self._group_signature()
+        self._ready = True
 
     def _cut_shards(self) -> list[_Shard]:
         shards = []
         for view, start in self._bucket_views:
             size = view.numel() // self.world_size
             params = self._param_buffers[(view.dtype, view.device)].narrow(0, start, view.numel())
-            shard = nn.Parameter(params.narrow(0, self.rank * size, size))  # shares the memory
+            shard = params.narrow(0, self.rank * size, size)  # shares the memory
             shards.append(_Shard(shard, view.narrow(0, self.rank * size, size), params))
         return shards
 
+    def _piece_ids(self) -> set[int]:
+        return {id(piece) for pieces in self._pieces for piece, _ in pieces}
+
     # --- the optimizer API ----------------------------------------------------------------
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's parameter groups (over this rank's shards).
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of `dp`'s parameters (not in a group yet), with its own options, as
+        torch's ``Optimizer.add_param_group``; the inner optimizer gets the matching group
+        over this rank's pieces of them.
 
-        Returns:
-            ``opt.optimizer.param_groups`` itself: setting a group's ``lr`` changes the step.
+        Args:
+            param_group: ``{"params": parameters of dp, **options}``; options not given take
+                the optimizer's defaults.
+
+        Raises:
+            ValueError: A parameter is not one of `dp`'s, is in a group already, or appears
+                twice (torch's own checks).
         """
-        return self.optimizer.param_groups
+        for param in _as_groups([param_group])[0]["params"]:
+            if id(param) not in self._names:
+                raise ValueError(
+                    "ShardedOptimizer's param groups hold parameters of dp only, got a tensor "
+                    f"of shape {tuple(param.shape)} that is not one"
+                )
+        super().add_param_group(param_group)
+        if self._ready:  # (torch's __init__ adds the first groups before the layout is made)
+            group = self.param_groups[-1]
+            pieces = self._cut_pieces(group["params"])
+            self._pieces.append(pieces)
+            torch.optim.Optimizer.add_param_group(self.optimizer, self._inner_group(group, pieces))
+            self._held = self._group_signature()
+
+    def _cut_pieces(self, params: list[torch.Tensor]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return _cut_pieces(
+            self._store, self._bucket_views, self._param_buffers, self.rank, self.world_size, params
+        )
+
+    @staticmethod
+    def _inner_group(
+        group: dict[str, Any], pieces: list[tuple[nn.Parameter, torch.Tensor]]
+    ) -> dict[str, Any]:
+        inner = {key: value for key, value in group.items() if key != "params"}
+        inner["params"] = [piece for piece, _ in pieces]
+        return inner
+
+    def _group_signature(self) -> list[tuple[int, int]]:
+        # The params lists themselves and their lengths: a list replaced or changed by hand
+        # (past add_param_group) shows here, at no cost per parameter.
+        groups = [*self.param_groups, *self.optimizer.param_groups]
+        return [(id(group["params"]), len(group["params"])) for group in groups]
 
     def _check_layout(self) -> None:
         # The full walk (a conversion between backward and step must raise here: the
@@ -168,16 +247,23 @@ class ShardedOptimizer:
                 "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"
             )
 
-    def _check_inner(self) -> None:
-        # A parameter put into the inner optimizer's groups by hand (past add_param_group)
-        # would be stepped there and through its shard: a wrong update, so refused.
-        held = [id(p) for group in self.optimizer.param_groups for p in group["params"]]
-        if len(held) != len(self._shard_ids) or set(held) != self._shard_ids:
+    def _check_groups(self) -> None:
+        # A parameter put into a group by hand (past add_param_group) has no pieces, and one
+        # put into the inner optimizer would be stepped there and through its shard.
+        if self._group_signature() != self._held:
             raise RuntimeError(
-                "ShardedOptimizer's inner optimizer must hold exactly this rank's flat shards "
-                f"({len(self._shard_ids)} tensors), got {len(held)} tensors in its param_groups: "
-                "model parameters cannot be added to it (each is already stepped through its shard)"
+                "ShardedOptimizer's param_groups (and its inner optimizer's) were changed by "
+                "hand: add parameters with opt.add_param_group, which gives them their pieces "
+                "of this rank's shards; the inner optimizer holds those pieces only and cannot "
+                "take model parameters (each is already stepped through its shard)"
             )
+
+    def _sync_hyperparameters(self) -> None:
+        # Live param_groups: what a scheduler or the loop wrote reaches the inner groups.
+        for group, inner in zip(self.param_groups, self.optimizer.param_groups):
+            for key, value in group.items():
+                if key != "params":
+                    inner[key] = value
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's shards, then all-gather every bucket's parameters.
@@ -204,11 +290,13 @@ class ShardedOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self._check_layout()
-        self._check_inner()
+        self._check_groups()
         if all(p.grad is None for p in self._store.params):
             return loss  # every rank sees the same: a sync sets .grad alike on all
-        for shard in self._shards:
-            shard.param.grad = shard.grad
+        for pieces in self._pieces:
+            for piece, grad in pieces:
+                piece.grad = grad
+        self._sync_hyperparameters()
         self.optimizer.step()
         group = self.dp.process_group
         works = [
@@ -232,8 +320,9 @@ class ShardedOptimizer:
         if not set_to_none:
             unmark_scattered(self._store)  # plain zeroed slots (set_to_none=True left None)
         self.dp._engine.grads_cleared()
-        for shard in self._shards:
-            shard.param.grad = None
+        for pieces in self._pieces:
+            for piece, _ in pieces:
+                piece.grad = None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradient shards so that their global norm (the norm over every rank's
@@ -333,19 +422,79 @@ class ShardedOptimizer:
 
 
 def _add_shard_group(
-    add: Callable[[dict[str, Any]], None], shards: frozenset[int], group: dict[str, Any]
+    add: Callable[[dict[str, Any]], None], pieces: Callable[[], set[int]], group: dict[str, Any]
 ) -> None:
-    """The inner optimizer's `add_param_group`: only this rank's shards may go in (torch's
+    """The inner optimizer's `add_param_group`: only this rank's pieces may go in (torch's
     own checks the rest)."""
     params = group.get("params", ()) if isinstance(group, dict) else ()
     params = [params] if isinstance(params, torch.Tensor) else list(params)
-    if any(id(p) not in shards for p in params):
+    if any(id(p) not in pieces() for p in params):
         raise ValueError(
-            "ShardedOptimizer's inner optimizer holds this rank's flat shards only and cannot "
-            "take model parameters (they are stepped through their shards already, and would be "
-            "stepped twice); plan parameter groups when building the ShardedOptimizer"
+            "ShardedOptimizer's inner optimizer holds this rank's pieces of the flat shards only "
+            "and cannot take model parameters (they are stepped through their shards already, "
+            "and would be stepped twice); give them to ShardedOptimizer.add_param_group"
         )
     add(group)
+
+
+def _as_groups(params: Any) -> list[dict[str, Any]]:
+    """A torch optimizer's first argument as a list of groups, each with a list of params."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params must be an iterable of parameters or of parameter groups (dicts), got a "
+            "single tensor; pass [tensor]"
+        )
+    params = list(params)
+    if not params:
+        raise ValueError("ShardedOptimizer got an empty parameter list")
+    if not isinstance(params[0], dict):
+        params = [{"params": params}]
+    groups = []
+    for group in params:
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"a parameter group must be a dict with 'params', got {type(group).__name__}")
+        members = group["params"]
+        members = [members] if isinstance(members, torch.Tensor) else list(members)
+        groups.append(dict(group, params=members))
+    return groups
+
+
+def _cut_pieces(
+    store: Any,
+    bucket_views: list[tuple[torch.Tensor, int]],
+    param_buffers: dict[Any, torch.Tensor],
+    rank: int,
+    world_size: int,
+    params: list[torch.Tensor],
+) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """This rank's pieces of `params`: the runs of their slots (each slot with the padding
+    that follows it) inside this rank's shard of each bucket, as (parameter piece, gradient
+    piece), 1-D views of the flat parameter and gradient buffers."""
+    wanted = {id(p) for p in params}
+    runs: dict[Any, list[list[int]]] = {}
+    for key, buffer in store.buffers.items():
+        slots = sorted(
+            (store.slot(p)[1].offset, id(p) in wanted) for p in store.params if store.slot(p)[0] == key
+        )
+        merged: list[list[int]] = []
+        for i, (offset, mine) in enumerate(slots):
+            end = slots[i + 1][0] if i + 1 < len(slots) else buffer.numel()
+            if mine and merged and merged[-1][1] == offset:
+                merged[-1][1] = end
+            elif mine:
+                merged.append([offset, end])
+        runs[key] = merged
+    pieces = []
+    for view, start in bucket_views:
+        key = (view.dtype, view.device)
+        size = view.numel() // world_size
+        lo = start + rank * size
+        for a, b in runs[key]:
+            a, b = max(a, lo), min(b, lo + size)
+            if a < b:
+                piece = nn.Parameter(param_buffers[key].narrow(0, a, b - a))
+                pieces.append((piece, store.buffers[key].narrow(0, a, b - a)))
+    return pieces
 
 
 def _saved_layout(state_dict: Any) -> tuple[Any, Any, Any] | None:

@@ -295,9 +295,15 @@ def _param_group_worker(rank: int, world_size: int) -> None:
     model, flat, dp, opt = _build(rank)
     ref, ref_opt = _stock(model)
     no_decay = [model.norm.weight, model.norm.bias]
-    with pytest.raises(ValueError, match="holds this rank's flat shards only and cannot take model param"):
+    with pytest.raises(
+        ValueError, match="inner optimizer holds this rank's pieces .* cannot take model param"
+    ):
         opt.optimizer.add_param_group({"params": no_decay, "weight_decay": 0.0})
-    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match="appear in more than one parameter group"):  # torch's check
+        opt.add_param_group({"params": no_decay, "weight_decay": 0.0})
+    with pytest.raises(ValueError, match="parameters of dp only"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    assert len(opt.param_groups) == 1 and len(opt.optimizer.param_groups) == 1
     for bad in (0.0, -1.0, float("-inf"), float("nan")):  # checked before any collective
         with pytest.raises(ValueError, match="norm_type must be positive or inf"):
             opt.clip_grad_norm_(1.0, norm_type=bad)
@@ -309,15 +315,100 @@ def _param_group_worker(rank: int, world_size: int) -> None:
         opt.step()
         ref_opt.step()
     _assert_params_close(model, ref)
-    opt.param_groups[0]["params"].append(model.norm.weight)  # past add_param_group
-    with pytest.raises(RuntimeError, match="inner optimizer must hold exactly this rank's flat shards"):
+    opt.param_groups[0]["params"].append(nn.Parameter(torch.zeros(2)))  # past add_param_group
+    with pytest.raises(RuntimeError, match="were changed by hand: add parameters with opt.add_param_group"):
         opt.step()
 
 
 def test_model_parameters_are_refused_by_the_inner_optimizer():
     """A model parameter in the inner optimizer would be stepped there and again through
-    its shard: add_param_group raises at the call, and step() refuses one put in by hand."""
+    its shard: add_param_group raises at the call, and step() refuses a group changed by
+    hand."""
     run_ranks(_param_group_worker, timeout=90)
+
+
+def _decay_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """nanoGPT's groups: weight decay on matrices only, the rest with its own lr."""
+    params = _trainable(model)
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 0.02},
+    ]
+
+
+def _groups_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    dp = flatgrad.DataParallel(flat, bucket_mb=0.002)  # buckets hold parameters of both groups
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, _decay_groups(model), lr=0.05, betas=(0.8, 0.9))
+    ref_opt = torch.optim.AdamW(_decay_groups(ref.module), lr=0.05, betas=(0.8, 0.9))
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert [g["lr"] for g in opt.param_groups] == [0.05, 0.02]
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9)  # the defaults fill every group
+    kinds = [{p.dim() >= 2 for p in bucket.params} for bucket in dp._engine._buckets]
+    assert {True, False} in kinds, "a bucket should hold parameters of both groups"
+    schedules = []
+    for optimizer in (opt, ref_opt):
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+        schedules.append(warmup)
+    for step in range(6):
+        for optimizer, module in ((opt, dp), (ref_opt, ref)):
+            optimizer.zero_grad()
+            use_branch = not (rank == 1 and step % 3 == 1)
+            with module.no_sync():
+                module(_tokens(rank, step, 1), use_branch).backward()
+            module(_tokens(rank, step), use_branch).backward()
+        norm = opt.clip_grad_norm_(0.5)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        torch.testing.assert_close(norm, ref_norm, **TOL)
+        if step == 4:  # a loop writing the lr by hand (nanoGPT's cosine schedule does)
+            for optimizer in (opt, ref_opt):
+                for group in optimizer.param_groups:
+                    group["lr"] *= 0.5
+        opt.step()
+        ref_opt.step()
+        for schedule in schedules:
+            schedule.step()
+        _assert_params_close(model, ref)
+    assert opt.param_groups[1]["lr"] == ref_opt.param_groups[1]["lr"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_param_groups_and_a_scheduler_equal_stock(world_size):
+    """Decay/no-decay groups with their own lr, LambdaLR warm-up, an lr written by hand,
+    clipping, accumulation under no_sync and a branch unused on one rank: parameters equal
+    DDP + torch.optim.AdamW with the same groups and schedule, on 2 and 3 ranks."""
+    run_ranks(_groups_worker, world_size=world_size, timeout=120)
+
+
+def _add_group_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    dp = flatgrad.DataParallel(flat, bucket_mb=0.002)
+    first, second = _decay_groups(model)
+    ref_first, ref_second = _decay_groups(ref.module)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, [first], lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD([ref_first], lr=0.1, momentum=0.9)
+    for step in range(4):
+        if step == 2:  # a group added mid-run (unfreezing schedules do this)
+            opt.add_param_group(second)
+            ref_opt.add_param_group(ref_second)
+        for optimizer, module in ((opt, dp), (ref_opt, ref)):
+            optimizer.zero_grad()
+            module(_tokens(rank, step)).backward()
+            optimizer.step()
+        _assert_params_close(model, ref)
+
+
+def test_a_param_group_added_later_and_parameters_in_no_group_equal_stock():
+    """Until step 2 only the matrices are stepped (the rest in no group: averaged, never
+    stepped, as stock); then add_param_group adds the others with their own lr."""
+    run_ranks(_add_group_worker, timeout=90)
 
 
 def _closure(module: nn.Module, zero_grad: Callable[[], None], tokens: torch.Tensor) -> Callable[..., Any]:
