@@ -32,6 +32,7 @@ __all__ = [
     "in_compiled_autograd",
     "preserve_version_counter",
     "queue_callback",
+    "sharded_tensor",
     "swap_tensor_code",
     "tree_leaves",
     "unwrap_if_dead",
@@ -124,3 +125,43 @@ def broadcast_coalesced(
     """DDP's own coalesced broadcast of `tensors` from `src`, in pieces of `bucket_bytes`."""
     group = process_group or dist.distributed_c10d._get_default_group()
     dist._broadcast_coalesced(group, tensors, bucket_bytes, src)  # type: ignore[attr-defined]
+
+
+# --- torch.distributed.checkpoint ---------------------------------------------------------
+
+
+def sharded_tensor(
+    local: list[torch.Tensor],
+    chunks: list[Any],
+    numel: int,
+    dtype: torch.dtype,
+    global_ranks: tuple[int, ...],
+    process_group: dist.ProcessGroup | None,
+) -> Any:
+    """A 1-D ShardedTensor of `numel` elements whose shards are `chunks` (each with `rank`,
+    `offset`, `numel`), `local` (views, not copies) this rank's, in the order of its chunks;
+    built from metadata every rank computes alike, with no communication.
+    ``torch.distributed.checkpoint`` saves and loads its shards in place and reshards it
+    (checked on torch 2.4-2.13; torch marks ShardedTensor deprecated in favour of DTensor,
+    which cannot express uneven shards at arbitrary offsets, and warns about it once)."""
+    import warnings
+
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    device = local[0].device if local else torch.device("cpu")
+    metadata = [
+        ShardMetadata([chunk.offset], [chunk.numel], f"rank:{global_ranks[chunk.rank]}/{device}")
+        for chunk in chunks
+    ]
+    rank = dist.get_rank(process_group)
+    mine = [meta for chunk, meta in zip(chunks, metadata) if chunk.rank == rank]
+    properties = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            [Shard(tensor, meta) for tensor, meta in zip(local, mine)],
+            ShardedTensorMetadata(metadata, torch.Size([numel]), properties),
+            process_group=process_group,
+        )

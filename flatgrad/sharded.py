@@ -34,6 +34,16 @@ import torch.distributed as dist
 from torch import nn
 
 from flatgrad import _norms
+from flatgrad._checkpoint import (
+    Layout,
+    Piece,
+    cut_pieces,
+    load_parameter_state,
+    missing_state,
+    parameter_state,
+    piece_states,
+    state_spec,
+)
 from flatgrad._scattered import unguarded, unmark_scattered
 from flatgrad.comm import all_gather_flat
 from flatgrad.parallel import DataParallel
@@ -164,6 +174,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Per group: this rank's pieces of its parameters (1-D views of the flat parameter
         # buffer) and the same pieces of the gradient buffer.
         self._pieces = [self._cut_pieces(group["params"]) for group in self.param_groups]
+        self._layout = self._chunk_layout()
+        self._stepped = [False] * len(self.param_groups)  # whether each group has state
         self.optimizer = optimizer_class(
             [self._inner_group(group, pieces) for group, pieces in zip(self.param_groups, self._pieces)]
         )
@@ -186,7 +198,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return shards
 
     def _piece_ids(self) -> set[int]:
-        return {id(piece) for pieces in self._pieces for piece, _ in pieces}
+        return {id(piece.param) for pieces in self._pieces for piece in pieces}
 
     # --- the optimizer API ----------------------------------------------------------------
 
@@ -214,20 +226,40 @@ class ShardedOptimizer(torch.optim.Optimizer):
             group = self.param_groups[-1]
             pieces = self._cut_pieces(group["params"])
             self._pieces.append(pieces)
+            self._stepped.append(False)
             torch.optim.Optimizer.add_param_group(self.optimizer, self._inner_group(group, pieces))
             self._held = self._group_signature()
 
-    def _cut_pieces(self, params: list[torch.Tensor]) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        return _cut_pieces(
+    def _cut_pieces(self, params: list[torch.Tensor]) -> list[Piece]:
+        pieces = cut_pieces(
             self._store, self._bucket_views, self._param_buffers, self.rank, self.world_size, params
         )
+        held = [p for p in params if p in self._store]
+        if not pieces and held:
+            # No element of the group in this rank's shards: an empty piece steps along, so
+            # this rank keeps the group's scalar state (step counts) like every other rank.
+            empty = held[0].new_empty(0)
+            pieces.append(Piece(nn.Parameter(empty), empty, (empty.dtype, empty.device), 0))
+        return pieces
+
+    def _chunk_layout(self) -> Layout:
+        buckets: dict[Any, list[tuple[int, int]]] = {}
+        for view, start in self._bucket_views:
+            buckets.setdefault((view.dtype, view.device), []).append((start, view.numel()))
+        slots = {}
+        for param in self._store.params:
+            key, slot = self._store.slot(param)
+            slots[id(param)] = (key, slot.offset, slot.numel)
+        group = self.dp.process_group
+        ranks = tuple(
+            dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)
+        )
+        return Layout(self.world_size, self.rank, ranks, buckets, slots)
 
     @staticmethod
-    def _inner_group(
-        group: dict[str, Any], pieces: list[tuple[nn.Parameter, torch.Tensor]]
-    ) -> dict[str, Any]:
-        inner = {key: value for key, value in group.items() if key != "params"}
-        inner["params"] = [piece for piece, _ in pieces]
+    def _inner_group(group: dict[str, Any], pieces: list[Piece]) -> dict[str, Any]:
+        inner = _options(group)
+        inner["params"] = [piece.param for piece in pieces]
         return inner
 
     def _group_signature(self) -> list[tuple[int, int]]:
@@ -261,9 +293,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _sync_hyperparameters(self) -> None:
         # Live param_groups: what a scheduler or the loop wrote reaches the inner groups.
         for group, inner in zip(self.param_groups, self.optimizer.param_groups):
-            for key, value in group.items():
-                if key != "params":
-                    inner[key] = value
+            inner.update(_options(group))
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's shards, then all-gather every bucket's parameters.
@@ -294,10 +324,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if all(p.grad is None for p in self._store.params):
             return loss  # every rank sees the same: a sync sets .grad alike on all
         for pieces in self._pieces:
-            for piece, grad in pieces:
-                piece.grad = grad
+            for piece in pieces:
+                piece.param.grad = piece.grad
         self._sync_hyperparameters()
         self.optimizer.step()
+        self._stepped = [True] * len(self._stepped)
         group = self.dp.process_group
         works = [
             all_gather_flat(s.bucket, s.param.detach(), group=group, async_op=True) for s in self._shards
@@ -321,8 +352,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             unmark_scattered(self._store)  # plain zeroed slots (set_to_none=True left None)
         self.dp._engine.grads_cleared()
         for pieces in self._pieces:
-            for piece, _ in pieces:
-                piece.grad = None
+            for piece in pieces:
+                piece.param.grad = None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradient shards so that their global norm (the norm over every rank's
@@ -361,51 +392,100 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return total.to(dtype)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state (its shards) and the layout it belongs to.
+        """The optimizer state per parameter, keyed by the plain parameter names, in a form
+        that does not depend on the world size (`flatgrad._checkpoint`): per-element states
+        are ShardedTensors over every rank's pieces (this rank's shards are views of its
+        state), so ``torch.distributed.checkpoint`` saves ``{"optim": opt}`` in place and
+        loads it on another world size or bucket size. Every rank must call it together with
+        the others only under torch.distributed.checkpoint; alone it communicates nothing.
 
         Returns:
-            ``{"optimizer": the inner optimizer's state_dict(), "world_size": ..., "rank": ...,
-            "shard_numels": [elements of each shard]}``.
+            ``{"state": {name: {key: value}}, "param_groups": [{**options, "params":
+            [names]}], "stepped": [whether each group has stepped]}``.
         """
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "shard_numels": [s.param.numel() for s in self._shards],
-        }
+        state: dict[str, Any] = {}
+        groups = []
+        for group, pieces in zip(self.param_groups, self._pieces):
+            params = self._named(group)
+            groups.append({**_options(group), "params": [name for name, _ in params]})
+            if not params:
+                continue
+            spec = state_spec(type(self.optimizer), _options(group), params[0][1])
+            states = piece_states(pieces, self.optimizer.state, spec)
+            state.update(parameter_state(self._layout, params, pieces, states, spec, self.dp.process_group))
+        return {"state": state, "param_groups": groups, "stepped": list(self._stepped)}
+
+    def _named(self, group: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+        return [(self._names[id(p)], p) for p in group["params"] if id(p) in self._layout.slots]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from `state_dict`, saved by this rank (same world size and model): every
-        rank saves and loads its own (a file per rank). Checked on every rank together
-        (one small all-reduce), so a state from another rank raises the same error on
-        every rank instead of on that one alone (the others would hang or die later).
+        """Resume from `state_dict` (what `state_dict` gave, on any world size, through
+        ``torch.distributed.checkpoint``; or this rank's own, ``torch.save``-d, on the same
+        world size and buckets). Checked on every rank together (one small all-reduce), so a
+        state that does not fit raises the same error on every rank, and none loads it.
+        The groups' options (``lr``, ...) are the saved ones afterwards, as with torch's
+        optimizers.
 
         Args:
-            state_dict: What `state_dict` returned on this rank, with the same world size and
-                model.
+            state_dict: A ShardedOptimizer `state_dict` of the same model and parameter groups.
 
         Raises:
-            ValueError: On every rank, when any rank's `state_dict` is not a
-                ShardedOptimizer state or was saved with another world size, rank or shard
-                sizes (another model or bucket_mb); re-sharding is not supported. Also
-                whatever the inner optimizer's `load_state_dict` raises.
+            ValueError: On every rank, when any rank's `state_dict` is not a ShardedOptimizer
+                state, has other parameter groups, or lacks state this rank needs (a file of
+                another rank or world size loaded without torch.distributed.checkpoint).
         """
-        ours = (self.world_size, self.rank, [s.param.numel() for s in self._shards])
-        saved = _saved_layout(state_dict)
+        problem = self._misfit(state_dict)
         flags = torch.zeros(self.world_size, dtype=torch.int32, device=self._shards[0].param.device)
-        flags[self.rank] = int(saved != ours)
+        flags[self.rank] = int(problem is not None)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp.process_group)
         wrong = [rank for rank, flag in enumerate(flags.tolist()) if flag]
         if wrong:
-            mine = "" if saved == ours else f" (this rank {self.rank}: {_layout_mismatch(saved, ours)})"
+            mine = f" (this rank {self.rank}: {problem})" if problem is not None else ""
             raise ValueError(
-                "ShardedOptimizer state must come from the same world size, rank and model: the "
-                f"state given to rank(s) {wrong} does not match{mine}; each rank must save and "
-                "load its own shard state (a file per rank, e.g. "
-                "torch.save(opt.state_dict(), f'optim_rank{rank}.pt') on every rank); "
-                "re-sharding a ZeRO-1 state is not supported"
+                f"ShardedOptimizer state given to rank(s) {wrong} does not fit{mine}; save and load "
+                "it with torch.distributed.checkpoint (dcp.save({'optim': opt}, ...), any world "
+                "size), or torch.save each rank's own state and load it on that rank"
             )
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        for index, (group, pieces) in enumerate(zip(self.param_groups, self._pieces)):
+            group.update(_options(state_dict["param_groups"][index]))
+            self._load_group(group, pieces, state_dict["state"], bool(state_dict["stepped"][index]))
+        self._stepped = [bool(flag) for flag in state_dict["stepped"]]
+
+    def _misfit(self, state_dict: Any) -> str | None:
+        """What keeps `state_dict` from loading on this rank; None when it fits."""
+        if not isinstance(state_dict, dict) or not {"state", "param_groups", "stepped"} <= state_dict.keys():
+            return "not a ShardedOptimizer.state_dict()"
+        saved = state_dict["param_groups"]
+        ours = [[name for name, _ in self._named(group)] for group in self.param_groups]
+        if len(saved) != len(ours) or any(list(s.get("params", ())) != o for s, o in zip(saved, ours)):
+            return "its parameter groups hold other parameters (another model or grouping)"
+        for group, stepped in zip(self.param_groups, state_dict["stepped"]):
+            params = self._named(group)
+            if stepped and params:
+                spec = state_spec(type(self.optimizer), _options(group), params[0][1])
+                missing = missing_state(self._layout, params, state_dict["state"], spec)
+                if missing:
+                    return f"no state for {missing[:4]}"
+        return None
+
+    def _load_group(
+        self, group: dict[str, Any], pieces: list[Piece], saved: dict[str, Any], stepped: bool
+    ) -> None:
+        params = self._named(group)
+        if not params or not pieces:
+            return
+        if not stepped:  # the saved group had no state yet: as a fresh optimizer's
+            fresh = type(self.optimizer)([_options(group) | {"params": [p.param for p in pieces]}])
+            for piece in pieces:
+                self.optimizer.state.pop(piece.param, None)
+                if fresh.state.get(piece.param):
+                    self.optimizer.state[piece.param] = fresh.state[piece.param]
+            return
+        spec = state_spec(type(self.optimizer), _options(group), params[0][1])
+        states = piece_states(pieces, self.optimizer.state, spec)
+        load_parameter_state(self._layout, params, saved, pieces, states, spec)
+        for piece, state in zip(pieces, states):
+            self.optimizer.state[piece.param] = state
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank.
@@ -459,58 +539,9 @@ def _as_groups(params: Any) -> list[dict[str, Any]]:
     return groups
 
 
-def _cut_pieces(
-    store: Any,
-    bucket_views: list[tuple[torch.Tensor, int]],
-    param_buffers: dict[Any, torch.Tensor],
-    rank: int,
-    world_size: int,
-    params: list[torch.Tensor],
-) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    """This rank's pieces of `params`: the runs of their slots (each slot with the padding
-    that follows it) inside this rank's shard of each bucket, as (parameter piece, gradient
-    piece), 1-D views of the flat parameter and gradient buffers."""
-    wanted = {id(p) for p in params}
-    runs: dict[Any, list[list[int]]] = {}
-    for key, buffer in store.buffers.items():
-        slots = sorted(
-            (store.slot(p)[1].offset, id(p) in wanted) for p in store.params if store.slot(p)[0] == key
-        )
-        merged: list[list[int]] = []
-        for i, (offset, mine) in enumerate(slots):
-            end = slots[i + 1][0] if i + 1 < len(slots) else buffer.numel()
-            if mine and merged and merged[-1][1] == offset:
-                merged[-1][1] = end
-            elif mine:
-                merged.append([offset, end])
-        runs[key] = merged
-    pieces = []
-    for view, start in bucket_views:
-        key = (view.dtype, view.device)
-        size = view.numel() // world_size
-        lo = start + rank * size
-        for a, b in runs[key]:
-            a, b = max(a, lo), min(b, lo + size)
-            if a < b:
-                piece = nn.Parameter(param_buffers[key].narrow(0, a, b - a))
-                pieces.append((piece, store.buffers[key].narrow(0, a, b - a)))
-    return pieces
-
-
-def _saved_layout(state_dict: Any) -> tuple[Any, Any, Any] | None:
-    """(world_size, rank, shard sizes) a ShardedOptimizer state was saved with; None for
-    anything else."""
-    if not isinstance(state_dict, dict) or "optimizer" not in state_dict:
-        return None
-    return (state_dict.get("world_size"), state_dict.get("rank"), state_dict.get("shard_numels"))
-
-
-def _layout_mismatch(saved: tuple[Any, Any, Any] | None, ours: tuple[Any, Any, Any]) -> str:
-    if saved is None:
-        return "not a ShardedOptimizer.state_dict()"
-    if saved[:2] != ours[:2]:
-        return f"saved (world_size, rank) {saved[:2]}, this run {ours[:2]}"
-    return "the shard sizes differ: another model or bucket_mb"
+def _options(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's options (everything but its parameters)."""
+    return {key: value for key, value in group.items() if key != "params"}
 
 
 def _flatten_parameters(store: Any) -> dict[Any, torch.Tensor]:

@@ -1,0 +1,130 @@
+"""Resharding checkpoints: `torch.distributed.checkpoint` with `ShardedOptimizer` and
+`DataParallel`, saved on 2 gloo ranks and resumed on 1, 2 and 3.
+
+The oracle is the uninterrupted 2-rank run. The global batch is the same on every world
+size (6 sequences, split evenly), and each rank's loss is the mean over its equal share, so
+the averaged gradient is the same global mean on 1, 2 or 3 ranks; only the order of the
+additions differs, hence 1e-10 rather than bit equality (float64).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from conftest import ROUTE_ALL
+from dist_utils import run_ranks
+from test_parallel import _Net
+from torch import nn
+
+import flatgrad
+
+pytestmark = pytest.mark.distributed
+
+GLOBAL_BATCH = 6
+TOL = {"rtol": 1e-10, "atol": 1e-10}
+
+
+def _batch(rank: int, world_size: int, step: int) -> torch.Tensor:
+    tokens = torch.randint(0, 40, (GLOBAL_BATCH, 6), generator=torch.Generator().manual_seed(step))
+    share = GLOBAL_BATCH // world_size
+    return tokens[rank * share : (rank + 1) * share]
+
+
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 0.02},
+    ]
+
+
+def _setup(zero: bool) -> tuple[nn.Module, Any, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    model = _Net()
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.002)
+    if zero:
+        opt: torch.optim.Optimizer = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, _groups(model), lr=0.05)
+    else:
+        opt = torch.optim.AdamW(_groups(model), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
+    return model, dp, opt, sched
+
+
+def _train(dp: Any, opt: Any, sched: Any, rank: int, world_size: int, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        dp(_batch(rank, world_size, step)).backward()
+        if isinstance(opt, flatgrad.ShardedOptimizer):
+            opt.clip_grad_norm_(0.5)
+        else:
+            torch.nn.utils.clip_grad_norm_(dp.parameters(), 0.5)
+        opt.step()
+        sched.step()
+
+
+def _save_worker(rank: int, world_size: int, tmp: str, zero: bool) -> None:
+    model, dp, opt, sched = _setup(zero)
+    _train(dp, opt, sched, rank, world_size, range(2))
+    dcp.save({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
+    _train(dp, opt, sched, rank, world_size, range(2, 4))
+    if rank == 0:
+        final = {name: p.detach().tolist() for name, p in model.named_parameters()}
+        with open(f"{tmp}/final.json", "w") as file:
+            json.dump(final, file)
+
+
+def _resume_worker(rank: int, world_size: int, tmp: str, zero: bool) -> None:
+    model, dp, opt, sched = _setup(zero)
+    _train(dp, opt, sched, rank, world_size, range(1))  # state that the load must replace
+    dcp.load({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
+    assert sched.last_epoch == 2
+    _train(dp, opt, sched, rank, world_size, range(2, 4))
+    with open(f"{tmp}/final.json") as file:
+        final = json.load(file)
+    for name, p in model.named_parameters():
+        expected = torch.tensor(final[name], dtype=p.dtype)
+        torch.testing.assert_close(
+            p.detach(), expected, **TOL, msg=lambda m, n=name: f"{world_size} ranks {n}: {m}"
+        )
+    dist.barrier()
+
+
+@pytest.mark.parametrize("zero", [True, False], ids=["sharded", "dataparallel"])
+def test_a_checkpoint_from_2_ranks_resumes_on_1_2_and_3(tmp_path, zero):
+    """dcp.save({"model": dp, "optim": opt, "sched": sched}) on 2 ranks; dcp.load on 1, 2 and
+    3 ranks (ShardedOptimizer reshards its state; DataParallel with a plain AdamW keeps the
+    replicated state), then 2 more steps: the uninterrupted run's parameters."""
+    run_ranks(_save_worker, str(tmp_path), zero, world_size=2)
+    for world_size in (1, 2, 3):
+        run_ranks(_resume_worker, str(tmp_path), zero, world_size=world_size, timeout=150)
+
+
+def _fresh_worker(rank: int, world_size: int, tmp: str) -> None:
+    model, dp, opt, sched = _setup(True)
+    dcp.save({"optim": opt}, checkpoint_id=f"{tmp}/fresh")  # before any step
+    assert not opt.optimizer.state  # saving made no state
+    _train(dp, opt, sched, rank, world_size, range(1))
+    dcp.load({"optim": opt}, checkpoint_id=f"{tmp}/fresh")
+    assert not opt.optimizer.state  # as fresh: AdamW's first step again
+    after_load = [p.detach().clone() for p in model.parameters()]
+    _train(dp, opt, sched, rank, world_size, range(1, 2))
+    ref_model, ref_dp, ref_opt, ref_sched = _setup(True)
+    with torch.no_grad():
+        for p, q in zip(ref_model.parameters(), after_load):
+            p.copy_(q)
+    # (the load gave the groups their saved options: the first step's lr, as ref's now)
+    _train(ref_dp, ref_opt, ref_sched, rank, world_size, range(1, 2))
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_checkpoint_saved_before_the_first_step_resumes_fresh(tmp_path):
+    """An optimizer that has not stepped saves no state of its own making, and loading that
+    checkpoint into one that has stepped makes it fresh again (AdamW's bias correction
+    starts over), bit-identical to a new optimizer."""
+    run_ranks(_fresh_worker, str(tmp_path))
