@@ -41,43 +41,6 @@ class Piece:
     start: int  # offset in its flat buffer
 
 
-def cut_pieces(
-    store: Any,
-    bucket_views: list[tuple[torch.Tensor, int]],
-    param_buffers: dict[Any, torch.Tensor],
-    rank: int,
-    world_size: int,
-    params: list[torch.Tensor],
-) -> list[Piece]:
-    """This rank's pieces of `params`: the runs of their slots (each slot with the padding
-    that follows it) inside this rank's shard of each bucket."""
-    wanted = {id(p) for p in params}
-    runs: dict[Any, list[list[int]]] = {}
-    for key, buffer in store.buffers.items():
-        slots = sorted(
-            (store.slot(p)[1].offset, id(p) in wanted) for p in store.params if store.slot(p)[0] == key
-        )
-        merged: list[list[int]] = []
-        for i, (offset, mine) in enumerate(slots):
-            end = slots[i + 1][0] if i + 1 < len(slots) else buffer.numel()
-            if mine and merged and merged[-1][1] == offset:
-                merged[-1][1] = end
-            elif mine:
-                merged.append([offset, end])
-        runs[key] = merged
-    pieces = []
-    for view, start in bucket_views:
-        key = (view.dtype, view.device)
-        size = view.numel() // world_size
-        lo = start + rank * size
-        for a, b in runs[key]:
-            a, b = max(a, lo), min(b, lo + size)
-            if a < b:
-                piece = nn.Parameter(param_buffers[key].narrow(0, a, b - a))
-                pieces.append(Piece(piece, store.buffers[key].narrow(0, a, b - a), key, a))
-    return pieces
-
-
 @dataclass(frozen=True)
 class Chunk:
     """One rank's part of one parameter: `numel` elements from `offset` in the parameter
@@ -276,3 +239,74 @@ def _copy_chunk(target: torch.Tensor, chunk: Chunk, saved: Any, numel: int) -> N
             part = target.narrow(0, lo - chunk.offset, hi - lo)
             if part.data_ptr() != source.data_ptr():  # (loaded in place: the same memory)
                 part.copy_(source)
+
+
+# --- one optimizer's groups ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """One parameter group as the checkpoint sees it: its named parameters (those with a
+    slot), its options and this rank's pieces of it."""
+
+    params: list[tuple[str, torch.Tensor]]
+    options: dict[str, Any]
+    pieces: list[Piece]
+
+
+def optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    groups: list[GroupView],
+    stepped: list[bool],
+    layout: Layout,
+    process_group: dist.ProcessGroup | None,
+) -> dict[str, Any]:
+    """The per-parameter form of `optimizer`'s state over `groups` (see the module notes)."""
+    state: dict[str, Any] = {}
+    for group in groups:
+        if group.params:
+            spec = state_spec(type(optimizer), group.options, group.params[0][1])
+            states = piece_states(group.pieces, optimizer.state, spec)
+            state.update(parameter_state(layout, group.params, group.pieces, states, spec, process_group))
+    param_groups = [{**group.options, "params": [name for name, _ in group.params]} for group in groups]
+    return {"state": state, "param_groups": param_groups, "stepped": list(stepped)}
+
+
+def misfit(
+    optimizer_class: type[torch.optim.Optimizer], groups: list[GroupView], layout: Layout, saved: Any
+) -> str | None:
+    """What keeps `saved` from loading on this rank; None when it fits."""
+    if not isinstance(saved, dict) or not {"state", "param_groups", "stepped"} <= saved.keys():
+        return "not a ShardedOptimizer.state_dict()"
+    names = [[name for name, _ in group.params] for group in groups]
+    saved_names = [list(group.get("params", ())) for group in saved["param_groups"]]
+    if saved_names != names or len(saved["stepped"]) != len(groups):
+        return "its parameter groups hold other parameters (another model or grouping)"
+    for group, stepped in zip(groups, saved["stepped"]):
+        if stepped and group.params:
+            spec = state_spec(optimizer_class, group.options, group.params[0][1])
+            missing = missing_state(layout, group.params, saved["state"], spec)
+            if missing:
+                return f"no state for {missing[:4]}"
+    return None
+
+
+def load_group(
+    optimizer: torch.optim.Optimizer, group: GroupView, layout: Layout, saved: dict[str, Any], stepped: bool
+) -> None:
+    """Give `group`'s pieces their state from `saved` (which `misfit` accepted); a group
+    saved before it stepped gets a fresh optimizer's state."""
+    if not group.params or not group.pieces:
+        return
+    if not stepped:
+        fresh = type(optimizer)([dict(group.options, params=[p.param for p in group.pieces])])  # type: ignore[call-arg]
+        for piece in group.pieces:
+            optimizer.state.pop(piece.param, None)
+            if fresh.state.get(piece.param):
+                optimizer.state[piece.param] = fresh.state[piece.param]
+        return
+    spec = state_spec(type(optimizer), group.options, group.params[0][1])
+    states = piece_states(group.pieces, optimizer.state, spec)
+    load_parameter_state(layout, group.params, saved, group.pieces, states, spec)
+    for piece, state in zip(group.pieces, states):
+        optimizer.state[piece.param] = state

@@ -24,28 +24,16 @@ any rank is exact.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatgrad import _norms
-from flatgrad._checkpoint import (
-    Layout,
-    Piece,
-    cut_pieces,
-    load_parameter_state,
-    missing_state,
-    parameter_state,
-    piece_states,
-    state_spec,
-)
+from flatgrad._checkpoint import GroupView, Piece, load_group, misfit, optimizer_state
 from flatgrad._scattered import unguarded, unmark_scattered
-from flatgrad.comm import all_gather_flat
+from flatgrad._zero import ShardEngine, add_piece_group, as_groups, options
 from flatgrad.parallel import DataParallel
 
 # Optimizers whose update of an element depends only on that element (and scalars): they
@@ -63,13 +51,6 @@ _ELEMENTWISE = (
     torch.optim.Rprop,
     torch.optim.ASGD,
 )
-
-
-@dataclass(frozen=True)
-class _Shard:
-    param: torch.Tensor  # this rank's shard of a bucket of the flat parameter buffer
-    grad: torch.Tensor  # the same shard of the gradient bucket
-    bucket: torch.Tensor  # the whole bucket of the flat parameter buffer (all-gather output)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -145,7 +126,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         if params is None:
             params = [p for p in dp.parameters() if p.requires_grad]
-        groups = _as_groups(params)
+        groups = as_groups(params)
         self._names = {id(p): name for name, p in dp.named_parameters()}
         for group in groups:
             for param in group["params"]:
@@ -165,16 +146,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.dp = dp
         self.world_size = dp.world_size
         self.rank = dist.get_rank(dp.process_group)
-        flat = dp.module
         # slots on multiples of the world size: equal shards per bucket
-        self._store = flat._engine.use_slot_multiple(self.world_size)
-        self._bucket_views = dp._engine.use_reduce_scatter(self._store)
-        self._param_buffers = _flatten_parameters(self._store)
-        self._shards = self._cut_shards()
+        store = dp.module._engine.use_slot_multiple(self.world_size)
+        self._engine = ShardEngine(store, dp._engine.use_reduce_scatter(store), dp.process_group)
         # Per group: this rank's pieces of its parameters (1-D views of the flat parameter
         # buffer) and the same pieces of the gradient buffer.
-        self._pieces = [self._cut_pieces(group["params"]) for group in self.param_groups]
-        self._layout = self._chunk_layout()
+        self._pieces = [self._engine.pieces(group["params"]) for group in self.param_groups]
         self._stepped = [False] * len(self.param_groups)  # whether each group has state
         self.optimizer = optimizer_class(
             [self._inner_group(group, pieces) for group, pieces in zip(self.param_groups, self._pieces)]
@@ -183,19 +160,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # through their shard): refused at the call. (An instance attribute: the optimizer
         # pickles and deep-copies by its state only.)
         self.optimizer.add_param_group = functools.partial(  # type: ignore[method-assign]
-            _add_shard_group, self.optimizer.add_param_group, self._piece_ids
+            add_piece_group, self.optimizer.add_param_group, self._piece_ids
         )
         self._held = self._group_signature()
         self._ready = True
-
-    def _cut_shards(self) -> list[_Shard]:
-        shards = []
-        for view, start in self._bucket_views:
-            size = view.numel() // self.world_size
-            params = self._param_buffers[(view.dtype, view.device)].narrow(0, start, view.numel())
-            shard = params.narrow(0, self.rank * size, size)  # shares the memory
-            shards.append(_Shard(shard, view.narrow(0, self.rank * size, size), params))
-        return shards
 
     def _piece_ids(self) -> set[int]:
         return {id(piece.param) for pieces in self._pieces for piece in pieces}
@@ -215,7 +183,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ValueError: A parameter is not one of `dp`'s, is in a group already, or appears
                 twice (torch's own checks).
         """
-        for param in _as_groups([param_group])[0]["params"]:
+        for param in as_groups([param_group])[0]["params"]:
             if id(param) not in self._names:
                 raise ValueError(
                     "ShardedOptimizer's param groups hold parameters of dp only, got a tensor "
@@ -224,41 +192,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if self._ready:  # (torch's __init__ adds the first groups before the layout is made)
             group = self.param_groups[-1]
-            pieces = self._cut_pieces(group["params"])
+            pieces = self._engine.pieces(group["params"])
             self._pieces.append(pieces)
             self._stepped.append(False)
             torch.optim.Optimizer.add_param_group(self.optimizer, self._inner_group(group, pieces))
             self._held = self._group_signature()
 
-    def _cut_pieces(self, params: list[torch.Tensor]) -> list[Piece]:
-        pieces = cut_pieces(
-            self._store, self._bucket_views, self._param_buffers, self.rank, self.world_size, params
-        )
-        held = [p for p in params if p in self._store]
-        if not pieces and held:
-            # No element of the group in this rank's shards: an empty piece steps along, so
-            # this rank keeps the group's scalar state (step counts) like every other rank.
-            empty = held[0].new_empty(0)
-            pieces.append(Piece(nn.Parameter(empty), empty, (empty.dtype, empty.device), 0))
-        return pieces
-
-    def _chunk_layout(self) -> Layout:
-        buckets: dict[Any, list[tuple[int, int]]] = {}
-        for view, start in self._bucket_views:
-            buckets.setdefault((view.dtype, view.device), []).append((start, view.numel()))
-        slots = {}
-        for param in self._store.params:
-            key, slot = self._store.slot(param)
-            slots[id(param)] = (key, slot.offset, slot.numel)
-        group = self.dp.process_group
-        ranks = tuple(
-            dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)
-        )
-        return Layout(self.world_size, self.rank, ranks, buckets, slots)
-
     @staticmethod
     def _inner_group(group: dict[str, Any], pieces: list[Piece]) -> dict[str, Any]:
-        inner = _options(group)
+        inner = options(group)
         inner["params"] = [piece.param for piece in pieces]
         return inner
 
@@ -273,7 +215,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # parameters are views of the flat parameter buffer the all-gather refills).
         with unguarded():  # a change moves the reduce-scattered .grads (refused just below)
             store = self.dp.module._engine.refresh()
-        if store is not self._store:
+        if store is not self._engine.store:
             raise RuntimeError(
                 "the model's parameters changed (added, replaced, frozen, converted) after the "
                 "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"
@@ -293,7 +235,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _sync_hyperparameters(self) -> None:
         # Live param_groups: what a scheduler or the loop wrote reaches the inner groups.
         for group, inner in zip(self.param_groups, self.optimizer.param_groups):
-            inner.update(_options(group))
+            inner.update(options(group))
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's shards, then all-gather every bucket's parameters.
@@ -321,7 +263,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._check_layout()
         self._check_groups()
-        if all(p.grad is None for p in self._store.params):
+        if all(p.grad is None for p in self._engine.store.params):
             return loss  # every rank sees the same: a sync sets .grad alike on all
         for pieces in self._pieces:
             for piece in pieces:
@@ -329,12 +271,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         self.optimizer.step()
         self._stepped = [True] * len(self._stepped)
-        group = self.dp.process_group
-        works = [
-            all_gather_flat(s.bucket, s.param.detach(), group=group, async_op=True) for s in self._shards
-        ]
-        for work in works:
-            work.wait()
+        self._engine.gather()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -349,7 +286,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with unguarded():
             self.dp.module.zero_grad(set_to_none=set_to_none)
         if not set_to_none:
-            unmark_scattered(self._store)  # plain zeroed slots (set_to_none=True left None)
+            unmark_scattered(self._engine.store)  # plain zeroed slots (set_to_none=True left None)
         self.dp._engine.grads_cleared()
         for pieces in self._pieces:
             for piece in pieces:
@@ -374,22 +311,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if not norm_type > 0:  # (False for NaN too)
             raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
-        grads = [s.grad for s in self._shards]
-        device = grads[0].device
-        # float64 partial norms, accumulated in chunks (see flatgrad._norms)
-        norms = torch.stack([_norms.vector_norm(g, norm_type).to(device) for g in grads])
-        if math.isinf(norm_type):
-            total = norms.max()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.dp.process_group)
-        else:
-            total = norms.pow(norm_type).sum()
-            dist.all_reduce(total, group=self.dp.process_group)
-            total = total.pow(1.0 / norm_type)
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coef.to(grad.dtype))
-        dtype = functools.reduce(torch.promote_types, [_norms.norm_dtype(g.dtype) for g in grads])
-        return total.to(dtype)
+        return self._engine.clip(max_norm, norm_type)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state per parameter, keyed by the plain parameter names, in a form
@@ -403,20 +325,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ``{"state": {name: {key: value}}, "param_groups": [{**options, "params":
             [names]}], "stepped": [whether each group has stepped]}``.
         """
-        state: dict[str, Any] = {}
-        groups = []
-        for group, pieces in zip(self.param_groups, self._pieces):
-            params = self._named(group)
-            groups.append({**_options(group), "params": [name for name, _ in params]})
-            if not params:
-                continue
-            spec = state_spec(type(self.optimizer), _options(group), params[0][1])
-            states = piece_states(pieces, self.optimizer.state, spec)
-            state.update(parameter_state(self._layout, params, pieces, states, spec, self.dp.process_group))
-        return {"state": state, "param_groups": groups, "stepped": list(self._stepped)}
+        return optimizer_state(
+            self.optimizer, self._views(), self._stepped, self._engine.layout, self.dp.process_group
+        )
 
-    def _named(self, group: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-        return [(self._names[id(p)], p) for p in group["params"] if id(p) in self._layout.slots]
+    def _views(self) -> list[GroupView]:
+        slots = self._engine.layout.slots
+        return [
+            GroupView(
+                [(self._names[id(p)], p) for p in group["params"] if id(p) in slots], options(group), pieces
+            )
+            for group, pieces in zip(self.param_groups, self._pieces)
+        ]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from `state_dict` (what `state_dict` gave, on any world size, through
@@ -434,8 +354,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 state, has other parameter groups, or lacks state this rank needs (a file of
                 another rank or world size loaded without torch.distributed.checkpoint).
         """
-        problem = self._misfit(state_dict)
-        flags = torch.zeros(self.world_size, dtype=torch.int32, device=self._shards[0].param.device)
+        views = self._views()
+        problem = misfit(type(self.optimizer), views, self._engine.layout, state_dict)
+        flags = torch.zeros(self.world_size, dtype=torch.int32, device=self._engine.shards[0].param.device)
         flags[self.rank] = int(problem is not None)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp.process_group)
         wrong = [rank for rank, flag in enumerate(flags.tolist()) if flag]
@@ -446,46 +367,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "it with torch.distributed.checkpoint (dcp.save({'optim': opt}, ...), any world "
                 "size), or torch.save each rank's own state and load it on that rank"
             )
-        for index, (group, pieces) in enumerate(zip(self.param_groups, self._pieces)):
-            group.update(_options(state_dict["param_groups"][index]))
-            self._load_group(group, pieces, state_dict["state"], bool(state_dict["stepped"][index]))
+        for group, view, saved, stepped in zip(
+            self.param_groups, views, state_dict["param_groups"], state_dict["stepped"]
+        ):
+            group.update(options(saved))
+            load_group(self.optimizer, view, self._engine.layout, state_dict["state"], bool(stepped))
         self._stepped = [bool(flag) for flag in state_dict["stepped"]]
-
-    def _misfit(self, state_dict: Any) -> str | None:
-        """What keeps `state_dict` from loading on this rank; None when it fits."""
-        if not isinstance(state_dict, dict) or not {"state", "param_groups", "stepped"} <= state_dict.keys():
-            return "not a ShardedOptimizer.state_dict()"
-        saved = state_dict["param_groups"]
-        ours = [[name for name, _ in self._named(group)] for group in self.param_groups]
-        if len(saved) != len(ours) or any(list(s.get("params", ())) != o for s, o in zip(saved, ours)):
-            return "its parameter groups hold other parameters (another model or grouping)"
-        for group, stepped in zip(self.param_groups, state_dict["stepped"]):
-            params = self._named(group)
-            if stepped and params:
-                spec = state_spec(type(self.optimizer), _options(group), params[0][1])
-                missing = missing_state(self._layout, params, state_dict["state"], spec)
-                if missing:
-                    return f"no state for {missing[:4]}"
-        return None
-
-    def _load_group(
-        self, group: dict[str, Any], pieces: list[Piece], saved: dict[str, Any], stepped: bool
-    ) -> None:
-        params = self._named(group)
-        if not params or not pieces:
-            return
-        if not stepped:  # the saved group had no state yet: as a fresh optimizer's
-            fresh = type(self.optimizer)([_options(group) | {"params": [p.param for p in pieces]}])
-            for piece in pieces:
-                self.optimizer.state.pop(piece.param, None)
-                if fresh.state.get(piece.param):
-                    self.optimizer.state[piece.param] = fresh.state[piece.param]
-            return
-        spec = state_spec(type(self.optimizer), _options(group), params[0][1])
-        states = piece_states(pieces, self.optimizer.state, spec)
-        load_parameter_state(self._layout, params, saved, pieces, states, spec)
-        for piece, state in zip(pieces, states):
-            self.optimizer.state[piece.param] = state
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank.
@@ -499,60 +386,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for t in state.values()
             if isinstance(t, torch.Tensor)
         )
-
-
-def _add_shard_group(
-    add: Callable[[dict[str, Any]], None], pieces: Callable[[], set[int]], group: dict[str, Any]
-) -> None:
-    """The inner optimizer's `add_param_group`: only this rank's pieces may go in (torch's
-    own checks the rest)."""
-    params = group.get("params", ()) if isinstance(group, dict) else ()
-    params = [params] if isinstance(params, torch.Tensor) else list(params)
-    if any(id(p) not in pieces() for p in params):
-        raise ValueError(
-            "ShardedOptimizer's inner optimizer holds this rank's pieces of the flat shards only "
-            "and cannot take model parameters (they are stepped through their shards already, "
-            "and would be stepped twice); give them to ShardedOptimizer.add_param_group"
-        )
-    add(group)
-
-
-def _as_groups(params: Any) -> list[dict[str, Any]]:
-    """A torch optimizer's first argument as a list of groups, each with a list of params."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError(
-            "params must be an iterable of parameters or of parameter groups (dicts), got a "
-            "single tensor; pass [tensor]"
-        )
-    params = list(params)
-    if not params:
-        raise ValueError("ShardedOptimizer got an empty parameter list")
-    if not isinstance(params[0], dict):
-        params = [{"params": params}]
-    groups = []
-    for group in params:
-        if not isinstance(group, dict) or "params" not in group:
-            raise TypeError(f"a parameter group must be a dict with 'params', got {type(group).__name__}")
-        members = group["params"]
-        members = [members] if isinstance(members, torch.Tensor) else list(members)
-        groups.append(dict(group, params=members))
-    return groups
-
-
-def _options(group: dict[str, Any]) -> dict[str, Any]:
-    """A parameter group's options (everything but its parameters)."""
-    return {key: value for key, value in group.items() if key != "params"}
-
-
-def _flatten_parameters(store: Any) -> dict[Any, torch.Tensor]:
-    """Flat parameter buffers with the gradient buffers' layout; every parameter becomes a
-    view of its slot (same shape, strides and values)."""
-    buffers = {key: torch.zeros_like(grad) for key, grad in store.buffers.items()}
-    with torch.no_grad():
-        for param in store.params:
-            key, slot = store.slot(param)
-            buffer = buffers[key]
-            view = buffer.as_strided(slot.shape, slot.stride, buffer.storage_offset() + slot.offset)
-            view.copy_(param)
-            param.data = view
-    return buffers

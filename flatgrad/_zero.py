@@ -1,0 +1,201 @@
+"""`ShardEngine`: this rank's part of ZeRO-1 over DataParallel's buckets (see
+`flatgrad.sharded`): the flat parameter buffers, each bucket's shard, the pieces the inner
+optimizer steps, the clip over shards and the parameter all-gather; and the helpers that
+turn a torch optimizer's parameter groups into groups over pieces."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatgrad import _norms
+from flatgrad._checkpoint import Layout, Piece
+from flatgrad.buffer import GradStore
+from flatgrad.comm import all_gather_flat
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's shard of one bucket."""
+
+    param: torch.Tensor  # of the flat parameter buffer
+    grad: torch.Tensor  # the same elements of the gradient buffer
+    bucket: torch.Tensor  # the whole bucket of the flat parameter buffer (all-gather output)
+
+
+class ShardEngine:
+    """The flat parameter buffers laid out like `store`'s gradient buffers (every parameter
+    becomes a view of its slot), and this rank's shard of each bucket of them."""
+
+    def __init__(
+        self,
+        store: GradStore,
+        bucket_views: list[tuple[torch.Tensor, int]],
+        process_group: dist.ProcessGroup | None,
+    ) -> None:
+        self.store = store
+        self.bucket_views = bucket_views  # (gradient bucket view, offset in its flat buffer)
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.param_buffers = _flatten_parameters(store)
+        self.shards = self._cut_shards()
+        self.layout = self._chunk_layout()
+
+    def _cut_shards(self) -> list[Shard]:
+        shards = []
+        for view, start in self.bucket_views:
+            size = view.numel() // self.world_size
+            params = self.param_buffers[(view.dtype, view.device)].narrow(0, start, view.numel())
+            shard = params.narrow(0, self.rank * size, size)  # shares the memory
+            shards.append(Shard(shard, view.narrow(0, self.rank * size, size), params))
+        return shards
+
+    def _chunk_layout(self) -> Layout:
+        buckets: dict[Any, list[tuple[int, int]]] = {}
+        for view, start in self.bucket_views:
+            buckets.setdefault((view.dtype, view.device), []).append((start, view.numel()))
+        slots = {}
+        for param in self.store.params:
+            key, slot = self.store.slot(param)
+            slots[id(param)] = (key, slot.offset, slot.numel)
+        group = self.process_group
+        ranks = tuple(
+            dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)
+        )
+        return Layout(self.world_size, self.rank, ranks, buckets, slots)
+
+    def pieces(self, params: list[torch.Tensor]) -> list[Piece]:
+        """This rank's pieces of `params`: the runs of their slots (each slot with the
+        padding that follows it) inside this rank's shard of each bucket."""
+        runs = {key: _runs(self.store, key, {id(p) for p in params}) for key in self.store.buffers}
+        pieces = []
+        for view, start in self.bucket_views:
+            key = (view.dtype, view.device)
+            size = view.numel() // self.world_size
+            lo = start + self.rank * size
+            for a, b in runs[key]:
+                a, b = max(a, lo), min(b, lo + size)
+                if a < b:
+                    piece = nn.Parameter(self.param_buffers[key].narrow(0, a, b - a))
+                    pieces.append(Piece(piece, self.store.buffers[key].narrow(0, a, b - a), key, a))
+        held = [p for p in params if p in self.store]
+        if not pieces and held:
+            # No element of the group in this rank's shards: an empty piece steps along, so
+            # this rank keeps the group's scalar state (step counts) like every other rank.
+            empty = held[0].new_empty(0)
+            pieces.append(Piece(nn.Parameter(empty), empty, (empty.dtype, empty.device), 0))
+        return pieces
+
+    def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Scale the gradient shards to a global norm of at most `max_norm`; returns the
+        global norm before (one scalar all-reduce)."""
+        grads = [s.grad for s in self.shards]
+        device = grads[0].device
+        # float64 partial norms, accumulated in chunks (see flatgrad._norms)
+        norms = torch.stack([_norms.vector_norm(g, norm_type).to(device) for g in grads])
+        if math.isinf(norm_type):
+            total = norms.max()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
+        else:
+            total = norms.pow(norm_type).sum()
+            dist.all_reduce(total, group=self.process_group)
+            total = total.pow(1.0 / norm_type)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coef.to(grad.dtype))
+        dtype = functools.reduce(torch.promote_types, [_norms.norm_dtype(g.dtype) for g in grads])
+        return total.to(dtype)
+
+    def gather(self) -> None:
+        """All-gather every bucket's parameters from the ranks' updated shards."""
+        works = [
+            all_gather_flat(s.bucket, s.param.detach(), group=self.process_group, async_op=True)
+            for s in self.shards
+        ]
+        for work in works:
+            work.wait()
+
+
+def _runs(store: GradStore, key: Any, wanted: set[int]) -> list[list[int]]:
+    """[start, end) runs of the wanted parameters' slots in `key`'s buffer, each slot with
+    the padding after it."""
+    slots = sorted(
+        (store.slot(p)[1].offset, id(p) in wanted) for p in store.params if store.slot(p)[0] == key
+    )
+    end_of_buffer = store.buffers[key].numel()
+    merged: list[list[int]] = []
+    for i, (offset, mine) in enumerate(slots):
+        end = slots[i + 1][0] if i + 1 < len(slots) else end_of_buffer
+        if mine and merged and merged[-1][1] == offset:
+            merged[-1][1] = end
+        elif mine:
+            merged.append([offset, end])
+    return merged
+
+
+def _flatten_parameters(store: GradStore) -> dict[Any, torch.Tensor]:
+    """Flat parameter buffers with the gradient buffers' layout; every parameter becomes a
+    view of its slot (same shape, strides and values)."""
+    buffers = {key: torch.zeros_like(grad) for key, grad in store.buffers.items()}
+    with torch.no_grad():
+        for param in store.params:
+            key, slot = store.slot(param)
+            buffer = buffers[key]
+            view = buffer.as_strided(slot.shape, slot.stride, buffer.storage_offset() + slot.offset)
+            view.copy_(param)
+            param.data = view
+    return buffers
+
+
+# --- parameter groups -------------------------------------------------------------------------
+
+
+def as_groups(params: Any) -> list[dict[str, Any]]:
+    """A torch optimizer's first argument as a list of groups, each with a list of params."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params must be an iterable of parameters or of parameter groups (dicts), got a "
+            "single tensor; pass [tensor]"
+        )
+    params = list(params)
+    if not params:
+        raise ValueError("ShardedOptimizer got an empty parameter list")
+    if not isinstance(params[0], dict):
+        params = [{"params": params}]
+    groups = []
+    for group in params:
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"a parameter group must be a dict with 'params', got {type(group).__name__}")
+        members = group["params"]
+        members = [members] if isinstance(members, torch.Tensor) else list(members)
+        groups.append(dict(group, params=members))
+    return groups
+
+
+def options(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's options (everything but its parameters)."""
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def add_piece_group(
+    add: Callable[[dict[str, Any]], None], pieces: Callable[[], set[int]], group: dict[str, Any]
+) -> None:
+    """The inner optimizer's `add_param_group`: only this rank's pieces may go in (torch's
+    own checks the rest)."""
+    params = group.get("params", ()) if isinstance(group, dict) else ()
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    if any(id(p) not in pieces() for p in params):
+        raise ValueError(
+            "ShardedOptimizer's inner optimizer holds this rank's pieces of the flat shards only "
+            "and cannot take model parameters (they are stepped through their shards already, "
+            "and would be stepped twice); give them to ShardedOptimizer.add_param_group"
+        )
+    add(group)
