@@ -32,6 +32,7 @@ __all__ = [
     "in_compiled_autograd",
     "preserve_version_counter",
     "queue_callback",
+    "register_load_pre_hook",
     "sharded_tensor",
     "swap_tensor_code",
     "tree_leaves",
@@ -125,6 +126,19 @@ def broadcast_coalesced(
     """DDP's own coalesced broadcast of `tensors` from `src`, in pieces of `bucket_bytes`."""
     group = process_group or dist.distributed_c10d._get_default_group()
     dist._broadcast_coalesced(group, tensors, bucket_bytes, src)  # type: ignore[attr-defined]
+
+
+# --- nn.Module ----------------------------------------------------------------------------
+
+
+def register_load_pre_hook(module: torch.nn.Module, hook: Callable[..., None]) -> Any:
+    """`hook` runs before `module.load_state_dict` loads anything (public from torch 2.5;
+    the private registration before, whose hook is not given the module: `hook` must take
+    any positional arguments)."""
+    register = getattr(module, "register_load_state_dict_pre_hook", None)
+    if register is None:
+        register = module._register_load_state_dict_pre_hook
+    return register(hook)
 
 
 # --- torch.distributed.checkpoint ---------------------------------------------------------

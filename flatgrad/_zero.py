@@ -48,6 +48,8 @@ class ShardEngine:
         self.param_buffers = _flatten_parameters(store)
         self.shards = self._cut_shards()
         self.layout = self._chunk_layout()
+        self.in_flight: dict[int, Any] = {}  # bucket index -> its parameter all-gather's work
+        self.waited: list[int] = []  # buckets in the order their gathers were waited for
 
     def _cut_shards(self) -> list[Shard]:
         shards = []
@@ -114,14 +116,37 @@ class ShardEngine:
         dtype = functools.reduce(torch.promote_types, [_norms.norm_dtype(g.dtype) for g in grads])
         return total.to(dtype)
 
-    def gather(self) -> None:
-        """All-gather every bucket's parameters from the ranks' updated shards."""
-        works = [
-            all_gather_flat(s.bucket, s.param.detach(), group=self.process_group, async_op=True)
-            for s in self.shards
-        ]
-        for work in works:
-            work.wait()
+    def launch_gather(self) -> None:
+        """Start the all-gather of every bucket's parameters from the ranks' updated shards
+        (asynchronously; `wait_gather` finishes them)."""
+        self.wait_gather()  # (one still in flight would land after this one)
+        self.in_flight = {
+            index: all_gather_flat(s.bucket, s.param.detach(), group=self.process_group, async_op=True)
+            for index, s in enumerate(self.shards)
+        }
+
+    def wait_gather(self, indices: tuple[int, ...] | None = None) -> None:
+        """Wait for the all-gathers of buckets `indices` (all when None): their parameters
+        are whole afterwards (on CUDA: for work queued on the current stream from now on)."""
+        if not self.in_flight:
+            return
+        for index in tuple(self.in_flight) if indices is None else indices:
+            work = self.in_flight.pop(index, None)
+            if work is not None:
+                work.wait()
+                self.waited.append(index)
+
+    def bucket_indices(self, params: list[torch.Tensor]) -> tuple[int, ...]:
+        """The buckets holding `params`' slots (those in the store), in bucket order."""
+        found = set()
+        for param in params:
+            if param not in self.store:
+                continue
+            key, slot = self.store.slot(param)
+            for index, (view, start) in enumerate(self.bucket_views):
+                if (view.dtype, view.device) == key and start <= slot.offset < start + view.numel():
+                    found.add(index)
+        return tuple(sorted(found))
 
 
 def _runs(store: GradStore, key: Any, wanted: set[int]) -> list[list[int]]:

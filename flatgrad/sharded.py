@@ -24,6 +24,7 @@ any rank is exact.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ from torch import nn
 
 from flatgrad._checkpoint import GroupView, Piece, load_group, misfit, optimizer_state
 from flatgrad._scattered import unguarded, unmark_scattered
+from flatgrad._torch_compat import register_load_pre_hook
 from flatgrad._zero import ShardEngine, add_piece_group, as_groups, options
 from flatgrad.parallel import DataParallel
 
@@ -91,13 +93,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
             per-group options), as a torch optimizer's first argument; None (the default)
             puts every trainable parameter of `dp` in one group. A parameter in no group is
             not stepped (its gradient is still averaged).
+        overlap_param_gather: Whether `step()` returns with the parameter all-gathers in
+            flight: the next forward waits for each bucket's just before the first module
+            using its parameters runs (a forward pre hook per module with parameters), and
+            the model's ``state_dict``/``load_state_dict`` and the next ``step()`` wait for
+            all. Code that reads parameters outside a forward in between calls
+            ``opt.wait_param_gather()`` first.
         **defaults: The optimizer's arguments (``lr``, ``weight_decay``, ...), checked by
             `optimizer_class` before anything moves: its error for an invalid one (a
             ValueError for a negative ``lr``, a TypeError for an unknown name) leaves `dp`
             and the model as they were.
 
     Raises:
-        TypeError: `dp` is not a `DataParallel`.
+        TypeError: `dp` is not a `DataParallel`, or `overlap_param_gather` is not a bool.
         ValueError: `optimizer_class` is not an element-wise torch optimizer, `dp` already
             has a ShardedOptimizer, or `params` holds a tensor that is not a parameter of
             `dp` (or one twice).
@@ -108,10 +116,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         dp: DataParallel,
         optimizer_class: type[torch.optim.Optimizer],
         params: Any = None,
+        *,
+        overlap_param_gather: bool = False,
         **defaults: Any,
     ) -> None:
         if not isinstance(dp, DataParallel):
             raise TypeError(f"dp must be a flatgrad.DataParallel, got {type(dp).__name__}")
+        if not isinstance(overlap_param_gather, bool):
+            raise TypeError(f"overlap_param_gather must be a bool, got {type(overlap_param_gather).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, _ELEMENTWISE)):
             names = ", ".join(cls.__name__ for cls in _ELEMENTWISE)
             given = getattr(optimizer_class, "__name__", optimizer_class)
@@ -164,6 +176,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )
         self._held = self._group_signature()
         self._ready = True
+        self.overlap_param_gather = overlap_param_gather
+        if overlap_param_gather:
+            handles = _gather_hooks(self._engine, dp.module.module)
+            weakref.finalize(self, _remove, handles)
 
     def _piece_ids(self) -> set[int]:
         return {id(piece.param) for pieces in self._pieces for piece in pieces}
@@ -257,6 +273,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 since construction; or the inner optimizer's param_groups hold other tensors
                 than exactly this rank's shards.
         """
+        self._engine.wait_gather()  # (overlap_param_gather: a step with no forward since)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -271,8 +288,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         self.optimizer.step()
         self._stepped = [True] * len(self._stepped)
-        self._engine.gather()
+        self._engine.launch_gather()
+        if not self.overlap_param_gather:
+            self._engine.wait_gather()
         return loss
+
+    def wait_param_gather(self) -> None:
+        """Wait for the parameter all-gathers `step()` left in flight
+        (``overlap_param_gather=True``); a no-op otherwise or once the forward waited."""
+        self._engine.wait_gather()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the model's gradients (`FlatGrad.zero_grad`) and drop the shards' `.grad`;
@@ -386,3 +410,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for t in state.values()
             if isinstance(t, torch.Tensor)
         )
+
+
+def _gather_hooks(engine: ShardEngine, model: nn.Module) -> list[Any]:
+    """overlap_param_gather: a forward pre hook on every module with parameters waits for
+    the all-gathers of the buckets holding them (the first forward after a step that needs
+    them); the model's state_dict and load_state_dict wait for all first."""
+    handles = []
+    for module in model.modules():
+        indices = engine.bucket_indices(list(module.parameters(recurse=False)))
+        if indices:
+            hook = functools.partial(_wait_for, engine, indices)
+            handles.append(module.register_forward_pre_hook(hook))
+    handles.append(model.register_state_dict_pre_hook(functools.partial(_wait_for_all, engine)))
+    handles.append(register_load_pre_hook(model, functools.partial(_wait_for_all, engine)))
+    return handles
+
+
+def _wait_for(engine: ShardEngine, indices: tuple[int, ...], *hook_args: Any) -> None:
+    engine.wait_gather(indices)
+
+
+def _wait_for_all(engine: ShardEngine, *hook_args: Any) -> None:
+    engine.wait_gather()
+
+
+def _remove(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()

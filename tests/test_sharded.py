@@ -498,3 +498,60 @@ def test_loading_another_ranks_state_raises_on_every_rank(tmp_path):
     """A state that does not fit on rank 1 only: every rank raises the same error naming
     rank 1, none loads anything or is left waiting in a collective."""
     run_ranks(_load_other_rank_worker, str(tmp_path), timeout=90)
+
+
+def _overlap_gather_worker(rank: int, world_size: int) -> None:
+    built = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = _Net()
+        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.002)
+        opt = flatgrad.ShardedOptimizer(
+            dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1, overlap_param_gather=overlap
+        )
+        built.append((model, dp, opt))
+    (sync_model, sync_dp, sync_opt), (model, dp, opt) = built
+    engine = opt._engine
+    order = []  # modules in the order their forward started
+    for name, module in model.named_modules():
+        module.register_forward_pre_hook(lambda m, args, n=name: order.append((n, len(engine.in_flight))))
+    for step in range(4):
+        for o, d in ((sync_opt, sync_dp), (opt, dp)):
+            o.zero_grad()
+            d(_tokens(rank, step), step % 2 == 0).backward()
+            o.clip_grad_norm_(0.5)
+            o.step()
+        num_buckets = len(dp.buckets)
+        assert len(engine.in_flight) == num_buckets  # step() returned with every gather in flight
+        engine.waited.clear()
+        order.clear()
+        if step == 1:
+            state = dp.state_dict()  # waits for all first
+            assert not engine.in_flight and len(engine.waited) == num_buckets
+            assert all(torch.equal(state[n], p) for n, p in sync_dp.state_dict().items())
+            continue
+        if step == 2:
+            opt.wait_param_gather()
+            assert not engine.in_flight
+            continue
+        with torch.no_grad():
+            dp(_tokens(rank, 9))  # the next forward (eval-like) waits bucket by bucket
+        # the first module with parameters waited only for its own buckets: the others were
+        # still in flight while it ran
+        assert [n for n, _ in order][:2] == ["", "emb"]  # the root, then the embedding
+        in_flight_at_emb = dict(order)["emb"]
+        assert 0 < in_flight_at_emb < num_buckets, (in_flight_at_emb, num_buckets)
+        assert sorted(engine.waited) == list(range(num_buckets))
+    opt.wait_param_gather()
+    for (name, p), q in zip(model.named_parameters(), sync_model.parameters()):
+        assert torch.equal(p, q), name  # bit-identical to the synchronous gather
+    with pytest.raises(TypeError, match="overlap_param_gather must be a bool"):
+        flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=1)
+
+
+def test_overlap_param_gather_waits_per_bucket_in_the_next_forward_and_equals_the_sync_path():
+    """overlap_param_gather=True: step() returns with every bucket's all-gather in flight;
+    the next forward waits for each bucket just before the first module using it (the
+    embedding, first, finds the other buckets still in flight), state_dict and
+    wait_param_gather() wait for all; parameters equal the synchronous path bit for bit."""
+    run_ranks(_overlap_gather_worker, timeout=120)
