@@ -154,7 +154,8 @@ class TrainConfig(_RunConfig):
     """Log step, loss and tokens/s every this many steps (and at the first and last)."""
 
     out_dir: Path = Path("out/gpt_cpu")
-    """Directory for the final checkpoint ``ckpt.pt``."""
+    """Directory for the final checkpoints: ``ckpt.pt`` (the plain model) and ``dcp/``
+    (everything, resharding)."""
 
     engine: Literal["ddp", "flatgrad"] = "ddp"
     """"ddp": torch's DDP with flatgrad's comm hook (one all-reduce of the whole buffer after
@@ -167,6 +168,10 @@ class TrainConfig(_RunConfig):
 
     bucket_mb: _Real = Field(default=25.0, gt=0.0)
     """Bucket size of engine "flatgrad"."""
+
+    resume: StrictBool = False
+    """Go on from the checkpoint ``<out_dir>/dcp`` (model, optimiser, schedule, step), saved
+    on any number of ranks; the data windows start over from the seed."""
 
     @model_validator(mode="after")
     def _zero_needs_the_flatgrad_engine(self) -> TrainConfig:

@@ -7,10 +7,16 @@ samples its own random windows; DDP averages the gradients through `flatgrad.all
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --engine flatgrad --zero
     python examples/train_gpt.py --max-steps 50      # one process, same code path
 
-Rank 0 logs step, loss and tokens/s, and saves ``<out_dir>/ckpt.pt``: the plain model's
-state_dict (``flat.state_dict()`` has its keys), the optimiser state and the run config.
-With ``--zero`` the optimiser state is sharded: every rank saves its own shard to
-``<out_dir>/optim_rank<r>.pt`` (resume on the same world size, each rank loading its own).
+    torchrun --standalone --nproc_per_node=1 examples/train_gpt.py --engine flatgrad --zero \
+        --max-steps 300 --resume                     # go on from the last checkpoint, 1 rank
+
+AdamW's weight decay applies to matrices only (nanoGPT's groups), the learning rate follows
+a `LambdaLR` schedule, and accumulation uses ``require_backward_grad_sync`` as nanoGPT does.
+Rank 0 logs step, loss and tokens/s. At the end every rank writes the resharding checkpoint
+``<out_dir>/dcp`` (``torch.distributed.checkpoint``: model, optimiser, schedule, step), which
+``--resume`` loads on any number of ranks (``--zero``'s sharded optimiser state included);
+rank 0 also saves ``<out_dir>/ckpt.pt``, the plain model's state_dict (``flat.state_dict()``
+has its keys) with the run config, for sampling without flatgrad.
 """
 
 from __future__ import annotations
@@ -19,12 +25,12 @@ import argparse
 import logging
 import math
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from gpt_model import GPT, CharData, init_distributed, launch, lm_loss, read_text
 from run_config import TrainConfig, load_config
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -61,38 +67,45 @@ def train(cfg: TrainConfig) -> None:
     generator = torch.Generator().manual_seed(cfg.seed + rank)  # so do the data windows
 
     flat = flatgrad.FlatGrad(model, config=cfg.flatgrad)
-    ddp, optimizer = build_engine(cfg, flat, device)
+    wrapper, optimizer = build_engine(cfg, flat, device)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
+    progress = {"step": torch.zeros((), dtype=torch.int64)}
+    checkpoint = {"model": wrapper if cfg.engine == "flatgrad" else flat, "optim": optimizer,
+                  "sched": schedule, "progress": progress}  # fmt: skip
+    if cfg.resume:  # saved on any number of ranks: dcp reshards
+        dcp.load(checkpoint, checkpoint_id=cfg.out_dir / "dcp")
+    first_step = int(progress["step"]) + 1
 
     num_params = sum(p.numel() for p in model.parameters())
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * world_size
     if rank == 0:
         logger.info(
-            "%d ranks on %s, vocab %d, %d characters of text, %.2fM parameters, %d tokens/step",
+            "%d ranks on %s, vocab %d, %d characters of text, %.2fM parameters, %d tokens/step%s",
             world_size, device, data.vocab_size, len(data.ids), num_params / 1e6, tokens_per_step,
+            f", resumed after step {first_step - 1}" if cfg.resume else "",
         )  # fmt: skip
 
     losses: dict[int, float] = {}
-    bar = tqdm(total=cfg.max_steps, disable=rank != 0, dynamic_ncols=True)
-    last_time, last_step = time.perf_counter(), 0
-    for step in range(1, cfg.max_steps + 1):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step - 1, cfg)
+    bar = tqdm(total=cfg.max_steps, initial=first_step - 1, disable=rank != 0, dynamic_ncols=True)
+    last_time, last_step = time.perf_counter(), first_step - 1
+    for step in range(first_step, cfg.max_steps + 1):
         step_loss = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum_steps):
             inputs, targets = data.batch(cfg.batch_size, cfg.seq_len, generator, device)
             # Only the last micro-batch's backward all-reduces; the others just accumulate.
-            sync = nullcontext() if micro == cfg.grad_accum_steps - 1 else ddp.no_sync()
-            with sync:
-                loss = lm_loss(ddp(inputs), targets) / cfg.grad_accum_steps
-                loss.backward()
+            wrapper.require_backward_grad_sync = micro == cfg.grad_accum_steps - 1
+            loss = lm_loss(wrapper(inputs), targets) / cfg.grad_accum_steps
+            loss.backward()
             step_loss += loss.detach()
         if cfg.grad_clip is not None:  # one norm over the flat buffer (or the shards)
             (optimizer if cfg.zero else flat).clip_grad_norm_(cfg.grad_clip)  # type: ignore[union-attr]
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad()  # set_to_none=True; flatgrad keeps .grad in its buffer anyway
+        progress["step"].fill_(step)
         bar.update()
 
-        if step == 1 or step % cfg.log_interval == 0 or step == cfg.max_steps:
+        if step == first_step or step % cfg.log_interval == 0 or step == cfg.max_steps:
             losses[step] = global_mean(step_loss, world_size)
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -105,39 +118,39 @@ def train(cfg: TrainConfig) -> None:
                             step, losses[step], lr_at(step - 1, cfg), tokens_per_s)  # fmt: skip
     bar.close()
 
-    if rank == 0:
+    if rank == 0 and losses:
         first, last = min(losses), max(losses)
         logger.info("loss %.4f at step %d -> %.4f at step %d", losses[first], first, losses[last], last)
-    save_checkpoint(cfg, flat, optimizer, data, losses, rank)
+    dcp.save(checkpoint, checkpoint_id=cfg.out_dir / "dcp")
+    if rank == 0:
+        save_model(cfg, flat, data, losses)
+
+
+def optim_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """nanoGPT's groups: weight decay on matrices (linear weights, embeddings), none on
+    biases and norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def build_engine(cfg: TrainConfig, flat: flatgrad.FlatGrad, device: torch.device) -> tuple[Any, Any]:
     """The data-parallel wrapper and optimiser of `cfg.engine` / `cfg.zero`."""
+    groups = optim_groups(flat, cfg.weight_decay)
     if cfg.engine == "ddp":
         ddp = DDP(flat, device_ids=[device.index] if device.type == "cuda" else None, **flat.ddp_kwargs())
         ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
-        return ddp, torch.optim.AdamW(flat.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return ddp, torch.optim.AdamW(groups, lr=cfg.lr)
     dp = flatgrad.DataParallel(flat, bucket_mb=cfg.bucket_mb)
     if cfg.zero:
-        return dp, flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return dp, torch.optim.AdamW(flat.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return dp, flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, groups, lr=cfg.lr)
+    return dp, torch.optim.AdamW(groups, lr=cfg.lr)
 
 
-def save_checkpoint(
-    cfg: TrainConfig,
-    flat: flatgrad.FlatGrad,
-    optimizer: Any,
-    data: CharData,
-    losses: dict[int, float],
-    rank: int,
-) -> None:
-    """Rank 0 saves ckpt.pt; with zero, every rank also saves its own shard of the
-    optimiser state (optim_rank<r>.pt: each rank loads its own, on the same world size)."""
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.zero:
-        torch.save(optimizer.state_dict(), cfg.out_dir / f"optim_rank{rank}.pt")
-    if rank != 0:
-        return
+def save_model(cfg: TrainConfig, flat: flatgrad.FlatGrad, data: CharData, losses: dict[int, float]) -> None:
+    """ckpt.pt: the plain GPT's state_dict, the run config, the vocabulary and the losses."""
     path = cfg.out_dir / "ckpt.pt"
     checkpoint = {
         "model": flat.state_dict(),  # the plain GPT's keys: loads into GPT(...) directly
@@ -145,10 +158,8 @@ def save_checkpoint(
         "vocab": data.chars,
         "losses": losses,
     }
-    if not cfg.zero:
-        checkpoint["optimizer"] = optimizer.state_dict()
     torch.save(checkpoint, path)
-    logger.info("saved %s", path)
+    logger.info("saved %s and %s", path, cfg.out_dir / "dcp")
 
 
 def main() -> None:
@@ -160,12 +171,14 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, help="override out_dir")
     parser.add_argument("--engine", choices=("ddp", "flatgrad"), help="override engine")
     parser.add_argument("--zero", action="store_true", default=None, help="ZeRO-1 (engine flatgrad)")
+    parser.add_argument("--resume", action="store_true", default=None, help="go on from <out_dir>/dcp")
     args = parser.parse_args()
     overrides = {
         "max_steps": args.max_steps,
         "out_dir": args.out_dir,
         "engine": args.engine,
         "zero": args.zero,
+        "resume": args.resume,
     }
     cfg = load_config(TrainConfig, args.config, overrides)
     launch(lambda: train(cfg))
