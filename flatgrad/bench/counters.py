@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops that move a whole gradient from one tensor into another: AccumulateGrad's clone or
@@ -105,11 +106,13 @@ def count_step(step: Callable[[], object], params: Iterable[nn.Parameter]) -> St
 
 
 def grad_bytes(params: Iterable[nn.Parameter], extra_buffers: Iterable[torch.Tensor] = ()) -> int:
-    """Bytes held for gradients: the distinct storages behind `.grad`, plus buffers that
+    """Bytes this rank holds for gradients: the distinct storages behind `.grad` (a DTensor's:
+    its local shard's, as FSDP2 keeps them after its reduce-scatter), plus buffers that
     hold gradients elsewhere (DDP's buckets when `.grad` is not a view of them)."""
     storages: dict[int, int] = {}
     for param in params:
         if param.grad is not None:
-            storage = param.grad.untyped_storage()
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            storage = grad.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values()) + sum(b.numel() * b.element_size() for b in extra_buffers)

@@ -26,19 +26,26 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{model:13s} {name:20s} {r['median_ms']:9.2f} {r['min_ms']:8.2f} {r['max_ms']:8.2f} "
                 f"{r.get('ratio_to_ddp_default', float('nan')):6.2f} "
                 f"{r.get('pair_ratio_to_ddp_bucket_view', float('nan')):7.2f} {r['collectives_per_step']:5d} "
-                f"{r['grad_copies_per_step']:6d} "
+                f"{_count(r['grad_copies_per_step']):>6s} "
                 f"{r['grad_bytes'] / 2**20:8.1f} {r['optimizer_state_bytes'] / 2**20:7.1f} "
                 f"{r['step_peak_extra_mb']:8.1f} {r['final_loss']:8.4f}"
             )
     lines.append(
         "ratio / vs view: median over steps of the step-time ratio to stock DDP default / to stock "
-        "DDP with gradient_as_bucket_view=True (same step, interleaved); colls: collectives per step; "
-        "copies: gradient-sized copies per step (counted as dispatched); grad MB: gradient memory held; "
-        "opt MB: optimizer state held by one rank (SGD momentum; flatgrad_zero keeps its shard); "
+        "DDP with gradient_as_bucket_view=True (same step, interleaved); colls: collectives in the "
+        "backward (the parameter all-gathers of flatgrad_zero, zero_stock and fsdp2 come after or "
+        "before it); copies: gradient-sized copies per step (counted as dispatched; -: not counted, "
+        "fsdp2's chunk_cat into its reduce-scatter input is not a counted op); grad MB / opt MB: "
+        "gradient memory / optimizer state held by one rank (SGD momentum; the sharded configurations "
+        "keep their shard of the state, fsdp2 of the gradients too); "
         "+peak MB: the most a step added at its peak over what was resident before it "
         "(RSS on Linux CPUs, a lower bound; the allocator on CUDA), over ranks"
     )
     return "\n".join(lines)
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 _LINKS_GBS = (12.5, 50.0)  # 100 Gb/s between nodes; a fast intra-node link

@@ -1,5 +1,6 @@
-"""The configurations compared: stock DDP variants, FlatGrad with and without DDP, and
-single-process stock/FlatGrad. Each owns its model copy and optimizer."""
+"""The configurations compared: stock DDP variants, FlatGrad with and without DDP,
+single-process stock/FlatGrad, and the sharded ones (flatgrad's ZeRO-1, torch's
+ZeroRedundancyOptimizer, FSDP2). Each owns its model copy and optimizer."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
@@ -31,14 +36,21 @@ class Runner:
     sync: Callable[[], None] = _no_sync
     ddp: DDP | None = None
     engine: flatgrad.DataParallel | None = None
+    counts_grad_copies: bool = True
+    """False where `counters.COPY_OPS` misses the configuration's gradient copies: FSDP2
+    copies every gradient into its reduce-scatter input with ``fsdp::chunk_cat``."""
 
     def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (a ShardedOptimizer: its shards only)."""
+        """Bytes of optimizer state this rank holds: a ShardedOptimizer's shards, a
+        ZeroRedundancyOptimizer's local optimizer, the local shards of FSDP2's DTensors."""
         if isinstance(self.optimizer, flatgrad.ShardedOptimizer):
             return self.optimizer.state_bytes()
+        optimizer = self.optimizer
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            optimizer = optimizer.optim  # its `state` holds no tensors; this rank's are here
         return sum(
-            t.numel() * t.element_size()
-            for state in self.optimizer.state.values()
+            local_bytes(t)
+            for state in optimizer.state.values()
             for t in state.values()
             if isinstance(t, torch.Tensor)
         )
@@ -61,6 +73,13 @@ class Runner:
         return [bucket.buffer() for bucket in self.ddp.reducer._get_zeros_like_grad_buckets()]
 
 
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds of `tensor`: a DTensor's local shard (its own `numel()` is the
+    global one)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
 CONFIGS = (
     "ddp_default",
     "ddp_bucket_view",
@@ -71,6 +90,8 @@ CONFIGS = (
     "local_flatgrad",
     "flatgrad_dp",
     "flatgrad_zero",
+    "zero_stock",
+    "fsdp2",
 )
 BASELINE = "ddp_default"
 BEST_STOCK = "ddp_bucket_view"  # stock DDP's best setting for memory and copies
@@ -108,6 +129,20 @@ def build_runner(name: str, model: nn.Module, device: torch.device, lr: float = 
             sharded = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=lr, momentum=0.9)
             return Runner(name, dp, sharded, engine=dp)  # type: ignore[arg-type]
         return Runner(name, dp, torch.optim.SGD(dp.parameters(), lr=lr, momentum=0.9), engine=dp)
+    elif name == "zero_stock":
+        ddp = DDP(module, device_ids=ids, gradient_as_bucket_view=True)
+        zero = ZeroRedundancyOptimizer(
+            ddp.parameters(),
+            optimizer_class=torch.optim.SGD,
+            parameters_as_bucket_view=True,
+            lr=lr,
+            momentum=0.9,
+        )
+        return Runner(name, ddp, zero, ddp=ddp)
+    elif name == "fsdp2":
+        _fully_shard(module, device)
+        optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
+        return Runner(name, module, optimizer, counts_grad_copies=False)
     elif name == "local_stock":
         wrapped = module
     elif name == "local_flatgrad":
@@ -116,6 +151,18 @@ def build_runner(name: str, model: nn.Module, device: torch.device, lr: float = 
         raise ValueError(f"configuration must be one of {', '.join(CONFIGS)}, got {name!r}")
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=0.9)
     return Runner(name, wrapped, optimizer, sync, ddp)
+
+
+def _fully_shard(module: nn.Module, device: torch.device) -> None:
+    """FSDP2 as its documentation applies it: each block first (every child of a ModuleList:
+    the bench models keep their blocks in one), then the root. `reshard_after_forward=False`
+    keeps the gathered parameters from forward to backward (ZeRO-2: one all-gather per
+    block per step, as ZeRO-1's all-gather after the step)."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for blocks in [m for m in module.modules() if isinstance(m, nn.ModuleList)]:
+        for block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(module, mesh=mesh, reshard_after_forward=False)
 
 
 def _broadcast_parameters(module: nn.Module) -> None:

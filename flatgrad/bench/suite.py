@@ -42,7 +42,9 @@ def bench_model(
     model_name: str, configs: list[str], steps: int, warmup: int, device: torch.device, bar: tqdm | None
 ) -> dict[str, Any]:
     """Interleaved steps of every configuration on the same data; step time is the slowest
-    rank's. Then one counted step each for collectives, copies and gradient bytes."""
+    rank's. Then one counted backward each for collectives, copies and gradient bytes (the
+    parameter all-gathers of the sharded configurations, in their step or forward, are not
+    in it)."""
     spec = resolve_model(model_name)
     torch.manual_seed(0)
     model = spec.build()
@@ -75,7 +77,7 @@ def bench_model(
             "min_ms": min(rows[runner.name]) * 1e3,
             "max_ms": max(rows[runner.name]) * 1e3,
             "collectives_per_step": counts.collectives,
-            "grad_copies_per_step": counts.grad_copies,
+            "grad_copies_per_step": counts.grad_copies if runner.counts_grad_copies else None,
             "grad_bytes": grad_bytes(runner.module.parameters(), runner.bucket_buffers()),
             "step_peak_extra_mb": row[-1],
             "final_loss": losses[runner.name],
