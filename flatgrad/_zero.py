@@ -48,7 +48,11 @@ class ShardEngine:
         self.param_buffers = _flatten_parameters(store)
         self.shards = self._cut_shards()
         self.layout = self._chunk_layout()
-        self.in_flight: dict[int, Any] = {}  # bucket index -> its parameter all-gather's work
+        # bucket index -> the works of its parameter gather still in flight
+        self.in_flight: dict[int, list[Any]] = {}
+        # gloo's all-gather of the flat buckets takes 1.7x its broadcasts of the same shards
+        # (120 vs 70 ms for 96 MB on 2 CPU ranks): there each rank broadcasts its shard.
+        self.gather_by_broadcast = dist.get_backend(process_group) == "gloo"
         self.waited: list[int] = []  # buckets in the order their gathers were waited for
 
     def _cut_shards(self) -> list[Shard]:
@@ -120,10 +124,17 @@ class ShardEngine:
         """Start the all-gather of every bucket's parameters from the ranks' updated shards
         (asynchronously; `wait_gather` finishes them)."""
         self.wait_gather()  # (one still in flight would land after this one)
-        self.in_flight = {
-            index: all_gather_flat(s.bucket, s.param.detach(), group=self.process_group, async_op=True)
-            for index, s in enumerate(self.shards)
-        }
+        self.in_flight = {index: self._gather(shard) for index, shard in enumerate(self.shards)}
+
+    def _gather(self, shard: Shard) -> list[Any]:
+        group = self.process_group
+        if not self.gather_by_broadcast:
+            return [all_gather_flat(shard.bucket, shard.param.detach(), group=group, async_op=True)]
+        size = shard.param.numel()
+        return [
+            dist.broadcast(shard.bucket.narrow(0, r * size, size), src=src, group=group, async_op=True)
+            for r, src in enumerate(self.layout.global_ranks)
+        ]
 
     def wait_gather(self, indices: tuple[int, ...] | None = None) -> None:
         """Wait for the all-gathers of buckets `indices` (all when None): their parameters
@@ -131,9 +142,10 @@ class ShardEngine:
         if not self.in_flight:
             return
         for index in tuple(self.in_flight) if indices is None else indices:
-            work = self.in_flight.pop(index, None)
-            if work is not None:
-                work.wait()
+            works = self.in_flight.pop(index, None)
+            if works is not None:
+                for work in works:
+                    work.wait()
                 self.waited.append(index)
 
     def bucket_indices(self, params: list[torch.Tensor]) -> tuple[int, ...]:

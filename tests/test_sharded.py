@@ -93,14 +93,16 @@ def _profile_worker(rank: int, world_size: int) -> None:
         opt.step()
     names = [e.name for e in prof.events()]
     num_buckets = len(dp.buckets)
-    # gloo averages the buckets by all-reduce (faster there than its reduce-scatter, see
-    # flatgrad.comm.launch_average); NCCL by reduce-scatter
+    # gloo averages the buckets by all-reduce and gathers them by a broadcast of each rank's
+    # shard (both faster there: see flatgrad.comm.launch_average, flatgrad._zero); NCCL by
+    # reduce-scatter and all-gather
     assert names.count("c10d::_reduce_scatter_base_") == 0, sorted(set(names))
     assert names.count("c10d::allreduce_") == num_buckets + 1  # and the used-parameter flags
-    assert names.count("c10d::_allgather_base_") == num_buckets
+    assert names.count("c10d::broadcast_") == num_buckets * world_size
+    assert names.count("c10d::_allgather_base_") == 0
 
 
-def test_one_average_and_one_all_gather_per_bucket():
+def test_one_average_and_one_gather_per_bucket():
     run_ranks(_profile_worker)
 
 
@@ -465,7 +467,7 @@ def _no_backward_worker(rank: int, world_size: int) -> None:
             opt.step()
         ref_opt.step()
         _assert_params_close(model, ref)
-        gathers = [e.name for e in prof.events()].count("c10d::_allgather_base_")
+        gathers = [e.name for e in prof.events()].count("c10d::broadcast_") // world_size  # (gloo)
         moved = any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
         assert (gathers, moved) == ((0, False) if set_to_none else (len(dp.buckets), True))
     opt.zero_grad()  # a last step: AdamW's step counts (bias correction) agree with stock's
