@@ -222,7 +222,9 @@ class BucketSync:
         final callback. Only those once unused are asked: a parameter that only a nested
         backward reaches (a reentrant checkpoint), which the engine cannot see from here,
         was ready before the final callback of every backward that used it."""
-        unreached = [(param, bucket) for param, node, bucket in self._unused.values() if not will_execute(node)]
+        unreached = [
+            (param, bucket) for param, node, bucket in self._unused.values() if not will_execute(node)
+        ]
         if unreached:
             round_.skip(unreached)
 

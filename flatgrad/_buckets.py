@@ -292,7 +292,9 @@ def cut_buckets(store: GradStore, bucket_mb: float) -> list[Bucket]:
             end = slots[i + 1][0] if i + 1 < len(slots) else buffer.numel()
             if end - start >= cap or i + 1 == len(slots):
                 view = buffer.narrow(0, start, end - start)
-                buckets.append(Bucket(len(buckets), view, tuple(members), key, ends_buffer=i + 1 == len(slots)))
+                buckets.append(
+                    Bucket(len(buckets), view, tuple(members), key, ends_buffer=i + 1 == len(slots))
+                )
                 start, members = end, []
                 cap = int(bucket_mb * 2**20) // buffer.element_size()
     return buckets
