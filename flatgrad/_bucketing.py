@@ -61,7 +61,7 @@ class BucketSync:
         # averaged backward, so the next backward averages whichever graph it goes through.
         self._armed = False
         self._deferrals: list[Any] = []  # hooks that carry a nested backward's end outward
-        self._hooks: list[Any] = []
+        self._hooks: list[Any] = []  # per parameter of the store, in its order
         self._nodes: list[Any] = []
         self.rebuild()
 
@@ -130,7 +130,8 @@ class BucketSync:
     def rebuild(self) -> None:
         """Cut the buckets of the current store, launched in buffer order until the next
         synchronised backward teaches an order, and hook every parameter's AccumulateGrad
-        node to count it ready (and open a backward that reached none of dp's outputs)."""
+        node to count it ready (and open a backward that reached none of dp's outputs): all
+        of them while the order is learned, then all but the last bucket's (`_learn`)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks, self._nodes = [], []
@@ -145,7 +146,8 @@ class BucketSync:
         with torch.enable_grad():
             for param in store.params:
                 node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-                self._hooks.append(node.register_hook(functools.partial(self._on_ready, param)))
+                bucket = self._bucket_of[id(param)]
+                self._hooks.append(node.register_hook(functools.partial(self._on_ready, param, bucket)))
                 self._nodes.append(node)  # a parameter holds its AccumulateGrad node only weakly
         self._round = self._new_round()
 
@@ -241,13 +243,20 @@ class BucketSync:
         # step): no parameter is counted ready before its AccumulateGrad runs.
         return self._begin(True, from_output=False)
 
-    def _on_ready(self, param: nn.Parameter, grad_inputs: Any, grad_outputs: Any) -> None:
+    def _on_last_ready(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        # A parameter of the last bucket to launch (once the order is learned): the final
+        # callback launches that bucket, so there is nothing to count; only a backward that
+        # reached none of dp's outputs to open.
+        if self._task is None:
+            self._open()
+
+    def _on_ready(self, param: nn.Parameter, bucket: Bucket, grad_inputs: Any, grad_outputs: Any) -> None:
         # A nested backward (reentrant activation checkpointing) belongs to the open one:
         # same bookkeeping.
         if self._task is None and not self._open():
             return
         if self._task_sync:  # (a synchronising backward always has its round)
-            self._round.mark_ready(param, self._bucket_of[id(param)])  # type: ignore[union-attr]
+            self._round.mark_ready(param, bucket)  # type: ignore[union-attr]
 
     def _finish(self) -> None:
         """Final callback of the running backward."""
@@ -266,19 +275,35 @@ class BucketSync:
                 mark_scattered(self._store)  # type: ignore[arg-type]
 
     def _learn(self, round_: Round) -> None:
-        """After a synchronised backward: the first after a (re)build sets the launch order
-        (rank 0's, on every rank); each notes the parameters it left unused."""
+        """After a synchronised backward: note the parameters it left unused; the first
+        after a (re)build sets the launch order (rank 0's, on every rank), and from then on
+        the hooks of the last bucket to launch count nothing (the final callback launches
+        it, its gradients the backward's last but for unused ones)."""
+        store = self._store
+        assert store is not None, "DataParallel is not built"
+        last = self._buckets[self._plan.order[-1]] if self._plan.learned else None
+        counted = len(store.params) - (len(last.params) if last is not None else 0)
+        if round_.counts_all and len(round_.ready) < counted:
+            ready, unused = round_.ready, self._unused
+            for param, node in zip(store.params, self._nodes):
+                bucket = self._bucket_of[id(param)]
+                if id(param) not in ready and id(param) not in unused and bucket is not last:
+                    unused[id(param)] = (param, node, bucket)
         if not self._plan.learned and self._buckets:
             device = self._buckets[0].buffer.device
             order = agree_order(round_.completed, len(self._buckets), device, self.process_group)
             self._plan = plan_launches(self._buckets, order)
-        store = self._store
-        assert store is not None, "DataParallel is not built"
-        if round_.counts_all and len(round_.ready) < len(store.params):
-            ready, unused = round_.ready, self._unused
-            for param, node in zip(store.params, self._nodes):
-                if id(param) not in ready and id(param) not in unused:
-                    unused[id(param)] = (param, node, self._bucket_of[id(param)])
+            self._stop_counting(self._buckets[order[-1]])
+
+    def _stop_counting(self, last: Bucket) -> None:
+        """Hook the parameters of `last` (the last bucket to launch) with `_on_last_ready`,
+        which counts nothing; a parameter once unused there is not asked about either.
+        (From a final callback, where removing a hook is safe.)"""
+        for i, param in enumerate(self._store.params):  # type: ignore[union-attr]
+            if self._bucket_of[id(param)] is last:
+                self._hooks[i].remove()
+                self._hooks[i] = self._nodes[i].register_hook(self._on_last_ready)
+                self._unused.pop(id(param), None)
 
     def _defer(self, outer: Any) -> None:
         """This backward ran inside a node of another one, `outer` (a reentrant activation

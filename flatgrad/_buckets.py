@@ -136,10 +136,14 @@ class Round:
                 "function); use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
             )
         self.ready.add(key)
-        if key in self.unreached:  # counted at the start; reached after all (see below)
+        if self.unreached and key in self.unreached:  # counted at the start (see below)
             self._reached_late(key, bucket)
             return
-        self._count(bucket)
+        pending, index = self.pending, bucket.index  # (`_count`, inline: once per parameter)
+        pending[index] -= 1
+        if not pending[index]:
+            self.completed.append(index)
+            self.launch_ready()
 
     def skip(self, unreached: Sequence[tuple[nn.Parameter, Bucket]]) -> None:
         """At the backward's start: count ready the parameters it will not reach (their

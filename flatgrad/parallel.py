@@ -9,9 +9,11 @@ before it in the launch order has been launched, the bucket's collective starts
 asynchronously, while backward goes on. The launch order is the buffer's until the first
 synchronised backward ends; from then on it is the order in which rank 0's buckets became
 complete in that backward (broadcast; buckets that never did go last), learned again after
-each layout change, as DDP rebuilds its buckets in gradient-ready order. Buckets therefore
-launch in the same order on every rank, and a model that runs its modules in another order
-than it registers them still overlaps. Once a synchronised backward has left parameters
+each layout change, as DDP rebuilds its buckets in gradient-ready order; from then on the
+hooks of the last bucket in that order count nothing (the final callback launches it, its
+gradients the backward's last anyway; they only open a backward, see below). Buckets
+therefore launch in the same order on every rank, and a model that runs its modules in
+another order than it registers them still overlaps. Once a synchronised backward has left parameters
 unused (no gradient final before its end), each later one asks the autograd engine, when it
 starts, which of those it will not reach, and counts them ready then (DDP with
 ``find_unused_parameters=True`` marks unused parameters ready as backward starts), so their

@@ -83,7 +83,9 @@ class _LM(nn.Module):
             h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True) if checkpoint else block(h)
         if use_branch:
             h = h + self.branch(h)
-        return F.cross_entropy(self.head(h).flatten(0, 1), tokens.flatten())
+        logits = self.head(h)
+        self.aux = logits.square().mean()  # an auxiliary loss, reaching what the loss reaches
+        return F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
 
 
 class _Reordered(nn.Module):
@@ -303,6 +305,39 @@ def test_parameters_reached_only_by_a_reentrant_checkpoint_are_not_counted_unuse
     unused branch counts only that branch ready early, and the blocks' gradients are
     averaged as they arrive."""
     run_ranks(_checkpointed_worker, timeout=240)
+
+
+def _aux_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _LM()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    # (loss backwarded, whether each rank runs the branch): the branch unused on both ranks
+    # first, then the auxiliary loss alone, which reaches none of dp's outputs.
+    steps = [
+        ("main", (True, False)),
+        ("main", (False, False)),
+        ("aux", (False, True)),
+        ("aux", (False, False)),
+    ]
+    for step, (which, used) in enumerate([*steps, ("main", (False, False))]):
+        for module, inner, optimizer in ((dp, model, opt), (ref, ref.module, ref_opt)):
+            optimizer.zero_grad()
+            loss = module(_tokens(rank, step), used[rank])
+            (inner.aux if which == "aux" else loss).backward()
+        _assert_close(model, ref.module, f"step {step} {which}")
+        opt.step()
+        ref_opt.step()
+
+
+def test_a_backward_opened_by_a_parameters_hook_counts_no_parameter_ready_early():
+    """A model that has shown an unused branch, then an auxiliary loss backwarded alone (the
+    first AccumulateGrad hook opens that backward, so nothing is counted ready before its
+    own hook runs): gradients and parameters equal DDP's, with the branch unused on one rank
+    and on both."""
+    run_ranks(_aux_worker, timeout=240)
 
 
 def _sharded_worker(rank: int, world_size: int) -> None:
