@@ -1,7 +1,8 @@
 """`BucketSync`: the overlapped bucket averaging of one `DataParallel` (see `flatgrad.parallel`
-for how it works): buckets cut from the flat buffers, AccumulateGrad hooks that count
-readiness and launch buckets in order, and the final callback that launches the rest,
-waits, and settles `.grad` as stock DDP does."""
+for how it works): buckets cut from the flat buffers, the launch order learned in the first
+synchronised backward, AccumulateGrad hooks that count readiness and launch buckets in that
+order, parameters the backward will not reach counted ready at its start, and the final
+callback that launches the rest, waits, and settles `.grad` as stock DDP does."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatgrad._buckets import Bucket, Round, cut_buckets
+from flatgrad._buckets import Bucket, LaunchPlan, Round, agree_order, cut_buckets, plan_launches
 from flatgrad._scattered import mark_scattered, refuse_adding_onto_scattered
 from flatgrad._seating import output_nodes
 from flatgrad._torch_compat import (
@@ -48,6 +49,11 @@ class BucketSync:
         self._store: GradStore | None = None
         self._buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
+        self._plan = LaunchPlan((), frozenset())
+        # The parameters some synchronised backward left unused (no AccumulateGrad ran before
+        # its final callback), with their nodes and buckets: at the start of each later one,
+        # those the engine will not run are counted ready (`Round.skip`).
+        self._unused: dict[int, tuple[nn.Parameter, Any, Bucket]] = {}
         self._round: Round | None = None  # the running or last synchronised backward's
         self._task: int | None = None  # the graph task of the running backward, if one is open
         self._task_sync = True  # whether the running backward averages
@@ -55,14 +61,20 @@ class BucketSync:
         # averaged backward, so the next backward averages whichever graph it goes through.
         self._armed = False
         self._deferrals: list[Any] = []  # hooks that carry a nested backward's end outward
-        self._hooks: list[Any] = []
+        self._hooks: list[Any] = []  # per parameter of the store, in its order
         self._nodes: list[Any] = []
         self.rebuild()
 
     def _new_round(self) -> Round:
         names = self._parameter_names if self.check_finite else None
         return Round(
-            self._buckets, self._store, self.process_group, self.wire_dtype, self.reduce_scatter, names
+            self._buckets,
+            self._plan,
+            self._store,
+            self.process_group,
+            self.wire_dtype,
+            self.reduce_scatter,
+            names,
         )
 
     def _parameter_names(self) -> dict[int, str]:
@@ -82,7 +94,7 @@ class BucketSync:
     @property
     def buckets(self) -> list[torch.Tensor]:
         """The bucket views of the flat buffers, in launch order."""
-        return [bucket.buffer for bucket in self._buckets]
+        return [self._buckets[index].buffer for index in self._plan.order]
 
     @property
     def in_backward(self) -> bool:
@@ -91,7 +103,8 @@ class BucketSync:
 
     def use_reduce_scatter(self, store: GradStore) -> list[tuple[torch.Tensor, int]]:
         """Switch to reduce-scatter (ZeRO-1) over `store`, laid out for it; returns each
-        bucket's (view, offset in its flat buffer), in launch order."""
+        bucket's (view, offset in its flat buffer), in buffer order (whatever order they
+        launch in)."""
         self.reduce_scatter = True
         self.rebuild()
         assert self._store is store, "the store changed while switching to reduce-scatter"
@@ -115,9 +128,10 @@ class BucketSync:
         self._round = self._new_round()
 
     def rebuild(self) -> None:
-        """Cut the buckets of the current store and hook every parameter's AccumulateGrad
-        node: those of every bucket but the last count it ready, those of the last (which the
-        final callback launches) only open a backward that reached none of dp's outputs."""
+        """Cut the buckets of the current store, launched in buffer order until the next
+        synchronised backward teaches an order, and hook every parameter's AccumulateGrad
+        node to count it ready (and open a backward that reached none of dp's outputs): all
+        of them while the order is learned, then all but the last bucket's (`_learn`)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks, self._nodes = [], []
@@ -127,14 +141,13 @@ class BucketSync:
         self.has_buffers = any(True for _ in self._grads.model.buffers())
         self._buckets = cut_buckets(store, self.bucket_mb)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
-        hooked = {id(p) for bucket in self._buckets[:-1] for p in bucket.params}
+        self._plan = plan_launches(self._buckets)
+        self._unused = {}
         with torch.enable_grad():
             for param in store.params:
                 node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-                if id(param) in hooked:
-                    self._hooks.append(node.register_hook(functools.partial(self._on_ready, param)))
-                else:
-                    self._hooks.append(node.register_hook(self._on_last_ready))
+                bucket = self._bucket_of[id(param)]
+                self._hooks.append(node.register_hook(functools.partial(self._on_ready, param, bucket)))
                 self._nodes.append(node)  # a parameter holds its AccumulateGrad node only weakly
         self._round = self._new_round()
 
@@ -168,6 +181,7 @@ class BucketSync:
         self._task_sync = True  # (a create_graph backward never opened a task: `_begin`)
         self._armed = False
         self._round = self._new_round()
+        self._round.counts_all = False
 
     def _will_accumulate(self) -> bool:
         """Whether the running backward accumulates into a parameter: not so for
@@ -177,10 +191,11 @@ class BucketSync:
         except RuntimeError:  # asked during torch.autograd.grad, which never accumulates
             return False
 
-    def _begin(self, sync: bool) -> bool:
+    def _begin(self, sync: bool, from_output: bool = True) -> bool:
         """Open the running backward, averaging when `sync` (the no_sync state of the forward
         whose output it reached, or the arming: see `_open`), as DDP decides; False when it
-        is a create_graph backward under no_sync (nothing to do)."""
+        is a create_graph backward under no_sync (nothing to do). Opened `from_output` (no
+        gradient final yet), the parameters it will not reach are counted ready now."""
         if sync:
             self._armed = False  # this backward is the one the synchronising forward armed
         if torch.is_grad_enabled():  # create_graph=True: the gradients must stay differentiable
@@ -198,8 +213,22 @@ class BucketSync:
         self._task_sync = sync
         if sync:
             self._round = self._new_round()
+            if self._unused and from_output:
+                self._skip_unreached(self._round)
         queue_callback(self._finish)
         return True
+
+    def _skip_unreached(self, round_: Round) -> None:
+        """Count ready the parameters once unused that this backward will not reach (the
+        engine will not run their AccumulateGrad), so their buckets need not wait for the
+        final callback. Only those once unused are asked: a parameter that only a nested
+        backward reaches (a reentrant checkpoint), which the engine cannot see from here,
+        was ready before the final callback of every backward that used it."""
+        unreached = [
+            (param, bucket) for param, node, bucket in self._unused.values() if not will_execute(node)
+        ]
+        if unreached:
+            round_.skip(unreached)
 
     def _open(self) -> bool:
         """From an AccumulateGrad hook, when no backward is open (this one reached none of
@@ -210,21 +239,24 @@ class BucketSync:
         if not self._armed:
             return False
         _refuse_compiled_autograd()
-        return self._begin(True)
+        # From a hook, maybe of a nested backward (whose graph is not the one that ends the
+        # step): no parameter is counted ready before its AccumulateGrad runs.
+        return self._begin(True, from_output=False)
 
     def _on_last_ready(self, grad_inputs: Any, grad_outputs: Any) -> None:
-        # A parameter of the last bucket: the final callback launches that bucket, so there
-        # is nothing to count; only a backward that reached none of dp's outputs to open.
+        # A parameter of the last bucket to launch (once the order is learned): the final
+        # callback launches that bucket, so there is nothing to count; only a backward that
+        # reached none of dp's outputs to open.
         if self._task is None:
             self._open()
 
-    def _on_ready(self, param: nn.Parameter, grad_inputs: Any, grad_outputs: Any) -> None:
+    def _on_ready(self, param: nn.Parameter, bucket: Bucket, grad_inputs: Any, grad_outputs: Any) -> None:
         # A nested backward (reentrant activation checkpointing) belongs to the open one:
         # same bookkeeping.
         if self._task is None and not self._open():
             return
         if self._task_sync:  # (a synchronising backward always has its round)
-            self._round.mark_ready(param, self._bucket_of[id(param)])  # type: ignore[union-attr]
+            self._round.mark_ready(param, bucket)  # type: ignore[union-attr]
 
     def _finish(self) -> None:
         """Final callback of the running backward."""
@@ -235,10 +267,43 @@ class BucketSync:
         self._task = None
         self._forget_deferrals()
         if self._task_sync:
-            self.last_round.sync_all()
+            round_ = self.last_round
+            round_.sync_all()
+            self._learn(round_)
             self._scattered = self.reduce_scatter
             if self._scattered:  # .grad refuses math until zeroed: see flatgrad._scattered
                 mark_scattered(self._store)  # type: ignore[arg-type]
+
+    def _learn(self, round_: Round) -> None:
+        """After a synchronised backward: note the parameters it left unused; the first
+        after a (re)build sets the launch order (rank 0's, on every rank), and from then on
+        the hooks of the last bucket to launch count nothing (the final callback launches
+        it, its gradients the backward's last but for unused ones)."""
+        store = self._store
+        assert store is not None, "DataParallel is not built"
+        last = self._buckets[self._plan.order[-1]] if self._plan.learned else None
+        counted = len(store.params) - (len(last.params) if last is not None else 0)
+        if round_.counts_all and len(round_.ready) < counted:
+            ready, unused = round_.ready, self._unused
+            for param, node in zip(store.params, self._nodes):
+                bucket = self._bucket_of[id(param)]
+                if id(param) not in ready and id(param) not in unused and bucket is not last:
+                    unused[id(param)] = (param, node, bucket)
+        if not self._plan.learned and self._buckets:
+            device = self._buckets[0].buffer.device
+            order = agree_order(round_.completed, len(self._buckets), device, self.process_group)
+            self._plan = plan_launches(self._buckets, order)
+            self._stop_counting(self._buckets[order[-1]])
+
+    def _stop_counting(self, last: Bucket) -> None:
+        """Hook the parameters of `last` (the last bucket to launch) with `_on_last_ready`,
+        which counts nothing; a parameter once unused there is not asked about either.
+        (From a final callback, where removing a hook is safe.)"""
+        for i, param in enumerate(self._store.params):  # type: ignore[union-attr]
+            if self._bucket_of[id(param)] is last:
+                self._hooks[i].remove()
+                self._hooks[i] = self._nodes[i].register_hook(self._on_last_ready)
+                self._unused.pop(id(param), None)
 
     def _defer(self, outer: Any) -> None:
         """This backward ran inside a node of another one, `outer` (a reentrant activation

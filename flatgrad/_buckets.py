@@ -1,11 +1,12 @@
-"""Buckets and rounds: the static buckets cut from a store's flat buffers, and the `Round`
-of one synchronised backward over them (readiness, in-order launches, the wait and the
-settling of `.grad`). `flatgrad._bucketing.BucketSync` decides which backwards average."""
+"""Buckets and rounds: the static buckets cut from a store's flat buffers, the `LaunchPlan`
+that orders their launches, and the `Round` of one synchronised backward over them
+(readiness, launches in the plan's order, the wait and the settling of `.grad`).
+`flatgrad._bucketing.BucketSync` decides which backwards average."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,21 +28,64 @@ class Bucket:
     index: int
     buffer: torch.Tensor  # a narrow view of the flat buffer
     params: tuple[nn.Parameter, ...]
-    # The last bucket of a group also carries the group's used flags (`GradStore.flagged`:
-    # they follow the buffer in memory), so the all-reduce that averages it tells which
-    # parameters some rank used.
-    flags_of: GroupKey | None = None
+    key: GroupKey
+    # Whether it ends its group's buffer: the group's used flags follow it in memory
+    # (`GradStore.flagged`), so the all-reduce that averages it may carry them too.
+    ends_buffer: bool = False
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The order the buckets launch in, the same on every rank (collectives must be issued
+    in one order everywhere), and the buckets that carry their group's used flags.
+
+    Buffer order until a synchronised backward has been seen (`learned` False); then rank
+    0's order of completion in that backward (`agree_order`), so that a model whose
+    gradients become final in another order than its buffer's, or whose early buckets wait
+    for an unused parameter, still launches its buckets while backward goes on."""
+
+    order: tuple[int, ...]
+    # A group's flags ride on its last bucket to launch, which launches once every gradient
+    # of the group is final, when that bucket also ends the buffer (the flags follow it in
+    # memory); otherwise `Round.sync_all` sends them in a small all-reduce of their own.
+    carriers: frozenset[int]
+    learned: bool = False
+
+
+def plan_launches(buckets: Sequence[Bucket], order: Sequence[int] | None = None) -> LaunchPlan:
+    """The plan that launches `buckets` in `order` (buffer order when None, not learned)."""
+    ordered = tuple(range(len(buckets)) if order is None else order)
+    last: dict[GroupKey, Bucket] = {}
+    for index in ordered:
+        last[buckets[index].key] = buckets[index]
+    carriers = frozenset(bucket.index for bucket in last.values() if bucket.ends_buffer)
+    return LaunchPlan(ordered, carriers, learned=order is not None)
+
+
+def agree_order(
+    completed: Sequence[int], num_buckets: int, device: torch.device, process_group: dist.ProcessGroup | None
+) -> list[int]:
+    """Rank 0's order of bucket completion in its last backward, on every rank (one small
+    broadcast): the buckets in the order they completed, then those that never did (a
+    parameter unused there) in buffer order."""
+    seen = set(completed)
+    order = [*completed, *(index for index in range(num_buckets) if index not in seen)]
+    agreed = torch.tensor(order, dtype=torch.int64, device=device)
+    source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    dist.broadcast(agreed, src=source, group=process_group)
+    return [int(index) for index in agreed.tolist()]
 
 
 class Round:
     """One synchronised backward's averaging: which parameters are ready, which bucket
-    launches next, each bucket's collective, and the used flags that travel with them. Made
-    when such a backward opens (and at a rebuild), replaced by the next one; its timings are
-    the last synchronised backward's."""
+    launches next (in the plan's order), each bucket's collective, and the used flags that
+    travel with them. Made when such a backward opens (and at a rebuild), replaced by the
+    next one; its timings are the last synchronised backward's."""
 
     def __init__(
         self,
         buckets: list[Bucket],
+        plan: LaunchPlan,
         store: GradStore | None,
         process_group: dist.ProcessGroup | None,
         wire_dtype: torch.dtype | None,
@@ -49,6 +93,7 @@ class Round:
         check_finite: Callable[[], dict[int, str]] | None = None,
     ) -> None:
         self.buckets = buckets
+        self.plan = plan
         self.store = store
         self.process_group, self.wire_dtype, self.scatter = process_group, wire_dtype, scatter
         # With `check_finite` (the parameters' names, asked for only to raise): per launched
@@ -59,11 +104,21 @@ class Round:
         self.work: list[Any] = [None] * len(self.buckets)
         self.wire: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.sent: list[torch.Tensor | None] = [None] * len(self.buckets)  # what each collective ran on
-        self.ready: set[int] = set()
-        # (flags, their parameters): carried by the last bucket of each group, or by one
-        # small all-reduce of their own (see `sync_all`).
+        self.ready: set[int] = set()  # the parameters whose AccumulateGrad ran
+        # The parameters the engine said this backward will not reach (`skip`): ready from
+        # its start, and unused unless some rank used them.
+        self.unreached: set[int] = set()
+        # Whether every gradient final in this backward is counted (not so in a round made
+        # in the middle of one: `BucketSync._upgrade`); only such a round tells which
+        # parameters the model leaves unused.
+        self.counts_all = True
+        self.completed: list[int] = []  # the buckets, in the order they became complete
+        # (flags, their parameters): carried by the plan's carriers, or by one small
+        # all-reduce of their own (see `sync_all`).
         self.flagged: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []
-        self.next = 0  # the next bucket to launch
+        self.next = 0  # the position in the plan's order of the next bucket to launch
+        self.launched: list[Bucket] = []
+        self.launched_in_backward = 0  # launched before the final callback flushed the rest
         # perf_counter seconds: when each bucket was launched, relative to the backward's
         # start; how long the final callback waited for communication after the backward's
         # compute had ended (exposed communication); the backward's start to that end.
@@ -73,21 +128,56 @@ class Round:
         self.backward_s = 0.0
 
     def mark_ready(self, param: nn.Parameter, bucket: Bucket) -> None:
-        if id(param) in self.ready:
+        key = id(param)
+        if key in self.ready:
             raise RuntimeError(
                 "a parameter's gradient became final twice in one backward (a reentrant "
                 "activation checkpoint using it both inside and outside the checkpointed "
                 "function); use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
             )
-        self.ready.add(id(param))
-        self.pending[bucket.index] -= 1
-        if not self.pending[bucket.index]:
+        self.ready.add(key)
+        if self.unreached and key in self.unreached:  # counted at the start (see below)
+            self._reached_late(key, bucket)
+            return
+        pending, index = self.pending, bucket.index  # (`_count`, inline: once per parameter)
+        pending[index] -= 1
+        if not pending[index]:
+            self.completed.append(index)
             self.launch_ready()
 
+    def skip(self, unreached: Sequence[tuple[nn.Parameter, Bucket]]) -> None:
+        """At the backward's start: count ready the parameters it will not reach (their
+        AccumulateGrad does not run), as DDP with find_unused_parameters=True does, so that
+        their buckets launch once their other gradients are final."""
+        for param, bucket in unreached:
+            self.unreached.add(id(param))
+            self._count(bucket, launch=False)
+        self.launch_ready()
+
+    def _count(self, bucket: Bucket, launch: bool = True) -> None:
+        self.pending[bucket.index] -= 1
+        if not self.pending[bucket.index]:
+            self.completed.append(bucket.index)
+            if launch:
+                self.launch_ready()
+
+    def _reached_late(self, key: int, bucket: Bucket) -> None:
+        # The engine said the backward would not reach this parameter, and a nested
+        # backward (a reentrant activation checkpoint) did: fine while its bucket waits.
+        self.unreached.discard(key)
+        if self.sent[bucket.index] is not None:
+            raise RuntimeError(
+                "DataParallel: a parameter unused in an earlier step got its gradient from a "
+                "nested backward (a reentrant activation checkpoint) after its bucket was "
+                "averaged; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
+
     def launch_ready(self, flush: bool = False) -> None:
-        """Launch buckets in order while the next one is complete (or, on flush, all)."""
-        while self.next < len(self.buckets):
-            bucket = self.buckets[self.next]
+        """Launch buckets in the plan's order while the next one is complete (or, on
+        flush, all)."""
+        order = self.plan.order
+        while self.next < len(order):
+            bucket = self.buckets[order[self.next]]
             if self.pending[bucket.index] and not flush:
                 return
             # Zero the slots of parameters without a `.grad` (unused, or whose AccumulateGrad
@@ -95,15 +185,17 @@ class Round:
             # values. Move in any `.grad` that lives outside its slot.
             self.store.take_in(bucket.params, zero_empty=True)  # type: ignore[union-attr]
             self._launch(bucket)
+            self.launched.append(bucket)
             self.launch_offsets_s.append(time.perf_counter() - self.started)
             self.next += 1
 
     def _launch(self, bucket: Bucket) -> None:
         sent = bucket.buffer
-        if bucket.flags_of is not None and not self.scatter:
-            # Every parameter of the group is final now: its buckets launch in order, this
-            # is the last, and an earlier one with a parameter not ready waits for the flush.
-            found = self.store.flagged(bucket.flags_of)  # type: ignore[union-attr]
+        if bucket.index in self.plan.carriers and not self.scatter:
+            # Every parameter of the group is final now: its buckets launch in the plan's
+            # order, this is the last, and one before it with a parameter not ready waits
+            # for the flush.
+            found = self.store.flagged(bucket.key)  # type: ignore[union-attr]
             if found is not None:
                 raw, flags, members = found
                 start = bucket.buffer.storage_offset() - raw.storage_offset()
@@ -127,9 +219,11 @@ class Round:
         assert store is not None, "DataParallel is not built"
         compute_done = time.perf_counter()
         self.backward_s = compute_done - self.started
+        self.launched_in_backward = self.next
         self.launch_ready(flush=True)  # first: the flags below are made while it runs
-        # Groups whose flags did not travel with their last bucket (reduce-scatter, a buffer
-        # without room for them): one small all-reduce of theirs.
+        # Groups whose flags did not travel with a bucket (reduce-scatter, a buffer without
+        # room for them, a last bucket to launch that does not end the buffer): one small
+        # all-reduce of theirs.
         carried = {id(p) for _, members in self.flagged for p in members}
         rest = tuple(p for p in store.params if id(p) not in carried)
         used_work = None
@@ -172,7 +266,7 @@ class Round:
             names = self.check_finite() if self.check_finite is not None else {}
             local = [
                 names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
-                for bucket, finite in zip(self.buckets, self.finite)
+                for bucket, finite in zip(self.launched, self.finite)
                 if not bool(finite)
                 for p in bucket.params
                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())
@@ -201,11 +295,9 @@ def cut_buckets(store: GradStore, bucket_mb: float) -> list[Bucket]:
             members.append(param)
             end = slots[i + 1][0] if i + 1 < len(slots) else buffer.numel()
             if end - start >= cap or i + 1 == len(slots):
-                flags_of = key if i + 1 == len(slots) else None
+                view = buffer.narrow(0, start, end - start)
                 buckets.append(
-                    Bucket(
-                        len(buckets), buffer.narrow(0, start, end - start), tuple(members), flags_of=flags_of
-                    )
+                    Bucket(len(buckets), view, tuple(members), key, ends_buffer=i + 1 == len(slots))
                 )
                 start, members = end, []
                 cap = int(bucket_mb * 2**20) // buffer.element_size()

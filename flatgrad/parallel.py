@@ -3,15 +3,26 @@
 Buckets are `narrow` views of the flat buffer, cut at slot boundaries in the buffer's order
 (the reverse of registration, roughly the order backward produces gradients), about
 `bucket_mb` each and a small first one. A post hook on the AccumulateGrad node of every
-parameter but those of the last bucket (it fires also for the routed layers, whose Functions
-hand AccumulateGrad None) counts the parameter ready; when every parameter of a bucket is
-ready and every earlier bucket has been launched, the bucket's collective starts
-asynchronously, while backward goes on. Buckets therefore launch in the same order on every
-rank. An autograd final callback launches what is left (the last bucket, whose gradients are
-the backward's last anyway, so its parameters' hooks do not count; parameters unused in this
-step, whose slots are zeroed when `.grad` is None), waits for everything, and settles `.grad`
-as stock DDP with ``find_unused_parameters=True`` does, so `loss.backward()` returns with
-averaged gradients.
+parameter (it fires also for the routed layers, whose Functions hand AccumulateGrad None)
+counts the parameter ready; when every parameter of a bucket is ready and every bucket
+before it in the launch order has been launched, the bucket's collective starts
+asynchronously, while backward goes on. The launch order is the buffer's until the first
+synchronised backward ends; from then on it is the order in which rank 0's buckets became
+complete in that backward (broadcast; buckets that never did go last), learned again after
+each layout change, as DDP rebuilds its buckets in gradient-ready order; from then on the
+hooks of the last bucket in that order count nothing (the final callback launches it, its
+gradients the backward's last anyway; they only open a backward, see below). Buckets
+therefore launch in the same order on every rank, and a model that runs its modules in
+another order than it registers them still overlaps. Once a synchronised backward has left parameters
+unused (no gradient final before its end), each later one asks the autograd engine, when it
+starts, which of those it will not reach, and counts them ready then (DDP with
+``find_unused_parameters=True`` marks unused parameters ready as backward starts), so their
+buckets do not wait for the end. An autograd final callback launches what is left
+(parameters unused and not counted so; slots are zeroed where `.grad` is None), waits for
+everything, and settles `.grad` as stock DDP with ``find_unused_parameters=True`` does, so
+`loss.backward()` returns with averaged gradients. The used flags ride in the all-reduce of
+a buffer's last bucket when that bucket also launches last of its buffer's; otherwise they
+go in one small all-reduce of their own.
 
 Which backwards average, as under DDP, whose hooks sit on the parameters: a backward through
 the output of a forward averages when that forward synchronised (grad enabled, outside
@@ -20,12 +31,13 @@ before any gradient is final. Any other backward that accumulates into a paramet
 when a synchronising forward came since the last averaged backward, whichever graph it goes
 through: a loss kept on the module during forward (an auxiliary loss), an output dp cannot
 look into (a plain object, a dict subclass); the first AccumulateGrad hook it reaches opens
-it. So every parameter has a hook, those of the last bucket included (a Python call per
-parameter per backward that returns at once when a backward is open). A backward after a
+it (and counts no parameter ready before its AccumulateGrad runs). A backward after a
 forward that did not synchronise (``dp.module(x)`` called directly, a forward under
 no_sync()) that goes through no synchronising output stays local.
 A nested backward (reentrant activation checkpointing) counts toward the backward it runs
-in. `torch.autograd.grad` (which accumulates nothing) is left alone; a create_graph backward
+in; a parameter only it reaches is not counted ready early unless it was unused in an
+earlier step (then a gradient that comes after its bucket launched raises).
+`torch.autograd.grad` (which accumulates nothing) is left alone; a create_graph backward
 that should average is refused.
 
 On CUDA with NCCL the collectives run on the process group's own communication stream,

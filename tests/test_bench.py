@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 import flatgrad
 from flatgrad.bench.counters import COPY_OPS, StepCounts, count_step, grad_bytes, weight_shapes
 from flatgrad.bench.local import COMPILE_VARIANTS
-from flatgrad.bench.models import BenchModel, LlamaLike
+from flatgrad.bench.models import BenchModel, LlamaLike, ReorderedMLP
 from flatgrad.bench.runners import CONFIGS, build_runner
 
 _LOCAL_KEYS = {"model", "clip", "micro_batches", "stock_ms", "flatgrad_ms", "ratio", "control_ratio"}
@@ -232,6 +232,30 @@ def _sharded_worker(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_sharded_configurations_step_as_ddp_with_half_the_state():
     run_ranks(_sharded_worker)
+
+
+def _unused_parameters_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = ReorderedMLP(width=16, depth=3)
+    gen = torch.Generator().manual_seed(rank)
+    batch = (torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen))
+    for name in CONFIGS:
+        runner = build_runner(name, model, torch.device("cpu"), unused_parameters=True)
+        for _ in range(3):  # past DDP's bucket rebuild in iteration 2
+            runner.backward(runner.forward(batch))
+            runner.update()
+        plain = runner.module
+        while isinstance(getattr(plain, "module", None), nn.Module):  # DDP, DataParallel, FlatGrad
+            plain = plain.module
+        assert all(p.grad is None for p in plain.unused.parameters()), name
+
+
+@pytest.mark.distributed
+def test_every_configuration_runs_a_model_with_unused_parameters():
+    """`ReorderedMLP` leaves a layer unused: the DDP configurations are told
+    (find_unused_parameters=True, but for static_graph, which needs no flag) and every
+    configuration steps it; no rank used the layer, so its `.grad` stays None."""
+    run_ranks(_unused_parameters_worker)
 
 
 @pytest.mark.distributed

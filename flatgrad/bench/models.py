@@ -91,6 +91,24 @@ class LargeMLP(nn.Module):
         return F.mse_loss(x, y)
 
 
+class ReorderedMLP(nn.Module):
+    """`LargeMLP` whose layers run in the reverse of their registration (the buffer, laid out
+    in the reverse of registration, then holds the first gradients of backward last), with
+    a layer it never uses (a head for another task): stock DDP needs
+    find_unused_parameters=True; DataParallel's buckets learn their launch order in the
+    first step and count the unused layer ready when backward starts."""
+
+    def __init__(self, width: int = 2048, depth: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.unused = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return F.mse_loss(x, y)
+
+
 class _LlamaBlock(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
@@ -136,6 +154,9 @@ class BenchModel:
 
     build: Callable[[], nn.Module]
     batch: Callable[[torch.Generator, torch.device], tuple[torch.Tensor, ...]]
+    # Whether the model leaves parameters unused (the same ones every step): stock DDP then
+    # runs with find_unused_parameters=True (static_graph=True needs no flag).
+    unused_parameters: bool = False
 
 
 def _small_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -181,6 +202,7 @@ MODELS: dict[str, BenchModel] = {
     "recommender": BenchModel(Recommender, _recommender_batch),
     "gpt": BenchModel(TiedGPT, _gpt_batch),
     "mlp": BenchModel(LargeMLP, _mlp_batch),
+    "mlp_reordered": BenchModel(ReorderedMLP, _mlp_batch, unused_parameters=True),
 }
 
 

@@ -101,8 +101,11 @@ def _device_ids(device: torch.device) -> list[int] | None:
     return [device.index or 0] if device.type == "cuda" else None
 
 
-def build_runner(name: str, model: nn.Module, device: torch.device, lr: float = 1e-3) -> Runner:
-    """A fresh copy of `model` set up as configuration `name`."""
+def build_runner(
+    name: str, model: nn.Module, device: torch.device, lr: float = 1e-3, unused_parameters: bool = False
+) -> Runner:
+    """A fresh copy of `model` set up as configuration `name`; `unused_parameters`: the model
+    leaves some unused, which DDP (but for static_graph) must be told."""
     module = copy.deepcopy(model).to(device)
     ids = _device_ids(device)
     ddp: DDP | None = None
@@ -112,11 +115,12 @@ def build_runner(name: str, model: nn.Module, device: torch.device, lr: float = 
             "ddp_bucket_view": {"gradient_as_bucket_view": True},
             "ddp_static_graph": {"static_graph": True},
         }
-        ddp = DDP(module, device_ids=ids, **kwargs.get(name, {}))
+        unused = unused_parameters and name != "ddp_static_graph"
+        ddp = DDP(module, device_ids=ids, find_unused_parameters=unused, **kwargs.get(name, {}))
         wrapped: nn.Module = ddp
     elif name == "flatgrad_ddp_hook":
         flat = flatgrad.FlatGrad(module)
-        ddp = DDP(flat, device_ids=ids, **flat.ddp_kwargs())
+        ddp = DDP(flat, device_ids=ids, find_unused_parameters=unused_parameters, **flat.ddp_kwargs())
         ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
         wrapped = ddp
     elif name == "flatgrad_all_reduce":
@@ -130,7 +134,9 @@ def build_runner(name: str, model: nn.Module, device: torch.device, lr: float = 
             return Runner(name, dp, sharded, engine=dp)  # type: ignore[arg-type]
         return Runner(name, dp, torch.optim.SGD(dp.parameters(), lr=lr, momentum=0.9), engine=dp)
     elif name == "zero_stock":
-        ddp = DDP(module, device_ids=ids, gradient_as_bucket_view=True)
+        ddp = DDP(
+            module, device_ids=ids, gradient_as_bucket_view=True, find_unused_parameters=unused_parameters
+        )
         zero = ZeroRedundancyOptimizer(
             ddp.parameters(),
             optimizer_class=torch.optim.SGD,

@@ -48,7 +48,9 @@ def bench_model(
     spec = resolve_model(model_name)
     torch.manual_seed(0)
     model = spec.build()
-    runners = [build_runner(name, model, device) for name in configs]
+    runners = [
+        build_runner(name, model, device, unused_parameters=spec.unused_parameters) for name in configs
+    ]
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
     times: dict[str, list[float]] = {name: [] for name in configs}
     losses: dict[str, float] = {}

@@ -1,0 +1,364 @@
+"""`flatgrad.DataParallel`'s overlap when gradients become final in another order than the
+buffer's, and when parameters go unused: the launch order learned in the first synchronised
+backward (rank 0's, on every rank) and the parameters a backward will not reach, counted
+ready at its start. On 2 gloo ranks.
+
+Oracle: DDP(find_unused_parameters=True) on a deep copy stepping the same optimizer (stock
+autograd averaged by hand where DDP cannot follow). float64: both sides sum the same per-rank
+gradients divided by the world size, so they agree to round-off (1e-10 after several steps).
+
+Overlap is asserted by how many buckets were launched when the backward reached the
+embedding, its last node (`_Probe`: deterministic), and by when the first bucket launched
+against the backward's length (the blocks' matmuls dominate it by far).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from dist_utils import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import flatgrad
+
+pytestmark = pytest.mark.distributed
+
+TOL = {"rtol": 1e-10, "atol": 1e-10}
+BUCKET_MB = 0.01  # about 1300 float64 elements: a bucket or so per weight, many in all
+VOCAB, DIM = 32, 64
+
+
+class _Probe:
+    """Counts the buckets `dp` had launched when the backward reached the embedding's output
+    (every gradient but the embedding's final by then)."""
+
+    def __init__(self) -> None:
+        self.dp: flatgrad.DataParallel | None = None
+        self.launched: list[int] = []
+
+    def watch(self, h: torch.Tensor) -> None:
+        if self.dp is not None and h.requires_grad:
+            dp = self.dp
+            h.register_hook(lambda grad: self.launched.append(len(dp.launch_offsets_s)))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, 4 * DIM)
+        self.fc2 = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc2(torch.tanh(self.fc1(self.norm(h))))
+
+
+class _LM(nn.Module):
+    """Tied embedding and head, four blocks and a branch used on some steps only, registered
+    in the order they run (the buffer's order is backward's); `checkpoint` runs the blocks
+    under reentrant activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.probe = _Probe()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(_Block() for _ in range(4))
+        self.branch = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.double()
+
+    def forward(
+        self, tokens: torch.Tensor, use_branch: bool = True, checkpoint: bool = False
+    ) -> torch.Tensor:
+        h = self.emb(tokens)
+        self.probe.watch(h)
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True) if checkpoint else block(h)
+        if use_branch:
+            h = h + self.branch(h)
+        logits = self.head(h)
+        self.aux = logits.square().mean()  # an auxiliary loss, reaching what the loss reaches
+        return F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+class _Reordered(nn.Module):
+    """Registered head, branch, blocks, embedding; run embedding, blocks, branch, head: the
+    buffer (the reverse of registration) starts with the embedding, whose gradient is the
+    backward's last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.probe = _Probe()
+        self.head = nn.Linear(DIM, VOCAB)
+        self.branch = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(_Block() for _ in range(4))
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.double()
+
+    def forward(self, tokens: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = self.emb(tokens)
+        self.probe.watch(h)
+        for block in self.blocks:
+            h = block(h)
+        if use_branch:
+            h = h + self.branch(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), tokens.flatten())
+
+
+class _Swapped(nn.Module):
+    """Two blocks run in either order, and a branch: ranks that run them differently see
+    their gradients become final in different orders."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.a, self.b = _Block(), _Block()
+        self.branch = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+        self.double()
+
+    def forward(self, tokens: torch.Tensor, swap: bool, use_branch: bool) -> torch.Tensor:
+        h = self.emb(tokens)
+        h = self.a(self.b(h)) if swap else self.b(self.a(h))
+        if use_branch:
+            h = h + self.branch(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), tokens.flatten())
+
+
+def _tokens(rank: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randint(0, VOCAB, (8, 64), generator=gen)
+
+
+def _assert_close(ours: nn.Module, ref: nn.Module, what: str) -> None:
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=name: f"{what} {n}: {m}")
+        assert (p.grad is None) == (q.grad is None), f"{what} {name}: .grad None-ness"
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, n=name: f"{what} grad {n}: {m}")
+
+
+def _assert_overlapped(dp: flatgrad.DataParallel, probe: _Probe, what: str) -> None:
+    """Half the buckets or more launched before the backward's last node, and the first one
+    within the backward's first half."""
+    num_buckets = len(dp.buckets)
+    assert probe.launched[-1] >= num_buckets / 2, f"{what}: {probe.launched[-1]} of {num_buckets} launched"
+    assert sum(t < dp.backward_s for t in dp.launch_offsets_s) >= num_buckets / 2, what
+    assert dp.launch_offsets_s[0] < 0.5 * dp.backward_s, (
+        f"{what}: {dp.launch_offsets_s[0]} of {dp.backward_s}"
+    )
+
+
+# Whether each rank runs the branch, per step: unused on rank 0 in the first (learning)
+# step, on rank 1 in the second, on both in the third, used, then unused on one or both.
+_BRANCH = [(False, True), (True, False), (False, False), (True, True), (True, False), (False, False)]
+
+
+def _unused_and_reordered_worker(rank: int, world_size: int, build: type[nn.Module]) -> None:
+    torch.manual_seed(0)
+    model = build()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
+    model.probe.dp = dp  # type: ignore[union-attr]
+    assert len(dp.buckets) >= 10
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step, used in enumerate(_BRANCH):
+        for module, optimizer in ((dp, opt), (ref, ref_opt)):
+            optimizer.zero_grad()
+            module(_tokens(rank, step), used[rank]).backward()
+        _assert_close(model, ref.module, f"step {step}")
+        if step >= 2:
+            _assert_overlapped(dp, model.probe, f"step {step}")  # type: ignore[arg-type]
+        opt.step()
+        ref_opt.step()
+    _assert_close(model, ref.module, "final")
+
+
+@pytest.mark.parametrize("build", [_LM, _Reordered], ids=["unused_branch", "reordered"])
+def test_buckets_launch_during_backward_with_unused_or_reordered_parameters_as_ddp(build):
+    """A branch unused on one rank or on both does not hold back the buckets after it, and
+    a model registered in another order than it runs launches its buckets while backward
+    goes on, from the third step (the first teaches the order, the second shows the unused
+    parameters to the ranks that had not seen them); parameters equal DDP's throughout."""
+    run_ranks(_unused_and_reordered_worker, build, timeout=240)
+
+
+def _launch_order(dp: flatgrad.DataParallel) -> list[int]:
+    """Where each bucket starts in its (one) flat buffer, in launch order."""
+    start = min(int(bucket.storage_offset()) for bucket in dp.buckets)
+    return [int(bucket.storage_offset()) - start for bucket in dp.buckets]
+
+
+def _swapped_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _Swapped()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
+    opt = torch.optim.AdamW(dp.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    buffer_order = _launch_order(dp)
+    for step in range(5):
+        swap, use_branch = rank == 1, rank == 1 or step == 3  # rank 0 skips the branch but once
+        for module, optimizer in ((dp, opt), (ref, ref_opt)):
+            optimizer.zero_grad()
+            module(_tokens(rank, step), swap, use_branch).backward()
+        _assert_close(model, ref.module, f"step {step}")
+        opt.step()
+        ref_opt.step()
+        orders: list[list[int]] = [[] for _ in range(world_size)]
+        dist.all_gather_object(orders, _launch_order(dp))
+        assert orders[0] == orders[1], f"step {step}: the ranks launch in different orders {orders}"
+        assert orders[0] != buffer_order, "rank 0's order is learned (the branch it skips goes last)"
+    _assert_close(model, ref.module, "final")
+
+
+def test_ranks_whose_gradients_become_final_in_other_orders_launch_in_rank_0s_order():
+    """Rank 1 runs the blocks in the other order and a branch rank 0 skips: every rank
+    launches in rank 0's learned order (no hang), and parameters equal DDP's."""
+    run_ranks(_swapped_worker, timeout=240)
+
+
+def _manual_average(module: nn.Module) -> None:
+    for q in module.parameters():
+        if q.grad is not None:
+            dist.all_reduce(q.grad)
+            q.grad.div_(dist.get_world_size())
+
+
+def _assert_grads_match(ours: nn.Module, ref: nn.Module, what: str) -> None:
+    """`.grad` None-ness and values equal the oracle's (float32 ones to float32 round-off)."""
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), f"{what} {name}"
+        if q.grad is not None:
+            tol = TOL if q.dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+            torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m, n=f"{what} {name}": f"{n}: {m}")
+
+
+def _rebuild_worker(rank: int, world_size: int) -> None:
+    """Oracle: stock autograd on a copy changed the same way, averaged by one all-reduce per
+    gradient (DDP's reducer keeps the buckets it was built with)."""
+    torch.manual_seed(0)
+    model = _Reordered()
+    ref = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model)
+    dp = flatgrad.DataParallel(flat, bucket_mb=BUCKET_MB)
+    model.probe.dp = dp
+    learning = True  # the first backward, and the first after each rebuild
+    for step, change in enumerate(["", "", "freeze", "", "float", "double", ""]):
+        for module in (model, ref):
+            if change == "freeze":  # fewer slots: the buckets are cut again
+                module.blocks[1].fc1.requires_grad_(False)
+            elif change:
+                getattr(module, change)()
+        dp.zero_grad()
+        ref.zero_grad()
+        dp(_tokens(rank, step)).backward()
+        ref(_tokens(rank, step)).backward()
+        _manual_average(ref)
+        _assert_grads_match(model, ref, f"step {step}")
+        if learning or change:  # it launches in buffer order: nothing before the embedding's gradient
+            assert model.probe.launched[-1] == 0, f"step {step}"
+        else:
+            assert model.probe.launched[-1] >= len(dp.buckets) / 2, f"step {step}: not re-learned"
+        learning = False
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref.parameters()):
+                if p.grad is not None:
+                    p.sub_(0.1 * p.grad)
+                    q.sub_(0.1 * q.grad)
+
+
+def test_a_rebuild_learns_the_launch_order_again():
+    """Freezing a layer (other buckets) and converting to float32 and back (new buffers)
+    lay the buffers out again: the next synchronised backward launches in buffer order and
+    teaches the order anew, and the one after overlaps again; gradients equal the oracle's."""
+    run_ranks(_rebuild_worker, timeout=240)
+
+
+def _checkpointed_worker(rank: int, world_size: int) -> None:
+    """Oracle: stock autograd averaged by hand (DDP with find_unused_parameters=True refuses
+    reentrant checkpoints); the branch's use is the same on both ranks."""
+    torch.manual_seed(0)
+    model = _LM()
+    ref = copy.deepcopy(model)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
+    for step, use_branch in enumerate([True, False, True, False]):
+        dp.zero_grad()
+        ref.zero_grad()
+        dp(_tokens(rank, step), use_branch, True).backward()
+        ref(_tokens(rank, step), use_branch, True).backward()
+        _manual_average(ref)
+        _assert_grads_match(model, ref, f"step {step}")
+
+
+def test_parameters_reached_only_by_a_reentrant_checkpoint_are_not_counted_unused():
+    """The blocks' parameters run only in the nested backwards of reentrant checkpoints
+    (the engine cannot see them from the backward's start): a model that has shown an
+    unused branch counts only that branch ready early, and the blocks' gradients are
+    averaged as they arrive."""
+    run_ranks(_checkpointed_worker, timeout=240)
+
+
+def _aux_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _LM()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    # (loss backwarded, whether each rank runs the branch): the branch unused on both ranks
+    # first, then the auxiliary loss alone, which reaches none of dp's outputs.
+    steps = [
+        ("main", (True, False)),
+        ("main", (False, False)),
+        ("aux", (False, True)),
+        ("aux", (False, False)),
+    ]
+    for step, (which, used) in enumerate([*steps, ("main", (False, False))]):
+        for module, inner, optimizer in ((dp, model, opt), (ref, ref.module, ref_opt)):
+            optimizer.zero_grad()
+            loss = module(_tokens(rank, step), used[rank])
+            (inner.aux if which == "aux" else loss).backward()
+        _assert_close(model, ref.module, f"step {step} {which}")
+        opt.step()
+        ref_opt.step()
+
+
+def test_a_backward_opened_by_a_parameters_hook_counts_no_parameter_ready_early():
+    """A model that has shown an unused branch, then an auxiliary loss backwarded alone (the
+    first AccumulateGrad hook opens that backward, so nothing is counted ready before its
+    own hook runs): gradients and parameters equal DDP's, with the branch unused on one rank
+    and on both."""
+    run_ranks(_aux_worker, timeout=240)
+
+
+def _sharded_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _Reordered()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    # A parameter no rank used is stepped with a zero gradient by a ShardedOptimizer (its
+    # shard holds others), skipped under DDP: here some rank uses the branch in every step.
+    for step, used in enumerate([(False, True), (True, False), (True, True), (True, False), (False, True)]):
+        for module, optimizer in ((dp, opt), (ref, ref_opt)):
+            module(_tokens(rank, step), used[rank]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=f"step {step} {name}": f"{n}: {m}")
+
+
+def test_a_sharded_optimizer_steps_as_ddp_whatever_order_the_buckets_launch_in():
+    """Reduce-scatter in the learned order: each bucket's shard is still this rank's piece
+    of that bucket, and the parameters equal DDP's with AdamW after every step."""
+    run_ranks(_sharded_worker, timeout=240)
