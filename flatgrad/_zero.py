@@ -17,8 +17,25 @@ from torch import nn
 
 from flatgrad import _norms
 from flatgrad._checkpoint import Layout, Piece
+from flatgrad._torch_compat import register_load_pre_hook
 from flatgrad.buffer import GradStore
 from flatgrad.comm import all_gather_flat
+
+# Optimizers whose update of an element depends only on that element (and scalars): they
+# give the same result on a shard as on the whole tensor.
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
 
 
 @dataclass(frozen=True)
@@ -159,6 +176,34 @@ class ShardEngine:
                 if (view.dtype, view.device) == key and start <= slot.offset < start + view.numel():
                     found.add(index)
         return tuple(sorted(found))
+
+
+def gather_hooks(engine: ShardEngine, model: nn.Module) -> list[Any]:
+    """overlap_param_gather: a forward pre hook on every module with parameters waits for
+    the all-gathers of the buckets holding them (the first forward after a step that needs
+    them); the model's state_dict and load_state_dict wait for all first."""
+    handles = []
+    for module in model.modules():
+        indices = engine.bucket_indices(list(module.parameters(recurse=False)))
+        if indices:
+            hook = functools.partial(_wait_for, engine, indices)
+            handles.append(module.register_forward_pre_hook(hook))
+    handles.append(model.register_state_dict_pre_hook(functools.partial(_wait_for_all, engine)))
+    handles.append(register_load_pre_hook(model, functools.partial(_wait_for_all, engine)))
+    return handles
+
+
+def _wait_for(engine: ShardEngine, indices: tuple[int, ...], *hook_args: Any) -> None:
+    engine.wait_gather(indices)
+
+
+def _wait_for_all(engine: ShardEngine, *hook_args: Any) -> None:
+    engine.wait_gather()
+
+
+def remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _runs(store: GradStore, key: Any, wanted: set[int]) -> list[list[int]]:

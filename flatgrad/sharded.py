@@ -34,25 +34,16 @@ from torch import nn
 
 from flatgrad._checkpoint import GroupView, Piece, load_group, misfit, optimizer_state
 from flatgrad._scattered import unguarded, unmark_scattered
-from flatgrad._torch_compat import register_load_pre_hook
-from flatgrad._zero import ShardEngine, add_piece_group, as_groups, options
-from flatgrad.parallel import DataParallel
-
-# Optimizers whose update of an element depends only on that element (and scalars): they
-# give the same result on a shard as on the whole tensor.
-_ELEMENTWISE = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
-    torch.optim.ASGD,
+from flatgrad._zero import (
+    ELEMENTWISE,
+    ShardEngine,
+    add_piece_group,
+    as_groups,
+    gather_hooks,
+    options,
+    remove_hooks,
 )
+from flatgrad.parallel import DataParallel
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -68,9 +59,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     groups share a bucket. ``step(closure=None)``, ``zero_grad(set_to_none=...)``,
     ``clip_grad_norm_(max_norm)`` (the global norm from the shard norms, one small
     all-reduce: use it, not ``torch.nn.utils.clip_grad_norm_``, which refuses the
-    reduce-scattered `.grad`), ``state_dict()`` / ``load_state_dict()`` (this rank's shard
-    of the state: every rank saves and loads its own; resuming needs the same world size and
-    model, and is refused on every rank with a clear error otherwise).
+    reduce-scattered `.grad`), ``state_dict()`` / ``load_state_dict()`` (per parameter:
+    ``torch.distributed.checkpoint`` saves it and loads it on any world size).
 
     ``opt.optimizer`` is the torch optimizer that steps this rank's shards: one group per
     group of `param_groups` (their hyper-parameters copied over at every step), over 1-D
@@ -124,8 +114,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"dp must be a flatgrad.DataParallel, got {type(dp).__name__}")
         if not isinstance(overlap_param_gather, bool):
             raise TypeError(f"overlap_param_gather must be a bool, got {type(overlap_param_gather).__name__}")
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, _ELEMENTWISE)):
-            names = ", ".join(cls.__name__ for cls in _ELEMENTWISE)
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE)):
+            names = ", ".join(cls.__name__ for cls in ELEMENTWISE)
             given = getattr(optimizer_class, "__name__", optimizer_class)
             raise ValueError(
                 f"optimizer_class must be an element-wise torch optimizer ({names}) so that a "
@@ -178,8 +168,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ready = True
         self.overlap_param_gather = overlap_param_gather
         if overlap_param_gather:
-            handles = _gather_hooks(self._engine, dp.module.module)
-            weakref.finalize(self, _remove, handles)
+            handles = gather_hooks(self._engine, dp.module.module)
+            weakref.finalize(self, remove_hooks, handles)
 
     def _piece_ids(self) -> set[int]:
         return {id(piece.param) for pieces in self._pieces for piece in pieces}
@@ -410,31 +400,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for t in state.values()
             if isinstance(t, torch.Tensor)
         )
-
-
-def _gather_hooks(engine: ShardEngine, model: nn.Module) -> list[Any]:
-    """overlap_param_gather: a forward pre hook on every module with parameters waits for
-    the all-gathers of the buckets holding them (the first forward after a step that needs
-    them); the model's state_dict and load_state_dict wait for all first."""
-    handles = []
-    for module in model.modules():
-        indices = engine.bucket_indices(list(module.parameters(recurse=False)))
-        if indices:
-            hook = functools.partial(_wait_for, engine, indices)
-            handles.append(module.register_forward_pre_hook(hook))
-    handles.append(model.register_state_dict_pre_hook(functools.partial(_wait_for_all, engine)))
-    handles.append(register_load_pre_hook(model, functools.partial(_wait_for_all, engine)))
-    return handles
-
-
-def _wait_for(engine: ShardEngine, indices: tuple[int, ...], *hook_args: Any) -> None:
-    engine.wait_gather(indices)
-
-
-def _wait_for_all(engine: ShardEngine, *hook_args: Any) -> None:
-    engine.wait_gather()
-
-
-def _remove(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
