@@ -193,11 +193,13 @@ class GradStore:
         hand, or produced with create_graph=True) into the slot, so a sync of the slots sees
         it; with `zero_empty`, also zero the slots of those whose `.grad` is None."""
         views, mains = self._views, self._main_ids
+        if mains:  # a main grad is the gradient even where `.grad` is None: never zeroed
+            for param in [p for p in params if id(p) in mains]:
+                self.absorb(param)
+            params = [p for p in params if id(p) not in mains]
         for param in params:
             grad = param.grad
-            if id(param) in mains:
-                self.absorb(param)  # a main grad is the gradient even where `.grad` is None
-            elif grad is None:
+            if grad is None:
                 if zero_empty:
                     views[id(param)].zero_()
             elif grad is not views[id(param)] and not self.holds(param, grad):
@@ -298,13 +300,14 @@ class GradStore:
         views, mains = self._views, self._main_ids
         for param in params:
             view = views[id(param)]
-            if (
-                view.shape != param.shape
-                or view.device != param.device
-                or (view.dtype != param.dtype) is not (id(param) in mains)  # converted since
-            ):
+            if view.shape != param.shape or view.dtype != param.dtype or view.device != param.device:
+                if id(param) in mains and view.shape == param.shape and view.device == param.device:
+                    continue  # a main grad: float32 for a bfloat16/float16 parameter
                 self.stale = True
                 return
+        if any(views[id(param)].dtype == param.dtype for param in self.mains):
+            self.stale = True  # a parameter with a main grad converted to float32 since
+            return
         if not self.intact():
             self.stale = True
 

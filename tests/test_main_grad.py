@@ -328,3 +328,17 @@ def _all_reduce_worker(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_all_reduce_grads_averages_the_main_grads_in_float32():
     run_ranks(_all_reduce_worker, world_size=2)
+
+
+def test_converting_the_model_moves_the_gradients_along():
+    """``flat.float()`` ends the main grads: they become float32 `.grad` slots; converting a
+    float32 model with gradients to bfloat16 takes them into main grads."""
+    flat, model, _ = _accumulated()
+    before = {name: flat.main_grad(p).clone() for name, p in model.named_parameters()}
+    flat.float()
+    for name, param in model.named_parameters():
+        assert param.grad is flat.main_grad(param) and torch.equal(param.grad, before[name]), name
+    flat.to(torch.bfloat16)  # (the float32 .grad is cast to bfloat16 by the conversion)
+    for name, param in model.named_parameters():
+        assert param.grad is None, name
+        torch.testing.assert_close(flat.main_grad(param), before[name].bfloat16().float(), rtol=0, atol=0)
