@@ -61,7 +61,7 @@ class Seater:
         for param in self._placed:
             self._hook(param)
         for param in self._mains:
-            hook = functools.partial(_absorb_incoming, store)
+            hook = functools.partial(_absorb_incoming, store, store.views[id(param)])
             self.hooks.append(param.register_post_accumulate_grad_hook(hook))
 
     def _hook(self, param: nn.Parameter) -> None:
@@ -146,20 +146,21 @@ def _place_incoming(
     return (None,)
 
 
-def _absorb_incoming(store: GradStore, param: torch.Tensor) -> None:
+def _absorb_incoming(store: GradStore, main: torch.Tensor, param: torch.Tensor) -> None:
     """Post-accumulate-grad hook of a main-grad parameter that no routed Function writes
     (or a routed one whose gradient came through plain autograd): add the `.grad`
     AccumulateGrad just made into the float32 main grad and set `.grad` back to None, so
     the next micro-batch's gradient is taken, not added, in low precision. Under
     create_graph=True `.grad` must stay differentiable: left alone (a norm or sync takes
     it in later)."""
-    if torch.is_grad_enabled() or store.stale:
-        return
     grad = param.grad
-    if grad is not None and grad.shape != store.views[id(param)].shape:
+    if grad is None or torch.is_grad_enabled() or store.stale:
+        return
+    if grad.shape != main.shape:
         store.stale = True  # reshaped behind the wrapper: the next step lays out again
         return
-    store.absorb(param)
+    main.add_(grad)  # (AccumulateGrad's own tensor: dense, no graph)
+    param.grad = None
 
 
 def output_nodes(output: Any) -> set[Any]:
