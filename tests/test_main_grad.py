@@ -342,3 +342,29 @@ def test_converting_the_model_moves_the_gradients_along():
     for name, param in model.named_parameters():
         assert param.grad is None, name
         torch.testing.assert_close(flat.main_grad(param), before[name].bfloat16().float(), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True")
+def test_tensor_hooks_and_create_graph_keep_stock_behaviour():
+    """A tensor hook on a routed bfloat16 weight sees its bfloat16 gradient and its result
+    lands in the main grad; under create_graph=True `.grad` stays as stock makes it
+    (differentiable) until `main_grad` takes it in."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config=MAIN)
+    seen: list[torch.dtype] = []
+    model[0].weight.register_hook(lambda g: seen.append(g.dtype) or g * 2)
+    reference[0].weight.register_hook(lambda g: g * 2)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    flat(x).float().square().sum().backward()
+    reference(x).float().square().sum().backward()
+    assert seen == [torch.bfloat16] and model[0].weight.grad is None
+    # one micro-batch: stock's bfloat16 gradient, exactly or within its own rounding (the bias)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(flat.main_grad(param), ref.grad.float(), rtol=1e-2, atol=1e-4)
+    flat.zero_grad()
+    flat(x).float().square().sum().backward(create_graph=True)
+    assert all(param.grad is not None and param.grad.dtype == torch.bfloat16 for param in model.parameters())
+    mains = [flat.main_grad(param) for param in model.parameters()]
+    assert all(param.grad is None for param in model.parameters()) and all(bool(m.any()) for m in mains)
