@@ -59,6 +59,10 @@ class GradEngine:
         # model is as it was before wrapping (plain dicts, torch's forwards).
         self.watch = LayoutWatch()
         weakref.finalize(root, self.watch.close, unroute).atexit = False
+        # ... and the parameters hold no hook of the seater's (the main grads' hooks live on
+        # the parameters themselves); `_hooks` is the current seater's list.
+        self._hooks: list[Any] = []
+        weakref.finalize(root, _remove_all, self._hooks).atexit = False
         self.build()  # (covers the wrapper and the model)
 
     @property
@@ -144,9 +148,14 @@ class GradEngine:
                 _detach_leaving(old, params)
                 old.release()
             routed = route_layers(self.model, self.config)
-            self.store = store = GradStore(params, self.config.align_bytes, self.slot_multiple)
+            self.store = store = GradStore(
+                params, self.config.align_bytes, self.slot_multiple, self.config.grad_dtype
+            )
+            if old is not None:
+                _carry_mains(old, store)
             self.adopted = set()  # new buffers: no DDP bucket is one of them
             self.seater = Seater(store, params, routed, self)
+            self._hooks[:] = self.seater.hooks
             self._watched = _watch_list(self.model) or ()
             held = {id(p) for p in params}
             # by id, once each: a tied parameter is held by two modules
@@ -274,5 +283,28 @@ def _detach_leaving(store: GradStore, staying: list[nn.Parameter]) -> None:
     tensor of its own, so the old buffer can be freed."""
     kept = {id(p) for p in staying}
     for param in store.params:
-        if id(param) not in kept and store.holds(param, param.grad):
+        if id(param) in kept:
+            continue
+        if store.is_main(param):  # (a main grad's `.grad` is None: its values become one)
+            param.grad = store.view(param).to(param.dtype)
+        elif store.holds(param, param.grad):
             param.grad = param.grad.clone()  # type: ignore[union-attr]
+
+
+def _carry_mains(old: GradStore, new: GradStore) -> None:
+    """Move the main grads of `old` into `new` (laid out again): into the new main grad
+    of a parameter that keeps one, or as the `.grad` of one that no longer has one (a
+    conversion to float32: the slot is then its `.grad`)."""
+    for param in old.mains:
+        if param not in new or new.view(param).shape != param.shape:
+            continue
+        values = old.view(param)
+        if new.is_main(param):
+            new.view(param).copy_(values)
+        elif param.grad is None and new.view(param).dtype == values.dtype:
+            new.place(param, values)
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()

@@ -91,11 +91,13 @@ def piece_norms(
     gradients and `others` (gradients outside it), and the total's dtype. For a positive
     order a whole buffer is one piece (its padding and the slots of parameters without a
     gradient are zero, so they add nothing); order 0 and negative orders are defined by
-    torch per gradient tensor, so each is its own piece."""
+    torch per gradient tensor, so each is its own piece (a main grad always is one: it
+    stands for its parameter's gradient, whose `.grad` stays None)."""
     if norm_type > 0:
         pieces = list(store.buffers.values())
     else:
-        pieces = [p.grad for p in store.params if p.grad is not None]
+        pieces = [store.view(p) if store.is_main(p) else p.grad for p in store.params]
+        pieces = [piece for piece in pieces if piece is not None]
     pieces += others
     norms = [vector_norm(t, norm_type) for t in pieces]
     dtype = functools.reduce(torch.promote_types, [norm_dtype(t.dtype) for t in pieces], torch.float32)

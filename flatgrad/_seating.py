@@ -4,7 +4,9 @@ parameters no routed Function writes land in their slots, with stock's `.grad` N
 Small unrouted parameters are *seated*: `.grad` points at the zeroed slot when the backward
 starts, so AccumulateGrad adds into the buffer in place. Large ones are *placed*: a pre-hook
 on their AccumulateGrad copies the incoming gradient into the slot (one pass instead of a
-zero fill and an add).
+zero fill and an add). Parameters with a main grad (a float32 slot for a bfloat16/float16
+parameter) are neither: whatever reaches their AccumulateGrad is added into the main grad
+by a post-accumulate-grad hook, which sets `.grad` back to None.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class Seater:
 
     def __init__(self, store: GradStore, params: list[nn.Parameter], routed: set[int], engine: Any) -> None:
         self.store = store
+        # Main grads: routed ones are written by their Functions, the others' gradients
+        # are added in by `_absorb_incoming`; none is seated, placed or taken in.
+        self._mains = store.mains
+        params = [p for p in params if not store.is_main(p)]
         unrouted = [p for p in params if id(p) not in routed]
         self.params = tuple(p for p in unrouted if p.numel() < SEAT_MAX_NUMEL)  # seated ones
         # Large unrouted parameters (a conv, an attention projection): a zero fill plus an
@@ -51,19 +57,22 @@ class Seater:
         self.seating = True  # False: the next backward seats nothing (set by the forward)
         self.alone = True  # False: a DDP's reducer places the next backward's gradients
         self._accumulators: list[Any] = []  # a parameter holds its AccumulateGrad node weakly
-        self._hooks: list[Any] = []
+        self.hooks: list[Any] = []  # removed by `retire`, or with the wrapper (GradEngine)
         for param in self._placed:
             self._hook(param)
+        for param in self._mains:
+            hook = functools.partial(_absorb_incoming, store, store.views[id(param)])
+            self.hooks.append(param.register_post_accumulate_grad_hook(hook))
 
     def _hook(self, param: nn.Parameter) -> None:
         with torch.enable_grad():
             node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-        self._hooks.append(node.register_prehook(functools.partial(_place_incoming, self.store, param)))
+        self.hooks.append(node.register_prehook(functools.partial(_place_incoming, self.store, param)))
         self._accumulators.append(node)
 
     def retire(self) -> None:
         self._retired = True
-        for handle in self._hooks:  # a graph still alive must not write into old buffers
+        for handle in self.hooks:  # a graph still alive must not write into old buffers
             handle.remove()
 
     def watch(self, output: Any) -> None:
@@ -81,7 +90,7 @@ class Seater:
             return  # another output of the same backward
         self._task = task
         store = self.store
-        store.check(self._routed + self._placed)  # the seated ones are checked by `seat`
+        store.check(self._routed + self._placed + self._mains)  # the seated: by `seat`
         seated = [] if store.stale or not self.seating else store.seat(self.params)
         engine = self._owner()
         if store.stale and engine is not None:
@@ -135,6 +144,23 @@ def _place_incoming(
         return None
     store.place(param, grad)
     return (None,)
+
+
+def _absorb_incoming(store: GradStore, main: torch.Tensor, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a main-grad parameter that no routed Function writes
+    (or a routed one whose gradient came through plain autograd): add the `.grad`
+    AccumulateGrad just made into the float32 main grad and set `.grad` back to None, so
+    the next micro-batch's gradient is taken, not added, in low precision. Under
+    create_graph=True `.grad` must stay differentiable: left alone (a norm or sync takes
+    it in later)."""
+    grad = param.grad
+    if grad is None or torch.is_grad_enabled() or store.stale:
+        return
+    if grad.shape != main.shape:
+        store.stale = True  # reshaped behind the wrapper: the next step lays out again
+        return
+    main.add_(grad)  # (AccumulateGrad's own tensor: dense, no graph)
+    param.grad = None
 
 
 def output_nodes(output: Any) -> set[Any]:

@@ -29,7 +29,13 @@ class GradStore:
     tensor (which would need the view to have no other reference): flatgrad sets `.grad`.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], align_bytes: int, multiple: int = 1) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        align_bytes: int,
+        multiple: int = 1,
+        grad_dtype: str | None = None,
+    ) -> None:
         self.params = tuple(params)
         REGISTRY.check_free(self.params)
         self.stale = False  # set when a parameter no longer fits its slot
@@ -49,7 +55,7 @@ class GradStore:
         # (`flagged` may be asked before that: see there). A nested backward that seats
         # nothing (the outer one seated every slot) leaves it alone.
         self.seated: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-        for key, group in plan_layout(self.params, align_bytes, multiple).items():
+        for key, group in plan_layout(self.params, align_bytes, multiple, grad_dtype).items():
             members = tuple(self.params[index] for index in group.param_indices)
             raw = _aligned_zeros(group.numel + len(members), key, align_bytes)
             self.buffers[key] = raw.narrow(0, 0, group.numel)
@@ -57,6 +63,11 @@ class GradStore:
             for index, slot in zip(group.param_indices, group.slots):
                 self._set_slot(self.params[index], key, slot)
         self._cut_runs()
+        # Parameters whose slot is a main grad (float32 for a bfloat16/float16 parameter):
+        # their `.grad` stays None, the slot alone holds the gradient (see `main_grad`).
+        self.mains = tuple(p for p in self.params if self._entries[p].view.dtype != p.dtype)
+        self._main_ids = frozenset(map(id, self.mains))
+        self._main_spans = self.spans(self.mains)
         REGISTRY.claim(self)
 
     def _set_slot(self, param: torch.Tensor, key: GroupKey, slot: SlotSpec) -> None:
@@ -128,6 +139,24 @@ class GradStore:
         """`param`'s slot, shaped and strided like the parameter (always the same tensor)."""
         return self._entries[param].view
 
+    def is_main(self, param: torch.Tensor) -> bool:
+        """Whether `param`'s slot is a main grad: a float32 slot of a bfloat16/float16
+        parameter, which is its gradient while `.grad` stays None."""
+        return id(param) in self._main_ids
+
+    def zero_mains(self) -> None:
+        """Zero every main grad (a few fills: adjacent slots share one)."""
+        if self._main_spans:
+            torch._foreach_zero_(self._main_spans)
+
+    def absorb(self, param: torch.Tensor) -> None:
+        """Add a main-grad parameter's low-precision `.grad` into its main grad and set
+        `.grad` back to None (a gradient that arrived through AccumulateGrad)."""
+        grad = param.grad
+        if grad is not None:
+            self._views[id(param)].add_(grad.to_dense() if grad.is_sparse else grad.detach())
+            param.grad = None
+
     def slot(self, param: torch.Tensor) -> tuple[GroupKey, SlotSpec]:
         """`param`'s group key and slot (offset and size in elements within that buffer)."""
         entry = self._entries[param]
@@ -163,7 +192,11 @@ class GradStore:
         that ran as plain torch, under torch.compile or torch.func; a `.grad` assigned by
         hand, or produced with create_graph=True) into the slot, so a sync of the slots sees
         it; with `zero_empty`, also zero the slots of those whose `.grad` is None."""
-        views = self._views
+        views, mains = self._views, self._main_ids
+        if mains:  # a main grad is the gradient even where `.grad` is None: never zeroed
+            for param in [p for p in params if id(p) in mains]:
+                self.absorb(param)
+            params = [p for p in params if id(p) not in mains]
         for param in params:
             grad = param.grad
             if grad is None:
@@ -212,7 +245,8 @@ class GradStore:
             # parameter whose AccumulateGrad ran with no gradient.
             entries = self._entries
             GradStore.unseat([s for s in self.seated if entries[s[0]].key == key])
-        used = [float(param.grad is not None) for param in members]
+        mains = self._main_ids  # a main grad always counts as used (its `.grad` stays None)
+        used = [float(param.grad is not None or id(param) in mains) for param in members]
         if all(used):
             flags.fill_(1)  # the usual step: no host data to send
         else:
@@ -263,12 +297,17 @@ class GradStore:
         """Mark the store stale if one of `params` no longer fits its slot, or a slot view
         no longer points at its slot (before every backward: by id, as `Tensor.__hash__` is
         Python)."""
-        views = self._views
+        views, mains = self._views, self._main_ids
         for param in params:
             view = views[id(param)]
             if view.shape != param.shape or view.dtype != param.dtype or view.device != param.device:
+                if id(param) in mains and view.shape == param.shape and view.device == param.device:
+                    continue  # a main grad: float32 for a bfloat16/float16 parameter
                 self.stale = True
                 return
+        if any(views[id(param)].dtype == param.dtype for param in self.mains):
+            self.stale = True  # a parameter with a main grad converted to float32 since
+            return
         if not self.intact():
             self.stale = True
 

@@ -316,11 +316,23 @@ def settle_unused(store: GradStore, flagged: Sequence[tuple[torch.Tensor, tuple[
     are read only when this rank has such a parameter: on CUDA reading them waits for the
     communication, and in the usual step every parameter has its `.grad` already."""
     for flags, members in flagged:
-        if all(param.grad is not None for param in members):
-            continue
+        if all(param.grad is not None or store.is_main(param) for param in members):
+            continue  # (a main grad is its parameter's gradient; `.grad` stays None)
         for param, flag in zip(members, flags.tolist()):
-            if flag != 0 and param.grad is None:  # (complex buffers carry complex flags)
+            if flag != 0 and param.grad is None and not store.is_main(param):  # (complex: complex flags)
                 param.grad = store.view(param)
+
+
+def refuse_main_grads(grad_dtype: str | None, what: str) -> None:
+    """Raise if main grads are configured: DDP buckets gradients by the parameter's dtype,
+    so its hook path cannot carry float32 main grads of bfloat16/float16 parameters."""
+    if grad_dtype is not None:
+        raise ValueError(
+            f"{what} cannot carry main grads (grad_dtype={grad_dtype!r}): DDP keeps each "
+            "gradient in its parameter's dtype; synchronise this model with flatgrad.DataParallel "
+            "instead (its support for grad_dtype is not there yet: until then use "
+            "flat.all_reduce_grads()), or wrap it without grad_dtype"
+        )
 
 
 def ddp_kwargs(store: GradStore) -> dict[str, Any]:

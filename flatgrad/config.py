@@ -34,6 +34,14 @@ class FlatGradConfig(BaseModel):
     more than the zero fill and in-place add it saves on a small layer. Their gradients
     still land in the buffer. 0 routes every Linear."""
 
+    grad_dtype: Literal["float32"] | None = None
+    """None: every gradient slot has its parameter's dtype. ``"float32"``: the slots of
+    bfloat16 and float16 parameters live in the float32 buffer of their device, as "main
+    grads" (`FlatGrad.main_grad`): micro-batch sums, norms, clipping and all-reduces then
+    run in float32, and those parameters' `.grad` stays None (see docs/mixed-precision.md).
+    Float32 and float64 parameters are unaffected. Refused by the DDP hook path,
+    `DataParallel` and `ShardedOptimizer` for now."""
+
     @field_validator("align_bytes")
     @classmethod
     def _power_of_two(cls, value: int) -> int:

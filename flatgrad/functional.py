@@ -9,6 +9,8 @@ Each backward decides per weight, through `_weight_target`, where its gradient g
   ``create_graph=True`` needs a differentiable result, the weight has tensor hooks that
   must see its gradient, or it has no slot.
 - ``"skip"``:  no gradient is wanted for the weight in this backward.
+- ``"main"``:  the slot is the weight's float32 main grad (a bfloat16/float16 weight with
+  ``grad_dtype="float32"``): accumulate into it in float32, leave `.grad` None, return None.
 
 Why "out" sets `.grad` instead of returning the view for AccumulateGrad to steal: a weight
 used more than once in a backward (tied embedding and LM head, or a layer called twice)
@@ -26,6 +28,7 @@ Nothing here imports torch.distributed.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Literal
 
@@ -35,7 +38,7 @@ import torch.nn.functional as F
 from flatgrad._torch_compat import fast_apply, functorch_active, will_execute
 from flatgrad.buffer import REGISTRY
 
-_Mode = Literal["skip", "fresh", "out", "add"]
+_Mode = Literal["skip", "fresh", "out", "add", "main"]
 # Compiled autograd traces a Function's backward with Dynamo (no graph or `.grad` to look
 # at): the gradient is returned to the traced AccumulateGrad, as for stock.
 _TRACED: tuple[_Mode, None, None] = ("fresh", None, None)
@@ -81,6 +84,9 @@ def _node_target(node: Any) -> tuple[_Mode, torch.Tensor | None, torch.Tensor | 
         return "fresh", None, param  # torch.autograd.grad captures this leaf: leave .grad alone
     store, view = found
     if view.dtype != param.dtype or view.shape != param.shape:  # type: ignore[union-attr]
+        if view.shape == param.shape and store.is_main(param):  # type: ignore[union-attr,arg-type]
+            # A main grad: hooked gradients are returned, and AccumulateGrad's hook adds them in.
+            return ("fresh", None, param) if param._backward_hooks else ("main", view, param)  # type: ignore[union-attr]
         store.stale = True  # param.data replaced or converted behind the wrapper: lay out again
         return "fresh", None, param
     grad = param.grad  # type: ignore[union-attr]
@@ -147,6 +153,8 @@ class _Linear(torch.autograd.Function):
                     # Computed in the autocast dtype and cast on write, as autocast's cast would.
                     torch.mm(rows_t, xs, out=slot) if compute == dtype else slot.copy_(rows_t.mm(xs))  # type: ignore[union-attr]
                     param.grad = slot  # type: ignore[union-attr]
+                elif mode == "main":
+                    add_product(slot, rows_t, xs)  # type: ignore[arg-type]
                 else:
                     slot.addmm_(rows_t, xs) if compute == dtype else slot.add_(rows_t.mm(xs))  # type: ignore[union-attr]
         if need_b and ctx.bias_dtype is not None:
@@ -158,9 +166,42 @@ class _Linear(torch.autograd.Function):
                 elif mode == "out":
                     torch.sum(rows, 0, out=slot) if compute == dtype else slot.copy_(rows.sum(0))  # type: ignore[union-attr]
                     param.grad = slot  # type: ignore[union-attr]
+                elif mode == "main":
+                    slot.add_(rows.sum(0, dtype=slot.dtype))  # type: ignore[union-attr]
                 else:
                     slot.add_(rows.sum(0))  # type: ignore[union-attr]
         return grad_x, grad_w, grad_b
+
+
+def add_product(main: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``main += a @ b`` for a float32 `main` (a main grad) and bfloat16/float16 `a`, `b`,
+    with every product and sum in float32 and no temporary of `main`'s size: on CUDA the
+    GEMM accumulates into `main` itself (``addmm(..., out_dtype=torch.float32)``) where
+    this torch has that kernel (`fused_accumulate`); elsewhere `a` and `b` (activation-
+    sized) are upcast, exactly, and multiplied in float32."""
+    if a.dtype == main.dtype:
+        main.addmm_(a, b)
+    elif main.device.type == "cuda" and fused_accumulate(main.device.type):
+        torch.addmm(main, a, b, out_dtype=main.dtype, out=main)  # type: ignore[call-overload]
+    else:
+        main.addmm_(a.to(main.dtype), b.to(main.dtype))
+
+
+@functools.cache
+def fused_accumulate(device_type: str) -> bool:
+    """Whether this torch's GEMM on `device_type` accumulates bfloat16 products into a
+    float32 tensor in place (``torch.addmm(main, a, b, out_dtype=torch.float32,
+    out=main)``): CUDA kernels of recent releases (2.8 added ``out_dtype``; some refuse a
+    float32 ``input``). Probed once per device type with a 2x2 call; CPU has no such kernel."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        main = torch.ones(2, 2, device=device_type)
+        ones = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        torch.addmm(main, ones, ones, out_dtype=torch.float32, out=main)  # type: ignore[call-overload]
+        return bool((main == 3).all())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -209,6 +250,8 @@ class _GatherRows(torch.autograd.Function):
         if mode == "skip" or grad_out is None:
             return None, None, None, None
         dtype, device, shape = ctx.weight_meta
+        if mode == "main":
+            dtype = target.dtype  # type: ignore[union-attr]  # float32 rows into the main grad
         index = indices.reshape(-1)
         rows = grad_out.reshape(index.numel(), *shape[1:]).to(dtype)
         per_row = (-1,) + (1,) * (rows.dim() - 1)  # broadcast a per-index value over a row
@@ -304,7 +347,7 @@ class _GatherDim(torch.autograd.Function):
         if mode == "skip" or grad_out is None:
             return None, None, None
         dtype, device, shape, dim = ctx.input_meta
-        values = grad_out.to(dtype)
+        values = grad_out.to(dtype if mode != "main" else target.dtype)  # type: ignore[union-attr]
         if mode == "fresh":
             fresh = torch.zeros(shape, dtype=dtype, device=device)
             if torch.is_grad_enabled():  # create_graph: keep the result differentiable

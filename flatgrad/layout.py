@@ -40,25 +40,37 @@ def dense_stride(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(torch.empty_like(param, device="meta").stride())
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def slot_dtype(dtype: torch.dtype, grad_dtype: str | None) -> torch.dtype:
+    """The dtype of the gradient slot of a `dtype` parameter: float32 for a bfloat16 or
+    float16 parameter when `grad_dtype` is ``"float32"`` (its main grad), else `dtype`."""
+    if grad_dtype == "float32" and dtype in _LOW_PRECISION:
+        return torch.float32
+    return dtype
+
+
 def align_elements(align_bytes: int, element_size: int) -> int:
     """Alignment in elements of a dtype (at least one element)."""
     return max(1, align_bytes // element_size)
 
 
 def plan_layout(
-    params: Sequence[torch.Tensor], align_bytes: int, multiple: int = 1
+    params: Sequence[torch.Tensor], align_bytes: int, multiple: int = 1, grad_dtype: str | None = None
 ) -> dict[GroupKey, GroupLayout]:
     """Group `params` by (dtype, device) and give each an aligned slot.
 
     Slots follow the reverse of `params`' order (registration order), which is roughly
     the order backward produces gradients in, so a bucket fills front to back. Every slot
     also starts on a multiple of `multiple` elements (a sharded optimizer passes the world
-    size, so any run of whole slots splits into equal shards).
+    size, so any run of whole slots splits into equal shards). A parameter's group dtype is
+    its slot's (`slot_dtype`: float32 main grads for bfloat16/float16 ones with `grad_dtype`).
     """
     members: dict[GroupKey, list[int]] = {}
     for index in reversed(range(len(params))):
         param = params[index]
-        members.setdefault((param.dtype, param.device), []).append(index)
+        members.setdefault((slot_dtype(param.dtype, grad_dtype), param.device), []).append(index)
     layouts = {}
     for key, indices in members.items():
         align = math.lcm(align_elements(align_bytes, key[0].itemsize), multiple)

@@ -252,20 +252,52 @@ class FlatGrad(PlainNames):
         Args:
             set_to_none: True sets every `.grad` to None; False zeroes them, the buffered
                 gradients with one fill per buffer (a `.grad` that is not its slot's view is
-                pointed back at it).
+                pointed back at it). Main grads (``grad_dtype="float32"``) are zeroed either
+                way, and their parameters' `.grad` stays None.
         """
         store = self._engine.refresh()
         if set_to_none:
             for param in store.params + self._engine.others:
                 param.grad = None
+            store.zero_mains()  # a main grad is the gradient itself: zeroed either way
             return
         for param in store.params:  # (a ScatteredGrad, or a `.grad` outside its slot)
             if param.grad is not None and param.grad is not store.view(param):
-                param.grad = store.view(param)
+                param.grad = None if store.is_main(param) else store.view(param)
         for buffer in store.buffers.values():
             buffer.zero_()
         for param in self._engine.others:
             _zero_stock(param)
+
+    def main_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """The gradient slot of `param`, shaped like it: with ``grad_dtype="float32"`` the
+        float32 main grad of a bfloat16/float16 parameter (whose `.grad` stays None: the
+        main grad is its gradient, summed over micro-batches in float32 and zeroed by
+        `zero_grad`), otherwise the slot `.grad` is seated on (a float32 parameter's).
+
+        Args:
+            param: A trainable parameter of the wrapped model.
+
+        Returns:
+            The live view of the flat buffer (not a copy): read it, step from it, or
+            scale it in place; `grad_buffers` holds it.
+
+        Raises:
+            TypeError: `param` is not a tensor.
+            ValueError: `param` is not a trainable parameter of the wrapped model with a slot
+                (frozen, a sparse embedding's, another model's, or a plain tensor).
+        """
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"param must be a parameter of the wrapped model, got {type(param).__name__}")
+        store = self._engine.refresh()
+        if param not in store:
+            raise ValueError(
+                f"param must be a trainable parameter of the wrapped model with a gradient slot, "
+                f"got a tensor of shape {tuple(param.shape)} that has none (frozen, sparse, "
+                "another model's, or not a parameter)"
+            )
+        store.take_in([param], zero_empty=True)  # the buffer as the truth, as `settle` makes it
+        return store.view(param)
 
     def _grads_and_norms(
         self, norm_type: float
@@ -368,7 +400,11 @@ class FlatGrad(PlainNames):
         Returns:
             ``{"gradient_as_bucket_view": True, "bucket_cap_mb": cap}``, with a cap above the
             largest buffer, so that DDP keeps one bucket per (dtype, device).
+
+        Raises:
+            ValueError: The wrapper keeps main grads (``grad_dtype`` set), which DDP cannot carry.
         """
+        comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP (flat.ddp_kwargs())")
         self._engine.expect_hook()
         return comm.ddp_kwargs(self._engine.refresh())
 
@@ -388,8 +424,10 @@ class FlatGrad(PlainNames):
             A `FlatGradCommState` for this wrapper.
 
         Raises:
-            ValueError: `wire_dtype` is not torch.bfloat16, torch.float16 or None.
+            ValueError: `wire_dtype` is not torch.bfloat16, torch.float16 or None; or the
+                wrapper keeps main grads (``grad_dtype`` set), which DDP cannot carry.
         """
+        comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP's allreduce_hook (flat.comm_state())")
         return comm.FlatGradCommState(self, process_group, wire_dtype)
 
 
