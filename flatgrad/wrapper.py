@@ -91,6 +91,14 @@ class FlatGrad(PlainNames):
         self.register_state_dict_post_hook(strip_prefix)
         self.register_load_state_dict_pre_hook(add_prefix)
         logger.info("flatgrad: %s", self._engine.summary())
+        mains = len(self._engine.refresh().mains)
+        if mains:  # the optimizer a script already has would silently skip them
+            logger.warning(
+                "flatgrad: %d bfloat16/float16 parameters keep float32 main grads (grad_dtype) "
+                "and their .grad stays None, so a torch optimizer does not step them: step "
+                "from flat.main_grad(param) (see docs/mixed-precision.md)",
+                mains,
+            )
 
     def __getstate__(self) -> dict[str, Any]:
         # The engine (store, views, seater, watch) is rebuilt by `__setstate__`.

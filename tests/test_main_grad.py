@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 
 import pytest
 import torch
@@ -138,6 +139,20 @@ def test_low_precision_parameters_get_float32_slots_and_no_grad(dtype):
         else:
             assert param.grad is None, f"{name}: a main grad's parameter keeps .grad None"
         assert bool(main.ne(0).any()), name
+
+
+def test_wrapping_warns_that_a_torch_optimizer_skips_main_grad_parameters(caplog):
+    """`.grad` stays None for them, so the optimizer a script already has would step nothing
+    there without a word: wrapping says so (once, naming how many and what to do)."""
+    with caplog.at_level(logging.WARNING, logger="flatgrad.wrapper"):
+        flatgrad.FlatGrad(Mixed(torch.bfloat16), config=MAIN)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "a torch optimizer does not step them" in warned[0], warned
+    assert "flat.main_grad(param)" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flatgrad.wrapper"):
+        flatgrad.FlatGrad(_model(), config={"linear_min_numel": 0})  # no grad_dtype: silent
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 def test_without_grad_dtype_nothing_changes():
