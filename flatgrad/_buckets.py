@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatgrad.buffer import GradStore, host_tensor
-from flatgrad.comm import launch_average, settle_unused
+from flatgrad.comm import launch_average, reduce_scatters, settle_unused
 from flatgrad.layout import GroupKey
 
 _FIRST_BUCKET_MB = 1.0  # a small first bucket starts communication early, as in DDP
@@ -96,6 +96,9 @@ class Round:
         self.plan = plan
         self.store = store
         self.process_group, self.wire_dtype, self.scatter = process_group, wire_dtype, scatter
+        # The used flags may ride with a bucket unless it is reduce-scattered (each rank
+        # would get only its part of them).
+        self.carries_flags = not (scatter and reduce_scatters(process_group))
         # With `check_finite` (the parameters' names, asked for only to raise): per launched
         # bucket, whether its local gradients were all finite (a device tensor, no sync).
         self.check_finite = check_finite
@@ -191,7 +194,7 @@ class Round:
 
     def _launch(self, bucket: Bucket) -> None:
         sent = bucket.buffer
-        if bucket.index in self.plan.carriers and not self.scatter:
+        if bucket.index in self.plan.carriers and self.carries_flags:
             # Every parameter of the group is final now: its buckets launch in the plan's
             # order, this is the last, and one before it with a parameter not ready waits
             # for the flush.
