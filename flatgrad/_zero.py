@@ -70,7 +70,7 @@ class ShardEngine:
         # gloo's all-gather of the flat buckets takes 1.7x its broadcasts of the same shards
         # (120 vs 70 ms for 96 MB on 2 CPU ranks): there each rank broadcasts its shard.
         self.gather_by_broadcast = dist.get_backend(process_group) == "gloo"
-        self.waited: list[int] = []  # buckets in the order their gathers were waited for
+        self.waited: list[int] = []  # this step's buckets, in the order their gathers were waited for
 
     def _cut_shards(self) -> list[Shard]:
         shards = []
@@ -141,6 +141,7 @@ class ShardEngine:
         """Start the all-gather of every bucket's parameters from the ranks' updated shards
         (asynchronously; `wait_gather` finishes them)."""
         self.wait_gather()  # (one still in flight would land after this one)
+        self.waited = []
         self.in_flight = {index: self._gather(shard) for index, shard in enumerate(self.shards)}
 
     def _gather(self, shard: Shard) -> list[Any]:
