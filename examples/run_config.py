@@ -169,6 +169,11 @@ class TrainConfig(_RunConfig):
     bucket_mb: _Real = Field(default=25.0, gt=0.0)
     """Bucket size of engine "flatgrad"."""
 
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The parameters' dtype. "bfloat16": the model in bfloat16 with float32 main grads
+    (the model is wrapped with ``grad_dtype="float32"``) and `flatgrad.ShardedOptimizer`'s float32
+    master shards (needs engine "flatgrad" and zero)."""
+
     resume: StrictBool = False
     """Go on from the checkpoint ``<out_dir>/dcp`` (model, optimiser, schedule, step), saved
     on any number of ranks; the data windows start over from the seed."""
@@ -179,6 +184,16 @@ class TrainConfig(_RunConfig):
             raise ValueError(
                 'zero must be false unless engine is "flatgrad": ZeRO-1 shards the buckets of '
                 f"flatgrad.DataParallel, got engine={self.engine!r}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _bfloat16_needs_master_shards(self) -> TrainConfig:
+        if self.dtype == "bfloat16" and not (self.engine == "flatgrad" and self.zero):
+            raise ValueError(
+                'dtype "bfloat16" needs engine "flatgrad" with zero true: the bfloat16 '
+                "parameters are stepped through ShardedOptimizer's float32 master shards "
+                f"from float32 main grads, got engine={self.engine!r}, zero={self.zero}"
             )
         return self
 

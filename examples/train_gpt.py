@@ -6,6 +6,8 @@ samples its own random windows; DDP averages the gradients through `flatgrad.all
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --config configs/gpt_cpu.yaml
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --engine flatgrad --zero
     python examples/train_gpt.py --max-steps 50      # one process, same code path
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --engine flatgrad --zero \
+        --dtype bfloat16                             # bf16 weights, fp32 main grads and masters
 
     torchrun --standalone --nproc_per_node=1 examples/train_gpt.py --engine flatgrad --zero \
         --max-steps 300 --resume                     # go on from the last checkpoint, 1 rank
@@ -62,11 +64,13 @@ def train(cfg: TrainConfig) -> None:
     rank, world_size, device = init_distributed(cfg.device)
     data = CharData(read_text(cfg.data.source, cfg.data.stdlib_modules, cfg.data.path))
     torch.manual_seed(cfg.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
-    model = GPT(data.vocab_size, **cfg.model.model_dump()).to(device)
+    model = GPT(data.vocab_size, **cfg.model.model_dump()).to(device, getattr(torch, cfg.dtype))
     torch.manual_seed(cfg.seed + rank)  # dropout masks differ per rank
     generator = torch.Generator().manual_seed(cfg.seed + rank)  # so do the data windows
 
-    flat = flatgrad.FlatGrad(model, config=cfg.flatgrad)
+    # bfloat16 weights: float32 main grads (and ShardedOptimizer's float32 master shards)
+    options = {"grad_dtype": "float32"} if cfg.dtype == "bfloat16" else {}
+    flat = flatgrad.FlatGrad(model, config=cfg.flatgrad.model_copy(update=options))
     wrapper, optimizer = build_engine(cfg, flat, device)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
     progress = {"step": torch.zeros((), dtype=torch.int64)}
@@ -94,7 +98,7 @@ def train(cfg: TrainConfig) -> None:
             inputs, targets = data.batch(cfg.batch_size, cfg.seq_len, generator, device)
             # Only the last micro-batch's backward all-reduces; the others just accumulate.
             wrapper.require_backward_grad_sync = micro == cfg.grad_accum_steps - 1
-            loss = lm_loss(wrapper(inputs), targets) / cfg.grad_accum_steps
+            loss = lm_loss(wrapper(inputs).float(), targets) / cfg.grad_accum_steps
             loss.backward()
             step_loss += loss.detach()
         if cfg.grad_clip is not None:  # one norm over the flat buffer (or the shards)
@@ -172,6 +176,7 @@ def main() -> None:
     parser.add_argument("--engine", choices=("ddp", "flatgrad"), help="override engine")
     parser.add_argument("--zero", action="store_true", default=None, help="ZeRO-1 (engine flatgrad)")
     parser.add_argument("--resume", action="store_true", default=None, help="go on from <out_dir>/dcp")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="override dtype (bfloat16: main grads)")
     args = parser.parse_args()
     overrides = {
         "max_steps": args.max_steps,
@@ -179,6 +184,7 @@ def main() -> None:
         "engine": args.engine,
         "zero": args.zero,
         "resume": args.resume,
+        "dtype": args.dtype,
     }
     cfg = load_config(TrainConfig, args.config, overrides)
     launch(lambda: train(cfg))

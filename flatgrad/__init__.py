@@ -1,5 +1,6 @@
 """flatgrad: every gradient of a model in one contiguous buffer per (dtype, device)."""
 
+from flatgrad.amp import GradScaler
 from flatgrad.comm import FlatGradCommState, allreduce_hook
 from flatgrad.config import FlatGradConfig
 from flatgrad.functional import gather, gather_with_index_add
@@ -12,6 +13,7 @@ __all__ = [
     "FlatGrad",
     "FlatGradCommState",
     "FlatGradConfig",
+    "GradScaler",
     "ShardedOptimizer",
     "allreduce_hook",
     "gather",

@@ -107,6 +107,8 @@ def piece_states(pieces: list[Piece], live: Any, spec: StateSpec) -> list[dict[s
         if not state:
             state = {key: torch.zeros_like(piece.param.detach()) for key in spec.per_element}
             state.update({key: _copy(value) for key, value in spec.scalars.items()})
+        if MASTER in spec.per_element:  # (a new dict: the optimizer's own keeps its keys)
+            state = {**state, MASTER: piece.param.detach()}  # the master, saved and loaded in place
         states.append(state)
     return states
 
@@ -252,6 +254,21 @@ class GroupView:
     params: list[tuple[str, torch.Tensor]]
     options: dict[str, Any]
     pieces: list[Piece]
+    # Whether the pieces are float32 masters of bfloat16/float16 parameters: they are saved
+    # and loaded with the state, as the per-element key `MASTER`.
+    masters: bool = False
+
+
+MASTER = "master"
+
+
+def group_spec(optimizer_class: type[torch.optim.Optimizer], group: GroupView) -> StateSpec:
+    """The state `group` saves per parameter: the optimizer's, and its masters if any."""
+    like = group.pieces[0].param if group.pieces else group.params[0][1]
+    spec = state_spec(optimizer_class, group.options, like)
+    if group.masters:
+        return StateSpec((*spec.per_element, MASTER), spec.scalars)
+    return spec
 
 
 def optimizer_state(
@@ -265,7 +282,7 @@ def optimizer_state(
     state: dict[str, Any] = {}
     for group in groups:
         if group.params:
-            spec = state_spec(type(optimizer), group.options, group.params[0][1])
+            spec = group_spec(type(optimizer), group)
             states = piece_states(group.pieces, optimizer.state, spec)
             state.update(parameter_state(layout, group.params, group.pieces, states, spec, process_group))
     param_groups = [{**group.options, "params": [name for name, _ in group.params]} for group in groups]
@@ -284,7 +301,7 @@ def misfit(
         return "its parameter groups hold other parameters (another model or grouping)"
     for group, stepped in zip(groups, saved["stepped"]):
         if stepped and group.params:
-            spec = state_spec(optimizer_class, group.options, group.params[0][1])
+            spec = group_spec(optimizer_class, group)
             missing = missing_state(layout, group.params, saved["state"], spec)
             if missing:
                 return f"no state for {missing[:4]}"
@@ -305,8 +322,9 @@ def load_group(
             if fresh.state.get(piece.param):
                 optimizer.state[piece.param] = fresh.state[piece.param]
         return
-    spec = state_spec(type(optimizer), group.options, group.params[0][1])
+    spec = group_spec(type(optimizer), group)
     states = piece_states(group.pieces, optimizer.state, spec)
     load_parameter_state(layout, group.params, saved, group.pieces, states, spec)
     for piece, state in zip(group.pieces, states):
+        state.pop(MASTER, None)  # (loaded into the piece itself)
         optimizer.state[piece.param] = state

@@ -50,7 +50,8 @@ _ALLOWED_CALLS = frozenset(
 _ADVICE = (
     "use opt.clip_grad_norm_(max_norm) to clip (ShardedOptimizer's own: the global norm from "
     "every rank's shard, one small all-reduce; it returns that norm, for logging too); "
-    "after opt.zero_grad() .grad is plain again"
+    "with a loss scaler use flatgrad.GradScaler (it unscales the shards); after "
+    "opt.zero_grad() .grad is plain again"
 )
 _UNGUARDED = [False]  # see `unguarded`
 
@@ -116,20 +117,44 @@ def _describe(grad: torch.Tensor) -> str:
 _GUARDS: weakref.WeakKeyDictionary[GradStore, tuple[torch.Tensor, ...]] = weakref.WeakKeyDictionary()
 
 
-def mark_scattered(store: GradStore) -> None:
-    """After a reduce-scattering backward: every defined `.grad` (its slot, where the sync
-    left it) becomes its slot's ScatteredGrad. One attribute set per parameter."""
+# The stores whose gradients are reduce-scattered (marked, not zeroed since).
+_MARKED: weakref.WeakSet[GradStore] = weakref.WeakSet()
+
+
+def _guards(store: GradStore) -> tuple[torch.Tensor, ...]:
     guards = _GUARDS.get(store)
     if guards is None:
         guards = _GUARDS[store] = tuple(store.view(p).as_subclass(ScatteredGrad) for p in store.params)
-    for param, guard in zip(store.params, guards):
+    return guards
+
+
+def mark_scattered(store: GradStore) -> None:
+    """After a reduce-scattering backward: every defined `.grad` (its slot, where the sync
+    left it) becomes its slot's ScatteredGrad. One attribute set per parameter."""
+    _MARKED.add(store)
+    for param, guard in zip(store.params, _guards(store)):
         if param.grad is not None:
             param.grad = guard
+
+
+def is_scattered(store: GradStore | None) -> bool:
+    """Whether `store`'s gradients were reduce-scattered and not zeroed since."""
+    return store is not None and store in _MARKED
+
+
+def scattered_main_grad(store: GradStore, param: torch.Tensor) -> torch.Tensor:
+    """The main grad of `param` as `flat.main_grad` gives it while `store` is reduce-
+    scattered: its slot's ScatteredGrad (a main grad has no `.grad` to mark)."""
+    index = next(i for i, held in enumerate(store.params) if held is param)
+    return _guards(store)[index]
 
 
 def unmark_scattered(store: GradStore, to_none: bool = False) -> None:
     """Every ScatteredGrad `.grad` becomes its plain slot again (None with `to_none`): the
     gradients were zeroed (or are about to be), so they are right on every rank."""
+    if store not in _MARKED:
+        return
+    _MARKED.discard(store)
     for param in store.params:
         if type(param.grad) is ScatteredGrad:
             param.grad = None if to_none else store.view(param)
@@ -138,7 +163,7 @@ def unmark_scattered(store: GradStore, to_none: bool = False) -> None:
 def refuse_scattered(store: GradStore | None, what: str) -> None:
     """Raise if a `.grad` of `store` is a ScatteredGrad: `what` (a norm of the local
     buffers) would read values that are averaged only inside this rank's shards."""
-    if store is not None and any(type(p.grad) is ScatteredGrad for p in store.params):
+    if is_scattered(store) and (store.mains or any(type(p.grad) is ScatteredGrad for p in store.params)):  # type: ignore[union-attr]
         raise RuntimeError(
             f"{what} after a ShardedOptimizer's synchronised backward: the gradient buffers are "
             "reduce-scattered (each rank holds the average over the ranks only in its own shard), "
@@ -156,7 +181,7 @@ def refuse_adding_onto_scattered(store: GradStore | None) -> None:
     is plain again."""
     if store is None:
         return
-    held = any(p.grad is not None for p in store.params)
+    held = bool(store.mains) or any(p.grad is not None for p in store.params)  # (a main grad: always)
     if held and any(bool(b.any()) for b in store.buffers.values()):
         raise RuntimeError(
             "ShardedOptimizer: a backward after a synchronised backward and before "

@@ -30,6 +30,7 @@ __all__ = [
     "functorch_active",
     "graph_task_id",
     "in_compiled_autograd",
+    "non_finite_check_and_unscale",
     "preserve_version_counter",
     "queue_callback",
     "register_load_pre_hook",
@@ -179,3 +180,12 @@ def sharded_tensor(
             ShardedTensorMetadata(metadata, torch.Size([numel]), properties),
             process_group=process_group,
         )
+
+
+def non_finite_check_and_unscale(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` (what torch.amp.GradScaler runs;
+    present in every torch the range accepts): `grads` (one device and dtype) multiplied by
+    `inv_scale` in place, `found_inf` set to 1.0 where one held an inf or NaN."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)

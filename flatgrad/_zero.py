@@ -17,7 +17,7 @@ from torch import nn
 
 from flatgrad import _norms
 from flatgrad._checkpoint import Layout, Piece
-from flatgrad._torch_compat import register_load_pre_hook
+from flatgrad._torch_compat import non_finite_check_and_unscale, register_load_pre_hook
 from flatgrad.buffer import GradStore
 from flatgrad.comm import all_gather_flat
 
@@ -45,6 +45,14 @@ class Shard:
     param: torch.Tensor  # of the flat parameter buffer
     grad: torch.Tensor  # the same elements of the gradient buffer
     bucket: torch.Tensor  # the whole bucket of the flat parameter buffer (all-gather output)
+    # With main grads (bfloat16/float16 parameters, float32 gradients): a float32 copy of
+    # `param` that the optimizer steps and that is cast back into `param` after each step.
+    master: torch.Tensor | None = None
+
+    @property
+    def stepped(self) -> torch.Tensor:
+        """What the inner optimizer steps: the float32 master, or the parameters themselves."""
+        return self.param if self.master is None else self.master
 
 
 class ShardEngine:
@@ -64,6 +72,9 @@ class ShardEngine:
         self.rank = dist.get_rank(process_group)
         self.param_buffers = _flatten_parameters(store)
         self.shards = self._cut_shards()
+        # The parameter buffers' version counters when the masters last matched them: a
+        # write since (load_state_dict, a copy by hand) makes `step` take the masters again.
+        self._versions = self._param_versions()
         self.layout = self._chunk_layout()
         # bucket index -> the works of its parameter gather still in flight
         self.in_flight: dict[int, list[Any]] = {}
@@ -78,8 +89,42 @@ class ShardEngine:
             size = view.numel() // self.world_size
             params = self.param_buffers[(view.dtype, view.device)].narrow(0, start, view.numel())
             shard = params.narrow(0, self.rank * size, size)  # shares the memory
-            shards.append(Shard(shard, view.narrow(0, self.rank * size, size), params))
+            master = shard.float() if shard.dtype != view.dtype else None  # (a copy)
+            shards.append(Shard(shard, view.narrow(0, self.rank * size, size), params, master))
         return shards
+
+    @property
+    def has_masters(self) -> bool:
+        """Whether the optimizer steps float32 masters of bfloat16/float16 parameters."""
+        return any(shard.master is not None for shard in self.shards)
+
+    def _param_versions(self) -> tuple[int, ...]:
+        return tuple(buffer._version for buffer in self.param_buffers.values())
+
+    def take_masters(self) -> None:
+        """Before a step: when the parameters were written since the masters last matched
+        them (a model load_state_dict, a copy under no_grad), each master element that no
+        longer rounds to its parameter takes the parameter's value (exactly: the cast up is
+        exact). A master loaded from the same checkpoint as the parameters, in either order,
+        is kept. One version check per flat buffer otherwise."""
+        if not self.has_masters or self._param_versions() == self._versions:
+            return
+        with torch.no_grad():
+            for shard in self.shards:
+                if shard.master is not None:
+                    moved = shard.master.to(shard.param.dtype) != shard.param
+                    shard.master.copy_(torch.where(moved, shard.param.float(), shard.master))
+        self._versions = self._param_versions()
+
+    def write_back(self) -> None:
+        """After a step: the updated masters into the parameters, in their dtype (rounded
+        to nearest), before the all-gather sends them."""
+        if not self.has_masters:
+            return
+        with torch.no_grad():
+            for shard in self.shards:
+                if shard.master is not None:
+                    shard.param.copy_(shard.master)
 
     def _chunk_layout(self) -> Layout:
         buckets: dict[Any, list[tuple[int, int]]] = {}
@@ -100,20 +145,20 @@ class ShardEngine:
         padding that follows it) inside this rank's shard of each bucket."""
         runs = {key: _runs(self.store, key, {id(p) for p in params}) for key in self.store.buffers}
         pieces = []
-        for view, start in self.bucket_views:
+        for (view, start), shard in zip(self.bucket_views, self.shards):
             key = (view.dtype, view.device)
             size = view.numel() // self.world_size
             lo = start + self.rank * size
             for a, b in runs[key]:
                 a, b = max(a, lo), min(b, lo + size)
                 if a < b:
-                    piece = nn.Parameter(self.param_buffers[key].narrow(0, a, b - a))
+                    piece = nn.Parameter(shard.stepped.narrow(0, a - lo, b - a))
                     pieces.append(Piece(piece, self.store.buffers[key].narrow(0, a, b - a), key, a))
         held = [p for p in params if p in self.store]
         if not pieces and held:
             # No element of the group in this rank's shards: an empty piece steps along, so
             # this rank keeps the group's scalar state (step counts) like every other rank.
-            empty = held[0].new_empty(0)
+            empty = self.store.view(held[0]).new_empty(0)  # (float32 for a main grad's)
             pieces.append(Piece(nn.Parameter(empty), empty, (empty.dtype, empty.device), 0))
         return pieces
 
@@ -137,9 +182,37 @@ class ShardEngine:
         dtype = functools.reduce(torch.promote_types, [_norms.norm_dtype(g.dtype) for g in grads])
         return total.to(dtype)
 
+    def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:
+        """Multiply the gradient shards by `inv_scale` (a loss scaler's 1/scale); with
+        `found_inf`, set it to 1.0 where any rank's shard holds an inf or NaN (one scalar
+        all-reduce, so every rank skips the same steps). Every element's average lives in
+        exactly one rank's shard, so the check over all shards covers every gradient."""
+        grads: dict[torch.dtype, list[torch.Tensor]] = {}
+        for shard in self.shards:
+            grads.setdefault(shard.grad.dtype, []).append(shard.grad)
+        if torch.float16 in grads and not allow_fp16:
+            raise ValueError(
+                "Attempting to unscale FP16 gradients (float16 parameters without main grads): "
+                "wrap the model with grad_dtype='float32', whose float32 main grads a loss "
+                "scaler can unscale"
+            )
+        device = self.shards[0].grad.device
+        found = None if found_inf is None else found_inf.to(device)
+        inv = inv_scale.to(device)
+        with torch.no_grad():
+            for same in grads.values():
+                if found is None:
+                    torch._foreach_mul_(same, inv)
+                else:
+                    non_finite_check_and_unscale(same, found, inv)
+        if found_inf is not None and found is not None:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
+            found_inf.copy_(found)
+
     def launch_gather(self) -> None:
         """Start the all-gather of every bucket's parameters from the ranks' updated shards
-        (asynchronously; `wait_gather` finishes them)."""
+        (asynchronously; `wait_gather` finishes them), in the parameters' dtype (bfloat16
+        with masters: half the bytes of float32)."""
         self.wait_gather()  # (one still in flight would land after this one)
         self.waited = []
         self.in_flight = {index: self._gather(shard) for index, shard in enumerate(self.shards)}
@@ -165,6 +238,8 @@ class ShardEngine:
                 for work in works:
                     work.wait()
                 self.waited.append(index)
+        if not self.in_flight:
+            self._versions = self._param_versions()  # the parameters match the masters again
 
     def bucket_indices(self, params: list[torch.Tensor]) -> tuple[int, ...]:
         """The buckets holding `params`' slots (those in the store), in bucket order."""
@@ -224,10 +299,38 @@ def _runs(store: GradStore, key: Any, wanted: set[int]) -> list[list[int]]:
     return merged
 
 
+def parameter_dtypes(store: GradStore) -> dict[Any, set[torch.dtype]]:
+    """The parameters' dtype of each gradient buffer; raises ValueError where parameters
+    of different dtypes share one (float32 parameters next to bfloat16/float16 ones with
+    main grads), which no one flat parameter buffer could hold."""
+    dtypes: dict[Any, set[torch.dtype]] = {}
+    for param in store.params:
+        dtypes.setdefault(store.slot(param)[0], set()).add(param.dtype)
+    for key, found in dtypes.items():
+        if len(found) > 1:
+            names = sorted(str(dtype) for dtype in found)
+            raise ValueError(
+                f"ShardedOptimizer: parameters of dtypes {names} share the {key[0]} gradient "
+                "buffer (main grads, grad_dtype='float32'), so no one flat parameter buffer "
+                "holds them all; convert the model to one dtype (model.to(torch.bfloat16)) "
+                "before wrapping, or keep every parameter in float32"
+            )
+    return dtypes
+
+
 def _flatten_parameters(store: GradStore) -> dict[Any, torch.Tensor]:
-    """Flat parameter buffers with the gradient buffers' layout; every parameter becomes a
-    view of its slot (same shape, strides and values)."""
-    buffers = {key: torch.zeros_like(grad) for key, grad in store.buffers.items()}
+    """Flat parameter buffers with the gradient buffers' layout, in the parameters' dtype
+    (bfloat16 for a float32 buffer of main grads); every parameter becomes a view of its
+    slot (same shape, strides and values).
+
+    Raises:
+        ValueError: Parameters of different dtypes share a gradient buffer (`parameter_dtypes`).
+    """
+    dtypes = parameter_dtypes(store)
+    buffers = {
+        key: torch.zeros(grad.numel(), dtype=next(iter(dtypes.get(key, {grad.dtype}))), device=grad.device)
+        for key, grad in store.buffers.items()
+    }
     with torch.no_grad():
         for param in store.params:
             key, slot = store.slot(param)

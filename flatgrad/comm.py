@@ -330,8 +330,8 @@ def refuse_main_grads(grad_dtype: str | None, what: str) -> None:
         raise ValueError(
             f"{what} cannot carry main grads (grad_dtype={grad_dtype!r}): DDP keeps each "
             "gradient in its parameter's dtype; synchronise this model with flatgrad.DataParallel "
-            "instead (its support for grad_dtype is not there yet: until then use "
-            "flat.all_reduce_grads()), or wrap it without grad_dtype"
+            "instead (float32 buckets; with flatgrad.ShardedOptimizer for float32 master "
+            "shards), or wrap it without grad_dtype"
         )
 
 

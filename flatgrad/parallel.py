@@ -100,7 +100,7 @@ class DataParallel(PlainNames):
         RuntimeError: No process group is initialised (``dist.init_process_group``).
         ValueError: `bucket_mb` is not positive; `wire_dtype` is not one of the above; the
             model has sparse embeddings (``sparse=True``), whose gradients live outside the
-            flat buffers; `flat` keeps main grads (``grad_dtype``: not supported yet); or
+            flat buffers; or
             the ranks' models differ in their parameters' and buffers'
             shapes, dtypes, trainability or order (raised on every rank).
     """
@@ -116,12 +116,6 @@ class DataParallel(PlainNames):
     ) -> None:
         if not isinstance(flat, FlatGrad):
             raise TypeError(f"flat must be a flatgrad.FlatGrad, got {type(flat).__name__}")
-        if flat.flatgrad_config.grad_dtype is not None:  # (so ShardedOptimizer, built on dp, too)
-            raise ValueError(
-                "DataParallel and ShardedOptimizer do not support main grads "
-                f"(grad_dtype={flat.flatgrad_config.grad_dtype!r}) yet: synchronise with "
-                "flat.all_reduce_grads() after backward, or wrap the model without grad_dtype"
-            )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DataParallel needs an initialised process group (dist.init_process_group)")
         if not bucket_mb > 0:

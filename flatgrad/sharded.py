@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatgrad._checkpoint import GroupView, Piece, load_group, misfit, optimizer_state
-from flatgrad._scattered import unguarded, unmark_scattered
+from flatgrad._scattered import is_scattered, unguarded, unmark_scattered
 from flatgrad._zero import (
     ELEMENTWISE,
     ShardEngine,
@@ -41,6 +41,7 @@ from flatgrad._zero import (
     as_groups,
     gather_hooks,
     options,
+    parameter_dtypes,
     remove_hooks,
 )
 from flatgrad.parallel import DataParallel
@@ -68,8 +69,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
     shard of a bucket). It cannot take model parameters (its ``add_param_group`` refuses
     them: each is stepped through its shard already). Its ``state`` is the per-element
     optimizer state; this optimizer's own ``state`` stays empty.
-    ``torch.amp.GradScaler`` is not supported (its inf checks would be per shard, so the
-    ranks could disagree on skipping a step): train in bfloat16 or float32.
+    Loss scaling (float16): ``flatgrad.GradScaler`` (a ``torch.amp.GradScaler`` whose
+    ``unscale_`` and inf check read this rank's gradient shards and agree over the ranks,
+    so every rank skips the same steps); torch's own raises a TypeError at ``step``.
+
+    Mixed precision: with main grads (``FlatGrad(..., config={"grad_dtype": "float32"})``
+    on bfloat16/float16 parameters) the inner optimizer steps float32 masters of this
+    rank's shards from the float32 main-grad shards; ``step()`` then writes them back into
+    the parameters (rounded to their dtype) and all-gathers those in their dtype (half the
+    bytes of float32). The masters are saved and loaded with the optimizer state
+    (per-element key ``"master"``); parameters written in between (a model
+    ``load_state_dict``) are taken into the masters before the next step wherever the two
+    no longer agree.
 
     Construction lays the model's parameters out again (flat parameter buffers, slots on
     multiples of the world size) and switches `dp`'s buckets to reduce-scatter.
@@ -97,8 +108,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Raises:
         TypeError: `dp` is not a `DataParallel`, or `overlap_param_gather` is not a bool.
         ValueError: `optimizer_class` is not an element-wise torch optimizer, `dp` already
-            has a ShardedOptimizer, or `params` holds a tensor that is not a parameter of
-            `dp` (or one twice).
+            has a ShardedOptimizer, `params` holds a tensor that is not a parameter of
+            `dp` (or one twice), or parameters of different dtypes share a gradient buffer
+            (float32 ones next to bfloat16 ones with main grads).
     """
 
     def __init__(
@@ -140,7 +152,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # The optimizer's arguments are checked before anything moves: a typo raises here
         # (a duplicate parameter in the groups just below) and leaves dp and the model as
         # they were.
-        probe = next(iter(dp.module._engine.refresh().buffers.values()))
+        store = dp.module._engine.refresh()
+        parameter_dtypes(store)  # (raises for dtypes that no one flat parameter buffer holds)
+        probe = next(iter(store.buffers.values()))
         dummies = [nn.Parameter(probe.new_zeros(1)) for _ in groups]
         checked = optimizer_class([dict(g, params=[d]) for g, d in zip(groups, dummies)], **defaults)
         self._ready = False  # the inner optimizer exists (add_param_group gives it a group too)
@@ -270,18 +284,47 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._check_layout()
         self._check_groups()
-        if all(p.grad is None for p in self._engine.store.params):
+        if self._skipped_by_scaler():
+            return loss
+        store = self._engine.store  # (main grads have no .grad: a reduce-scatter since zeroing counts)
+        if not is_scattered(store) and all(p.grad is None for p in store.params):
             return loss  # every rank sees the same: a sync sets .grad alike on all
         for pieces in self._pieces:
             for piece in pieces:
                 piece.param.grad = piece.grad
         self._sync_hyperparameters()
+        self._engine.take_masters()
         self.optimizer.step()
         self._stepped = [True] * len(self._stepped)
+        self._engine.write_back()
         self._engine.launch_gather()
         if not self.overlap_param_gather:
             self._engine.wait_gather()
         return loss
+
+    # torch.amp.GradScaler hands this step its scale and inf flag (`grad_scale`, `found_inf`
+    # attributes) instead of unscaling `.grad`, which holds no averaged value here.
+    _step_supports_amp_scaling = True
+
+    def _skipped_by_scaler(self) -> bool:
+        """Under ``scaler.step(opt)``: whether the step is skipped (an inf or NaN on some
+        rank, the same answer on every rank); otherwise the shards are unscaled here unless
+        ``scaler.unscale_(opt)`` did it already."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return False
+        if not isinstance(found_inf, torch.Tensor):  # (no inf check ran: torch's own scaler)
+            raise TypeError(
+                "torch.amp.GradScaler cannot unscale or check a ShardedOptimizer's gradients "
+                "(they are averaged in this rank's shards only, and main grads have no .grad): "
+                "use flatgrad.GradScaler, a torch.amp.GradScaler that does"
+            )
+        if bool(found_inf.item()):
+            return True
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            self._engine.unscale_(scale.double().reciprocal().float(), None, allow_fp16=True)
+        return False
 
     def wait_param_gather(self) -> None:
         """Wait for the parameter all-gathers `step()` left in flight
@@ -347,7 +390,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         slots = self._engine.layout.slots
         return [
             GroupView(
-                [(self._names[id(p)], p) for p in group["params"] if id(p) in slots], options(group), pieces
+                [(self._names[id(p)], p) for p in group["params"] if id(p) in slots],
+                options(group),
+                pieces,
+                masters=self._engine.has_masters,
             )
             for group, pieces in zip(self.param_groups, self._pieces)
         ]

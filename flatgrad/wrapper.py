@@ -14,7 +14,7 @@ from torch import nn
 from flatgrad import _norms, comm
 from flatgrad._engine import GradEngine, trainable_parameters
 from flatgrad._names import PlainNames, add_prefix, strip_prefix
-from flatgrad._scattered import refuse_scattered
+from flatgrad._scattered import is_scattered, refuse_scattered, scattered_main_grad, unmark_scattered
 from flatgrad.buffer import GradStore, scale_
 from flatgrad.config import FlatGradConfig, resolve_config
 from flatgrad.layout import GroupKey
@@ -95,8 +95,9 @@ class FlatGrad(PlainNames):
         if mains:  # the optimizer a script already has would silently skip them
             logger.warning(
                 "flatgrad: %d bfloat16/float16 parameters keep float32 main grads (grad_dtype) "
-                "and their .grad stays None, so a torch optimizer does not step them: step "
-                "from flat.main_grad(param) (see docs/mixed-precision.md)",
+                "and their .grad stays None, so a torch optimizer does not step them: use "
+                "flatgrad.ShardedOptimizer (float32 master shards), or step from "
+                "flat.main_grad(param) (see docs/mixed-precision.md)",
                 mains,
             )
 
@@ -264,6 +265,7 @@ class FlatGrad(PlainNames):
                 way, and their parameters' `.grad` stays None.
         """
         store = self._engine.refresh()
+        unmark_scattered(store, to_none=set_to_none)  # (zeroed: right on every rank again)
         if set_to_none:
             for param in store.params + self._engine.others:
                 param.grad = None
@@ -305,6 +307,8 @@ class FlatGrad(PlainNames):
                 "another model's, or not a parameter)"
             )
         store.take_in([param], zero_empty=True)  # the buffer as the truth, as `settle` makes it
+        if is_scattered(store):  # (a ShardedOptimizer's backward: averaged in its shards only)
+            return scattered_main_grad(store, param)
         return store.view(param)
 
     def _grads_and_norms(

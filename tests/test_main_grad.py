@@ -253,15 +253,6 @@ def test_the_ddp_hook_path_is_refused():
         flat.comm_state()
 
 
-def test_data_parallel_and_sharded_optimizer_are_refused_for_now():
-    flat = flatgrad.FlatGrad(_model(), config=MAIN)
-    with pytest.raises(ValueError, match="DataParallel and ShardedOptimizer do not support main grads"):
-        flatgrad.DataParallel(flat)
-    # A ShardedOptimizer is built on a DataParallel: refused there.
-    with pytest.raises(ValueError, match="do not support main grads .* yet"):
-        flatgrad.ShardedOptimizer(flatgrad.DataParallel(flat), torch.optim.AdamW, lr=1e-3)
-
-
 def test_hooks_go_with_a_rebuild_and_with_the_wrapper():
     flat, model, _ = _accumulated()
     before = {name: flat.main_grad(p).clone() for name, p in model.named_parameters()}
