@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--engine", choices=("ddp", "flatgrad"), help="override engine")
     parser.add_argument("--zero", action="store_true", default=None, help="ZeRO-1 (engine flatgrad)")
     parser.add_argument("--resume", action="store_true", default=None, help="go on from <out_dir>/dcp")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="override dtype (bfloat16: main grads)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="override dtype (bf16: main grads)")
     args = parser.parse_args()
     overrides = {
         "max_steps": args.max_steps,
