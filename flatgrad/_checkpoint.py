@@ -308,6 +308,26 @@ def misfit(
     return None
 
 
+def refuse_misfits(
+    problem: str | None, device: torch.device, process_group: dist.ProcessGroup | None
+) -> None:
+    """Raise the same ValueError on every rank when `problem` (this rank's `misfit`) or any
+    other rank's is not None (one small all-reduce): no rank loads a state that does not fit
+    on every rank."""
+    world_size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    flags = torch.zeros(world_size, dtype=torch.int32, device=device)
+    flags[rank] = int(problem is not None)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=process_group)
+    wrong = [r for r, flag in enumerate(flags.tolist()) if flag]
+    if wrong:
+        mine = f" (this rank {rank}: {problem})" if problem is not None else ""
+        raise ValueError(
+            f"ShardedOptimizer state given to rank(s) {wrong} does not fit{mine}; save and load "
+            "it with torch.distributed.checkpoint (dcp.save({'optim': opt}, ...), any world "
+            "size), or torch.save each rank's own state and load it on that rank"
+        )
+
+
 def load_group(
     optimizer: torch.optim.Optimizer, group: GroupView, layout: Layout, saved: dict[str, Any], stepped: bool
 ) -> None:

@@ -209,6 +209,23 @@ class ShardEngine:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
             found_inf.copy_(found)
 
+    def skip_or_unscale(self, found_inf: Any, grad_scale: torch.Tensor | None) -> bool:
+        """What a step under ``GradScaler.step`` does (the scaler's `found_inf` and
+        `grad_scale`, as it hands them to an optimizer that handles scaling itself): skip
+        (True) after an inf or NaN on any rank; otherwise unscale the shards unless
+        ``scaler.unscale_`` did already (`grad_scale` None)."""
+        if not isinstance(found_inf, torch.Tensor):  # (no inf check ran: torch's own scaler)
+            raise TypeError(
+                "torch.amp.GradScaler cannot unscale or check a ShardedOptimizer's gradients "
+                "(they are averaged in this rank's shards only, and main grads have no .grad): "
+                "use flatgrad.GradScaler, a torch.amp.GradScaler that does"
+            )
+        if bool(found_inf.item()):
+            return True
+        if grad_scale is not None:
+            self.unscale_(grad_scale.double().reciprocal().float(), None, allow_fp16=True)
+        return False
+
     def launch_gather(self) -> None:
         """Start the all-gather of every bucket's parameters from the ranks' updated shards
         (asynchronously; `wait_gather` finishes them), in the parameters' dtype (bfloat16

@@ -5,8 +5,10 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flatgrad.layout import GroupKey, SlotSpec, plan_layout
 
@@ -69,6 +71,8 @@ class GradStore:
         self._main_ids = frozenset(map(id, self.mains))
         self._main_spans = self.spans(self.mains)
         REGISTRY.claim(self)
+        if self.mains:
+            MAIN_GRAD_GUARD.watch(self)
 
     def _set_slot(self, param: torch.Tensor, key: GroupKey, slot: SlotSpec) -> None:
         buffer = self.buffers[key]
@@ -415,6 +419,51 @@ class SlotRegistry:
 
 
 REGISTRY = SlotRegistry()
+
+
+class MainGradGuard:
+    """While a store with main grads lives: a torch optimizer step (a global step pre hook,
+    `torch.optim.optimizer.register_optimizer_step_pre_hook`) over a parameter whose
+    gradient is a main grad and whose `.grad` is None raises, instead of skipping it
+    silently. Optimizers that step main grads themselves say so with a true class
+    attribute ``steps_main_grads`` (ShardedOptimizer). The hook goes when the last such
+    store does; it reads each parameter's `.grad` and, for a None one, the registry."""
+
+    def __init__(self) -> None:
+        self._stores: weakref.WeakSet[GradStore] = weakref.WeakSet()
+        self._handle: Any = None
+
+    def watch(self, store: GradStore) -> None:
+        self._stores.add(store)
+        if self._handle is None:
+            self._handle = register_optimizer_step_pre_hook(self._check)
+        weakref.finalize(store, self._release)
+
+    def _release(self) -> None:
+        if self._handle is not None and not self._stores:
+            self._handle.remove()
+            self._handle = None
+
+    def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if getattr(optimizer, "steps_main_grads", False):
+            return
+        skipped = 0
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    store = REGISTRY.owner_of(param)
+                    skipped += store is not None and store.is_main(param)
+        if skipped:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() would skip {skipped} bfloat16/float16 "
+                "parameter(s) whose gradient is a float32 main grad (grad_dtype='float32': their "
+                ".grad stays None): step them with flatgrad.ShardedOptimizer (float32 master "
+                "shards, on any number of ranks), or give the optimizer float32 master copies "
+                "whose .grad you take from flat.main_grad(param)"
+            )
+
+
+MAIN_GRAD_GUARD = MainGradGuard()
 
 
 def _aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatgrad._checkpoint import GroupView, Piece, load_group, misfit, optimizer_state
+from flatgrad._checkpoint import GroupView, Piece, load_group, misfit, optimizer_state, refuse_misfits
 from flatgrad._scattered import is_scattered, unguarded, unmark_scattered
 from flatgrad._zero import (
     ELEMENTWISE,
@@ -73,14 +73,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``unscale_`` and inf check read this rank's gradient shards and agree over the ranks,
     so every rank skips the same steps); torch's own raises a TypeError at ``step``.
 
-    Mixed precision: with main grads (``FlatGrad(..., config={"grad_dtype": "float32"})``
-    on bfloat16/float16 parameters) the inner optimizer steps float32 masters of this
-    rank's shards from the float32 main-grad shards; ``step()`` then writes them back into
-    the parameters (rounded to their dtype) and all-gathers those in their dtype (half the
-    bytes of float32). The masters are saved and loaded with the optimizer state
-    (per-element key ``"master"``); parameters written in between (a model
-    ``load_state_dict``) are taken into the masters before the next step wherever the two
-    no longer agree.
+    With main grads (``grad_dtype="float32"``, bfloat16/float16 parameters) the inner
+    optimizer steps float32 masters of this rank's shards, which `step()` rounds into the
+    parameters and all-gathers in their dtype; they are saved with the state (key
+    ``"master"``). See docs/mixed-precision.md.
 
     Construction lays the model's parameters out again (flat parameter buffers, slots on
     multiples of the world size) and switches `dp`'s buckets to reduce-scatter.
@@ -184,6 +180,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if overlap_param_gather:
             handles = gather_hooks(self._engine, dp.module.module)
             weakref.finalize(self, remove_hooks, handles)
+
+    # Steps the model's main grads through its float32 masters (see flatgrad.buffer.MainGradGuard).
+    steps_main_grads = True
 
     def _piece_ids(self) -> set[int]:
         return {id(piece.param) for pieces in self._pieces for piece in pieces}
@@ -311,20 +310,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         rank, the same answer on every rank); otherwise the shards are unscaled here unless
         ``scaler.unscale_(opt)`` did it already."""
         found_inf = getattr(self, "found_inf", None)
-        if found_inf is None:
-            return False
-        if not isinstance(found_inf, torch.Tensor):  # (no inf check ran: torch's own scaler)
-            raise TypeError(
-                "torch.amp.GradScaler cannot unscale or check a ShardedOptimizer's gradients "
-                "(they are averaged in this rank's shards only, and main grads have no .grad): "
-                "use flatgrad.GradScaler, a torch.amp.GradScaler that does"
-            )
-        if bool(found_inf.item()):
-            return True
-        scale = getattr(self, "grad_scale", None)
-        if scale is not None:
-            self._engine.unscale_(scale.double().reciprocal().float(), None, allow_fp16=True)
-        return False
+        return found_inf is not None and self._engine.skip_or_unscale(
+            found_inf, getattr(self, "grad_scale", None)
+        )
 
     def wait_param_gather(self) -> None:
         """Wait for the parameter all-gathers `step()` left in flight
@@ -416,17 +404,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         views = self._views()
         problem = misfit(type(self.optimizer), views, self._engine.layout, state_dict)
-        flags = torch.zeros(self.world_size, dtype=torch.int32, device=self._engine.shards[0].param.device)
-        flags[self.rank] = int(problem is not None)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp.process_group)
-        wrong = [rank for rank, flag in enumerate(flags.tolist()) if flag]
-        if wrong:
-            mine = f" (this rank {self.rank}: {problem})" if problem is not None else ""
-            raise ValueError(
-                f"ShardedOptimizer state given to rank(s) {wrong} does not fit{mine}; save and load "
-                "it with torch.distributed.checkpoint (dcp.save({'optim': opt}, ...), any world "
-                "size), or torch.save each rank's own state and load it on that rank"
-            )
+        refuse_misfits(problem, self._engine.shards[0].param.device, self.dp.process_group)
         for group, view, saved, stepped in zip(
             self.param_groups, views, state_dict["param_groups"], state_dict["stepped"]
         ):

@@ -92,12 +92,11 @@ class FlatGrad(PlainNames):
         self.register_load_state_dict_pre_hook(add_prefix)
         logger.info("flatgrad: %s", self._engine.summary())
         mains = len(self._engine.refresh().mains)
-        if mains:  # the optimizer a script already has would silently skip them
-            logger.warning(
+        if mains:  # (a torch optimizer over them raises at its step: see MainGradGuard)
+            logger.info(
                 "flatgrad: %d bfloat16/float16 parameters keep float32 main grads (grad_dtype) "
-                "and their .grad stays None, so a torch optimizer does not step them: use "
-                "flatgrad.ShardedOptimizer (float32 master shards), or step from "
-                "flat.main_grad(param) (see docs/mixed-precision.md)",
+                "and their .grad stays None: step them with flatgrad.ShardedOptimizer (float32 "
+                "master shards), or from flat.main_grad(param) (see docs/mixed-precision.md)",
                 mains,
             )
 

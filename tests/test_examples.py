@@ -48,6 +48,11 @@ def test_unknown_key_is_an_error_naming_it(cls: type[RunConfig], data: dict[str,
         (CompareConfig, {"steps": 10, "warmup_steps": 10}, "warmup_steps must be < steps"),
         (TrainConfig, {"batch_size": 0}, "batch_size\n.*greater than 0"),
         (TrainConfig, {"zero": True}, 'zero must be false unless engine is "flatgrad"'),
+        (
+            TrainConfig,
+            {"dtype": "bfloat16", "engine": "flatgrad"},
+            'dtype "bfloat16" needs engine "flatgrad" with',
+        ),
         (TrainConfig, {"device": "tpu"}, "device\n.*'auto', 'cpu' or 'cuda'"),
     ],
 )
@@ -141,7 +146,15 @@ def test_run_config_floats_written_without_a_dot_still_load(tmp_path: Path) -> N
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("engine", [[], ["--engine", "flatgrad"], ["--engine", "flatgrad", "--zero"]])
+@pytest.mark.parametrize(
+    "engine",
+    [
+        [],
+        ["--engine", "flatgrad"],
+        ["--engine", "flatgrad", "--zero"],
+        ["--engine", "flatgrad", "--zero", "--dtype", "bfloat16"],
+    ],
+)
 def test_train_gpt_under_torchrun_saves_a_plain_checkpoint(tmp_path: Path, engine: list[str]) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -160,6 +173,9 @@ def test_train_gpt_under_torchrun_saves_a_plain_checkpoint(tmp_path: Path, engin
     assert set(checkpoint["losses"]) == {1, 3}
     metadata = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
     assert any(key.startswith("optim.state.") for key in metadata), "AdamW's moments, per parameter"
+    if "bfloat16" in engine:  # bfloat16 weights in the plain checkpoint, float32 masters in dcp
+        assert {t.dtype for t in checkpoint["model"].values()} == {torch.bfloat16}
+        assert any(key.endswith(".master") for key in metadata), "the float32 master shards"
     if "--zero" in engine:  # the sharded state resumes on another number of ranks
         resume = [*command, "--resume", "--max-steps", "4"]
         resume[resume.index("--nproc_per_node=2")] = "--nproc_per_node=1"

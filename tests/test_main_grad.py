@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import logging
 
 import pytest
 import torch
@@ -141,18 +140,28 @@ def test_low_precision_parameters_get_float32_slots_and_no_grad(dtype):
         assert bool(main.ne(0).any()), name
 
 
-def test_wrapping_warns_that_a_torch_optimizer_skips_main_grad_parameters(caplog):
+def test_a_torch_optimizer_over_main_grad_parameters_refuses_to_skip_them():
     """`.grad` stays None for them, so the optimizer a script already has would step nothing
-    there without a word: wrapping says so (once, naming how many and what to do)."""
-    with caplog.at_level(logging.WARNING, logger="flatgrad.wrapper"):
-        flatgrad.FlatGrad(Mixed(torch.bfloat16), config=MAIN)
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "a torch optimizer does not step them" in warned[0], warned
-    assert "flat.main_grad(param)" in warned[0]
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="flatgrad.wrapper"):
-        flatgrad.FlatGrad(_model(), config={"linear_min_numel": 0})  # no grad_dtype: silent
-    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    there without a word: its step raises instead, naming how many and what to do. A
+    `.grad` set by hand (from the main grad), a float32 parameter's, or an optimizer that
+    has no main-grad parameter steps as usual; the hook goes with the last such wrapper."""
+    model = Mixed(torch.bfloat16)
+    flat = flatgrad.FlatGrad(model, config=MAIN)
+    flat(_batches()[0]).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(
+        RuntimeError, match=r"SGD.step\(\) would skip \d+ bfloat16/float16 .*ShardedOptimizer"
+    ):
+        opt.step()
+    for param in model.parameters():
+        param.grad = flat.main_grad(param).to(param.dtype)
+    opt.step()  # every .grad set: stock behaviour
+    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+    torch.optim.SGD(masters, lr=0.1).step()  # no main-grad parameter in it
+    del flat, opt
+    gc.collect()
+    model.zero_grad()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()  # unwrapped: stock's silent skip again
 
 
 def test_without_grad_dtype_nothing_changes():

@@ -55,16 +55,18 @@ def _reference_step(
             param.copy_(master)
 
 
-def _sharded_worker(rank: int, world_size: int, name: str) -> None:
+def _sharded_worker(rank: int, world_size: int, name: str, device: str = "cpu") -> None:
     optimizer_class, options = OPTIMIZERS[name]
-    model = _model()
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    model = _model().to(device)
     reference = copy.deepcopy(model)
     masters = [p.detach().float().requires_grad_() for p in reference.parameters()]
     ref_opt = optimizer_class(masters, **options)
     ref_flat = flatgrad.FlatGrad(reference, config=MAIN)
     dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=MAIN), bucket_mb=0.01)
     opt = flatgrad.ShardedOptimizer(dp, optimizer_class, **options)
-    batches = _batches(seed=10 + rank)
+    batches = [tokens.to(device) for tokens in _batches(seed=10 + rank)]
     initial = [p.detach().clone() for p in model.parameters()]
     for step in range(STEPS):
         micro = batches[step * MICRO : (step + 1) * MICRO]
@@ -91,6 +93,16 @@ def _sharded_worker(rank: int, world_size: int, name: str) -> None:
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_sharded_optimizer_steps_float32_masters_like_the_reference(world_size, name):
     run_ranks(_sharded_worker, name, world_size=world_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_on_cuda_over_nccl_the_masters_step_like_the_reference(name):
+    """World size 1 over NCCL (one GPU): the routed GEMMs accumulate into the main grads
+    with ``out_dtype`` where the probe allows it, the buckets reduce-scatter on NCCL's
+    stream, the masters step and the bfloat16 all-gather runs on the device."""
+    run_ranks(_sharded_worker, name, "cuda", world_size=1, backend="nccl")
 
 
 def _data_parallel_worker(rank: int, world_size: int) -> None:
