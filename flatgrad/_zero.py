@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,7 @@ class ShardEngine:
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.param_buffers = _flatten_parameters(store)
+        self._addresses = list(map(_data_ptr, store.params))  # (see `params_in_place`)
         self.shards = self._cut_shards()
         # The parameter buffers' version counters when the masters last matched them: a
         # write since (load_state_dict, a copy by hand) makes `step` take the masters again.
@@ -92,6 +94,11 @@ class ShardEngine:
             master = shard.float() if shard.dtype != view.dtype else None  # (a copy)
             shards.append(Shard(shard, view.narrow(0, self.rank * size, size), params, master))
         return shards
+
+    def params_in_place(self) -> bool:
+        """Whether every parameter still lies in its slot of the flat parameter buffers (a
+        dtype or device conversion, or ``param.data = ...``, gives it other memory)."""
+        return list(map(_data_ptr, self.store.params)) == self._addresses
 
     @property
     def has_masters(self) -> bool:
@@ -314,6 +321,9 @@ def _runs(store: GradStore, key: Any, wanted: set[int]) -> list[list[int]]:
         elif mine:
             merged.append([offset, end])
     return merged
+
+
+_data_ptr = operator.methodcaller("data_ptr")
 
 
 def parameter_dtypes(store: GradStore) -> dict[Any, set[torch.dtype]]:

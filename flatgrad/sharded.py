@@ -230,10 +230,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return [(id(group["params"]), len(group["params"])) for group in groups]
 
     def _check_layout(self) -> None:
-        # The full walk (a conversion between backward and step must raise here: the
-        # parameters are views of the flat parameter buffer the all-gather refills).
+        # A conversion between backward and step must raise here: the parameters are views
+        # of the flat parameter buffer the all-gather refills. Every parameter still at its
+        # slot (one data pointer each: a conversion or a `.data` assignment moves it) and the
+        # engine's O(1) checks (a parameter registered, frozen or unfrozen) stand for the
+        # engine's full walk, a Python loop over every parameter's dtype, device and shape.
+        engine = self.dp.module._engine
         with unguarded():  # a change moves the reduce-scattered .grads (refused just below)
-            store = self.dp.module._engine.refresh()
+            store = engine.steady() if self._engine.params_in_place() else engine.refresh()
         if store is not self._engine.store:
             raise RuntimeError(
                 "the model's parameters changed (added, replaced, frozen, converted) after the "

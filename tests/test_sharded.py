@@ -204,7 +204,7 @@ def _layout_change_worker(rank: int, world_size: int) -> None:
     the all-gather refills: a conversion or a freeze behind the wrapper, before a step or
     between a backward and its step, is refused at `step()` on every rank, never a silent
     update of parameters that no longer are those views."""
-    for change in ("float", "freeze", "freeze, zero_grad"):
+    for change in ("float", "freeze", "freeze, zero_grad", "zero_grad, float"):
         model, flat, dp, opt = _build(rank)
         dp(_tokens(rank, 0)).backward()
         opt.step()
@@ -214,6 +214,9 @@ def _layout_change_worker(rank: int, world_size: int) -> None:
             # converting the reduce-scattered .grad is refused at once (see test_sharded_grad_...)
             with pytest.raises(RuntimeError, match="float on a parameter's .grad under a ShardedOptimizer"):
                 model.float()
+        elif change == "zero_grad, float":
+            opt.zero_grad()
+            model.float()  # (no .grad to guard: the parameters move to new memory)
         else:
             model.fc.requires_grad_(False)
         if change == "freeze, zero_grad":
