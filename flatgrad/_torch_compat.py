@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "DisableTorchFunctionSubclass",
+    "GradScalerBase",
     "active_ddp_getter",
     "broadcast_coalesced",
     "current_autograd_node",
@@ -189,3 +190,34 @@ def non_finite_check_and_unscale(
     present in every torch the range accepts): `grads` (one device and dtype) multiplied by
     `inv_scale` in place, `found_inf` set to 1.0 where one held an inf or NaN."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+class GradScalerBase(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` with one public override point for the optimizers whose
+    gradients its walk over ``optimizer.param_groups``' `.grad` cannot see:
+    `unscale_optimizer`. It wraps ``GradScaler._unscale_grads_`` (private; the walk that
+    ``unscale_`` and ``step``'s inf check both run, with this signature in every torch the
+    range accepts); were it renamed, the override would go unused and `ShardedOptimizer.step`
+    would refuse the scaler with a TypeError rather than step unchecked."""
+
+    def unscale_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor] | None:
+        """Unscale `optimizer`'s gradients and set `found_inf`; None leaves it to torch."""
+        return None
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        found = self.unscale_optimizer(optimizer, inv_scale, found_inf, allow_fp16)
+        if found is not None:
+            return found
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)

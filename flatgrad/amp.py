@@ -13,24 +13,27 @@ from __future__ import annotations
 
 import torch
 
+from flatgrad._torch_compat import GradScalerBase
 from flatgrad.sharded import ShardedOptimizer
 
 
-class GradScaler(torch.amp.GradScaler):
+class GradScaler(GradScalerBase):
     """``torch.amp.GradScaler`` (same arguments, same calls: ``scaler.scale(loss).backward()``,
     ``scaler.unscale_(opt)``, ``scaler.step(opt)``, ``scaler.update()``) that also serves a
     `ShardedOptimizer`: it unscales that optimizer's gradient shards and sets the inf flag
     from every rank's (each rank must call ``unscale_``/``step`` together, as it calls
     ``step``)."""
 
-    def _unscale_grads_(
+    def unscale_optimizer(
         self,
         optimizer: torch.optim.Optimizer,
         inv_scale: torch.Tensor,
         found_inf: torch.Tensor,
         allow_fp16: bool,
-    ) -> dict[torch.device, torch.Tensor]:
+    ) -> dict[torch.device, torch.Tensor] | None:
+        """A ShardedOptimizer's gradient shards, unscaled and checked over every rank; None
+        (torch's own walk) for any other optimizer."""
         if not isinstance(optimizer, ShardedOptimizer):
-            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            return None
         optimizer._engine.unscale_(inv_scale, found_inf, allow_fp16)
         return {found_inf.device: found_inf}
