@@ -74,8 +74,8 @@ class ShardEngine:
         self.param_buffers = _flatten_parameters(store)
         self._addresses = list(map(_data_ptr, store.params))  # (see `params_in_place`)
         self.shards = self._cut_shards()
-        # The parameter buffers' version counters when the masters last matched them: a
-        # write since (load_state_dict, a copy by hand) makes `step` take the masters again.
+        # The parameters' version counters when the masters last matched them: a write
+        # since (load_state_dict, a copy under no_grad) makes `step` take the masters again.
         self._versions = self._param_versions()
         self.layout = self._chunk_layout()
         # bucket index -> the works of its parameter gather still in flight
@@ -105,15 +105,19 @@ class ShardEngine:
         """Whether the optimizer steps float32 masters of bfloat16/float16 parameters."""
         return any(shard.master is not None for shard in self.shards)
 
-    def _param_versions(self) -> tuple[int, ...]:
-        return tuple(buffer._version for buffer in self.param_buffers.values())
+    def _param_versions(self) -> list[int]:
+        # The parameters' own version counters: a write through a parameter (copy_ under
+        # no_grad, load_state_dict, torch.distributed.checkpoint's load into its detached
+        # alias) bumps it; the all-gather writes the flat buffers, whose counter is another.
+        return list(map(_version, self.store.params))
 
     def take_masters(self) -> None:
         """Before a step: when the parameters were written since the masters last matched
         them (a model load_state_dict, a copy under no_grad), each master element that no
         longer rounds to its parameter takes the parameter's value (exactly: the cast up is
         exact). A master loaded from the same checkpoint as the parameters, in either order,
-        is kept. One version check per flat buffer otherwise."""
+        is kept. One version read per parameter otherwise. (A write through ``param.data``
+        has a version counter of its own and goes unseen: write the parameter itself.)"""
         if not self.has_masters or self._param_versions() == self._versions:
             return
         with torch.no_grad():
@@ -324,6 +328,7 @@ def _runs(store: GradStore, key: Any, wanted: set[int]) -> list[list[int]]:
 
 
 _data_ptr = operator.methodcaller("data_ptr")
+_version = operator.attrgetter("_version")
 
 
 def parameter_dtypes(store: GradStore) -> dict[Any, set[torch.dtype]]:

@@ -137,9 +137,13 @@ def test_data_parallel_averages_main_grads_in_float32():
 
 
 def _setup_sharded(
-    overlap: bool = False,
+    overlap: bool = False, negate: bool = False
 ) -> tuple[nn.Module, flatgrad.DataParallel, flatgrad.ShardedOptimizer]:
     model = _model()
+    if negate:  # another starting point, far from every checkpoint of the usual one
+        with torch.no_grad():
+            for param in model.parameters():
+                param.neg_()
     dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=MAIN), bucket_mb=0.01)
     opt = flatgrad.ShardedOptimizer(
         dp, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, overlap_param_gather=overlap
@@ -174,9 +178,16 @@ def _checkpoint_worker(rank: int, world_size: int, tmp: str) -> None:
 
     # Without the masters (the model's bfloat16 weights loaded alone, masters rebuilt from
     # them) the run is another one: the check above depends on them.
-    model, dp, opt = _setup_sharded()
+    # The masters take the loaded weights (not those they were made from): one step (lr
+    # 1e-3) moves each weight by about 1e-3 from what was loaded, far from the negated start.
+    model, dp, opt = _setup_sharded(negate=True)
+    fresh = [p.detach().clone() for p in model.parameters()]
     dcp.load({"model": dp}, checkpoint_id=f"{tmp}/ckpt")
-    _train(dp, opt, rank, range(3, 6))
+    loaded = [p.detach().clone() for p in model.parameters()]
+    assert max(float((a - b).abs().max()) for a, b in zip(fresh, loaded)) > 1e-2
+    _train(dp, opt, rank, range(3, 4))
+    assert max(float((p - b).abs().max()) for p, b in zip(model.parameters(), loaded)) < 2e-3
+    _train(dp, opt, rank, range(4, 6))
     assert any(not torch.equal(p, e) for p, e in zip(model.parameters(), final))
 
 
