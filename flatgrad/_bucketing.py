@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +17,6 @@ from torch import nn
 
 from flatgrad._buckets import Bucket, LaunchPlan, Round, agree_order, cut_buckets, plan_launches
 from flatgrad._scattered import mark_scattered, refuse_adding_onto_scattered
-from flatgrad._seating import output_nodes
 from flatgrad._torch_compat import (
     current_autograd_node,
     graph_task_id,
@@ -153,25 +153,27 @@ class BucketSync:
 
     # --- backward -----------------------------------------------------------------------
 
-    def watch(self, output: Any, sync: bool) -> None:
-        """After a training forward: arm (a synchronising forward makes the next backward
-        average, whichever graph it goes through) and open the backward's bookkeeping when
-        it reaches `output` (a pre hook on the nodes that made it), before any gradient of
-        the model is final. Registered after FlatGrad's own pre hook, so this final
-        callback runs after FlatGrad's."""
+    def arm(self, sync: bool) -> None:
+        """After a training forward: a synchronising one makes the next backward average,
+        whichever graph it goes through (see `_open`)."""
         self._armed = self._armed or sync
-        for node in output_nodes(output):
-            node.register_prehook(functools.partial(self._on_backward_start, sync))
 
-    def _on_backward_start(self, sync: bool, grad_outputs: Any) -> None:
+    def pre_backward(self, sync: bool) -> Callable[[], None] | None:
+        """When a backward reaches the output of a forward this DataParallel made (from the
+        coordinator, `flatgrad._backward`, after the seater), before any gradient of the
+        model is final: open it, averaging when that forward synchronised (`sync`), and
+        return the end of it (`_finish`, which the coordinator runs after the seater's);
+        None when it is open already (another output: a synchronised one upgrades it to
+        averaging) or accumulates into no parameter."""
         _refuse_compiled_autograd()
         if self._grads.store is not self._store:
-            self.rebuild()  # FlatGrad's pre hook, just before, laid out again (a stale slot)
+            self.rebuild()  # the seater, just before, laid out again (a stale slot)
         if graph_task_id() != self._task:
-            if self._will_accumulate():
-                self._begin(sync)
+            if self._will_accumulate() and self._begin(sync, queue=False):
+                return self._finish
         elif sync and not self._task_sync:
             self._upgrade()
+        return None
 
     def _upgrade(self) -> None:
         """One backward through the outputs of a forward under `no_sync()` and of one outside
@@ -191,7 +193,7 @@ class BucketSync:
         except RuntimeError:  # asked during torch.autograd.grad, which never accumulates
             return False
 
-    def _begin(self, sync: bool, from_output: bool = True) -> bool:
+    def _begin(self, sync: bool, from_output: bool = True, queue: bool = True) -> bool:
         """Open the running backward, averaging when `sync` (the no_sync state of the forward
         whose output it reached, or the arming: see `_open`), as DDP decides; False when it
         is a create_graph backward under no_sync (nothing to do). Opened `from_output` (no
@@ -215,7 +217,8 @@ class BucketSync:
             self._round = self._new_round()
             if self._unused and from_output:
                 self._skip_unreached(self._round)
-        queue_callback(self._finish)
+        if queue:  # (the coordinator queues it after the seater's end: `pre_backward`)
+            queue_callback(self._finish)
         return True
 
     def _skip_unreached(self, round_: Round) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from flatgrad import comm
+from flatgrad._backward import ForwardPlan, watch
 from flatgrad._names import share_root
 from flatgrad._routing import route_layers, unroute
 from flatgrad._seating import Seater
@@ -55,6 +56,10 @@ class GradEngine:
         # groups whose buffer is its current bucket (`allreduce_hook` adopted it).
         self.ddp_state: comm.DDPState | None = None
         self.adopted: set[GroupKey] = set()
+        # A DataParallel's bucket sync and sync flag for the next forward (`expect_sync`),
+        # and the running forward's, taken by `before_forward`.
+        self._next_sync: tuple[Any, bool] | None = None
+        self._forward_sync: tuple[Any, bool] | None = None
         # Watch the model's registrations while the wrapper lives; when it is collected the
         # model is as it was before wrapping (plain dicts, torch's forwards).
         self.watch = LayoutWatch()
@@ -112,6 +117,7 @@ class GradEngine:
     @torch.compiler.disable
     def before_forward(self) -> comm.DDPState | None:
         self.current()
+        self._forward_sync, self._next_sync = self._next_sync, None  # this forward's (or None)
         if self.ddp_forwards is not None:
             self.ddp_forwards = comm.note_forward_without_hook(self.ddp_forwards)
         ddp_state = comm.bucket_view_ddp(self.ddp_state)
@@ -122,8 +128,6 @@ class GradEngine:
     @torch.compiler.disable
     def after_forward(self, output: Any, ddp_state: comm.DDPState | None) -> None:
         seater = self.seater
-        if seater is None:
-            return
         # Under a DDP that synchronises this backward into buckets that are not the flat
         # buffers (its own copies, or bucket views `allreduce_hook` has not adopted yet):
         # seat nothing, the gradients take stock's way into DDP's buckets. DDP's reducer
@@ -131,11 +135,19 @@ class GradEngine:
         # survive where stock keeps None (see `comm.bucket_view_ddp`).
         alone = not comm.under_ddp()
         if ddp_state is not None:
-            seater.seating = len(self.adopted) == len(seater.store.buffers)
+            seating = seater is not None and len(self.adopted) == len(seater.store.buffers)
         else:
-            seater.seating = alone or not comm.ddp_will_sync()
-        seater.alone = alone
-        seater.watch(output)
+            seating = alone or not comm.ddp_will_sync()
+        # A DataParallel's forward (`expect_sync`, just before) binds its bucket sync too.
+        bucket_sync, sync = self._forward_sync if self._forward_sync is not None else (None, False)
+        self._forward_sync = None
+        if seater is not None or bucket_sync is not None:
+            watch(output, ForwardPlan(seater, seating, alone, bucket_sync, sync))
+
+    def expect_sync(self, bucket_sync: Any, sync: bool) -> None:
+        """From a DataParallel's forward, before it runs this wrapper's: the backward through
+        this forward's output is `bucket_sync`'s too, averaging when `sync`."""
+        self._next_sync = (bucket_sync, sync)
 
     def build(self) -> None:
         """Lay out the buffers for the current trainable parameters; route new layers."""

@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from flatgrad._torch_compat import graph_task_id, queue_callback, tree_leaves
+from flatgrad._torch_compat import graph_task_id, tree_leaves
 from flatgrad.buffer import GradStore
 
 # Unrouted parameters below this many elements are seated (zero fill + AccumulateGrad's
@@ -54,8 +55,6 @@ class Seater:
         self._owner = weakref.ref(engine)  # the GradEngine that lays out again
         self._task: int | None = None  # the graph task of the last backward it opened
         self._retired = False
-        self.seating = True  # False: the next backward seats nothing (set by the forward)
-        self.alone = True  # False: a DDP's reducer places the next backward's gradients
         self._accumulators: list[Any] = []  # a parameter holds its AccumulateGrad node weakly
         self.hooks: list[Any] = []  # removed by `retire`, or with the wrapper (GradEngine)
         for param in self._placed:
@@ -75,23 +74,23 @@ class Seater:
         for handle in self.hooks:  # a graph still alive must not write into old buffers
             handle.remove()
 
-    def watch(self, output: Any) -> None:
-        """Hook the autograd nodes that produced `output` (see `output_nodes`)."""
-        for node in output_nodes(output):
-            node.register_prehook(self._on_backward)
-
-    def _on_backward(self, grad_outputs: Any) -> None:
+    def pre_backward(self, seating: bool, alone: bool) -> Callable[[], None] | None:
+        """When a backward first reaches the output of a forward on this layout (from the
+        coordinator, `flatgrad._backward`): seat the slots (unless `seating` is False: a DDP
+        syncs this backward into buckets of its own) and return what settles `.grad` at its
+        end (`alone`: no DDP reducer places its gradients); None for another output of the
+        same backward, a create_graph backward, or a retired layout."""
         if self._retired or torch.is_grad_enabled():  # create_graph: grads stay differentiable
-            return
+            return None
         if torch.compiler.is_compiling():
-            return  # compiled autograd traces this hook: see README
+            return None  # compiled autograd traces this hook: see README
         task = graph_task_id()
         if task == self._task:
-            return  # another output of the same backward
+            return None  # another output of the same backward
         self._task = task
         store = self.store
         store.check(self._routed + self._placed + self._mains)  # the seated: by `seat`
-        seated = [] if store.stale or not self.seating else store.seat(self.params)
+        seated = [] if store.stale or not seating else store.seat(self.params)
         engine = self._owner()
         if store.stale and engine is not None:
             # A parameter was converted or reshaped behind the wrapper (model.double() on the
@@ -103,9 +102,11 @@ class Seater:
             seater._task = task
             store = seater.store
             seated = store.seat(seater.params)
-        queue_callback(functools.partial(self._after_backward, store, seated))
+        return functools.partial(self._after_backward, store, seated, alone)
 
-    def _after_backward(self, store: GradStore, seated: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+    def _after_backward(
+        self, store: GradStore, seated: list[tuple[torch.Tensor, torch.Tensor, int]], alone: bool
+    ) -> None:
         GradStore.unseat(seated)
         if store.seated is seated:
             store.seated = []
@@ -118,7 +119,7 @@ class Seater:
         views = self.store.views
         bypassed = [p for p in self._routed if p.grad is not None and p.grad is not views[id(p)]]
         if bypassed and not self._retired:
-            if self.alone and not self.store.stale:
+            if alone and not self.store.stale:
                 self.store.take_in(bypassed)
             self.params += tuple(p for p in bypassed if p.numel() < SEAT_MAX_NUMEL)
             for param in bypassed:

@@ -164,7 +164,7 @@ class DataParallel(PlainNames):
         """
         self._before_forward()
         output = self.module(*args, **kwargs)
-        self._after_forward(output)
+        self._after_forward()
         return output
 
     @torch.compiler.disable
@@ -176,13 +176,16 @@ class DataParallel(PlainNames):
             engine.rebuild()
         if self._sync_buffers_next and self.broadcast_buffers and engine.has_buffers:
             self._broadcast_buffers()
+        # The backward through the output of the forward about to run is this one's too
+        # (bound into that forward's plan: see flatgrad._backward).
+        self.module._engine.expect_sync(engine, self._sync)
 
     @torch.compiler.disable
-    def _after_forward(self, output: Any) -> None:
+    def _after_forward(self) -> None:
         training = torch.is_grad_enabled()
         self._sync_buffers_next = training and self._sync
         if training:
-            self._engine.watch(output, self._sync)
+            self._engine.arm(self._sync)
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers to every rank, as DDP's forward does: the buffers found now (a
