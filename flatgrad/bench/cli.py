@@ -3,7 +3,7 @@
 python -m flatgrad.bench                                  # CPU: spawns 2 gloo ranks
 python -m flatgrad.bench --models gpt,mlp --steps 30 --out bench.json
 python -m flatgrad.bench --local-only --compile --op-repeats 0   # one-process steps + compile row
-python -m flatgrad.bench --mixed-steps 20 --mixed-model llama   # the mixed-precision row (bf16 LM, AdamW)
+python -m flatgrad.bench --mixed-steps 0                  # without the mixed-precision row (bf16 LM, AdamW)
 torchrun --nproc_per_node=8 -m flatgrad.bench             # GPUs: NCCL, one rank per GPU
 """
 

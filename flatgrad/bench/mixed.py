@@ -13,8 +13,9 @@ gradient clipping and an AdamW step:
 Each variant trains its own copy of one model on the same batches; steps are interleaved
 (who goes first rotates) and timed as in `flatgrad.bench.suite`. Memory is counted per
 rank after a step (before the next one zeroes the gradients): the distinct storages behind
-the parameters, the gradients (`.grad`, flatgrad's gradient buffers, DDP buckets apart from
-`.grad`), a ShardedOptimizer's float32 masters and the optimizer state, each storage once.
+the parameters, the gradients (`.grad`, views of DDP's buckets here; flatgrad's gradient
+buffers, which hold the main grads), a ShardedOptimizer's float32 masters and the
+optimizer state, each storage once.
 """
 
 from __future__ import annotations
