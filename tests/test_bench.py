@@ -3,6 +3,7 @@ torch.profiler, and tiny end-to-end runs whose JSON must hold every figure."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -17,12 +18,14 @@ import torch
 import torch.distributed as dist
 from conftest import ROUTE_ALL
 from dist_utils import rank_profile, run_ranks
+from test_mixed_precision import _live_storages
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import flatgrad
 from flatgrad.bench.counters import COPY_OPS, StepCounts, count_step, grad_bytes, weight_shapes
 from flatgrad.bench.local import COMPILE_VARIANTS
+from flatgrad.bench.mixed import MICRO_BATCHES, MIXED_VARIANTS, ROLES, build_mixed
 from flatgrad.bench.models import BenchModel, LlamaLike, ReorderedMLP
 from flatgrad.bench.runners import CONFIGS, build_runner
 
@@ -258,6 +261,55 @@ def test_every_configuration_runs_a_model_with_unused_parameters():
     run_ranks(_unused_parameters_worker)
 
 
+# Bytes per parameter one rank holds after a step, on 2 ranks with AdamW: parameters +
+# gradients + masters + the two moments.
+_MIXED_BYTES = {
+    "ddp_autocast": 4 + 4 + 0 + 8,  # float32 throughout
+    "ddp_bf16": 2 + 2 + 0 + 4,  # bfloat16 gradients and moments
+    "flatgrad_main_grads": 2 + 4 + (4 + 8) / 2,  # float32 main grads; masters and moments sharded
+}
+
+
+def _mixed_memory_worker(rank: int, world_size: int) -> None:
+    """Each variant of the mixed-precision row built alone, two steps: what it counts
+    (`held_bytes`) against the oracle, every tensor storage alive in the process less those
+    alive before it was built (`test_mixed_precision`'s count), which would also see a
+    tensor no role holds: equal here; 1% leaves room for small bookkeeping tensors. AdamW's
+    step counts (one float32 scalar per tensor) are in the state, so a variant holds a few
+    bytes over its nominal per-parameter figure (82k parameters: 1.00005x)."""
+    torch.manual_seed(0)
+    model = LlamaLike(vocab=512, dim=64, depth=1, heads=2)
+    numel = sum(p.numel() for p in model.parameters())
+    gen = torch.Generator().manual_seed(rank)
+    batches = [_tokens(gen, 512) for _ in range(MICRO_BATCHES)]
+    for name in MIXED_VARIANTS:
+        gc.collect()
+        before = _live_storages()
+        runner = build_mixed(name, model, torch.device("cpu"))
+        for _ in range(2):
+            runner.step(batches)
+        gc.collect()
+        live = sum(nbytes for key, nbytes in _live_storages().items() if key not in before)
+        held = runner.held_bytes()
+        assert set(held) == set(ROLES), name
+        counted = sum(held.values())
+        assert counted <= live <= 1.01 * counted, (name, counted, live)
+        assert _MIXED_BYTES[name] <= counted / numel <= 1.01 * _MIXED_BYTES[name], (name, held)
+        del runner
+
+
+@pytest.mark.distributed
+def test_mixed_precision_row_counts_every_byte_it_holds():
+    run_ranks(_mixed_memory_worker)
+
+
+def test_mixed_precision_row_refuses_an_unknown_variant():
+    with pytest.raises(
+        ValueError, match="variant must be one of ddp_autocast, ddp_bf16, flatgrad_main_grads, got 'fp16'"
+    ):
+        build_mixed("fp16", nn.Linear(2, 2), torch.device("cpu"))
+
+
 @pytest.mark.distributed
 def test_bench_end_to_end_tiny(tmp_path: Path):
     out = tmp_path / "bench.json"
@@ -277,6 +329,8 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
         "1",
         "--local-steps",
         "1",
+        "--mixed-steps",
+        "0",
         "--malloc",
         "pinned",
         "--out",
@@ -327,9 +381,51 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
     assert all(set(row) == _LOCAL_KEYS and row["stock_faults"] >= 0 for row in report["local"])
     assert report["environment"]["malloc"] == ("pinned" if platform.libc_ver()[0] == "glibc" else "glibc")
     assert report["compile"] is None  # only with --compile
+    assert report["mixed_precision"] is None  # --mixed-steps 0
     assert report["local_settings"]["models"] == ["llama", "small_layers_64", "linear_1024"]
     assert "one process: model" in result.stdout
     assert "USDT" not in result.stdout + result.stderr  # ops are counted without the profiler
+
+
+@pytest.mark.distributed
+def test_bench_mixed_precision_row_end_to_end(tmp_path: Path):
+    """The mixed-precision row on the bench's Llama (2 ranks, 2 timed steps), beside the
+    smallest model row the bench runs."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "flatgrad.bench", "--models", "small_layers", "--configs", "ddp_bucket_view"]
+    cmd += ["--steps", "1", "--warmup", "1", "--local-steps", "0", "--op-repeats", "0"]
+    cmd += ["--mixed-steps", "2", "--mixed-model", "llama", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mixed precision: llama" in result.stdout
+    assert "flatgrad:" not in result.stderr  # the wrap-time warning is about what the row does
+    row = json.loads(out.read_text())["mixed_precision"]
+    assert (row["model"], row["steps"], row["warmup"], row["micro_batches"]) == ("llama", 2, 1, 4)
+    assert row["optimizer"]["name"] == "AdamW" and row["num_parameters"] > 2_000_000
+    assert list(row["variants"]) == list(MIXED_VARIANTS)
+    for name, record in row["variants"].items():
+        assert set(record) == {
+            "median_ms",
+            "min_ms",
+            "max_ms",
+            "ratio_to_ddp_autocast",
+            "ratio_to_ddp_bf16",
+            "bytes_per_parameter",
+            "bytes",
+            "step_peak_extra_mb",
+            "final_loss",
+        }, name
+        assert 0 < record["min_ms"] <= record["median_ms"] <= record["max_ms"], name
+        assert record["ratio_to_ddp_autocast"] > 0 and record["ratio_to_ddp_bf16"] > 0, name
+        assert set(record["bytes"]) == set(ROLES) and sum(record["bytes"].values()) > 0, name
+        per_parameter = record["bytes_per_parameter"]
+        assert _MIXED_BYTES[name] <= per_parameter <= 1.01 * _MIXED_BYTES[name], (name, per_parameter)
+        assert 0 < record["final_loss"] < 1e3, name
+    variants = row["variants"]
+    assert variants["ddp_autocast"]["ratio_to_ddp_autocast"] == 1.0
+    mains = variants["flatgrad_main_grads"]["bytes_per_parameter"]
+    assert mains < variants["ddp_autocast"]["bytes_per_parameter"]
+    assert mains <= 1.1 * (2 + 4 + 12 / 2)
 
 
 def _mean_mlp() -> BenchModel:
@@ -401,6 +497,11 @@ def test_compile_row_reports_a_failing_variant_and_times_the_others(monkeypatch)
     assert unexplained["error"] == "explain: ValueError: cannot explain"
     assert unexplained["graphs"] is None and unexplained["ratio"] > 0
     assert "torch.compile(FlatGrad(model)): warm-up step: RuntimeError" in local.format_compile(row)
+
+
+def _tokens(gen: torch.Generator, vocab: int) -> tuple[torch.Tensor, ...]:
+    idx = torch.randint(0, vocab, (2, 17), generator=gen)
+    return idx[:, :-1], idx[:, 1:]
 
 
 def _tiny_tokens(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -484,7 +585,12 @@ def test_bench_rejects_unknown_model():
 
     with pytest.raises(SystemExit):
         parse_args(["--models", "resnet"])
-    for bad in (["--local-models", "gpt"], ["--compile-model", "llama,linear_1024"]):
+    for bad in (
+        ["--local-models", "gpt"],
+        ["--compile-model", "llama,linear_1024"],
+        ["--mixed-model", "llama,gpt"],
+        ["--mixed-variants", "ddp_fp16"],
+    ):
         with pytest.raises(SystemExit):
             parse_args(bad)
     args = parse_args(["--local-only", "--compile-model", "linear_1024", "--compile-backend", "aot_eager"])

@@ -3,6 +3,7 @@
 python -m flatgrad.bench                                  # CPU: spawns 2 gloo ranks
 python -m flatgrad.bench --models gpt,mlp --steps 30 --out bench.json
 python -m flatgrad.bench --local-only --compile --op-repeats 0   # one-process steps + compile row
+python -m flatgrad.bench --mixed-steps 0                  # without the mixed-precision row (bf16 LM, AdamW)
 torchrun --nproc_per_node=8 -m flatgrad.bench             # GPUs: NCCL, one rank per GPU
 """
 
@@ -27,13 +28,16 @@ from tqdm import tqdm
 
 from flatgrad.bench.local import COMPILE_BACKENDS, compile_row, format_local, local_rows
 from flatgrad.bench.memory import pin_malloc
+from flatgrad.bench.mixed import MIXED_VARIANTS, bench_mixed
 from flatgrad.bench.models import LOCAL_MODELS, MODELS, resolve_model
 from flatgrad.bench.ops import format_ops, op_ratios
-from flatgrad.bench.report import format_overlap, format_table, write_png
+from flatgrad.bench.report import format_mixed, format_overlap, format_table, write_png
 from flatgrad.bench.runners import CONFIGS
 from flatgrad.bench.suite import bench_model
 
 logger = logging.getLogger("flatgrad.bench")
+# The mixed-precision row takes any built-in model (the LMs are what it is for).
+MIXED_MODELS = {**MODELS, **LOCAL_MODELS}
 
 
 def _csv(choices: tuple[str, ...] | list[str], what: str) -> Any:
@@ -84,6 +88,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per configuration")
     parser.add_argument(
         "--warmup", type=int, default=3, help="untimed steps first (DDP rebuilds buckets in step 2)"
+    )
+    parser.add_argument(
+        "--mixed-steps",
+        type=int,
+        default=20,
+        help="timed steps of the mixed-precision row (on the ranks; 4 micro-batches, AdamW; 0: skip)",
+    )
+    parser.add_argument(
+        "--mixed-model",
+        type=_one_of(list(MIXED_MODELS), "--mixed-model"),
+        default="llama",
+        help="the model of the mixed-precision row (one name, or package.module:factory)",
+    )
+    parser.add_argument(
+        "--mixed-variants",
+        type=_csv(MIXED_VARIANTS, "--mixed-variants"),
+        default=list(MIXED_VARIANTS),
+        help="comma-separated variants of the mixed-precision row",
     )
     parser.add_argument(
         "--op-repeats", type=int, default=30, help="repeats of the single-op backward benchmarks (0: skip)"
@@ -238,12 +260,15 @@ def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
     threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
     torch.set_num_threads(threads)
     total = len(args.models) * (args.warmup + args.steps)
+    if args.mixed_steps > 0:
+        total += args.warmup + args.mixed_steps
     bar = tqdm(total=total, desc="flatgrad-bench", unit="step") if rank == 0 else None
     models = {}
     for name in args.models:
         if bar is not None:
             bar.set_postfix_str(name)
         models[name] = bench_model(name, args.configs, args.steps, args.warmup, device, bar)
+    mixed = _mixed_row(args, device, bar) if args.mixed_steps > 0 else None
     if bar is not None:
         bar.close()
     rss = torch.tensor([_peak_rss_mb()], dtype=torch.float64)
@@ -255,15 +280,27 @@ def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
         "settings": {"steps": args.steps, "warmup": args.warmup, "configs": args.configs},
         "peak_rss_mb_max_rank": float(rss),
         "models": models,
+        "mixed_precision": mixed,
         **single,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(format_table(report))
     print(format_overlap(report))
+    if mixed is not None:
+        print(format_mixed(mixed, world_size))
     _print_one_process(single)
     png = write_png(report, args.out.with_suffix(".png"))
     print(f"report: {args.out}" + (f", chart: {png}" if png else " (install matplotlib for a chart)"))
+
+
+def _mixed_row(args: argparse.Namespace, device: torch.device, bar: tqdm | None) -> dict[str, Any]:
+    """The mixed-precision row (`flatgrad.bench.mixed`) with the settings it ran with."""
+    if bar is not None:
+        bar.set_postfix_str(f"mixed precision: {args.mixed_model}")
+    spec = resolve_model(args.mixed_model, MIXED_MODELS)
+    measured = bench_mixed(spec, args.mixed_variants, args.mixed_steps, args.warmup, device, bar)
+    return {"model": args.mixed_model, "steps": args.mixed_steps, "warmup": args.warmup, **measured}
 
 
 def _spawned(rank: int, world_size: int, port: int, args: argparse.Namespace, single: dict[str, Any]) -> None:

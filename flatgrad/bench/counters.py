@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,3 +116,22 @@ def grad_bytes(params: Iterable[nn.Parameter], extra_buffers: Iterable[torch.Ten
             storage = grad.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values()) + sum(b.numel() * b.element_size() for b in extra_buffers)
+
+
+def storage_bytes(roles: Mapping[str, Iterable[torch.Tensor]]) -> dict[str, int]:
+    """Bytes of the distinct storages behind each role's tensors (whole storages: a view
+    counts what it keeps alive), each storage once, in the first role that holds it (so
+    that a gradient that views its bucket, or a shard that views its parameter buffer, is
+    not counted twice). A DTensor counts its local shard.
+    """
+    seen: set[int] = set()
+    held = {}
+    for role, tensors in roles.items():
+        held[role] = 0
+        for tensor in tensors:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            storage = local.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                held[role] += storage.nbytes()
+    return held

@@ -44,6 +44,37 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_mixed(row: dict[str, Any], world_size: int) -> str:
+    """The mixed-precision row (`flatgrad.bench.mixed`): step times, ratios, memory per parameter."""
+    per = row["num_parameters"]
+    lines = [
+        f"mixed precision: {row['model']} ({per:,} parameters), {world_size} ranks, "
+        f"{row['micro_batches']} micro-batches per step (no_sync on all but the last), "
+        f"{row['optimizer']['name']}, clipping at {row['max_norm']:g}",
+        f"{'variant':20s} {'median ms':>9s} {'min':>8s} {'max':>8s} {'vs autocast':>11s} {'vs bf16':>7s} "
+        f"{'B/param':>7s} {'params':>6s} {'grads':>6s} {'masters':>7s} {'state':>6s} {'+peak MB':>8s} "
+        f"{'loss':>8s}",
+    ]
+    for name, r in row["variants"].items():
+        b = {role: value / per for role, value in r["bytes"].items()}
+        autocast, bf16 = (r.get(f"ratio_to_{base}", float("nan")) for base in ("ddp_autocast", "ddp_bf16"))
+        lines.append(
+            f"{name:20s} {r['median_ms']:9.2f} {r['min_ms']:8.2f} {r['max_ms']:8.2f} "
+            f"{autocast:11.2f} {bf16:7.2f} "
+            f"{r['bytes_per_parameter']:7.2f} {b['params']:6.2f} {b['grads']:6.2f} {b['masters']:7.2f} "
+            f"{b['optimizer_state']:6.2f} {r['step_peak_extra_mb']:8.1f} {r['final_loss']:8.4f}"
+        )
+    lines.append(
+        "ddp_autocast: stock DDP, float32 parameters, bf16 autocast; ddp_bf16: stock DDP, bfloat16 "
+        "parameters and AdamW state; flatgrad_main_grads: bfloat16 parameters, float32 main grads "
+        "(DataParallel), float32 master shards and AdamW state (ShardedOptimizer). vs autocast / vs "
+        "bf16: median over steps of the step-time ratio to ddp_autocast / ddp_bf16 (same step, "
+        "interleaved); B/param: bytes per parameter one rank holds after a step (the most over ranks), "
+        "then by role: parameters, gradients (.grad, main grads), masters, optimizer state"
+    )
+    return "\n".join(lines)
+
+
 def _count(value: int | None) -> str:
     return "-" if value is None else str(value)
 

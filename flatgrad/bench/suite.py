@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,20 +23,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_step(
-    runner: Runner, batch: tuple[torch.Tensor, ...], device: torch.device
-) -> tuple[float, float, float]:
-    """(seconds, loss, MB the step added at its peak) of one training step."""
+def timed_step(step: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, float, float]:
+    """(seconds, loss, MB the step added at its peak) of one training step, `step()`, which
+    returns its loss."""
     dist.barrier()  # every rank starts the step together; the wait is not timed
     _sync(device)
     baseline = step_start(device)
     start = time.perf_counter()
-    loss = runner.forward(batch)
-    runner.backward(loss)
-    runner.update()
+    loss = step()
     _sync(device)
     seconds = time.perf_counter() - start
     return seconds, float(loss.detach()), step_peak(device, baseline)
+
+
+def _timed_step(
+    runner: Runner, batch: tuple[torch.Tensor, ...], device: torch.device
+) -> tuple[float, float, float]:
+    def step() -> torch.Tensor:
+        loss = runner.forward(batch)
+        runner.backward(loss)
+        runner.update()
+        return loss
+
+    return timed_step(step, device)
 
 
 def bench_model(
