@@ -18,7 +18,14 @@ from dist_utils import run_ranks
 from torch import nn
 
 import flatgrad
-from flatgrad.bench import device, device_checks, device_cuda, device_mixed, device_mixed_perf
+from flatgrad.bench import (
+    device,
+    device_checks,
+    device_cuda,
+    device_mixed,
+    device_mixed_comm,
+    device_mixed_perf,
+)
 from flatgrad.bench.device_base import DeviceRun, Outcome, peak_bytes, single_rank_group
 from flatgrad.bench.device_comm import paths_outcome, run_paths, stock_plain
 
@@ -204,8 +211,8 @@ def test_the_main_grad_checks_fail_on_a_bfloat16_product(monkeypatch):
 
 def test_the_sharded_check_fails_against_a_reference_that_does_not_clip(monkeypatch):
     """Every step clips (norms about 7, clipped to 2): a reference that does not cannot match."""
-    monkeypatch.setattr(device_mixed, "_clip", lambda masters: None)
-    outcome = device_mixed.check_sharded_main_grads(CPU)
+    monkeypatch.setattr(device_mixed_comm, "_clip", lambda masters: None)
+    outcome = device_mixed_comm.check_sharded_main_grads(CPU)
     assert outcome.passed is False and "gloo world size 1" in outcome.detail, outcome.detail
 
 
@@ -258,7 +265,7 @@ def test_device_command_on_cuda_passes_every_check(tmp_path: Path, quick: bool):
         device_mixed.check_main_grad_exactness,
         device_mixed.check_linear_no_temporary,
         device_mixed.check_out_dtype_gemm,
-        device_mixed.check_sharded_main_grads,
+        device_mixed_comm.check_sharded_main_grads,
     ],
     ids=lambda c: c.__name__,
 )

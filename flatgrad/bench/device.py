@@ -28,6 +28,7 @@ from flatgrad.bench import (
     device_comm,
     device_cuda,
     device_mixed,
+    device_mixed_comm,
     device_mixed_perf,
     device_perf,
 )
@@ -50,7 +51,7 @@ CHECKS: dict[str, Check] = {
     "collectives: NCCL world size 1": device_cuda.check_nccl_single_rank,
     "collectives: gloo 2 ranks": device_comm.check_gloo_two_ranks,
     "mixed precision: ShardedOptimizer world size 1 against float32 masters": (
-        device_mixed.check_sharded_main_grads
+        device_mixed_comm.check_sharded_main_grads
     ),
     "cuda branches covered": device_cuda.check_cuda_branches,
     "ratios: training steps": device_perf.check_step_ratios,

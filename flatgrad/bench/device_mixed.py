@@ -1,7 +1,7 @@
 """Main grads on the device (``grad_dtype="float32"``): their exactness against float64
-oracles, the routed Linear's weight-gradient GEMM profiled (no weight-sized temporary; on
-CUDA the ``addmm(..., out_dtype=torch.float32)`` kernel writing into the main grad), and
-`ShardedOptimizer` on one rank against a written-out float32-master reference.
+oracles, and the routed Linear's weight-gradient GEMM profiled (no weight-sized temporary;
+on CUDA the ``addmm(..., out_dtype=torch.float32)`` kernel writing into the main grad).
+`device_mixed_comm` steps them with `ShardedOptimizer`.
 
 The oracles follow tests/test_main_grad.py: the *stock oracle* sums stock's per-micro-batch
 bfloat16 gradients in float64 (main grads must be at least twice closer to it than stock's
@@ -13,14 +13,12 @@ to float32 round-off).
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -32,7 +30,6 @@ from flatgrad.bench.device_base import (
     device_events,
     grad_in_buffers,
     profiled,
-    single_rank_group,
     skipped,
 )
 from flatgrad.bench.device_checks import Profile
@@ -97,22 +94,16 @@ def token_batches(count: int, device: torch.device, seed: int = 1) -> list[torch
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator).to(device) for _ in range(count)]
 
 
-def stock_oracle(model: nn.Module, batches: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Stock's per-micro-batch bfloat16 gradients, summed in float64."""
-    sums = {name: torch.zeros_like(p, dtype=torch.float64) for name, p in model.named_parameters()}
-    for tokens in batches:
-        model.zero_grad()
-        model(tokens).backward()
-        for name, param in model.named_parameters():
-            sums[name] += param.grad.double()  # type: ignore[union-attr]
-    return sums
-
-
-def operand_oracle(model: MainGradLM, batches: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Float64 products of the bfloat16 operands each routed backward multiplies (captured
-    by hooks), plus the unrouted LayerNorm's per-micro-batch stock gradient."""
+def oracles(
+    model: MainGradLM, batches: Sequence[torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Both oracles from stock backwards of `model`, one per micro-batch: the stock oracle
+    (each micro-batch's bfloat16 `.grad`, summed in float64) and the operand oracle (float64
+    products of the bfloat16 operands each routed backward multiplies, captured by hooks,
+    plus the unrouted LayerNorm's per-micro-batch gradient, which its AccumulateGrad gets)."""
     names = {id(p): name for name, p in model.named_parameters()}
-    sums = {name: torch.zeros_like(p, dtype=torch.float64) for name, p in model.named_parameters()}
+    summed = {name: torch.zeros_like(p, dtype=torch.float64) for name, p in model.named_parameters()}
+    exact = {name: torch.zeros_like(p, dtype=torch.float64) for name, p in model.named_parameters()}
     seen: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
 
     def capture(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
@@ -123,58 +114,68 @@ def operand_oracle(model: MainGradLM, batches: Sequence[torch.Tensor]) -> dict[s
         model.zero_grad()
         seen.clear()
         model(tokens).backward()
+        for name, param in model.named_parameters():
+            summed[name] += param.grad.double()  # type: ignore[union-attr]
         for module, x, g in seen:
             if isinstance(module, nn.Embedding):
-                sums["emb.weight"].index_add_(0, x.reshape(-1), g.reshape(-1, DIM).double())
+                exact["emb.weight"].index_add_(0, x.reshape(-1), g.reshape(-1, DIM).double())
                 continue
             assert isinstance(module, nn.Linear)
             rows, inputs = g.reshape(-1, g.shape[-1]).double(), x.reshape(-1, x.shape[-1]).double()
-            sums[names[id(module.weight)]] += rows.t() @ inputs
+            exact[names[id(module.weight)]] += rows.t() @ inputs
             if module.bias is not None:
-                sums[names[id(module.bias)]] += rows.sum(0)
+                exact[names[id(module.bias)]] += rows.sum(0)
         for name in ("norm.weight", "norm.bias"):
-            sums[name] += model.get_parameter(name).grad.double()  # type: ignore[union-attr]
+            exact[name] += model.get_parameter(name).grad.double()  # type: ignore[union-attr]
     for handle in handles:
         handle.remove()
-    return sums
+    return summed, exact
+
+
+def _distances(
+    main: torch.Tensor, stock: torch.Tensor, summed: torch.Tensor, exact: torch.Tensor
+) -> tuple[float, float]:
+    """How many times closer `main` is to the stock oracle `summed` than `stock` (stock's
+    bfloat16 accumulation; inf where `main` equals it), and `main`'s largest difference from
+    the operand oracle `exact` over its largest element."""
+    ours = float((main.double() - summed).abs().max())
+    theirs = float((stock.double() - summed).abs().max())
+    error = float((main.double() - exact).abs().max()) / (float(exact.abs().max()) or 1.0)
+    return (theirs / ours if ours else float("inf")), error
 
 
 def check_main_grad_exactness(run: DeviceRun) -> Outcome:
     """16 micro-batches of a bfloat16 tied LM: every main grad is float32, inside
     `grad_buffers`, `.grad` None; at least 2x closer than stock's bfloat16 accumulation to
     the stock oracle, and within float32 round-off of the operand oracle."""
-    model = main_grad_model(run.device)
+    model, stock = main_grad_model(run.device), main_grad_model(run.device)
     flat = wrap_main_grads(model)
-    stock = main_grad_model(run.device)
     batches = token_batches(MICRO_BATCHES, run.device)
     for tokens in batches:
         flat(tokens).backward()
         stock(tokens).backward()  # stock: .grad accumulated in bfloat16
-    summed = stock_oracle(main_grad_model(run.device), batches)
-    exact = operand_oracle(main_grad_model(run.device), batches)
+    summed, exact = oracles(main_grad_model(run.device), batches)
     rtol = OPERAND_RTOL[run.device.type]
     problems, gains, worst = [], [], 0.0
     for (name, param), ref in zip(model.named_parameters(), stock.parameters()):
         main = flat.main_grad(param)
         if param.grad is not None or main.dtype != torch.float32 or not grad_in_buffers(flat, main):
             problems.append(f"{name}: .grad {param.grad is None and 'None' or 'set'}, main grad {main.dtype}")
-        ours = float((main.double() - summed[name]).abs().max())
-        theirs = float((ref.grad.double() - summed[name]).abs().max())  # type: ignore[union-attr]
-        gains.append(theirs / ours if ours else float("inf"))
-        if ours > 0.5 * theirs:
-            problems.append(f"{name}: {ours:.3g} from the stock oracle against stock's {theirs:.3g}")
-        error = float((main.double() - exact[name]).abs().max()) / (float(exact[name].abs().max()) or 1.0)
+        assert ref.grad is not None
+        gain, error = _distances(main, ref.grad, summed[name], exact[name])
+        gains.append(gain)
         worst = max(worst, error)
+        if gain < 2:
+            problems.append(f"{name}: only {gain:.2f}x closer to the stock oracle than stock's accumulation")
         if error > rtol:
             problems.append(f"{name}: {error:.3g} of the largest element from the operand oracle > {rtol:g}")
-    finite = [g for g in gains if g != float("inf")]
+    finite = [g for g in gains if g != float("inf")] or [float("inf")]
     detail = (
         f"bf16 tied LM, {MICRO_BATCHES} micro-batches, {len(gains)} parameters, float32 main grads "
         f"inside grad_buffers, .grad None: against the float64 sum of stock's per-micro-batch bf16 "
-        f"grads, {min(finite, default=float('inf')):.1f}x to {max(finite, default=float('inf')):.1f}x "
-        f"closer than stock's bf16 accumulation ({len(gains) - len(finite)} exact; required >= 2x); "
-        f"against the float64 products of the same bf16 operands, largest relative difference "
-        f"{worst:.2g} (tolerance {rtol:g})"
+        f"grads, {min(finite):.1f}x to {max(finite):.1f}x closer than stock's bf16 accumulation "
+        f"(required >= 2x; {gains.count(float('inf'))} equal to it); against the float64 products of "
+        f"the same bf16 operands, largest relative difference {worst:.2g} (tolerance {rtol:g})"
     )
     return Outcome(not problems, "; ".join(problems) or detail)
 
@@ -305,99 +306,3 @@ def check_out_dtype_gemm(run: DeviceRun) -> Outcome:
     )
     clean = not ours.weight_sized() and copies == 0 and ours.error <= rtol
     return Outcome(gemm == 1 and fallback == 0 and clean, detail)
-
-
-STEPS, MICRO, MAX_NORM, LR, WEIGHT_DECAY = 3, 4, 2.0, 1e-2, 0.1  # norms ~7: every step clips
-
-
-def _clip(masters: list[torch.Tensor]) -> None:
-    """torch's `clip_grad_norm_` with its total norm taken in float64, as flatgrad's is:
-    ``min(1, max_norm / (norm + 1e-6))``, rounded to float32, multiplies every gradient.
-    torch's own norm is float32 round-off away from it, which can move the coefficient by a
-    float32 ulp; AdamW magnifies that where a clipped gradient is near its eps (measured on
-    CPU, torch's clip as the reference: 1 seed of 4 left 1% of the elements unequal and one
-    4.6 bf16 ulps off; with this one, 10 seeds of 10 at least 99.99% equal, within 1 ulp)."""
-    grads = [m.grad for m in masters if m.grad is not None]
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
-    coef = torch.clamp(MAX_NORM / (total + 1e-6), max=1.0).float()
-    torch._foreach_mul_(grads, coef)
-
-
-def _reference_step(
-    flat: flatgrad.FlatGrad, masters: list[torch.Tensor], optimizer: torch.optim.Optimizer, batches: list
-) -> None:
-    """One step written out: each micro-batch's main grad alone, summed in float32, averaged
-    over the ranks, clipped (`_clip`), AdamW on float32 masters, cast back to bfloat16."""
-    sums = [torch.zeros_like(m) for m in masters]
-    for tokens in batches:
-        flat.zero_grad()
-        flat(tokens).backward()
-        for total, param in zip(sums, flat.module.parameters()):
-            total += flat.main_grad(param)
-    for master, total in zip(masters, sums):
-        total /= dist.get_world_size()
-        dist.all_reduce(total)
-        master.grad = total
-    _clip(masters)
-    optimizer.step()
-    with torch.no_grad():
-        for param, master in zip(flat.module.parameters(), masters):
-            param.copy_(master)
-
-
-def _train_sharded(model: nn.Module, batches: list[torch.Tensor]) -> list[float]:
-    """`STEPS` steps of DataParallel + ShardedOptimizer(AdamW) on `model`, micro-batches
-    under no_sync but the last; the norm before clipping at each step."""
-    dp = flatgrad.DataParallel(wrap_main_grads(model), bucket_mb=0.01)
-    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
-    norms = []
-    for step in range(STEPS):
-        micro = batches[step * MICRO : (step + 1) * MICRO]
-        with dp.no_sync():
-            for tokens in micro[:-1]:
-                dp(tokens).backward()
-        dp(micro[-1]).backward()
-        norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
-        opt.step()
-        opt.zero_grad()
-    return norms
-
-
-def _ulps_apart(params: list[nn.Parameter], reference: list[nn.Parameter]) -> tuple[float, float]:
-    """Over all elements: the share equal, and the largest difference in bf16 ulps of the
-    reference's value (of 1e-3 for an element near zero, which a step of lr = 1e-2 passes:
-    it has no meaningful ulp of its own)."""
-    ours = torch.cat([p.detach().float().flatten() for p in params])
-    ref = torch.cat([p.detach().float().flatten() for p in reference])
-    off = (ours - ref).abs()
-    ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3)
-    return float((off == 0).float().mean()), float((off / ulp).max())
-
-
-def check_sharded_main_grads(run: DeviceRun) -> Outcome:
-    """ShardedOptimizer over DataParallel with main grads, world size 1 (NCCL on CUDA, gloo
-    on CPU), against the written-out float32-master reference of tests/test_mixed_precision.py
-    (`_reference_step`): over all elements, >= 99% equal and every one within 2 bf16 ulps;
-    the parameters stay bfloat16 with `.grad` None."""
-    backend = "nccl" if run.cuda else "gloo"
-    model = main_grad_model(run.device)
-    reference = copy.deepcopy(model)
-    masters = [p.detach().float().requires_grad_() for p in reference.parameters()]
-    ref_opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WEIGHT_DECAY)
-    batches = token_batches(STEPS * MICRO, run.device, seed=10)
-    with single_rank_group(backend, run.device):
-        norms = _train_sharded(model, batches)
-        ref_flat = wrap_main_grads(reference)
-        for step in range(STEPS):
-            _reference_step(ref_flat, masters, ref_opt, batches[step * MICRO : (step + 1) * MICRO])
-    params = list(model.parameters())
-    equal, ulps = _ulps_apart(params, list(reference.parameters()))
-    kept = all(p.dtype == torch.bfloat16 and p.grad is None for p in params)
-    detail = (
-        f"{backend} world size 1, bf16 tied LM, {STEPS} AdamW steps of {MICRO} micro-batches, norms "
-        f"{', '.join(f'{n:.2f}' for n in norms)} clipped to {MAX_NORM:g}: against float32 masters "
-        f"stepped by torch from float32 sums and cast back, {equal:.2%} of elements equal (>= 99% "
-        f"required), at most {ulps:.2f} bf16 ulps apart (<= 2); parameters "
-        f"{'bf16 with .grad None' if kept else 'NOT all bf16 with .grad None'}"
-    )
-    return Outcome(equal >= 0.99 and ulps <= 2 and kept, detail)
