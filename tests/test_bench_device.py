@@ -1,7 +1,8 @@
 """`python -m flatgrad.bench.device`: the CPU --quick run end to end (its report must hold
 every figure, every check passed or skipped with a reason), a failing check reported as such
-with a non-zero exit, the measuring helpers on cases whose answer is known, and on CUDA (marked
-gpu, skipped here) the whole command and each CUDA-only branch of the library."""
+with a non-zero exit, the measuring helpers on cases whose answer is known, the main-grad
+checks failing on a main grad made the wrong way, and on CUDA (marked gpu, skipped here) the
+whole command and each CUDA-only branch of the library."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ from dist_utils import run_ranks
 from torch import nn
 
 import flatgrad
-from flatgrad.bench import device, device_checks, device_cuda
+from flatgrad.bench import (
+    device,
+    device_checks,
+    device_cuda,
+    device_mixed,
+    device_mixed_comm,
+    device_mixed_perf,
+)
 from flatgrad.bench.device_base import DeviceRun, Outcome, peak_bytes, single_rank_group
 from flatgrad.bench.device_comm import paths_outcome, run_paths, stock_plain
 
@@ -27,15 +35,20 @@ CPU = DeviceRun(torch.device("cpu"), quick=True)
 CPU_CHECKS = {
     "exactness: float64 (tied LM, checkpoint, unused branch)",
     "exactness: bf16 autocast (float32 parameters)",
+    "exactness: main grads (bf16 tied LM, float64 oracles)",
     "zero-copy backward: ops",
+    "main grads: no weight-sized temporary (routed bf16 Linear)",
     "sort-free backward: ops",
     "collectives: gloo 2 ranks",
+    "mixed precision: ShardedOptimizer world size 1 against float32 masters",
     "ratios: training steps",
     "ratios: GPT bf16",
     "ratios: embedding backward",
     "ratios: gathers",
     "memory: peak allocated",
+    "ratios and memory: mixed precision",
 }
+MIXED = device_mixed_perf.FLATGRAD
 
 
 def _run_cli(out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -62,13 +75,19 @@ def test_quick_cpu_run_writes_a_complete_report(tmp_path: Path):
         assert check["passed"] in (True, None), check
         assert isinstance(check["detail"], str) and check["detail"], check
     assert {c["name"] for c in report["checks"] if c["passed"] is True} == CPU_CHECKS
-    assert len(report["ratios"]) >= 15
+    assert len(report["ratios"]) >= 17
     for row in report["ratios"]:
         assert row["name"] and row["flatgrad_ms"] > 0 and row["stock_ms"] > 0 and row["ratio"] > 0, row
     assert any("20-element table" in row["name"] for row in report["ratios"])
-    assert len(report["memory"]) == 5
+    stock_sides = [f"{MIXED} / {device_mixed_perf.AUTOCAST}", f"{MIXED} / {device_mixed_perf.BF16}"]
+    mixed = [row["name"] for row in report["ratios"] if row["name"].startswith("mixed precision GPT")]
+    assert [name.split(": ", 1)[1] for name in mixed] == stock_sides
+    assert len(report["memory"]) == 7
     for row in report["memory"]:
         assert row["name"] and row["flatgrad_bytes"] > 0 and row["stock_bytes"] > 0, row
+    assert [row["name"].split(": ", 1)[1] for row in report["memory"][-2:]] == stock_sides
+    checks = {c["name"]: c for c in report["checks"]}
+    assert "fused_accumulate('cpu') is False" in checks["main grads: out_dtype GEMM on CUDA"]["detail"]
     markdown = (tmp_path / "report.md").read_text()
     for heading in ("## Checks", "## Ratios", "## Memory", "| check | result |", "| measurement |"):
         assert heading in markdown
@@ -172,8 +191,45 @@ def test_single_rank_paths_on_gloo_match_a_plain_stock_model():
     assert results["DDP + allreduce_hook"]["allreduces_per_step"] == [1, 1, 1]
 
 
+def _bf16_product(main: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """A main grad made the wrong way: the product rounded to bfloat16 in a weight-sized
+    temporary, then added."""
+    main.add_(a @ b)
+
+
+def test_the_main_grad_checks_fail_on_a_bfloat16_product(monkeypatch):
+    """The operand oracle sees the product's bfloat16 rounding (about 2^-9 of an element, far
+    above float32 round-off), and the profile sees its weight-sized temporary."""
+    assert device_mixed.check_linear_no_temporary(CPU).passed is True
+    monkeypatch.setattr(flatgrad.functional, "add_product", _bf16_product)
+    outcome = device_mixed.check_main_grad_exactness(CPU)
+    assert outcome.passed is False and "from the operand oracle" in outcome.detail
+    profile = device_mixed.profile_linear(CPU, main_grads=True)
+    assert 2 * device_mixed.IN * device_mixed.OUT in profile.weight_sized()  # (the bf16 product)
+    assert device_mixed.check_linear_no_temporary(CPU).passed is False
+
+
+def test_the_sharded_check_fails_against_a_reference_that_does_not_clip(monkeypatch):
+    """Every step clips (norms about 7, clipped to 2): a reference that does not cannot match."""
+    monkeypatch.setattr(device_mixed_comm, "_clip", lambda masters: None)
+    outcome = device_mixed_comm.check_sharded_main_grads(CPU)
+    assert outcome.passed is False and "gloo world size 1" in outcome.detail, outcome.detail
+
+
+def test_rotated_timers_take_turns_going_first():
+    calls: list[int] = []
+    timers = [lambda k=k: calls.append(k) or float(k) for k in range(3)]
+    times = device_mixed_perf.rotated(timers, repeats=2, warmup=1)
+    assert calls == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    assert times == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+
+
 def test_cuda_only_checks_are_skipped_with_a_reason_on_cpu():
-    for check in (device_cuda.check_nccl_single_rank, device_cuda.check_cuda_branches):
+    for check in (
+        device_cuda.check_nccl_single_rank,
+        device_cuda.check_cuda_branches,
+        device_mixed.check_out_dtype_gemm,
+    ):
         outcome = check(CPU)
         assert outcome.passed is None and outcome.detail
 
@@ -206,6 +262,10 @@ def test_device_command_on_cuda_passes_every_check(tmp_path: Path, quick: bool):
         device_checks.check_exact_bf16_autocast,
         device_checks.check_zero_copy_kernels,
         device_checks.check_sort_free_kernels,
+        device_mixed.check_main_grad_exactness,
+        device_mixed.check_linear_no_temporary,
+        device_mixed.check_out_dtype_gemm,
+        device_mixed_comm.check_sharded_main_grads,
     ],
     ids=lambda c: c.__name__,
 )

@@ -23,7 +23,15 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 
-from flatgrad.bench import device_checks, device_comm, device_cuda, device_perf
+from flatgrad.bench import (
+    device_checks,
+    device_comm,
+    device_cuda,
+    device_mixed,
+    device_mixed_comm,
+    device_mixed_perf,
+    device_perf,
+)
 from flatgrad.bench.cli import cpu_name, positive_int
 from flatgrad.bench.device_base import CheckRecord, DeviceRun, MemoryRecord, Outcome, RatioRecord, now
 
@@ -33,18 +41,25 @@ Check = Callable[[DeviceRun], Outcome]
 CHECKS: dict[str, Check] = {
     "exactness: float64 (tied LM, checkpoint, unused branch)": device_checks.check_exact_float64,
     "exactness: bf16 autocast (float32 parameters)": device_checks.check_exact_bf16_autocast,
+    "exactness: main grads (bf16 tied LM, float64 oracles)": device_mixed.check_main_grad_exactness,
     "zero-copy backward: ops": device_checks.check_zero_copy_ops,
     "zero-copy backward: CUDA memcpy": device_checks.check_zero_copy_kernels,
+    "main grads: no weight-sized temporary (routed bf16 Linear)": device_mixed.check_linear_no_temporary,
+    "main grads: out_dtype GEMM on CUDA": device_mixed.check_out_dtype_gemm,
     "sort-free backward: ops": device_checks.check_sort_free_ops,
     "sort-free backward: CUDA kernels": device_checks.check_sort_free_kernels,
     "collectives: NCCL world size 1": device_cuda.check_nccl_single_rank,
     "collectives: gloo 2 ranks": device_comm.check_gloo_two_ranks,
+    "mixed precision: ShardedOptimizer world size 1 against float32 masters": (
+        device_mixed_comm.check_sharded_main_grads
+    ),
     "cuda branches covered": device_cuda.check_cuda_branches,
     "ratios: training steps": device_perf.check_step_ratios,
     "ratios: GPT bf16": device_perf.check_gpt_ratio,
     "ratios: embedding backward": device_perf.check_embedding_ratios,
     "ratios: gathers": device_perf.check_gather_ratios,
     "memory: peak allocated": device_perf.check_memory,
+    "ratios and memory: mixed precision": device_mixed_perf.check_mixed_precision,
 }
 TRACEBACK_LINES = 12
 

@@ -32,7 +32,7 @@ from flatgrad.bench.device_base import (
     single_rank_group,
     sync,
 )
-from flatgrad.bench.device_comm import Trainer, flat_dp, flat_hook, stock_ddp, stock_plain
+from flatgrad.bench.device_comm import Builder, flat_dp, flat_hook, stock_ddp, stock_plain
 from flatgrad.bench.local import _median_ratio
 from flatgrad.bench.models import LOCAL_MODELS, BenchModel, LargeMLP, LlamaLike
 
@@ -286,7 +286,7 @@ def _memory_model(run: DeviceRun) -> tuple[nn.Module, tuple[torch.Tensor, torch.
     return model, (x.to(run.device), y.to(run.device))
 
 
-MEMORY_CONFIGS: dict[str, Callable[[nn.Module, torch.device], Trainer]] = {
+MEMORY_CONFIGS: dict[str, Builder] = {
     "stock": stock_plain,
     "stock DDP": lambda m, d: stock_ddp(m, d, find_unused=False),
     "stock DDP gradient_as_bucket_view": lambda m, d: stock_ddp(m, d, find_unused=False, bucket_view=True),
@@ -307,14 +307,15 @@ STEPS = 3  # DDP rebuilds its buckets in the second step's forward: the third is
 
 
 def _train(
-    config: str, model: nn.Module, batch: tuple[torch.Tensor, ...], device: torch.device
+    build: Builder, model: nn.Module, batch: tuple[torch.Tensor, ...], device: torch.device
 ) -> dict[str, int]:
-    """Build `config` (a deep copy of `model`) and run `STEPS` AdamW steps, zeroing with
-    zero_grad(set_to_none=True), torch's default. On CUDA returns the allocator's peaks
-    (bytes above what was allocated before building): over the whole run and in the last step."""
+    """Build a configuration of `model` (`build` deep-copies it) and run `STEPS` steps of
+    its optimizer, zeroing with zero_grad(set_to_none=True), torch's default. On CUDA
+    returns the allocator's peaks (bytes above what was allocated before building): over
+    the whole run and in the last step."""
     cuda = device.type == "cuda"
     base = torch.cuda.memory_allocated(device) if cuda else 0
-    trainer = MEMORY_CONFIGS[config](model, device)
+    trainer = build(model, device)
     peaks = {}
     for step in range(STEPS):
         if cuda and step == STEPS - 1:
@@ -337,26 +338,27 @@ def _train(
     return peaks
 
 
-def _peaks_of(
-    run: DeviceRun, config: str, model: nn.Module, batch: tuple[torch.Tensor, ...]
+def peaks_of(
+    run: DeviceRun, build: Builder, model: nn.Module, batch: tuple[torch.Tensor, ...]
 ) -> dict[str, int]:
-    """Peak bytes of `config`: over building it and all its steps ("run"), and during its
-    last step ("step"), counted from before it was built."""
+    """Peak bytes of the configuration `build` makes of `model`: over building it and all
+    its steps ("run"), and during its last step ("step"), counted from before it was built.
+    Needs a default process group (`_train` waits on a barrier after each step)."""
     gc.collect()
     if run.cuda:
         torch.cuda.empty_cache()
         sync(run.device)
         torch.cuda.reset_peak_memory_stats(run.device)
-        return _train(config, model, batch, run.device)
+        return _train(build, model, batch, run.device)
     with profiled(run.device, profile_memory=True) as prof:
-        _train(config, model, batch, run.device)
+        _train(build, model, batch, run.device)
     return {"run": peak_bytes(prof), "step": peak_bytes(prof, within=STEP_RANGE)}
 
 
 MEMORY_REPEATS = 2  # the peak is the largest seen; the detail shows repeats that differ
 
 
-def _mib(values: list[int]) -> str:
+def mib(values: list[int]) -> str:
     shown = dict.fromkeys(f"{v / 2**20:.1f}" for v in values)  # one figure when the repeats agree
     return "|".join(shown)
 
@@ -374,7 +376,7 @@ def check_memory(run: DeviceRun) -> Outcome:
     with single_rank_group("nccl" if run.cuda else "gloo", run.device):
         for _ in range(MEMORY_REPEATS):
             for config in MEMORY_CONFIGS:
-                for key, value in _peaks_of(run, config, model, batch).items():
+                for key, value in peaks_of(run, MEMORY_CONFIGS[config], model, batch).items():
                     peaks[config][key].append(value)
     memory = [
         MemoryRecord(
@@ -387,6 +389,6 @@ def check_memory(run: DeviceRun) -> Outcome:
         f"LargeMLP {width}x{depth} ({grads / 2**20:.1f} MiB of float32 gradients), AdamW, {STEPS} steps, "
         f"{MEMORY_REPEATS} repeats; peak MiB in the last step / over building and all steps "
         "(a|b: repeats differed): "
-        + ", ".join(f"{name} {_mib(p['step'])} / {_mib(p['run'])}" for name, p in peaks.items())
+        + ", ".join(f"{name} {mib(p['step'])} / {mib(p['run'])}" for name, p in peaks.items())
     )
     return Outcome(True, detail, memory=memory)
