@@ -12,9 +12,7 @@ to float32 round-off).
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,23 +62,9 @@ class MainGradLM(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1).float(), tokens.flatten())
 
 
-@contextlib.contextmanager
-def quiet_main_grad_warning() -> Iterator[None]:
-    """Without the wrap-time warning that a torch optimizer skips parameters with main grads:
-    these checks read them with `flat.main_grad` or step them with ShardedOptimizer."""
-    wrapper_logger = logging.getLogger("flatgrad.wrapper")
-    level = wrapper_logger.level
-    wrapper_logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        wrapper_logger.setLevel(level)
-
-
 def wrap_main_grads(model: nn.Module) -> flatgrad.FlatGrad:
     """`model` wrapped with `MAIN_GRADS`."""
-    with quiet_main_grad_warning():
-        return flatgrad.FlatGrad(model, config=MAIN_GRADS)
+    return flatgrad.FlatGrad(model, config=MAIN_GRADS)
 
 
 def main_grad_model(device: torch.device) -> MainGradLM:

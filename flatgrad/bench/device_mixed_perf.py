@@ -23,7 +23,6 @@ from torch import nn
 import flatgrad
 from flatgrad.bench.device_base import DeviceRun, MemoryRecord, Outcome, RatioRecord, single_rank_group, sync
 from flatgrad.bench.device_comm import LR, Builder, Trainer, stock_plain
-from flatgrad.bench.device_mixed import quiet_main_grad_warning
 from flatgrad.bench.device_perf import MEMORY_REPEATS, Timed, _gpt, mib, peaks_of, ratio_row
 
 FLATGRAD = "flatgrad bf16 + float32 main grads + ShardedOptimizer"
@@ -35,8 +34,7 @@ MICRO_BATCHES, MAX_NORM = 2, 1.0
 def flat_mixed(model: nn.Module, device: torch.device) -> Trainer:
     """`model` (bfloat16) with main grads under DataParallel and ShardedOptimizer(AdamW),
     flatgrad's defaults otherwise (as a script would wrap it)."""
-    with quiet_main_grad_warning():
-        flat = flatgrad.FlatGrad(copy.deepcopy(model), config={"grad_dtype": "float32"})
+    flat = flatgrad.FlatGrad(copy.deepcopy(model), config={"grad_dtype": "float32"})
     dp = flatgrad.DataParallel(flat)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=LR, weight_decay=0.1)  # as stock_plain
     return Trainer(FLATGRAD, dp, opt, list(flat.module.parameters()), opt.clip_grad_norm_, dp.no_sync)

@@ -23,9 +23,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import logging
 import statistics
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,19 +102,6 @@ class MixedRunner:
         return storage_bytes({"params": params, "grads": grads, "masters": masters, "optimizer_state": state})
 
 
-@contextlib.contextmanager
-def _wrap_warning_off() -> Iterator[None]:
-    """Silence FlatGrad's wrap-time warning that a torch optimizer would skip the parameters
-    with main grads: ShardedOptimizer steps them here, as the warning advises."""
-    wrapper_logger = logging.getLogger("flatgrad.wrapper")
-    level = wrapper_logger.level
-    wrapper_logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        wrapper_logger.setLevel(level)
-
-
 def build_mixed(
     name: str, model: nn.Module, device: torch.device, unused_parameters: bool = False
 ) -> MixedRunner:
@@ -124,8 +110,7 @@ def build_mixed(
         raise ValueError(f"variant must be one of {', '.join(MIXED_VARIANTS)}, got {name!r}")
     module = copy.deepcopy(model).to(device)
     if name == "flatgrad_main_grads":
-        with _wrap_warning_off():
-            flat = flatgrad.FlatGrad(module.to(torch.bfloat16), config={"grad_dtype": "float32"})
+        flat = flatgrad.FlatGrad(module.to(torch.bfloat16), config={"grad_dtype": "float32"})
         dp = flatgrad.DataParallel(flat)
         sharded = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
         clip = lambda: sharded.clip_grad_norm_(MAX_NORM)  # noqa: E731
