@@ -26,8 +26,10 @@ go in one small all-reduce of their own.
 
 Which backwards average, as under DDP, whose hooks sit on the parameters: a backward through
 the output of a forward averages when that forward synchronised (grad enabled, outside
-`no_sync()`); a pre hook on the nodes that made the output opens it (queues that callback)
-before any gradient is final. Any other backward that accumulates into a parameter averages
+`no_sync()`); FlatGrad's one pre hook on the nodes that made the output (the backward
+coordinator, `flatgrad._backward`, which this forward's sync flag is bound into) opens it
+before any gradient is final, after the seater, and runs that callback after the seater's.
+Any other backward that accumulates into a parameter averages
 when a synchronising forward came since the last averaged backward, whichever graph it goes
 through: a loss kept on the module during forward (an auxiliary loss), an output dp cannot
 look into (a plain object, a dict subclass); the first AccumulateGrad hook it reaches opens
