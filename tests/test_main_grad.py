@@ -23,35 +23,15 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from dist_utils import run_ranks
 from torch import nn
 
 import flatgrad
+from flatgrad.bench.device_mixed import BATCH, DIM, MICRO_BATCHES, SEQ, VOCAB
+from flatgrad.bench.device_mixed import MainGradLM as TiedLM
 from flatgrad.functional import fused_accumulate
 
-VOCAB, DIM, BATCH, SEQ, MICRO_BATCHES = 96, 64, 4, 16, 16
 MAIN = {"grad_dtype": "float32", "linear_min_numel": 0}
-
-
-class TiedLM(nn.Module):
-    """Tied embedding and LM head (routed), routed Linears (one with a bias), an unrouted
-    LayerNorm; initialised as LMs are (std 0.02), so the softmax is not saturated."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.up = nn.Linear(DIM, 2 * DIM)
-        self.down = nn.Linear(2 * DIM, DIM, bias=False)
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.emb.weight
-        nn.init.normal_(self.emb.weight, std=0.02)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.emb(tokens)
-        h = self.norm(h + self.down(F.gelu(self.up(h))))
-        return F.cross_entropy(self.head(h).flatten(0, 1).float(), tokens.flatten())
 
 
 def _model(dtype: torch.dtype = torch.bfloat16) -> TiedLM:

@@ -20,6 +20,7 @@ from test_main_grad import MAIN, _batches, _model
 from torch import nn
 
 import flatgrad
+from flatgrad.bench.device_mixed_comm import reference_step
 
 MICRO, STEPS, MAX_NORM = 4, 3, 0.5
 STEPS_SCALED = 8
@@ -29,30 +30,8 @@ OPTIMIZERS = {
 }
 
 
-def _reference_step(
-    flat: flatgrad.FlatGrad,
-    masters: list[torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    batches: list[torch.Tensor],
-) -> None:
-    """One step of the written-out reference on bfloat16 `flat` with float32 `masters`."""
-    model = flat.module
-    sums = [torch.zeros_like(m) for m in masters]
-    for tokens in batches:
-        flat.zero_grad()
-        flat(tokens).backward()
-        for total, param in zip(sums, model.parameters()):
-            total += flat.main_grad(param)
-    for total in sums:
-        total /= dist.get_world_size()  # (divided first, as DDP does)
-        dist.all_reduce(total)
-    for master, total in zip(masters, sums):
-        master.grad = total
+def _torch_clip(masters: list[torch.Tensor]) -> None:
     torch.nn.utils.clip_grad_norm_(masters, MAX_NORM)
-    optimizer.step()
-    with torch.no_grad():
-        for param, master in zip(model.parameters(), masters):
-            param.copy_(master)
 
 
 def _sharded_worker(rank: int, world_size: int, name: str, device: str = "cpu") -> None:
@@ -77,7 +56,7 @@ def _sharded_worker(rank: int, world_size: int, name: str, device: str = "cpu") 
         opt.clip_grad_norm_(MAX_NORM)
         opt.step()
         opt.zero_grad()
-        _reference_step(ref_flat, masters, ref_opt, micro)
+        reference_step(ref_flat, masters, ref_opt, micro, _torch_clip)
     for (label, param), ref, start in zip(model.named_parameters(), reference.parameters(), initial):
         assert param.dtype == torch.bfloat16 and param.grad is None, label
         assert not torch.equal(param, start), f"{label} never moved"

@@ -4,6 +4,8 @@ CPU) against the written-out float32-master reference of tests/test_mixed_precis
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,14 +31,17 @@ def _clip(masters: list[torch.Tensor]) -> None:
     torch._foreach_mul_(grads, coef)
 
 
-def _reference_step(
+def reference_step(
     flat: flatgrad.FlatGrad,
     masters: list[torch.Tensor],
     optimizer: torch.optim.Optimizer,
     batches: list[torch.Tensor],
+    clip: Callable[[list[torch.Tensor]], Any] | None = None,
 ) -> None:
     """One step written out: each micro-batch's main grad alone, summed in float32, averaged
-    over the ranks, clipped (`_clip`), AdamW on float32 masters, cast back to bfloat16."""
+    over the ranks in float32 (divided, then summed, as DDP does), clipped (`clip` of the
+    masters, whose `.grad` holds the averages; `_clip` when None), the torch optimizer on the float32 masters,
+    cast back into `flat`'s parameters."""
     sums = [torch.zeros_like(m) for m in masters]
     for tokens in batches:
         flat.zero_grad()
@@ -47,7 +52,7 @@ def _reference_step(
         total /= dist.get_world_size()
         dist.all_reduce(total)
         master.grad = total
-    _clip(masters)
+    (_clip if clip is None else clip)(masters)
     optimizer.step()
     with torch.no_grad():
         for param, master in zip(flat.module.parameters(), masters):
@@ -86,7 +91,7 @@ def _ulps_apart(params: list[nn.Parameter], reference: list[nn.Parameter]) -> tu
 def check_sharded_main_grads(run: DeviceRun) -> Outcome:
     """ShardedOptimizer over DataParallel with main grads, world size 1 (NCCL on CUDA, gloo
     on CPU), against the written-out float32-master reference of tests/test_mixed_precision.py
-    (`_reference_step`): over all elements, >= 99% equal and every one within 2 bf16 ulps;
+    (`reference_step`): over all elements, >= 99% equal and every one within 2 bf16 ulps;
     the parameters stay bfloat16 with `.grad` None."""
     backend = "nccl" if run.cuda else "gloo"
     model = main_grad_model(run.device)
@@ -98,7 +103,7 @@ def check_sharded_main_grads(run: DeviceRun) -> Outcome:
         norms = _train_sharded(model, batches)
         ref_flat = wrap_main_grads(reference)
         for step in range(STEPS):
-            _reference_step(ref_flat, masters, ref_opt, batches[step * MICRO : (step + 1) * MICRO])
+            reference_step(ref_flat, masters, ref_opt, batches[step * MICRO : (step + 1) * MICRO])
     params = list(model.parameters())
     equal, ulps = _ulps_apart(params, list(reference.parameters()))
     kept = all(p.dtype == torch.bfloat16 and p.grad is None for p in params)
