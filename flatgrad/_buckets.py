@@ -272,7 +272,7 @@ class Round:
                 for bucket, finite in zip(self.launched, self.finite)
                 if not bool(finite)
                 for p in bucket.params
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+                if not _finite(self.store, p)  # type: ignore[arg-type]
             ]
             where = f"rank {rank} (this rank) in {local[:8]}" + (
                 f", and rank(s) {bad}" if len(bad) > 1 else ""
@@ -281,6 +281,13 @@ class Round:
             f"DataParallel(check_finite=True): a non-finite gradient (NaN or inf) before averaging on "
             f"{where}; this step's gradients are not usable: skip it (zero_grad) or stop"
         )
+
+
+def _finite(store: GradStore, param: nn.Parameter) -> bool:
+    """Whether `param`'s gradient as the sync left it is finite: its main grad (`.grad` stays
+    None for those), else its `.grad` (None: nothing to blame)."""
+    grad = store.view(param) if store.is_main(param) else param.grad
+    return grad is None or bool(torch.isfinite(grad).all())
 
 
 def cut_buckets(store: GradStore, bucket_mb: float) -> list[Bucket]:

@@ -110,6 +110,25 @@ def _data_parallel_worker(rank: int, world_size: int) -> None:
             torch.testing.assert_close(flat.main_grad(param), ref_flat.main_grad(ref), rtol=1e-6, atol=1e-8)
 
 
+def _check_finite_worker(rank: int, world_size: int) -> None:
+    """check_finite with main grads: a NaN made on rank 1 only, in a main grad (whose
+    `.grad` stays None), makes both ranks raise, rank 1 naming the parameter."""
+    model = _model()
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=MAIN), check_finite=True)
+    tokens = _batches(seed=10 + rank)[0]
+    dp(tokens).backward()  # finite: averaged as usual
+    dp.module.zero_grad()
+    expected = r"on rank 1 \(this rank\) in \['norm.bias'\]" if rank == 1 else r"on rank\(s\) \[1\]"
+    poison = float("nan") if rank == 1 else 0.0
+    with pytest.raises(RuntimeError, match=r"check_finite=True\): a non-finite gradient .* " + expected):
+        (dp(tokens) + model.norm.bias.float().sum() * poison).backward()
+
+
+@pytest.mark.distributed
+def test_check_finite_names_a_non_finite_main_grad():
+    run_ranks(_check_finite_worker)
+
+
 @pytest.mark.distributed
 def test_data_parallel_averages_main_grads_in_float32():
     run_ranks(_data_parallel_worker, world_size=2)
