@@ -44,7 +44,8 @@ def _sharded_worker(rank: int, world_size: int, name: str, device: str = "cpu") 
     ref_opt = optimizer_class(masters, **options)
     ref_flat = flatgrad.FlatGrad(reference, config=MAIN)
     dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=MAIN), bucket_mb=0.01)
-    opt = flatgrad.ShardedOptimizer(dp, optimizer_class, **options)
+    # (3 ranks: with the parameter all-gathers left in flight until the next forward)
+    opt = flatgrad.ShardedOptimizer(dp, optimizer_class, overlap_param_gather=world_size == 3, **options)
     batches = [tokens.to(device) for tokens in _batches(seed=10 + rank)]
     initial = [p.detach().clone() for p in model.parameters()]
     for step in range(STEPS):
@@ -57,6 +58,7 @@ def _sharded_worker(rank: int, world_size: int, name: str, device: str = "cpu") 
         opt.step()
         opt.zero_grad()
         reference_step(ref_flat, masters, ref_opt, micro, _torch_clip)
+    opt.wait_param_gather()  # (read outside a forward)
     for (label, param), ref, start in zip(model.named_parameters(), reference.parameters(), initial):
         assert param.dtype == torch.bfloat16 and param.grad is None, label
         assert not torch.equal(param, start), f"{label} never moved"
