@@ -268,7 +268,7 @@ def _scaler_worker(rank: int, world_size: int) -> None:
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     scaler = flatgrad.GradScaler("cpu", init_scale=2.0**24, growth_interval=2)
     batches = _batches(seed=50 + rank)
-    skipped, expected = [], []
+    skipped, expected, norms = [], [], []
     for step in range(STEPS_SCALED):
         scale = scaler.get_scale()
         poison = float("inf") if (step == 4 and rank == 1) else 1.0
@@ -277,7 +277,10 @@ def _scaler_worker(rank: int, world_size: int) -> None:
         with dp.no_sync():
             scaler.scale(dp(micro[0])).backward()
         scaler.scale(dp(micro[1]) * poison).backward()
-        scaler.unscale_(opt)  # (where clipping would go: the clip itself is checked above)
+        scaler.unscale_(opt)
+        # The clip reads the unscaled shards (a limit no norm reaches: the clip's own
+        # round-off is checked above, and the parameters must stay bit-identical here).
+        norms.append(float(opt.clip_grad_norm_(1e9)))
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
@@ -297,6 +300,8 @@ def _scaler_worker(rank: int, world_size: int) -> None:
             for master, total in zip(masters, sums):
                 master.grad = total / scale / world_size
                 dist.all_reduce(master.grad)
+            expected_norm = torch.linalg.vector_norm(torch.stack([m.grad.norm() for m in masters]))
+            assert norms[-1] == pytest.approx(float(expected_norm), rel=1e-5), (step, norms[-1])
             ref_opt.step()
             with torch.no_grad():
                 for param, master in zip(reference.parameters(), masters):
