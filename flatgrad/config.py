@@ -39,8 +39,9 @@ class FlatGradConfig(BaseModel):
     bfloat16 and float16 parameters live in the float32 buffer of their device, as "main
     grads" (`FlatGrad.main_grad`): micro-batch sums, norms, clipping and all-reduces then
     run in float32, and those parameters' `.grad` stays None (see docs/mixed-precision.md).
-    Float32 and float64 parameters are unaffected. Refused by the DDP hook path,
-    `DataParallel` and `ShardedOptimizer` for now."""
+    Float32 and float64 parameters are unaffected. `DataParallel` averages them in float32,
+    `ShardedOptimizer` steps them through float32 master shards; the DDP hook path refuses
+    them (DDP keeps each gradient in its parameter's dtype)."""
 
     @field_validator("align_bytes")
     @classmethod
