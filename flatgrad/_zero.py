@@ -216,9 +216,9 @@ class ShardEngine:
                     torch._foreach_mul_(same, inv)
                 else:
                     non_finite_check_and_unscale(same, found, inv)
-        if found_inf is not None and found is not None:
+        if found is not None:  # (so is found_inf)
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
-            found_inf.copy_(found)
+            found_inf.copy_(found)  # type: ignore[union-attr]
 
     def skip_or_unscale(self, found_inf: Any, grad_scale: torch.Tensor | None) -> bool:
         """What a step under ``GradScaler.step`` does (the scaler's `found_inf` and

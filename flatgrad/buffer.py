@@ -298,20 +298,18 @@ class GradStore:
         return self.seated
 
     def check(self, params: Sequence[torch.Tensor]) -> None:
-        """Mark the store stale if one of `params` no longer fits its slot, or a slot view
-        no longer points at its slot (before every backward: by id, as `Tensor.__hash__` is
-        Python)."""
+        """Mark the store stale if one of `params` (the main grads' among them) no longer fits
+        its slot, or a slot view no longer points at its slot (before every backward: by id,
+        as `Tensor.__hash__` is Python)."""
         views, mains = self._views, self._main_ids
         for param in params:
             view = views[id(param)]
-            if view.shape != param.shape or view.dtype != param.dtype or view.device != param.device:
-                if id(param) in mains and view.shape == param.shape and view.device == param.device:
-                    continue  # a main grad: float32 for a bfloat16/float16 parameter
+            # A main grad's slot is float32 for a bfloat16/float16 parameter: its dtypes must
+            # differ (equal: the parameter was converted to float32 since), any other's match.
+            retyped = (view.dtype != param.dtype) != (id(param) in mains)
+            if retyped or view.shape != param.shape or view.device != param.device:
                 self.stale = True
                 return
-        if any(views[id(param)].dtype == param.dtype for param in self.mains):
-            self.stale = True  # a parameter with a main grad converted to float32 since
-            return
         if not self.intact():
             self.stale = True
 

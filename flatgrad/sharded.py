@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatgrad._checkpoint import GroupView, Piece, load_group, misfit, optimizer_state, refuse_misfits
-from flatgrad._scattered import is_scattered, unguarded, unmark_scattered
+from flatgrad._scattered import is_scattered, unguarded
 from flatgrad._zero import (
     ELEMENTWISE,
     ShardEngine,
@@ -333,9 +333,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s
         # (a clone each) before they are dropped or zeroed.
         with unguarded():
-            self.dp.module.zero_grad(set_to_none=set_to_none)
-        if not set_to_none:
-            unmark_scattered(self._engine.store)  # plain zeroed slots (set_to_none=True left None)
+            self.dp.module.zero_grad(set_to_none=set_to_none)  # (plain .grad again: it unmarks)
         self.dp._engine.grads_cleared()
         for pieces in self._pieces:
             for piece in pieces:
