@@ -254,6 +254,20 @@ class GradEngine:
         num_params = len(self.refresh().params)
         return f"{len(buffers)} buffer(s) for {num_params} parameters ({'; '.join(parts)})"
 
+    def summary_lines(self) -> list[str]:
+        """What the wrapper logs once at wrap time: `summary`, and a note on the main grads
+        when `grad_dtype` keeps some (a torch optimizer over their parameters raises at its
+        step: see MainGradGuard)."""
+        lines = [self.summary()]
+        mains = len(self.refresh().mains)
+        if mains:
+            lines.append(
+                f"{mains} bfloat16/float16 parameters keep float32 main grads (grad_dtype) "
+                "and their .grad stays None: step them with flatgrad.ShardedOptimizer (float32 "
+                "master shards), or from flat.main_grad(param) (see docs/mixed-precision.md)"
+            )
+        return lines
+
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters that get a slot: trainable, with a dense gradient. (parameters()

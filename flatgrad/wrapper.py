@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,12 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatgrad import _norms, comm
+from flatgrad import _grad_ops, comm
 from flatgrad._engine import GradEngine, trainable_parameters
 from flatgrad._names import add_prefix, strip_prefix
-from flatgrad._scattered import is_scattered, refuse_scattered, scattered_main_grad, unmark_scattered
 from flatgrad._transparent import TransparentWrapper
-from flatgrad.buffer import GradStore, scale_
 from flatgrad.config import FlatGradConfig, resolve_config
 from flatgrad.layout import GroupKey
 
@@ -67,15 +64,8 @@ class FlatGrad(TransparentWrapper):
         self._engine = GradEngine(self, self.flatgrad_config)
         self.register_state_dict_post_hook(strip_prefix)
         self.register_load_state_dict_pre_hook(add_prefix)
-        logger.info("flatgrad: %s", self._engine.summary())
-        mains = len(self._engine.refresh().mains)
-        if mains:  # (a torch optimizer over them raises at its step: see MainGradGuard)
-            logger.info(
-                "flatgrad: %d bfloat16/float16 parameters keep float32 main grads (grad_dtype) "
-                "and their .grad stays None: step them with flatgrad.ShardedOptimizer (float32 "
-                "master shards), or from flat.main_grad(param) (see docs/mixed-precision.md)",
-                mains,
-            )
+        for line in self._engine.summary_lines():
+            logger.info("flatgrad: %s", line)
 
     def __getstate__(self) -> dict[str, Any]:
         # The engine (store, views, seater, watch) is rebuilt by `__setstate__`.
@@ -129,9 +119,7 @@ class FlatGrad(TransparentWrapper):
             A new dict from ``(dtype, device)`` to that group's flat buffer (the live
             tensor, not a copy), laid out again first if the parameters changed.
         """
-        store = self._engine.refresh()
-        store.settle()
-        return dict(store.buffers)
+        return _grad_ops.settled_buffers(self._engine)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FlatGrad:
         # .to(), .double(), .half(), .cuda() ... convert parameters and their .grad out of
@@ -153,20 +141,7 @@ class FlatGrad(TransparentWrapper):
                 pointed back at it). Main grads (``grad_dtype="float32"``) are zeroed either
                 way, and their parameters' `.grad` stays None.
         """
-        store = self._engine.refresh()
-        unmark_scattered(store, to_none=set_to_none)  # (zeroed: right on every rank again)
-        if set_to_none:
-            for param in store.params + self._engine.others:
-                param.grad = None
-            store.zero_mains()  # a main grad is the gradient itself: zeroed either way
-            return
-        for param in store.params:  # (a ScatteredGrad, or a `.grad` outside its slot)
-            if param.grad is not None and param.grad is not store.view(param):
-                param.grad = None if store.is_main(param) else store.view(param)
-        for buffer in store.buffers.values():
-            buffer.zero_()
-        for param in self._engine.others:
-            _zero_stock(param)
+        _grad_ops.zero_grad(self._engine, set_to_none)
 
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
         """The gradient slot of `param`, shaped like it: with ``grad_dtype="float32"`` the
@@ -186,28 +161,7 @@ class FlatGrad(TransparentWrapper):
             ValueError: `param` is not a trainable parameter of the wrapped model with a slot
                 (frozen, a sparse embedding's, another model's, or a plain tensor).
         """
-        if not isinstance(param, torch.Tensor):
-            raise TypeError(f"param must be a parameter of the wrapped model, got {type(param).__name__}")
-        store = self._engine.refresh()
-        if param not in store:
-            raise ValueError(
-                f"param must be a trainable parameter of the wrapped model with a gradient slot, "
-                f"got a tensor of shape {tuple(param.shape)} that has none (frozen, sparse, "
-                "another model's, or not a parameter)"
-            )
-        store.take_in([param], zero_empty=True)  # the buffer as the truth, as `settle` makes it
-        if is_scattered(store):  # (a ShardedOptimizer's backward: averaged in its shards only)
-            return scattered_main_grad(store, param)
-        return store.view(param)
-
-    def _grads_and_norms(
-        self, norm_type: float
-    ) -> tuple[GradStore, list[torch.Tensor], list[torch.Tensor], torch.dtype]:
-        """(store, gradients outside it, per-piece float64 norms, the total's dtype)."""
-        store = self._engine.refresh()
-        store.settle()
-        others = [p.grad for p in self._engine.others if p.grad is not None]
-        return (store, others, *_norms.piece_norms(store, others, norm_type))
+        return _grad_ops.main_grad(self._engine, param)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes
@@ -228,10 +182,7 @@ class FlatGrad(TransparentWrapper):
             RuntimeError: The gradients are reduce-scattered by a `ShardedOptimizer` (after
                 its synchronised backward, until ``zero_grad()``); use its `clip_grad_norm_`.
         """
-        norm_type = _check_norm_type(norm_type)
-        refuse_scattered(self._engine.store, "flat.grad_norm()")
-        _, _, norms, dtype = self._grads_and_norms(norm_type)
-        return _norms.total_norm(norms, norm_type, dtype)
+        return _grad_ops.grad_norm(self._engine, norm_type)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -256,19 +207,7 @@ class FlatGrad(TransparentWrapper):
                 gradients are reduce-scattered by a `ShardedOptimizer` (after its synchronised
                 backward, until ``zero_grad()``): use its `clip_grad_norm_`.
         """
-        norm_type = _check_norm_type(norm_type)
-        refuse_scattered(self._engine.store, "flat.clip_grad_norm_()")
-        store, others, norms, dtype = self._grads_and_norms(norm_type)
-        total = _norms.total_norm(norms, norm_type, dtype)
-        if not norms:
-            return total
-        if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
-            raise RuntimeError(
-                f"the total norm of order {norm_type} of the gradients is non-finite, so it "
-                "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
-            )
-        scale_(store.runs + others, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
-        return total
+        return _grad_ops.clip_grad_norm_(self._engine, max_norm, norm_type, error_if_nonfinite)
 
     # --- synchronisation (the communication itself lives in flatgrad.comm) --------------
 
@@ -289,9 +228,7 @@ class FlatGrad(TransparentWrapper):
                 live outside the flat buffers, or `wire_dtype` is not one of the above.
             RuntimeError: No default process group is initialised (``dist.init_process_group``).
         """
-        store = self._engine.refresh()
-        self._engine.refuse_sparse("all_reduce_grads")
-        comm.all_reduce_grads(store, process_group, wire_dtype)
+        _grad_ops.all_reduce_grads(self._engine, process_group, wire_dtype)
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Constructor arguments for ``DDP(flat, **flat.ddp_kwargs())``: the zero-copy,
@@ -330,22 +267,3 @@ class FlatGrad(TransparentWrapper):
         """
         comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP's allreduce_hook (flat.comm_state())")
         return comm.FlatGradCommState(self, process_group, wire_dtype)
-
-
-def _zero_stock(param: nn.Parameter) -> None:
-    """What `nn.Module.zero_grad(set_to_none=False)` does to one parameter."""
-    grad = param.grad
-    if grad is None:
-        return
-    if grad.grad_fn is not None:
-        grad.detach_()
-    else:
-        grad.requires_grad_(False)
-    grad.zero_()
-
-
-def _check_norm_type(norm_type: float) -> float:
-    norm_type = float(norm_type)
-    if math.isnan(norm_type):
-        raise ValueError(f"norm_type must be a number or +-inf, got {norm_type}")
-    return norm_type
