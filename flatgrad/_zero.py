@@ -1,42 +1,34 @@
 """`ShardEngine`: this rank's part of ZeRO-1 over DataParallel's buckets (see
 `flatgrad.sharded`): the flat parameter buffers, each bucket's shard, the pieces the inner
-optimizer steps, the clip over shards and the parameter all-gather; and the helpers that
-turn a torch optimizer's parameter groups into groups over pieces."""
+optimizer steps, the clip over shards and the parameter all-gather; and the hooks that
+wait for the all-gathers (``overlap_param_gather``)."""
 
 from __future__ import annotations
 
 import functools
-import math
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatgrad import _norms
 from flatgrad._checkpoint import Layout, Piece
-from flatgrad._torch_compat import non_finite_check_and_unscale, register_load_pre_hook
+from flatgrad._scattered import is_scattered, unguarded
+from flatgrad._torch_compat import register_load_pre_hook
+from flatgrad._zero_grads import clip_shards, unscale_shards
 from flatgrad.buffer import GradStore
 from flatgrad.comm import all_gather_flat
 
-# Optimizers whose update of an element depends only on that element (and scalars): they
-# give the same result on a shard as on the whole tensor.
-ELEMENTWISE = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
-    torch.optim.ASGD,
-)
+
+class StoreSource(Protocol):
+    """What lays the model's gradient buffers out (a wrapper's engine): the current store,
+    cheaply when nothing changed (`steady`) or after a full check (`refresh`)."""
+
+    def steady(self) -> GradStore: ...
+
+    def refresh(self) -> GradStore: ...
 
 
 @dataclass(frozen=True)
@@ -99,6 +91,27 @@ class ShardEngine:
         """Whether every parameter still lies in its slot of the flat parameter buffers (a
         dtype or device conversion, or ``param.data = ...``, gives it other memory)."""
         return list(map(_data_ptr, self.store.params)) == self._addresses
+
+    def has_grads(self) -> bool:
+        """Whether a step has gradients to use: the shards were reduce-scattered into since
+        the last zeroing (main grads have no `.grad`), or a parameter has a `.grad`. Every
+        rank answers alike: a sync sets `.grad` alike on all."""
+        return is_scattered(self.store) or any(p.grad is not None for p in self.store.params)
+
+    def check_layout(self, stores: StoreSource) -> None:
+        """Raise RuntimeError where the model's parameters changed since construction;
+        `stores` is the model's gradient engine. A conversion between backward and step must
+        raise here: the parameters are views of the flat parameter buffer the all-gather
+        refills. Every parameter still at its slot (one data pointer each: a conversion or a
+        `.data` assignment moves it) and the engine's O(1) checks (a parameter registered,
+        frozen or unfrozen) stand for its full walk over every parameter."""
+        with unguarded():  # a change moves the reduce-scattered .grads (refused just below)
+            store = stores.steady() if self.params_in_place() else stores.refresh()
+        if store is not self.store:
+            raise RuntimeError(
+                "the model's parameters changed (added, replaced, frozen, converted) after the "
+                "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"
+            )
 
     @property
     def has_masters(self) -> bool:
@@ -176,55 +189,23 @@ class ShardEngine:
     def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """Scale the gradient shards to a global norm of at most `max_norm`; returns the
         global norm before (one scalar all-reduce)."""
-        grads = [s.grad for s in self.shards]
-        device = grads[0].device
-        # float64 partial norms, accumulated in chunks (see flatgrad._norms)
-        norms = torch.stack([_norms.vector_norm(g, norm_type).to(device) for g in grads])
-        if math.isinf(norm_type):
-            total = norms.max()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
-        else:
-            total = norms.pow(norm_type).sum()
-            dist.all_reduce(total, group=self.process_group)
-            total = total.pow(1.0 / norm_type)
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coef.to(grad.dtype))
-        dtype = functools.reduce(torch.promote_types, [_norms.norm_dtype(g.dtype) for g in grads])
-        return total.to(dtype)
+        return clip_shards([s.grad for s in self.shards], max_norm, norm_type, self.process_group)
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:
         """Multiply the gradient shards by `inv_scale` (a loss scaler's 1/scale); with
-        `found_inf`, set it to 1.0 where any rank's shard holds an inf or NaN (one scalar
-        all-reduce, so every rank skips the same steps). Every element's average lives in
-        exactly one rank's shard, so the check over all shards covers every gradient."""
-        grads: dict[torch.dtype, list[torch.Tensor]] = {}
-        for shard in self.shards:
-            grads.setdefault(shard.grad.dtype, []).append(shard.grad)
-        if torch.float16 in grads and not allow_fp16:
-            raise ValueError(
-                "Attempting to unscale FP16 gradients (float16 parameters without main grads): "
-                "wrap the model with grad_dtype='float32', whose float32 main grads a loss "
-                "scaler can unscale"
-            )
-        device = self.shards[0].grad.device
-        found = None if found_inf is None else found_inf.to(device)
-        inv = inv_scale.to(device)
-        with torch.no_grad():
-            for same in grads.values():
-                if found is None:
-                    torch._foreach_mul_(same, inv)
-                else:
-                    non_finite_check_and_unscale(same, found, inv)
-        if found is not None:  # (so is found_inf)
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
-            found_inf.copy_(found)  # type: ignore[union-attr]
+        `found_inf`, set it to 1.0 where any rank's shard holds an inf or NaN
+        (`flatgrad._zero_grads.unscale_shards`)."""
+        grads = [s.grad for s in self.shards]
+        unscale_shards(grads, inv_scale, found_inf, allow_fp16, self.process_group)
 
     def skip_or_unscale(self, found_inf: Any, grad_scale: torch.Tensor | None) -> bool:
         """What a step under ``GradScaler.step`` does (the scaler's `found_inf` and
-        `grad_scale`, as it hands them to an optimizer that handles scaling itself): skip
-        (True) after an inf or NaN on any rank; otherwise unscale the shards unless
-        ``scaler.unscale_`` did already (`grad_scale` None)."""
+        `grad_scale`, as it hands them to an optimizer that handles scaling itself; None
+        outside one): skip (True) after an inf or NaN on any rank, the same answer on every
+        rank; otherwise unscale the shards unless ``scaler.unscale_`` did already
+        (`grad_scale` None)."""
+        if found_inf is None:  # (not under scaler.step)
+            return False
         if not isinstance(found_inf, torch.Tensor):  # (no inf check ran: torch's own scaler)
             raise TypeError(
                 "torch.amp.GradScaler cannot unscale or check a ShardedOptimizer's gradients "
@@ -371,49 +352,3 @@ def _flatten_parameters(store: GradStore) -> dict[Any, torch.Tensor]:
             view.copy_(param)
             param.data = view
     return buffers
-
-
-# --- parameter groups -------------------------------------------------------------------------
-
-
-def as_groups(params: Any) -> list[dict[str, Any]]:
-    """A torch optimizer's first argument as a list of groups, each with a list of params."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError(
-            "params must be an iterable of parameters or of parameter groups (dicts), got a "
-            "single tensor; pass [tensor]"
-        )
-    params = list(params)
-    if not params:
-        raise ValueError("ShardedOptimizer got an empty parameter list")
-    if not isinstance(params[0], dict):
-        params = [{"params": params}]
-    groups = []
-    for group in params:
-        if not isinstance(group, dict) or "params" not in group:
-            raise TypeError(f"a parameter group must be a dict with 'params', got {type(group).__name__}")
-        members = group["params"]
-        members = [members] if isinstance(members, torch.Tensor) else list(members)
-        groups.append(dict(group, params=members))
-    return groups
-
-
-def options(group: dict[str, Any]) -> dict[str, Any]:
-    """A parameter group's options (everything but its parameters)."""
-    return {key: value for key, value in group.items() if key != "params"}
-
-
-def add_piece_group(
-    add: Callable[[dict[str, Any]], None], pieces: Callable[[], set[int]], group: dict[str, Any]
-) -> None:
-    """The inner optimizer's `add_param_group`: only this rank's pieces may go in (torch's
-    own checks the rest)."""
-    params = group.get("params", ()) if isinstance(group, dict) else ()
-    params = [params] if isinstance(params, torch.Tensor) else list(params)
-    if any(id(p) not in pieces() for p in params):
-        raise ValueError(
-            "ShardedOptimizer's inner optimizer holds this rank's pieces of the flat shards only "
-            "and cannot take model parameters (they are stepped through their shards already, "
-            "and would be stepped twice); give them to ShardedOptimizer.add_param_group"
-        )
-    add(group)

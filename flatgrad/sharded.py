@@ -23,26 +23,21 @@ any rank is exact.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from flatgrad._checkpoint import GroupView, Piece, load_group, misfit, optimizer_state, refuse_misfits
-from flatgrad._scattered import is_scattered, unguarded
-from flatgrad._zero import (
-    ELEMENTWISE,
-    ShardEngine,
-    add_piece_group,
+from flatgrad._scattered import unguarded
+from flatgrad._zero import ShardEngine, gather_hooks, remove_hooks
+from flatgrad._zero_groups import (
+    PieceGroups,
     as_groups,
-    gather_hooks,
-    options,
-    parameter_dtypes,
-    remove_hooks,
+    check_members,
+    check_optimizer_class,
+    checked_defaults,
 )
 from flatgrad.parallel import DataParallel
 
@@ -122,59 +117,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"dp must be a flatgrad.DataParallel, got {type(dp).__name__}")
         if not isinstance(overlap_param_gather, bool):
             raise TypeError(f"overlap_param_gather must be a bool, got {type(overlap_param_gather).__name__}")
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE)):
-            names = ", ".join(cls.__name__ for cls in ELEMENTWISE)
-            given = getattr(optimizer_class, "__name__", optimizer_class)
-            raise ValueError(
-                f"optimizer_class must be an element-wise torch optimizer ({names}) so that a "
-                f"shard updates as the whole tensor would, got {given}"
-            )
+        check_optimizer_class(optimizer_class)
         if dp._engine.reduce_scatter:
             raise ValueError(
                 "dp already has a ShardedOptimizer (its buckets are reduce-scattered for that "
                 "one's shards); build one ShardedOptimizer per DataParallel"
             )
-        if params is None:
-            params = [p for p in dp.parameters() if p.requires_grad]
-        groups = as_groups(params)
+        groups = as_groups([p for p in dp.parameters() if p.requires_grad] if params is None else params)
         self._names = {id(p): name for name, p in dp.named_parameters()}
-        for group in groups:
-            for param in group["params"]:
-                if id(param) not in self._names:
-                    raise ValueError(
-                        "ShardedOptimizer's params must be parameters of dp (its model's), got a "
-                        f"tensor of shape {tuple(param.shape)} that is not one"
-                    )
-        # The optimizer's arguments are checked before anything moves: a typo raises here
-        # (a duplicate parameter in the groups just below) and leaves dp and the model as
-        # they were.
-        store = dp.module._engine.refresh()
-        parameter_dtypes(store)  # (raises for dtypes that no one flat parameter buffer holds)
-        probe = next(iter(store.buffers.values()))
-        dummies = [nn.Parameter(probe.new_zeros(1)) for _ in groups]
-        checked = optimizer_class([dict(g, params=[d]) for g, d in zip(groups, dummies)], **defaults)
+        check_members(self._names, groups, "ShardedOptimizer's params must be parameters of dp (its model's)")
+        # Checked before anything moves: a typo raises here and leaves dp and the model as they were.
+        checked = checked_defaults(dp.module._engine.refresh(), optimizer_class, groups, defaults)
         self._ready = False  # the inner optimizer exists (add_param_group gives it a group too)
-        super().__init__(groups, checked.defaults)
+        super().__init__(groups, checked)
         self.dp = dp
         self.world_size = dp.world_size
         self.rank = dist.get_rank(dp.process_group)
         # slots on multiples of the world size: equal shards per bucket
         store = dp.module._engine.use_slot_multiple(self.world_size)
         self._engine = ShardEngine(store, dp._engine.use_reduce_scatter(store), dp.process_group)
-        # Per group: this rank's pieces of its parameters (1-D views of the flat parameter
-        # buffer) and the same pieces of the gradient buffer.
-        self._pieces = [self._engine.pieces(group["params"]) for group in self.param_groups]
-        self._stepped = [False] * len(self.param_groups)  # whether each group has state
-        self.optimizer = optimizer_class(
-            [self._inner_group(group, pieces) for group, pieces in zip(self.param_groups, self._pieces)]
-        )
-        # Model parameters given to the inner optimizer would be stepped twice (there and
-        # through their shard): refused at the call. (An instance attribute: the optimizer
-        # pickles and deep-copies by its state only.)
-        self.optimizer.add_param_group = functools.partial(  # type: ignore[method-assign]
-            add_piece_group, self.optimizer.add_param_group, self._piece_ids
-        )
-        self._held = self._group_signature()
+        self._groups = PieceGroups(self._engine, self._names, optimizer_class, self.param_groups)
+        self.optimizer = self._groups.inner  # steps this rank's pieces
         self._ready = True
         self.overlap_param_gather = overlap_param_gather
         if overlap_param_gather:
@@ -183,9 +146,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # Steps the model's main grads through its float32 masters (see flatgrad.buffer.MainGradGuard).
     steps_main_grads = True
-
-    def _piece_ids(self) -> set[int]:
-        return {id(piece.param) for pieces in self._pieces for piece in pieces}
+    # torch.amp.GradScaler hands this step its scale and inf flag (`grad_scale`, `found_inf`
+    # attributes) instead of unscaling `.grad`, which holds no averaged value here.
+    _step_supports_amp_scaling = True
 
     # --- the optimizer API ----------------------------------------------------------------
 
@@ -202,63 +165,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ValueError: A parameter is not one of `dp`'s, is in a group already, or appears
                 twice (torch's own checks).
         """
-        for param in as_groups([param_group])[0]["params"]:
-            if id(param) not in self._names:
-                raise ValueError(
-                    "ShardedOptimizer's param groups hold parameters of dp only, got a tensor "
-                    f"of shape {tuple(param.shape)} that is not one"
-                )
+        what = "ShardedOptimizer's param groups hold parameters of dp only"
+        check_members(self._names, as_groups([param_group]), what)
         super().add_param_group(param_group)
         if self._ready:  # (torch's __init__ adds the first groups before the layout is made)
-            group = self.param_groups[-1]
-            pieces = self._engine.pieces(group["params"])
-            self._pieces.append(pieces)
-            self._stepped.append(False)
-            torch.optim.Optimizer.add_param_group(self.optimizer, self._inner_group(group, pieces))
-            self._held = self._group_signature()
-
-    @staticmethod
-    def _inner_group(group: dict[str, Any], pieces: list[Piece]) -> dict[str, Any]:
-        inner = options(group)
-        inner["params"] = [piece.param for piece in pieces]
-        return inner
-
-    def _group_signature(self) -> list[tuple[int, int]]:
-        # The params lists themselves and their lengths: a list replaced or changed by hand
-        # (past add_param_group) shows here, at no cost per parameter.
-        groups = [*self.param_groups, *self.optimizer.param_groups]
-        return [(id(group["params"]), len(group["params"])) for group in groups]
-
-    def _check_layout(self) -> None:
-        # A conversion between backward and step must raise here: the parameters are views
-        # of the flat parameter buffer the all-gather refills. Every parameter still at its
-        # slot (one data pointer each: a conversion or a `.data` assignment moves it) and the
-        # engine's O(1) checks (a parameter registered, frozen or unfrozen) stand for the
-        # engine's full walk, a Python loop over every parameter's dtype, device and shape.
-        engine = self.dp.module._engine
-        with unguarded():  # a change moves the reduce-scattered .grads (refused just below)
-            store = engine.steady() if self._engine.params_in_place() else engine.refresh()
-        if store is not self._engine.store:
-            raise RuntimeError(
-                "the model's parameters changed (added, replaced, frozen, converted) after the "
-                "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"
-            )
-
-    def _check_groups(self) -> None:
-        # A parameter put into a group by hand (past add_param_group) has no pieces, and one
-        # put into the inner optimizer would be stepped there and through its shard.
-        if self._group_signature() != self._held:
-            raise RuntimeError(
-                "ShardedOptimizer's param_groups (and its inner optimizer's) were changed by "
-                "hand: add parameters with opt.add_param_group, which gives them their pieces "
-                "of this rank's shards; the inner optimizer holds those pieces only and cannot "
-                "take model parameters (each is already stepped through its shard)"
-            )
-
-    def _sync_hyperparameters(self) -> None:
-        # Live param_groups: what a scheduler or the loop wrote reaches the inner groups.
-        for group, inner in zip(self.param_groups, self.optimizer.param_groups):
-            inner.update(options(group))
+            self._groups.add(self.param_groups[-1], self.param_groups)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's shards, then all-gather every bucket's parameters.
@@ -285,38 +196,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_layout()
-        self._check_groups()
-        if self._skipped_by_scaler():
+        self._engine.check_layout(self.dp.module._engine)
+        self._groups.check(self.param_groups)
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        if self._engine.skip_or_unscale(found_inf, grad_scale) or not self._engine.has_grads():
             return loss
-        store = self._engine.store  # (main grads have no .grad: a reduce-scatter since zeroing counts)
-        if not is_scattered(store) and all(p.grad is None for p in store.params):
-            return loss  # every rank sees the same: a sync sets .grad alike on all
-        for pieces in self._pieces:
-            for piece in pieces:
-                piece.param.grad = piece.grad
-        self._sync_hyperparameters()
-        self._engine.take_masters()
-        self.optimizer.step()
-        self._stepped = [True] * len(self._stepped)
-        self._engine.write_back()
+        self._groups.step(self.param_groups)
         self._engine.launch_gather()
         if not self.overlap_param_gather:
             self._engine.wait_gather()
         return loss
-
-    # torch.amp.GradScaler hands this step its scale and inf flag (`grad_scale`, `found_inf`
-    # attributes) instead of unscaling `.grad`, which holds no averaged value here.
-    _step_supports_amp_scaling = True
-
-    def _skipped_by_scaler(self) -> bool:
-        """Under ``scaler.step(opt)``: whether the step is skipped (an inf or NaN on some
-        rank, the same answer on every rank); otherwise the shards are unscaled here unless
-        ``scaler.unscale_(opt)`` did it already."""
-        found_inf = getattr(self, "found_inf", None)
-        return found_inf is not None and self._engine.skip_or_unscale(
-            found_inf, getattr(self, "grad_scale", None)
-        )
 
     def wait_param_gather(self) -> None:
         """Wait for the parameter all-gathers `step()` left in flight
@@ -335,9 +224,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with unguarded():
             self.dp.module.zero_grad(set_to_none=set_to_none)  # (plain .grad again: it unmarks)
         self.dp._engine.grads_cleared()
-        for pieces in self._pieces:
-            for piece in pieces:
-                piece.param.grad = None
+        self._groups.drop_grads()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradient shards so that their global norm (the norm over every rank's
@@ -372,21 +259,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ``{"state": {name: {key: value}}, "param_groups": [{**options, "params":
             [names]}], "stepped": [whether each group has stepped]}``.
         """
-        return optimizer_state(
-            self.optimizer, self._views(), self._stepped, self._engine.layout, self.dp.process_group
-        )
-
-    def _views(self) -> list[GroupView]:
-        slots = self._engine.layout.slots
-        return [
-            GroupView(
-                [(self._names[id(p)], p) for p in group["params"] if id(p) in slots],
-                options(group),
-                pieces,
-                masters=self._engine.has_masters,
-            )
-            for group, pieces in zip(self.param_groups, self._pieces)
-        ]
+        return self._groups.state_dict(self.param_groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from `state_dict` (what `state_dict` gave, on any world size, through
@@ -404,15 +277,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 state, has other parameter groups, or lacks state this rank needs (a file of
                 another rank or world size loaded without torch.distributed.checkpoint).
         """
-        views = self._views()
-        problem = misfit(type(self.optimizer), views, self._engine.layout, state_dict)
-        refuse_misfits(problem, self._engine.shards[0].param.device, self.dp.process_group)
-        for group, view, saved, stepped in zip(
-            self.param_groups, views, state_dict["param_groups"], state_dict["stepped"]
-        ):
-            group.update(options(saved))
-            load_group(self.optimizer, view, self._engine.layout, state_dict["state"], bool(stepped))
-        self._stepped = [bool(flag) for flag in state_dict["stepped"]]
+        self._groups.load_state_dict(self.param_groups, state_dict)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank.
@@ -420,9 +285,4 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Returns:
             The summed size of the tensors in the inner optimizer's state.
         """
-        return sum(
-            t.numel() * t.element_size()
-            for state in self.optimizer.state.values()
-            for t in state.values()
-            if isinstance(t, torch.Tensor)
-        )
+        return self._groups.state_bytes()
