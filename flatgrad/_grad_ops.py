@@ -31,8 +31,11 @@ def settled_buffers(engine: GradEngine) -> dict[GroupKey, torch.Tensor]:
 
 def zero_grad(engine: GradEngine, set_to_none: bool) -> None:
     """`FlatGrad.zero_grad`: every `.grad` of the model None, or zeroed with one fill per
-    buffer; main grads zeroed either way."""
-    store = engine.refresh()
+    buffer; main grads zeroed either way. Setting None needs no walk over the model (it runs
+    every step): whatever `GradEngine.current` does not see (a held parameter frozen or
+    converted in place) still has its `.grad` set to None, and is found by the next norm,
+    sync or backward."""
+    store = engine.current() if set_to_none else engine.refresh()
     unmark_scattered(store, to_none=set_to_none)  # (zeroed: right on every rank again)
     if set_to_none:
         for param in store.params + engine.others:
