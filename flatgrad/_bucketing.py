@@ -6,7 +6,6 @@ callback that launches the rest, waits, and settles `.grad` as stock DDP does.""
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -17,12 +16,12 @@ from torch import nn
 
 from flatgrad._buckets import Bucket, LaunchPlan, Round, agree_order, cut_buckets, plan_launches
 from flatgrad._scattered import mark_scattered, refuse_adding_onto_scattered
+from flatgrad._sync_hooks import Deferrals, ReadyHooks
 from flatgrad._torch_compat import (
     current_autograd_node,
     graph_task_id,
     in_compiled_autograd,
     queue_callback,
-    will_execute,
 )
 from flatgrad.buffer import GradStore
 
@@ -48,21 +47,15 @@ class BucketSync:
         self._scattered = False  # the last synchronised backward reduce-scattered (see _begin)
         self._store: GradStore | None = None
         self._buckets: list[Bucket] = []
-        self._bucket_of: dict[int, Bucket] = {}
         self._plan = LaunchPlan((), frozenset())
-        # The parameters some synchronised backward left unused (no AccumulateGrad ran before
-        # its final callback), with their nodes and buckets: at the start of each later one,
-        # those the engine will not run are counted ready (`Round.skip`).
-        self._unused: dict[int, tuple[nn.Parameter, Any, Bucket]] = {}
+        self._hooks = ReadyHooks()  # the AccumulateGrad hooks, and the parameters once unused
         self._round: Round | None = None  # the running or last synchronised backward's
         self._task: int | None = None  # the graph task of the running backward, if one is open
         self._task_sync = True  # whether the running backward averages
         # DDP's expect_autograd_hooks_: a synchronising training forward came since the last
         # averaged backward, so the next backward averages whichever graph it goes through.
         self._armed = False
-        self._deferrals: list[Any] = []  # hooks that carry a nested backward's end outward
-        self._hooks: list[Any] = []  # per parameter of the store, in its order
-        self._nodes: list[Any] = []
+        self._deferrals = Deferrals()  # hooks that carry a nested backward's end outward
         self.rebuild()
 
     def _new_round(self) -> Round:
@@ -122,7 +115,7 @@ class BucketSync:
         launched buckets hold averages of partial gradients, as DDP's bucket views would;
         `zero_grad()` before the next backward, as after any failed step.)"""
         self._task = None
-        self._forget_deferrals()
+        self._deferrals.forget()
         if self._round is not None:
             self._round.wait_launched()
         self._round = self._new_round()
@@ -132,23 +125,15 @@ class BucketSync:
         synchronised backward teaches an order, and hook every parameter's AccumulateGrad
         node to count it ready (and open a backward that reached none of dp's outputs): all
         of them while the order is learned, then all but the last bucket's (`_learn`)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks, self._nodes = [], []
+        self._hooks.remove()
         store = self._grads.refresh()
         self._grads.refuse_sparse("DataParallel")  # (a sparse embedding added since)
         self._store = store
         self.has_buffers = any(True for _ in self._grads.model.buffers())
         self._buckets = cut_buckets(store, self.bucket_mb)
-        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._plan = plan_launches(self._buckets)
-        self._unused = {}
-        with torch.enable_grad():
-            for param in store.params:
-                node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-                bucket = self._bucket_of[id(param)]
-                self._hooks.append(node.register_hook(functools.partial(self._on_ready, param, bucket)))
-                self._nodes.append(node)  # a parameter holds its AccumulateGrad node only weakly
+        bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._hooks.hook(store.params, bucket_of, self._on_ready)
         self._round = self._new_round()
 
     # --- backward -----------------------------------------------------------------------
@@ -169,7 +154,7 @@ class BucketSync:
         if self._grads.store is not self._store:
             self.rebuild()  # the seater, just before, laid out again (a stale slot)
         if graph_task_id() != self._task:
-            if self._will_accumulate() and self._begin(sync, queue=False):
+            if self._hooks.will_accumulate() and self._begin(sync, queue=False):
                 return self._finish
         elif sync and not self._task_sync:
             self._upgrade()
@@ -184,14 +169,6 @@ class BucketSync:
         self._armed = False
         self._round = self._new_round()
         self._round.counts_all = False
-
-    def _will_accumulate(self) -> bool:
-        """Whether the running backward accumulates into a parameter: not so for
-        torch.autograd.grad, nor for backward(inputs=...) that names none of them."""
-        try:
-            return any(will_execute(node) for node in self._nodes)
-        except RuntimeError:  # asked during torch.autograd.grad, which never accumulates
-            return False
 
     def _begin(self, sync: bool, from_output: bool = True, queue: bool = True) -> bool:
         """Open the running backward, averaging when `sync` (the no_sync state of the forward
@@ -215,23 +192,11 @@ class BucketSync:
         self._task_sync = sync
         if sync:
             self._round = self._new_round()
-            if self._unused and from_output:
-                self._skip_unreached(self._round)
+            if self._hooks.unused and from_output:
+                self._hooks.skip_unreached(self._round)
         if queue:  # (the coordinator queues it after the seater's end: `pre_backward`)
             queue_callback(self._finish)
         return True
-
-    def _skip_unreached(self, round_: Round) -> None:
-        """Count ready the parameters once unused that this backward will not reach (the
-        engine will not run their AccumulateGrad), so their buckets need not wait for the
-        final callback. Only those once unused are asked: a parameter that only a nested
-        backward reaches (a reentrant checkpoint), which the engine cannot see from here,
-        was ready before the final callback of every backward that used it."""
-        unreached = [
-            (param, bucket) for param, node, bucket in self._unused.values() if not will_execute(node)
-        ]
-        if unreached:
-            round_.skip(unreached)
 
     def _open(self) -> bool:
         """From an AccumulateGrad hook, when no backward is open (this one reached none of
@@ -264,11 +229,11 @@ class BucketSync:
     def _finish(self) -> None:
         """Final callback of the running backward."""
         outer = current_autograd_node()
-        if outer is not None:
-            self._defer(outer)
+        if outer is not None:  # a nested backward: the end of the one around it is this step's
+            self._deferrals.defer(outer, self._resume)
             return
         self._task = None
-        self._forget_deferrals()
+        self._deferrals.forget()
         if self._task_sync:
             round_ = self.last_round
             round_.sync_all()
@@ -282,53 +247,18 @@ class BucketSync:
         after a (re)build sets the launch order (rank 0's, on every rank), and from then on
         the hooks of the last bucket to launch count nothing (the final callback launches
         it, its gradients the backward's last but for unused ones)."""
-        store = self._store
-        assert store is not None, "DataParallel is not built"
         last = self._buckets[self._plan.order[-1]] if self._plan.learned else None
-        counted = len(store.params) - (len(last.params) if last is not None else 0)
-        if round_.counts_all and len(round_.ready) < counted:
-            ready, unused = round_.ready, self._unused
-            for param, node in zip(store.params, self._nodes):
-                bucket = self._bucket_of[id(param)]
-                if id(param) not in ready and id(param) not in unused and bucket is not last:
-                    unused[id(param)] = (param, node, bucket)
+        self._hooks.note_unused(round_, last)
         if not self._plan.learned and self._buckets:
             device = self._buckets[0].buffer.device
             order = agree_order(round_.completed, len(self._buckets), device, self.process_group)
             self._plan = plan_launches(self._buckets, order)
-            self._stop_counting(self._buckets[order[-1]])
+            self._hooks.stop_counting(self._buckets[order[-1]], self._on_last_ready)
 
-    def _stop_counting(self, last: Bucket) -> None:
-        """Hook the parameters of `last` (the last bucket to launch) with `_on_last_ready`,
-        which counts nothing; a parameter once unused there is not asked about either.
-        (From a final callback, where removing a hook is safe.)"""
-        for i, param in enumerate(self._store.params):  # type: ignore[union-attr]
-            if self._bucket_of[id(param)] is last:
-                self._hooks[i].remove()
-                self._hooks[i] = self._nodes[i].register_hook(self._on_last_ready)
-                self._unused.pop(id(param), None)
-
-    def _defer(self, outer: Any) -> None:
-        """This backward ran inside a node of another one, `outer` (a reentrant activation
-        checkpoint recomputing its part of the graph), which may have gradients still to
-        come: that one's end is this step's. A post hook on `outer` (it runs in the outer
-        backward once the node returns) queues the final callback there."""
-
-        pending = [True]  # once: the node may run again (retain_graph) before it is removed
-
-        def finish_outside(grad_inputs: Any, grad_outputs: Any) -> None:
-            if pending:
-                pending.clear()
-                self._task = graph_task_id()
-                queue_callback(self._finish)
-
-        self._deferrals.append(outer.register_hook(finish_outside))
-
-    def _forget_deferrals(self) -> None:
-        # Outside any hook dispatch (a final callback, a forward), where removing is safe.
-        for handle in self._deferrals:
-            handle.remove()
-        self._deferrals = []
+    def _resume(self) -> None:
+        # The node a nested backward ran in returned, inside the outer backward: finish there.
+        self._task = graph_task_id()
+        queue_callback(self._finish)
 
 
 def _refuse_compiled_autograd() -> None:

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatgrad.buffer import GradStore, host_tensor
+from flatgrad._buffer_ops import host_tensor
+from flatgrad.buffer import GradStore
 from flatgrad.comm import launch_average, reduce_scatters, settle_unused
 from flatgrad.layout import GroupKey
 

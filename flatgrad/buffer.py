@@ -1,26 +1,25 @@
-"""The flat gradient buffers and the table that maps each parameter to its slot."""
+"""`GradStore`: the flat gradient buffers, each parameter's slot in them (kept in a
+`flatgrad._slot_table.SlotTable`), and the slots' `.grad` around a backward."""
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from flatgrad._buffer_ops import aligned_zeros, scale_, write_flags
+from flatgrad._main_grads import MAIN_GRAD_GUARD, MainGrads
+from flatgrad._slot_registry import REGISTRY
+from flatgrad._slot_table import SlotEntry, SlotTable
 from flatgrad.layout import GroupKey, SlotSpec, plan_layout
 
-
-@dataclass(frozen=True)
-class _Entry:
-    key: GroupKey
-    slot: SlotSpec
-    view: torch.Tensor  # the slot, shaped and strided like the parameter; becomes its .grad
-
+# `REGISTRY` and `scale_` are imported from here too.
+__all__ = ["REGISTRY", "GradStore", "scale_"]
 
 _Flagged = tuple[torch.Tensor, torch.Tensor, tuple[torch.nn.Parameter, ...]]
+# The last parameter tuple `seat` was given, its (parameter, slot) pairs and `spans`.
+_SeatCache = tuple[Sequence[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]
 
 
 class GradStore:
@@ -41,15 +40,11 @@ class GradStore:
         self.params = tuple(params)
         REGISTRY.check_free(self.params)
         self.stale = False  # set when a parameter no longer fits its slot
-        # The last parameter tuple `seat` was given, its (parameter, slot) pairs and `spans`;
-        # dropped when the slots move.
-        self._seat_cache: (
-            tuple[Sequence[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]] | None
-        ) = None
+        self._seat_cache: _SeatCache | None = None  # dropped when the slots move
         self.buffers: dict[GroupKey, torch.Tensor] = {}
-        self._entries: dict[torch.Tensor, _Entry] = {}
-        self._views: dict[int, torch.Tensor] = {}  # by id: the backward's lookup, no Tensor hash
-        self._addresses: dict[int, int] = {}  # by id: where each view points (see `intact`)
+        self._table = SlotTable(self.buffers)
+        self._entries: dict[torch.Tensor, SlotEntry] = self._table.entries
+        self._views: dict[int, torch.Tensor] = self._table.views  # by id: no Tensor hash
         # Per group: the buffer followed, in the same memory, by one used-flag element per
         # parameter; those flags; and those parameters (see `flagged`).
         self._flagged: dict[GroupKey, _Flagged] = {}
@@ -59,73 +54,27 @@ class GradStore:
         self.seated: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         for key, group in plan_layout(self.params, align_bytes, multiple, grad_dtype).items():
             members = tuple(self.params[index] for index in group.param_indices)
-            raw = _aligned_zeros(group.numel + len(members), key, align_bytes)
+            raw = aligned_zeros(group.numel + len(members), key, align_bytes)
             self.buffers[key] = raw.narrow(0, 0, group.numel)
             self._flagged[key] = (raw, raw.narrow(0, group.numel, len(members)), members)
             for index, slot in zip(group.param_indices, group.slots):
-                self._set_slot(self.params[index], key, slot)
-        self._cut_runs()
+                self._table.set(self.params[index], key, slot)
+        self.runs = self._table.runs()
         # Parameters whose slot is a main grad (float32 for a bfloat16/float16 parameter):
         # their `.grad` stays None, the slot alone holds the gradient (see `main_grad`).
-        self.mains = tuple(p for p in self.params if self._entries[p].view.dtype != p.dtype)
-        self._main_ids = frozenset(map(id, self.mains))
-        self._main_spans = self.spans(self.mains)
+        mains = [p for p in self.params if self._entries[p].view.dtype != p.dtype]
+        self._main_grads = MainGrads(mains, self._views, self.spans(mains))
+        self.mains, self._main_ids = self._main_grads.params, self._main_grads.ids
         REGISTRY.claim(self)
         if self.mains:
             MAIN_GRAD_GUARD.watch(self)
-
-    def _set_slot(self, param: torch.Tensor, key: GroupKey, slot: SlotSpec) -> None:
-        buffer = self.buffers[key]
-        # `set_` rather than a view op: the slot shares the buffer's memory but has a
-        # version counter of its own, so `_version` tells whether this slot was written
-        # (AccumulateGrad's in-place add, a Function's out=/addmm_) since it was seated.
-        view = torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
-            buffer.untyped_storage(), buffer.storage_offset() + slot.offset, slot.shape, slot.stride
-        )
-        self._entries[param] = _Entry(key, slot, view)
-        self._views[id(param)] = view
-        self._addresses[id(param)] = view.data_ptr()
-
-    def _cut_runs(self) -> None:
-        """1-D views covering exactly the gradient elements of every slot (never the alignment
-        padding), adjacent slots merged: what a scale (clipping) may touch. Padding stays zero
-        by construction, so whole-buffer norms and syncs may read it."""
-        spans: dict[GroupKey, list[list[int]]] = {}
-        for entry in sorted(self._entries.values(), key=lambda e: (str(e.key), e.slot.offset)):
-            runs = spans.setdefault(entry.key, [])
-            if runs and runs[-1][1] == entry.slot.offset:
-                runs[-1][1] += entry.slot.numel
-            else:
-                runs.append([entry.slot.offset, entry.slot.offset + entry.slot.numel])
-        self.runs = [
-            self.buffers[key].narrow(0, start, end - start)
-            for key, runs in spans.items()
-            for start, end in runs
-            if end > start
-        ]
 
     def spans(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """1-D views of the buffers that cover the slots of `params` and no other slot, as
         few as the layout allows: slots adjacent in a buffer (alignment padding between
         them included, which is zero anyway) share one view. Zeroing these is one fill
         per view instead of one per parameter."""
-        wanted = {id(param) for param in params}
-        spans: list[tuple[GroupKey, int, int]] = []
-        entries = sorted(self._entries.items(), key=lambda item: (str(item[1].key), item[1].slot.offset))
-        open_span = False  # whether the previous slot of the same buffer extended spans[-1]
-        for index, (param, entry) in enumerate(entries):
-            same_buffer = index > 0 and entries[index - 1][1].key == entry.key
-            if id(param) not in wanted:
-                open_span = False
-                continue
-            end = entry.slot.offset + entry.slot.numel
-            if open_span and same_buffer:
-                key, start, _ = spans[-1]
-                spans[-1] = (key, start, end)
-            else:
-                spans.append((entry.key, entry.slot.offset, end))
-            open_span = True
-        return [self.buffers[key].narrow(0, start, end - start) for key, start, end in spans if end > start]
+        return self._table.spans(params)
 
     def release(self) -> None:
         """Stop owning the parameters (before a rebuild replaces this store)."""
@@ -150,16 +99,7 @@ class GradStore:
 
     def zero_mains(self) -> None:
         """Zero every main grad (a few fills: adjacent slots share one)."""
-        if self._main_spans:
-            torch._foreach_zero_(self._main_spans)
-
-    def absorb(self, param: torch.Tensor) -> None:
-        """Add a main-grad parameter's low-precision `.grad` into its main grad and set
-        `.grad` back to None (a gradient that arrived through AccumulateGrad)."""
-        grad = param.grad
-        if grad is not None:
-            self._views[id(param)].add_(grad.to_dense() if grad.is_sparse else grad.detach())
-            param.grad = None
+        self._main_grads.zero()
 
     def slot(self, param: torch.Tensor) -> tuple[GroupKey, SlotSpec]:
         """`param`'s group key and slot (offset and size in elements within that buffer)."""
@@ -196,11 +136,9 @@ class GradStore:
         that ran as plain torch, under torch.compile or torch.func; a `.grad` assigned by
         hand, or produced with create_graph=True) into the slot, so a sync of the slots sees
         it; with `zero_empty`, also zero the slots of those whose `.grad` is None."""
-        views, mains = self._views, self._main_ids
-        if mains:  # a main grad is the gradient even where `.grad` is None: never zeroed
-            for param in [p for p in params if id(p) in mains]:
-                self.absorb(param)
-            params = [p for p in params if id(p) not in mains]
+        views = self._views
+        if self._main_ids:  # a main grad is the gradient even where `.grad` is None: never zeroed
+            params = self._main_grads.take_in(params)
         for param in params:
             grad = param.grad
             if grad is None:
@@ -224,10 +162,10 @@ class GradStore:
         base = int(buffer.storage_offset())
         for param, grad in zip(params, grads):
             slot = SlotSpec(int(grad.storage_offset()) - base, grad.numel(), tuple(grad.shape), grad.stride())
-            self._set_slot(param, key, slot)
+            self._table.set(param, key, slot)
             if param.grad is not None:
                 param.grad = self._entries[param].view  # same memory, now our view object
-        self._cut_runs()
+        self.runs = self._table.runs()
         self._seat_cache = None
         return True
 
@@ -250,11 +188,7 @@ class GradStore:
             entries = self._entries
             GradStore.unseat([s for s in self.seated if entries[s[0]].key == key])
         mains = self._main_ids  # a main grad always counts as used (its `.grad` stays None)
-        used = [float(param.grad is not None or id(param) in mains) for param in members]
-        if all(used):
-            flags.fill_(1)  # the usual step: no host data to send
-        else:
-            flags.copy_(host_tensor(used, flags.dtype, flags.device), non_blocking=True)
+        write_flags(flags, [float(param.grad is not None or id(param) in mains) for param in members])
         return found
 
     def seat(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -319,8 +253,7 @@ class GradStore:
         itself, which is the `.grad`, at other memory; the identity tests of the hot path
         would then trust a tensor the buffers no longer hold, so the wrapper lays the
         buffers out again (and moves that `.grad`'s values in) when this is False."""
-        # Both dicts gain their keys together in `_set_slot`, so they iterate in one order.
-        return list(map(_data_ptr, self._views.values())) == list(self._addresses.values())
+        return self._table.intact()
 
     @staticmethod
     def unseat(seated: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
@@ -335,143 +268,3 @@ class GradStore:
         (stale values must not reach a norm or a sync) and move any `.grad` that lives
         elsewhere into its slot (`take_in`)."""
         self.take_in(self.params, zero_empty=True)
-
-
-_data_ptr = torch.Tensor.data_ptr
-
-
-def host_tensor(values: Sequence[bool | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`values` as a tensor on `device`. For an accelerator it is staged in pinned memory
-    and copied without blocking: a copy from pageable memory would make the host wait for
-    everything queued on the stream (the whole backward), where the copy needs only to be
-    ordered after it. Pinned blocks come from torch's caching host allocator, which does
-    not hand a block out again before the copy that reads it has run."""
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":  # (pinned staging is CUDA's; other backends copy as they do)
-        return torch.tensor(values, dtype=dtype).to(device)
-    staged = torch.tensor(values, dtype=dtype, pin_memory=True)
-    return staged.to(device, non_blocking=True)
-
-
-def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
-    """Multiply `tensors` in place by the 0-d `coef` (a clipping coefficient), one foreach
-    per device. A CPU `coef` of exactly 1 (clipping that does not clip: the norm is under
-    `max_norm`) skips the pass: ``x * 1.0`` is ``x`` in every floating dtype, so the result
-    is bitwise what stock's unconditional multiply gives, minus a read and write of every
-    gradient. On accelerators the multiply always runs: reading `coef` would sync."""
-    if coef.device.type == "cpu" and bool(coef == 1.0):
-        return
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_device.setdefault(tensor.device, []).append(tensor)
-    for device, group in by_device.items():
-        torch._foreach_mul_(group, coef.to(device))
-
-
-class SlotRegistry:
-    """Which live store owns each parameter, by id, so that a backward given only the weight
-    finds its slot. A store keeps its parameters alive, so their ids are not reused while
-    its entries stand; they go with `GradStore.release` or when the store is collected. No
-    weak reference to a parameter (that would block torch.utils.swap_tensors)."""
-
-    def __init__(self) -> None:
-        self._owners: dict[int, weakref.ref[GradStore]] = {}
-
-    def check_free(self, params: Sequence[torch.Tensor]) -> None:
-        for param in params:
-            if self.owner_of(param) is not None:
-                raise ValueError(
-                    f"a parameter of shape {tuple(param.shape)} is already wrapped by another "
-                    "FlatGrad; a parameter's gradient can live in one flat buffer only"
-                )
-
-    def claim(self, store: GradStore) -> None:
-        me = weakref.ref(store)
-        ids = [id(param) for param in store.params]
-        for param_id in ids:
-            self._owners[param_id] = me
-        weakref.finalize(store, self.forget, me, ids)
-
-    def forget(self, store: weakref.ref[GradStore], ids: list[int]) -> None:
-        for param_id in ids:
-            if self._owners.get(param_id) == store:
-                del self._owners[param_id]
-
-    def owner_of(self, param: torch.Tensor) -> GradStore | None:
-        """The live store holding `param`'s slot, if any."""
-        ref = self._owners.get(id(param))
-        store = ref() if ref is not None else None
-        return store if store is not None and param in store else None
-
-    def find(self, param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
-        """(live store, slot view) of `param`, if any: `owner_of` and the view in one lookup
-        (for the layer backwards). A store keeps its parameters alive, so an id it holds
-        is not reused while it stands."""
-        ref = self._owners.get(id(param))
-        store = ref() if ref is not None else None
-        if store is None:
-            return None
-        view = store.views.get(id(param))
-        return None if view is None else (store, view)
-
-
-REGISTRY = SlotRegistry()
-
-
-class MainGradGuard:
-    """While a store with main grads lives: a torch optimizer step (a global step pre hook,
-    `torch.optim.optimizer.register_optimizer_step_pre_hook`) over a parameter whose
-    gradient is a main grad and whose `.grad` is None raises, instead of skipping it
-    silently. Optimizers that step main grads themselves say so with a true class
-    attribute ``steps_main_grads`` (ShardedOptimizer). The hook goes when the last such
-    store does; it reads each parameter's `.grad` and, for a None one, the registry."""
-
-    def __init__(self) -> None:
-        self._stores: weakref.WeakSet[GradStore] = weakref.WeakSet()
-        self._handle: Any = None
-
-    def watch(self, store: GradStore) -> None:
-        self._stores.add(store)
-        if self._handle is None:
-            self._handle = register_optimizer_step_pre_hook(self._check)
-        weakref.finalize(store, self._release)
-
-    def _release(self) -> None:
-        if self._handle is not None and not self._stores:
-            self._handle.remove()
-            self._handle = None
-
-    def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if getattr(optimizer, "steps_main_grads", False):
-            return
-        skipped = 0
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    store = REGISTRY.owner_of(param)
-                    skipped += store is not None and store.is_main(param)
-        if skipped:
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step() would skip {skipped} bfloat16/float16 "
-                "parameter(s) whose gradient is a float32 main grad (grad_dtype='float32': their "
-                ".grad stays None): step them with flatgrad.ShardedOptimizer (float32 master "
-                "shards, on any number of ranks), or give the optimizer float32 master copies "
-                "whose .grad you take from flat.main_grad(param)"
-            )
-
-
-MAIN_GRAD_GUARD = MainGradGuard()
-
-
-def _aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:
-    """A zeroed 1-D tensor whose first element sits on an `align_bytes` boundary."""
-    dtype, device = key
-    buffer = torch.zeros(numel, dtype=dtype, device=device)
-    misalignment = buffer.data_ptr() % align_bytes
-    if misalignment == 0:
-        return buffer
-    itemsize = buffer.element_size()
-    raw = torch.zeros(numel + align_bytes // itemsize, dtype=dtype, device=device)
-    start = (-raw.data_ptr() % align_bytes) // itemsize
-    return raw.narrow(0, start, numel)

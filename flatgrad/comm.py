@@ -15,8 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flatgrad._buffer_ops import host_tensor
 from flatgrad._torch_compat import active_ddp_getter, ddp_rebuilt_buckets, graph_task_id
-from flatgrad.buffer import GradStore, host_tensor
+from flatgrad.buffer import GradStore
 
 logger = logging.getLogger(__name__)
 
