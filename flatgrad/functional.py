@@ -1,24 +1,7 @@
 """Autograd Functions whose backward writes weight gradients straight into the flat buffer.
 
-Each backward decides per weight, through `_weight_target`, where its gradient goes:
-
-- ``"out"``:   `.grad` is None: compute into a fresh view of the slot with ``out=``, make
-  that view the `.grad`, and return None.
-- ``"add"``:   `.grad` already is the slot: accumulate in place and return None.
-- ``"fresh"``: plain out-of-place autograd: `torch.autograd.grad` captures this weight,
-  ``create_graph=True`` needs a differentiable result, the weight has tensor hooks that
-  must see its gradient, or it has no slot.
-- ``"skip"``:  no gradient is wanted for the weight in this backward.
-- ``"main"``:  the slot is the weight's float32 main grad (a bfloat16/float16 weight with
-  ``grad_dtype="float32"``): accumulate into it in float32, leave `.grad` None, return None.
-
-Why "out" sets `.grad` instead of returning the view for AccumulateGrad to steal: a weight
-used more than once in a backward (tied embedding and LM head, or a layer called twice)
-reaches AccumulateGrad once, after autograd summed all its contributions. A returned view
-may be summed out of place with another contribution before a later writer adds into the
-slot, and that later addition would be lost. Once `.grad` is the slot every later writer
-adds into it, and AccumulateGrad adds any other (unrouted) contribution into it in place.
-Returning None still runs AccumulateGrad's post hooks (DDP's reducer hooks).
+Each backward asks `flatgrad._targets` where each weight gradient goes (a fresh tensor,
+the empty slot, the seated slot, a main grad, or nowhere) and writes it there.
 
 Undefined gradients are not materialised as zeros (an output nothing differentiable used, a
 consumer that returned None for it): the Functions hand every input None, as torch's own
@@ -30,18 +13,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from flatgrad._torch_compat import fast_apply, functorch_active, will_execute
-from flatgrad.buffer import REGISTRY
-
-_Mode = Literal["skip", "fresh", "out", "add", "main"]
-# Compiled autograd traces a Function's backward with Dynamo (no graph or `.grad` to look
-# at): the gradient is returned to the traced AccumulateGrad, as for stock.
-_TRACED: tuple[_Mode, None, None] = ("fresh", None, None)
+from flatgrad._targets import TRACED, node_target, weight_target
+from flatgrad._torch_compat import fast_apply, functorch_active
 
 
 def plain_torch() -> bool:
@@ -50,57 +28,6 @@ def plain_torch() -> bool:
     transforms (they need no `.grad`) and inside a forward-mode AD level (these Functions
     have no jvp; torch's ops do)."""
     return torch.compiler.is_compiling() or functorch_active()
-
-
-def _weight_target(
-    ctx: Any, index: int, next_functions: Any = None
-) -> tuple[_Mode, torch.Tensor | None, torch.Tensor | None]:
-    """Where the gradient of input `index` goes in this backward: (mode, slot, parameter).
-
-    The parameter is taken from the graph (its AccumulateGrad node), not from saved
-    tensors, which checkpointing and saved-tensor hooks hand back as other objects.
-    `next_functions` may be passed by a caller that needs several inputs (it costs a
-    tuple of node objects per access).
-    """
-    if not ctx.needs_input_grad[index]:
-        return "skip", None, None
-    if torch.compiler.is_compiling():
-        return _TRACED
-    return _node_target((next_functions or ctx.next_functions)[index][0])
-
-
-def _node_target(node: Any) -> tuple[_Mode, torch.Tensor | None, torch.Tensor | None]:
-    """`_weight_target` for an input known to need a gradient, given its graph node."""
-    param = getattr(node, "variable", None)  # None unless the input is a leaf (AccumulateGrad)
-    found = REGISTRY.find(param) if param is not None else None
-    if found is None or torch.is_grad_enabled():
-        return "fresh", None, param
-    if not param.requires_grad:  # type: ignore[union-attr]
-        return "skip", None, param  # frozen since the forward: AccumulateGrad skips it too
-    try:
-        if not will_execute(node):
-            return "skip", None, param  # backward(inputs=...) without this weight
-    except RuntimeError:
-        return "fresh", None, param  # torch.autograd.grad captures this leaf: leave .grad alone
-    store, view = found
-    if view.dtype != param.dtype or view.shape != param.shape:  # type: ignore[union-attr]
-        if view.shape == param.shape and store.is_main(param):  # type: ignore[union-attr,arg-type]
-            # A main grad: hooked gradients are returned, and AccumulateGrad's hook adds them in.
-            return ("fresh", None, param) if param._backward_hooks else ("main", view, param)  # type: ignore[union-attr]
-        store.stale = True  # param.data replaced or converted behind the wrapper: lay out again
-        return "fresh", None, param
-    grad = param.grad  # type: ignore[union-attr]
-    if param._backward_hooks:  # type: ignore[union-attr]
-        # Tensor hooks must see the gradient: return it, and let AccumulateGrad add the
-        # hooked result into the slot (seated here when empty).
-        if grad is None:
-            param.grad = view.zero_()  # type: ignore[union-attr]
-        return "fresh", None, param
-    if grad is None:
-        return "out", view, param
-    if grad is view:
-        return "add", view, param
-    return ("add", grad, param) if store.holds(param, grad) else ("fresh", None, param)  # type: ignore[arg-type]
 
 
 class _Linear(torch.autograd.Function):
@@ -138,9 +65,9 @@ class _Linear(torch.autograd.Function):
                 grad_x = grad_x.to(x.dtype)
         if not (need_w or need_b):
             return grad_x, None, None
-        nexts = None if torch.compiler.is_compiling() else ctx.next_functions  # see _TRACED
+        nexts = None if torch.compiler.is_compiling() else ctx.next_functions  # see TRACED
         if need_w:
-            mode, slot, param = _TRACED if nexts is None else _node_target(nexts[1][0])
+            mode, slot, param = TRACED if nexts is None else node_target(nexts[1][0])
             if mode != "skip":
                 dtype = weight.dtype
                 rows_t = rows.t()
@@ -158,7 +85,7 @@ class _Linear(torch.autograd.Function):
                 else:
                     slot.addmm_(rows_t, xs) if compute == dtype else slot.add_(rows_t.mm(xs))  # type: ignore[union-attr]
         if need_b and ctx.bias_dtype is not None:
-            mode, slot, param = _TRACED if nexts is None else _node_target(nexts[2][0])
+            mode, slot, param = TRACED if nexts is None else node_target(nexts[2][0])
             if mode != "skip":
                 dtype = ctx.bias_dtype
                 if mode == "fresh":
@@ -246,7 +173,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         (indices,) = ctx.saved_tensors
-        mode, target, param = _weight_target(ctx, 0)
+        mode, target, param = weight_target(ctx, 0)
         if mode == "skip" or grad_out is None:
             return None, None, None, None
         dtype, device, shape = ctx.weight_meta
@@ -343,7 +270,7 @@ class _GatherDim(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         (index,) = ctx.saved_tensors
-        mode, target, param = _weight_target(ctx, 0)
+        mode, target, param = weight_target(ctx, 0)
         if mode == "skip" or grad_out is None:
             return None, None, None
         dtype, device, shape, dim = ctx.input_meta

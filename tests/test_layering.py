@@ -123,3 +123,41 @@ def test_the_torch_scan_finds_a_private_torch_name(monkeypatch):
     modules[PACKAGE / "_probe.py"] = ast.parse("import torch\nx = torch._C._current_graph_task_id()\n")
     monkeypatch.setattr(sys.modules[__name__], "MODULES", modules)
     assert any("torch._C" in line for line in _torch_private_uses())
+
+
+MAX_MODULE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES = 400, 250, 60
+
+
+def _oversized() -> list[str]:
+    """Modules over 400 lines, classes over 250 and functions over 60 (AST spans,
+    docstrings included), in the package outside `flatgrad/bench`."""
+    found = []
+    for path, tree in MODULES.items():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            found.append(f"{path.name}: {lines} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                limit = MAX_CLASS_LINES
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                limit = MAX_FUNCTION_LINES
+            else:
+                continue
+            span = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+            if span > limit:
+                found.append(f"{path.name}:{node.lineno} {node.name}: {span} lines")
+    return found
+
+
+def test_no_module_class_or_function_is_oversized():
+    """One job per module, class and function, as sizes: a module over 400 lines, a class
+    over 250 or a function over 60 has more than one and is cut before it lands."""
+    assert _oversized() == []
+
+
+def test_the_size_scan_finds_a_long_function(monkeypatch, tmp_path):
+    """The size scan itself: a 61-line function is reported."""
+    probe = tmp_path / "_probe.py"
+    probe.write_text("def f():\n" + "    x = 1\n" * 59 + "    return x\n")
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", {probe: ast.parse(probe.read_text())})
+    assert _oversized() == ["_probe.py:1 f: 61 lines"]
