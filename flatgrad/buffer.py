@@ -8,14 +8,11 @@ from collections.abc import Sequence
 
 import torch
 
-from flatgrad._buffer_ops import aligned_zeros, scale_, write_flags
+from flatgrad._buffer_ops import aligned_zeros, write_flags
 from flatgrad._main_grads import MAIN_GRAD_GUARD, MainGrads
 from flatgrad._slot_registry import REGISTRY
 from flatgrad._slot_table import SlotEntry, SlotTable
 from flatgrad.layout import GroupKey, SlotSpec, plan_layout
-
-# `REGISTRY` and `scale_` are imported from here too.
-__all__ = ["REGISTRY", "GradStore", "scale_"]
 
 _Flagged = tuple[torch.Tensor, torch.Tensor, tuple[torch.nn.Parameter, ...]]
 # The last parameter tuple `seat` was given, its (parameter, slot) pairs and `spans`.

@@ -144,7 +144,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             handles = gather_hooks(self._engine, dp.module.module)
             weakref.finalize(self, remove_hooks, handles)
 
-    # Steps the model's main grads through its float32 masters (see flatgrad.buffer.MainGradGuard).
+    # Steps the model's main grads through its float32 masters (see flatgrad._main_grads.MainGradGuard).
     steps_main_grads = True
     # torch.amp.GradScaler hands this step its scale and inf flag (`grad_scale`, `found_inf`
     # attributes) instead of unscaling `.grad`, which holds no averaged value here.
