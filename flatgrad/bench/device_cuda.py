@@ -195,14 +195,14 @@ def _moved_after_wrapping(run: DeviceRun) -> str:
 
 # (where in flatgrad, what the CUDA branch does, the function that runs it and shows it ran)
 BRANCHES: tuple[tuple[str, str, Callable[[DeviceRun], str]], ...] = (
-    ("buffer.host_tensor via GradStore.flagged", "pinned staging, non_blocking copy", _pinned_flags),
-    ("buffer.host_tensor via DataParallel._sync_all", "pinned staging under reduce-scatter", _pinned_sharded),
+    ("_buffer_ops.host_tensor via GradStore.flagged", "pinned staging, non_blocking copy", _pinned_flags),
+    ("_buffer_ops.host_tensor via Round.sync_all", "pinned staging under reduce-scatter", _pinned_sharded),
     ("comm.settle_unused", "reads the used flags back from the GPU", _pinned_flags),
     ("comm.average_op", "ReduceOp.AVG on NCCL", _nccl_average),
     ("parallel: async NCCL buckets, Work.wait in the final callback", "stream waits", _async_buckets),
-    ("buffer.scale_", "always multiplies on accelerators", _clip_multiplies),
+    ("_buffer_ops.scale_", "always multiplies on accelerators", _clip_multiplies),
     ("functional._has_negative / _check_gather", "no host range check on CUDA", _gather_no_sync),
-    ("functional._scatter_add", "deterministic index_put_ path on CUDA", _deterministic_gather),
+    ("functional._scatter_add_into", "deterministic index_put_ path on CUDA", _deterministic_gather),
     ("wrapper: .to(cuda) after wrapping", "buffers rebuilt on the GPU", _moved_after_wrapping),
 )
 
