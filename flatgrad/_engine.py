@@ -226,7 +226,7 @@ class GradEngine:
         DataParallel's forward, the DDP hook) can see in O(1): a parameter registered since,
         a slot found stale during a backward, a parameter without a slot unfrozen. The rest
         (a held parameter frozen, converted or re-pointed in place) is found by the full walk
-        of `_refresh` at the next norm or sync, or as staleness by the next backward."""
+        of `refresh` at the next norm or sync, or as staleness by the next backward."""
         store = self.store
         if (
             store is None
@@ -238,7 +238,7 @@ class GradEngine:
         return store
 
     def steady(self) -> GradStore:
-        """`_current_store`, and the full walk of `_refresh` when a held parameter was frozen
+        """`current`, and the full walk of `refresh` when a held parameter was frozen
         since (one `requires_grad` read per parameter): for DataParallel's forward, whose
         buckets must not keep communicating a frozen slot. `torch.func.functional_call`'s
         temporaries (plain tensors) keep the layout: their gradients stay local, as DDP's."""

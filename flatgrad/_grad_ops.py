@@ -3,7 +3,8 @@ clipping and the all-reduce without DDP.
 
 Each function takes the wrapper's `GradEngine` (``flat._engine``) and first takes its store
 from `GradEngine.refresh`, which lays the buffers out again if the model changed, as stock's
-``clip_grad_norm_(model.parameters())`` walks the model. The norm arithmetic is
+``clip_grad_norm_(model.parameters())`` walks the model (`zero_grad` setting None: from
+`GradEngine.current`, O(1)). The norm arithmetic is
 `flatgrad._norms`', the collectives are `flatgrad.comm`'s.
 """
 

@@ -84,7 +84,7 @@ class MainGradGuard:
         skipped = 0
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if param.grad is None:
+                if param.grad is None and param.requires_grad:  # (frozen: skipped, as by stock)
                     store = REGISTRY.owner_of(param)
                     skipped += store is not None and store.is_main(param)
         if skipped:

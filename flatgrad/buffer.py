@@ -220,7 +220,7 @@ class GradStore:
             seated = [pair for pair in seated if pair[0].grad is pair[1]]
             if not seated:
                 return []
-        # Slots have version counters of their own (see `_set_slot`), which a fill through a
+        # Slots have version counters of their own (see `SlotTable.set`), which a fill through a
         # span does not bump: `unseat` compares against the versions read after the fill.
         zeroed = spans if len(seated) == len(pairs) else [view for _, view in seated]
         if zeroed:  # none when every seated parameter has zero elements

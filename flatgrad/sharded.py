@@ -137,7 +137,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         store = dp.module._engine.use_slot_multiple(self.world_size)
         self._engine = ShardEngine(store, dp._engine.use_reduce_scatter(store), dp.process_group)
         self._groups = PieceGroups(self._engine, self._names, optimizer_class, self.param_groups)
-        self.optimizer = self._groups.inner  # steps this rank's pieces
         self._ready = True
         self.overlap_param_gather = overlap_param_gather
         if overlap_param_gather:
@@ -149,6 +148,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # torch.amp.GradScaler hands this step its scale and inf flag (`grad_scale`, `found_inf`
     # attributes) instead of unscaling `.grad`, which holds no averaged value here.
     _step_supports_amp_scaling = True
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer that steps this rank's pieces (read-only)."""
+        return self._groups.inner
 
     # --- the optimizer API ----------------------------------------------------------------
 

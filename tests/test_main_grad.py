@@ -144,6 +144,23 @@ def test_a_torch_optimizer_over_main_grad_parameters_refuses_to_skip_them():
     torch.optim.SGD(model.parameters(), lr=0.1).step()  # unwrapped: stock's silent skip again
 
 
+def test_frozen_main_grad_parameters_are_not_counted_as_skipped():
+    """A bfloat16 part frozen after wrapping has no gradient, as stock's: a torch optimizer
+    over the model (its float32 head the only trainable part) steps without the main-grad
+    refusal, whether or not the buffers were laid out again since (``zero_grad()`` setting
+    None does not walk the model)."""
+    model = Mixed(torch.bfloat16)
+    flat = flatgrad.FlatGrad(model, config=MAIN)
+    model.lm.requires_grad_(False)
+    flat.zero_grad()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.out.weight.detach().clone()
+    flat(_batches()[0]).backward()
+    opt.step()
+    assert all(p.grad is None for p in model.lm.parameters())
+    assert not torch.equal(model.out.weight, before)
+
+
 def test_without_grad_dtype_nothing_changes():
     model = _model()
     flat = flatgrad.FlatGrad(model, config={"linear_min_numel": 0})
