@@ -32,7 +32,17 @@ class GradScaler(GradScalerBase):
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor] | None:
         """A ShardedOptimizer's gradient shards, unscaled and checked over every rank; None
-        (torch's own walk) for any other optimizer."""
+        (torch's own walk) for any other optimizer.
+
+        Args:
+            optimizer: The optimizer `unscale_` or `step` was given.
+            inv_scale: One over the current scale (a 1-element float32 tensor).
+            found_inf: Set to 1 where a gradient is not finite on some rank.
+            allow_fp16: Whether float16 gradients may be unscaled (torch's argument).
+
+        Returns:
+            ``{device: found_inf}`` for a ShardedOptimizer; None for any other optimizer.
+        """
         if not isinstance(optimizer, ShardedOptimizer):
             return None
         optimizer._engine.unscale_(inv_scale, found_inf, allow_fp16)

@@ -61,6 +61,9 @@ class FlatGradCommState:
         Only when `.grad` already lives in the bucket (gradient_as_bucket_view=True) and one
         bucket holds the whole (dtype, device) group; otherwise stay correct on DDP's copies
         and say once how to get the zero-copy path.
+
+        Args:
+            bucket: The bucket DDP handed `allreduce_hook`.
         """
         engine = self.wrapper._engine
         engine.hook_ran()  # nothing to warn about

@@ -244,8 +244,16 @@ class DataParallel(PlainNames):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """`FlatGrad.load_state_dict` (the plain model's keys, no ``module.`` prefix): same
-        arguments, return value and errors."""
+        """`FlatGrad.load_state_dict` (the plain model's keys, no ``module.`` prefix).
+
+        Args:
+            state_dict: The plain model's state dict (or one with ``module.`` prefixes).
+            strict: As `nn.Module.load_state_dict`'s: every key must match.
+            assign: As `nn.Module.load_state_dict`'s: assign the tensors instead of copying.
+
+        Returns:
+            The missing and unexpected keys, as `nn.Module.load_state_dict` returns them.
+        """
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
