@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flatgrad._scatter import out_of_range, scatter_add_into, scatter_rows
 from flatgrad._targets import TRACED, node_target, weight_target
 from flatgrad._torch_compat import fast_apply, functorch_active
 
@@ -140,17 +141,6 @@ def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
-def _scatter_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``target[index] += rows`` with repeated indices summed.
-
-    `index_add_` scatters without sorting; under `torch.use_deterministic_algorithms`
-    the sort-based `index_put_(accumulate=True)` gives a run-to-run identical sum.
-    """
-    if torch.are_deterministic_algorithms_enabled():
-        return target.index_put_((index,), rows, accumulate=True)
-    return target.index_add_(0, index, rows)
-
-
 class _GatherRows(torch.autograd.Function):
     """``weight[indices]`` along dim 0 (an embedding lookup) with a scatter-add backward."""
 
@@ -191,13 +181,13 @@ class _GatherRows(torch.autograd.Function):
             fresh = torch.zeros(shape, dtype=dtype, device=device)
             if torch.is_grad_enabled():  # create_graph: keep the result differentiable
                 return fresh.index_add(0, index, rows), None, None, None
-            return _scatter_rows(fresh, index, rows), None, None, None
+            return scatter_rows(fresh, index, rows), None, None, None
         assert target is not None and param is not None
         if mode == "out":
-            _scatter_rows(target.zero_(), index, rows)
+            scatter_rows(target.zero_(), index, rows)
             param.grad = target
         else:
-            _scatter_rows(target, index, rows)
+            scatter_rows(target, index, rows)
         return None, None, None, None
 
 
@@ -206,8 +196,9 @@ def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.
 
     Indices follow ``buffer[indices]``: in ``[-len(buffer), len(buffer))``, negative ones
     counting from the end. On CPU an index out of that range raises an `IndexError` naming
-    it (a min/max over the indices: cheap next to the gather); on CUDA the check would cost
-    a device sync per call, so the gather's own device-side bounds check reports it.
+    it (one min over the indices finds negative ones; one above the range is named after the
+    gather's own check refuses it); on CUDA looking would cost a device sync per call, so the
+    gather's own device-side bounds check reports it.
 
     The default backward of ``buffer[indices]`` is ``index_put_(accumulate=True)``, which
     sorts the indices; the scatter computes the same sum without the sort. When `buffer`
@@ -235,25 +226,38 @@ def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.
         raise TypeError(f"indices must be an int32 or int64 tensor, got {indices.dtype}")
     if buffer.dim() == 0:
         raise ValueError("buffer must have at least one dimension, got a 0-d tensor")
-    if _has_negative(indices, buffer.shape[0]):
-        indices = torch.where(indices < 0, indices + buffer.shape[0], indices)
-    if plain_torch():
+    size = buffer.shape[0]
+    if _has_negative(indices, size):
+        indices = torch.where(indices < 0, indices + size, indices)
+    if torch.compiler.is_compiling():
         return buffer.index_select(0, indices.reshape(-1)).view(*indices.shape, *buffer.shape[1:])
-    return _GatherRows.apply(buffer, indices, None, False)
+    try:
+        if functorch_active():
+            return buffer.index_select(0, indices.reshape(-1)).view(*indices.shape, *buffer.shape[1:])
+        return gather_rows_into_slot(buffer, indices, None, False)
+    except (IndexError, RuntimeError) as error:  # the gather's own range check: name the index
+        bad = out_of_range(indices, 0, size)  # (negative ones are wrapped by now)
+        if bad is not None:
+            raise _bad_row(size, bad) from error
+        raise
+
+
+def _bad_row(size: int, bad: int) -> IndexError:
+    return IndexError(f"indices must lie in [-{size}, {size}) for a buffer of {size} rows, got {bad}")
 
 
 def _has_negative(indices: torch.Tensor, size: int) -> bool:
     """Whether `indices` may hold negative entries (always assumed on accelerators, where
-    looking costs a sync, and while compiling); on CPU also checks the range, naming the
-    first bad index."""
+    looking costs a sync, while compiling and inside torch.func transforms, where values
+    cannot be read); on CPU one min over them, which also names an index below ``-size``
+    (one above the range is named when the gather refuses it)."""
     if not indices.numel():
         return False
-    if indices.device.type != "cpu" or torch.compiler.is_compiling():
+    if indices.device.type != "cpu" or plain_torch():
         return True
-    low, high = int(indices.min()), int(indices.max())
-    if low < -size or high >= size:
-        bad = low if low < -size else high
-        raise IndexError(f"indices must lie in [-{size}, {size}) for a buffer of {size} rows, got {bad}")
+    low = int(indices.min())
+    if low < -size:
+        raise _bad_row(size, low)
     return low < 0
 
 
@@ -279,40 +283,14 @@ class _GatherDim(torch.autograd.Function):
             fresh = torch.zeros(shape, dtype=dtype, device=device)
             if torch.is_grad_enabled():  # create_graph: keep the result differentiable
                 return fresh.scatter_add(dim, index, values), None, None
-            return _scatter_add_into(fresh, dim, index, values), None, None
+            return scatter_add_into(fresh, dim, index, values), None, None
         assert target is not None and param is not None
         if mode == "out":
-            _scatter_add_into(target.zero_(), dim, index, values)
+            scatter_add_into(target.zero_(), dim, index, values)
             param.grad = target
         else:
-            _scatter_add_into(target, dim, index, values)
+            scatter_add_into(target, dim, index, values)
         return None, None, None
-
-
-def _scatter_add_into(
-    target: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor
-) -> torch.Tensor:
-    """``target.scatter_add_(dim, index, values)``: repeated positions are summed.
-
-    On CPU that kernel is run-to-run identical (each output element is summed in one
-    thread, in order); on accelerators it uses atomics, so under
-    `torch.use_deterministic_algorithms` the sum goes through the sorting
-    ``index_put_(accumulate=True)`` on linear indices instead.
-    """
-    if target.device.type == "cpu" or not torch.are_deterministic_algorithms_enabled():
-        return target.scatter_add_(dim, index, values)
-    flat = (
-        target if target.is_contiguous() else torch.zeros_like(target, memory_format=torch.contiguous_format)
-    )
-    strides = flat.stride()
-    linear = index * strides[dim]
-    for d in range(index.dim()):
-        if d != dim:
-            shape = [1] * index.dim()
-            shape[d] = index.shape[d]
-            linear = linear + torch.arange(index.shape[d], device=index.device).view(shape) * strides[d]
-    flat.view(-1).index_put_((linear.reshape(-1),), values.reshape(-1), accumulate=True)
-    return target if flat is target else target.add_(flat)
 
 
 def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
@@ -323,8 +301,9 @@ def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     Same forward as `torch.gather`: `index` has `input`'s number of dimensions, is no
     larger than `input` along every dimension but `dim`, and holds values in
     ``[0, input.size(dim))``. On CPU an out-of-range value raises an `IndexError` naming it
-    and the size (a min/max over `index`); on accelerators that check would cost a device
-    sync per call, so torch.gather's own device-side bounds check reports it.
+    and the size (read only after torch.gather's own check refused it: nothing is added
+    to a valid call); on accelerators reading it would cost a device sync, so torch.gather's
+    own device-side bounds check reports it.
     Under torch.compile, torch.func transforms and forward-mode AD it is `torch.gather` itself.
 
     Args:
@@ -344,9 +323,18 @@ def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
             one element), or is larger than `input` along a dimension other than `dim`.
     """
     _check_gather(input, dim, index)
-    if plain_torch():
+    if torch.compiler.is_compiling():
         return torch.gather(input, dim, index)
-    return _GatherDim.apply(input, dim % max(input.dim(), 1), index)
+    gathered = dim % max(input.dim(), 1)
+    try:
+        return torch.gather(input, dim, index) if functorch_active() else gather_dim(input, gathered, index)
+    except RuntimeError as error:  # torch.gather's own range check: name the value and the size
+        size = input.shape[gathered] if input.dim() else 1
+        bad = out_of_range(index, 0, size)
+        if bad is not None:
+            message = f"index values must lie in [0, {size}) along dimension {gathered}, got {bad}"
+            raise IndexError(message) from error
+        raise
 
 
 def _check_gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> None:
@@ -370,15 +358,10 @@ def _check_gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> None:
                 f"index must be no larger than input along dimension {d} (not the gathered one), "
                 f"got {index.shape[d]} > {input.shape[d]}"
             )
-    if index.device.type == "cpu" and index.numel() and not torch.compiler.is_compiling():
-        size = input.shape[gathered] if input.dim() else 1
-        low, high = int(index.min()), int(index.max())
-        if low < 0 or high >= size:
-            bad = low if low < 0 else high
-            raise IndexError(f"index values must lie in [0, {size}) along dimension {gathered}, got {bad}")
 
 
-# The routed layers' forwards (`flatgrad._routing`), which have checked that no torch.func
-# transform is active: `Function.apply` without its Python layer (`fast_apply`).
+# The routed layers' forwards (`flatgrad._routing`) and the gathers, which have checked that
+# no torch.func transform is active: `Function.apply` without its Python layer (`fast_apply`).
 linear_into_slot = fast_apply(_Linear)
 gather_rows_into_slot = fast_apply(_GatherRows)
+gather_dim = fast_apply(_GatherDim)

@@ -390,3 +390,48 @@ def test_gather_with_index_add_compiles_without_a_graph_break():
     compiled = torch.compile(lambda t, i: flatgrad.gather_with_index_add(t, i), backend="aot_eager")
     torch.testing.assert_close(compiled(table, idx), table[idx])
     torch._dynamo.reset()
+
+
+def test_a_valid_call_reads_no_index_value_beyond_what_it_needs():
+    """The range checks cost nothing on a valid call: `flatgrad.gather` reads no value of
+    its index (torch.gather's own check refuses a bad one, which is then named), and
+    `gather_with_index_add` one min (to find negative indices), no max."""
+    table = torch.randn(8, 6, requires_grad=True)
+    index = torch.randint(0, 6, (8, 4))
+    rows = torch.randint(-8, 8, (32,))
+    reductions = {"aten::min", "aten::max", "aten::aminmax"}
+    with torch.profiler.profile() as prof:
+        flatgrad.gather(table, 1, index).sum().backward()
+    assert [e.name for e in prof.events() if e.name in reductions] == []
+    with torch.profiler.profile() as prof:
+        flatgrad.gather_with_index_add(table, rows).sum().backward()
+    assert [e.name for e in prof.events() if e.name in reductions] == ["aten::min"]
+    with pytest.raises(IndexError, match=r"indices must lie in \[-8, 8\) for a buffer of 8 rows, got 8"):
+        flatgrad.gather_with_index_add(table, torch.tensor([3, 8]))
+
+
+def test_vmap_over_the_indices_of_both_gathers_equals_stock():
+    """Per-sample indices under `torch.func.vmap` (with `grad` inside): the gathers cannot
+    read batched index values, so negative ones are wrapped on the tensors as on
+    accelerators; values and per-sample gradients equal stock's."""
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(7, 3, dtype=torch.float64, generator=gen)
+    rows = torch.randint(-7, 7, (4, 5), generator=gen)  # 4 samples of 5 row indices
+    index = torch.randint(0, 3, (4, 7, 2), generator=gen)
+
+    def ours(t, r, i):
+        return flatgrad.gather_with_index_add(t, r).square().sum() + flatgrad.gather(t, 1, i).sum()
+
+    def stock(t, r, i):
+        return t[r].square().sum() + torch.gather(t, 1, i).sum()
+
+    torch.testing.assert_close(
+        torch.func.vmap(ours, in_dims=(None, 0, 0))(table, rows, index),
+        torch.func.vmap(stock, in_dims=(None, 0, 0))(table, rows, index),
+        **TOL,
+    )
+    torch.testing.assert_close(
+        torch.func.vmap(torch.func.grad(ours), in_dims=(None, 0, 0))(table, rows, index),
+        torch.func.vmap(torch.func.grad(stock), in_dims=(None, 0, 0))(table, rows, index),
+        **TOL,
+    )

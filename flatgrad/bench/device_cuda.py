@@ -201,8 +201,8 @@ BRANCHES: tuple[tuple[str, str, Callable[[DeviceRun], str]], ...] = (
     ("comm.average_op", "ReduceOp.AVG on NCCL", _nccl_average),
     ("parallel: async NCCL buckets, Work.wait in the final callback", "stream waits", _async_buckets),
     ("_buffer_ops.scale_", "always multiplies on accelerators", _clip_multiplies),
-    ("functional._has_negative / _check_gather", "no host range check on CUDA", _gather_no_sync),
-    ("functional._scatter_add_into", "deterministic index_put_ path on CUDA", _deterministic_gather),
+    ("functional._has_negative, _scatter.out_of_range", "no host range check on CUDA", _gather_no_sync),
+    ("_scatter.scatter_add_into", "deterministic index_put_ path on CUDA", _deterministic_gather),
     ("wrapper: .to(cuda) after wrapping", "buffers rebuilt on the GPU", _moved_after_wrapping),
 )
 
