@@ -150,14 +150,17 @@ def scattered_main_grad(store: GradStore, param: torch.Tensor) -> torch.Tensor:
 
 
 def unmark_scattered(store: GradStore, to_none: bool = False) -> None:
-    """Every ScatteredGrad `.grad` becomes its plain slot again (None with `to_none`): the
-    gradients were zeroed (or are about to be), so they are right on every rank."""
+    """Every ScatteredGrad `.grad` becomes its plain slot again: the gradients were zeroed
+    (or are about to be), so they are right on every rank. With `to_none` the caller sets
+    every `.grad` of the store to None itself (`zero_grad`): only the mark goes."""
     if store not in _MARKED:
         return
     _MARKED.discard(store)
+    if to_none:
+        return
     for param in store.params:
         if type(param.grad) is ScatteredGrad:
-            param.grad = None if to_none else store.view(param)
+            param.grad = store.view(param)
 
 
 def refuse_scattered(store: GradStore | None, what: str) -> None:
