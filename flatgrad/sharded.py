@@ -7,7 +7,11 @@ Backward reduce-scatters each bucket (asynchronously, as DataParallel all-reduce
 r ends up with the average of shard r of every bucket. `step()` runs the wrapped torch
 optimizer on this rank's shards only (1-D views of the flat parameter and gradient buffers,
 so its state is about 1/world_size of the unsharded state), then all-gathers every bucket's
-parameters. Only element-wise optimizers shard this way.
+parameters. Only element-wise optimizers shard this way. On gloo, whose backward all-reduces
+every bucket (its reduce-scatter is slower), every rank holds all of the averages, and the
+shards split each whole buffer instead: the parameters come back in one broadcast per rank
+rather than one per rank and bucket (`flatgrad._zero.shard_views`), unless
+``overlap_param_gather`` waits for them bucket by bucket.
 
 After backward, the `.grad` of a model parameter is averaged only inside this rank's shards;
 `clip_grad_norm_` and `step` use exactly those. Until the gradients are zeroed every `.grad`
@@ -31,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from flatgrad._scattered import unguarded
-from flatgrad._zero import ShardEngine, gather_hooks, remove_hooks
+from flatgrad._zero import ShardEngine, gather_hooks, remove_hooks, shard_views
 from flatgrad._zero_groups import (
     PieceGroups,
     as_groups,
@@ -133,9 +137,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.dp = dp
         self.world_size = dp.world_size
         self.rank = dist.get_rank(dp.process_group)
-        # slots on multiples of the world size: equal shards per bucket
+        # slots on multiples of the world size: equal shards per bucket (and per buffer)
         store = dp.module._engine.use_slot_multiple(self.world_size)
-        self._engine = ShardEngine(store, dp._engine.use_reduce_scatter(store), dp.process_group)
+        buckets = dp._engine.use_reduce_scatter(store)
+        views = shard_views(store, buckets, dp.process_group, overlap_param_gather)
+        self._engine = ShardEngine(store, views, dp.process_group)
         self._groups = PieceGroups(self._engine, self._names, optimizer_class, self.param_groups)
         self._ready = True
         self.overlap_param_gather = overlap_param_gather

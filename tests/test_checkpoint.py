@@ -43,12 +43,14 @@ def _groups(model: nn.Module) -> list[dict[str, Any]]:
     ]
 
 
-def _setup(zero: bool) -> tuple[nn.Module, Any, torch.optim.Optimizer, Any]:
+def _setup(zero: bool, overlap: bool = False) -> tuple[nn.Module, Any, torch.optim.Optimizer, Any]:
     torch.manual_seed(0)
     model = _Net()
     dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.002)
     if zero:
-        opt: torch.optim.Optimizer = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, _groups(model), lr=0.05)
+        opt: torch.optim.Optimizer = flatgrad.ShardedOptimizer(
+            dp, torch.optim.AdamW, _groups(model), lr=0.05, overlap_param_gather=overlap
+        )
     else:
         opt = torch.optim.AdamW(_groups(model), lr=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
@@ -67,11 +69,13 @@ def _train(dp: Any, opt: Any, sched: Any, rank: int, world_size: int, steps: ran
         sched.step()
 
 
-def _save_worker(rank: int, world_size: int, tmp: str, zero: bool) -> None:
-    model, dp, opt, sched = _setup(zero)
+def _save_worker(rank: int, world_size: int, tmp: str, zero: bool, overlap: bool = False) -> None:
+    model, dp, opt, sched = _setup(zero, overlap)
     _train(dp, opt, sched, rank, world_size, range(2))
     dcp.save({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
     _train(dp, opt, sched, rank, world_size, range(2, 4))
+    if overlap:
+        opt.wait_param_gather()  # parameters read outside a forward
     if rank == 0:
         final = {name: p.detach().tolist() for name, p in model.named_parameters()}
         with open(f"{tmp}/final.json", "w") as file:
@@ -102,6 +106,15 @@ def test_a_checkpoint_from_2_ranks_resumes_on_1_2_and_3(tmp_path, zero):
     run_ranks(_save_worker, str(tmp_path), zero, world_size=2)
     for world_size in (1, 2, 3):
         run_ranks(_resume_worker, str(tmp_path), zero, world_size=world_size, timeout=150)
+
+
+def test_a_checkpoint_of_shards_per_bucket_resumes_with_shards_per_buffer(tmp_path):
+    """Saved with overlap_param_gather (each bucket split over the ranks) on 2 ranks, resumed
+    without it (on gloo each whole buffer split over the ranks) on 2 and 3: the state is per
+    parameter, whatever the shards were."""
+    run_ranks(_save_worker, str(tmp_path), True, True, world_size=2)
+    for world_size in (2, 3):
+        run_ranks(_resume_worker, str(tmp_path), True, world_size=world_size, timeout=150)
 
 
 def _fresh_worker(rank: int, world_size: int, tmp: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -84,28 +85,37 @@ def test_parameters_equal_stock_ddp_adamw_with_clipping(world_size):
     run_ranks(_equal_to_ddp_worker, world_size=world_size)
 
 
-def _profile_worker(rank: int, world_size: int) -> None:
-    _, _, dp, opt = _build(rank)
+def _profile_worker(rank: int, world_size: int, overlap: bool) -> None:
+    torch.manual_seed(0)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(_Net(), config=ROUTE_ALL), bucket_mb=0.002)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05, overlap_param_gather=overlap)
     _train(dp, opt, rank, range(2))
     opt.zero_grad()
     with rank_profile() as prof:
         dp(_tokens(rank, 5)).backward()
         opt.step()
+        opt.wait_param_gather()
     names = [e.name for e in prof.events()]
     num_buckets = len(dp.buckets)
-    # gloo averages the buckets by all-reduce and gathers them by a broadcast of each rank's
-    # shard (both faster there: see flatgrad.comm.launch_average, flatgrad._zero); NCCL by
+    assert num_buckets > 2
+    # gloo averages the buckets by all-reduce and gathers by broadcasts of each rank's shard
+    # (both faster there: see flatgrad.comm.launch_average, flatgrad._zero); NCCL by
     # reduce-scatter and all-gather
     assert names.count("c10d::_reduce_scatter_base_") == 0, sorted(set(names))
     # the used-parameter flags ride on the last bucket to launch (it ends the buffer here)
     assert dp._engine._plan.carriers, "the flags should ride on a bucket"
     assert names.count("c10d::allreduce_") == num_buckets
-    assert names.count("c10d::broadcast_") == num_buckets * world_size
+    # every rank holds all averaged gradients after gloo's all-reduce: one shard of the
+    # whole buffer per rank, one broadcast each; a bucket's shard per rank where the next
+    # forward waits for each bucket (overlap_param_gather)
+    assert len(opt._engine.shards) == (num_buckets if overlap else 1)
+    assert names.count("c10d::broadcast_") == (num_buckets if overlap else 1) * world_size
     assert names.count("c10d::_allgather_base_") == 0
 
 
-def test_one_average_and_one_gather_per_bucket():
-    run_ranks(_profile_worker)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap_param_gather"])
+def test_one_average_per_bucket_and_one_gather_per_shard(overlap):
+    run_ranks(_profile_worker, overlap)
 
 
 def _resume_worker(rank: int, world_size: int, tmp: str) -> None:
@@ -474,7 +484,7 @@ def _no_backward_worker(rank: int, world_size: int) -> None:
         _assert_params_close(model, ref)
         gathers = [e.name for e in prof.events()].count("c10d::broadcast_") // world_size  # (gloo)
         moved = any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
-        assert (gathers, moved) == ((0, False) if set_to_none else (len(dp.buckets), True))
+        assert (gathers, moved) == ((0, False) if set_to_none else (len(opt._engine.shards), True))
     opt.zero_grad()  # a last step: AdamW's step counts (bias correction) agree with stock's
     ref_opt.zero_grad()
     backward(1)
@@ -515,9 +525,13 @@ def _overlap_gather_worker(rank: int, world_size: int) -> None:
         torch.manual_seed(0)
         model = _Net()
         dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.002)
-        opt = flatgrad.ShardedOptimizer(
-            dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1, overlap_param_gather=overlap
-        )
+        with mock.patch.object(flatgrad.sharded, "shard_views", _bucket_shards):
+            # the synchronous path with the shards overlap_param_gather has (one per bucket;
+            # on gloo it would split whole buffers): the same clip norm, summed over the
+            # same shards, so bit-identical parameters
+            opt = flatgrad.ShardedOptimizer(
+                dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1, overlap_param_gather=overlap
+            )
         built.append((model, dp, opt))
     (sync_model, sync_dp, sync_opt), (model, dp, opt) = built
     engine = opt._engine
@@ -556,6 +570,10 @@ def _overlap_gather_worker(rank: int, world_size: int) -> None:
         assert torch.equal(p, q), name  # bit-identical to the synchronous gather
     with pytest.raises(TypeError, match="overlap_param_gather must be a bool"):
         flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=1)
+
+
+def _bucket_shards(store, bucket_views, process_group, overlap_param_gather):  # noqa: ANN001, ANN202
+    return bucket_views
 
 
 def test_overlap_param_gather_waits_per_bucket_in_the_next_forward_and_equals_the_sync_path():
