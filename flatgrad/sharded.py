@@ -94,7 +94,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             using its parameters runs (a forward pre hook per module with parameters), and
             the model's ``state_dict``/``load_state_dict`` and the next ``step()`` wait for
             all. Code that reads parameters outside a forward in between calls
-            ``opt.wait_param_gather()`` first.
+            ``opt.wait_param_gather()`` first. On gloo it also keeps the shards per bucket
+            (without it they split whole buffers: fewer broadcasts), so `clip_grad_norm_`
+            sums its norm over other shards: the same to the last bits or two; without
+            clipping the parameters are bit-identical either way.
         **defaults: The optimizer's arguments (``lr``, ``weight_decay``, ...), checked by
             `optimizer_class` before anything moves: its error for an invalid one (a
             ValueError for a negative ``lr``, a TypeError for an unknown name) leaves `dp`

@@ -20,6 +20,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils import parametrizations
 
 import flatgrad
+from flatgrad._seating import SEAT_MAX_NUMEL
 
 
 def _tokens(seed: int, shape: tuple[int, int] = (4, 6), vocab: int = 13) -> torch.Tensor:
@@ -550,9 +551,10 @@ class _BigRaw(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.big = nn.Parameter(torch.randn(256, 160, dtype=torch.float64) / 16)  # 40960 elements
-        self.unused_big = nn.Parameter(torch.randn(256, 160, dtype=torch.float64))
-        self.norm = nn.LayerNorm(160).double()
+        # 163840 elements: at least SEAT_MAX_NUMEL (checked in the first test below)
+        self.big = nn.Parameter(torch.randn(256, 640, dtype=torch.float64) / 16)
+        self.unused_big = nn.Parameter(torch.randn(256, 640, dtype=torch.float64))
+        self.norm = nn.LayerNorm(640).double()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x @ self.big).square().mean()
@@ -560,6 +562,7 @@ class _BigRaw(nn.Module):
 
 def test_large_unrouted_parameter_lands_in_the_buffer_like_stock():
     flat, oracle = _pair(_BigRaw())
+    assert flat.module.big.numel() >= SEAT_MAX_NUMEL  # placed, not seated
     for step in range(3):
         if step != 1:  # step 1 accumulates onto step 0
             flat.zero_grad()

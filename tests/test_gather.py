@@ -146,7 +146,7 @@ def _profiled_backward(loss: torch.Tensor) -> torch.profiler.profile:
 
 
 class _Wide(nn.Module):
-    """A float32 table read along dim 1. From 32768 elements on the wrapper does not seat
+    """A float32 table read along dim 1. From SEAT_MAX_NUMEL elements on the wrapper does not seat
     its slot before backward: the gather's own "out" path writes it."""
 
     def __init__(self, rows: int, span: int) -> None:
@@ -159,7 +159,7 @@ class _Wide(nn.Module):
 
 @pytest.mark.parametrize(
     ("rows", "through_wrapper"),
-    [(64, False), (64, True), (1024, True)],
+    [(64, False), (64, True), (3072, True)],  # 3072 x 48: at least SEAT_MAX_NUMEL
     ids=["direct-call", "wrapper-seated-slot", "wrapper-large-table"],
 )
 def test_no_weight_sized_temporary_copy_or_add_in_backward(rows, through_wrapper):
@@ -191,7 +191,7 @@ def test_stock_gather_backward_does_allocate_and_add_what_we_avoid():
 
 def test_large_wrapped_table_equals_stock_fresh_and_accumulating():
     torch.manual_seed(0)
-    model = _Wide(1024, 48).double()
+    model = _Wide(3072, 48).double()
     oracle = copy.deepcopy(model)
     flat = flatgrad.FlatGrad(model)
     for step in range(4):
