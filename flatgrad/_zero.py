@@ -58,9 +58,11 @@ class ShardEngine:
         store: GradStore,
         bucket_views: list[tuple[torch.Tensor, int]],
         process_group: dist.ProcessGroup | None,
+        overlap_param_gather: bool = False,
     ) -> None:
         self.store = store
-        self.bucket_views = bucket_views  # (gradient bucket view, offset in its flat buffer)
+        # (gradient view, offset in its flat buffer) of each piece split into shards
+        self.bucket_views = shard_views(store, bucket_views, process_group, overlap_param_gather)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)

@@ -11,7 +11,8 @@ parameters. Only element-wise optimizers shard this way. On gloo, whose backward
 every bucket (its reduce-scatter is slower), every rank holds all of the averages, and the
 shards split each whole buffer instead: the parameters come back in one broadcast per rank
 rather than one per rank and bucket (`flatgrad._zero.shard_views`), unless
-``overlap_param_gather`` waits for them bucket by bucket.
+``overlap_param_gather`` waits for them bucket by bucket (its `clip_grad_norm_` then sums
+over other shards: equal to the last bit or two).
 
 After backward, the `.grad` of a model parameter is averaged only inside this rank's shards;
 `clip_grad_norm_` and `step` use exactly those. Until the gradients are zeroed every `.grad`
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from flatgrad._scattered import unguarded
-from flatgrad._zero import ShardEngine, gather_hooks, remove_hooks, shard_views
+from flatgrad._zero import ShardEngine, gather_hooks, remove_hooks
 from flatgrad._zero_groups import (
     PieceGroups,
     as_groups,
@@ -94,10 +95,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             using its parameters runs (a forward pre hook per module with parameters), and
             the model's ``state_dict``/``load_state_dict`` and the next ``step()`` wait for
             all. Code that reads parameters outside a forward in between calls
-            ``opt.wait_param_gather()`` first. On gloo it also keeps the shards per bucket
-            (without it they split whole buffers: fewer broadcasts), so `clip_grad_norm_`
-            sums its norm over other shards: the same to the last bits or two; without
-            clipping the parameters are bit-identical either way.
+            ``opt.wait_param_gather()`` first.
         **defaults: The optimizer's arguments (``lr``, ``weight_decay``, ...), checked by
             `optimizer_class` before anything moves: its error for an invalid one (a
             ValueError for a negative ``lr``, a TypeError for an unknown name) leaves `dp`
@@ -143,8 +141,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # slots on multiples of the world size: equal shards per bucket (and per buffer)
         store = dp.module._engine.use_slot_multiple(self.world_size)
         buckets = dp._engine.use_reduce_scatter(store)
-        views = shard_views(store, buckets, dp.process_group, overlap_param_gather)
-        self._engine = ShardEngine(store, views, dp.process_group)
+        self._engine = ShardEngine(store, buckets, dp.process_group, overlap_param_gather)
         self._groups = PieceGroups(self._engine, self._names, optimizer_class, self.param_groups)
         self._ready = True
         self.overlap_param_gather = overlap_param_gather

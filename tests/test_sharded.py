@@ -525,7 +525,7 @@ def _overlap_gather_worker(rank: int, world_size: int) -> None:
         torch.manual_seed(0)
         model = _Net()
         dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.002)
-        with mock.patch.object(flatgrad.sharded, "shard_views", _bucket_shards):
+        with mock.patch.object(flatgrad._zero, "shard_views", _bucket_shards):
             # the synchronous path with the shards overlap_param_gather has (one per bucket;
             # on gloo it would split whole buffers): the same clip norm, summed over the
             # same shards, so bit-identical parameters
