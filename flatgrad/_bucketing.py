@@ -44,6 +44,8 @@ class BucketSync:
         self.wire_dtype = wire_dtype
         self.has_buffers = False  # whether the model had buffers at the last (re)build
         self.reduce_scatter = False  # ShardedOptimizer switches the buckets to reduce-scatter
+        # The gradient shards that ShardedOptimizer reads, of this store (see `Round`).
+        self.shards: list[torch.Tensor] = []
         self._scattered = False  # the last synchronised backward reduce-scattered (see _begin)
         self._store: GradStore | None = None
         self._buckets: list[Bucket] = []
@@ -68,6 +70,7 @@ class BucketSync:
             self.wire_dtype,
             self.reduce_scatter,
             names,
+            self.shards,
         )
 
     def _parameter_names(self) -> dict[int, str]:
@@ -128,6 +131,8 @@ class BucketSync:
         self._hooks.remove()
         store = self._grads.refresh()
         self._grads.refuse_sparse("DataParallel")  # (a sparse embedding added since)
+        if store is not self._store:
+            self.shards = []  # of the old buffers
         self._store = store
         self.has_buffers = any(True for _ in self._grads.model.buffers())
         self._buckets = cut_buckets(store, self.bucket_mb)

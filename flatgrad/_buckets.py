@@ -20,6 +20,7 @@ from flatgrad.comm import launch_average, reduce_scatters, settle_unused
 from flatgrad.layout import GroupKey
 
 _FIRST_BUCKET_MB = 1.0  # a small first bucket starts communication early, as in DDP
+_SUMMED = (torch.float32, torch.float64)  # summed whole and divided after (see `Round`)
 
 
 @dataclass
@@ -92,6 +93,7 @@ class Round:
         wire_dtype: torch.dtype | None,
         scatter: bool,
         check_finite: Callable[[], dict[int, str]] | None = None,
+        shards: Sequence[torch.Tensor] = (),
     ) -> None:
         self.buckets = buckets
         self.plan = plan
@@ -100,6 +102,17 @@ class Round:
         # The used flags may ride with a bucket unless it is reduce-scattered (each rank
         # would get only its part of them).
         self.carries_flags = not (scatter and reduce_scatters(process_group))
+        # Where a ShardedOptimizer's buckets are all-reduced (gloo) its float32/float64
+        # buckets are summed, not divided first, and only its `shards` (all it reads: the
+        # rest of the buffer refuses reads until zeroed) are divided once everything has
+        # arrived: one pass over 1/world_size of the buffer instead of all of it. Only for
+        # a power-of-two world size: dividing by it is exact, so the result is DDP's
+        # (divided, then summed) to the bit. Half precision still divides first, so that
+        # its sums stay finite.
+        self.world_size = dist.get_world_size(process_group)
+        exact = self.world_size & (self.world_size - 1) == 0
+        summed = scatter and self.carries_flags and wire_dtype is None and exact
+        self.divide_after = [s for s in shards if s.dtype in _SUMMED] if summed else []
         # With `check_finite` (the parameters' names, asked for only to raise): per launched
         # bucket, whether its local gradients were all finite (a device tensor, no sync).
         self.check_finite = check_finite
@@ -207,8 +220,9 @@ class Round:
                 self.flagged.append((flags, members))
         if self.check_finite is not None:
             self.finite.append(torch.isfinite(bucket.buffer).all())
-        i = bucket.index
-        self.work[i], self.wire[i] = launch_average(sent, self.process_group, self.wire_dtype, self.scatter)
+        i, divide = bucket.index, not (self.divide_after and sent.dtype in _SUMMED)
+        group, wire_dtype = self.process_group, self.wire_dtype
+        self.work[i], self.wire[i] = launch_average(sent, group, wire_dtype, self.scatter, divide)
         self.sent[i] = sent
 
     def wait_launched(self) -> None:
@@ -245,6 +259,8 @@ class Round:
                 sent.copy_(wire)  # type: ignore[union-attr]
         if used_work is not None:
             used_work.wait()
+        if self.divide_after:
+            torch._foreach_div_(self.divide_after, self.world_size)
         self.exposed_s = time.perf_counter() - compute_done
         settle_unused(store, self.flagged)
         if nonfinite is not None:

@@ -363,17 +363,22 @@ def reduce_scatters(process_group: dist.ProcessGroup | None) -> bool:
 
 
 def launch_average(
-    sent: torch.Tensor, process_group: dist.ProcessGroup | None, wire_dtype: torch.dtype | None, scatter: bool
+    sent: torch.Tensor,
+    process_group: dist.ProcessGroup | None,
+    wire_dtype: torch.dtype | None,
+    scatter: bool,
+    divide: bool = True,
 ) -> tuple[Any, torch.Tensor | None]:
     """Start averaging `sent` over `process_group` asynchronously: an all-reduce in place,
     or (`scatter`) a reduce-scatter whose result is this rank's piece of `sent` (on gloo an
     all-reduce, which is faster there and leaves that piece averaged too). Returns the
     work and the wire tensor when it is not `sent` itself (a `wire_dtype` copy, which the
-    caller copies back once the work is done)."""
+    caller copies back once the work is done). `divide` False where the reduction sums:
+    the sum is left for the caller to divide (the shards a ShardedOptimizer reads)."""
     wire = to_wire(sent, wire_dtype)
-    op, divide = average_op(wire, process_group)
+    op, must_divide = average_op(wire, process_group)
     world_size = dist.get_world_size(process_group)
-    if divide:
+    if divide and must_divide:
         wire.div_(world_size)  # divide first, so sums stay finite (used flags stay > 0)
     if scatter and reduce_scatters(process_group):
         out = wire.view(world_size, -1)[dist.get_rank(process_group)]

@@ -142,6 +142,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         store = dp.module._engine.use_slot_multiple(self.world_size)
         buckets = dp._engine.use_reduce_scatter(store)
         self._engine = ShardEngine(store, buckets, dp.process_group, overlap_param_gather)
+        dp._engine.shards = [shard.grad for shard in self._engine.shards]  # (what it divides last on gloo)
         self._groups = PieceGroups(self._engine, self._names, optimizer_class, self.param_groups)
         self._ready = True
         self.overlap_param_gather = overlap_param_gather

@@ -10,6 +10,7 @@ the same element-wise update, shard by shard on ours, so parameters agree to rou
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -116,6 +117,45 @@ def _profile_worker(rank: int, world_size: int, overlap: bool) -> None:
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap_param_gather"])
 def test_one_average_per_bucket_and_one_gather_per_shard(overlap):
     run_ranks(_profile_worker, overlap)
+
+
+def _division_worker(rank: int, world_size: int) -> None:
+    model, flat, dp, opt = _build(rank)
+    torch.manual_seed(0)
+    ref = flatgrad.DataParallel(flatgrad.FlatGrad(_Net(), config=ROUTE_ALL), bucket_mb=0.002)
+    for step in range(2):
+        opt.zero_grad()
+        with rank_profile(record_shapes=True) as prof:
+            dp(_tokens(rank, step)).backward()
+        ref.zero_grad()
+        ref(_tokens(rank, step)).backward()
+        # gloo sums float64 buckets whole and divides only this rank's shards after (one
+        # foreach pass over 1/world_size of the buffer); on 2 ranks (a power of two) that
+        # is the divided-then-summed average (DataParallel's, and DDP's) to the bit
+        events = prof.events()
+        engine = opt._engine
+        assert [e.name for e in events].count("aten::_foreach_div_") == 1
+        # (on CPU the foreach runs a div_ per tensor; dividing the buckets first would
+        # divide world_size times as many elements)
+        divided = sum(
+            math.prod(e.input_shapes[0]) for e in events if e.name == "aten::div_" and e.input_shapes[0]
+        )
+        assert divided <= sum(b.numel() for b in dp.buckets) // world_size, divided
+        for p, q in zip(flat.module.parameters(), ref.module.parameters()):
+            if p not in engine.store:
+                continue
+            _, slot = engine.store.slot(p)
+            for shard, (view, start) in zip(engine.shards, engine.bucket_views):
+                size = view.numel() // world_size
+                lo, hi = start + rank * size, start + (rank + 1) * size
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if a < b:  # this rank's part of p's gradient
+                    mine = shard.grad[a - lo : b - lo]
+                    assert torch.equal(mine, q.grad.flatten()[a - slot.offset : b - slot.offset])
+
+
+def test_gloo_divides_only_the_shards_to_the_bit_of_dividing_first():
+    run_ranks(_division_worker)
 
 
 def _resume_worker(rank: int, world_size: int, tmp: str) -> None:
