@@ -115,7 +115,8 @@ class BucketSync:
     def drain(self) -> None:
         """Wait for the collectives a backward that raised had launched, before this step
         writes any gradient: in flight, they would land on top of it. (That step's
-        launched buckets hold averages of partial gradients, as DDP's bucket views would;
+        launched buckets hold averages of partial gradients, as DDP's bucket views would,
+        or their sums where a ShardedOptimizer divides after (`Round.divide_after`);
         `zero_grad()` before the next backward, as after any failed step.)"""
         self._task = None
         self._deferrals.forget()

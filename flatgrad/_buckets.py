@@ -107,11 +107,12 @@ class Round:
         # rest of the buffer refuses reads until zeroed) are divided once everything has
         # arrived: one pass over 1/world_size of the buffer instead of all of it. Only for
         # a power-of-two world size: dividing by it is exact, so the result is DDP's
-        # (divided, then summed) to the bit. Half precision still divides first, so that
-        # its sums stay finite.
+        # (divided, then summed) to the bit, but for sums beyond the float range and
+        # subnormal addends. Half precision still divides first, so that its sums stay
+        # finite; so does `check_finite`, whose raise leaves `.grad` readable.
         self.world_size = dist.get_world_size(process_group)
         exact = self.world_size & (self.world_size - 1) == 0
-        summed = scatter and self.carries_flags and wire_dtype is None and exact
+        summed = scatter and self.carries_flags and wire_dtype is None and exact and check_finite is None
         self.divide_after = [s for s in shards if s.dtype in _SUMMED] if summed else []
         # With `check_finite` (the parameters' names, asked for only to raise): per launched
         # bucket, whether its local gradients were all finite (a device tensor, no sync).
@@ -261,6 +262,7 @@ class Round:
             used_work.wait()
         if self.divide_after:
             torch._foreach_div_(self.divide_after, self.world_size)
+            self.divide_after = []  # (once)
         self.exposed_s = time.perf_counter() - compute_done
         settle_unused(store, self.flagged)
         if nonfinite is not None:

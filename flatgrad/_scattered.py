@@ -1,8 +1,9 @@
 """`.grad` after a reduce-scattering backward (ZeRO-1): a view of its slot that refuses math.
 
 After DataParallel reduce-scatters the buckets for a ShardedOptimizer, a rank holds the
-average over the ranks only in its own shard of each bucket; the rest of its buffer still
-holds its local gradients (divided by the world size). A model parameter's `.grad` is a
+average over the ranks only in its own shards; the rest of its buffer holds its local
+gradients divided by the world size (reduce-scatter, NCCL), or the sums over the ranks
+(gloo, which all-reduces and divides only the shards). A model parameter's `.grad` is a
 view of that buffer, so anything computed from it (``torch.nn.utils.clip_grad_norm_``, a
 logged ``p.grad.norm()``) would be wrong, and different on every rank. The right global
 values need another all-gather of the gradients, which ZeRO-1's communication does not
@@ -82,8 +83,8 @@ class ScatteredGrad(torch.Tensor):
             raise RuntimeError(
                 f"{name} on a parameter's .grad under a ShardedOptimizer: after the synchronised "
                 "backward the gradients are reduce-scattered, so each rank holds the average over "
-                "the ranks only in its own shard and .grad elsewhere holds this rank's local "
-                "values; any value computed from .grad (torch.nn.utils.clip_grad_norm_, "
+                "the ranks only in its own shard and .grad elsewhere holds other values (this "
+                "rank's own, or sums); any value computed from .grad (torch.nn.utils.clip_grad_norm_, "
                 f"p.grad.norm() for logging) would be wrong and differ between ranks; {_ADVICE}"
             )
         with DisableTorchFunctionSubclass():

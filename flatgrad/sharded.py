@@ -275,7 +275,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from `state_dict` (what `state_dict` gave, on any world size, through
         ``torch.distributed.checkpoint``; or this rank's own, ``torch.save``-d, on the same
-        world size and buckets). Checked on every rank together (one small all-reduce), so a
+        world size, buckets and shards). Checked on every rank together (one small all-reduce), so a
         state that does not fit raises the same error on every rank, and none loads it.
         The groups' options (``lr``, ...) are the saved ones afterwards, as with torch's
         optimizers.

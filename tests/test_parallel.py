@@ -657,7 +657,7 @@ class _Holder(nn.Module):
         super().__init__()
         self.first = nn.Linear(6, 6)  # registered first: the last bucket
         self.b = nn.Linear(6, 6)
-        self.w = nn.Parameter(torch.randn(200, 200))  # large, unrouted: copied in, not seated
+        self.w = nn.Parameter(torch.randn(400, 400))  # large, unrouted: copied in, not seated
         self.double()
 
     def forward(self, x: torch.Tensor, none_for_w: bool) -> torch.Tensor:
@@ -887,7 +887,7 @@ class _Aux(nn.Module):
         self.fc = nn.Linear(16, 16)
         self.norm = nn.LayerNorm(16)
         self.head = nn.Linear(16, 40)
-        self.big = nn.Parameter(torch.randn(200, 200) / 200)  # above _SEAT_MAX_NUMEL: placed
+        self.big = nn.Parameter(torch.randn(400, 400) / 400)  # above SEAT_MAX_NUMEL: placed
         self.double()
 
     def forward(self, tokens: torch.Tensor, wrap: str = "tensor") -> Any:
