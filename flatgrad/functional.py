@@ -230,16 +230,21 @@ def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.
     if _has_negative(indices, size):
         indices = torch.where(indices < 0, indices + size, indices)
     if torch.compiler.is_compiling():
-        return buffer.index_select(0, indices.reshape(-1)).view(*indices.shape, *buffer.shape[1:])
+        return _select_rows(buffer, indices)
     try:
         if functorch_active():
-            return buffer.index_select(0, indices.reshape(-1)).view(*indices.shape, *buffer.shape[1:])
+            return _select_rows(buffer, indices)
         return gather_rows_into_slot(buffer, indices, None, False)
     except (IndexError, RuntimeError) as error:  # the gather's own range check: name the index
         bad = out_of_range(indices, 0, size)  # (negative ones are wrapped by now)
         if bad is not None:
             raise _bad_row(size, bad) from error
         raise
+
+
+def _select_rows(buffer: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``buffer[indices]`` (indices in range) as torch's own op, for Dynamo and torch.func."""
+    return buffer.index_select(0, indices.reshape(-1)).view(*indices.shape, *buffer.shape[1:])
 
 
 def _bad_row(size: int, bad: int) -> IndexError:
