@@ -111,7 +111,7 @@ class Round:
         # subnormal addends. Half precision still divides first, so that its sums stay
         # finite; so does `check_finite`, whose raise leaves `.grad` readable.
         self.world_size = dist.get_world_size(process_group)
-        exact = self.world_size & (self.world_size - 1) == 0
+        exact = self.world_size > 1 and self.world_size & (self.world_size - 1) == 0  # (1: no division)
         summed = scatter and self.carries_flags and wire_dtype is None and exact and check_finite is None
         self.divide_after = [s for s in shards if s.dtype in _SUMMED] if summed else []
         # With `check_finite` (the parameters' names, asked for only to raise): per launched

@@ -254,10 +254,11 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 def average_op(tensor: torch.Tensor, process_group: dist.ProcessGroup | None) -> tuple[Any, bool]:
     """(reduce op, whether to divide by the world size first) for averaging `tensor`: NCCL
     averages inside the reduction (`ReduceOp.AVG`, no extra pass); other backends sum a
-    tensor divided first, so that sums stay finite."""
+    tensor divided first, so that sums stay finite. One rank divides nothing (``x / 1`` is
+    ``x`` to the bit; a pass over every gradient for nothing)."""
     if tensor.is_cuda and "nccl" in str(dist.get_backend(process_group)):
         return dist.ReduceOp.AVG, False
-    return dist.ReduceOp.SUM, True
+    return dist.ReduceOp.SUM, dist.get_world_size(process_group) > 1
 
 
 def _all_reduce_mean(

@@ -1156,3 +1156,38 @@ def test_check_finite_makes_every_rank_raise_naming_the_rank_and_parameter():
     both ranks raise from the same backward (no hang), rank 1 naming itself and the
     parameter whose gradient really is non-finite, rank 0 naming rank 1."""
     run_ranks(_check_finite_worker, timeout=90)
+
+
+def test_one_rank_divides_nothing_and_equals_the_plain_model_to_the_bit():
+    """World size 1 (a single-GPU or CPU run of a data-parallel script): the average is the
+    local gradient, so no path spends a pass dividing it by 1, and the result equals the
+    plain model's bit for bit (`.grad`, and the parameters after a ShardedOptimizer step)."""
+    from flatgrad.bench.device_base import single_rank_group
+
+    torch.manual_seed(0)
+    plain = _Net()
+    tokens = torch.randint(0, 40, (4, 6))
+    plain(tokens).backward()
+    grads = {name: p.grad for name, p in plain.named_parameters() if p.grad is not None}
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    with single_rank_group("gloo", torch.device("cpu")):
+        for path in ("DataParallel", "ShardedOptimizer", "all_reduce_grads"):
+            torch.manual_seed(0)
+            flat = flatgrad.FlatGrad(_Net())
+            dp = flatgrad.DataParallel(flat) if path != "all_reduce_grads" else None
+            opt = None
+            if path == "ShardedOptimizer":
+                opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                (dp if dp is not None else flat)(tokens).backward()
+                if dp is None:
+                    flat.all_reduce_grads()
+                if opt is not None:
+                    opt.step()
+            divisions = [e.name for e in prof.events() if e.name in ("aten::div_", "aten::_foreach_div_")]
+            assert divisions == [], (path, divisions)
+            for name, param in flat.named_parameters():
+                if opt is not None:
+                    assert torch.equal(param, dict(plain.named_parameters())[name]), name
+                elif name in grads:
+                    assert torch.equal(param.grad, grads[name]), (path, name)
