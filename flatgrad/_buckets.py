@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatgrad._buffer_ops import host_tensor
+from flatgrad._buffer_ops import host_tensor, read_here
 from flatgrad.buffer import GradStore
 from flatgrad.comm import launch_average, reduce_scatters, settle_unused
 from flatgrad.layout import GroupKey
@@ -72,7 +72,7 @@ def agree_order(
     parameter unused there) in buffer order."""
     seen = set(completed)
     order = [*completed, *(index for index in range(num_buckets) if index not in seen)]
-    agreed = torch.tensor(order, dtype=torch.int64, device=device)
+    agreed = host_tensor(order, torch.int64, device)  # (pinned on CUDA: no pageable copy)
     source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
     dist.broadcast(agreed, src=source, group=process_group)
     return [int(index) for index in agreed.tolist()]
@@ -257,7 +257,7 @@ class Round:
         for work, wire, sent in zip(self.work, self.wire, self.sent):
             work.wait()
             if wire is not None:
-                sent.copy_(wire)  # type: ignore[union-attr]
+                sent.copy_(read_here(wire))  # type: ignore[union-attr]
         if used_work is not None:
             used_work.wait()
         if self.divide_after:
@@ -274,7 +274,8 @@ class Round:
         device = next(iter(store.buffers.values())).device
         ranks = torch.zeros(dist.get_world_size(self.process_group), dtype=torch.int32, device=device)
         if self.finite:
-            ranks[dist.get_rank(self.process_group)] = (~torch.stack(self.finite)).any().to(torch.int32)
+            finite = torch.stack([read_here(flag) for flag in self.finite])
+            ranks[dist.get_rank(self.process_group)] = (~finite).any().to(torch.int32)
         return ranks, dist.all_reduce(ranks, group=self.process_group, async_op=True)
 
     def _raise_if_nonfinite(self, ranks: torch.Tensor, work: Any) -> None:

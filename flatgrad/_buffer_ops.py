@@ -1,6 +1,6 @@
 """Free functions over the flat buffers' tensors: allocating a buffer aligned
 (`aligned_zeros`), staging host values for a device copy (`host_tensor`, `write_flags`),
-scaling in place (`scale_`)."""
+scaling in place (`scale_`), reading on another CUDA stream (`read_here`)."""
 
 from __future__ import annotations
 
@@ -59,3 +59,13 @@ def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
         by_device.setdefault(tensor.device, []).append(tensor)
     for device, group in by_device.items():
         torch._foreach_mul_(group, coef.to(device))
+
+
+def read_here(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, marked as read by the current CUDA stream (`Tensor.record_stream`), where it
+    may have been made on another: the autograd engine runs a hook on the stream of the
+    node's forward, a final callback on the caller's. Torch's caching allocator then does not
+    hand its memory out again, once it is freed, before that read has run. Elsewhere a no-op."""
+    if tensor.is_cuda:
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+    return tensor

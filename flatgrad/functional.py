@@ -137,6 +137,17 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(math.prod(tensor.shape[:-1]), tensor.shape[-1])
 
 
+def _read_counts(index: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """How many times each of `size` rows is read by `index`, as `dtype` (scale_grad_by_freq).
+    On CUDA `torch.bincount` sizes its output from ``index.max().item()``, a device sync on
+    every backward; a scatter-add of ones into `size` int64 counters needs none (integer
+    sums: the same counts in any order; 1-D, it has a deterministic kernel too)."""
+    if index.device.type != "cuda":
+        return torch.bincount(index, minlength=size).to(dtype)
+    counts = torch.zeros(size, dtype=torch.int64, device=index.device)
+    return counts.scatter_add_(0, index.long(), torch.ones_like(index, dtype=torch.int64)).to(dtype)
+
+
 def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
@@ -175,8 +186,7 @@ class _GatherRows(torch.autograd.Function):
         if ctx.padding_idx is not None:
             rows = rows.masked_fill((index == ctx.padding_idx).view(per_row), 0)
         if ctx.scale_grad_by_freq:
-            counts = torch.bincount(index, minlength=shape[0]).to(dtype)
-            rows = rows / counts[index].view(per_row)
+            rows = rows / _read_counts(index, shape[0], dtype)[index].view(per_row)
         if mode == "fresh":
             fresh = torch.zeros(shape, dtype=dtype, device=device)
             if torch.is_grad_enabled():  # create_graph: keep the result differentiable

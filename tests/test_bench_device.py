@@ -271,6 +271,8 @@ def test_device_command_on_cuda_passes_every_check(tmp_path: Path, quick: bool):
 )
 def test_device_check_on_cuda(check):
     outcome = check(DeviceRun(torch.device("cuda", 0), quick=True))
+    if outcome.passed is None:  # (out_dtype GEMM: this torch has no such kernel; says which)
+        pytest.skip(outcome.detail)
     assert outcome.passed is True, outcome.detail
 
 

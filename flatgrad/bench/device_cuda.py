@@ -7,12 +7,14 @@ import copy
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import flatgrad
+from flatgrad import _buckets
 from flatgrad.bench.device_base import (
     ROUTE_ALL,
     DeviceRun,
@@ -56,14 +58,17 @@ def _no_host_sync() -> Iterator[None]:
 
 
 def _dp_step(device: torch.device, sharded: bool, use_branch: bool) -> tuple[int, int, list[str]]:
-    """One synchronised backward (profiled) of DataParallel (or ShardedOptimizer): (pinned
-    host-to-device copies, pageable ones, parameters left without .grad). DataParallel's
-    gradients must equal a plain stock backward's (ShardedOptimizer's `.grad` are
-    reduce-scattered shards, compared by the NCCL paths check after its steps)."""
+    """One steady synchronised backward (profiled) of DataParallel (or ShardedOptimizer):
+    (pinned host-to-device copies, pageable ones, parameters left without .grad). The one
+    before it learns the bucket order (a broadcast, once). DataParallel's gradients must
+    equal a plain stock backward's (ShardedOptimizer's `.grad` are reduce-scattered shards,
+    compared by the NCCL paths check after its steps)."""
     torch.manual_seed(0)
     model = CommNet().double().to(device)
     stock, ours = stock_plain(model, device), flat_dp(model, device, sharded=sharded)
     stock.forward(*batch(0, 0, 0, device), use_branch).backward()
+    ours.forward(*batch(0, 0, 0, device), use_branch).backward()
+    ours.optimizer.zero_grad()
     loss = ours.forward(*batch(0, 0, 0, device), use_branch)
     with profiled(device) as prof:
         loss.backward()
@@ -150,7 +155,7 @@ def _gather_no_sync(run: DeviceRun) -> str:
 def _deterministic_gather(run: DeviceRun) -> str:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(64, 32, generator=gen, dtype=torch.float64).to(run.device)
-    index = torch.randint(0, 4, (64, 24), generator=gen)  # repeated positions.to(run.device)
+    index = torch.randint(0, 4, (64, 24), generator=gen).to(run.device)  # repeated positions
     ours = _Gathered(weight, flatgrad.gather)
     flat = flatgrad.FlatGrad(ours, config=ROUTE_ALL)
     stock = _Gathered(weight, torch.gather)
@@ -193,6 +198,46 @@ def _moved_after_wrapping(run: DeviceRun) -> str:
     return f"grad buffers {[str(d) for _, d in keys]}; grads equal stock"
 
 
+def _freq_counts_no_sync(run: DeviceRun) -> str:
+    torch.manual_seed(0)
+    emb = nn.Embedding(50, 8, padding_idx=3, scale_grad_by_freq=True).double().to(run.device)
+    stock = copy.deepcopy(emb)
+    flat = flatgrad.FlatGrad(emb, config=ROUTE_ALL)
+    idx = torch.randint(0, 50, (16, 12), generator=torch.Generator().manual_seed(0)).to(run.device)
+    flat(idx).square().sum().backward()  # (the first backward lays out; the second must not sync)
+    flat.zero_grad()
+    with _no_host_sync():  # torch.bincount would read index.max() back
+        flat(idx).square().sum().backward()
+    stock(idx).square().sum().backward()
+    _same(emb.weight.grad, stock.weight.grad)
+    return "scale_grad_by_freq: rows counted by an int64 scatter-add on the GPU, no host sync; equals stock"
+
+
+def _wire_on_a_side_stream(run: DeviceRun) -> str:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(3)]).to(run.device)
+    stock = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    dp = flatgrad.DataParallel(flat, bucket_mb=0.1, wire_dtype=torch.bfloat16, check_finite=True)
+    x = torch.randn(16, 128, device=run.device)
+    marked: list[torch.Tensor] = []
+    side, main = torch.cuda.Stream(run.device), torch.cuda.current_stream(run.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side), mock.patch.object(_buckets, "read_here", side_effect=_buckets.read_here):
+        for _ in range(2):
+            dp.zero_grad()
+            dp(x).square().mean().backward()
+        marked = [call.args[0] for call in _buckets.read_here.call_args_list]  # type: ignore[attr-defined]
+    main.wait_stream(side)
+    stock(x).square().mean().backward()
+    for p, q in zip(model.parameters(), stock.parameters()):  # (world size 1: bfloat16 wire only)
+        torch.testing.assert_close(p.grad, q.grad, rtol=2**-7, atol=1e-6)
+    wires = sum(t.dtype == torch.bfloat16 for t in marked)
+    assert wires >= 2 * len(dp.buckets), f"{wires} bfloat16 wire tensors marked for {len(dp.buckets)} buckets"
+    flags = len(marked) - wires
+    return f"on a side stream: {wires} bf16 wire and {flags} finite-flag tensors marked as read by it"
+
+
 # (where in flatgrad, what the CUDA branch does, the function that runs it and shows it ran)
 BRANCHES: tuple[tuple[str, str, Callable[[DeviceRun], str]], ...] = (
     ("_buffer_ops.host_tensor via GradStore.flagged", "pinned staging, non_blocking copy", _pinned_flags),
@@ -204,6 +249,8 @@ BRANCHES: tuple[tuple[str, str, Callable[[DeviceRun], str]], ...] = (
     ("functional._has_negative, _scatter.out_of_range", "no host range check on CUDA", _gather_no_sync),
     ("_scatter.scatter_add_into", "deterministic index_put_ path on CUDA", _deterministic_gather),
     ("wrapper: .to(cuda) after wrapping", "buffers rebuilt on the GPU", _moved_after_wrapping),
+    ("functional._read_counts", "scale_grad_by_freq counts without a host sync", _freq_counts_no_sync),
+    ("_buffer_ops.read_here via Round.sync_all", "record_stream of wire and flags", _wire_on_a_side_stream),
 )
 
 
