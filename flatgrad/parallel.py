@@ -286,6 +286,10 @@ class DataParallel(PlainNames):
         """Of the last synchronised backward: how long the final callback waited for
         communication after the backward's compute had ended.
 
+        Host time, as are `launch_offsets_s` and `backward_s`: on CUDA with NCCL the waits
+        order the current stream after the collectives without blocking the host, so this is
+        about 0 there, and the GPU's own timeline needs CUDA events or the profiler.
+
         Returns:
             Seconds (0.0 before the first synchronised backward).
         """
