@@ -78,6 +78,13 @@ def agree_order(
     return [int(index) for index in agreed.tolist()]
 
 
+def _current_streams(buckets: Sequence[Bucket]) -> dict[torch.device, Any]:
+    """The current stream of each CUDA device the buckets live on (a round opens on the
+    forward's: an output's pre hook runs there); empty off CUDA."""
+    cuda = {bucket.buffer.device for bucket in buckets if bucket.buffer.is_cuda}
+    return {device: torch.cuda.current_stream(device) for device in cuda}
+
+
 class Round:
     """One synchronised backward's averaging: which parameters are ready, which bucket
     launches next (in the plan's order), each bucket's collective, and the used flags that
@@ -95,9 +102,7 @@ class Round:
         check_finite: Callable[[], dict[int, str]] | None = None,
         shards: Sequence[torch.Tensor] = (),
     ) -> None:
-        self.buckets = buckets
-        self.plan = plan
-        self.store = store
+        self.buckets, self.plan, self.store = buckets, plan, store
         self.process_group, self.wire_dtype, self.scatter = process_group, wire_dtype, scatter
         # The used flags may ride with a bucket unless it is reduce-scattered (each rank
         # would get only its part of them).
@@ -118,6 +123,7 @@ class Round:
         # bucket, whether its local gradients were all finite (a device tensor, no sync).
         self.check_finite = check_finite
         self.finite: list[torch.Tensor] = []
+        self.streams = _current_streams(buckets)  # the backward's (see `_follow_backward`)
         self.pending = [len(bucket.params) for bucket in self.buckets]
         self.work: list[Any] = [None] * len(self.buckets)
         self.wire: list[torch.Tensor | None] = [None] * len(self.buckets)
@@ -137,9 +143,10 @@ class Round:
         self.next = 0  # the position in the plan's order of the next bucket to launch
         self.launched: list[Bucket] = []
         self.launched_in_backward = 0  # launched before the final callback flushed the rest
-        # perf_counter seconds: when each bucket was launched, relative to the backward's
-        # start; how long the final callback waited for communication after the backward's
-        # compute had ended (exposed communication); the backward's start to that end.
+        # perf_counter seconds (host time): when each bucket was launched, relative to the
+        # backward's start; how long the final callback spent in the waits after the
+        # backward's compute had ended (exposed communication; about 0 on NCCL, whose waits
+        # do not block the host); the backward's start to that end.
         self.started = time.perf_counter()
         self.launch_offsets_s: list[float] = []
         self.exposed_s = 0.0
@@ -198,6 +205,8 @@ class Round:
             bucket = self.buckets[order[self.next]]
             if self.pending[bucket.index] and not flush:
                 return
+            if bucket.buffer.is_cuda:
+                self._follow_backward(bucket.buffer.device)
             # Zero the slots of parameters without a `.grad` (unused, or whose AccumulateGrad
             # ran with an undefined gradient): the slot may still hold an earlier step's
             # values. Move in any `.grad` that lives outside its slot.
@@ -206,6 +215,20 @@ class Round:
             self.launched.append(bucket)
             self.launch_offsets_s.append(time.perf_counter() - self.started)
             self.next += 1
+
+    def _follow_backward(self, device: torch.device) -> bool:
+        """Make the current stream wait for the backward's on `device`; whether it had to.
+        A routed layer writes its slot on the stream of its forward and hands AccumulateGrad
+        no gradient, so the engine orders nothing after that write; the AccumulateGrad hooks
+        that launch most buckets run on the stream their nodes were made on (DataParallel
+        keeps them from its construction). Trained on another stream than it was built on, a
+        launch would otherwise read slots still being written."""
+        stream = self.streams.get(device)
+        current = torch.cuda.current_stream(device)
+        if stream is None or stream == current:
+            return False
+        current.wait_stream(stream)
+        return True
 
     def _launch(self, bucket: Bucket) -> None:
         sent = bucket.buffer

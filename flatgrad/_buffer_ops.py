@@ -63,9 +63,10 @@ def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
 
 def read_here(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`, marked as read by the current CUDA stream (`Tensor.record_stream`), where it
-    may have been made on another: the autograd engine runs a hook on the stream of the
-    node's forward, a final callback on the caller's. Torch's caching allocator then does not
-    hand its memory out again, once it is freed, before that read has run. Elsewhere a no-op."""
+    may have been made on another: an AccumulateGrad hook runs on the stream its node was
+    made on (DataParallel keeps the nodes from its construction), a final callback on the
+    caller's. Torch's caching allocator then does not hand its memory out again, once it is
+    freed, before that read has run. Elsewhere a no-op."""
     if tensor.is_cuda:
         tensor.record_stream(torch.cuda.current_stream(tensor.device))
     return tensor

@@ -43,9 +43,12 @@ earlier step (then a gradient that comes after its bucket launched raises).
 that should average is refused.
 
 On CUDA with NCCL the collectives run on the process group's own communication stream,
-which waits (through an event) for the stream that produced the gradients when the
-collective is launched; `Work.wait()` in the final callback makes the current stream wait
-for the communication in turn. Nothing writes a bucket (the next micro-batch, `zero_grad`,
+which waits (through an event) for the stream current at the launch: an AccumulateGrad
+hook's (the stream its node was made on, which DataParallel keeps from its construction)
+or the final callback's. That stream first waits for the one the backward opened on (the
+forward's, where the routed layers write their slots) when they differ: a model trained on
+another stream than it was wrapped on. `Work.wait()` in the final callback makes the
+current stream wait for the communication in turn. Nothing writes a bucket (the next micro-batch, `zero_grad`,
 the optimizer) before its collective is done, because backward does not return before.
 """
 
@@ -283,8 +286,8 @@ class DataParallel(PlainNames):
 
     @property
     def exposed_s(self) -> float:
-        """Of the last synchronised backward: how long the final callback waited for
-        communication after the backward's compute had ended.
+        """Of the last synchronised backward: how long the final callback spent in the waits
+        for communication after the backward's compute had ended.
 
         Host time, as are `launch_offsets_s` and `backward_s`: on CUDA with NCCL the waits
         order the current stream after the collectives without blocking the host, so this is

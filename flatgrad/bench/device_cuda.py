@@ -221,21 +221,36 @@ def _wire_on_a_side_stream(run: DeviceRun) -> str:
     dp = flatgrad.DataParallel(flat, bucket_mb=0.1, wire_dtype=torch.bfloat16, check_finite=True)
     x = torch.randn(16, 128, device=run.device)
     marked: list[torch.Tensor] = []
+    waited: list[bool] = []
+    follow = _buckets.Round._follow_backward
+
+    def spy(round_: _buckets.Round, device: torch.device) -> bool:
+        waited.append(follow(round_, device))
+        return waited[-1]
+
     side, main = torch.cuda.Stream(run.device), torch.cuda.current_stream(run.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side), mock.patch.object(_buckets, "read_here", side_effect=_buckets.read_here):
+    side.wait_stream(main)  # (built on the default stream, trained on the side one)
+    with (
+        torch.cuda.stream(side),
+        mock.patch.object(_buckets, "read_here", side_effect=_buckets.read_here),
+        mock.patch.object(_buckets.Round, "_follow_backward", spy),
+    ):
         for _ in range(2):
             dp.zero_grad()
             dp(x).square().mean().backward()
         marked = [call.args[0] for call in _buckets.read_here.call_args_list]  # type: ignore[attr-defined]
     main.wait_stream(side)
+    assert any(waited), "no bucket launch waited for the backward's stream"
     stock(x).square().mean().backward()
     for p, q in zip(model.parameters(), stock.parameters()):  # (world size 1: bfloat16 wire only)
         torch.testing.assert_close(p.grad, q.grad, rtol=2**-7, atol=1e-6)
     wires = sum(t.dtype == torch.bfloat16 for t in marked)
     assert wires >= 2 * len(dp.buckets), f"{wires} bfloat16 wire tensors marked for {len(dp.buckets)} buckets"
-    flags = len(marked) - wires
-    return f"on a side stream: {wires} bf16 wire and {flags} finite-flag tensors marked as read by it"
+    flags, follows = len(marked) - wires, sum(waited)
+    return (
+        f"trained on a side stream: {follows} of {len(waited)} launches waited for it first; "
+        f"{wires} bf16 wire and {flags} finite-flag tensors marked as read by it"
+    )
 
 
 # (where in flatgrad, what the CUDA branch does, the function that runs it and shows it ran)
@@ -250,7 +265,7 @@ BRANCHES: tuple[tuple[str, str, Callable[[DeviceRun], str]], ...] = (
     ("_scatter.scatter_add_into", "deterministic index_put_ path on CUDA", _deterministic_gather),
     ("wrapper: .to(cuda) after wrapping", "buffers rebuilt on the GPU", _moved_after_wrapping),
     ("functional._read_counts", "scale_grad_by_freq counts without a host sync", _freq_counts_no_sync),
-    ("_buffer_ops.read_here via Round.sync_all", "record_stream of wire and flags", _wire_on_a_side_stream),
+    ("Round._follow_backward, _buffer_ops.read_here", "trained on another stream", _wire_on_a_side_stream),
 )
 
 
