@@ -17,7 +17,7 @@ from torch import nn
 from flatgrad._checkpoint import Layout, Piece
 from flatgrad._scattered import is_scattered, unguarded
 from flatgrad._torch_compat import register_load_pre_hook
-from flatgrad._zero_grads import clip_shards, unscale_shards
+from flatgrad._zero_grads import clip_shards, runs_in_shards, unscale_shards
 from flatgrad.buffer import GradStore
 from flatgrad.comm import all_gather_flat, reduce_scatters
 
@@ -69,6 +69,7 @@ class ShardEngine:
         self.param_buffers = _flatten_parameters(store)
         self._addresses = list(map(_data_ptr, store.params))  # (see `params_in_place`)
         self.shards = self._cut_shards()
+        self.grad_runs = runs_in_shards(store, self.bucket_views, self.world_size, self.rank)  # (clipping)
         # The parameters' version counters when the masters last matched them: a write
         # since (load_state_dict, a copy under no_grad) makes `step` take the masters again.
         self._versions = self._param_versions()
@@ -192,7 +193,8 @@ class ShardEngine:
     def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """Scale the gradient shards to a global norm of at most `max_norm`; returns the
         global norm before (one scalar all-reduce)."""
-        return clip_shards([s.grad for s in self.shards], max_norm, norm_type, self.process_group)
+        runs = self.grad_runs
+        return clip_shards([s.grad for s in self.shards], max_norm, norm_type, self.process_group, runs)
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:
         """Multiply the gradient shards by `inv_scale` (a loss scaler's 1/scale); with

@@ -7,19 +7,52 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from flatgrad import _norms
 from flatgrad._torch_compat import non_finite_check_and_unscale
+from flatgrad.buffer import GradStore
+from flatgrad.layout import GroupKey
+
+
+def runs_in_shards(
+    store: GradStore, bucket_views: Sequence[tuple[torch.Tensor, int]], world_size: int, rank: int
+) -> list[torch.Tensor]:
+    """The gradient elements inside this rank's shards (of `bucket_views`: each a gradient
+    view and its offset in its buffer) without the alignment padding between slots:
+    `GradStore.runs` cut at the shards' edges. What a scale may touch: padding is zero by
+    construction and nothing zeroes it again, so a NaN clip coefficient multiplied into it
+    would stay in every later norm."""
+    shards: dict[GroupKey, list[tuple[int, int]]] = {}
+    for view, start in bucket_views:
+        size = view.numel() // world_size
+        lo = start + rank * size
+        shards.setdefault((view.dtype, view.device), []).append((lo, lo + size))
+    runs = []
+    for run in store.runs:
+        key = (run.dtype, run.device)
+        buffer = store.buffers[key]
+        first = run.storage_offset() - buffer.storage_offset()
+        for lo, hi in shards.get(key, ()):
+            a, b = max(first, lo), min(first + run.numel(), hi)
+            if a < b:
+                runs.append(buffer.narrow(0, a, b - a))
+    return runs
 
 
 def clip_shards(
-    grads: list[torch.Tensor], max_norm: float, norm_type: float, process_group: dist.ProcessGroup | None
+    grads: list[torch.Tensor],
+    max_norm: float,
+    norm_type: float,
+    process_group: dist.ProcessGroup | None,
+    runs: Sequence[torch.Tensor],
 ) -> torch.Tensor:
-    """Scale `grads` (every rank's shards together) to a global norm of at most `max_norm`;
-    returns the global norm before, in at least float32 (one scalar all-reduce)."""
+    """Scale the gradients of `grads` (every rank's shards together) to a global norm of at
+    most `max_norm`, multiplying only their `runs` (`runs_in_shards`); returns the global
+    norm before, in at least float32 (one scalar all-reduce)."""
     device = grads[0].device
     # float64 partial norms, accumulated in chunks (see flatgrad._norms)
     norms = torch.stack([_norms.vector_norm(g, norm_type).to(device) for g in grads])
@@ -31,8 +64,11 @@ def clip_shards(
         dist.all_reduce(total, group=process_group)
         total = total.pow(1.0 / norm_type)
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    for grad in grads:
-        grad.mul_(coef.to(grad.dtype))
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for run in runs:
+        by_dtype.setdefault(run.dtype, []).append(run)
+    for dtype, same in by_dtype.items():
+        torch._foreach_mul_(same, coef.to(dtype))
     dtype = functools.reduce(torch.promote_types, [_norms.norm_dtype(g.dtype) for g in grads])
     return total.to(dtype)
 

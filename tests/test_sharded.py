@@ -636,3 +636,35 @@ def test_overlap_param_gather_waits_per_bucket_in_the_next_forward_and_equals_th
     embedding, first, finds the other buckets still in flight), state_dict and
     wait_param_gather() wait for all; parameters equal the synchronous path bit for bit."""
     run_ranks(_overlap_gather_worker, timeout=120)
+
+
+def _nan_step_worker(rank: int, world_size: int) -> None:
+    """One non-finite batch on one rank: the norm is NaN on every rank for that step (the
+    loop skips it, as stock's does), and the next steps are stock's again. The NaN clip
+    coefficient of that step multiplies gradients only, never the alignment padding inside
+    the shards, which no zeroing reaches and every later norm would read."""
+    model, flat, dp, opt = _build(rank)
+    ref, ref_opt = _stock(model)
+    store = flat._engine.store
+    padded = sum(b.numel() for b in store.buffers.values()) > sum(p.numel() for p in store.params)
+    assert padded, "the model must leave alignment padding in its buffers"
+    for step in range(4):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        nan = step == 1 and rank == 1
+        loss = dp(_tokens(rank, step))
+        (loss * float("nan") if nan else loss).backward()
+        ref_loss = ref(_tokens(rank, step))
+        (ref_loss * float("nan") if nan else ref_loss).backward()
+        norm = opt.clip_grad_norm_(0.5)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        assert torch.isfinite(norm) == torch.isfinite(ref_norm) == (step != 1), (step, norm, ref_norm)
+        if torch.isfinite(norm):
+            torch.testing.assert_close(norm, ref_norm, **TOL)
+            opt.step()
+            ref_opt.step()
+    _assert_params_close(model, ref)
+
+
+def test_a_nan_step_does_not_poison_the_next_ones():
+    run_ranks(_nan_step_worker)
