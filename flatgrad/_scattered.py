@@ -185,7 +185,10 @@ def refuse_adding_onto_scattered(store: GradStore | None) -> None:
     is plain again."""
     if store is None:
         return
-    held = bool(store.mains) or any(p.grad is not None for p in store.params)  # (a main grad: always)
+    # Still held: a `.grad` the sync marked (a seated slot, set since by the seater for a
+    # `.grad` that was None, does not count), or a main grad (zeroed by flatgrad's own
+    # zero_grad only; `.grad` says nothing of it).
+    held = bool(store.mains) or any(type(p.grad) is ScatteredGrad for p in store.params)
     if held and any(bool(b.any()) for b in store.buffers.values()):
         raise RuntimeError(
             "ShardedOptimizer: a backward after a synchronised backward and before "

@@ -97,10 +97,13 @@ class ShardEngine:
         return list(map(_data_ptr, self.store.params)) == self._addresses
 
     def has_grads(self) -> bool:
-        """Whether a step has gradients to use: the shards were reduce-scattered into since
-        the last zeroing (main grads have no `.grad`), or a parameter has a `.grad`. Every
-        rank answers alike: a sync sets `.grad` alike on all."""
-        return is_scattered(self.store) or any(p.grad is not None for p in self.store.params)
+        """Whether a step has gradients to use: a parameter has a `.grad` (reduce-scattered
+        ones are ScatteredGrads), or main grads were reduce-scattered into since flatgrad's
+        last zeroing (they have no `.grad`). Gradients set to None through the model
+        (``model.zero_grad()``) leave nothing to step, as with stock. Every rank answers
+        alike: a sync sets `.grad` alike on all."""
+        store = self.store
+        return any(p.grad is not None for p in store.params) or (is_scattered(store) and bool(store.mains))
 
     def check_layout(self, stores: StoreSource) -> None:
         """Raise RuntimeError where the model's parameters changed since construction;

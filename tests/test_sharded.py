@@ -668,3 +668,32 @@ def _nan_step_worker(rank: int, world_size: int) -> None:
 
 def test_a_nan_step_does_not_poison_the_next_ones():
     run_ranks(_nan_step_worker)
+
+
+def _model_zero_grad_worker(rank: int, world_size: int, who: str) -> None:
+    """Gradients zeroed through the model (``model.zero_grad()``, as transformers' Trainer
+    does), through the wrapper or DataParallel, never through the optimizer: the next
+    backward is a fresh one (the routed Embedding's slot still holds the last average) and
+    a step with no backward in between steps nothing, as with stock."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    ref, ref_opt = _stock(model)
+    flat = flatgrad.FlatGrad(model)  # (the default config routes the Embedding)
+    dp = flatgrad.DataParallel(flat)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    zero = {"model": model.zero_grad, "flat": flat.zero_grad, "dp": dp.zero_grad}[who]
+    for step in range(4):
+        x = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(step * 2 + rank))
+        zero()
+        ref.zero_grad()
+        if step != 2:  # step 2: zeroed, then a step with nothing to step
+            dp(x).square().mean().backward()
+            ref(x).square().mean().backward()
+        opt.step()
+        ref_opt.step()
+    _assert_params_close(model, ref)
+
+
+@pytest.mark.parametrize("who", ["model", "flat", "dp"])
+def test_gradients_zeroed_through_the_model_equal_stock(who):
+    run_ranks(_model_zero_grad_worker, who)
