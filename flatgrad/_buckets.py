@@ -270,10 +270,10 @@ class Round:
         rest = tuple(p for p in store.params if id(p) not in carried)
         used_work = None
         if rest:
-            ready = self.ready
-            used = host_tensor(
-                [id(p) in ready or p.grad is not None for p in rest], torch.uint8, rest[0].device
-            )
+            # Used as the flags riding with a bucket say it (`GradStore.flagged`): a `.grad` (an
+            # AccumulateGrad run with no gradient leaves None; so DDP counts it), or a main grad.
+            flags = [p.grad is not None or store.is_main(p) for p in rest]
+            used = host_tensor(flags, torch.uint8, rest[0].device)
             used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
             self.flagged.append((used, rest))
         nonfinite = self._launch_finite_check(store) if self.check_finite is not None else None

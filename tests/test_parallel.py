@@ -1191,3 +1191,54 @@ def test_one_rank_divides_nothing_and_equals_the_plain_model_to_the_bit():
                     assert torch.equal(param, dict(plain.named_parameters())[name]), name
                 elif name in grads:
                     assert torch.equal(param.grad, grads[name]), (path, name)
+
+
+class _NoGrad(torch.autograd.Function):
+    """A stop-gradient op: its backward hands its input no gradient (None)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:
+        return None
+
+
+class _Stopped(nn.Module):
+    """`b` reaches the loss through `_NoGrad` only: its AccumulateGrad runs with no gradient
+    on every rank. `head`, registered first, ends the buffer and runs last, so from the
+    second step the learned order launches the buffer's last bucket first and the used
+    flags take their own all-reduce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(6, 1)
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(4, 6)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.a(x)) + 0 * _NoGrad.apply(self.b(x))).square().mean()
+
+
+def _no_grad_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _Stopped()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0001)  # several buckets
+    opts = [torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1) for net in (dp, ref)]
+    for step in range(3):
+        x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step * 2 + rank))
+        for net, opt in zip((dp, ref), opts):
+            opt.zero_grad()
+            net(x).backward()
+        assert ref.module.b.weight.grad is None and model.b.weight.grad is None, step
+        for opt in opts:
+            opt.step()
+    for p, q in zip(model.parameters(), ref.module.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+def test_a_parameter_that_gets_no_gradient_anywhere_keeps_grad_none_like_ddp():
+    run_ranks(_no_grad_worker)
