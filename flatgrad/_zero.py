@@ -5,7 +5,6 @@ wait for the all-gathers (``overlap_param_gather``)."""
 
 from __future__ import annotations
 
-import functools
 import operator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -16,7 +15,6 @@ from torch import nn
 
 from flatgrad._checkpoint import Layout, Piece
 from flatgrad._scattered import is_scattered, unguarded
-from flatgrad._torch_compat import register_load_pre_hook
 from flatgrad._zero_grads import clip_shards, runs_in_shards, unscale_shards
 from flatgrad.buffer import GradStore
 from flatgrad.comm import all_gather_flat, reduce_scatters
@@ -289,34 +287,6 @@ def shard_views(
     if overlap_param_gather or reduce_scatters(process_group):
         return bucket_views
     return [(buffer, 0) for buffer in store.buffers.values()]
-
-
-def gather_hooks(engine: ShardEngine, model: nn.Module) -> list[Any]:
-    """overlap_param_gather: a forward pre hook on every module with parameters waits for
-    the all-gathers of the buckets holding them (the first forward after a step that needs
-    them); the model's state_dict and load_state_dict wait for all first."""
-    handles = []
-    for module in model.modules():
-        indices = engine.bucket_indices(list(module.parameters(recurse=False)))
-        if indices:
-            hook = functools.partial(_wait_for, engine, indices)
-            handles.append(module.register_forward_pre_hook(hook))
-    handles.append(model.register_state_dict_pre_hook(functools.partial(_wait_for_all, engine)))
-    handles.append(register_load_pre_hook(model, functools.partial(_wait_for_all, engine)))
-    return handles
-
-
-def _wait_for(engine: ShardEngine, indices: tuple[int, ...], *hook_args: Any) -> None:
-    engine.wait_gather(indices)
-
-
-def _wait_for_all(engine: ShardEngine, *hook_args: Any) -> None:
-    engine.wait_gather()
-
-
-def remove_hooks(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 def _runs(store: GradStore, key: Any, wanted: set[int]) -> list[list[int]]:

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flatgrad._gather_waits import ForwardWaits
 from flatgrad._scattered import unguarded
-from flatgrad._zero import ShardEngine, gather_hooks, remove_hooks
+from flatgrad._zero import ShardEngine
 from flatgrad._zero_groups import (
     PieceGroups,
     as_groups,
@@ -92,7 +93,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             not stepped (its gradient is still averaged).
         overlap_param_gather: Whether `step()` returns with the parameter all-gathers in
             flight: the next forward waits for each bucket's just before the first module
-            using its parameters runs (a forward pre hook per module with parameters), and
+            using its parameters runs (a forward pre hook per module with parameters, or on
+            the nearest ancestor that runs of one whose forward does not: learned in the
+            first forward, `flatgrad._gather_waits`), and
             the model's ``state_dict``/``load_state_dict`` and the next ``step()`` wait for
             all. Code that reads parameters outside a forward in between calls
             ``opt.wait_param_gather()`` first.
@@ -147,8 +150,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ready = True
         self.overlap_param_gather = overlap_param_gather
         if overlap_param_gather:
-            handles = gather_hooks(self._engine, dp.module.module)
-            weakref.finalize(self, remove_hooks, handles)
+            waits = ForwardWaits(self._engine, dp.module.module)
+            weakref.finalize(self, waits.remove)
 
     # Steps the model's main grads through its float32 masters (see flatgrad._main_grads.MainGradGuard).
     steps_main_grads = True

@@ -697,3 +697,59 @@ def _model_zero_grad_worker(rank: int, world_size: int, who: str) -> None:
 @pytest.mark.parametrize("who", ["model", "flat", "dp"])
 def test_gradients_zeroed_through_the_model_equal_stock(who):
     run_ranks(_model_zero_grad_worker, who)
+
+
+class _ReadsUncalled(nn.Module):
+    """`head` is never called: its parameters are read in the root's forward. `attn` reads
+    its `out_proj` without calling it (nn.MultiheadAttention)."""
+
+    def __init__(self, probe: Callable[[], None]) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 1)
+        self.inp = nn.Linear(4, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.probe = probe
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h, _ = self.attn(h, h, h, need_weights=False)
+        self.probe()  # just before the head's parameters are read
+        return nn.functional.linear(h, self.head.weight, self.head.bias).square().mean()
+
+
+def _uncalled_worker(rank: int, world_size: int) -> None:
+    """overlap_param_gather: the buckets of a module whose forward never runs are waited for
+    before its parents' forward reads them (learned in the first forward), not left in
+    flight; parameters equal stock DDP's after each step."""
+    pending: list[tuple[int, ...]] = []
+    engine: list[Any] = []
+
+    def probe() -> None:
+        if engine:
+            head = engine[0].bucket_indices(list(model.head.parameters()))
+            pending.append(tuple(i for i in head if i in engine[0].in_flight))
+
+    torch.manual_seed(0)
+    model = _ReadsUncalled(probe)
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ref.module.probe = lambda: None
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0001)  # a bucket or two per layer
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=True)
+    engine.append(opt._engine)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    assert len(dp.buckets) > 2
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step * 2 + rank)
+        x = torch.randn(2, 3, 4, dtype=torch.float64, generator=gen)
+        for net, o in ((dp, opt), (ref, ref_opt)):
+            o.zero_grad()
+            net(x).backward()
+            o.step()
+    assert len(pending) == 4 and not any(pending), pending  # no head bucket in flight when read
+    opt.wait_param_gather()
+    _assert_params_close(model, ref)
+
+
+def test_overlap_param_gather_waits_for_modules_that_are_never_called():
+    run_ranks(_uncalled_worker)
