@@ -21,8 +21,9 @@ values, so ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` or a logg
 ``p.grad.norm()`` fails loudly on every rank instead of computing a different wrong value
 on each. A shard is updated as one tensor, so a
 parameter that no rank used in a step is stepped with a zero gradient (momentum and weight
-decay still apply), as under DDP with ``static_graph=True``; stock DDP with
-``find_unused_parameters=True`` would skip it (its `.grad` stays None). A parameter used on
+decay still apply), as Megatron's distributed optimizer steps its whole buffers; stock DDP
+with ``find_unused_parameters=True`` would skip it (its `.grad` stays None), and DDP with
+``static_graph=True`` refuses such a model. A parameter used on
 any rank is exact.
 """
 
