@@ -47,21 +47,34 @@ class ForwardWaits:
         self.engine.wait_gather()  # (learning: nothing is known yet, so everything now)
 
     def _learn(self, *hook_args: Any) -> None:
-        """After the first forward: each module's buckets go to the first module up its
-        ancestry that ran (itself when it ran), whose pre hook waits for them from now on."""
-        parent = {id(child): module for module in self._hooked for child in module.children()}
+        """After the first forward: each module's buckets go to itself and, when it did not
+        run, to the first module that ran up each of its ancestries (a module shared by two
+        parents may be read by both), whose pre hooks wait for them from now on."""
+        parents: dict[int, list[nn.Module]] = {}
+        for module in self._hooked:
+            for child in module.children():
+                parents.setdefault(id(child), []).append(module)
         waits: dict[int, set[int]] = {}
         for module in self._hooked:
             indices = self._own[id(module)]
-            while indices and id(module) not in self._ran and id(module) in parent:
-                module = parent[id(module)]
-            if indices:
-                waits.setdefault(id(module), set()).update(indices)
-        for key, indices in self._own.items():  # (one skipped now still waits for its own later)
-            if indices and key not in self._ran:
-                waits.setdefault(key, set()).update(indices)
+            if not indices:
+                continue
+            waits.setdefault(id(module), set()).update(indices)  # (one skipped now may run later)
+            stack, seen = [module], {id(module)}
+            while stack:
+                up = stack.pop()
+                if id(up) in self._ran and up is not module:
+                    waits.setdefault(id(up), set()).update(indices)
+                    continue
+                if id(up) in self._ran:
+                    continue  # it ran itself: its own hook waits
+                for parent in parents.get(id(up), ()):
+                    if id(parent) not in seen:
+                        seen.add(id(parent))
+                        stack.append(parent)
         self._remove(self._learning)
         by_id = {id(module): module for module in self._hooked}
+        self._hooked, self._own, self._ran = [], {}, set()  # (no references kept to the model)
         for key, indices in waits.items():
             hook = functools.partial(_wait_for, self.engine, tuple(sorted(indices)))
             # (first: a pre hook of the user's, weight_norm's for one, may read the parameters)

@@ -94,9 +94,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             not stepped (its gradient is still averaged).
         overlap_param_gather: Whether `step()` returns with the parameter all-gathers in
             flight: the next forward waits for each bucket's just before the first module
-            using its parameters runs (a forward pre hook per module with parameters, or on
-            the nearest ancestor that runs of one whose forward does not: learned in the
-            first forward, `flatgrad._gather_waits`), and
+            using its parameters runs (`flatgrad._gather_waits`), and
             the model's ``state_dict``/``load_state_dict`` and the next ``step()`` wait for
             all. Code that reads parameters outside a forward in between calls
             ``opt.wait_param_gather()`` first.

@@ -753,3 +753,40 @@ def _uncalled_worker(rank: int, world_size: int) -> None:
 
 def test_overlap_param_gather_waits_for_modules_that_are_never_called():
     run_ranks(_uncalled_worker)
+
+
+class _Reader(nn.Module):
+    def __init__(self, shared: nn.Linear, probe: Callable[[], None]) -> None:
+        super().__init__()
+        self.shared, self.lin, self.probe = shared, nn.Linear(4, 4), probe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.probe()  # just before the shared weight is read
+        return nn.functional.linear(self.lin(x), self.shared.weight)
+
+
+def test_overlap_param_gather_waits_for_a_module_never_called_in_each_parent_that_reads_it():
+    """A module shared by two parents, never called itself, read by both: each parent's pre
+    hook waits for its buckets (the first to run must not read them in flight)."""
+    from flatgrad.bench.device_base import single_rank_group
+
+    in_flight: list[list[int]] = []
+    engine: list[Any] = []
+
+    def probe() -> None:
+        if engine:
+            held = engine[0].bucket_indices([shared.weight])
+            in_flight.append([i for i in held if i in engine[0].in_flight])
+
+    with single_rank_group("gloo", torch.device("cpu")):
+        shared = nn.Linear(4, 4, bias=False)
+        model = nn.Sequential(_Reader(shared, probe), _Reader(shared, probe))
+        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.00001)  # a bucket per layer
+        opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=True)
+        engine.append(opt._engine)
+        for _ in range(3):
+            opt.zero_grad()
+            dp(torch.randn(2, 4)).square().mean().backward()
+            opt.step()
+        opt.wait_param_gather()
+    assert len(in_flight) == 6 and not any(in_flight), in_flight
