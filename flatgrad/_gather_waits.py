@@ -60,18 +60,17 @@ class ForwardWaits:
             if not indices:
                 continue
             waits.setdefault(id(module), set()).update(indices)  # (one skipped now may run later)
-            stack, seen = [module], {id(module)}
+            stack = [] if id(module) in self._ran else list(parents.get(id(module), ()))
+            seen: set[int] = set()
             while stack:
                 up = stack.pop()
-                if id(up) in self._ran and up is not module:
-                    waits.setdefault(id(up), set()).update(indices)
+                if id(up) in seen:
                     continue
+                seen.add(id(up))
                 if id(up) in self._ran:
-                    continue  # it ran itself: its own hook waits
-                for parent in parents.get(id(up), ()):
-                    if id(parent) not in seen:
-                        seen.add(id(parent))
-                        stack.append(parent)
+                    waits.setdefault(id(up), set()).update(indices)
+                else:
+                    stack.extend(parents.get(id(up), ()))
         self._remove(self._learning)
         by_id = {id(module): module for module in self._hooked}
         self._hooked, self._own, self._ran = [], {}, set()  # (no references kept to the model)

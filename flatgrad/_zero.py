@@ -67,7 +67,7 @@ class ShardEngine:
         self.param_buffers = _flatten_parameters(store)
         self._addresses = list(map(_data_ptr, store.params))  # (see `params_in_place`)
         self.shards = self._cut_shards()
-        self.grad_runs = runs_in_shards(store, self.bucket_views, self.world_size, self.rank)  # (clipping)
+        self.grad_runs = runs_in_shards(store, [shard.grad for shard in self.shards])  # (clipping)
         # The parameters' version counters when the masters last matched them: a write
         # since (load_state_dict, a copy under no_grad) makes `step` take the masters again.
         self._versions = self._param_versions()

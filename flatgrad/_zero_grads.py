@@ -13,33 +13,32 @@ import torch
 import torch.distributed as dist
 
 from flatgrad import _norms
+from flatgrad._buffer_ops import scale_
 from flatgrad._torch_compat import non_finite_check_and_unscale
 from flatgrad.buffer import GradStore
 from flatgrad.layout import GroupKey
 
 
-def runs_in_shards(
-    store: GradStore, bucket_views: Sequence[tuple[torch.Tensor, int]], world_size: int, rank: int
-) -> list[torch.Tensor]:
-    """The gradient elements inside this rank's shards (of `bucket_views`: each a gradient
-    view and its offset in its buffer) without the alignment padding between slots:
-    `GradStore.runs` cut at the shards' edges. What a scale may touch: padding is zero by
-    construction and nothing zeroes it again, so a NaN clip coefficient multiplied into it
-    would stay in every later norm."""
-    shards: dict[GroupKey, list[tuple[int, int]]] = {}
-    for view, start in bucket_views:
-        size = view.numel() // world_size
-        lo = start + rank * size
-        shards.setdefault((view.dtype, view.device), []).append((lo, lo + size))
+def runs_in_shards(store: GradStore, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradient elements inside `shards` (this rank's gradient shards, views of the
+    store's buffers) without the alignment padding between slots: `GradStore.runs` cut at
+    the shards' edges. What a scale may touch: padding is zero by construction and nothing
+    zeroes it again, so a NaN clip coefficient multiplied into it would stay in every later
+    norm."""
+
+    def span(view: torch.Tensor) -> tuple[GroupKey, int, int]:  # (buffer, [start, end))
+        key = (view.dtype, view.device)
+        start = int(view.storage_offset() - store.buffers[key].storage_offset())
+        return key, start, start + view.numel()
+
+    edges = [span(shard) for shard in shards]
     runs = []
     for run in store.runs:
-        key = (run.dtype, run.device)
-        buffer = store.buffers[key]
-        first = run.storage_offset() - buffer.storage_offset()
-        for lo, hi in shards.get(key, ()):
-            a, b = max(first, lo), min(first + run.numel(), hi)
-            if a < b:
-                runs.append(buffer.narrow(0, a, b - a))
+        key, first, end = span(run)
+        for shard_key, lo, hi in edges:
+            a, b = max(first, lo), min(end, hi)
+            if shard_key == key and a < b:
+                runs.append(store.buffers[key].narrow(0, a, b - a))
     return runs
 
 
@@ -68,7 +67,7 @@ def clip_shards(
     for run in runs:
         by_dtype.setdefault(run.dtype, []).append(run)
     for dtype, same in by_dtype.items():
-        torch._foreach_mul_(same, coef.to(dtype))
+        scale_(same, coef.to(dtype))  # (the coefficient in each gradient's dtype, as before)
     dtype = functools.reduce(torch.promote_types, [_norms.norm_dtype(g.dtype) for g in grads])
     return total.to(dtype)
 
