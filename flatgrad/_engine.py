@@ -24,7 +24,6 @@ from flatgrad._seating import Seater
 from flatgrad._watch import LayoutWatch
 from flatgrad.buffer import GradStore
 from flatgrad.config import FlatGradConfig
-from flatgrad.layout import GroupKey
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +51,6 @@ class GradEngine:
         self.generation = -1
         # Forwards since ddp_kwargs() without allreduce_hook; None: not asked, or the hook ran.
         self.ddp_forwards: int | None = None
-        # The DDP that synchronised the last synchronised forward into bucket views, and the
-        # groups whose buffer is its current bucket (`allreduce_hook` adopted it).
-        self.ddp_state: comm.DDPState | None = None
-        self.adopted: set[GroupKey] = set()
         # A DataParallel's bucket sync and sync flag for the next forward (`expect_sync`),
         # and the running forward's, taken by `before_forward`.
         self._next_sync: tuple[Any, bool] | None = None
@@ -115,29 +110,25 @@ class GradEngine:
             )
 
     @torch.compiler.disable
-    def before_forward(self) -> comm.DDPState | None:
+    def before_forward(self) -> None:
         self.current()
         self._forward_sync, self._next_sync = self._next_sync, None  # this forward's (or None)
         if self.ddp_forwards is not None:
             self.ddp_forwards = comm.note_forward_without_hook(self.ddp_forwards)
-        ddp_state = comm.bucket_view_ddp(self.ddp_state)
-        if ddp_state is not self.ddp_state and ddp_state is not None:
-            self.ddp_state, self.adopted = ddp_state, set()  # another DDP, or its buckets moved
-        return ddp_state
 
     @torch.compiler.disable
-    def after_forward(self, output: Any, ddp_state: comm.DDPState | None) -> None:
+    def after_forward(self, output: Any) -> None:
         seater = self.seater
-        # Under a DDP that synchronises this backward into buckets that are not the flat
-        # buffers (its own copies, or bucket views `allreduce_hook` has not adopted yet):
-        # seat nothing, the gradients take stock's way into DDP's buckets. DDP's reducer
-        # leaves the `.grad` of a parameter no rank used untouched, so a seated zero would
-        # survive where stock keeps None (see `comm.bucket_view_ddp`).
+        # Under a DDP that synchronises this backward, seat nothing: its reducer copies each
+        # gradient AccumulateGrad made into its bucket (one pass in C++, where a seat costs a
+        # zero fill, an add and Python per parameter; with `ddp_kwargs()` the bucket is the
+        # flat buffer, so the gradient still lands in its slot), and it counts a parameter
+        # used when its `.grad` is defined as its hook runs: a seated slot would make a
+        # parameter whose AccumulateGrad got no gradient on every rank end with zeros where
+        # stock keeps None. Routed layers still write into their slots, and placed
+        # parameters are copied in by their pre-hooks.
         alone = not comm.under_ddp()
-        if ddp_state is not None:
-            seating = seater is not None and len(self.adopted) == len(seater.store.buffers)
-        else:
-            seating = alone or not comm.ddp_will_sync()
+        seating = alone or not comm.ddp_will_sync()
         # A DataParallel's forward (`expect_sync`, just before) binds its bucket sync too.
         bucket_sync, sync = self._forward_sync if self._forward_sync is not None else (None, False)
         self._forward_sync = None
@@ -165,7 +156,6 @@ class GradEngine:
             )
             if old is not None:
                 _carry_mains(old, store)
-            self.adopted = set()  # new buffers: no DDP bucket is one of them
             self.seater = Seater(store, params, routed, self)
             self._hooks[:] = self.seater.hooks
             self._watched = _watch_list(self.model) or ()

@@ -26,7 +26,6 @@ __all__ = [
     "active_ddp_getter",
     "broadcast_coalesced",
     "current_autograd_node",
-    "ddp_rebuilt_buckets",
     "fast_apply",
     "functorch_active",
     "graph_task_id",
@@ -115,11 +114,6 @@ def active_ddp_getter() -> Callable[[], Any] | None:
     function returning it or None; None itself where this torch has no such tracking."""
     getter: Callable[[], Any] | None = getattr(DDP, "_get_active_ddp_module", None)
     return getter
-
-
-def ddp_rebuilt_buckets(ddp: Any) -> bool:
-    """Whether `ddp` has rebuilt its buckets (in the second iteration's forward)."""
-    return bool(getattr(ddp, "_has_rebuilt_buckets", False))
 
 
 def broadcast_coalesced(

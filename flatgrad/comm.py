@@ -7,7 +7,6 @@ No postponed annotations here: DDP checks the hook's annotations at registration
 
 import logging
 import math
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from flatgrad._buffer_ops import host_tensor
-from flatgrad._torch_compat import active_ddp_getter, ddp_rebuilt_buckets, graph_task_id
+from flatgrad._torch_compat import active_ddp_getter, graph_task_id
 from flatgrad.buffer import GradStore
 
 logger = logging.getLogger(__name__)
@@ -83,15 +82,12 @@ class FlatGradCommState:
             and current.data_ptr() == buffer.data_ptr()
             and current.numel() == buffer.numel()
         ):
-            engine.adopted.add(key)
             return
         params, grads = bucket.parameters(), bucket.gradients()
         # Parameters DDP found unused (find_unused_parameters=True) may have no .grad yet.
         pairs = [(p.grad, g) for p, g in zip(params, grads) if p.grad is not None]
         as_views = bool(pairs) and all(grad.data_ptr() == view.data_ptr() for grad, view in pairs)
-        if as_views and store.adopt(buffer, params, grads):
-            engine.adopted.add(key)
-        elif not self._warned:
+        if not (as_views and store.adopt(buffer, params, grads)) and not self._warned:
             self._warned = True
             logger.warning(
                 "flatgrad: DDP keeps gradients in its own buckets, so they are copied every step; "
@@ -134,33 +130,6 @@ def note_forward_without_hook(num_forwards: int) -> int | None:
         num_forwards - 1,
     )
     return None
-
-
-# (the DDP, whether it had rebuilt its buckets) as seen by a forward; see `bucket_view_ddp`
-DDPState = tuple[weakref.ref[Any], bool]
-
-
-def bucket_view_ddp(previous: DDPState | None) -> DDPState | None:
-    """Which DDP will synchronise the running forward's backward into buckets that `.grad`
-    views (gradient_as_bucket_view=True), with whether it has rebuilt its buckets (DDP does
-    once, in the second iteration's forward); `previous` itself when that has not changed.
-    None when no such DDP runs the forward (no DDP, ``no_sync()``, no_grad, DDP's copies).
-
-    Call site: `FlatGrad.forward`. Until `allreduce_hook` has made that DDP's current
-    bucket the flat buffer (`FlatGradCommState.adopt`), the wrapper seats nothing: DDP's
-    reducer takes a defined `.grad` outside its bucket for a gradient, copies it in and
-    points `.grad` at the bucket (`mark_variable_ready_dense`), so the seated zeros of a
-    parameter no rank used would survive as a zero `.grad` where stock keeps None.
-    """
-    ddp = _active_ddp()
-    if ddp is None or not (ddp.require_backward_grad_sync and ddp.gradient_as_bucket_view):
-        return None
-    if not torch.is_grad_enabled():
-        return None
-    rebuilt = ddp_rebuilt_buckets(ddp)
-    if previous is not None and previous[0]() is ddp and previous[1] == rebuilt:
-        return previous
-    return (weakref.ref(ddp), rebuilt)
 
 
 def ddp_will_sync() -> bool:

@@ -98,10 +98,10 @@ class FlatGrad(TransparentWrapper):
             The wrapped model's output, unchanged.
         """
         engine = self._engine
-        ddp_state = engine.before_forward()
+        engine.before_forward()
         output = self._call_module(*args, **kwargs)
         if torch.is_grad_enabled():
-            engine.after_forward(output, ddp_state)
+            engine.after_forward(output)
         return output
 
     def _call_module(self, *args: Any, **kwargs: Any) -> Any:

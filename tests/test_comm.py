@@ -507,6 +507,64 @@ def test_a_parameter_no_rank_uses_keeps_grad_none_like_stock_ddp(sync, route_all
     run_ranks(_unused_everywhere_worker, sync, route_all)
 
 
+class _NoGrad(torch.autograd.Function):
+    """A stop-gradient op: its backward hands its input no gradient (None)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> None:
+        return None
+
+
+class _Stopped(nn.Module):
+    """`b` reaches the loss only through `_NoGrad`: its AccumulateGrad runs, with no
+    gradient, on every rank (DDP's reducer hook runs too, and finds `.grad` undefined)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(4, 6)
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 1)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.tanh(self.a(x)) + 0 * _NoGrad.apply(self.b(x)))
+        return self.head(h).square().mean()
+
+
+def _stopped_worker(rank: int, world_size: int, config: object) -> None:
+    torch.manual_seed(0)
+    model = _Stopped()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    flat = flatgrad.FlatGrad(model, config=config)
+    ddp = DDP(flat, find_unused_parameters=True, **flat.ddp_kwargs())
+    ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+    opts = [torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1) for net in (ddp, ref)]
+    for step in range(4):  # past DDP's bucket rebuild (iteration 2) and the hook's adoption
+        x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step * 2 + rank))
+        for net, opt in zip((ddp, ref), opts):
+            opt.zero_grad()
+            net(x).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+            assert (p.grad is None) == (q.grad is None), (step, name, p.grad)
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+        for opt in opts:
+            opt.step()
+    storages = {buf.untyped_storage().data_ptr() for buf in flat.grad_buffers.values()}
+    assert all(p.grad.untyped_storage().data_ptr() in storages for p in model.parameters() if p.grad is not None)
+    _assert_params_equal(model, ref.module)
+
+
+@pytest.mark.parametrize("config", [None, ROUTE_ALL], ids=["seated", "routed"])
+def test_a_parameter_whose_gradient_is_stopped_everywhere_keeps_grad_none_under_the_ddp_hook(config):
+    run_ranks(_stopped_worker, config)
+
+
 def _checkpoint_names_worker(rank: int, world_size: int, tmp: str) -> None:
     """torch.distributed.checkpoint under DDP(flat) and flatgrad.DataParallel keys model and
     optimizer state as for DDP(model), so a checkpoint saved by one loads into the other;
