@@ -2,13 +2,16 @@
 must be waited for, learned in one forward.
 
 A module's forward pre hook waits for the buckets holding its own parameters, just before
-it runs: the parameters are read there. A module whose forward never runs has its
-parameters read by an ancestor instead (``F.linear(h, self.head.weight)`` in its parent's
-forward, `nn.MultiheadAttention` reading its `out_proj`): those buckets are waited for in
-the pre hook of the nearest ancestor that does run. Which modules run is learned in the
-first forward (every module hooked for it, every gather waited for at its start); then only
-the modules that wait keep a hook. A module skipped in that forward and run later still
-waits for its own parameters itself.
+it runs. Parameters may be read elsewhere first: by an ancestor, when the module's own
+forward never runs (``F.linear(h, self.head.weight)`` in its parent's forward,
+`nn.MultiheadAttention` reading its `out_proj`) or runs only after that read
+(``self.proj.weight.norm()`` before ``self.proj(x)``). So the first forward after the
+optimizer is built learns, under a `TorchFunctionMode`, which running module first reads
+each bucket's parameters (every module hooked for it, every gather waited for at its
+start); from then on that module's pre hook waits for the bucket too. A module that never
+runs and whose parameters that forward never read has its buckets waited for by the
+nearest ancestor that runs. Then only the modules that wait keep a hook. A module skipped
+in that forward and run later still waits for its own parameters itself.
 """
 
 from __future__ import annotations
@@ -16,9 +19,30 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from flatgrad._torch_compat import register_load_pre_hook
+from flatgrad._torch_compat import register_load_pre_hook, tree_leaves
+
+# Tensor methods and attributes that read metadata only: not a read of the parameter's values.
+_METADATA = frozenset(
+    {"size", "dim", "numel", "stride", "element_size", "is_floating_point", "is_complex", "is_contiguous"}
+)
+_METADATA_ATTRS = frozenset(
+    {
+        "shape",
+        "dtype",
+        "device",
+        "ndim",
+        "layout",
+        "requires_grad",
+        "is_leaf",
+        "is_cuda",
+        "is_sparse",
+        "names",
+    }
+)
 
 
 class ForwardWaits:
@@ -27,14 +51,20 @@ class ForwardWaits:
 
     def __init__(self, engine: Any, model: nn.Module) -> None:
         self.engine = engine
+        self._root = id(model)
         self._hooked = list(model.modules())
         self._own = {id(m): engine.bucket_indices(list(m.parameters(recurse=False))) for m in self._hooked}
+        self._reads: _FirstReads | None = None  # in the learning forward
         self._ran: set[int] = set()
         self._learning = []
         for module in self._hooked:
             note = functools.partial(self._note, id(module))
             self._learning.append(module.register_forward_pre_hook(note, prepend=True))
+            self._learning.append(module.register_forward_hook(self._leave, always_call=True))
         self._learning.append(model.register_forward_hook(self._learn))
+        # (last, and also when the forward raises: the mode is left, and a failed forward
+        # teaches nothing)
+        self._learning.append(model.register_forward_hook(self._close, always_call=True))
         self._waits: list[Any] = []
         # the model's state_dict and load_state_dict read or write every parameter: wait for all
         self._always = [
@@ -43,25 +73,56 @@ class ForwardWaits:
         ]
 
     def _note(self, key: int, *hook_args: Any) -> None:
+        self.engine.wait_gather()  # (nothing is known yet, so everything now)
+        if self._reads is None:
+            if key != self._root:
+                return  # a submodule called on its own: learn from the model's forward
+            self._ran.clear()
+            self._reads = _FirstReads(self._buckets_of_params())
+            self._reads.__enter__()
         self._ran.add(key)
-        self.engine.wait_gather()  # (learning: nothing is known yet, so everything now)
+        self._reads.running.append(key)
+
+    def _leave(self, *hook_args: Any) -> None:
+        if self._reads is not None and self._reads.running:
+            self._reads.running.pop()
+
+    def _close(self, *hook_args: Any) -> None:
+        reads, self._reads = self._reads, None
+        if reads is not None:
+            reads.__exit__(None, None, None)
+
+    def _buckets_of_params(self) -> dict[int, tuple[int, ...]]:
+        found: dict[int, tuple[int, ...]] = {}
+        for module in self._hooked:
+            for param in module.parameters(recurse=False):
+                indices = self.engine.bucket_indices([param])
+                if indices:
+                    found[id(param)] = indices
+        return found
 
     def _learn(self, *hook_args: Any) -> None:
-        """After the first forward: each module's buckets go to itself and, when it did not
-        run, to the first module that ran up each of its ancestries (a module shared by two
-        parents may be read by both), whose pre hooks wait for them from now on."""
+        """After the first forward: each module's buckets go to itself, to the module that
+        first read them, and, when it neither ran nor was read, to the first module that ran
+        up each of its ancestries (a module shared by two parents may be read by both),
+        whose pre hooks wait for them from now on."""
+        assert self._reads is not None, "the learning forward's reads"
+        first = self._reads.first
         parents: dict[int, list[nn.Module]] = {}
         for module in self._hooked:
             for child in module.children():
                 parents.setdefault(id(child), []).append(module)
         waits: dict[int, set[int]] = {}
+        for index, reader in first.items():
+            waits.setdefault(self._root if reader is None else reader, set()).add(index)
         for module in self._hooked:
             indices = self._own[id(module)]
             if not indices:
                 continue
             waits.setdefault(id(module), set()).update(indices)  # (one skipped now may run later)
-            stack = [] if id(module) in self._ran else list(parents.get(id(module), ()))
-            seen: set[int] = set()
+            if id(module) in self._ran or all(index in first for index in indices):
+                continue
+            stack, seen = list(parents.get(id(module), ())), set()
             while stack:
                 up = stack.pop()
                 if id(up) in seen:
@@ -71,6 +132,7 @@ class ForwardWaits:
                     waits.setdefault(id(up), set()).update(indices)
                 else:
                     stack.extend(parents.get(id(up), ()))
+        self._close()
         self._remove(self._learning)
         by_id = {id(module): module for module in self._hooked}
         self._hooked, self._own, self._ran = [], {}, set()  # (no references kept to the model)
@@ -90,8 +152,41 @@ class ForwardWaits:
 
     def remove(self) -> None:
         """Remove every hook (the optimizer is gone)."""
+        self._close()
         for handles in (self._learning, self._waits, self._always):
             self._remove(handles)
+
+
+class _FirstReads(TorchFunctionMode):
+    """The learning forward's reads: for each bucket (`buckets_of`: a parameter's id to its
+    buckets), the id of the innermost module running when a torch function first took one of
+    its parameters (None: no module of the model was running)."""
+
+    def __init__(self, buckets_of: dict[int, tuple[int, ...]]) -> None:
+        super().__init__()
+        self.buckets_of = buckets_of
+        self.running: list[int] = []  # the ids of the modules whose forward is running
+        self.first: dict[int, int | None] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not _metadata(func):
+            buckets_of = self.buckets_of
+            for leaf in tree_leaves((args, kwargs)):
+                indices = buckets_of.get(id(leaf))
+                if indices:
+                    reader = self.running[-1] if self.running else None
+                    for index in indices:
+                        self.first.setdefault(index, reader)
+        return func(*args, **kwargs)
+
+
+def _metadata(func: Any) -> bool:
+    """Whether `func` reads a tensor's metadata only (``w.shape``, ``w.size()``)."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA_ATTRS
+    return name in _METADATA and getattr(torch.Tensor, name, None) is func
 
 
 def _wait_for(engine: Any, indices: tuple[int, ...], *hook_args: Any) -> None:

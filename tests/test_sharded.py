@@ -790,3 +790,84 @@ def test_overlap_param_gather_waits_for_a_module_never_called_in_each_parent_tha
             opt.step()
         opt.wait_param_gather()
     assert len(in_flight) == 6 and not any(in_flight), in_flight
+
+
+class _ReadsFirst(nn.Module):
+    """Reads `proj`'s weight (a scale from its norm) before `proj` runs."""
+
+    def __init__(self, probe: Callable[[], None]) -> None:
+        super().__init__()
+        self.inp, self.proj, self.probe = nn.Linear(4, 4), nn.Linear(4, 4), probe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.probe()  # just before proj's weight is read
+        scale = self.proj.weight.norm()
+        return self.proj(torch.tanh(self.inp(x))) / scale
+
+
+def test_overlap_param_gather_waits_before_an_ancestor_reads_a_module_that_runs_later():
+    """A module whose forward runs, but whose weight its parent reads first: the parent's
+    pre hook waits for its buckets (learned from the first forward's reads), not only the
+    module's own, which runs after the read."""
+    from flatgrad.bench.device_base import single_rank_group
+
+    in_flight: list[list[int]] = []
+    engine: list[Any] = []
+
+    def probe() -> None:
+        if engine:
+            held = engine[0].bucket_indices([model[1].proj.weight])
+            in_flight.append([i for i in held if i in engine[0].in_flight])
+
+    with single_rank_group("gloo", torch.device("cpu")):
+        model = nn.Sequential(nn.Linear(4, 4), _ReadsFirst(probe))
+        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.00001)  # a bucket per layer
+        opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=True)
+        engine.append(opt._engine)
+        assert len(engine[0].bucket_indices([model[1].proj.weight])) == 1 < len(dp.buckets)
+        for _ in range(3):
+            opt.zero_grad()
+            dp(torch.randn(2, 4)).square().mean().backward()
+            opt.step()
+        opt.wait_param_gather()
+    assert len(in_flight) == 3 and not any(in_flight), in_flight
+
+
+class _Fails(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.fail = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if self.fail:
+            raise RuntimeError("the first forward fails")
+        return self.out(h)
+
+
+def test_overlap_param_gather_learns_from_a_forward_that_completes():
+    """The learning forward runs under a torch function mode: a forward that raises leaves
+    it (no mode left behind) and teaches nothing; a submodule called on its own neither
+    starts nor ends the learning; the next whole forward learns."""
+    from flatgrad.bench.device_base import single_rank_group
+
+    with single_rank_group("gloo", torch.device("cpu")):
+        model = _Fails()
+        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.00001)
+        opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=True)
+        modes = torch._C._len_torch_function_stack()
+        with pytest.raises(RuntimeError, match="the first forward fails"):
+            dp(torch.randn(2, 4))
+        assert torch._C._len_torch_function_stack() == modes
+        model.inp(torch.randn(2, 4))  # a submodule alone
+        assert torch._C._len_torch_function_stack() == modes
+        model.fail = False
+        for _ in range(2):
+            opt.zero_grad()
+            dp(torch.randn(2, 4)).square().mean().backward()
+            opt.step()
+            assert torch._C._len_torch_function_stack() == modes
+        hooked = [m for m in model.modules() if m._forward_pre_hooks]
+        assert hooked and all(len(m._forward_pre_hooks) == 1 for m in hooked)  # the waits only
+        assert not any(m._forward_hooks for m in model.modules())  # the learning's hooks are gone
