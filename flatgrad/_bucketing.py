@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -46,6 +47,8 @@ class BucketSync:
         self.reduce_scatter = False  # ShardedOptimizer switches the buckets to reduce-scatter
         # The gradient shards that ShardedOptimizer reads, of this store (see `Round`).
         self.shards: list[torch.Tensor] = []
+        # What the model's forward runs in, if anything (`flatgrad._gather_waits.ForwardWaits`).
+        self.forward_context: Callable[[], AbstractContextManager[None]] | None = None
         self._scattered = False  # the last synchronised backward reduce-scattered (see _begin)
         self._store: GradStore | None = None
         self._buckets: list[Bucket] = []

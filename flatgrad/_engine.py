@@ -119,16 +119,16 @@ class GradEngine:
     @torch.compiler.disable
     def after_forward(self, output: Any) -> None:
         seater = self.seater
-        # Under a DDP that synchronises this backward, seat nothing: its reducer copies each
-        # gradient AccumulateGrad made into its bucket (one pass in C++, where a seat costs a
-        # zero fill, an add and Python per parameter; with `ddp_kwargs()` the bucket is the
-        # flat buffer, so the gradient still lands in its slot), and it counts a parameter
-        # used when its `.grad` is defined as its hook runs: a seated slot would make a
-        # parameter whose AccumulateGrad got no gradient on every rank end with zeros where
-        # stock keeps None. Routed layers still write into their slots, and placed
-        # parameters are copied in by their pre-hooks.
-        alone = not comm.under_ddp()
-        seating = alone or not comm.ddp_will_sync()
+        # Under a DDP, seat nothing: its reducer copies each gradient AccumulateGrad made into
+        # its bucket (one pass in C++, where a seat costs a zero fill, an add and Python per
+        # parameter; with `ddp_kwargs()` the bucket is the flat buffer, so the gradient still
+        # lands in its slot). And with find_unused_parameters (or static_graph's first
+        # iteration) it counts a parameter used when its `.grad` is defined as its hook
+        # runs, also inside `no_sync()`: a seated slot would make a parameter whose
+        # AccumulateGrad got no gradient on every rank end with zeros where stock keeps
+        # None (or, after a `no_sync()` backward, make the reducer raise). Routed layers
+        # still write into their slots, and placed parameters are copied in by their hooks.
+        alone = seating = not comm.under_ddp()
         # A DataParallel's forward (`expect_sync`, just before) binds its bucket sync too.
         bucket_sync, sync = self._forward_sync if self._forward_sync is not None else (None, False)
         self._forward_sync = None

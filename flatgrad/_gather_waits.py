@@ -5,18 +5,22 @@ A module's forward pre hook waits for the buckets holding its own parameters, ju
 it runs. Parameters may be read elsewhere first: by an ancestor, when the module's own
 forward never runs (``F.linear(h, self.head.weight)`` in its parent's forward,
 `nn.MultiheadAttention` reading its `out_proj`) or runs only after that read
-(``self.proj.weight.norm()`` before ``self.proj(x)``). So the first forward after the
-optimizer is built learns, under a `TorchFunctionMode`, which running module first reads
-each bucket's parameters (every module hooked for it, every gather waited for at its
-start); from then on that module's pre hook waits for the bucket too. A module that never
-runs and whose parameters that forward never read has its buckets waited for by the
-nearest ancestor that runs. Then only the modules that wait keep a hook. A module skipped
-in that forward and run later still waits for its own parameters itself.
+(``self.proj.weight.norm()`` before ``self.proj(x)``). So the first forward through
+DataParallel with grad enabled after the optimizer is built learns, under a
+`TorchFunctionMode`, which running module first reads each bucket's parameters (every
+module hooked for it, every gather waited for at its start); from then on that module's pre
+hook waits for the bucket too. A module that never runs, one of whose parameters that
+forward was not seen to read (TorchScript and C++ extensions read past torch functions), has
+its buckets waited for by the nearest ancestor that runs. Then only the modules that wait
+keep a hook. A module skipped in that forward and run later still waits for its own
+parameters itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,10 +51,12 @@ _METADATA_ATTRS = frozenset(
 
 class ForwardWaits:
     """The hooks of one ShardedOptimizer with `overlap_param_gather` on its model; `engine`
-    is its `ShardEngine` (`bucket_indices`, `wait_gather`)."""
+    is its `ShardEngine` (`bucket_indices`, `wait_gather`), `sync` its DataParallel's
+    `BucketSync`, whose forward runs the model inside `sync.forward_context` (`learning`)
+    until a forward has taught the waits."""
 
-    def __init__(self, engine: Any, model: nn.Module) -> None:
-        self.engine = engine
+    def __init__(self, engine: Any, model: nn.Module, sync: Any) -> None:
+        self.engine, self.sync = engine, sync
         self._root = id(model)
         self._hooked = list(model.modules())
         self._own = {id(m): engine.bucket_indices(list(m.parameters(recurse=False))) for m in self._hooked}
@@ -62,9 +68,7 @@ class ForwardWaits:
             self._learning.append(module.register_forward_pre_hook(note, prepend=True))
             self._learning.append(module.register_forward_hook(self._leave, always_call=True))
         self._learning.append(model.register_forward_hook(self._learn))
-        # (last, and also when the forward raises: the mode is left, and a failed forward
-        # teaches nothing)
-        self._learning.append(model.register_forward_hook(self._close, always_call=True))
+        sync.forward_context = self.learning
         self._waits: list[Any] = []
         # the model's state_dict and load_state_dict read or write every parameter: wait for all
         self._always = [
@@ -72,25 +76,32 @@ class ForwardWaits:
             register_load_pre_hook(model, self._wait_all),
         ]
 
+    @contextlib.contextmanager
+    def learning(self) -> Iterator[None]:
+        """Around the model's forward in DataParallel's: a forward with grad enabled runs
+        under `_FirstReads` (left however the forward ends, an interrupt included; one that
+        raises teaches nothing). Not under no_grad: a mode disables torch's inference fast
+        paths (`nn.TransformerEncoderLayer`'s), which would change that forward's output."""
+        if not torch.is_grad_enabled() or self._reads is not None:
+            yield
+            return
+        self._ran = set()
+        self._reads = _FirstReads(self._buckets_of_params())
+        try:
+            with self._reads:
+                yield
+        finally:
+            self._reads = None
+
     def _note(self, key: int, *hook_args: Any) -> None:
         self.engine.wait_gather()  # (nothing is known yet, so everything now)
-        if self._reads is None:
-            if key != self._root:
-                return  # a submodule called on its own: learn from the model's forward
-            self._ran.clear()
-            self._reads = _FirstReads(self._buckets_of_params())
-            self._reads.__enter__()
-        self._ran.add(key)
-        self._reads.running.append(key)
+        if self._reads is not None:
+            self._ran.add(key)
+            self._reads.running.append(key)
 
     def _leave(self, *hook_args: Any) -> None:
         if self._reads is not None and self._reads.running:
             self._reads.running.pop()
-
-    def _close(self, *hook_args: Any) -> None:
-        reads, self._reads = self._reads, None
-        if reads is not None:
-            reads.__exit__(None, None, None)
 
     def _buckets_of_params(self) -> dict[int, tuple[int, ...]]:
         found: dict[int, tuple[int, ...]] = {}
@@ -102,25 +113,27 @@ class ForwardWaits:
         return found
 
     def _learn(self, *hook_args: Any) -> None:
-        """After the first forward: each module's buckets go to itself, to the module that
-        first read them, and, when it neither ran nor was read, to the first module that ran
-        up each of its ancestries (a module shared by two parents may be read by both),
-        whose pre hooks wait for them from now on."""
-        assert self._reads is not None, "the learning forward's reads"
-        first = self._reads.first
+        """After the learning forward: each module's buckets go to itself, to the module
+        that first read them, and, when it did not run and a parameter of its was not seen
+        read (a read no torch function shows: TorchScript, a C++ extension), to the first
+        module that ran up each of its ancestries (a module shared by two parents may be
+        read by both), whose pre hooks wait for them from now on."""
+        reads = self._reads
+        if reads is None:
+            return  # a forward that does not learn (no_grad, or not through DataParallel)
         parents: dict[int, list[nn.Module]] = {}
         for module in self._hooked:
             for child in module.children():
                 parents.setdefault(id(child), []).append(module)
         waits: dict[int, set[int]] = {}
-        for index, reader in first.items():
-            waits.setdefault(self._root if reader is None else reader, set()).add(index)
+        for index, reader in reads.first.items():
+            waits.setdefault(reader, set()).add(index)
         for module in self._hooked:
             indices = self._own[id(module)]
             if not indices:
                 continue
             waits.setdefault(id(module), set()).update(indices)  # (one skipped now may run later)
-            if id(module) in self._ran or all(index in first for index in indices):
+            if id(module) in self._ran or all(id(p) in reads.read for p in module.parameters(recurse=False)):
                 continue
             stack, seen = list(parents.get(id(module), ())), set()
             while stack:
@@ -132,7 +145,7 @@ class ForwardWaits:
                     waits.setdefault(id(up), set()).update(indices)
                 else:
                     stack.extend(parents.get(id(up), ()))
-        self._close()
+        self.sync.forward_context = None
         self._remove(self._learning)
         by_id = {id(module): module for module in self._hooked}
         self._hooked, self._own, self._ran = [], {}, set()  # (no references kept to the model)
@@ -152,30 +165,33 @@ class ForwardWaits:
 
     def remove(self) -> None:
         """Remove every hook (the optimizer is gone)."""
-        self._close()
+        if self.sync.forward_context == self.learning:
+            self.sync.forward_context = None
         for handles in (self._learning, self._waits, self._always):
             self._remove(handles)
 
 
 class _FirstReads(TorchFunctionMode):
     """The learning forward's reads: for each bucket (`buckets_of`: a parameter's id to its
-    buckets), the id of the innermost module running when a torch function first took one of
-    its parameters (None: no module of the model was running)."""
+    buckets), the id of the innermost module of the model running when a torch function
+    first took one of its parameters (reads while none runs, DataParallel's and FlatGrad's
+    own, do not count), and the ids of the parameters read."""
 
     def __init__(self, buckets_of: dict[int, tuple[int, ...]]) -> None:
         super().__init__()
         self.buckets_of = buckets_of
         self.running: list[int] = []  # the ids of the modules whose forward is running
-        self.first: dict[int, int | None] = {}
+        self.first: dict[int, int] = {}
+        self.read: set[int] = set()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not _metadata(func):
-            buckets_of = self.buckets_of
+        if self.running and not _metadata(func):
+            buckets_of, reader = self.buckets_of, self.running[-1]
             for leaf in tree_leaves((args, kwargs)):
                 indices = buckets_of.get(id(leaf))
                 if indices:
-                    reader = self.running[-1] if self.running else None
+                    self.read.add(id(leaf))
                     for index in indices:
                         self.first.setdefault(index, reader)
         return func(*args, **kwargs)

@@ -168,7 +168,12 @@ class DataParallel(PlainNames):
                 construction.
         """
         self._before_forward()
-        output = self.module(*args, **kwargs)
+        learning = self._engine.forward_context  # (ShardedOptimizer's `ForwardWaits.learning`)
+        if learning is None:
+            output = self.module(*args, **kwargs)
+        else:
+            with learning():
+                output = self.module(*args, **kwargs)
         self._after_forward()
         return output
 

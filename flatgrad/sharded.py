@@ -149,7 +149,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ready = True
         self.overlap_param_gather = overlap_param_gather
         if overlap_param_gather:
-            waits = ForwardWaits(self._engine, dp.module.module)
+            waits = ForwardWaits(self._engine, dp.module.module, dp._engine)
             weakref.finalize(self, waits.remove)
 
     # Steps the model's main grads through its float32 masters (see flatgrad._main_grads.MainGradGuard).

@@ -32,7 +32,9 @@ class FlatGrad(TransparentWrapper):
     Linear and Embedding layers (those that keep torch's own `forward`) run their backward
     through Functions that write weight gradients straight into the buffer. Every other
     parameter's `.grad` is pointed at its zeroed slot when a backward through the wrapper's
-    output starts, so AccumulateGrad adds into the buffer in place (no hook per parameter).
+    output starts, so AccumulateGrad adds into the buffer in place (no hook per parameter);
+    under a DDP its reducer copies those gradients into its bucket instead, which with
+    `ddp_kwargs()` is the buffer.
 
     Args:
         model: The module to wrap.

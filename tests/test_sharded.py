@@ -837,32 +837,40 @@ class _Fails(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp, self.out = nn.Linear(4, 4), nn.Linear(4, 1)
-        self.fail = True
+        self.fail: type[BaseException] | None = RuntimeError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
-        if self.fail:
-            raise RuntimeError("the first forward fails")
+        if self.fail is not None:
+            raise self.fail("the forward fails")
         return self.out(h)
 
 
-def test_overlap_param_gather_learns_from_a_forward_that_completes():
-    """The learning forward runs under a torch function mode: a forward that raises leaves
-    it (no mode left behind) and teaches nothing; a submodule called on its own neither
-    starts nor ends the learning; the next whole forward learns."""
+def test_overlap_param_gather_learns_from_a_training_forward_that_completes():
+    """The learning forward runs under a torch function mode: a forward that raises (an
+    interrupt too) leaves it, with no mode left behind, and teaches nothing; so do a
+    no_grad forward (a mode would turn off torch's inference fast paths) and a submodule
+    called on its own; the next whole training forward learns."""
     from flatgrad.bench.device_base import single_rank_group
+
+    def learning_hooks() -> int:
+        return sum(len(m._forward_hooks) for m in model.modules())
 
     with single_rank_group("gloo", torch.device("cpu")):
         model = _Fails()
         dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.00001)
         opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=True)
-        modes = torch._C._len_torch_function_stack()
-        with pytest.raises(RuntimeError, match="the first forward fails"):
+        modes, hooks = torch._C._len_torch_function_stack(), learning_hooks()
+        for fail in (RuntimeError, KeyboardInterrupt):
+            model.fail = fail
+            with pytest.raises(fail, match="the forward fails"):
+                dp(torch.randn(2, 4))
+            assert torch._C._len_torch_function_stack() == modes
+        model.fail = None
+        with torch.no_grad():
             dp(torch.randn(2, 4))
-        assert torch._C._len_torch_function_stack() == modes
         model.inp(torch.randn(2, 4))  # a submodule alone
-        assert torch._C._len_torch_function_stack() == modes
-        model.fail = False
+        assert torch._C._len_torch_function_stack() == modes and learning_hooks() == hooks > 0
         for _ in range(2):
             opt.zero_grad()
             dp(torch.randn(2, 4)).square().mean().backward()
@@ -870,4 +878,53 @@ def test_overlap_param_gather_learns_from_a_forward_that_completes():
             assert torch._C._len_torch_function_stack() == modes
         hooked = [m for m in model.modules() if m._forward_pre_hooks]
         assert hooked and all(len(m._forward_pre_hooks) == 1 for m in hooked)  # the waits only
-        assert not any(m._forward_hooks for m in model.modules())  # the learning's hooks are gone
+        assert learning_hooks() == 0
+
+
+@torch.jit.script
+def _scripted_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x @ weight.t()
+
+
+class _ReadsUnseen(nn.Module):
+    """`h` never runs; TorchScript reads its weight (no torch function shows that read);
+    `b`, in the same bucket, runs after."""
+
+    def __init__(self, probe: Callable[[], None]) -> None:
+        super().__init__()
+        self.h, self.b, self.probe = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False), probe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.probe()
+        return self.b(_scripted_linear(x, self.h.weight))
+
+
+def test_overlap_param_gather_waits_for_a_never_called_module_read_unseen_in_its_ancestor():
+    """A never-called module whose parameter the learning forward did not see read is
+    waited for by its nearest running ancestor, even when another parameter of its bucket
+    was seen read later."""
+    from flatgrad.bench.device_base import single_rank_group
+
+    in_flight: list[list[int]] = []
+    engine: list[Any] = []
+
+    def probe() -> None:
+        if engine:
+            held = engine[0].bucket_indices([model[1].h.weight])
+            in_flight.append([i for i in held if i in engine[0].in_flight])
+
+    with single_rank_group("gloo", torch.device("cpu")):
+        model = nn.Sequential(nn.Linear(4, 4), _ReadsUnseen(probe))
+        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0004)
+        opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=True)
+        engine.append(opt._engine)
+        buckets = [
+            opt._engine.bucket_indices([p]) for p in (model[0].weight, model[1].h.weight, model[1].b.weight)
+        ]
+        assert buckets[1] == buckets[2] != buckets[0]  # h and b share a bucket, the first layer has its own
+        for _ in range(3):
+            opt.zero_grad()
+            dp(torch.randn(2, 4)).square().mean().backward()
+            opt.step()
+        opt.wait_param_gather()
+    assert len(in_flight) == 3 and not any(in_flight), in_flight
