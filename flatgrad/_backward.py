@@ -2,8 +2,8 @@
 final callback per backward that calls its participants in a fixed order.
 
 A training forward through `FlatGrad` ends with `watch(output, plan)`. The `ForwardPlan`
-binds what that forward decided: the seater of the layout it ran on, whether that
-backward seats the unrouted slots and whether a DDP reducer places its gradients, and,
+binds what that forward decided: the seater of the layout it ran on, whether a DDP
+reducer places that backward's gradients (then nothing is seated), and,
 when a `DataParallel` made the forward, its bucket sync and whether the forward
 synchronised. When a backward first reaches one of the output's nodes the prehook asks
 each participant, in this order, to open it: the seater (`Seater.pre_backward`), then
@@ -31,8 +31,7 @@ class ForwardPlan:
     """What one forward decided for the backward through its output."""
 
     seater: Any  # the `Seater` of the layout the forward ran on (None before any)
-    seating: bool  # seat the unrouted slots (False: a DDP will sync into its own buckets)
-    alone: bool  # no DDP reducer places this backward's gradients
+    alone: bool  # no DDP reducer places this backward's gradients: seat the unrouted slots
     bucket_sync: Any = None  # the `BucketSync` of the DataParallel that made the forward
     sync: bool = False  # whether that forward synchronised (outside no_sync)
 
@@ -48,7 +47,7 @@ def watch(output: Any, plan: ForwardPlan) -> None:
 def _on_backward(plan: ForwardPlan, grad_outputs: Any) -> None:
     ends: list[Callable[[], None]] = []
     if plan.seater is not None:
-        end = plan.seater.pre_backward(plan.seating, plan.alone)
+        end = plan.seater.pre_backward(plan.alone)
         if end is not None:
             ends.append(end)
     if plan.bucket_sync is not None:

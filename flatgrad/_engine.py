@@ -128,12 +128,12 @@ class GradEngine:
         # AccumulateGrad got no gradient on every rank end with zeros where stock keeps
         # None (or, after a `no_sync()` backward, make the reducer raise). Routed layers
         # still write into their slots, and placed parameters are copied in by their hooks.
-        alone = seating = not comm.under_ddp()
+        alone = not comm.under_ddp()
         # A DataParallel's forward (`expect_sync`, just before) binds its bucket sync too.
         bucket_sync, sync = self._forward_sync if self._forward_sync is not None else (None, False)
         self._forward_sync = None
         if seater is not None or bucket_sync is not None:
-            watch(output, ForwardPlan(seater, seating, alone, bucket_sync, sync))
+            watch(output, ForwardPlan(seater, alone, bucket_sync, sync))
 
     def expect_sync(self, bucket_sync: Any, sync: bool) -> None:
         """From a DataParallel's forward, before it runs this wrapper's: the backward through

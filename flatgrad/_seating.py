@@ -78,11 +78,11 @@ class Seater:
         for handle in self.hooks:  # a graph still alive must not write into old buffers
             handle.remove()
 
-    def pre_backward(self, seating: bool, alone: bool) -> Callable[[], None] | None:
+    def pre_backward(self, alone: bool) -> Callable[[], None] | None:
         """When a backward first reaches the output of a forward on this layout (from the
-        coordinator, `flatgrad._backward`): seat the slots (unless `seating` is False: a DDP
-        syncs this backward into buckets of its own) and return what settles `.grad` at its
-        end (`alone`: no DDP reducer places its gradients); None for another output of the
+        coordinator, `flatgrad._backward`): seat the slots when `alone` (no DDP reducer
+        places this backward's gradients: under a DDP its reducer copies them into its
+        buckets) and return what settles `.grad` at its end; None for another output of the
         same backward, a create_graph backward, or a retired layout."""
         if self._retired or torch.is_grad_enabled():  # create_graph: grads stay differentiable
             return None
@@ -94,7 +94,7 @@ class Seater:
         self._task = task
         store = self.store
         store.check(self._routed + self._placed + self._mains)  # the seated: by `seat`
-        seated = [] if store.stale or not seating else store.seat(self.params)
+        seated = [] if store.stale or not alone else store.seat(self.params)
         engine = self._owner()
         if store.stale and engine is not None:
             # A parameter was converted or reshaped behind the wrapper (model.double() on the
