@@ -12,7 +12,7 @@ from flatgrad._buffer_ops import aligned_zeros, write_flags
 from flatgrad._main_grads import MAIN_GRAD_GUARD, MainGrads
 from flatgrad._slot_registry import REGISTRY
 from flatgrad._slot_table import SlotEntry, SlotTable
-from flatgrad.layout import GroupKey, SlotSpec, plan_layout
+from flatgrad.layout import GroupKey, SlotSpec, dense_stride, plan_layout
 
 _Flagged = tuple[torch.Tensor, torch.Tensor, tuple[torch.nn.Parameter, ...]]
 # The last parameter tuple `seat` was given, its (parameter, slot) pairs and `spans`.
@@ -158,7 +158,11 @@ class GradStore:
         self._flagged.pop(key, None)  # DDP's bucket has no room after it
         base = int(buffer.storage_offset())
         for param, grad in zip(params, grads):
-            slot = SlotSpec(int(grad.storage_offset()) - base, grad.numel(), tuple(grad.shape), grad.stride())
+            # DDP's bucket view (the `.grad` it made) follows the parameter's own strides where
+            # it is dense (`Reducer::initialize_bucket_views`, as the layout contract); the
+            # `bucket.gradients()` views are contiguous ones over the same elements.
+            offset = int(grad.storage_offset()) - base
+            slot = SlotSpec(offset, grad.numel(), tuple(grad.shape), dense_stride(param))
             self._table.set(param, key, slot)
             if param.grad is not None:
                 param.grad = self._entries[param].view  # same memory, now our view object

@@ -575,6 +575,49 @@ def test_a_parameter_whose_gradient_is_stopped_everywhere_keeps_grad_none_under_
     run_ranks(_stopped_worker, config, fast, accumulate)
 
 
+class _Strided(nn.Module):
+    """Parameters whose strides are not the contiguous ones: a channels_last conv weight
+    and a transposed matrix (DDP's bucket views follow them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1).double().to(memory_format=torch.channels_last)
+        self.t = nn.Parameter(torch.randn(4, 3, dtype=torch.float64).t())  # (3, 4), strides (1, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x.contiguous(memory_format=torch.channels_last))  # (2, 3, 4, 4)
+        return (h.mean((2, 3)) @ self.t).square().mean()
+
+
+def _strided_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _Strided()
+    ref = DDP(copy.deepcopy(model), gradient_as_bucket_view=True)
+    flat = flatgrad.FlatGrad(model)
+    ddp = DDP(flat, **flat.ddp_kwargs())
+    ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+    opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (ddp, ref)]
+    for step in range(4):  # DDP's bucket adopted at step 0, and again after its rebuild (step 1)
+        x = torch.randn(
+            2, 2, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step * 2 + rank)
+        )
+        for net, opt in zip((ddp, ref), opts):
+            opt.zero_grad()
+            net(x).backward()
+        norms = flat.clip_grad_norm_(0.5), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        torch.testing.assert_close(norms[0], norms[1], rtol=1e-12, atol=1e-12)
+        for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+            assert p.grad.stride() == q.grad.stride() == p.stride(), (step, name)
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=f"step {step} {name}")
+        for opt in opts:
+            opt.step()
+    _assert_params_equal(model, ref.module)
+
+
+def test_parameters_with_strides_of_their_own_get_their_gradients_under_the_ddp_hook():
+    run_ranks(_strided_worker)
+
+
 def _checkpoint_names_worker(rank: int, world_size: int, tmp: str) -> None:
     """torch.distributed.checkpoint under DDP(flat) and flatgrad.DataParallel keys model and
     optimizer state as for DDP(model), so a checkpoint saved by one loads into the other;
