@@ -55,6 +55,9 @@ class GradEngine:
         # and the running forward's, taken by `before_forward`.
         self._next_sync: tuple[Any, bool] | None = None
         self._forward_sync: tuple[Any, bool] | None = None
+        # Whether a forward under a DDP came since the last backward began: its reducer places
+        # the next backward's gradients, whichever output that backward reaches first.
+        self.ddp_pending = False
         # Watch the model's registrations while the wrapper lives; when it is collected the
         # model is as it was before wrapping (plain dicts, torch's forwards).
         self.watch = LayoutWatch()
@@ -129,6 +132,8 @@ class GradEngine:
         # None (or, after a `no_sync()` backward, make the reducer raise). Routed layers
         # still write into their slots, and placed parameters are copied in by their hooks.
         alone = not comm.under_ddp()
+        if not alone:
+            self.ddp_pending = True  # (see `Seater.pre_backward`)
         # A DataParallel's forward (`expect_sync`, just before) binds its bucket sync too.
         bucket_sync, sync = self._forward_sync if self._forward_sync is not None else (None, False)
         self._forward_sync = None

@@ -92,10 +92,15 @@ class Seater:
         if task == self._task:
             return None  # another output of the same backward
         self._task = task
+        engine = self._owner()
+        if engine is not None and engine.ddp_pending:
+            # A forward under a DDP came since the last backward (this one may also run through
+            # an output of the plain wrapper, called directly): DDP's reducer places this
+            # backward's gradients, whichever output it reached first.
+            alone = engine.ddp_pending = False
         store = self.store
         store.check(self._routed + self._placed + self._mains)  # the seated: by `seat`
         seated = [] if store.stale or not alone else store.seat(self.params)
-        engine = self._owner()
         if store.stale and engine is not None:
             # A parameter was converted or reshaped behind the wrapper (model.double() on the
             # inner model, param.data = ...): lay out again now, before any gradient arrives.
@@ -105,7 +110,7 @@ class Seater:
             seater = engine.rebuilt_seater()
             seater._task = task
             store = seater.store
-            seated = store.seat(seater.params)
+            seated = store.seat(seater.params) if alone else []
         return functools.partial(self._after_backward, store, seated, alone)
 
     def _after_backward(

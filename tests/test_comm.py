@@ -575,6 +575,45 @@ def test_a_parameter_whose_gradient_is_stopped_everywhere_keeps_grad_none_under_
     run_ranks(_stopped_worker, config, fast, accumulate)
 
 
+def _direct_call_worker(rank: int, world_size: int, fast: bool, direct_first: bool) -> None:
+    """A loss that adds the wrapped model called directly (``ddp.module(x)``, past DDP's
+    forward) to DDP's output: DDP's reducer still places that backward's gradients, so
+    nothing is seated, whichever output the backward reaches first."""
+    torch.manual_seed(0)
+    model = _Stopped()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True, gradient_as_bucket_view=fast)
+    flat = flatgrad.FlatGrad(model)  # (its small Linears unrouted: `b`'s slots would be seated)
+    ddp = DDP(flat, find_unused_parameters=True, **(flat.ddp_kwargs() if fast else {}))
+    if fast:
+        ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+    opts = [torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1) for net in (ddp, ref)]
+    for step in range(4):
+        x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step * 2 + rank))
+        for net, opt in zip((ddp, ref), opts):
+            opt.zero_grad()
+            # The backward reaches the output made last first (its nodes are the newest).
+            if direct_first:
+                out = net(x)
+                loss = out + net.module(2 * x)
+            else:
+                direct = net.module(2 * x)
+                loss = direct + net(x)
+            loss.backward()
+        for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
+            assert (p.grad is None) == (q.grad is None), (step, name, p.grad)
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=f"step {step} {name}")
+        for opt in opts:
+            opt.step()
+    _assert_params_equal(model, ref.module)
+
+
+@pytest.mark.parametrize("direct_first", [False, True], ids=["ddp_first", "direct_first"])
+@pytest.mark.parametrize("fast", [False, True], ids=["own_flags", "ddp_kwargs"])
+def test_the_wrapped_model_called_past_ddp_in_the_same_loss_matches_stock(fast, direct_first):
+    run_ranks(_direct_call_worker, fast, direct_first)
+
+
 class _Strided(nn.Module):
     """Parameters whose strides are not the contiguous ones: a channels_last conv weight
     and a transposed matrix (DDP's bucket views follow them)."""
