@@ -21,6 +21,7 @@ from flatgrad._backward import ForwardPlan, watch
 from flatgrad._names import share_root
 from flatgrad._routing import route_layers, unroute
 from flatgrad._seating import Seater
+from flatgrad._torch_compat import divides_by_ranks_not_joined
 from flatgrad._watch import LayoutWatch
 from flatgrad.buffer import GradStore
 from flatgrad.config import FlatGradConfig
@@ -58,6 +59,7 @@ class GradEngine:
         # Whether a forward under a DDP came since the last backward began: its reducer places
         # the next backward's gradients, whichever output that backward reaches first.
         self.ddp_pending = False
+        self._joining: weakref.ref[Any] | None = None  # see `joining_ddp`
         # Watch the model's registrations while the wrapper lives; when it is collected the
         # model is as it was before wrapping (plain dicts, torch's forwards).
         self.watch = LayoutWatch()
@@ -134,11 +136,18 @@ class GradEngine:
         alone = not comm.under_ddp()
         if not alone:
             self.ddp_pending = True  # (see `Seater.pre_backward`)
+            ddp = comm.active_ddp()
+            self._joining = None if ddp is None or not divides_by_ranks_not_joined(ddp) else weakref.ref(ddp)
         # A DataParallel's forward (`expect_sync`, just before) binds its bucket sync too.
         bucket_sync, sync = self._forward_sync if self._forward_sync is not None else (None, False)
         self._forward_sync = None
         if seater is not None or bucket_sync is not None:
             watch(output, ForwardPlan(seater, alone, bucket_sync, sync))
+
+    def joining_ddp(self) -> Any:
+        """The DDP whose last forward ran under a `Join` that divides by the ranks not
+        joined yet (`comm.FlatGradCommState.ranks_not_joined`), or None."""
+        return None if self._joining is None else self._joining()
 
     def expect_sync(self, bucket_sync: Any, sync: bool) -> None:
         """From a DataParallel's forward, before it runs this wrapper's: the backward through

@@ -26,6 +26,7 @@ __all__ = [
     "active_ddp_getter",
     "broadcast_coalesced",
     "current_autograd_node",
+    "divides_by_ranks_not_joined",
     "fast_apply",
     "functorch_active",
     "graph_task_id",
@@ -34,6 +35,7 @@ __all__ = [
     "preserve_version_counter",
     "queue_callback",
     "register_load_pre_hook",
+    "shadowing_ddp",
     "sharded_tensor",
     "swap_tensor_code",
     "tree_leaves",
@@ -114,6 +116,29 @@ def active_ddp_getter() -> Callable[[], Any] | None:
     function returning it or None; None itself where this torch has no such tracking."""
     getter: Callable[[], Any] | None = getattr(DDP, "_get_active_ddp_module", None)
     return getter
+
+
+def divides_by_ranks_not_joined(ddp: Any) -> bool:
+    """Whether `ddp` runs under a `Join` that averages over the ranks not joined yet
+    (``ddp.join(divide_by_initial_world_size=False)``), which DDP's reducer does by itself
+    but leaves to a registered comm hook, as it leaves it any division."""
+    config = getattr(ddp, "_join_config", None)
+    return bool(
+        config is not None and config.enable and not getattr(ddp, "_divide_by_initial_world_size", True)
+    )
+
+
+def shadowing_ddp() -> Any:
+    """The DDP whose joined rank, under `Join`, calls this comm hook to match the backward's
+    all-reduces with zeros (`DistributedDataParallel._match_all_reduce_for_bwd_pass`, up the
+    Python stack); None when the hook runs in a backward."""
+    code = getattr(DDP._match_all_reduce_for_bwd_pass, "__code__", None)
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
 
 
 def broadcast_coalesced(

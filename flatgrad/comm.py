@@ -15,7 +15,12 @@ import torch
 import torch.distributed as dist
 
 from flatgrad._buffer_ops import host_tensor
-from flatgrad._torch_compat import active_ddp_getter, graph_task_id
+from flatgrad._torch_compat import (
+    active_ddp_getter,
+    divides_by_ranks_not_joined,
+    graph_task_id,
+    shadowing_ddp,
+)
 from flatgrad.buffer import GradStore
 
 logger = logging.getLogger(__name__)
@@ -53,6 +58,19 @@ class FlatGradCommState:
 
     def __post_init__(self) -> None:
         check_wire_dtype(self.wire_dtype)
+
+    def ranks_not_joined(self, device: torch.device) -> int | None:
+        """Under a `Join` with ``divide_by_initial_world_size=False``, the ranks not joined
+        yet, which DDP divides by (it leaves that to a comm hook): one small all-reduce per
+        bucket, matched by the joined ranks' zero buckets. None otherwise (every rank
+        decides alike: the join config is every rank's)."""
+        joined = graph_task_id() == -1  # a joined rank matching the backward's all-reduces
+        ddp = shadowing_ddp() if joined else self.wrapper._engine.joining_ddp()
+        if ddp is None or not divides_by_ranks_not_joined(ddp):
+            return None
+        count = torch.full((1,), 0 if joined else 1, dtype=torch.int64, device=device)
+        dist.all_reduce(count, group=self.process_group)
+        return int(count.item())
 
     def adopt(self, bucket: dist.GradBucket) -> None:
         """Make DDP's bucket the wrapper's flat buffer, once per bucket allocation.
@@ -151,7 +169,7 @@ def under_ddp() -> bool:
     return active is None or active() is not None
 
 
-def _active_ddp() -> Any:
+def active_ddp() -> Any:
     """The DDP whose forward is running (DDP exposes it for TorchDynamo), if any."""
     active = active_ddp_getter()
     return active() if active is not None else None
@@ -189,7 +207,8 @@ def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.f
         _python_reducer_mean(state, *bucket)
         return None  # type: ignore[return-value]  # (that reducer ignores what hooks return)
     state.adopt(bucket)
-    return _all_reduce_mean(bucket.buffer(), state.process_group, state.wire_dtype)
+    ranks = state.ranks_not_joined(bucket.buffer().device)
+    return _all_reduce_mean(bucket.buffer(), state.process_group, state.wire_dtype, ranks)
 
 
 def _python_reducer_mean(state: FlatGradCommState, grad: torch.Tensor, param: torch.Tensor) -> None:
@@ -231,13 +250,21 @@ def average_op(tensor: torch.Tensor, process_group: dist.ProcessGroup | None) ->
 
 
 def _all_reduce_mean(
-    buffer: torch.Tensor, process_group: dist.ProcessGroup | None, wire_dtype: torch.dtype | None
+    buffer: torch.Tensor,
+    process_group: dist.ProcessGroup | None,
+    wire_dtype: torch.dtype | None,
+    ranks: int | None = None,
 ) -> torch.futures.Future[torch.Tensor]:
-    """All-reduce `buffer` in place to the group mean; the future's value is `buffer`."""
+    """All-reduce `buffer` in place to the group mean (over `ranks` of them: under a `Join`
+    that counts only the ranks not joined yet); the future's value is `buffer`."""
     wire = to_wire(buffer, wire_dtype)
-    op, divide = average_op(wire, process_group)
+    if ranks is None:
+        op, divide = average_op(wire, process_group)
+        ranks = dist.get_world_size(process_group)
+    else:
+        op, divide = dist.ReduceOp.SUM, True
     if divide:
-        wire.div_(dist.get_world_size(process_group))  # divide first, so sums stay finite
+        wire.div_(ranks)  # divide first, so sums stay finite
     fut = dist.all_reduce(wire, op=op, group=process_group, async_op=True).get_future()
     if wire is buffer:
         return fut.then(lambda f: f.value()[0])

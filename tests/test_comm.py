@@ -867,7 +867,10 @@ class _Uneven(nn.Module):
         return self.head(torch.tanh(self.fc(x))).square().mean()
 
 
-def _join_worker(rank: int, world_size: int) -> None:
+def _join_worker(rank: int, world_size: int, by_initial: bool) -> None:
+    """`Join` with uneven inputs. `divide_by_initial_world_size=False`: once a rank joined,
+    DDP averages over the ranks left, which it leaves to a comm hook; the oracle is stock
+    DDP without one (torch's own allreduce_hook divides by the world size there)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.algorithms.join import Join
 
@@ -878,14 +881,15 @@ def _join_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _Uneven().double()
     ref = DDP(copy.deepcopy(model))
-    ref.register_comm_hook(None, allreduce_hook)
+    if by_initial:
+        ref.register_comm_hook(None, allreduce_hook)
     flat = flatgrad.FlatGrad(model)
     ours = DDP(flat, **flat.ddp_kwargs())
     ours.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
     batches = 2 + 3 * rank  # rank 0 runs out of inputs first and joins
     for module in (ours, ref):
         opt = torch.optim.SGD(module.parameters(), lr=0.1)
-        with Join([module]):
+        with Join([module], divide_by_initial_world_size=by_initial):
             for step in range(batches):
                 x = torch.randn(
                     4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * rank + step)
@@ -897,8 +901,9 @@ def _join_worker(rank: int, world_size: int) -> None:
     assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]
 
 
-def test_join_with_uneven_inputs_matches_ddp_without_a_warning():
-    run_ranks(_join_worker)
+@pytest.mark.parametrize("by_initial", [True, False], ids=["by_initial_world_size", "by_ranks_left"])
+def test_join_with_uneven_inputs_matches_ddp_without_a_warning(by_initial):
+    run_ranks(_join_worker, by_initial)
 
 
 def _sparse_worker(rank: int, world_size: int, fast: bool) -> None:
