@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from conftest import ROUTE_ALL
 from dist_utils import rank_profile, run_ranks
+from test_parallel import _NoGrad
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -505,18 +506,6 @@ def _unused_everywhere_worker(rank: int, world_size: int, sync: str, route_all: 
 @pytest.mark.parametrize("sync", ["find_unused", "static_graph", "static_graph_one_rank", "all_reduce_grads"])
 def test_a_parameter_no_rank_uses_keeps_grad_none_like_stock_ddp(sync, route_all):
     run_ranks(_unused_everywhere_worker, sync, route_all)
-
-
-class _NoGrad(torch.autograd.Function):
-    """A stop-gradient op: its backward hands its input no gradient (None)."""
-
-    @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> None:
-        return None
 
 
 class _Stopped(nn.Module):

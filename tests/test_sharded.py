@@ -765,9 +765,15 @@ class _Reader(nn.Module):
         return nn.functional.linear(self.lin(x), self.shared.weight)
 
 
-def test_overlap_param_gather_waits_for_a_module_never_called_in_each_parent_that_reads_it():
-    """A module shared by two parents, never called itself, read by both: each parent's pre
-    hook waits for its buckets (the first to run must not read them in flight)."""
+def _in_flight_when_read(
+    build: Callable[[Callable[[], None]], nn.Module],
+    read: Callable[[nn.Module], nn.Parameter],
+    bucket_mb: float,
+) -> tuple[nn.Module, Any, list[list[int]]]:
+    """Three steps of `build(probe)` with `overlap_param_gather` on one gloo rank; `probe`,
+    called by the model just before it reads `read(model)`, notes which of that parameter's
+    buckets still have their all-gather in flight (none may). Returns the model, the
+    optimizer's engine and the notes."""
     from flatgrad.bench.device_base import single_rank_group
 
     in_flight: list[list[int]] = []
@@ -775,20 +781,32 @@ def test_overlap_param_gather_waits_for_a_module_never_called_in_each_parent_tha
 
     def probe() -> None:
         if engine:
-            held = engine[0].bucket_indices([shared.weight])
+            held = engine[0].bucket_indices([read(model)])
             in_flight.append([i for i in held if i in engine[0].in_flight])
 
     with single_rank_group("gloo", torch.device("cpu")):
-        shared = nn.Linear(4, 4, bias=False)
-        model = nn.Sequential(_Reader(shared, probe), _Reader(shared, probe))
-        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.00001)  # a bucket per layer
+        model = build(probe)
+        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=bucket_mb)
         opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=True)
         engine.append(opt._engine)
+        assert len(dp.buckets) > 1
         for _ in range(3):
             opt.zero_grad()
             dp(torch.randn(2, 4)).square().mean().backward()
             opt.step()
         opt.wait_param_gather()
+    return model, engine[0], in_flight
+
+
+def test_overlap_param_gather_waits_for_a_module_never_called_in_each_parent_that_reads_it():
+    """A module shared by two parents, never called itself, read by both: each parent's pre
+    hook waits for its buckets (the first to run must not read them in flight)."""
+    shared = nn.Linear(4, 4, bias=False)
+    _, _, in_flight = _in_flight_when_read(
+        lambda probe: nn.Sequential(_Reader(shared, probe), _Reader(shared, probe)),
+        lambda model: shared.weight,
+        bucket_mb=0.00001,  # a bucket per layer
+    )
     assert len(in_flight) == 6 and not any(in_flight), in_flight
 
 
@@ -809,27 +827,12 @@ def test_overlap_param_gather_waits_before_an_ancestor_reads_a_module_that_runs_
     """A module whose forward runs, but whose weight its parent reads first: the parent's
     pre hook waits for its buckets (learned from the first forward's reads), not only the
     module's own, which runs after the read."""
-    from flatgrad.bench.device_base import single_rank_group
-
-    in_flight: list[list[int]] = []
-    engine: list[Any] = []
-
-    def probe() -> None:
-        if engine:
-            held = engine[0].bucket_indices([model[1].proj.weight])
-            in_flight.append([i for i in held if i in engine[0].in_flight])
-
-    with single_rank_group("gloo", torch.device("cpu")):
-        model = nn.Sequential(nn.Linear(4, 4), _ReadsFirst(probe))
-        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.00001)  # a bucket per layer
-        opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=True)
-        engine.append(opt._engine)
-        assert len(engine[0].bucket_indices([model[1].proj.weight])) == 1 < len(dp.buckets)
-        for _ in range(3):
-            opt.zero_grad()
-            dp(torch.randn(2, 4)).square().mean().backward()
-            opt.step()
-        opt.wait_param_gather()
+    model, engine, in_flight = _in_flight_when_read(
+        lambda probe: nn.Sequential(nn.Linear(4, 4), _ReadsFirst(probe)),
+        lambda model: model[1].proj.weight,
+        bucket_mb=0.00001,  # a bucket per layer
+    )
+    assert len(engine.bucket_indices([model[1].proj.weight])) == 1
     assert len(in_flight) == 3 and not any(in_flight), in_flight
 
 
@@ -903,28 +906,11 @@ def test_overlap_param_gather_waits_for_a_never_called_module_read_unseen_in_its
     """A never-called module whose parameter the learning forward did not see read is
     waited for by its nearest running ancestor, even when another parameter of its bucket
     was seen read later."""
-    from flatgrad.bench.device_base import single_rank_group
-
-    in_flight: list[list[int]] = []
-    engine: list[Any] = []
-
-    def probe() -> None:
-        if engine:
-            held = engine[0].bucket_indices([model[1].h.weight])
-            in_flight.append([i for i in held if i in engine[0].in_flight])
-
-    with single_rank_group("gloo", torch.device("cpu")):
-        model = nn.Sequential(nn.Linear(4, 4), _ReadsUnseen(probe))
-        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0004)
-        opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=True)
-        engine.append(opt._engine)
-        buckets = [
-            opt._engine.bucket_indices([p]) for p in (model[0].weight, model[1].h.weight, model[1].b.weight)
-        ]
-        assert buckets[1] == buckets[2] != buckets[0]  # h and b share a bucket, the first layer has its own
-        for _ in range(3):
-            opt.zero_grad()
-            dp(torch.randn(2, 4)).square().mean().backward()
-            opt.step()
-        opt.wait_param_gather()
+    model, engine, in_flight = _in_flight_when_read(
+        lambda probe: nn.Sequential(nn.Linear(4, 4), _ReadsUnseen(probe)),
+        lambda model: model[1].h.weight,
+        bucket_mb=0.0004,
+    )
+    buckets = [engine.bucket_indices([p]) for p in (model[0].weight, model[1].h.weight, model[1].b.weight)]
+    assert buckets[1] == buckets[2] != buckets[0]  # h and b share a bucket, the first layer has its own
     assert len(in_flight) == 3 and not any(in_flight), in_flight
