@@ -57,9 +57,20 @@ class ForwardWaits:
 
     def __init__(self, engine: Any, model: nn.Module, sync: Any) -> None:
         self.engine, self.sync = engine, sync
-        self._root = id(model)
         self._hooked = list(model.modules())
-        self._own = {id(m): engine.bucket_indices(list(m.parameters(recurse=False))) for m in self._hooked}
+        # each parameter's buckets (by id), and each module's own parameters' (by the module's id)
+        self._buckets_of = {
+            id(p): found
+            for m in self._hooked
+            for p in m.parameters(recurse=False)
+            if (found := engine.bucket_indices([p]))
+        }
+        self._own = {
+            id(m): tuple(
+                sorted({i for p in m.parameters(recurse=False) for i in self._buckets_of.get(id(p), ())})
+            )
+            for m in self._hooked
+        }
         self._reads: _FirstReads | None = None  # in the learning forward
         self._ran: set[int] = set()
         self._learning = []
@@ -86,7 +97,7 @@ class ForwardWaits:
             yield
             return
         self._ran = set()
-        self._reads = _FirstReads(self._buckets_of_params())
+        self._reads = _FirstReads(self._buckets_of)
         try:
             with self._reads:
                 yield
@@ -102,15 +113,6 @@ class ForwardWaits:
     def _leave(self, *hook_args: Any) -> None:
         if self._reads is not None and self._reads.running:
             self._reads.running.pop()
-
-    def _buckets_of_params(self) -> dict[int, tuple[int, ...]]:
-        found: dict[int, tuple[int, ...]] = {}
-        for module in self._hooked:
-            for param in module.parameters(recurse=False):
-                indices = self.engine.bucket_indices([param])
-                if indices:
-                    found[id(param)] = indices
-        return found
 
     def _learn(self, *hook_args: Any) -> None:
         """After the learning forward: each module's buckets go to itself, to the module
@@ -148,9 +150,9 @@ class ForwardWaits:
         self.sync.forward_context = None
         self._remove(self._learning)
         by_id = {id(module): module for module in self._hooked}
-        self._hooked, self._own, self._ran = [], {}, set()  # (no references kept to the model)
-        for key, indices in waits.items():
-            hook = functools.partial(_wait_for, self.engine, tuple(sorted(indices)))
+        self._hooked, self._own, self._buckets_of, self._ran = [], {}, {}, set()  # (no references kept)
+        for key, waited in waits.items():
+            hook = functools.partial(_wait_for, self.engine, tuple(sorted(waited)))
             # (first: a pre hook of the user's, weight_norm's for one, may read the parameters)
             self._waits.append(by_id[key].register_forward_pre_hook(hook, prepend=True))
 
