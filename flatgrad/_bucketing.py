@@ -15,7 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatgrad._buckets import Bucket, LaunchPlan, Round, agree_order, cut_buckets, plan_launches
+from flatgrad._buckets import (
+    Bucket,
+    LaunchPlan,
+    Round,
+    agree_order,
+    cores_to_spare,
+    cut_buckets,
+    plan_launches,
+)
 from flatgrad._scattered import mark_scattered, refuse_adding_onto_scattered
 from flatgrad._sync_hooks import Deferrals, ReadyHooks
 from flatgrad._torch_compat import (
@@ -61,6 +69,7 @@ class BucketSync:
         # averaged backward, so the next backward averages whichever graph it goes through.
         self._armed = False
         self._deferrals = Deferrals()  # hooks that carry a nested backward's end outward
+        self._small_first_on_cpu = cores_to_spare(process_group)  # (see `cut_buckets`)
         self.rebuild()
 
     def _new_round(self) -> Round:
@@ -139,7 +148,7 @@ class BucketSync:
             self.shards = []  # of the old buffers
         self._store = store
         self.has_buffers = any(True for _ in self._grads.model.buffers())
-        self._buckets = cut_buckets(store, self.bucket_mb)
+        self._buckets = cut_buckets(store, self.bucket_mb, self._small_first_on_cpu)
         self._plan = plan_launches(self._buckets)
         bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._hooks.hook(store.params, bucket_of, self._on_ready)

@@ -5,6 +5,7 @@ that orders their launches, and the `Round` of one synchronised backward over th
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -333,16 +334,36 @@ def _finite(store: GradStore, param: nn.Parameter) -> bool:
     return grad is None or bool(torch.isfinite(grad).all())
 
 
-def cut_buckets(store: GradStore, bucket_mb: float) -> list[Bucket]:
+def cores_to_spare(process_group: dist.ProcessGroup | None) -> bool:
+    """Whether this host has a core that the ranks' compute threads leave free: torch's
+    intra-op threads times the ranks on the host (``LOCAL_WORLD_SIZE``, set by torchrun;
+    without it, the group's size) below the cores this process may run on."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        cores = os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks = int(local) if local.isdigit() else dist.get_world_size(process_group)
+    return torch.get_num_threads() * ranks < cores
+
+
+def cut_buckets(store: GradStore, bucket_mb: float, small_first_on_cpu: bool = True) -> list[Bucket]:
     """Buckets per buffer, cut at slot boundaries in buffer order: the first about
-    `_FIRST_BUCKET_MB`, the others about `bucket_mb`."""
+    `_FIRST_BUCKET_MB`, the others about `bucket_mb`.
+
+    A CPU buffer is averaged by gloo on a thread of its own, which overlaps the backward
+    only on a core the compute leaves free. Without one (`small_first_on_cpu` False: see
+    `cores_to_spare`; torchrun's default of one thread per rank on as many cores as ranks)
+    an early small bucket overlaps nothing and costs a collective more: its first bucket
+    is as large as the others."""
     buckets: list[Bucket] = []
     for key, buffer in store.buffers.items():
         slots = sorted(
             ((store.slot(p)[1].offset, p) for p in store.params if store.slot(p)[0] == key),
             key=lambda item: item[0],
         )
-        cap = int(min(_FIRST_BUCKET_MB, bucket_mb) * 2**20) // buffer.element_size()
+        first_mb = _FIRST_BUCKET_MB if small_first_on_cpu or buffer.device.type != "cpu" else bucket_mb
+        cap = int(min(first_mb, bucket_mb) * 2**20) // buffer.element_size()
         start, members = 0, []
         for i, (_, param) in enumerate(slots):
             members.append(param)

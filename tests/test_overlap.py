@@ -26,6 +26,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+from flatgrad._buckets import cores_to_spare, cut_buckets
+from flatgrad.buffer import GradStore
 
 pytestmark = pytest.mark.distributed
 
@@ -367,3 +369,28 @@ def test_a_sharded_optimizer_steps_as_ddp_whatever_order_the_buckets_launch_in()
     """Reduce-scatter in the learned order: each bucket's shard is still this rank's piece
     of that bucket, and the parameters equal DDP's with AdamW after every step."""
     run_ranks(_sharded_worker, timeout=240)
+
+
+@pytest.mark.parametrize(
+    ("threads", "local_ranks", "cores", "spare"),
+    [(1, 2, 2, False), (2, 2, 2, False), (1, 2, 4, True), (4, 4, 16, False), (1, 4, 16, True)],
+)
+def test_cores_to_spare_counts_the_threads_of_every_rank_on_the_host(
+    monkeypatch: pytest.MonkeyPatch, threads: int, local_ranks: int, cores: int, spare: bool
+) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert cores_to_spare(None) is spare
+
+
+def test_a_cpu_buffer_gets_no_small_first_bucket_when_no_core_is_spare() -> None:
+    """Without a spare core gloo's thread overlaps nothing: the first bucket is a full one
+    (a collective fewer); with one, DDP's small first bucket. Buckets stay whole slots."""
+    store = GradStore([nn.Parameter(torch.zeros(1 << 16)) for _ in range(12)], 256)  # 256 KiB each
+
+    def sizes(small_first: bool) -> list[int]:
+        return [len(bucket.params) for bucket in cut_buckets(store, 2.0, small_first)]
+
+    assert sizes(True) == [4, 8]  # 1 MiB first (as DDP), then 2 MiB
+    assert sizes(False) == [8, 4]
