@@ -351,18 +351,20 @@ def cut_buckets(store: GradStore, bucket_mb: float, small_first_on_cpu: bool = T
     """Buckets per buffer, cut at slot boundaries in buffer order: the first about
     `_FIRST_BUCKET_MB`, the others about `bucket_mb`.
 
-    A CPU buffer is averaged by gloo on a thread of its own, which overlaps the backward
-    only on a core the compute leaves free. Without one (`small_first_on_cpu` False: see
-    `cores_to_spare`; torchrun's default of one thread per rank on as many cores as ranks)
-    an early small bucket overlaps nothing and costs a collective more: its first bucket
-    is as large as the others."""
+    A CPU buffer is averaged by gloo on a thread of its own, which competes with the
+    backward for the cores when none is free (`small_first_on_cpu` False: see
+    `cores_to_spare`; torchrun's default of one thread per rank on as many cores as ranks).
+    There a collective costs about 0.7 ms of the step by itself (2 gloo ranks on 2 cores),
+    more than an early 1 MiB bucket hides, while an early bucket of 12.9 MiB (recommender)
+    hides more than it costs: its first bucket is half a bucket (12.5 MiB by default), so a
+    buffer up to that size is one bucket."""
     buckets: list[Bucket] = []
     for key, buffer in store.buffers.items():
         slots = sorted(
             ((store.slot(p)[1].offset, p) for p in store.params if store.slot(p)[0] == key),
             key=lambda item: item[0],
         )
-        first_mb = _FIRST_BUCKET_MB if small_first_on_cpu or buffer.device.type != "cpu" else bucket_mb
+        first_mb = _FIRST_BUCKET_MB if small_first_on_cpu or buffer.device.type != "cpu" else bucket_mb / 2
         cap = int(min(first_mb, bucket_mb) * 2**20) // buffer.element_size()
         start, members = 0, []
         for i, (_, param) in enumerate(slots):

@@ -2,9 +2,11 @@
 
 Buckets are `narrow` views of the flat buffer, cut at slot boundaries in the buffer's order
 (the reverse of registration, roughly the order backward produces gradients), about
-`bucket_mb` each and a small first one. A post hook on the AccumulateGrad node of every
-parameter (it fires also for the routed layers, whose Functions hand AccumulateGrad None)
-counts the parameter ready; when every parameter of a bucket is ready and every bucket
+`bucket_mb` each and a small first one (not on a CPU host whose cores the ranks' threads
+already fill: there gloo's thread overlaps nothing, see `flatgrad._buckets.cut_buckets`).
+A post hook on the AccumulateGrad node of every parameter (it fires also for the routed
+layers, whose Functions hand AccumulateGrad None) counts the parameter ready; when every
+parameter of a bucket is ready and every bucket
 before it in the launch order has been launched, the bucket's collective starts
 asynchronously, while backward goes on. The launch order is the buffer's until the first
 synchronised backward ends; from then on it is the order in which rank 0's buckets became
@@ -72,7 +74,6 @@ from flatgrad.wrapper import FlatGrad
 
 logger = logging.getLogger(__name__)
 
-_FIRST_BUCKET_MB = 1.0  # a small first bucket starts communication early, as in DDP
 _BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
 
 
@@ -90,7 +91,8 @@ class DataParallel(PlainNames):
     Args:
         flat: The `FlatGrad`-wrapped model; every rank must wrap the same model.
         process_group: The group to average over; None for the default group.
-        bucket_mb: The approximate size of a bucket in MiB (the first one is smaller).
+        bucket_mb: The approximate size of a bucket in MiB (the first one is smaller, 1 MiB
+            as DDP's, but for CPU buffers on a host without a core to spare).
         wire_dtype: ``torch.bfloat16`` or ``torch.float16`` to average a compressed copy of
             each floating-point bucket (decompressed into it); None sends the buckets as they are.
         broadcast_buffers: Whether rank 0's buffers are broadcast again before a forward that

@@ -384,13 +384,16 @@ def test_cores_to_spare_counts_the_threads_of_every_rank_on_the_host(
     assert cores_to_spare(None) is spare
 
 
-def test_a_cpu_buffer_gets_no_small_first_bucket_when_no_core_is_spare() -> None:
-    """Without a spare core gloo's thread overlaps nothing: the first bucket is a full one
-    (a collective fewer); with one, DDP's small first bucket. Buckets stay whole slots."""
+def test_a_cpu_buffer_without_a_spare_core_gets_a_first_bucket_of_half_a_bucket() -> None:
+    """Without a spare core an early 1 MiB bucket costs gloo more than it hides: the first
+    bucket is half a bucket (a buffer up to that is one bucket); with one, DDP's 1 MiB.
+    Buckets stay whole slots."""
     store = GradStore([nn.Parameter(torch.zeros(1 << 16)) for _ in range(12)], 256)  # 256 KiB each
 
-    def sizes(small_first: bool) -> list[int]:
-        return [len(bucket.params) for bucket in cut_buckets(store, 2.0, small_first)]
+    def sizes(bucket_mb: float, small_first: bool) -> list[int]:
+        return [len(bucket.params) for bucket in cut_buckets(store, bucket_mb, small_first)]
 
-    assert sizes(True) == [4, 8]  # 1 MiB first (as DDP), then 2 MiB
-    assert sizes(False) == [8, 4]
+    assert sizes(4.0, True) == [4, 8]  # 1 MiB first (as DDP), then up to 4 MiB
+    assert sizes(4.0, False) == [8, 4]  # 2 MiB first
+    assert sizes(8.0, False) == [12]  # 3 MiB: below half a bucket, one
+    assert sizes(8.0, True) == [4, 8]
