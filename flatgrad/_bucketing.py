@@ -134,6 +134,8 @@ class BucketSync:
         self._deferrals.forget()
         if self._round is not None:
             self._round.wait_launched()
+        if self._store is not None:
+            self._store.prescale.factor = None
         self._round = self._new_round()
 
     def rebuild(self) -> None:
@@ -152,6 +154,8 @@ class BucketSync:
         self._plan = plan_launches(self._buckets)
         bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._hooks.hook(store.params, bucket_of, self._on_ready)
+        seater = self._grads.seater
+        self._hooks.scale_incoming(store, seater.routed if seater is not None else ())
         self._round = self._new_round()
 
     # --- backward -----------------------------------------------------------------------
@@ -185,8 +189,7 @@ class BucketSync:
         final callback, which launches every bucket not launched yet."""
         self._task_sync = True  # (a create_graph backward never opened a task: `_begin`)
         self._armed = False
-        self._round = self._new_round()
-        self._round.counts_all = False
+        self._average().counts_all = False
 
     def _begin(self, sync: bool, from_output: bool = True, queue: bool = True) -> bool:
         """Open the running backward, averaging when `sync` (the no_sync state of the forward
@@ -209,12 +212,17 @@ class BucketSync:
         self._task = graph_task_id()
         self._task_sync = sync
         if sync:
-            self._round = self._new_round()
+            round_ = self._average()
             if self._hooks.unused and from_output:
-                self._hooks.skip_unreached(self._round)
+                self._hooks.skip_unreached(round_)
         if queue:  # (the coordinator queues it after the seater's end: `pre_backward`)
             queue_callback(self._finish)
         return True
+
+    def _average(self) -> Round:
+        self._round = self._new_round()  # (and the routed layers write divided where it sums)
+        self._store.prescale.start(self._round.prescale)  # type: ignore[union-attr]
+        return self._round
 
     def _open(self) -> bool:
         """From an AccumulateGrad hook, when no backward is open (this one reached none of

@@ -16,8 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from flatgrad._buffer_ops import host_tensor, read_here
+from flatgrad._prescale import divide_unscaled
 from flatgrad.buffer import GradStore
-from flatgrad.comm import launch_average, reduce_scatters, settle_unused
+from flatgrad.comm import average_op, launch_average, reduce_scatters, settle_unused
 from flatgrad.layout import GroupKey
 
 _FIRST_BUCKET_MB = 1.0  # a small first bucket starts communication early, as in DDP
@@ -35,6 +36,8 @@ class Bucket:
     # Whether it ends its group's buffer: the group's used flags follow it in memory
     # (`GradStore.flagged`), so the all-reduce that averages it may carry them too.
     ends_buffer: bool = False
+    # The prescaled parameters of its last launch, and its other slots' spans (`_prescale`).
+    unscaled: tuple[frozenset[int], list[torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -108,18 +111,18 @@ class Round:
         # The used flags may ride with a bucket unless it is reduce-scattered (each rank
         # would get only its part of them).
         self.carries_flags = not (scatter and reduce_scatters(process_group))
-        # Where a ShardedOptimizer's buckets are all-reduced (gloo) its float32/float64
-        # buckets are summed, not divided first, and only its `shards` (all it reads: the
-        # rest of the buffer refuses reads until zeroed) are divided once everything has
-        # arrived: one pass over 1/world_size of the buffer instead of all of it. Only for
-        # a power-of-two world size: dividing by it is exact, so the result is DDP's
-        # (divided, then summed) to the bit, but for sums beyond the float range and
-        # subnormal addends. Half precision still divides first, so that its sums stay
-        # finite; so does `check_finite`, whose raise leaves `.grad` readable.
+        # A ShardedOptimizer's all-reduced (gloo) float32/float64 buckets are summed and only its
+        # `shards` (all it reads) divided once everything arrived: 1/world_size of a pass. Only
+        # for a power-of-two world size (dividing by it is exact: DDP's result to the bit, but
+        # for sums beyond the float range and subnormal addends). Half precision divides
+        # first, so that its sums stay finite; so does `check_finite` (`.grad` stays readable).
         self.world_size = dist.get_world_size(process_group)
         exact = self.world_size > 1 and self.world_size & (self.world_size - 1) == 0  # (1: no division)
         summed = scatter and self.carries_flags and wire_dtype is None and exact and check_finite is None
         self.divide_after = [s for s in shards if s.dtype in _SUMMED] if summed else []
+        # DataParallel's summed buckets: the routed layers write divided (`flatgrad._prescale`).
+        sums = store is not None and all(average_op(b, process_group)[1] for b in store.buffers.values())
+        self.prescale = 1 / self.world_size if sums and exact and not (scatter or wire_dtype) else None
         # With `check_finite` (the parameters' names, asked for only to raise): per launched
         # bucket, whether its local gradients were all finite (a device tensor, no sync).
         self.check_finite = check_finite
@@ -246,6 +249,8 @@ class Round:
         if self.check_finite is not None:
             self.finite.append(torch.isfinite(bucket.buffer).all())
         i, divide = bucket.index, not (self.divide_after and sent.dtype in _SUMMED)
+        if self.prescale is not None and divide_unscaled(bucket, self.store, self.world_size):
+            divide = False  # (the routed slots were written divided: `flatgrad._prescale`)
         group, wire_dtype = self.process_group, self.wire_dtype
         self.work[i], self.wire[i] = launch_average(sent, group, wire_dtype, self.scatter, divide)
         self.sent[i] = sent
@@ -288,6 +293,7 @@ class Round:
             torch._foreach_div_(self.divide_after, self.world_size)
             self.divide_after = []  # (once)
         self.exposed_s = time.perf_counter() - compute_done
+        store.prescale.factor = None
         settle_unused(store, self.flagged)
         if nonfinite is not None:
             self._raise_if_nonfinite(*nonfinite)
@@ -356,15 +362,16 @@ def cut_buckets(store: GradStore, bucket_mb: float, small_first_on_cpu: bool = T
     `cores_to_spare`; torchrun's default of one thread per rank on as many cores as ranks).
     There a collective costs about 0.7 ms of the step by itself (2 gloo ranks on 2 cores),
     more than an early 1 MiB bucket hides, while an early bucket of 12.9 MiB (recommender)
-    hides more than it costs: its first bucket is half a bucket (12.5 MiB by default), so a
-    buffer up to that size is one bucket."""
+    hides more than it costs: its first bucket is half a bucket (12.5 MiB by default; never
+    below 1 MiB), so a buffer up to that size is one bucket."""
     buckets: list[Bucket] = []
     for key, buffer in store.buffers.items():
         slots = sorted(
             ((store.slot(p)[1].offset, p) for p in store.params if store.slot(p)[0] == key),
             key=lambda item: item[0],
         )
-        first_mb = _FIRST_BUCKET_MB if small_first_on_cpu or buffer.device.type != "cpu" else bucket_mb / 2
+        busy_cpu = not small_first_on_cpu and buffer.device.type == "cpu"
+        first_mb = max(_FIRST_BUCKET_MB, bucket_mb / 2) if busy_cpu else _FIRST_BUCKET_MB
         cap = int(min(first_mb, bucket_mb) * 2**20) // buffer.element_size()
         start, members = 0, []
         for i, (_, param) in enumerate(slots):

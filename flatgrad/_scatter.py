@@ -7,15 +7,17 @@ from __future__ import annotations
 import torch
 
 
-def scatter_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``target[index] += rows`` with repeated indices summed.
+def scatter_rows(
+    target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, alpha: float = 1.0
+) -> torch.Tensor:
+    """``target[index] += alpha * rows`` with repeated indices summed.
 
     `index_add_` scatters without sorting; under `torch.use_deterministic_algorithms`
     the sort-based `index_put_(accumulate=True)` gives a run-to-run identical sum.
     """
     if torch.are_deterministic_algorithms_enabled():
-        return target.index_put_((index,), rows, accumulate=True)
-    return target.index_add_(0, index, rows)
+        return target.index_put_((index,), rows if alpha == 1.0 else rows * alpha, accumulate=True)
+    return target.index_add_(0, index, rows, alpha=alpha)
 
 
 def scatter_add_into(

@@ -73,6 +73,11 @@ class Seater:
         self.hooks.append(node.register_prehook(functools.partial(_place_incoming, self.store, param)))
         self._accumulators.append(node)
 
+    @property
+    def routed(self) -> tuple[nn.Parameter, ...]:
+        """The parameters whose layers' Functions write their slots."""
+        return self._routed
+
     def retire(self) -> None:
         self._retired = True
         for handle in self.hooks:  # a graph still alive must not write into old buffers

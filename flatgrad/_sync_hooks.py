@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from flatgrad._buckets import Bucket, Round
+from flatgrad._prescale import scale_incoming
 from flatgrad._torch_compat import will_execute
 
 # What a hook on a parameter's AccumulateGrad calls: (param, bucket, grad_inputs, grad_outputs).
@@ -28,13 +29,27 @@ class ReadyHooks:
         self._params: tuple[nn.Parameter, ...] = ()
         self._bucket_of: Mapping[int, Bucket] = {}
         self._handles: list[Any] = []  # per parameter, in `_params`' order
+        self._scaling: list[Any] = []  # the routed parameters' (`scale_incoming`)
         self._nodes: list[Any] = []
 
     def remove(self) -> None:
         """Remove every hook (from outside any hook dispatch)."""
-        for handle in self._handles:
+        for handle in self._handles + self._scaling:
             handle.remove()
-        self._handles, self._nodes = [], []
+        self._handles, self._nodes, self._scaling = [], [], []
+
+    def scale_incoming(self, store: Any, routed: Sequence[nn.Parameter]) -> None:
+        """Hook the AccumulateGrad of each of `routed` (of `store`) to scale a gradient that
+        reaches it through plain autograd (the weight also used outside its layer) by the
+        store's prescale factor where its layer wrote the slot so scaled in this backward
+        (`flatgrad._prescale.scale_incoming`)."""
+        with torch.enable_grad():
+            for param in routed:
+                node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+                self._scaling.append(
+                    node.register_prehook(functools.partial(scale_incoming, store.prescale, param))
+                )
+                self._nodes.append(node)
 
     def hook(
         self, params: Sequence[nn.Parameter], bucket_of: Mapping[int, Bucket], on_ready: OnReady

@@ -10,6 +10,7 @@ import torch
 
 from flatgrad._buffer_ops import aligned_zeros, write_flags
 from flatgrad._main_grads import MAIN_GRAD_GUARD, MainGrads
+from flatgrad._prescale import Prescale
 from flatgrad._slot_registry import REGISTRY
 from flatgrad._slot_table import SlotEntry, SlotTable
 from flatgrad.layout import GroupKey, SlotSpec, dense_stride, plan_layout
@@ -45,10 +46,10 @@ class GradStore:
         # Per group: the buffer followed, in the same memory, by one used-flag element per
         # parameter; those flags; and those parameters (see `flagged`).
         self._flagged: dict[GroupKey, _Flagged] = {}
-        # What `seat` last seated, until that backward's final callback `unseat`s it
-        # (`flagged` may be asked before that: see there). A nested backward that seats
-        # nothing (the outer one seated every slot) leaves it alone.
+        # What `seat` last seated, until that backward's final callback `unseat`s it (`flagged`
+        # may ask before). A nested backward that seats nothing leaves it alone.
         self.seated: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self.prescale = Prescale()  # (see `flatgrad._prescale`)
         for key, group in plan_layout(self.params, align_bytes, multiple, grad_dtype).items():
             members = tuple(self.params[index] for index in group.param_indices)
             raw = aligned_zeros(group.numel + len(members), key, align_bytes)

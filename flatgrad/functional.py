@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flatgrad._prescale import write_scale
 from flatgrad._scatter import out_of_range, scatter_add_into, scatter_rows
 from flatgrad._targets import TRACED, node_target, weight_target
 from flatgrad._torch_compat import fast_apply, functorch_active
@@ -77,14 +78,20 @@ class _Linear(torch.autograd.Function):
                     xs = xs.to(compute)
                 if mode == "fresh":
                     grad_w = _as(rows_t.mm(xs), dtype)
-                elif mode == "out":
-                    # Computed in the autocast dtype and cast on write, as autocast's cast would.
-                    torch.mm(rows_t, xs, out=slot) if compute == dtype else slot.copy_(rows_t.mm(xs))  # type: ignore[union-attr]
-                    param.grad = slot  # type: ignore[union-attr]
                 elif mode == "main":
                     add_product(slot, rows_t, xs)  # type: ignore[arg-type]
-                else:
-                    slot.addmm_(rows_t, xs) if compute == dtype else slot.add_(rows_t.mm(xs))  # type: ignore[union-attr]
+                elif compute != dtype:  # computed in the autocast dtype, cast on write as autocast's would
+                    slot.copy_(rows_t.mm(xs)) if mode == "out" else slot.add_(rows_t.mm(xs))  # type: ignore[union-attr]
+                else:  # (scaled in the GEMM inside a DataParallel backward: see `write_scale`)
+                    scale = write_scale(param, mode)  # type: ignore[arg-type]
+                    if mode == "add":
+                        slot.addmm_(rows_t, xs, alpha=scale)  # type: ignore[union-attr]
+                    elif scale == 1.0:
+                        torch.mm(rows_t, xs, out=slot)
+                    else:  # (beta=0: the slot's old values are not read)
+                        slot.addmm_(rows_t, xs, beta=0, alpha=scale)  # type: ignore[union-attr]
+                if mode == "out":
+                    param.grad = slot  # type: ignore[union-attr]
         if need_b and ctx.bias_dtype is not None:
             mode, slot, param = TRACED if nexts is None else node_target(nexts[2][0])
             if mode != "skip":
@@ -194,10 +201,10 @@ class _GatherRows(torch.autograd.Function):
             return scatter_rows(fresh, index, rows), None, None, None
         assert target is not None and param is not None
         if mode == "out":
-            scatter_rows(target.zero_(), index, rows)
+            scatter_rows(target.zero_(), index, rows, write_scale(param, mode))
             param.grad = target
         else:
-            scatter_rows(target, index, rows)
+            scatter_rows(target, index, rows, 1.0 if mode == "main" else write_scale(param, mode))
         return None, None, None, None
 
 

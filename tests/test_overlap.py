@@ -386,8 +386,8 @@ def test_cores_to_spare_counts_the_threads_of_every_rank_on_the_host(
 
 def test_a_cpu_buffer_without_a_spare_core_gets_a_first_bucket_of_half_a_bucket() -> None:
     """Without a spare core an early 1 MiB bucket costs gloo more than it hides: the first
-    bucket is half a bucket (a buffer up to that is one bucket); with one, DDP's 1 MiB.
-    Buckets stay whole slots."""
+    bucket is half a bucket, never below 1 MiB (a buffer up to that is one bucket); with
+    one, DDP's 1 MiB. Buckets stay whole slots."""
     store = GradStore([nn.Parameter(torch.zeros(1 << 16)) for _ in range(12)], 256)  # 256 KiB each
 
     def sizes(bucket_mb: float, small_first: bool) -> list[int]:
@@ -397,3 +397,5 @@ def test_a_cpu_buffer_without_a_spare_core_gets_a_first_bucket_of_half_a_bucket(
     assert sizes(4.0, False) == [8, 4]  # 2 MiB first
     assert sizes(8.0, False) == [12]  # 3 MiB: below half a bucket, one
     assert sizes(8.0, True) == [4, 8]
+    assert sizes(1.0, False) == sizes(1.0, True) == [4, 4, 4]  # (half of 1 MiB: still 1 MiB)
+    assert sizes(0.5, False) == [2] * 6  # (below 1 MiB: the bucket size, as DDP's)

@@ -9,6 +9,7 @@ several optimizer steps).
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -330,6 +331,15 @@ def _profile_worker(rank: int, world_size: int) -> None:
         and [256, 256] in [list(s) for s in e.input_shapes]
     ]
     assert copies == []  # zero weight-sized gradient copies
+    # No division pass over the weights either: their layers wrote them divided by the world
+    # size (`flatgrad._prescale`); only the biases' slots are divided at their buckets' launch.
+    divisions = [
+        e.input_shapes
+        for e in prof.events()
+        if e.name in {"aten::div_", "aten::mul_", "aten::_foreach_div_"}
+        and any(math.prod(s) >= 256 * 256 for s in e.input_shapes if s)
+    ]
+    assert divisions == []
     backward_ops = sorted(e.time_range.start for e in prof.events() if e.name == "aten::mm")
     first_collective = min(e.time_range.start for e in events)
     assert first_collective < backward_ops[-1], "the first bucket must launch before backward ends"
@@ -341,6 +351,56 @@ def _profile_worker(rank: int, world_size: int) -> None:
 
 def test_one_collective_per_bucket_first_launched_during_backward_zero_copy():
     run_ranks(_profile_worker)
+
+
+class _UsedTwice(nn.Module):
+    """A routed weight also read directly (a penalty on it), a tied embedding and head
+    (two routed writers of one slot), and an embedding with repeated indices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 16)
+        self.fc = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 40, bias=False)
+        self.head.weight = self.emb.weight
+        self.double()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.fc(self.emb(tokens))))
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+        return loss + 0.1 * self.fc.weight.square().sum() + 0.01 * self.emb.weight.sum()
+
+
+def _used_twice_worker(rank: int, world_size: int) -> None:
+    flat, dp, ref = _dp_and_ddp(25.0, _UsedTwice)
+    store = flat._engine.store
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        accumulate = step == 2  # a first micro-batch under no_sync: written undivided
+        for micro in range(2 if accumulate else 1):
+            with dp.no_sync() if accumulate and micro == 0 else _nothing():
+                dp(_tokens(rank, step, micro)).backward()
+            with ref.no_sync() if accumulate and micro == 0 else _nothing():
+                ref(_tokens(rank, step, micro)).backward()
+        routed = {id(flat.module.fc.weight), id(flat.module.emb.weight)}
+        assert (store.prescale.written == routed) == (world_size == 2 and not accumulate)
+        _assert_close(flat.module, ref.module, f"step {step}")
+        dp(_tokens(rank, step, 5)).backward()  # a second synchronised backward adds on top
+        ref(_tokens(rank, step, 5)).backward()
+        _assert_close(flat.module, ref.module, f"step {step}, added")
+        opt.step()
+        ref_opt.step()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_routed_weights_written_divided_also_used_directly_or_tied_match_ddp(world_size):
+    """On 2 ranks the routed layers write their slots divided by the world size (no bucket
+    division over them); a gradient that reaches such a weight through plain autograd is
+    divided on its way into the slot. 3 ranks divide the buckets as before."""
+    run_ranks(_used_twice_worker, world_size=world_size)
 
 
 def _failing_worker(rank: int, world_size: int) -> None:
