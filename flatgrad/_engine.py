@@ -21,7 +21,7 @@ from flatgrad._backward import ForwardPlan, watch
 from flatgrad._names import share_root
 from flatgrad._routing import route_layers, unroute
 from flatgrad._seating import Seater
-from flatgrad._torch_compat import divides_by_ranks_not_joined
+from flatgrad._torch_compat import divides_by_ranks_not_joined, graph_task_id
 from flatgrad._watch import LayoutWatch
 from flatgrad.buffer import GradStore
 from flatgrad.config import FlatGradConfig
@@ -143,6 +143,8 @@ class GradEngine:
         self._forward_sync = None
         if seater is not None or bucket_sync is not None:
             watch(output, ForwardPlan(seater, alone, bucket_sync, sync))
+        if seater is not None and graph_task_id() == -1:  # (a recompute inside a backward: not)
+            seater.store.prescale.factor = None  # a backward that raised left it on: see `_prescale`
 
     def joining_ddp(self) -> Any:
         """The DDP whose last forward ran under a `Join` that divides by the ranks not

@@ -4,11 +4,13 @@ by the world size, so that the buckets need not divide those slots afterwards: a
 them, where DDP folds its division into the copy into its bucket. Dividing by a power of two
 is exact, so the result is the divided-then-summed one to the bit (but for subnormals).
 
-A slot written "out" (empty before this backward) is noted; a later writer of the same
-slot in that backward (a tied weight's) scales too, one adding onto an earlier backward's
-gradient (accumulation) does not, and the bucket then divides that slot as before. A
-gradient that reaches a noted weight through plain autograd (the weight also read outside
-its layer) is scaled by a pre hook on its AccumulateGrad on its way into the slot.
+Only routed parameters' slots (a pre hook on their AccumulateGrad, see below) without
+post-accumulate-grad hooks are written so. A slot written "out" (empty before) is noted; a
+later writer of the same slot in that backward (a tied weight's, a gather's) scales too, one
+adding onto an earlier backward's gradient (accumulation) does not, and the bucket then
+divides that slot as before. A gradient that reaches a noted weight through plain autograd
+(the weight also read outside its layer) is scaled by a pre hook on its AccumulateGrad on
+its way into the slot.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class Prescale:
 
     factor: float | None = None
     written: set[int] = field(default_factory=set)
+    # The parameters whose AccumulateGrad scales what plain autograd brings (`scale_incoming`):
+    # only their slots are written divided.
+    hooked: set[int] = field(default_factory=set)
 
     def start(self, factor: float | None) -> None:
         self.written.clear()
@@ -43,6 +48,10 @@ def write_scale(param: torch.Tensor, mode: str) -> float:
     if state is None or state.factor is None:
         return 1.0
     if mode == "out":
+        # Not where nothing would scale a gradient arriving through plain autograd, nor where
+        # a post-accumulate-grad hook must see the local gradient (as under DDP).
+        if id(param) not in state.hooked or param._post_accumulate_grad_hooks:
+            return 1.0
         state.written.add(id(param))
         return state.factor
     return state.factor if id(param) in state.written else 1.0

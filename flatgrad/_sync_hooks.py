@@ -43,6 +43,7 @@ class ReadyHooks:
         reaches it through plain autograd (the weight also used outside its layer) by the
         store's prescale factor where its layer wrote the slot so scaled in this backward
         (`flatgrad._prescale.scale_incoming`)."""
+        store.prescale.hooked = {id(param) for param in routed}
         with torch.enable_grad():
             for param in routed:
                 node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]

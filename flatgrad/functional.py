@@ -80,8 +80,9 @@ class _Linear(torch.autograd.Function):
                     grad_w = _as(rows_t.mm(xs), dtype)
                 elif mode == "main":
                     add_product(slot, rows_t, xs)  # type: ignore[arg-type]
-                elif compute != dtype:  # computed in the autocast dtype, cast on write as autocast's would
-                    slot.copy_(rows_t.mm(xs)) if mode == "out" else slot.add_(rows_t.mm(xs))  # type: ignore[union-attr]
+                elif compute != dtype:  # in the autocast dtype, cast on write; divided into a divided slot
+                    w = rows_t.mm(xs)
+                    slot.copy_(w) if mode == "out" else slot.add_(w, alpha=write_scale(param, mode))  # type: ignore[union-attr,arg-type]
                 else:  # (scaled in the GEMM inside a DataParallel backward: see `write_scale`)
                     scale = write_scale(param, mode)  # type: ignore[arg-type]
                     if mode == "add":
@@ -310,8 +311,9 @@ class _GatherDim(torch.autograd.Function):
         if mode == "out":
             scatter_add_into(target.zero_(), dim, index, values)
             param.grad = target
-        else:
-            scatter_add_into(target, dim, index, values)
+        else:  # (into a slot written divided in this backward: divided too)
+            scale = 1.0 if mode == "main" else write_scale(param, mode)
+            scatter_add_into(target, dim, index, values if scale == 1.0 else values * scale)
         return None, None, None
 
 

@@ -395,6 +395,52 @@ def _used_twice_worker(rank: int, world_size: int) -> None:
         ref_opt.step()
 
 
+class _ReadOtherwise(nn.Module):
+    """A routed layer called under autocast and again outside it, its weight also read by
+    `flatgrad.gather` before it runs; a large plain table read with `gather_with_index_add`
+    and directly; and (set by the test) a post-accumulate-grad hook on a routed weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+        self.table = nn.Parameter(torch.randn(1 << 10, 128))  # placed, not seated
+        self.double()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = tokens.double().repeat(1, 3)[:, :16] / 40
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.lin(x)
+        h = self.lin(torch.tanh(h.double()))  # this later call's backward writes the slot first
+        read = flatgrad.gather(self.out.weight, 1, torch.arange(4).repeat(16, 1)).sum()
+        rows = flatgrad.gather_with_index_add(self.table, tokens.flatten() * 7)
+        return self.out(h).square().sum() + read + rows.square().sum() + 0.1 * self.table.sum()
+
+
+def _clip_in_place(param: torch.Tensor) -> None:
+    param.grad.clamp_(-1.0, 1.0)  # type: ignore[union-attr]
+
+
+def _read_otherwise_worker(rank: int, world_size: int) -> None:
+    flat, dp, ref = _dp_and_ddp(25.0, _ReadOtherwise)
+    for model in (flat.module, ref.module):
+        model.out.weight.register_post_accumulate_grad_hook(_clip_in_place)
+    for step in range(2):
+        dp.zero_grad()
+        ref.zero_grad()
+        dp(_tokens(rank, step)).backward()
+        ref(_tokens(rank, step)).backward()
+        _assert_close(flat.module, ref.module, f"step {step}")
+
+
+def test_routed_weights_read_otherwise_get_ddp_averages():
+    """Where a routed slot is written divided, every other write into it in that backward is
+    divided too (autocast's, a gather's), a plain parameter's slot (no hook to divide what
+    plain autograd brings) is not, and neither is one whose post-accumulate-grad hook must
+    see the local gradient, as under DDP."""
+    run_ranks(_read_otherwise_worker)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_routed_weights_written_divided_also_used_directly_or_tied_match_ddp(world_size):
     """On 2 ranks the routed layers write their slots divided by the world size (no bucket
