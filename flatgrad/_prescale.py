@@ -72,6 +72,8 @@ def divide_unscaled(bucket: Any, store: Any, world_size: int) -> bool:
     was, and the whole bucket is to be divided as usual. (The used flags after it need no
     division: a sum of 0s and 1s is 0 only if all are.)"""
     written = store.prescale.written
+    if not written:  # (a model with nothing routed: no pass over the bucket's parameters)
+        return False
     scaled = frozenset(id(p) for p in bucket.params if id(p) in written)
     if not scaled:
         return False
