@@ -23,6 +23,7 @@ from flatgrad._buckets import (
     cores_to_spare,
     cut_buckets,
     plan_launches,
+    prescale_factor,
 )
 from flatgrad._scattered import mark_scattered, refuse_adding_onto_scattered
 from flatgrad._sync_hooks import Deferrals, ReadyHooks
@@ -154,8 +155,8 @@ class BucketSync:
         self._plan = plan_launches(self._buckets)
         bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._hooks.hook(store.params, bucket_of, self._on_ready)
-        seater = self._grads.seater
-        self._hooks.scale_incoming(store, seater.routed if seater is not None else ())
+        self._hooks.scale_incoming(store, self._grads.seater)
+        self._prescale = prescale_factor(store, self.process_group, self.reduce_scatter, self.wire_dtype)
         self._round = self._new_round()
 
     # --- backward -----------------------------------------------------------------------
@@ -221,7 +222,7 @@ class BucketSync:
 
     def _average(self) -> Round:
         self._round = self._new_round()  # (and the routed layers write divided where it sums)
-        self._store.prescale.start(self._round.prescale)  # type: ignore[union-attr]
+        self._store.prescale.start(self._prescale)  # type: ignore[union-attr]
         return self._round
 
     def _open(self) -> bool:

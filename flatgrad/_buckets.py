@@ -120,9 +120,6 @@ class Round:
         exact = self.world_size > 1 and self.world_size & (self.world_size - 1) == 0  # (1: no division)
         summed = scatter and self.carries_flags and wire_dtype is None and exact and check_finite is None
         self.divide_after = [s for s in shards if s.dtype in _SUMMED] if summed else []
-        # DataParallel's summed buckets: the routed layers write divided (`flatgrad._prescale`).
-        sums = store is not None and all(average_op(b, process_group)[1] for b in store.buffers.values())
-        self.prescale = 1 / self.world_size if sums and exact and not (scatter or wire_dtype) else None
         # With `check_finite` (the parameters' names, asked for only to raise): per launched
         # bucket, whether its local gradients were all finite (a device tensor, no sync).
         self.check_finite = check_finite
@@ -249,7 +246,7 @@ class Round:
         if self.check_finite is not None:
             self.finite.append(torch.isfinite(bucket.buffer).all())
         i, divide = bucket.index, not (self.divide_after and sent.dtype in _SUMMED)
-        if self.prescale is not None and divide_unscaled(bucket, self.store, self.world_size):
+        if divide_unscaled(bucket, self.store, self.world_size):
             divide = False  # (the routed slots were written divided: `flatgrad._prescale`)
         group, wire_dtype = self.process_group, self.wire_dtype
         self.work[i], self.wire[i] = launch_average(sent, group, wire_dtype, self.scatter, divide)
@@ -338,6 +335,18 @@ def _finite(store: GradStore, param: nn.Parameter) -> bool:
     None for those), else its `.grad` (None: nothing to blame)."""
     grad = store.view(param) if store.is_main(param) else param.grad
     return grad is None or bool(torch.isfinite(grad).all())
+
+
+def prescale_factor(
+    store: GradStore, process_group: dist.ProcessGroup | None, scatter: bool, wire_dtype: torch.dtype | None
+) -> float | None:
+    """1 / world size where `store`'s buckets are averaged by a sum the routed layers may
+    divide for (`flatgrad._prescale`): every buffer summed (gloo), a power-of-two world size
+    (exact), no wire dtype, all-reduced (not a ShardedOptimizer's); None elsewhere."""
+    world = dist.get_world_size(process_group)
+    if scatter or wire_dtype is not None or world < 2 or world & (world - 1):
+        return None
+    return 1 / world if all(average_op(b, process_group)[1] for b in store.buffers.values()) else None
 
 
 def cores_to_spare(process_group: dist.ProcessGroup | None) -> bool:

@@ -38,11 +38,12 @@ class ReadyHooks:
             handle.remove()
         self._handles, self._nodes, self._scaling = [], [], []
 
-    def scale_incoming(self, store: Any, routed: Sequence[nn.Parameter]) -> None:
-        """Hook the AccumulateGrad of each of `routed` (of `store`) to scale a gradient that
-        reaches it through plain autograd (the weight also used outside its layer) by the
-        store's prescale factor where its layer wrote the slot so scaled in this backward
-        (`flatgrad._prescale.scale_incoming`)."""
+    def scale_incoming(self, store: Any, seater: Any) -> None:
+        """Hook the AccumulateGrad of each parameter `seater` routes (of `store`; none without
+        one) to scale a gradient that reaches it through plain autograd (the weight also used
+        outside its layer) by the store's prescale factor where its layer wrote the slot so
+        scaled in this backward (`flatgrad._prescale.scale_incoming`)."""
+        routed = seater.routed if seater is not None else ()
         store.prescale.hooked = {id(param) for param in routed}
         with torch.enable_grad():
             for param in routed:
