@@ -103,6 +103,18 @@ class ShardEngine:
         store = self.store
         return any(p.grad is not None for p in store.params) or (is_scattered(store) and bool(store.mains))
 
+    def take_assigned_grads(self) -> None:
+        """Before a step with no synchronised backward since the gradients were last zeroed:
+        each `.grad` assigned by hand (``p.grad = g``: gradient surgery, gradients from
+        ``torch.autograd.grad`` or another model) is copied into its slot, which the shards
+        read, and the slot of a parameter without one is zeroed (stepped as an unused
+        parameter is; see `flatgrad.sharded`). Nothing is averaged: each rank steps its
+        shards with its own gradients, as torch's ZeroRedundancyOptimizer steps its
+        partition. After a synchronised backward the slots already hold the averages."""
+        store = self.store
+        if not is_scattered(store) and any(p.grad is not None for p in store.params):
+            store.take_in(store.params, zero_empty=True)
+
     def check_layout(self, stores: StoreSource) -> None:
         """Raise RuntimeError where the model's parameters changed since construction;
         `stores` is the model's gradient engine. A conversion between backward and step must
@@ -191,11 +203,11 @@ class ShardEngine:
             pieces.append(Piece(nn.Parameter(empty), empty, (empty.dtype, empty.device), 0))
         return pieces
 
-    def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
+    def clip(self, max_norm: float, norm_type: float, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Scale the gradient shards to a global norm of at most `max_norm`; returns the
         global norm before (one scalar all-reduce)."""
-        runs = self.grad_runs
-        return clip_shards([s.grad for s in self.shards], max_norm, norm_type, self.process_group, runs)
+        grads, group, runs = [s.grad for s in self.shards], self.process_group, self.grad_runs
+        return clip_shards(grads, max_norm, norm_type, group, runs, error_if_nonfinite)
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:
         """Multiply the gradient shards by `inv_scale` (a loss scaler's 1/scale); with

@@ -48,10 +48,12 @@ def clip_shards(
     norm_type: float,
     process_group: dist.ProcessGroup | None,
     runs: Sequence[torch.Tensor],
+    error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Scale the gradients of `grads` (every rank's shards together) to a global norm of at
     most `max_norm`, multiplying only their `runs` (`runs_in_shards`); returns the global
-    norm before, in at least float32 (one scalar all-reduce)."""
+    norm before, in at least float32 (one scalar all-reduce). With `error_if_nonfinite` a
+    NaN or infinite global norm raises instead, on every rank alike (they share the norm)."""
     device = grads[0].device
     # float64 partial norms, accumulated in chunks (see flatgrad._norms)
     norms = torch.stack([_norms.vector_norm(g, norm_type).to(device) for g in grads])
@@ -62,6 +64,11 @@ def clip_shards(
         total = norms.pow(norm_type).sum()
         dist.all_reduce(total, group=process_group)
         total = total.pow(1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+            "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
+        )
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for run in runs:

@@ -5,6 +5,7 @@ with them (options, membership, state per parameter)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -88,6 +89,12 @@ def as_groups(params: Any) -> list[dict[str, Any]]:
             raise TypeError(f"a parameter group must be a dict with 'params', got {type(group).__name__}")
         members = group["params"]
         members = [members] if isinstance(members, torch.Tensor) else list(members)
+        for member in members:
+            if not isinstance(member, torch.Tensor):
+                raise TypeError(
+                    "ShardedOptimizer can only optimize Tensors, but one of the params is "
+                    f"{type(member).__name__}"
+                )
         groups.append(dict(group, params=members))
     return groups
 
@@ -111,6 +118,20 @@ def add_piece_group(
             "and would be stepped twice); give them to ShardedOptimizer.add_param_group"
         )
     add(group)
+
+
+def _with_saved_options(views: list[GroupView], state_dict: Any) -> list[GroupView]:
+    """`views` with the options `state_dict` saved for each group over the current ones:
+    they decide what state a group holds (SGD saved with momentum has momentum buffers that
+    one built without it must load), as a torch optimizer loads whatever its dict holds.
+    Unchanged where the saved groups do not match in number (`misfit` says why)."""
+    saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(saved, list) or len(saved) != len(views) or not all(isinstance(g, dict) for g in saved):
+        return views
+    return [
+        dataclasses.replace(view, options={**view.options, **options(group)})
+        for view, group in zip(views, saved)
+    ]
 
 
 class PieceGroups:
@@ -178,16 +199,20 @@ class PieceGroups:
                 "take model parameters (each is already stepped through its shard)"
             )
 
-    def step(self, param_groups: list[dict[str, Any]]) -> None:
+    def step(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> None:
         """The inner optimizer's step over the pieces (through the float32 masters, if any),
-        with the options `param_groups` hold now (live: what a scheduler or the loop wrote)."""
+        with the options `param_groups` hold now (live: what a scheduler or the loop wrote);
+        what the step writes into its groups (an optimizer that adapts an option, or adds
+        one) shows in `param_groups` afterwards, as it would in a plain optimizer's."""
         for pieces in self.pieces:
             for piece in pieces:
                 piece.param.grad = piece.grad
         for group, inner in zip(param_groups, self.inner.param_groups):
             inner.update(options(group))
         self.engine.take_masters()
-        self.inner.step()
+        self.inner.step(**kwargs)
+        for group, inner in zip(param_groups, self.inner.param_groups):
+            group.update(options(inner))
         self.stepped = [True] * len(self.stepped)
         self.engine.write_back()
 
@@ -218,7 +243,7 @@ class PieceGroups:
     def load_state_dict(self, param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
         """Load `state_dict` into the inner optimizer and the groups' options, after every
         rank found it fits (`flatgrad._checkpoint.refuse_misfits`)."""
-        views = self.views(param_groups)
+        views = _with_saved_options(self.views(param_groups), state_dict)
         layout = self.engine.layout
         problem = misfit(type(self.inner), views, layout, state_dict)
         refuse_misfits(problem, self.engine.shards[0].param.device, self.engine.process_group)

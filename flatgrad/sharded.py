@@ -184,7 +184,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._ready:  # (torch's __init__ adds the first groups before the layout is made)
             self._groups.add(self.param_groups[-1], self.param_groups)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Update this rank's shards, then all-gather every bucket's parameters.
 
         As a torch optimizer's: `closure` (which zeroes the gradients, runs forward and
@@ -195,6 +195,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Args:
             closure: Optional; zeroes the gradients, runs forward and backward, and returns
                 the loss.
+            **kwargs: Passed on to the inner optimizer's ``step``, as torch's
+                ZeroRedundancyOptimizer does (for an optimizer subclass whose step takes more).
 
         Returns:
             The closure's loss, or None without a closure.
@@ -211,10 +213,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._engine.check_layout(self.dp.module._engine)
         self._groups.check(self.param_groups)
+        self._engine.take_assigned_grads()
         found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
         if self._engine.skip_or_unscale(found_inf, grad_scale) or not self._engine.has_grads():
             return loss
-        self._groups.step(self.param_groups)
+        self._groups.step(self.param_groups, **kwargs)
         self._engine.launch_gather()
         if not self.overlap_param_gather:
             self._engine.wait_gather()
@@ -239,7 +242,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.dp._engine.grads_cleared()
         self._groups.drop_grads()
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
         """Scale the gradient shards so that their global norm (the norm over every rank's
         shards: the norm of the averaged gradients, as stock clipping computes it) is at most
         `max_norm`. One all-reduce of a scalar: every rank must call it.
@@ -247,6 +256,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Args:
             max_norm: The largest global norm the gradients keep.
             norm_type: The order of the norm: positive, or ``float("inf")`` for the max norm.
+            error_if_nonfinite: Raise instead of clipping when the global norm is NaN or
+                infinite (on every rank: they share the norm), as torch's.
+            foreach: Accepted for torch's signature; the shards are a few flat tensors, each
+                scaled in one kernel either way.
 
         Returns:
             The global norm before clipping, as a 0-d tensor in at least float32.
@@ -254,11 +267,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: `norm_type` is NaN, zero or negative (``-inf`` included: the minimum
                 over shards would need another reduction, and nobody clips by it).
+            RuntimeError: The global norm is non-finite and `error_if_nonfinite` is True.
         """
         norm_type = float(norm_type)
         if not norm_type > 0:  # (False for NaN too)
             raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
-        return self._engine.clip(max_norm, norm_type)
+        return self._engine.clip(max_norm, norm_type, error_if_nonfinite)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state per parameter, keyed by the plain parameter names, in a form

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flatgrad import _grad_ops, comm
 from flatgrad._engine import GradEngine, trainable_parameters
@@ -24,6 +25,22 @@ _PICKLED_BEFORE_THE_ENGINE = (
     "_store", "_seater", "_watched", "_others", "_sparse", "_frozen", "_generation", "_watch",
     "_ddp_state", "_adopted", "_ddp_forwards",
 )  # fmt: skip
+
+
+def _refuse_inner_ddp(model: nn.Module) -> None:
+    """Raise ValueError when `model` is or holds a DistributedDataParallel: its reducer owns
+    the gradients' memory (with ``gradient_as_bucket_view=True`` it insists that every
+    `.grad` is its bucket view, which the routed layers' writes into the flat buffer are
+    not), so FlatGrad goes inside DDP, whose bucket then is the flat buffer."""
+    for name, module in model.named_modules():
+        if isinstance(module, DDP):
+            where = "model" if not name else f"model's submodule {name!r}"
+            raise ValueError(
+                f"FlatGrad must wrap the plain model and go inside DistributedDataParallel, got a "
+                f"{where} that is a DistributedDataParallel; build "
+                "flat = flatgrad.FlatGrad(model); ddp = DDP(flat, **flat.ddp_kwargs()); "
+                "ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)"
+            )
 
 
 class FlatGrad(TransparentWrapper):
@@ -43,9 +60,11 @@ class FlatGrad(TransparentWrapper):
 
     Raises:
         TypeError: `model` is not an `nn.Module`, or `config` is none of the above.
-        ValueError: `model` has no trainable parameter with a dense gradient, or `config`
-            holds an invalid value (a `pydantic.ValidationError`). A config file raises as
-            `FlatGradConfig.from_file` does.
+        ValueError: `model` is or holds a DistributedDataParallel (FlatGrad goes inside
+            it: ``DDP(FlatGrad(model), **flat.ddp_kwargs())``), has no trainable parameter
+            with a dense gradient, or `config` holds an invalid value (a
+            `pydantic.ValidationError`). A config file raises as `FlatGradConfig.from_file`
+            does.
     """
 
     def __init__(
@@ -55,6 +74,7 @@ class FlatGrad(TransparentWrapper):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        _refuse_inner_ddp(model)
         super().__init__()
         self.flatgrad_config = resolve_config(config)
         self.module = model

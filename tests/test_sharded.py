@@ -914,3 +914,164 @@ def test_overlap_param_gather_waits_for_a_never_called_module_read_unseen_in_its
     buckets = [engine.bucket_indices([p]) for p in (model[0].weight, model[1].h.weight, model[1].b.weight)]
     assert buckets[1] == buckets[2] != buckets[0]  # h and b share a bucket, the first layer has its own
     assert len(in_flight) == 3 and not any(in_flight), in_flight
+
+
+# --- torch's optimizer contracts (the lines of torch's ZeRO tests) -------------------------
+
+
+def _small(rank: int) -> tuple[nn.Module, nn.Module, flatgrad.DataParallel]:
+    """A float64 model of several slots, its deep copy (the oracle's) and DataParallel."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    ref = copy.deepcopy(model)
+    return model, ref, flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.0002)
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * rank + step))
+
+
+def _load_other_options_worker(rank: int, world_size: int) -> None:
+    """torch's test_state_dict: a state saved with momentum=0.9 loads into an optimizer
+    built with lr=0.01 and no momentum; the momentum buffers come with it (torch loads what
+    the dict holds, whatever the constructor said)."""
+    model, ref, dp = _small(rank)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        for o, m in ((opt, dp), (ref_opt, ddp)):
+            o.zero_grad()
+            m(_batch(rank, step)).square().sum().backward()
+            o.step()
+    saved, ref_saved = opt.state_dict(), ref_opt.state_dict()
+    model2, ref2, dp2 = _small(rank)
+    with torch.no_grad():
+        for p, q in zip(model2.parameters(), model.parameters()):
+            p.copy_(q)
+    opt2 = flatgrad.ShardedOptimizer(dp2, torch.optim.SGD, lr=0.01)
+    ref_opt2 = torch.optim.SGD(ref.parameters(), lr=0.01)
+    opt2.load_state_dict(saved)
+    ref_opt2.load_state_dict(ref_saved)
+    assert opt2.param_groups[0]["momentum"] == 0.9 == ref_opt2.param_groups[0]["momentum"]
+    for step in range(2, 4):
+        opt2.zero_grad()
+        dp2(_batch(rank, step)).square().sum().backward()
+        opt2.step()
+        ref_opt2.zero_grad()
+        ddp(_batch(rank, step)).square().sum().backward()
+        ref_opt2.step()
+    for p, q in zip(model2.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_state_loaded_into_an_optimizer_built_with_other_options_equals_torch(world_size):
+    run_ranks(_load_other_options_worker, world_size=world_size)
+
+
+def _assigned_grad_worker(rank: int, world_size: int) -> None:
+    """``p.grad = g`` with no backward (gradient surgery, torch.autograd.grad, torch's join
+    test), then ``opt.step()``: steps from those gradients as torch.optim.Adam does (the
+    same gradients on every rank, so every rank agrees with the plain optimizer); also
+    after a synchronised step and zero_grad."""
+    model, ref, dp = _small(rank)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.Adam, lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(7)  # the same on every rank
+    for _ in range(3):
+        grads = [torch.randn(p.shape, dtype=p.dtype, generator=gen) for p in ref.parameters()]
+        for o, m in ((opt, model), (ref_opt, ref)):
+            o.zero_grad()
+            for p, g in zip(m.parameters(), grads):
+                p.grad = g.clone()
+            o.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL)
+    # a synchronised step, then hand-set gradients on every parameter again
+    ddp = DDP(ref)
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    dp(_batch(rank, 0)).square().sum().backward()
+    ddp(_batch(rank, 0)).square().sum().backward()
+    opt.step()
+    ref_opt.step()
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        g = torch.full_like(p, 0.5)
+        p.grad, q.grad = g.clone(), g.clone()
+    opt.step()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_grad_assigned_by_hand_is_stepped_as_torch(world_size):
+    run_ranks(_assigned_grad_worker, world_size=world_size)
+
+
+class _SGDWithExtras(torch.optim.SGD):
+    """An optimizer whose step takes a keyword and writes a key into its groups."""
+
+    def step(self, closure=None, *, scale: float = 1.0):  # noqa: ANN001, ANN201
+        for group in self.param_groups:
+            group["lr"] *= scale
+            group["steps_seen"] = group.get("steps_seen", 0) + 1
+        return super().step(closure)
+
+
+def _torch_signatures_worker(rank: int, world_size: int) -> None:
+    """What torch's optimizers and clip_grad_norm_ take, ShardedOptimizer takes: step's
+    keywords go to the inner optimizer (as torch's ZeroRedundancyOptimizer passes them),
+    keys the inner step writes into its groups show in param_groups, clip_grad_norm_ takes
+    error_if_nonfinite= and foreach=, and a non-tensor in params is a TypeError naming it."""
+    model, ref, dp = _small(rank)
+    params = list(dp.parameters())
+    with pytest.raises(TypeError, match="can only optimize Tensors, but one of the params is int"):
+        flatgrad.ShardedOptimizer(dp, torch.optim.SGD, params + [42], lr=0.1)
+    opt = flatgrad.ShardedOptimizer(dp, _SGDWithExtras, lr=0.1)
+    ref_opt = _SGDWithExtras(ref.parameters(), lr=0.1)
+    ddp = DDP(ref)
+    for step in range(2):
+        for o, m in ((opt, dp), (ref_opt, ddp)):
+            o.zero_grad()
+            m(_batch(rank, step)).square().sum().backward()
+        total = opt.clip_grad_norm_(0.5, foreach=True, error_if_nonfinite=True)
+        ref_total = torch.nn.utils.clip_grad_norm_(
+            ref.parameters(), 0.5, foreach=True, error_if_nonfinite=True
+        )
+        torch.testing.assert_close(total, ref_total, **TOL)
+        opt.step(scale=0.5)
+        ref_opt.step(scale=0.5)
+    assert opt.param_groups[0]["steps_seen"] == 2 == ref_opt.param_groups[0]["steps_seen"]
+    assert opt.param_groups[0]["lr"] == 0.025 == ref_opt.param_groups[0]["lr"]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+    opt.zero_grad()
+    x = _batch(rank, 5)
+    x[0, 0] = float("nan") if rank == world_size - 1 else 0.0  # non-finite on one rank only
+    dp(x).square().sum().backward()
+    with pytest.raises(RuntimeError, match="total norm of order 2.0 of the gradients is non-finite"):
+        opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
+
+
+def test_step_kwargs_group_keys_and_clip_arguments_as_torch():
+    run_ranks(_torch_signatures_worker, world_size=2)
+
+
+def _ddp_inside_worker(rank: int, world_size: int) -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    with pytest.raises(ValueError, match=r"FlatGrad must wrap the plain model and go inside .*ddp_kwargs"):
+        flatgrad.FlatGrad(ddp)
+    with pytest.raises(ValueError, match=r"submodule 'inner' that is a DistributedDataParallel"):
+        flatgrad.FlatGrad(nn.ModuleDict({"inner": ddp}))
+
+
+def test_flatgrad_around_ddp_is_refused_at_wrap_time():
+    """FlatGrad(DDP(m, gradient_as_bucket_view=True)): DDP's reducer insists that every
+    .grad is its bucket view, which the routed layers' writes are not; refused at wrap time
+    with the order that works."""
+    run_ranks(_ddp_inside_worker, world_size=1)
