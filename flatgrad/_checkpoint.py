@@ -2,24 +2,27 @@
 
 The inner optimizer keeps its state per *piece* (a run of slots inside this rank's shard of
 a bucket), and pieces change with the world size and the buckets. The checkpoint form is
-per parameter, keyed by the plain parameter names, as torch's own optimizer state dicts
+per parameter, keyed by the plain parameter names, exactly as torch's own optimizer state
 after ``torch.distributed.checkpoint.state_dict.get_state_dict``:
 
-    {"state": {name: {key: value}}, "param_groups": [{**options, "params": [name, ...]}],
-     "stepped": [bool per group]}
+    {"state": {name: {key: value}}, "param_groups": [{**options, "params": [name, ...]}]}
 
-A state tensor with one value per element (``exp_avg``) is a ShardedTensor of the
-parameter's elements in its slot's memory order, 1-D, whose shards are every rank's pieces
-of that parameter (built from the layout each rank knows, no communication): the local
-shards are views of the inner optimizer's state, so ``torch.distributed.checkpoint`` saves
-them in place and loads them into any other world size's pieces (it reshards). A scalar
-state (``step``) is a plain tensor, the same on every rank that holds a piece of the group.
-``stepped`` says whether a group's state exists (a group that has not stepped yet resumes
-fresh, however its template was filled).
+A state tensor with one value per element (``exp_avg``) is a ShardedTensor shaped as its
+parameter, whose shards are every rank's pieces of it: a contiguous run of a parameter's
+memory is at most 2N-1 rectangles of an N-d tensor (`boxes`), built from the layout each
+rank knows, with no communication. The local shards are views of the inner optimizer's
+state (copies where the parameter's memory order is not row-major), so
+``torch.distributed.checkpoint`` saves them in place and loads them into any other world
+size's pieces, or into a plain optimizer's whole tensors, and back (it reshards by the
+rectangles). ``torch.save`` writes this rank's shards as plain tensors, which
+``torch.load(..., weights_only=True)`` reads. A scalar state (``step``) is a plain tensor,
+the same on every rank that holds a piece of the group; a group that has not stepped
+saves a step count of 0 and resumes fresh (`saved_stepped`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatgrad._torch_compat import sharded_tensor
+from flatgrad._torch_compat import SAVED_SHARDS, sharded_tensor
 from flatgrad.layout import GroupKey
 
 
@@ -104,17 +107,96 @@ def piece_states(pieces: list[Piece], live: Any, spec: StateSpec) -> list[dict[s
     states = []
     for piece in pieces:
         state = live.get(piece.param)
-        if not state:
+        if not state:  # (not stepped: a step count of 0 says so, see `saved_stepped`)
             state = {key: torch.zeros_like(piece.param.detach()) for key in spec.per_element}
             state.update({key: _copy(value) for key, value in spec.scalars.items()})
+            if isinstance(state.get(STEP), torch.Tensor):
+                state[STEP] = torch.zeros_like(state[STEP])
         if MASTER in spec.per_element:  # (a new dict: the optimizer's own keeps its keys)
             state = {**state, MASTER: piece.param.detach()}  # the master, saved and loaded in place
         states.append(state)
     return states
 
 
+STEP = "step"  # the step count torch's optimizers (all but SGD) keep per parameter
+
+
 def _copy(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def memory_order(param: torch.Tensor) -> list[int]:
+    """The parameter's dimensions from the outermost in memory to the innermost (the order
+    of its slot's elements: row-major for a contiguous parameter)."""
+    strides = param.stride()
+    return sorted(range(param.dim()), key=lambda d: (-strides[d], d))
+
+
+@dataclass(frozen=True)
+class Box:
+    """A rectangle of a parameter (`offsets` and `sizes` per dimension) whose elements are
+    one run of its slot, from element `start` in the slot's memory order."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    start: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+def boxes(param: torch.Tensor, start: int, numel: int) -> list[Box]:
+    """The run of `numel` elements from `start` in `param`'s memory order as rectangles of
+    the parameter: at most 2N-1 of them for N dimensions (a partial row of each inner
+    dimension at either end, and whole rows between)."""
+    order = memory_order(param)
+    shape = [param.shape[d] for d in order]
+    found = []
+    for offsets, sizes in _rows(shape, start, start + numel):
+        flat = sum(o * math.prod(shape[i + 1 :]) for i, o in enumerate(offsets))
+        logical_offsets, logical_sizes = [0] * len(order), [0] * len(order)
+        for i, d in enumerate(order):
+            logical_offsets[d], logical_sizes[d] = offsets[i], sizes[i]
+        found.append(Box(tuple(logical_offsets), tuple(logical_sizes), flat))
+    return found
+
+
+def _rows(shape: list[int], lo: int, hi: int) -> list[tuple[list[int], list[int]]]:
+    """[lo, hi) of a row-major `shape` as (offsets, sizes) rectangles, each one run."""
+    if lo >= hi:
+        return []
+    if not shape:
+        return [([], [])]
+    inner = math.prod(shape[1:])
+    first, head = divmod(lo, inner)
+    last, tail = divmod(hi, inner)
+    if first == last:  # inside one row of the outer dimension
+        return [([first, *o], [1, *n]) for o, n in _rows(shape[1:], head, tail)]
+    found = []
+    if head:
+        found += [([first, *o], [1, *n]) for o, n in _rows(shape[1:], head, inner)]
+        first += 1
+    if first < last:
+        found.append(([first] + [0] * (len(shape) - 1), [last - first, *shape[1:]]))
+    if tail:
+        found += [([last, *o], [1, *n]) for o, n in _rows(shape[1:], 0, tail)]
+    return found
+
+
+def _sharded_shape(param: torch.Tensor) -> torch.Tensor:
+    """The parameter as its state is saved: its own shape (a 0-d one as one element, so
+    that every rank can hold an empty shard of it)."""
+    return param if param.dim() else param.view(1)
+
+
+def _box_view(flat: torch.Tensor, first: int, box: Box, param: torch.Tensor) -> torch.Tensor:
+    """`box` of a state whose elements `first`, `first + 1`, ... in `param`'s memory order
+    are `flat`: a view shaped as the box (not contiguous where the memory order is not
+    row-major)."""
+    order = memory_order(param)
+    run = flat.narrow(0, box.start - first, box.numel).view([box.sizes[d] for d in order])
+    return run.permute(sorted(range(len(order)), key=order.__getitem__))
 
 
 def parameter_state(
@@ -131,30 +213,30 @@ def parameter_state(
         chunks = layout.chunks(param)
         if not chunks:
             continue  # no elements (numel 0): no state
-        mine = [c for c in chunks if c.rank == layout.rank]
+        shaped = _sharded_shape(param)
+        placed = [(c, box) for c in chunks for box in boxes(shaped, c.offset, c.numel)]
+        mine = [(c, box) for c, box in placed if c.rank == layout.rank]
         # Every rank holds a shard of every parameter's state, an empty one where it has no
         # elements: torch.distributed.checkpoint drops a ShardedTensor without local shards
         # from a rank's plan, and then mistakes the checkpoint for an old-format one.
-        # (At the end: a chunk is known by its offset, and two at one offset are one.)
+        # (Past the end of the first dimension: a shard is known by its offsets, and two at
+        # the same offsets are one.)
         held = {c.rank for c in chunks}
-        end = param.numel()
-        chunks = chunks + [Chunk(r, end, 0, 0) for r in range(layout.world_size) if r not in held]
-        mine = mine or [Chunk(layout.rank, end, 0, 0)]
+        end = Box((shaped.shape[0],) + (0,) * (shaped.dim() - 1), (0, *shaped.shape[1:]), 0)
+        extents = [(c.rank, box.offsets, box.sizes) for c, box in placed]
+        extents += [(r, end.offsets, end.sizes) for r in range(layout.world_size) if r not in held]
         # Scalars on every rank (every rank has a piece of the group, maybe an empty one, and
         # the same values): the same keys everywhere, as torch.distributed.checkpoint expects.
         entry: dict[str, Any] = {key: states[0][key] for key in spec.scalars}
         for key in spec.per_element:
             dtype = _dtype_of(states, key, param)
-            views = [_local_view(c, pieces, states, key) if c.numel else _empty(dtype, param) for c in mine]
+            local = [_local_view(c, pieces, states, key, box, shaped).contiguous() for c, box in mine]
+            local = local or [torch.empty(end.sizes, dtype=dtype, device=param.device)]
             entry[key] = sharded_tensor(
-                views, chunks, param.numel(), dtype, layout.global_ranks, process_group
+                local, extents, tuple(shaped.shape), dtype, layout.global_ranks, process_group
             )
         out[name] = entry
     return out
-
-
-def _empty(dtype: torch.dtype, param: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=dtype, device=param.device)
 
 
 def _dtype_of(states: list[dict[str, Any]], key: str, param: torch.Tensor) -> torch.dtype:
@@ -165,11 +247,14 @@ def _dtype_of(states: list[dict[str, Any]], key: str, param: torch.Tensor) -> to
     return param.dtype
 
 
-def _local_view(chunk: Chunk, pieces: list[Piece], states: list[dict[str, Any]], key: str) -> torch.Tensor:
+def _local_view(
+    chunk: Chunk, pieces: list[Piece], states: list[dict[str, Any]], key: str, box: Box, param: torch.Tensor
+) -> torch.Tensor:
+    """`box` (inside `chunk`) of the state `key` of the piece holding `chunk`: a view."""
     for piece, state in zip(pieces, states):
         if piece.start <= chunk.start and chunk.start + chunk.numel <= piece.start + piece.param.numel():
-            view: torch.Tensor = state[key].narrow(0, chunk.start - piece.start, chunk.numel)
-            return view
+            flat = state[key].narrow(0, chunk.start - piece.start, chunk.numel)
+            return _box_view(flat, chunk.offset, box, param)
     raise AssertionError(f"no piece holds the chunk at {chunk.start} (+{chunk.numel})")
 
 
@@ -183,7 +268,6 @@ def missing_state(
         chunks = layout.chunks(param)
         if not chunks:
             continue
-        mine = [c for c in chunks if c.rank == layout.rank]
         entry = saved.get(name)
         if not isinstance(entry, dict):
             missing.append(name)
@@ -191,27 +275,51 @@ def missing_state(
         for key in (*spec.per_element, *spec.scalars):
             if key not in entry:
                 missing.append(f"{name}[{key!r}]")
+        shaped = _sharded_shape(param)
+        mine = [box for c in chunks if c.rank == layout.rank for box in boxes(shaped, c.offset, c.numel)]
         for key in spec.per_element:
-            if key in entry and not all(_covered(entry[key], c, param.numel()) for c in mine):
+            if key in entry and not all(_covered(entry[key], box, shaped) for box in mine):
                 missing.append(f"{name}[{key!r}] (this rank's elements)")
     return missing
 
 
-def _saved_parts(value: Any, numel: int) -> list[tuple[int, torch.Tensor]]:
-    """(offset, 1-D data) of the parts of a saved per-element state this rank holds: a
-    ShardedTensor's local shards, or a whole tensor of the parameter's elements."""
+def _saved_parts(value: Any, shaped: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """(offsets, data) of the parts of a saved per-element state this rank holds: a
+    ShardedTensor's local shards, what one became in ``torch.save`` (`SAVED_SHARDS`), or a
+    whole tensor of the parameter's shape (a plain optimizer's). Parts of another shape
+    (another parameter) are left out."""
     if hasattr(value, "local_shards"):
-        return [(int(s.metadata.shard_offsets[0]), s.tensor.reshape(-1)) for s in value.local_shards()]
-    if isinstance(value, torch.Tensor) and value.numel() == numel:
-        return [(0, value.reshape(-1))]
-    return []
+        parts = [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
+    elif isinstance(value, dict) and SAVED_SHARDS in value:
+        parts = [(tuple(offsets), tensor) for offsets, tensor in value[SAVED_SHARDS]]
+    elif isinstance(value, torch.Tensor) and value.numel() == shaped.numel():
+        parts = [((0,) * shaped.dim(), value.view(shaped.shape))]
+    else:
+        parts = []
+    return [(o, t) for o, t in parts if len(o) == shaped.dim() and t.dim() == shaped.dim()]
 
 
-def _covered(value: Any, chunk: Chunk, numel: int) -> bool:
+def _overlap(
+    box: Box, offsets: tuple[int, ...], data: torch.Tensor
+) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """Where `data` (a part at `offsets`) and `box` overlap: (index into the box, index
+    into `data`), or None."""
+    lo = [max(a, b) for a, b in zip(box.offsets, offsets)]
+    hi = [min(a + n, b + m) for a, n, b, m in zip(box.offsets, box.sizes, offsets, data.shape)]
+    if any(low >= high for low, high in zip(lo, hi)):
+        return None
+    into_box = tuple(slice(low - a, high - a) for low, high, a in zip(lo, hi, box.offsets))
+    into_data = tuple(slice(low - b, high - b) for low, high, b in zip(lo, hi, offsets))
+    return into_box, into_data
+
+
+def _covered(value: Any, box: Box, shaped: torch.Tensor) -> bool:
     covered = 0
-    for offset, data in _saved_parts(value, numel):
-        covered += max(0, min(offset + data.numel(), chunk.offset + chunk.numel) - max(offset, chunk.offset))
-    return covered == chunk.numel
+    for offsets, data in _saved_parts(value, shaped):
+        found = _overlap(box, offsets, data)
+        if found is not None:
+            covered += math.prod(s.stop - s.start for s in found[0])
+    return covered == box.numel
 
 
 def load_parameter_state(
@@ -225,22 +333,24 @@ def load_parameter_state(
     """Copy one group's saved per-parameter state into `states` (its pieces' state), once
     `missing_state` found nothing missing."""
     for name, param in params:
+        shaped = _sharded_shape(param)
         for chunk in (c for c in layout.chunks(param) if c.rank == layout.rank):
-            for key in spec.per_element:
-                _copy_chunk(_local_view(chunk, pieces, states, key), chunk, saved[name][key], param.numel())
+            for box in boxes(shaped, chunk.offset, chunk.numel):
+                for key in spec.per_element:
+                    target = _local_view(chunk, pieces, states, key, box, shaped)
+                    _copy_box(target, box, saved[name][key], shaped)
     scalars = next(saved[name] for name, param in params if layout.chunks(param))
     for state in states:
         state.update({key: _copy(scalars[key]) for key in spec.scalars})
 
 
-def _copy_chunk(target: torch.Tensor, chunk: Chunk, saved: Any, numel: int) -> None:
-    for offset, data in _saved_parts(saved, numel):
-        lo, hi = max(offset, chunk.offset), min(offset + data.numel(), chunk.offset + chunk.numel)
-        if lo < hi:
-            source = data.narrow(0, lo - offset, hi - lo)
-            part = target.narrow(0, lo - chunk.offset, hi - lo)
-            if part.data_ptr() != source.data_ptr():  # (loaded in place: the same memory)
-                part.copy_(source)
+def _copy_box(target: torch.Tensor, box: Box, saved: Any, shaped: torch.Tensor) -> None:
+    for offsets, data in _saved_parts(saved, shaped):
+        found = _overlap(box, offsets, data)
+        if found is not None:
+            part, source = target[found[0]], data[found[1]]
+            if part.data_ptr() != source.data_ptr() or part.stride() != source.stride():
+                part.copy_(source)  # (loaded in place, it is the same memory)
 
 
 # --- one optimizer's groups ----------------------------------------------------------------
@@ -274,7 +384,6 @@ def group_spec(optimizer_class: type[torch.optim.Optimizer], group: GroupView) -
 def optimizer_state(
     optimizer: torch.optim.Optimizer,
     groups: list[GroupView],
-    stepped: list[bool],
     layout: Layout,
     process_group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
@@ -286,20 +395,35 @@ def optimizer_state(
             states = piece_states(group.pieces, optimizer.state, spec)
             state.update(parameter_state(layout, group.params, group.pieces, states, spec, process_group))
     param_groups = [{**group.options, "params": [name for name, _ in group.params]} for group in groups]
-    return {"state": state, "param_groups": param_groups, "stepped": list(stepped)}
+    return {"state": state, "param_groups": param_groups}
+
+
+def saved_stepped(groups: list[GroupView], saved: dict[str, Any]) -> list[bool]:
+    """Whether each group's saved state is that of an optimizer that stepped: a checkpoint
+    says so with its step counts (0 before the first step, as torch's optimizers count; an
+    optimizer without one, SGD, always loads its state); an older flatgrad checkpoint says
+    so with ``"stepped"``."""
+    if "stepped" in saved:
+        return [bool(flag) for flag in saved["stepped"]]
+    flags = []
+    for group in groups:
+        entry = next((saved["state"][n] for n, _ in group.params if n in saved["state"]), None)
+        step = entry.get(STEP) if isinstance(entry, dict) else None
+        flags.append(entry is not None and (step is None or float(step) != 0))
+    return flags
 
 
 def misfit(
     optimizer_class: type[torch.optim.Optimizer], groups: list[GroupView], layout: Layout, saved: Any
 ) -> str | None:
     """What keeps `saved` from loading on this rank; None when it fits."""
-    if not isinstance(saved, dict) or not {"state", "param_groups", "stepped"} <= saved.keys():
-        return "not a ShardedOptimizer.state_dict()"
+    if not isinstance(saved, dict) or not {"state", "param_groups"} <= saved.keys():
+        return "not an optimizer state keyed by parameter names (ShardedOptimizer.state_dict())"
     names = [[name for name, _ in group.params] for group in groups]
     saved_names = [list(group.get("params", ())) for group in saved["param_groups"]]
-    if saved_names != names or len(saved["stepped"]) != len(groups):
+    if saved_names != names or len(saved.get("stepped", groups)) != len(groups):
         return "its parameter groups hold other parameters (another model or grouping)"
-    for group, stepped in zip(groups, saved["stepped"]):
+    for group, stepped in zip(groups, saved_stepped(groups, saved)):
         if stepped and group.params:
             spec = group_spec(optimizer_class, group)
             missing = missing_state(layout, group.params, saved["state"], spec)

@@ -9,6 +9,8 @@ torch's documented extension surface and are read where they are needed.
 
 from __future__ import annotations
 
+import collections
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +38,7 @@ __all__ = [
     "queue_callback",
     "register_load_pre_hook",
     "shadowing_ddp",
+    "SAVED_SHARDS",
     "sharded_tensor",
     "swap_tensor_code",
     "tree_leaves",
@@ -165,20 +168,43 @@ def register_load_pre_hook(module: torch.nn.Module, hook: Callable[..., None]) -
 # --- torch.distributed.checkpoint ---------------------------------------------------------
 
 
+SAVED_SHARDS = "flatgrad_local_shards"
+"""The key of what a pickled `sharded_tensor` becomes: ``{SAVED_SHARDS: [(offsets, tensor)]}``,
+this rank's shards as plain tensors (``torch.load(..., weights_only=True)`` reads it)."""
+
+
+@functools.cache
+def _local_shards_pickled() -> type:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    class LocalShardsPickled(ShardedTensor):
+        """A ShardedTensor that pickles (``torch.save``) as its local shards only, in types
+        ``weights_only`` loading accepts; torch.distributed.checkpoint sees a ShardedTensor."""
+
+        def __reduce_ex__(self, protocol: Any) -> Any:
+            shards = [(list(s.metadata.shard_offsets), s.tensor) for s in self.local_shards()]
+            return (collections.OrderedDict, ([(SAVED_SHARDS, shards)],))
+
+    return LocalShardsPickled
+
+
 def sharded_tensor(
     local: list[torch.Tensor],
-    chunks: list[Any],
-    numel: int,
+    boxes: list[tuple[int, tuple[int, ...], tuple[int, ...]]],
+    size: tuple[int, ...],
     dtype: torch.dtype,
     global_ranks: tuple[int, ...],
     process_group: dist.ProcessGroup | None,
 ) -> Any:
-    """A 1-D ShardedTensor of `numel` elements whose shards are `chunks` (each with `rank`,
-    `offset`, `numel`), `local` (views, not copies) this rank's, in the order of its chunks;
-    built from metadata every rank computes alike, with no communication.
-    ``torch.distributed.checkpoint`` saves and loads its shards in place and reshards it
-    (checked on torch 2.4-2.13; torch marks ShardedTensor deprecated in favour of DTensor,
-    which cannot express uneven shards at arbitrary offsets, and warns about it once)."""
+    """A ShardedTensor of shape `size` whose shards are `boxes` (each ``(rank, offsets,
+    sizes)``, a rectangle of the tensor), `local` (contiguous tensors: views where the
+    memory allows) this rank's, in the order of its boxes; built from metadata every rank
+    computes alike, with no communication. ``torch.distributed.checkpoint`` saves and loads
+    its shards in place and reshards it, into a plain tensor of that shape too (another
+    optimizer's state); ``torch.save`` writes only this rank's shards, as plain tensors
+    (`SAVED_SHARDS`). (Checked on torch 2.4-2.13; torch marks ShardedTensor deprecated in
+    favour of DTensor, which cannot express uneven shards at arbitrary offsets, and warns
+    about it once.)"""
     import warnings
 
     from torch.distributed._shard.metadata import ShardMetadata
@@ -187,19 +213,21 @@ def sharded_tensor(
 
     device = local[0].device if local else torch.device("cpu")
     metadata = [
-        ShardMetadata([chunk.offset], [chunk.numel], f"rank:{global_ranks[chunk.rank]}/{device}")
-        for chunk in chunks
+        ShardMetadata(list(offsets), list(sizes), f"rank:{global_ranks[rank]}/{device}")
+        for rank, offsets, sizes in boxes
     ]
     rank = dist.get_rank(process_group)
-    mine = [meta for chunk, meta in zip(chunks, metadata) if chunk.rank == rank]
+    mine = [meta for box, meta in zip(boxes, metadata) if box[0] == rank]
     properties = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
+        tensor = ShardedTensor._init_from_local_shards_and_global_metadata(
             [Shard(tensor, meta) for tensor, meta in zip(local, mine)],
-            ShardedTensorMetadata(metadata, torch.Size([numel]), properties),
+            ShardedTensorMetadata(metadata, torch.Size(size), properties),
             process_group=process_group,
         )
+    tensor.__class__ = _local_shards_pickled()  # (the same object; it only pickles otherwise)
+    return tensor
 
 
 def non_finite_check_and_unscale(

@@ -13,7 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatgrad._checkpoint import GroupView, Piece, load_group, misfit, optimizer_state, refuse_misfits
+from flatgrad._checkpoint import (
+    GroupView,
+    Piece,
+    load_group,
+    misfit,
+    optimizer_state,
+    refuse_misfits,
+    saved_stepped,
+)
 from flatgrad._zero import ShardEngine, parameter_dtypes
 from flatgrad.buffer import GradStore
 
@@ -153,7 +161,6 @@ class PieceGroups:
         # Per group: this rank's pieces of its parameters (1-D views of the flat parameter
         # buffer) and the same pieces of the gradient buffer.
         self.pieces = [engine.pieces(group["params"]) for group in param_groups]
-        self.stepped = [False] * len(param_groups)  # whether each group has state
         inner_groups = [self.inner_group(group, pieces) for group, pieces in zip(param_groups, self.pieces)]
         self.inner = optimizer_class(inner_groups)  # type: ignore[call-arg]  # (an ELEMENTWISE one)
         # Model parameters given to the inner optimizer would be stepped twice (there and
@@ -177,7 +184,6 @@ class PieceGroups:
         """The inner group for `group`, just added to `param_groups`."""
         pieces = self.engine.pieces(group["params"])
         self.pieces.append(pieces)
-        self.stepped.append(False)
         torch.optim.Optimizer.add_param_group(self.inner, self.inner_group(group, pieces))
         self.held = self.signature(param_groups)
 
@@ -213,7 +219,6 @@ class PieceGroups:
         self.inner.step(**kwargs)
         for group, inner in zip(param_groups, self.inner.param_groups):
             group.update(options(inner))
-        self.stepped = [True] * len(self.stepped)
         self.engine.write_back()
 
     def drop_grads(self) -> None:
@@ -238,7 +243,7 @@ class PieceGroups:
     def state_dict(self, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
         """The inner optimizer's state per parameter (`flatgrad._checkpoint.optimizer_state`)."""
         views = self.views(param_groups)
-        return optimizer_state(self.inner, views, self.stepped, self.engine.layout, self.engine.process_group)
+        return optimizer_state(self.inner, views, self.engine.layout, self.engine.process_group)
 
     def load_state_dict(self, param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
         """Load `state_dict` into the inner optimizer and the groups' options, after every
@@ -247,12 +252,10 @@ class PieceGroups:
         layout = self.engine.layout
         problem = misfit(type(self.inner), views, layout, state_dict)
         refuse_misfits(problem, self.engine.shards[0].param.device, self.engine.process_group)
-        for group, view, saved, stepped in zip(
-            param_groups, views, state_dict["param_groups"], state_dict["stepped"]
-        ):
+        stepped = saved_stepped(views, state_dict)
+        for group, view, saved, flag in zip(param_groups, views, state_dict["param_groups"], stepped):
             group.update(options(saved))
-            load_group(self.inner, view, layout, state_dict["state"], bool(stepped))
-        self.stepped = [bool(flag) for flag in state_dict["stepped"]]
+            load_group(self.inner, view, layout, state_dict["state"], flag)
 
     def state_bytes(self) -> int:
         """The summed size of the tensors in the inner optimizer's state."""

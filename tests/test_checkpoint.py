@@ -10,6 +10,7 @@ additions differs, hence 1e-10 rather than bit equality (float64).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -20,8 +21,11 @@ from conftest import ROUTE_ALL
 from dist_utils import run_ranks
 from test_parallel import _Net
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+from flatgrad._checkpoint import _box_view, boxes
 
 pytestmark = pytest.mark.distributed
 
@@ -141,3 +145,93 @@ def test_a_checkpoint_saved_before_the_first_step_resumes_fresh(tmp_path):
     checkpoint into one that has stepped makes it fresh again (AdamW's bias correction
     starts over), bit-identical to a new optimizer."""
     run_ranks(_fresh_worker, str(tmp_path))
+
+
+# --- to and from a plain optimizer ----------------------------------------------------------
+
+
+def _setup_plain() -> tuple[nn.Module, DDP, torch.optim.Optimizer, Any]:
+    """Stock DDP + AdamW with the same groups and schedule as `_setup`."""
+    torch.manual_seed(0)
+    model = _Net()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(_groups(model), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
+    return model, ddp, opt, sched
+
+
+def _plain_save_worker(rank: int, world_size: int, tmp: str) -> None:
+    model, ddp, opt, sched = _setup_plain()
+    _train(ddp, opt, sched, rank, world_size, range(2))
+    model_sd, optim_sd = get_state_dict(ddp, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
+    _train(ddp, opt, sched, rank, world_size, range(2, 4))
+    if rank == 0:
+        final = {name: p.detach().tolist() for name, p in model.named_parameters()}
+        with open(f"{tmp}/final.json", "w") as file:
+            json.dump(final, file)
+
+
+def _plain_resume_worker(rank: int, world_size: int, tmp: str) -> None:
+    model, ddp, opt, sched = _setup_plain()
+    model_sd, optim_sd = get_state_dict(ddp, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
+    set_state_dict(ddp, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    assert sched.last_epoch == 2
+    _train(ddp, opt, sched, rank, world_size, range(2, 4))
+    with open(f"{tmp}/final.json") as file:
+        final = json.load(file)
+    for name, p in model.named_parameters():
+        expected = torch.tensor(final[name], dtype=p.dtype)
+        torch.testing.assert_close(
+            p.detach(), expected, **TOL, msg=lambda m, n=name: f"{world_size} ranks {n}: {m}"
+        )
+    dist.barrier()
+
+
+def test_a_sharded_checkpoint_loads_into_plain_ddp_and_adamw_on_1_and_2_ranks(tmp_path):
+    """ShardedOptimizer's state is torch's optimizer state after get_state_dict, each
+    per-element state shaped as its parameter (rectangles of it as shards): stock DDP +
+    AdamW loads it through get_state_dict / dcp.load / set_state_dict and its next steps
+    are the uninterrupted sharded run's (1e-10, float64)."""
+    run_ranks(_save_worker, str(tmp_path), True, world_size=2)
+    for world_size in (1, 2):
+        run_ranks(_plain_resume_worker, str(tmp_path), world_size=world_size, timeout=150)
+
+
+def test_a_plain_ddp_and_adamw_checkpoint_loads_into_sharded_on_2_and_3_ranks(tmp_path):
+    """The other way: saved by stock DDP + AdamW through get_state_dict on 2 ranks, loaded
+    with dcp.load({"optim": opt}) into ShardedOptimizer on 2 and 3; the next steps are the
+    uninterrupted stock run's."""
+    run_ranks(_plain_save_worker, str(tmp_path), world_size=2)
+    for world_size in (2, 3):
+        run_ranks(_resume_worker, str(tmp_path), True, world_size=world_size, timeout=150)
+
+
+def test_a_run_of_a_parameter_is_at_most_2n_minus_1_rectangles_of_it():
+    """`boxes`: every contiguous run of a parameter's memory (row-major, or permuted as a
+    channels_last or transposed parameter) is covered exactly once by at most 2N-1
+    rectangles, each of them one run (a view of the flat state); exhaustive over small
+    shapes."""
+    for shape, order in [
+        ((5,), (0,)),
+        ((3, 4), (0, 1)),
+        ((3, 4), (1, 0)),
+        ((2, 3, 4), (0, 2, 1)),
+        ((2, 2, 3, 2), (0, 2, 3, 1)),
+    ]:
+        base = torch.arange(math.prod(shape), dtype=torch.float64)
+        stored = base.view([shape[d] for d in order])  # memory in `order`
+        param = stored.permute(sorted(range(len(order)), key=order.__getitem__))  # logical `shape`
+        assert tuple(param.shape) == shape
+        numel = param.numel()
+        for lo in range(numel):
+            for hi in range(lo + 1, numel + 1):
+                found = boxes(param, lo, hi - lo)
+                assert len(found) <= 2 * len(shape) - 1
+                seen = []
+                for box in found:
+                    region = param[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
+                    torch.testing.assert_close(_box_view(base.narrow(0, lo, hi - lo), lo, box, param), region)
+                    seen += region.flatten().long().tolist()
+                assert sorted(seen) == list(range(lo, hi)), (shape, order, lo, hi)

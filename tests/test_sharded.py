@@ -166,8 +166,8 @@ def _resume_worker(rank: int, world_size: int, tmp: str) -> None:
     expected = [p.detach().clone() for p in model.parameters()]
     dist.barrier()
     model2, flat2, dp2, opt2 = _build(rank)
-    # (weights_only=False: the per-element states are torch's ShardedTensors)
-    saved = torch.load(f"{tmp}/ckpt{rank}.pt", weights_only=False)
+    # (a per-element state pickles as this rank's shards, plain tensors: weights_only loads it)
+    saved = torch.load(f"{tmp}/ckpt{rank}.pt", weights_only=True)
     flat2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     _train(dp2, opt2, rank, range(2, 4))
