@@ -25,7 +25,7 @@ from flatgrad._buckets import (
     plan_launches,
     prescale_factor,
 )
-from flatgrad._scattered import mark_scattered, refuse_adding_onto_scattered
+from flatgrad._scattered import carry_scattered, mark_scattered, refuse_adding_onto_scattered
 from flatgrad._sync_hooks import Deferrals, ReadyHooks
 from flatgrad._torch_compat import (
     current_autograd_node,
@@ -59,6 +59,9 @@ class BucketSync:
         # What the model's forward runs in, if anything (`flatgrad._gather_waits.ForwardWaits`).
         self.forward_context: Callable[[], AbstractContextManager[None]] | None = None
         self._scattered = False  # the last synchronised backward reduce-scattered (see _begin)
+        # This rank's shards of the averages of the synchronised backwards since zero_grad,
+        # which the running one adds onto its own (`carry_scattered`).
+        self._carried: list[torch.Tensor] | None = None
         self._store: GradStore | None = None
         self._buckets: list[Bucket] = []
         self._plan = LaunchPlan((), frozenset())
@@ -124,6 +127,7 @@ class BucketSync:
     def grads_cleared(self) -> None:
         """The reduce-scattered gradients were zeroed: the next backward may add again."""
         self._scattered = False
+        self._carried = None
 
     def drain(self) -> None:
         """Wait for the collectives a backward that raised had launched, before this step
@@ -133,6 +137,7 @@ class BucketSync:
         `zero_grad()` before the next backward, as after any failed step.)"""
         self._task = None
         self._deferrals.forget()
+        self._carried = None
         if self._round is not None:
             self._round.wait_launched()
         if self._store is not None:
@@ -149,6 +154,7 @@ class BucketSync:
         self._grads.refuse_sparse("DataParallel")  # (a sparse embedding added since)
         if store is not self._store:
             self.shards = []  # of the old buffers
+            self._carried = None
         self._store = store
         self.has_buffers = any(True for _ in self._grads.model.buffers())
         self._buckets = cut_buckets(store, self.bucket_mb, self._small_first_on_cpu)
@@ -207,8 +213,11 @@ class BucketSync:
                     "backward under dp.no_sync()"
                 )
             return False
-        if self._scattered:
-            refuse_adding_onto_scattered(self._store)
+        if self._scattered:  # (a second backward before zero_grad)
+            if sync:
+                self._carried = carry_scattered(self._store, self.shards)
+            else:
+                refuse_adding_onto_scattered(self._store)
             self._scattered = False
         self._task = graph_task_id()
         self._task_sync = sync
@@ -264,6 +273,10 @@ class BucketSync:
         if self._task_sync:
             round_ = self.last_round
             round_.sync_all()
+            if self._carried is not None:  # the averages of the backwards before, since zero_grad
+                for shard, carried in zip(self.shards, self._carried):
+                    shard.add_(carried)
+                self._carried = None
             self._learn(round_)
             self._scattered = self.reduce_scatter
             if self._scattered:  # .grad refuses math until zeroed: see flatgrad._scattered

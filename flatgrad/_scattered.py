@@ -175,9 +175,35 @@ def refuse_scattered(store: GradStore | None, what: str) -> None:
         )
 
 
+def _holds_scattered(store: GradStore) -> bool:
+    # Still held: a `.grad` the sync marked (a seated slot, set since by the seater for a
+    # `.grad` that was None, does not count), or a main grad (zeroed by flatgrad's own
+    # zero_grad only; `.grad` says nothing of it); and not zeroed since.
+    held = bool(store.mains) or any(type(p.grad) is ScatteredGrad for p in store.params)
+    return held and any(bool(b.any()) for b in store.buffers.values())
+
+
+def carry_scattered(store: GradStore | None, shards: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Before a synchronised backward that would add onto reduce-scattered gradients (a GAN:
+    the generator's loss backpropagates through a discriminator that already synchronised):
+    copies of this rank's `shards` of the averages, with the buffers zeroed and every
+    `.grad` plain again, so that the new backward averages its own gradients alone; the
+    caller adds the copies onto its averages (a sum of averages is the average of the sums,
+    as two synchronised backwards under DDP give). None where nothing is held any more
+    (zeroed behind ShardedOptimizer's back, model.zero_grad)."""
+    if store is None:
+        return None
+    carried = [shard.clone() for shard in shards] if _holds_scattered(store) else None
+    if carried is not None:
+        for buffer in store.buffers.values():
+            buffer.zero_()
+    unmark_scattered(store)
+    return carried
+
+
 def refuse_adding_onto_scattered(store: GradStore | None) -> None:
-    """Before a backward that would add onto reduce-scattered gradients: refuse. After a
-    reduce-scatter a rank holds the average of its own shard only; another backward's
+    """Before a backward under no_sync that would add onto reduce-scattered gradients:
+    refuse. After a reduce-scatter a rank holds the average of its own shard only; another backward's
     local gradients added onto that and reduce-scattered again are not the average of the
     two (stock DDP's all-reduced gradients are the same on every rank, so there it adds
     up). Every rank runs the same backwards, so every rank raises. Gradients set to None or
@@ -185,15 +211,11 @@ def refuse_adding_onto_scattered(store: GradStore | None) -> None:
     is plain again."""
     if store is None:
         return
-    # Still held: a `.grad` the sync marked (a seated slot, set since by the seater for a
-    # `.grad` that was None, does not count), or a main grad (zeroed by flatgrad's own
-    # zero_grad only; `.grad` says nothing of it).
-    held = bool(store.mains) or any(type(p.grad) is ScatteredGrad for p in store.params)
-    if held and any(bool(b.any()) for b in store.buffers.values()):
+    if _holds_scattered(store):
         raise RuntimeError(
-            "ShardedOptimizer: a backward after a synchronised backward and before "
-            "zero_grad(): the first one reduce-scattered the gradients, so this one "
-            "cannot add to them; accumulate micro-batches under dp.no_sync() and "
-            "synchronise only the last, then step() and zero_grad()"
+            "ShardedOptimizer: a backward under dp.no_sync() after a synchronised backward "
+            "and before zero_grad(): the first one reduce-scattered the gradients, so this "
+            "one cannot add to them locally; accumulate micro-batches under dp.no_sync() "
+            "before the synchronised one, or synchronise this backward too"
         )
     unmark_scattered(store)  # zeroed behind ShardedOptimizer's back (model.zero_grad)

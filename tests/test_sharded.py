@@ -222,12 +222,21 @@ def _accumulate_synced_worker(rank: int, world_size: int) -> None:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randn(3, 4, dtype=torch.float64, generator=gen) for _ in range(4)]
-    dp(batches[0]).square().sum().backward()
-    with pytest.raises(RuntimeError, match="accumulate micro-batches under dp.no_sync"):
+    # a second synchronised backward before zero_grad adds its average onto the first's, as
+    # two synchronised backwards under DDP do
+    for x in batches[:2]:
+        dp(x).square().sum().backward()
+        ddp(x).square().sum().backward()
+    # adding local gradients onto reduce-scattered shards under no_sync: refused
+    with (
+        pytest.raises(RuntimeError, match=r"under dp.no_sync\(\) after a synchronised backward"),
+        dp.no_sync(),
+    ):
         dp(batches[1]).square().sum().backward()
-    # adding onto reduce-scattered shards under no_sync: also refused
-    with pytest.raises(RuntimeError, match="accumulate micro-batches under dp.no_sync"), dp.no_sync():
-        dp(batches[1]).square().sum().backward()
+    opt.step()
+    ref_opt.step()
+    torch.testing.assert_close(model.weight, ref.weight, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.bias, ref.bias, rtol=1e-12, atol=1e-12)
     for zero in (lambda: opt.zero_grad(), lambda: model.zero_grad(set_to_none=False)):
         zero()
         ref_opt.zero_grad()
@@ -242,11 +251,53 @@ def _accumulate_synced_worker(rank: int, world_size: int) -> None:
         torch.testing.assert_close(model.weight, ref.weight, rtol=1e-12, atol=1e-12)
 
 
-def test_a_second_synchronised_backward_before_zero_grad_is_refused():
-    """Reduce-scattered gradients are averaged on their own shard only: another backward
-    added onto them would not be the average of both (stock DDP's all-reduce adds up), so
-    it is refused on every rank; after any zero_grad accumulation works as usual."""
+def test_a_second_synchronised_backward_adds_its_average_and_no_sync_onto_shards_is_refused():
+    """A second synchronised backward before zero_grad: its average lands on the first's
+    (this rank's shards of the first are set aside and added back), equal to DDP + SGD. A
+    backward under no_sync onto reduce-scattered gradients, whose local gradients would be
+    added onto averages held in this rank's shard only, is refused on every rank; after any
+    zero_grad accumulation works as usual."""
     run_ranks(_accumulate_synced_worker, timeout=90)
+
+
+def _gan_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 5)).double()
+    disc = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    ref_gen, ref_disc = DDP(copy.deepcopy(gen)), DDP(copy.deepcopy(disc))
+    g_dp = flatgrad.DataParallel(flatgrad.FlatGrad(gen, config=ROUTE_ALL), bucket_mb=0.0002)
+    d_dp = flatgrad.DataParallel(flatgrad.FlatGrad(disc, config=ROUTE_ALL), bucket_mb=0.0002)
+    g_opt = flatgrad.ShardedOptimizer(g_dp, torch.optim.Adam, lr=0.01)
+    d_opt = flatgrad.ShardedOptimizer(d_dp, torch.optim.SGD, lr=0.05, momentum=0.9)
+    ref_g_opt = torch.optim.Adam(ref_gen.parameters(), lr=0.01)
+    ref_d_opt = torch.optim.SGD(ref_disc.parameters(), lr=0.05, momentum=0.9)
+    data = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        real = torch.randn(4, 5, dtype=torch.float64, generator=data)
+        z = torch.randn(4, 3, dtype=torch.float64, generator=data)
+        for g, d, g_o, d_o in ((g_dp, d_dp, g_opt, d_opt), (ref_gen, ref_disc, ref_g_opt, ref_d_opt)):
+            d_o.zero_grad()
+            scores = d(torch.cat([real, g(z).detach()]))
+            (scores[4:].mean() - scores[:4].mean()).backward()
+            d_o.step()
+            g_o.zero_grad()
+            # through the discriminator, which stepped: its second synchronised backward
+            # before zero_grad (DDP adds the average onto its gradients)
+            (-d(g(z)).mean()).backward()
+            g_o.step()
+            if step == 2:  # the discriminator steps on the sum of both averages
+                d_o.step()
+    for ours, ref in ((gen, ref_gen.module), (disc, ref_disc.module)):
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_gan_with_a_sharded_optimizer_each_equals_two_ddps(world_size):
+    """Generator and discriminator with a DataParallel + ShardedOptimizer each: the
+    generator's loss backpropagates through the discriminator after it stepped (a second
+    synchronised backward before its zero_grad), as with two DDPs and plain optimizers."""
+    run_ranks(_gan_worker, world_size=world_size)
 
 
 def _layout_change_worker(rank: int, world_size: int) -> None:
