@@ -398,6 +398,37 @@ def optimizer_state(
     return {"state": state, "param_groups": param_groups}
 
 
+def whole_state(
+    state: dict[str, dict[str, Any]], process_group: dist.ProcessGroup | None
+) -> dict[str, dict[str, Any]]:
+    """`state` (an `optimizer_state`'s ``"state"``) with every per-element ShardedTensor
+    made whole on every rank: each element lies in one rank's shards, so a sum over the
+    ranks of zeros with this rank's shards in place is exact (one all-reduce per dtype and
+    device). Scalars are kept as they are (the same on every rank)."""
+    whole: dict[str, dict[str, Any]] = {}
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for name, entry in state.items():
+        whole[name] = dict(entry)
+        for key, value in entry.items():
+            if not hasattr(value, "local_shards"):
+                continue
+            shards = value.local_shards()
+            properties = value.metadata().tensor_properties
+            tensor = torch.zeros(value.size(), dtype=properties.dtype, device=shards[0].tensor.device)
+            for shard in shards:
+                meta = shard.metadata
+                index = tuple(slice(o, o + n) for o, n in zip(meta.shard_offsets, meta.shard_sizes))
+                tensor[index] = shard.tensor
+            whole[name][key] = tensor
+            by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for tensors in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat, group=process_group)
+        for tensor, summed in zip(tensors, flat.split([t.numel() for t in tensors])):
+            tensor.copy_(summed.view(tensor.shape))
+    return whole
+
+
 def saved_stepped(groups: list[GroupView], saved: dict[str, Any]) -> list[bool]:
     """Whether each group's saved state is that of an optimizer that stepped: a checkpoint
     says so with its step counts (0 before the first step, as torch's optimizers count; an

@@ -14,8 +14,11 @@ import torch
 from torch import nn
 
 from flatgrad._checkpoint import (
+    MASTER,
+    STEP,
     GroupView,
     Piece,
+    group_spec,
     load_group,
     misfit,
     optimizer_state,
@@ -140,6 +143,66 @@ def _with_saved_options(views: list[GroupView], state_dict: Any) -> list[GroupVi
         dataclasses.replace(view, options={**view.options, **options(group)})
         for view, group in zip(views, saved)
     ]
+
+
+def relaid_state(
+    kept: dict[str, dict[str, Any]],
+    parked: dict[str, dict[str, Any]],
+    views: list[GroupView],
+    optimizer_class: type[torch.optim.Optimizer],
+) -> dict[str, Any]:
+    """The state a new layout's groups (`views`) load after parameters were frozen or
+    unfrozen: each parameter's own, whole (`kept`, of those in the layout before; `parked`,
+    of those frozen since they last had one), a parameter that never had one a fresh one
+    (zeros; its master is its value). Raises ValueError, on every rank alike (the step
+    counts are the same everywhere), where a group would hold parameters with different
+    step counts: torch's optimizers count steps per parameter, ShardedOptimizer's pieces
+    per group."""
+    state: dict[str, Any] = {}
+    for index, view in enumerate(views):
+        if not view.params:
+            continue
+        spec = group_spec(optimizer_class, view)
+        entries = {name: kept.get(name) or parked.get(name) for name, _ in view.params}
+        template = next((e for e in entries.values() if e is not None), None)
+        steps = {
+            name: float(entry[STEP]) if entry is not None else 0.0
+            for name, entry in entries.items()
+            if STEP in spec.scalars and (entry is None or STEP in entry)
+        }
+        if len(set(steps.values())) > 1:
+            raise ValueError(
+                f"ShardedOptimizer: after parameters were frozen or unfrozen, param group {index} "
+                f"would hold parameters with different step counts ({steps}); "
+                f"{optimizer_class.__name__} counts steps per parameter, ShardedOptimizer per "
+                "group: give parameters that become trainable later a group of their own "
+                "(build the optimizer without them and opt.add_param_group({'params': ...}) "
+                "when unfreezing them), and keep a frozen parameter frozen or its group whole"
+            )
+        for name, param in view.params:
+            entry = entries[name]
+            if entry is None:
+                entry = {
+                    key: param.new_zeros(param.shape, dtype=_state_dtype(template, key, param))
+                    for key in spec.per_element
+                }
+                if MASTER in spec.per_element:
+                    entry[MASTER] = param.detach().float()
+                if template is not None:
+                    entry.update({key: template[key] for key in spec.scalars if key in template})
+                elif STEP in spec.scalars:
+                    entry[STEP] = torch.zeros((), dtype=torch.float32)
+                    entry.update({key: value for key, value in spec.scalars.items() if key != STEP})
+            state[name] = entry
+    return {
+        "state": state,
+        "param_groups": [{**view.options, "params": [name for name, _ in view.params]} for view in views],
+    }
+
+
+def _state_dtype(template: dict[str, Any] | None, key: str, param: torch.Tensor) -> torch.dtype:
+    value = template.get(key) if template is not None else None
+    return value.dtype if isinstance(value, torch.Tensor) else param.dtype
 
 
 class PieceGroups:

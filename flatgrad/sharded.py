@@ -36,8 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flatgrad._checkpoint import GroupView, whole_state
 from flatgrad._gather_waits import ForwardWaits
-from flatgrad._scattered import unguarded
+from flatgrad._scattered import is_scattered, unguarded, unmark_scattered
 from flatgrad._zero import ShardEngine
 from flatgrad._zero_groups import (
     PieceGroups,
@@ -45,7 +46,10 @@ from flatgrad._zero_groups import (
     check_members,
     check_optimizer_class,
     checked_defaults,
+    options,
+    relaid_state,
 )
+from flatgrad.buffer import GradStore
 from flatgrad.parallel import DataParallel
 
 
@@ -140,17 +144,79 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.dp = dp
         self.world_size = dp.world_size
         self.rank = dist.get_rank(dp.process_group)
-        # slots on multiples of the world size: equal shards per bucket (and per buffer)
-        store = dp.module._engine.use_slot_multiple(self.world_size)
-        buckets = dp._engine.use_reduce_scatter(store)
-        self._engine = ShardEngine(store, buckets, dp.process_group, overlap_param_gather)
-        dp._engine.shards = [shard.grad for shard in self._engine.shards]  # (what it divides last on gloo)
-        self._groups = PieceGroups(self._engine, self._names, optimizer_class, self.param_groups)
-        self._ready = True
         self.overlap_param_gather = overlap_param_gather
-        if overlap_param_gather:
+        self._optimizer_class = optimizer_class
+        # The whole state of parameters frozen since they were stepped, by name: restored
+        # when they are trainable again (a plain optimizer keeps it, skipping them).
+        self._parked: dict[str, dict[str, Any]] = {}
+        self._waits: weakref.finalize | None = None
+        # slots on multiples of the world size: equal shards per bucket (and per buffer)
+        self._lay_out(dp.module._engine.use_slot_multiple(self.world_size))
+        self._ready = True
+
+    def _lay_out(self, store: GradStore) -> None:
+        """Shard `store` (the model's gradient store, slots on multiples of the world size):
+        dp's buckets reduce-scatter over it, the parameters become views of flat parameter
+        buffers, and the inner optimizer steps this rank's pieces of `param_groups` (fresh:
+        the caller loads its state)."""
+        dp = self.dp
+        buckets = dp._engine.use_reduce_scatter(store)
+        self._engine = ShardEngine(store, buckets, dp.process_group, self.overlap_param_gather)
+        dp._engine.shards = [shard.grad for shard in self._engine.shards]  # (what it divides last on gloo)
+        self._groups = PieceGroups(self._engine, self._names, self._optimizer_class, self.param_groups)
+        if self._waits is not None:
+            self._waits()  # (the hooks that waited for the old buckets' gathers)
+        if self.overlap_param_gather:
             waits = ForwardWaits(self._engine, dp.module.module, dp._engine)
-            weakref.finalize(self, waits.remove)
+            self._waits = weakref.finalize(self, waits.remove)
+
+    def _follow_layout(self) -> None:
+        """Before a step, a clip or a checkpoint: when parameters were frozen or unfrozen
+        since the last layout (``requires_grad_``: progressive (un)freezing, GAN-style
+        flips), shard the new layout, every parameter keeping its optimizer state (a frozen
+        one's is parked until it is trainable again), as a plain optimizer skips a
+        parameter without a gradient and keeps its state; one collective per dtype gathers
+        the state whole on every rank for the move. Any other change (a parameter added or
+        replaced, a conversion, a freeze between a synchronised backward and its step)
+        raises RuntimeError on every rank.
+
+        Raises:
+            RuntimeError: The model's parameters changed otherwise.
+            ValueError: A group would hold parameters with different step counts
+                (`flatgrad._zero_groups.relaid_state`).
+        """
+        engine, grads = self._engine, self.dp.module._engine
+        if not engine.params_in_place() or is_scattered(engine.store):
+            engine.check_layout(grads)  # (raises if it changed)
+            return
+        with unguarded():
+            store = grads.steady()
+        if store is engine.store:
+            return
+        if any(id(p) not in self._names for p in store.params):  # (added or replaced)
+            engine.check_layout(grads)
+        old = self._groups.state_dict(self.param_groups)["state"]
+        kept = whole_state(old, self.dp.process_group)
+        frozen = [p for p in engine.store.params if p not in store]
+        parked = {**self._parked, **{self._names[id(p)]: kept.pop(self._names[id(p)], {}) for p in frozen}}
+        relaid_state(kept, parked, self._groups_on(store), self._optimizer_class)  # (raises before any move)
+        self._parked = parked
+        with torch.no_grad():
+            for param in frozen:  # (its memory its own again, not the old flat buffer's)
+                param.data = param.data.clone()
+        self._lay_out(store)
+        views = self._groups.views(self.param_groups)
+        saved = relaid_state(kept, self._parked, views, self._optimizer_class)
+        self._groups.load_state_dict(self.param_groups, saved)
+        for name in saved["state"]:
+            self._parked.pop(name, None)
+
+    def _groups_on(self, store: GradStore) -> list[GroupView]:
+        """The groups as the checkpoint sees them, over the parameters of `store`."""
+        return [
+            GroupView([(self._names[id(p)], p) for p in group["params"] if p in store], options(group), [])
+            for group in self.param_groups
+        ]
 
     # Steps the model's main grads through its float32 masters (see flatgrad._main_grads.MainGradGuard).
     steps_main_grads = True
@@ -211,7 +277,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._engine.check_layout(self.dp.module._engine)
+        self._follow_layout()
         self._groups.check(self.param_groups)
         self._engine.take_assigned_grads()
         found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
@@ -239,6 +305,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # (a clone each) before they are dropped or zeroed.
         with unguarded():
             self.dp.module.zero_grad(set_to_none=set_to_none)  # (plain .grad again: it unmarks)
+        # (and the store of the last layout, where (un)freezing laid the model out again since)
+        unmark_scattered(self._engine.store, to_none=True)
         self.dp._engine.grads_cleared()
         self._groups.drop_grads()
 
@@ -272,6 +340,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if not norm_type > 0:  # (False for NaN too)
             raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
+        self._follow_layout()
         return self._engine.clip(max_norm, norm_type, error_if_nonfinite)
 
     def state_dict(self) -> dict[str, Any]:

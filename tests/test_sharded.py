@@ -1126,3 +1126,58 @@ def test_flatgrad_around_ddp_is_refused_at_wrap_time():
     .grad is its bucket view, which the routed layers' writes are not; refused at wrap time
     with the order that works."""
     run_ranks(_ddp_inside_worker, world_size=1)
+
+
+def _freeze_worker(rank: int, world_size: int, case: str) -> None:
+    """Parameters frozen and unfrozen between steps, against DDP(find_unused_parameters=
+    True) + the plain optimizer, which skips a parameter without a gradient and keeps its
+    state."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    ref = copy.deepcopy(model)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.0002)
+    ddp = DDP(ref, find_unused_parameters=True)
+    if case == "unfreeze_into_a_new_group":  # progressive unfreezing, the first layer last
+        for m in (model, ref):
+            m[0].requires_grad_(False)
+    cls, kwargs = (torch.optim.SGD, {"momentum": 0.9}) if case == "flip" else (torch.optim.AdamW, {})
+    opt = flatgrad.ShardedOptimizer(
+        dp, cls, [p for p in model.parameters() if p.requires_grad], lr=0.05, **kwargs
+    )
+    ref_opt = cls([p for p in ref.parameters() if p.requires_grad], lr=0.05, **kwargs)
+    for step in range(6):
+        if case == "flip" and step in (2, 4):  # frozen at 2, trainable again at 4, state kept
+            for m in (model, ref):
+                m[2].requires_grad_(step == 4)
+        if case == "unfreeze_into_a_new_group" and step == 3:
+            for m, o in ((model, opt), (ref, ref_opt)):
+                m[0].requires_grad_(True)
+                o.add_param_group({"params": list(m[0].parameters()), "lr": 0.02})
+        if case == "adam_flip" and step in (1, 2):
+            for m in (model, ref):
+                m[2].requires_grad_(step == 2)
+            if step == 2:
+                opt.zero_grad()
+                dp(_batch(rank, step)).square().sum().backward()
+                with pytest.raises(
+                    ValueError, match="param group 0 would hold parameters with different step counts"
+                ):
+                    opt.step()
+                return
+        for o, m in ((opt, dp), (ref_opt, ddp)):
+            o.zero_grad()
+            m(_batch(rank, step)).square().sum().backward()
+            o.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", ["flip", "unfreeze_into_a_new_group", "adam_flip"])
+def test_parameters_frozen_and_unfrozen_between_steps_equal_ddp(world_size, case):
+    """SGD with momentum, a layer frozen for two steps and trainable again: its momentum is
+    kept while frozen (parked) and the others step on, as DDP + SGD; AdamW with the first
+    layer frozen, then unfrozen into a new param group (progressive unfreezing); an AdamW
+    layer frozen and unfrozen inside its group refused on every rank (torch counts AdamW's
+    steps per parameter, ShardedOptimizer per group), before anything moved."""
+    run_ranks(_freeze_worker, case, world_size=world_size)
