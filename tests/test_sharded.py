@@ -302,9 +302,10 @@ def test_a_gan_with_a_sharded_optimizer_each_equals_two_ddps(world_size):
 
 def _layout_change_worker(rank: int, world_size: int) -> None:
     """The parameters of a ShardedOptimizer are views of its flat parameter buffer, which
-    the all-gather refills: a conversion or a freeze behind the wrapper, before a step or
-    between a backward and its step, is refused at `step()` on every rank, never a silent
-    update of parameters that no longer are those views."""
+    the all-gather refills: a conversion before a step, or a freeze between a backward and
+    its step (its gradients were reduce-scattered over the old layout), is refused at
+    `step()` on every rank, never a silent update of parameters that no longer are those
+    views; a freeze after zero_grad is followed."""
     for change in ("float", "freeze", "freeze, zero_grad", "zero_grad, float"):
         model, flat, dp, opt = _build(rank)
         dp(_tokens(rank, 0)).backward()
@@ -322,6 +323,10 @@ def _layout_change_worker(rank: int, world_size: int) -> None:
             model.fc.requires_grad_(False)
         if change == "freeze, zero_grad":
             opt.zero_grad()  # lays the buffers out again, moving the reduce-scattered .grads
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()  # a freeze with no gradients in flight is followed (see the freeze test)
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # none: no move
+            continue
         with pytest.raises(RuntimeError, match="parameters changed"):
             opt.step()
 
