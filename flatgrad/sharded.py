@@ -268,9 +268,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             The closure's loss, or None without a closure.
 
         Raises:
-            RuntimeError: The model's parameters changed (added, replaced, frozen, converted)
-                since construction; or the inner optimizer's param_groups hold other tensors
-                than exactly this rank's shards.
+            RuntimeError: The model's parameters changed (added, replaced, converted, or
+                frozen between a synchronised backward and this step) since construction;
+                or the inner optimizer's param_groups hold other tensors than exactly this
+                rank's shards. (Parameters frozen or unfrozen otherwise are followed,
+                `_follow_layout`.)
+            ValueError: A parameter frozen or unfrozen since would share a group with
+                parameters of another step count.
         """
         self._engine.wait_gather()  # (overlap_param_gather: a step with no forward since)
         loss = None
