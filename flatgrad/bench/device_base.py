@@ -49,12 +49,14 @@ class RatioRecord(BaseModel):
 
 
 class MemoryRecord(BaseModel):
-    """Peak bytes allocated from building a configuration through its training steps."""
+    """Peak bytes allocated in a training step of each side (the check's detail says from
+    when they count), and the parameters of the model both train, for bytes per parameter."""
 
     model_config = ConfigDict(extra="forbid")
     name: str
     flatgrad_bytes: int
     stock_bytes: int
+    num_params: int
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ def _ids(device: torch.device) -> list[int] | None:
     return [device.index or 0] if device.type == "cuda" else None
 
 
-def _adamw(params: Any) -> torch.optim.Optimizer:
+def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
@@ -89,7 +89,7 @@ def _stock_clip(params: list[nn.Parameter]) -> Callable[[float], object]:
 def stock_plain(model: nn.Module, device: torch.device) -> Trainer:
     m = copy.deepcopy(model)
     params = list(m.parameters())
-    return Trainer("stock", m, _adamw(params), params, _stock_clip(params))
+    return Trainer("stock", m, adamw(params), params, _stock_clip(params))
 
 
 def stock_ddp(
@@ -100,30 +100,34 @@ def stock_ddp(
         m, device_ids=_ids(device), find_unused_parameters=find_unused, gradient_as_bucket_view=bucket_view
     )
     params = list(m.parameters())
-    return Trainer("stock DDP", ddp, _adamw(params), params, _stock_clip(params), ddp.no_sync)
+    return Trainer("stock DDP", ddp, adamw(params), params, _stock_clip(params), ddp.no_sync)
 
 
-def flat_hook(model: nn.Module, device: torch.device) -> Trainer:
-    flat = flatgrad.FlatGrad(copy.deepcopy(model), config=ROUTE_ALL)
+def flat_hook(model: nn.Module, device: torch.device, config: flatgrad.FlatGradConfig = ROUTE_ALL) -> Trainer:
+    flat = flatgrad.FlatGrad(copy.deepcopy(model), config=config)
     ddp = DDP(flat, device_ids=_ids(device), **flat.ddp_kwargs())
     ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
     params = list(flat.module.parameters())
-    trainer = Trainer("DDP + allreduce_hook", ddp, _adamw(params), params, flat.clip_grad_norm_, ddp.no_sync)
+    trainer = Trainer("DDP + allreduce_hook", ddp, adamw(params), params, flat.clip_grad_norm_, ddp.no_sync)
     trainer.buffers = len(flat.grad_buffers)
     return trainer
 
 
 def flat_dp(
-    model: nn.Module, device: torch.device, sharded: bool = False, bucket_mb: float = 0.002
+    model: nn.Module,
+    device: torch.device,
+    sharded: bool = False,
+    bucket_mb: float = 0.002,
+    config: flatgrad.FlatGradConfig = ROUTE_ALL,
 ) -> Trainer:
     """DataParallel (several buckets at the default `bucket_mb`: launched during backward)."""
-    flat = flatgrad.FlatGrad(copy.deepcopy(model), config=ROUTE_ALL)
+    flat = flatgrad.FlatGrad(copy.deepcopy(model), config=config)
     dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
     params = list(flat.module.parameters())
     if sharded:
         opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=LR, weight_decay=0.1)
         return Trainer("ShardedOptimizer", dp, opt, params, opt.clip_grad_norm_, dp.no_sync)
-    return Trainer("DataParallel", dp, _adamw(params), params, flat.clip_grad_norm_, dp.no_sync)
+    return Trainer("DataParallel", dp, adamw(params), params, flat.clip_grad_norm_, dp.no_sync)
 
 
 def flat_all_reduce(model: nn.Module, device: torch.device) -> Trainer:
@@ -132,7 +136,7 @@ def flat_all_reduce(model: nn.Module, device: torch.device) -> Trainer:
     return Trainer(
         "all_reduce_grads",
         flat,
-        _adamw(params),
+        adamw(params),
         params,
         flat.clip_grad_norm_,
         after_backward=flat.all_reduce_grads,
@@ -250,13 +254,16 @@ def paths_outcome(results: dict[str, dict[str, Any]], setting: str) -> Outcome:
     return Outcome(all("error" not in r for r in results.values()), detail)
 
 
-def _rank_main(rank: int, world_size: int, port: int, device_name: str, out: str) -> None:
+RankJob = Callable[[torch.device], dict[str, Any]]  # what each spawned rank runs; rank 0's result
+
+
+def _rank_main(rank: int, world_size: int, port: int, device_name: str, out: str, job: RankJob) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=60)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
     try:
-        results = run_paths(torch.device(device_name))
+        results = job(torch.device(device_name))
         dist.barrier()
         if rank == 0:
             Path(out).write_text(json.dumps(results))
@@ -271,12 +278,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def spawn_gloo(device: torch.device, world_size: int = 2, timeout: float = RANKS_TIMEOUT_S) -> dict[str, Any]:
-    """Run `run_paths` on `world_size` spawned ranks; rank 0's results. A rank's exception
-    is raised here (with its traceback); so is a run past `timeout` seconds."""
+def spawn_gloo(
+    device: torch.device, world_size: int = 2, timeout: float = RANKS_TIMEOUT_S, job: RankJob = run_paths
+) -> dict[str, Any]:
+    """Run `job` (default `run_paths`; picklable: spawned) on `world_size` ranks; rank 0's
+    results. A rank's exception is raised here (with its traceback); so is a run past
+    `timeout` seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
-        args = (world_size, _free_port(), str(device), str(out))
+        args = (world_size, _free_port(), str(device), str(out), job)
         context = mp.start_processes(
             _rank_main, args=args, nprocs=world_size, join=False, start_method="spawn"
         )

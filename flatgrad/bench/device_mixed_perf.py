@@ -142,6 +142,7 @@ def check_mixed_precision(run: DeviceRun) -> Outcome:
             name=f"GPT {num / 1e6:.1f}M: {FLATGRAD} / {label}",
             flatgrad_bytes=max(peaks[FLATGRAD]),
             stock_bytes=max(values),
+            num_params=num,
         )
         for label, values in peaks.items()
         if label != FLATGRAD

@@ -378,9 +378,13 @@ def check_memory(run: DeviceRun) -> Outcome:
             for config in MEMORY_CONFIGS:
                 for key, value in peaks_of(run, MEMORY_CONFIGS[config], model, batch).items():
                     peaks[config][key].append(value)
+    num = sum(p.numel() for p in model.parameters())
     memory = [
         MemoryRecord(
-            name=f"{a} / {b}", flatgrad_bytes=max(peaks[a]["step"]), stock_bytes=max(peaks[b]["step"])
+            name=f"{a} / {b}",
+            flatgrad_bytes=max(peaks[a]["step"]),
+            stock_bytes=max(peaks[b]["step"]),
+            num_params=num,
         )
         for a, b in MEMORY_PAIRS
     ]
