@@ -1,11 +1,14 @@
 """Device truth: flatgrad against stock PyTorch on the device at hand, in one command.
 
-python -m flatgrad.bench.device --out DIR                 # CUDA when available, else CPU
+python -m flatgrad.bench.device --out DIR [--budget-s 360]  # CUDA when available, else CPU
 python -m flatgrad.bench.device --device cpu --quick --out DIR [--threads 1]
 
-Writes DIR/report.json and DIR/report.md and exits 1 if any check failed. Every check runs
-isolated: an exception inside one is that check failing (with its traceback's tail), and the
-run goes on. A check that does not apply to the device is reported as skipped, with why.
+Writes DIR/report.json and DIR/report.md after every check (a run cut short leaves what it
+did, the checks still to come listed as not yet run) and exits 1 if any check failed. Every
+check runs isolated: an exception inside one is that check failing (with its traceback's
+tail), and the run goes on. A check that does not apply to the device is reported as
+skipped, with why; so is each check left when --budget-s seconds are spent. The checks run
+in the order of what they tell: exactness and the CUDA branches first, ratios after.
 """
 
 from __future__ import annotations
@@ -27,37 +30,44 @@ from flatgrad.bench import (
     device_checks,
     device_comm,
     device_cuda,
+    device_headline,
     device_mixed,
     device_mixed_comm,
     device_mixed_perf,
     device_perf,
 )
-from flatgrad.bench.cli import cpu_name, positive_int
+from flatgrad.bench.cli import cpu_name, positive_float, positive_int
 from flatgrad.bench.device_base import CheckRecord, DeviceRun, MemoryRecord, Outcome, RatioRecord, now
 
 logger = logging.getLogger("flatgrad.bench.device")  # also under python -m
 
 Check = Callable[[DeviceRun], Outcome]
+# In the order of what they tell: exactness and the CUDA-only branches first (a run cut short
+# still says whether flatgrad is right on this device), the collectives' correctness next,
+# then the ratios, the headline rows first (`device_headline`), the older and larger after.
 CHECKS: dict[str, Check] = {
     "exactness: float64 (tied LM, checkpoint, unused branch)": device_checks.check_exact_float64,
     "exactness: bf16 autocast (float32 parameters)": device_checks.check_exact_bf16_autocast,
     "exactness: main grads (bf16 tied LM, float64 oracles)": device_mixed.check_main_grad_exactness,
-    "zero-copy backward: ops": device_checks.check_zero_copy_ops,
-    "zero-copy backward: CUDA memcpy": device_checks.check_zero_copy_kernels,
     "main grads: no weight-sized temporary (routed bf16 Linear)": device_mixed.check_linear_no_temporary,
     "main grads: out_dtype GEMM on CUDA": device_mixed.check_out_dtype_gemm,
+    "zero-copy backward: ops": device_checks.check_zero_copy_ops,
+    "zero-copy backward: CUDA memcpy": device_checks.check_zero_copy_kernels,
     "sort-free backward: ops": device_checks.check_sort_free_ops,
     "sort-free backward: CUDA kernels": device_checks.check_sort_free_kernels,
+    "cuda branches covered": device_cuda.check_cuda_branches,
     "collectives: NCCL world size 1": device_cuda.check_nccl_single_rank,
-    "collectives: gloo 2 ranks": device_comm.check_gloo_two_ranks,
     "mixed precision: ShardedOptimizer world size 1 against float32 masters": (
         device_mixed_comm.check_sharded_main_grads
     ),
-    "cuda branches covered": device_cuda.check_cuda_branches,
-    "ratios: training steps": device_perf.check_step_ratios,
-    "ratios: GPT bf16": device_perf.check_gpt_ratio,
-    "ratios: embedding backward": device_perf.check_embedding_ratios,
+    "collectives: gloo 2 ranks": device_comm.check_gloo_two_ranks,
+    "ratios and memory: bench Llama and GPT, one process, bf16 autocast": device_headline.check_one_process,
+    "ratios and memory: data-parallel world size 1, bf16 autocast": device_headline.check_world_size_one,
     "ratios: gathers": device_perf.check_gather_ratios,
+    "ratios and memory: gloo 2 ranks sharing the device": device_headline.check_two_ranks,
+    "ratios: GPT bf16": device_perf.check_gpt_ratio,
+    "ratios: training steps": device_perf.check_step_ratios,
+    "ratios: embedding backward": device_perf.check_embedding_ratios,
     "memory: peak allocated": device_perf.check_memory,
     "ratios and memory: mixed precision": device_mixed_perf.check_mixed_precision,
 }
@@ -65,15 +75,17 @@ TRACEBACK_LINES = 12
 
 
 class DeviceReport(BaseModel):
-    """report.json."""
+    """report.json: written after every check, so a run cut short leaves what it did."""
 
     model_config = ConfigDict(extra="forbid")
     device: str
     torch: str
     date: str
     quick: bool
+    budget_s: float | None  # --budget-s: no check starts once this many seconds are spent
     seconds: float
     checks: list[CheckRecord]
+    pending: list[str]  # checks not yet decided: empty once the run has finished
     ratios: list[RatioRecord]
     memory: list[MemoryRecord]
 
@@ -116,27 +128,61 @@ def run_check(name: str, check: Check, run: DeviceRun) -> Outcome:
         _clean_up(run)
 
 
-def run_all(run: DeviceRun, checks: dict[str, Check] | None = None) -> DeviceReport:
+def over_budget(name: str, budget_s: float, elapsed: float) -> CheckRecord:
+    """The record of a check not started because `budget_s` was spent."""
+    detail = f"not started: the budget of {budget_s:g} s was spent ({elapsed:.0f} s elapsed)"
+    return CheckRecord(name=name, passed=None, detail=detail, seconds=0.0)
+
+
+def run_all(
+    run: DeviceRun,
+    checks: dict[str, Check] | None = None,
+    budget_s: float | None = None,
+    out: Path | None = None,
+) -> DeviceReport:
+    """Run `checks` (default `CHECKS`) in order; none starts once `budget_s` seconds are
+    spent (each is then recorded skipped, saying so). With `out`, the report is written
+    there after every check (the checks still to come listed as pending)."""
+    todo = CHECKS if checks is None else checks
     started = time.perf_counter()
-    records, ratios, memory = [], [], []
-    for name, check in (CHECKS if checks is None else checks).items():
-        logger.info("running %s", name)
-        start = time.perf_counter()
-        outcome = run_check(name, check, run)
-        seconds = time.perf_counter() - start
-        records.append(CheckRecord(name=name, passed=outcome.passed, detail=outcome.detail, seconds=seconds))
-        ratios += outcome.ratios
-        memory += outcome.memory
-    return DeviceReport(
-        device=describe(run.device),
-        torch=torch.__version__,
-        date=now(),
-        quick=run.quick,
-        seconds=time.perf_counter() - started,
-        checks=records,
-        ratios=ratios,
-        memory=memory,
-    )
+    records: list[CheckRecord] = []
+    ratios: list[RatioRecord] = []
+    memory: list[MemoryRecord] = []
+
+    def report() -> DeviceReport:
+        return DeviceReport(
+            device=describe(run.device),
+            torch=torch.__version__,
+            date=now(),
+            quick=run.quick,
+            budget_s=budget_s,
+            seconds=time.perf_counter() - started,
+            checks=list(records),
+            pending=list(todo)[len(records) :],
+            ratios=list(ratios),
+            memory=list(memory),
+        )
+
+    for name, check in todo.items():
+        elapsed = time.perf_counter() - started
+        if budget_s is not None and elapsed >= budget_s:
+            records.append(over_budget(name, budget_s, elapsed))
+        else:
+            logger.info("running %s (%.0f s elapsed)", name, elapsed)
+            start = time.perf_counter()
+            outcome = run_check(name, check, run)
+            seconds = time.perf_counter() - start
+            records.append(
+                CheckRecord(name=name, passed=outcome.passed, detail=outcome.detail, seconds=seconds)
+            )
+            ratios += outcome.ratios
+            memory += outcome.memory
+        if out is not None:
+            write_report(report(), out)
+    final = report()
+    if out is not None:
+        write_report(final, out)  # (also when `todo` is empty)
+    return final
 
 
 def _cell(text: str) -> str:
@@ -148,13 +194,19 @@ def _status(passed: bool | None) -> str:
     return {True: "pass", False: "**FAIL**", None: "skipped"}[passed]
 
 
+def _per_param(num_bytes: int, num_params: int) -> str:
+    return f"{num_bytes / num_params:.1f}"
+
+
 def format_markdown(report: DeviceReport) -> str:
     failed = len(report.failed)
+    budget = f"--budget-s {report.budget_s:g}; " if report.budget_s is not None else ""
+    state = f"{len(report.pending)} not yet run; " if report.pending else ""
     lines = [
         "# flatgrad device report",
         "",
         f"{report.device}; torch {report.torch}; {report.date}; {'--quick; ' if report.quick else ''}"
-        f"{report.seconds:.0f} s; {failed} failed check{'s' if failed != 1 else ''}",
+        f"{budget}{report.seconds:.0f} s; {state}{failed} failed check{'s' if failed != 1 else ''}",
         "",
         "## Checks",
         "",
@@ -165,16 +217,23 @@ def format_markdown(report: DeviceReport) -> str:
         f"| {_cell(c.name)} | {_status(c.passed)} | {c.seconds:.1f} | {_cell(c.detail)} |"
         for c in report.checks
     ]
+    lines += [f"| {_cell(name)} | not yet run | | |" for name in report.pending]
     lines += ["", "## Ratios (flatgrad / stock; below 1: flatgrad faster; medians, interleaved)", ""]
     lines += ["| measurement | flatgrad ms | stock ms | ratio |", "|---|---:|---:|---:|"]
     lines += [
         f"| {_cell(r.name)} | {r.flatgrad_ms:.3f} | {r.stock_ms:.3f} | {r.ratio:.2f} |" for r in report.ratios
     ]
     lines += ["", "## Memory (peak allocated in a training step: AdamW, zero_grad(set_to_none=True))", ""]
-    lines += ["| flatgrad / stock | flatgrad MiB | stock MiB | ratio |", "|---|---:|---:|---:|"]
+    lines += [
+        "| flatgrad / stock | flatgrad MiB | stock MiB | ratio | parameters "
+        "| flatgrad B/param | stock B/param |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     lines += [
         f"| {_cell(m.name)} | {m.flatgrad_bytes / 2**20:.2f} | {m.stock_bytes / 2**20:.2f} | "
-        f"{m.flatgrad_bytes / m.stock_bytes if m.stock_bytes else float('nan'):.2f} |"
+        f"{m.flatgrad_bytes / m.stock_bytes if m.stock_bytes else float('nan'):.2f} | "
+        f"{m.num_params / 1e6:.2f}M | {_per_param(m.flatgrad_bytes, m.num_params)} | "
+        f"{_per_param(m.stock_bytes, m.num_params)} |"
         for m in report.memory
     ]
     return "\n".join(lines) + "\n"
@@ -201,6 +260,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, required=True, help="directory for report.json and report.md")
     parser.add_argument(
+        "--budget-s",
+        type=positive_float,
+        default=None,
+        help="start no check once this many seconds are spent; the rest are reported skipped "
+        "(a check already running finishes first: leave a minute above it)",
+    )
+    parser.add_argument(
         "--threads",
         type=positive_int,
         default=None,
@@ -214,7 +280,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run every check, write the reports; returns the exit status (1: a check failed)."""
+    """Run the checks (within --budget-s), writing the reports after each; returns the exit
+    status (1: a check failed)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
     args = parse_args(argv)
@@ -223,8 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     device = (
         torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     )
-    report = run_all(DeviceRun(device, args.quick))
-    write_report(report, args.out)
+    report = run_all(DeviceRun(device, args.quick), budget_s=args.budget_s, out=args.out)
     for record in report.checks:
         print(f"{_status(record.passed):9s} {record.seconds:6.1f} s  {record.name}")
     print(f"{len(report.failed)} failed; reports in {args.out}")
