@@ -100,9 +100,11 @@ def step_ratio(
     micro: int,
     clip: bool,
     autocast: bool = False,
+    repeats: tuple[int, int] | None = None,
 ) -> RatioRecord:
-    """flatgrad/stock of a training step of `model` (stock: a deep copy of it)."""
-    repeats, warmup = (8, 2) if run.quick else (10, 3)
+    """flatgrad/stock of a training step of `model` (stock: a deep copy of it), over
+    `repeats` (timed, warm-up) steps of each (default: 8, 2 with --quick, else 10, 3)."""
+    timed, warmup = repeats or ((8, 2) if run.quick else (10, 3))
     batches = [spec.batch(torch.Generator().manual_seed(i), run.device) for i in range(micro * 2)]
     stock = copy.deepcopy(model)
     flat = flatgrad.FlatGrad(model)
@@ -111,7 +113,7 @@ def step_ratio(
         flat, (lambda: flat.clip_grad_norm_(1.0)) if clip else None, micro, autocast, batches, run.device
     )
     theirs = _Stepper(stock, stock_clip, micro, autocast, batches, run.device)
-    return ratio_row(name, *interleaved(ours, theirs, repeats, warmup))
+    return ratio_row(name, *interleaved(ours, theirs, timed, warmup))
 
 
 def check_step_ratios(run: DeviceRun) -> Outcome:
@@ -155,7 +157,9 @@ def check_gpt_ratio(run: DeviceRun) -> Outcome:
         model = spec.build()
     num = sum(p.numel() for p in model.parameters())
     name = f"GPT {num / 1e6:.1f}M ({shape}), bf16 autocast, 4 micro-batches, clip"
-    row = step_ratio(run, name, model, spec, micro=4, clip=True, autocast=True)
+    # 8 timed steps of ~0.4 s each on an H100 at full size (docs/gpu.md): the median is
+    # steady, and 2 warm-up steps are past cuBLAS's and the allocator's first-call costs.
+    row = step_ratio(run, name, model, spec, micro=4, clip=True, autocast=True, repeats=(8, 2))
     del model
     gc.collect()
     return Outcome(True, f"{name}: AdamW step", ratios=[row])
