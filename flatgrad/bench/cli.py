@@ -19,12 +19,11 @@ import platform
 import resource
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tqdm import tqdm
 
 from flatgrad.bench.local import COMPILE_BACKENDS, compile_row, format_local, local_rows
 from flatgrad.bench.memory import pin_malloc
@@ -34,6 +33,9 @@ from flatgrad.bench.ops import format_ops, op_ratios
 from flatgrad.bench.report import format_mixed, format_overlap, format_table, write_png
 from flatgrad.bench.runners import CONFIGS
 from flatgrad.bench.suite import bench_model
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 logger = logging.getLogger("flatgrad.bench")
 # The mixed-precision row takes any built-in model (the LMs are what it is for).
@@ -270,6 +272,8 @@ def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
     total = len(args.models) * (args.warmup + args.steps)
     if args.mixed_steps > 0:
         total += args.warmup + args.mixed_steps
+    from tqdm import tqdm  # here: the device report imports this module's helpers without it
+
     bar = tqdm(total=total, desc="flatgrad-bench", unit="step") if rank == 0 else None
     models = {}
     for name in args.models:
