@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from flatgrad.bench.cli_common import cpu_name, positive_int
 from flatgrad.bench.local import COMPILE_BACKENDS, compile_row, format_local, local_rows
 from flatgrad.bench.memory import pin_malloc
 from flatgrad.bench.mixed import MIXED_VARIANTS, bench_mixed
@@ -65,22 +66,6 @@ def _one_of(choices: list[str], what: str) -> Any:
         return items[0]
 
     return parse
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a number above 0."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {value:g}")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -194,17 +179,6 @@ def _environment(backend: str | None, world_size: int, threads: int, malloc: str
         "gpu": gpu,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else what `platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _peak_rss_mb() -> float:

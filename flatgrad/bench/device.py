@@ -36,7 +36,7 @@ from flatgrad.bench import (
     device_mixed_perf,
     device_perf,
 )
-from flatgrad.bench.cli import cpu_name, positive_float, positive_int
+from flatgrad.bench.cli_common import cpu_name, positive_float, positive_int
 from flatgrad.bench.device_base import CheckRecord, DeviceRun, MemoryRecord, Outcome, RatioRecord, now
 
 logger = logging.getLogger("flatgrad.bench.device")  # also under python -m
