@@ -37,6 +37,7 @@ __all__ = [
     "preserve_version_counter",
     "queue_callback",
     "register_load_pre_hook",
+    "register_state_dict_post_hook",
     "shadowing_ddp",
     "SAVED_SHARDS",
     "sharded_tensor",
@@ -156,12 +157,23 @@ def broadcast_coalesced(
 
 
 def register_load_pre_hook(module: torch.nn.Module, hook: Callable[..., None]) -> Any:
-    """`hook` runs before `module.load_state_dict` loads anything (public from torch 2.5;
-    the private registration before, whose hook is not given the module: `hook` must take
-    any positional arguments)."""
+    """`hook` runs before `module.load_state_dict` loads anything, called as
+    ``hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
+    unexpected_keys, error_msgs)``: ``register_load_state_dict_pre_hook`` from torch 2.5, the
+    private registration with ``with_module=True`` (the same call) before."""
     register = getattr(module, "register_load_state_dict_pre_hook", None)
     if register is None:
-        register = module._register_load_state_dict_pre_hook
+        return module._register_load_state_dict_pre_hook(hook, with_module=True)
+    return register(hook)
+
+
+def register_state_dict_post_hook(module: torch.nn.Module, hook: Callable[..., None]) -> Any:
+    """`hook` runs after `module.state_dict` has filled its dict, called as
+    ``hook(module, state_dict, prefix, local_metadata)``: ``register_state_dict_post_hook``
+    from torch 2.5, the private ``_register_state_dict_hook`` (the same call) before."""
+    register = getattr(module, "register_state_dict_post_hook", None)
+    if register is None:
+        return module._register_state_dict_hook(hook)
     return register(hook)
 
 

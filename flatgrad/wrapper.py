@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from flatgrad import _grad_ops, comm
 from flatgrad._engine import GradEngine, trainable_parameters
 from flatgrad._names import add_prefix, strip_prefix
+from flatgrad._torch_compat import register_load_pre_hook, register_state_dict_post_hook
 from flatgrad._transparent import TransparentWrapper
 from flatgrad.config import FlatGradConfig, resolve_config
 from flatgrad.layout import GroupKey
@@ -84,8 +85,8 @@ class FlatGrad(TransparentWrapper):
                 "gradient: sparse embeddings keep theirs outside the flat buffers), got none"
             )
         self._engine = GradEngine(self, self.flatgrad_config)
-        self.register_state_dict_post_hook(strip_prefix)
-        self.register_load_state_dict_pre_hook(add_prefix)
+        register_state_dict_post_hook(self, strip_prefix)
+        register_load_pre_hook(self, add_prefix)
         for line in self._engine.summary_lines():
             logger.info("flatgrad: %s", line)
 
