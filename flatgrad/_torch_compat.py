@@ -10,9 +10,11 @@ torch's documented extension surface and are read where they are needed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
+import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -102,8 +104,21 @@ def in_compiled_autograd() -> bool:
     return bool(getattr(module, "in_compiled_autograd_region", False)) or torch.compiler.is_compiling()
 
 
-preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
-"""Write tensors without bumping their version counters (DDP's buffer broadcast does)."""
+_PRESERVE = torch.autograd._unsafe_preserve_version_counter
+# It takes a tuple of tensors from torch 2.5 (its argument is then called `tensors`).
+_PRESERVE_TAKES_TUPLE = "tensors" in inspect.signature(_PRESERVE.__init__).parameters
+
+
+@contextlib.contextmanager
+def preserve_version_counter(tensors: tuple[torch.Tensor, ...]) -> Iterator[None]:
+    """Write `tensors` without bumping their version counters (DDP's buffer broadcast
+    does): ``torch.autograd._unsafe_preserve_version_counter`` over the tuple, or over one
+    tensor at a time before torch 2.5."""
+    with contextlib.ExitStack() as stack:
+        for each in [tensors] if _PRESERVE_TAKES_TUPLE else tensors:
+            stack.enter_context(_PRESERVE(each))
+        yield
+
 
 # --- torch.func ---------------------------------------------------------------------------
 

@@ -15,6 +15,16 @@ import flatgrad
 ROUTE_ALL = flatgrad.FlatGradConfig(linear_min_numel=0)
 
 
+def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The oracle norm: ``torch.nn.utils.get_total_norm`` (torch 2.6+), or on older torch
+    the same definition (the norm of the per-tensor norms) that `clip_grad_norm_` used."""
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+    if get_total_norm is not None:
+        return get_total_norm(grads, norm_type)
+    norms = [torch.linalg.vector_norm(grad, norm_type) for grad in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
 class TiedLM(nn.Module):
     """Embedding -> Linear/LayerNorm -> output Linear sharing the embedding's weight."""
 

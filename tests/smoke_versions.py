@@ -45,7 +45,8 @@ VOCAB, DIM = 24, 8
 
 class SmokeLM(nn.Module):
     """Tied embedding and head (one parameter used twice), routed Linear, unrouted
-    LayerNorm and a `gather_with_index_add` of a per-token bias table."""
+    LayerNorm, a `gather_with_index_add` of a per-token bias table and a buffer (which
+    DDP and DataParallel broadcast before each forward)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,9 +56,10 @@ class SmokeLM(nn.Module):
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.emb.weight
         self.bias = nn.Parameter(torch.randn(VOCAB, 1))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.norm(torch.tanh(self.fc(self.emb(tokens)))) + flatgrad.gather_with_index_add(
+        h = self.norm(torch.tanh(self.fc(self.emb(tokens)))) * self.scale + flatgrad.gather_with_index_add(
             self.bias, tokens
         )
         logits = self.head(h)

@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROUTE_ALL, CompileLM, TiedLM, assert_same_grads, grad_in_buffers
+from conftest import ROUTE_ALL, CompileLM, TiedLM, assert_same_grads, grad_in_buffers, total_norm
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils import parametrizations
@@ -40,9 +40,7 @@ def _assert_params_equal(ours: nn.Module, ref: nn.Module) -> None:
 
 
 def _stock_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
-    return torch.nn.utils.get_total_norm(
-        [p.grad for p in model.parameters() if p.grad is not None], norm_type
-    )
+    return total_norm([p.grad for p in model.parameters() if p.grad is not None], norm_type)
 
 
 # --- 1. non-finite steps: padding stays zero, the AMP recipe recovers -----------------------
