@@ -19,7 +19,7 @@ import platform
 import resource
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,10 +33,7 @@ from flatgrad.bench.models import LOCAL_MODELS, MODELS, resolve_model
 from flatgrad.bench.ops import format_ops, op_ratios
 from flatgrad.bench.report import format_mixed, format_overlap, format_table, write_png
 from flatgrad.bench.runners import CONFIGS
-from flatgrad.bench.suite import bench_model
-
-if TYPE_CHECKING:
-    from tqdm import tqdm
+from flatgrad.bench.suite import Progress, bench_model
 
 logger = logging.getLogger("flatgrad.bench")
 # The mixed-precision row takes any built-in model (the LMs are what it is for).
@@ -246,9 +243,7 @@ def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
     total = len(args.models) * (args.warmup + args.steps)
     if args.mixed_steps > 0:
         total += args.warmup + args.mixed_steps
-    from tqdm import tqdm  # here: the device report imports this module's helpers without it
-
-    bar = tqdm(total=total, desc="flatgrad-bench", unit="step") if rank == 0 else None
+    bar = _progress_bar(total) if rank == 0 else None
     models = {}
     for name in args.models:
         if bar is not None:
@@ -280,7 +275,17 @@ def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
     print(f"report: {args.out}" + (f", chart: {png}" if png else " (install matplotlib for a chart)"))
 
 
-def _mixed_row(args: argparse.Namespace, device: torch.device, bar: tqdm | None) -> dict[str, Any]:
+def _progress_bar(total: int) -> Progress | None:
+    """tqdm's bar over `total` steps; None (no bar) without tqdm (the ``bench`` extra)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        logger.info("flatgrad-bench: no progress bar without tqdm (pip install 'flatgrad[bench]')")
+        return None
+    return tqdm(total=total, desc="flatgrad-bench", unit="step")
+
+
+def _mixed_row(args: argparse.Namespace, device: torch.device, bar: Progress | None) -> dict[str, Any]:
     """The mixed-precision row (`flatgrad.bench.mixed`) with the settings it ran with."""
     if bar is not None:
         bar.set_postfix_str(f"mixed precision: {args.mixed_model}")

@@ -10,7 +10,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.5: the private module only
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops that move a whole gradient from one tensor into another: AccumulateGrad's clone or

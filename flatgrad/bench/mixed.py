@@ -32,12 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
 
 import flatgrad
 from flatgrad.bench.counters import storage_bytes
 from flatgrad.bench.models import BenchModel
-from flatgrad.bench.suite import timed_step
+from flatgrad.bench.suite import Progress, timed_step
 
 MIXED_VARIANTS = ("ddp_autocast", "ddp_bf16", "flatgrad_main_grads")
 MICRO_BATCHES = 4
@@ -135,7 +134,7 @@ def bench_mixed(
     steps: int,
     warmup: int,
     device: torch.device,
-    bar: tqdm | None = None,
+    bar: Progress | None = None,
 ) -> dict[str, Any]:
     """Interleaved steps of every variant on the same micro-batches; a step's time is the
     slowest rank's. Then each variant's memory per parameter, the largest over ranks."""

@@ -13,9 +13,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch < 2.6: FSDP2 under its composable name only
+    from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.5: the private module only
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad

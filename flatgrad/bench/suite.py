@@ -6,16 +6,25 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from flatgrad.bench.counters import count_step, grad_bytes
 from flatgrad.bench.memory import step_peak, step_start
 from flatgrad.bench.models import resolve_model
 from flatgrad.bench.runners import BASELINE, BEST_STOCK, Runner, build_runner
+
+
+class Progress(Protocol):
+    """A progress bar (tqdm's, from the ``bench`` extra): what the bench calls on it."""
+
+    def update(self, n: float = 1) -> bool | None: ...
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def _sync(device: torch.device) -> None:
@@ -49,7 +58,7 @@ def _timed_step(
 
 
 def bench_model(
-    model_name: str, configs: list[str], steps: int, warmup: int, device: torch.device, bar: tqdm | None
+    model_name: str, configs: list[str], steps: int, warmup: int, device: torch.device, bar: Progress | None
 ) -> dict[str, Any]:
     """Interleaved steps of every configuration on the same data; step time is the slowest
     rank's. Then one counted backward each for collectives, copies and gradient bytes (the
