@@ -1,6 +1,6 @@
 """Every private PyTorch name flatgrad uses, resolved in one place.
 
-Checked against torch 2.4 through 2.13 (the range ``pyproject.toml`` accepts is ``>=2.4``);
+Checked against torch 2.4 through 2.15 (the floor, 2.4, is `flatgrad._torch_version`'s);
 where a name is missing in some release a fallback says what happens then. Nothing else in
 the package reads a private name of torch's (``torch._C``, ``_execution_engine``, DDP's
 class-level helpers); an nn.Module's own ``_parameters``/``_modules``/``_buffers`` dicts are

@@ -20,7 +20,11 @@ from conftest import ROUTE_ALL
 from dist_utils import rank_profile, run_ranks
 from test_mixed_precision import _live_storages
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.5
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 
 import flatgrad
 from flatgrad.bench.counters import COPY_OPS, StepCounts, count_step, grad_bytes, weight_shapes
