@@ -1,0 +1,25 @@
+"""flatgrad: every gradient of a model in one contiguous buffer per (dtype, device)."""
+
+# First (it also sorts first): a torch older than the floor gets one ImportError naming the
+# floor before any module reads a torch name (flatgrad/_torch_version.py).
+from flatgrad import _torch_version  # noqa: F401
+from flatgrad.amp import GradScaler
+from flatgrad.comm import FlatGradCommState, allreduce_hook
+from flatgrad.config import FlatGradConfig
+from flatgrad.functional import gather, gather_with_index_add
+from flatgrad.parallel import DataParallel
+from flatgrad.sharded import ShardedOptimizer
+from flatgrad.wrapper import FlatGrad
+
+__all__ = [
+    "DataParallel",
+    "FlatGrad",
+    "FlatGradCommState",
+    "FlatGradConfig",
+    "GradScaler",
+    "ShardedOptimizer",
+    "allreduce_hook",
+    "gather",
+    "gather_with_index_add",
+]
+__version__ = "0.1.0"

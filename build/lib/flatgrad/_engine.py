@@ -1,0 +1,342 @@
+"""`GradEngine`: one wrapper's gradient store, seater and layout watch, built and rebuilt
+together, and what each forward does about them (lay out again, seat or not under DDP).
+
+`FlatGrad` owns one (its `_engine`); `DataParallel`, `ShardedOptimizer` and the DDP hook's
+state reach the store through it. The engine holds its wrapper weakly, to read the model
+it holds (``flat.module`` can be reassigned) and to watch the wrapper's own dicts.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from flatgrad import comm
+from flatgrad._backward import ForwardPlan, watch
+from flatgrad._names import share_root
+from flatgrad._routing import route_layers, unroute
+from flatgrad._seating import Seater
+from flatgrad._torch_compat import divides_by_ranks_not_joined, graph_task_id
+from flatgrad._watch import LayoutWatch
+from flatgrad.buffer import GradStore
+from flatgrad.config import FlatGradConfig
+
+logger = logging.getLogger(__name__)
+
+# (module, name, parameter, requires_grad, dtype, device, shape) as they were at the last build
+_Watched = tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size]
+_trainable = operator.attrgetter("requires_grad")
+_SPARSE_LAYERS = (nn.Embedding, nn.EmbeddingBag)
+
+
+class GradEngine:
+    """Builds, checks and rebuilds the gradient layout of the model its wrapper holds."""
+
+    def __init__(self, root: nn.Module, config: FlatGradConfig, slot_multiple: int = 1) -> None:
+        self._root = weakref.ref(root)
+        self.config = config
+        self.slot_multiple = slot_multiple  # slots start on multiples of this many elements (ZeRO)
+        self.store: GradStore | None = None
+        self.seater: Seater | None = None
+        self._watched: tuple[_Watched, ...] = ()
+        self.others: tuple[nn.Parameter, ...] = ()  # the model's parameters without a slot
+        self.frozen: tuple[nn.Parameter, ...] = ()
+        # Of those, the ones of layers that make sparse gradients (`sparse_ids`): stock's
+        # sparse `.grad`, outside the buffers; the rest of `others` is frozen.
+        self.sparse: tuple[nn.Parameter, ...] = ()
+        self.generation = -1
+        # Forwards since ddp_kwargs() without allreduce_hook; None: not asked, or the hook ran.
+        self.ddp_forwards: int | None = None
+        # A DataParallel's bucket sync and sync flag for the next forward (`expect_sync`),
+        # and the running forward's, taken by `before_forward`.
+        self._next_sync: tuple[Any, bool] | None = None
+        self._forward_sync: tuple[Any, bool] | None = None
+        # Whether a forward under a DDP came since the last backward began: its reducer places
+        # the next backward's gradients, whichever output that backward reaches first.
+        self.ddp_pending = False
+        self._joining: weakref.ref[Any] | None = None  # see `joining_ddp`
+        # Watch the model's registrations while the wrapper lives; when it is collected the
+        # model is as it was before wrapping (plain dicts, torch's forwards).
+        self.watch = LayoutWatch()
+        weakref.finalize(root, self.watch.close, unroute).atexit = False
+        # ... and the parameters hold no hook of the seater's (the main grads' hooks live on
+        # the parameters themselves); `_hooks` is the current seater's list.
+        self._hooks: list[Any] = []
+        weakref.finalize(root, _remove_all, self._hooks).atexit = False
+        self.build()  # (covers the wrapper and the model)
+
+    @property
+    def model(self) -> nn.Module:
+        root = self._root()
+        assert root is not None, "the wrapper is gone"
+        model: nn.Module = root._modules["module"]  # type: ignore[assignment]
+        return model
+
+    def cover(self) -> None:
+        """Watch the wrapper and every module of the model not watched yet; the root dicts
+        the wrapper shares with the model are then the watched ones (`share_root`)."""
+        root = self._root()
+        if root is not None:
+            self.watch.cover(root)
+            share_root(root)
+
+    def use_slot_multiple(self, multiple: int) -> GradStore:
+        """Lay out again with every slot starting on a multiple of `multiple` elements
+        (ZeRO-1: equal shards per bucket)."""
+        self.slot_multiple = multiple
+        self.build()
+        assert self.store is not None, "the engine is not built"
+        return self.store
+
+    def expect_hook(self) -> None:
+        """`ddp_kwargs()` was asked for: warn if `allreduce_hook` does not run."""
+        if self.ddp_forwards is None:
+            self.ddp_forwards = 0
+
+    def hook_ran(self) -> None:
+        self.ddp_forwards = None
+
+    def refuse_sparse(self, what: str) -> None:
+        """Raise unless every trainable parameter has a slot: flatgrad's own syncs average
+        the flat buffers only, so a sparse gradient (kept outside them) would stay local.
+        The same on every rank (it depends on the model only)."""
+        sparse = [p for p in self.sparse if p.requires_grad]
+        if sparse:
+            raise ValueError(
+                f"{what} averages the flat buffers only, and {len(sparse)} parameter(s) of "
+                "sparse embeddings (sparse=True) keep their sparse gradients outside them; "
+                "synchronise this model with DDP(flat, ...) (it all-reduces sparse gradients), "
+                "or make the embeddings dense (sparse=False)"
+            )
+
+    @torch.compiler.disable
+    def before_forward(self) -> None:
+        self.current()
+        self._forward_sync, self._next_sync = self._next_sync, None  # this forward's (or None)
+        if self.ddp_forwards is not None:
+            self.ddp_forwards = comm.note_forward_without_hook(self.ddp_forwards)
+
+    @torch.compiler.disable
+    def after_forward(self, output: Any) -> None:
+        seater = self.seater
+        # Under a DDP, seat nothing: its reducer copies each gradient AccumulateGrad made into
+        # its bucket (one pass in C++, where a seat costs a zero fill, an add and Python per
+        # parameter; with `ddp_kwargs()` the bucket is the flat buffer, so the gradient still
+        # lands in its slot). And with find_unused_parameters (or static_graph's first
+        # iteration) it counts a parameter used when its `.grad` is defined as its hook
+        # runs, also inside `no_sync()`: a seated slot would make a parameter whose
+        # AccumulateGrad got no gradient on every rank end with zeros where stock keeps
+        # None (or, after a `no_sync()` backward, make the reducer raise). Routed layers
+        # still write into their slots, and placed parameters are copied in by their hooks.
+        alone = not comm.under_ddp()
+        if not alone:
+            self.ddp_pending = True  # (see `Seater.pre_backward`)
+            ddp = comm.active_ddp()
+            self._joining = None if ddp is None or not divides_by_ranks_not_joined(ddp) else weakref.ref(ddp)
+        # A DataParallel's forward (`expect_sync`, just before) binds its bucket sync too.
+        bucket_sync, sync = self._forward_sync if self._forward_sync is not None else (None, False)
+        self._forward_sync = None
+        if seater is not None or bucket_sync is not None:
+            watch(output, ForwardPlan(seater, alone, bucket_sync, sync))
+        if seater is not None and graph_task_id() == -1:  # (a recompute inside a backward: not)
+            seater.store.prescale.factor = None  # a backward that raised left it on: see `_prescale`
+
+    def joining_ddp(self) -> Any:
+        """The DDP whose last forward ran under a `Join` that divides by the ranks not
+        joined yet (`comm.FlatGradCommState.ranks_not_joined`), or None."""
+        return None if self._joining is None else self._joining()
+
+    def expect_sync(self, bucket_sync: Any, sync: bool) -> None:
+        """From a DataParallel's forward, before it runs this wrapper's: the backward through
+        this forward's output is `bucket_sync`'s too, averaging when `sync`."""
+        self._next_sync = (bucket_sync, sync)
+
+    def build(self) -> None:
+        """Lay out the buffers for the current trainable parameters; route new layers."""
+        with torch.inference_mode(False), torch.no_grad():  # buffers must be normal tensors
+            params = trainable_parameters(self.model)
+            old = self.store
+            if self.seater is not None:
+                self.seater.retire()  # a graph still alive must not seat into old buffers
+            if old is not None:
+                _detach_leaving(old, params)
+                old.release()
+            routed = route_layers(self.model, self.config)
+            self.store = store = GradStore(
+                params, self.config.align_bytes, self.slot_multiple, self.config.grad_dtype
+            )
+            if old is not None:
+                _carry_mains(old, store)
+            self.seater = Seater(store, params, routed, self)
+            self._hooks[:] = self.seater.hooks
+            self._watched = _watch_list(self.model) or ()
+            held = {id(p) for p in params}
+            # by id, once each: a tied parameter is held by two modules
+            self.others = tuple({id(e[2]): e[2] for e in self._watched if id(e[2]) not in held}.values())
+            sparse = sparse_ids(self.model)
+            self.sparse = tuple(p for p in self.others if id(p) in sparse)
+            self.frozen = tuple(p for p in self.others if id(p) not in sparse)
+            self.cover()
+            self.generation = self.watch.generation
+            store.settle()  # move gradients that already exist into the buffers
+
+    def refresh(self) -> GradStore:
+        """The store, laid out again first if the model's parameters changed: replaced,
+        added, removed, (un)frozen, converted or reshaped. O(parameters); forward calls it
+        only when something was registered since, norms and syncs always (as stock
+        `clip_grad_norm_(model.parameters())` walks the model too)."""
+        store = self.store
+        if store is None or store.stale or not store.intact() or self._layout_changed():
+            logger.info("flatgrad: parameters changed after wrapping; laying out the buffers again")
+            self.build()
+        self.generation = self.watch.generation
+        assert self.store is not None, "the engine is not built"
+        return self.store
+
+    def _layout_changed(self) -> bool:
+        if self.watch.changed(self.generation):
+            self.cover()  # a module added since is watched from now on
+            current = _watch_list(self.model)
+            if current is None:
+                return False  # reparametrized for a moment (torch.func.functional_call): keep
+            if len(current) != len(self._watched) or any(
+                a[:2] != b[:2] or a[2] is not b[2] for a, b in zip(current, self._watched)
+            ):
+                return True
+        for module, name, param, requires_grad, dtype, device, shape in self._watched:
+            current_param = module._parameters.get(name)
+            if current_param is not param:
+                # a plain tensor there is functional_call's temporary: keep the layout
+                return isinstance(current_param, nn.Parameter) or current_param is None
+            if (
+                param.requires_grad != requires_grad
+                or param.dtype != dtype
+                or param.device != device
+                or param.shape != shape
+            ):
+                return True
+        return False
+
+    def rebuilt_seater(self) -> Seater:
+        self.refresh()
+        assert self.seater is not None, "the engine is not built"
+        return self.seater
+
+    def current(self) -> GradStore:
+        """The store, laid out again first only on what the per-step paths (every forward,
+        DataParallel's forward, the DDP hook) can see in O(1): a parameter registered since,
+        a slot found stale during a backward, a parameter without a slot unfrozen. The rest
+        (a held parameter frozen, converted or re-pointed in place) is found by the full walk
+        of `refresh` at the next norm or sync, or as staleness by the next backward."""
+        store = self.store
+        if (
+            store is None
+            or self.watch.changed(self.generation)
+            or store.stale
+            or any(p.requires_grad for p in self.frozen)  # unfrozen: nothing else tells
+        ):
+            return self.refresh()
+        return store
+
+    def steady(self) -> GradStore:
+        """`current`, and the full walk of `refresh` when a held parameter was frozen
+        since (one `requires_grad` read per parameter): for DataParallel's forward, whose
+        buckets must not keep communicating a frozen slot. `torch.func.functional_call`'s
+        temporaries (plain tensors) keep the layout: their gradients stay local, as DDP's."""
+        store = self.current()
+        return store if all(map(_trainable, store.params)) else self.refresh()
+
+    def summary(self) -> str:
+        buffers = self.refresh().buffers
+        parts = [
+            f"{key[0]}@{key[1]}: {buf.numel()} elements, {buf.numel() * buf.element_size()} bytes"
+            for key, buf in buffers.items()
+        ]
+        num_params = len(self.refresh().params)
+        return f"{len(buffers)} buffer(s) for {num_params} parameters ({'; '.join(parts)})"
+
+    def summary_lines(self) -> list[str]:
+        """What the wrapper logs once at wrap time: `summary`, and a note on the main grads
+        when `grad_dtype` keeps some (a torch optimizer over their parameters raises at its
+        step: see MainGradGuard)."""
+        lines = [self.summary()]
+        mains = len(self.refresh().mains)
+        if mains:
+            lines.append(
+                f"{mains} bfloat16/float16 parameters keep float32 main grads (grad_dtype) "
+                "and their .grad stays None: step them with flatgrad.ShardedOptimizer (float32 "
+                "master shards), or from flat.main_grad(param) (see docs/mixed-precision.md)"
+            )
+        return lines
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that get a slot: trainable, with a dense gradient. (parameters()
+    yields a shared, tied, parameter once.)"""
+    sparse = sparse_ids(model)
+    return [param for param in model.parameters() if param.requires_grad and id(param) not in sparse]
+
+
+def sparse_ids(model: nn.Module) -> set[int]:
+    """Ids of the parameters of layers that make sparse gradients: `nn.Embedding` and
+    `nn.EmbeddingBag` with ``sparse=True``, as DDP tells them (`produces_sparse_gradient` in
+    `DistributedDataParallel._build_params_for_reducer`). They keep stock's sparse `.grad`
+    (a dense slot would cost a full table per step and break `torch.optim.SparseAdam`)."""
+    return {
+        id(param)
+        for module in model.modules()
+        if isinstance(module, _SPARSE_LAYERS) and module.sparse
+        for param in module._parameters.values()
+        if param is not None
+    }
+
+
+def _watch_list(model: nn.Module) -> tuple[_Watched, ...] | None:
+    """Every (module, name) that holds a parameter, with what a layout depends on; None while
+    a module holds a plain tensor there (torch.func.functional_call reparametrizes that way)."""
+    entries = []
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if not isinstance(param, nn.Parameter):
+                return None
+            entries.append((module, name, param, param.requires_grad, param.dtype, param.device, param.shape))
+    return tuple(entries)
+
+
+def _detach_leaving(store: GradStore, staying: list[nn.Parameter]) -> None:
+    """A parameter that leaves the buffers (frozen, replaced) keeps its `.grad` values in a
+    tensor of its own, so the old buffer can be freed."""
+    kept = {id(p) for p in staying}
+    for param in store.params:
+        if id(param) in kept:
+            continue
+        if store.is_main(param):  # (a main grad's `.grad` is None: its values become one)
+            param.grad = store.view(param).to(param.dtype)
+        elif store.holds(param, param.grad):
+            param.grad = param.grad.clone()  # type: ignore[union-attr]
+
+
+def _carry_mains(old: GradStore, new: GradStore) -> None:
+    """Move the main grads of `old` into `new` (laid out again): into the new main grad
+    of a parameter that keeps one, or as the `.grad` of one that no longer has one (a
+    conversion to float32: the slot is then its `.grad`)."""
+    for param in old.mains:
+        if param not in new or new.view(param).shape != param.shape:
+            continue
+        values = old.view(param)
+        if new.is_main(param):
+            new.view(param).copy_(values)
+        elif param.grad is None and new.view(param).dtype == values.dtype:
+            new.place(param, values)
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()

@@ -1,0 +1,102 @@
+"""Routing: a supported layer that keeps torch's own forward (`nn.Linear`, `nn.Embedding`)
+gets an instance forward that runs flatgrad's Functions, which write the weight gradient
+straight into its slot; `unroute` gives torch's forward back when the wrapper is gone."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+from flatgrad import functional
+from flatgrad._torch_compat import unwrap_if_dead
+from flatgrad.config import FlatGradConfig
+
+
+def _linear_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    weight = module.weight
+    if torch.is_grad_enabled() and not weight.is_complex() and not functional.plain_torch():
+        return functional.linear_into_slot(unwrap_if_dead(input), weight, module.bias)
+    return F.linear(input, weight, module.bias)
+
+
+def _embedding_forward(module: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and not module.sparse and not functional.plain_torch():
+        if module.max_norm is not None:
+            with torch.no_grad():  # what F.embedding does: renormalise the looked-up rows in place
+                torch.embedding_renorm_(module.weight, input.reshape(-1), module.max_norm, module.norm_type)
+        indices = unwrap_if_dead(input)
+        return functional.gather_rows_into_slot(
+            module.weight, indices, module.padding_idx, module.scale_grad_by_freq
+        )
+    return F.embedding(
+        input,
+        module.weight,
+        module.padding_idx,
+        module.max_norm,
+        module.norm_type,
+        module.scale_grad_by_freq,
+        module.sparse,
+    )
+
+
+_ROUTES: dict[str, tuple[type[nn.Module], Callable[..., torch.Tensor]]] = {
+    "linear": (nn.Linear, _linear_forward),
+    "embedding": (nn.Embedding, _embedding_forward),
+}
+
+
+def route_layers(model: nn.Module, config: FlatGradConfig) -> set[int]:
+    """Give every supported layer that keeps torch's own forward a flat-buffer forward;
+    returns the ids of the parameters those layers' Functions write themselves.
+
+    Left alone: subclasses that override `forward` (LoRA layers, quantised layers...),
+    parametrized layers (their weight is computed, never a leaf: nothing to write into,
+    and reading it would run the parametrization) and complex Linears. Their parameters
+    still get their gradients in the buffer. Never runs model code.
+    """
+    chosen: list[tuple[nn.Module, Callable[..., torch.Tensor]]] = []
+    # nn.MultiheadAttention never calls its out_proj (its forward reads out_proj.weight):
+    # routed, that Linear would only ever see its gradient arrive through plain autograd.
+    uncalled = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    for module in model.modules():
+        if id(module) in uncalled:
+            continue
+        for kind in config.layers:
+            cls, forward = _ROUTES[kind]
+            if not isinstance(module, cls) or type(module).forward is not cls.forward:
+                continue
+            own = module.__dict__.get("forward")
+            if own is not None:  # routed by an earlier build, or a forward the user set: keep it
+                if isinstance(own, functools.partial) and own.func is forward:
+                    chosen.append((module, forward))
+                continue
+            if parametrize.is_parametrized(module):
+                continue
+            weight = module._parameters.get("weight")
+            if weight is None:
+                continue
+            if isinstance(module, nn.Linear) and (
+                weight.numel() < config.linear_min_numel or weight.is_complex()
+            ):
+                continue
+            if isinstance(module, nn.Embedding) and module.sparse:
+                continue  # a sparse gradient stays outside the buffers (`_sparse_ids`)
+            chosen.append((module, forward))
+    routed: set[int] = set()
+    for module, forward in chosen:  # after every check: a refused wrap changes nothing
+        # A partial of a module-level function (not a bound method) pickles and deep-copies.
+        module.forward = functools.partial(forward, module)  # type: ignore[method-assign]
+        routed.update(id(p) for p in module._parameters.values() if p is not None)
+    return routed
+
+
+def unroute(module: nn.Module) -> None:
+    """Give a routed layer torch's own forward back (its wrapper is gone)."""
+    own = module.__dict__.get("forward")
+    if isinstance(own, functools.partial) and any(own.func is route for _, route in _ROUTES.values()):
+        del module.__dict__["forward"]

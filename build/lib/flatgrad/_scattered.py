@@ -1,0 +1,199 @@
+"""`.grad` after a reduce-scattering backward (ZeRO-1): a view of its slot that refuses math.
+
+After DataParallel reduce-scatters the buckets for a ShardedOptimizer, a rank holds the
+average over the ranks only in its own shards; the rest of its buffer holds its local
+gradients divided by the world size (reduce-scatter, NCCL), or the sums over the ranks
+(gloo, which all-reduces and divides only the shards). A model parameter's `.grad` is a
+view of that buffer, so anything computed from it (``torch.nn.utils.clip_grad_norm_``, a
+logged ``p.grad.norm()``) would be wrong, and different on every rank. The right global
+values need another all-gather of the gradients, which ZeRO-1's communication does not
+have; ShardedOptimizer's own ``clip_grad_norm_`` gets the global norm from the shards.
+
+So from the end of such a backward until the gradients are zeroed, every defined `.grad`
+is a `ScatteredGrad`: the same memory as the slot (the optimizer, AccumulateGrad and the
+collectives, which never go through Python's ``__torch_function__``, are unaffected),
+whose ``__torch_function__`` lets metadata reads through (shape, dtype, strides, data
+pointer: flatgrad's own identity tests) and zeroing (``nn.Module.zero_grad``), and raises
+for anything that reads or writes values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from flatgrad._torch_compat import DisableTorchFunctionSubclass
+from flatgrad.buffer import GradStore
+
+# What a ScatteredGrad lets through: metadata (no value is read), `requires_grad` (set to
+# False by nn.Module.zero_grad), and zeroing (zero is the right average of zeros).
+_ALLOWED_GETTERS = frozenset(
+    {
+        "shape", "dtype", "device", "layout", "ndim", "requires_grad", "grad", "grad_fn", "is_leaf",
+        "is_sparse", "is_quantized", "is_meta", "is_nested", "is_cuda", "is_cpu", "is_mps",
+        "is_xpu", "is_mkldnn", "itemsize", "nbytes", "_version", "output_nr",
+    }
+)  # fmt: skip
+_ALLOWED_SETTERS = frozenset({"requires_grad"})
+_ALLOWED_CALLS = frozenset(
+    {
+        "size", "stride", "dim", "numel", "nelement", "element_size", "data_ptr", "storage_offset",
+        "untyped_storage", "is_contiguous", "is_floating_point", "is_complex", "is_signed",
+        "is_pinned", "is_inference", "get_device", "_is_view", "requires_grad_", "zero_",
+        "_foreach_zero_",
+    }
+)  # fmt: skip
+
+_ADVICE = (
+    "use opt.clip_grad_norm_(max_norm) to clip (ShardedOptimizer's own: the global norm from "
+    "every rank's shard, one small all-reduce; it returns that norm, for logging too); "
+    "with a loss scaler use flatgrad.GradScaler (it unscales the shards); after "
+    "opt.zero_grad() .grad is plain again"
+)
+_UNGUARDED = [False]  # see `unguarded`
+
+
+@contextlib.contextmanager
+def unguarded() -> Iterator[None]:
+    """Inside, a ScatteredGrad acts as a plain tensor: for flatgrad laying the buffers out
+    again (it clones or copies `.grad` into new slots) on the way to refusing that change."""
+    previous, _UNGUARDED[0] = _UNGUARDED[0], True
+    try:
+        yield
+    finally:
+        _UNGUARDED[0] = previous
+
+
+class ScatteredGrad(torch.Tensor):
+    """A model parameter's `.grad` between a reduce-scattering backward and `zero_grad`: the
+    slot's memory, readable for metadata only (see the module notes)."""
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        name, allowed = _op(func)
+        if name in ("__repr__", "__format__"):
+            return _describe(args[0])
+        if not (allowed or _UNGUARDED[0]):
+            raise RuntimeError(
+                f"{name} on a parameter's .grad under a ShardedOptimizer: after the synchronised "
+                "backward the gradients are reduce-scattered, so each rank holds the average over "
+                "the ranks only in its own shard and .grad elsewhere holds other values (this "
+                "rank's own, or sums); any value computed from .grad (torch.nn.utils.clip_grad_norm_, "
+                f"p.grad.norm() for logging) would be wrong and differ between ranks; {_ADVICE}"
+            )
+        with DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _op(func: Any) -> tuple[str, bool]:
+    """(the op's name for a message, whether a ScatteredGrad lets it through). A property
+    comes as its descriptor's ``__get__`` / ``__set__``."""
+    name = getattr(func, "__name__", repr(func))
+    owner = getattr(func, "__self__", None)
+    if name == "__get__" and owner is not None:
+        attribute = getattr(owner, "__name__", "?")
+        return f"Tensor.{attribute}", attribute in _ALLOWED_GETTERS
+    if name == "__set__" and owner is not None:
+        attribute = getattr(owner, "__name__", "?")
+        return f"setting Tensor.{attribute}", attribute in _ALLOWED_SETTERS
+    return name, name in _ALLOWED_CALLS
+
+
+def _describe(grad: torch.Tensor) -> str:
+    with DisableTorchFunctionSubclass():
+        shape, dtype = tuple(grad.shape), grad.dtype
+    return (
+        f"ScatteredGrad(shape={shape}, dtype={dtype}): reduce-scattered by a ShardedOptimizer's "
+        f"backward, averaged over the ranks only in this rank's shard; {_ADVICE}"
+    )
+
+
+# Per store, one ScatteredGrad per parameter (aliases of the slot views), made once.
+_GUARDS: weakref.WeakKeyDictionary[GradStore, tuple[torch.Tensor, ...]] = weakref.WeakKeyDictionary()
+
+
+# The stores whose gradients are reduce-scattered (marked, not zeroed since).
+_MARKED: weakref.WeakSet[GradStore] = weakref.WeakSet()
+
+
+def _guards(store: GradStore) -> tuple[torch.Tensor, ...]:
+    guards = _GUARDS.get(store)
+    if guards is None:
+        guards = _GUARDS[store] = tuple(store.view(p).as_subclass(ScatteredGrad) for p in store.params)
+    return guards
+
+
+def mark_scattered(store: GradStore) -> None:
+    """After a reduce-scattering backward: every defined `.grad` (its slot, where the sync
+    left it) becomes its slot's ScatteredGrad. One attribute set per parameter."""
+    _MARKED.add(store)
+    for param, guard in zip(store.params, _guards(store)):
+        if param.grad is not None:
+            param.grad = guard
+
+
+def is_scattered(store: GradStore | None) -> bool:
+    """Whether `store`'s gradients were reduce-scattered and not zeroed since."""
+    return store is not None and store in _MARKED
+
+
+def scattered_main_grad(store: GradStore, param: torch.Tensor) -> torch.Tensor:
+    """The main grad of `param` as `flat.main_grad` gives it while `store` is reduce-
+    scattered: its slot's ScatteredGrad (a main grad has no `.grad` to mark)."""
+    index = next(i for i, held in enumerate(store.params) if held is param)
+    return _guards(store)[index]
+
+
+def unmark_scattered(store: GradStore, to_none: bool = False) -> None:
+    """Every ScatteredGrad `.grad` becomes its plain slot again: the gradients were zeroed
+    (or are about to be), so they are right on every rank. With `to_none` the caller sets
+    every `.grad` of the store to None itself (`zero_grad`): only the mark goes."""
+    if store not in _MARKED:
+        return
+    _MARKED.discard(store)
+    if to_none:
+        return
+    for param in store.params:
+        if type(param.grad) is ScatteredGrad:
+            param.grad = store.view(param)
+
+
+def refuse_scattered(store: GradStore | None, what: str) -> None:
+    """Raise if a `.grad` of `store` is a ScatteredGrad: `what` (a norm of the local
+    buffers) would read values that are averaged only inside this rank's shards."""
+    if is_scattered(store) and (store.mains or any(type(p.grad) is ScatteredGrad for p in store.params)):  # type: ignore[union-attr]
+        raise RuntimeError(
+            f"{what} after a ShardedOptimizer's synchronised backward: the gradient buffers are "
+            "reduce-scattered (each rank holds the average over the ranks only in its own shard), "
+            f"so a norm of them would be wrong and differ between ranks; {_ADVICE}"
+        )
+
+
+def refuse_adding_onto_scattered(store: GradStore | None) -> None:
+    """Before a backward that would add onto reduce-scattered gradients: refuse. After a
+    reduce-scatter a rank holds the average of its own shard only; another backward's
+    local gradients added onto that and reduce-scattered again are not the average of the
+    two (stock DDP's all-reduced gradients are the same on every rank, so there it adds
+    up). Every rank runs the same backwards, so every rank raises. Gradients set to None or
+    zeroed (by any zero_grad) since are fine: a read of the buffers, only here; then `.grad`
+    is plain again."""
+    if store is None:
+        return
+    # Still held: a `.grad` the sync marked (a seated slot, set since by the seater for a
+    # `.grad` that was None, does not count), or a main grad (zeroed by flatgrad's own
+    # zero_grad only; `.grad` says nothing of it).
+    held = bool(store.mains) or any(type(p.grad) is ScatteredGrad for p in store.params)
+    if held and any(bool(b.any()) for b in store.buffers.values()):
+        raise RuntimeError(
+            "ShardedOptimizer: a backward after a synchronised backward and before "
+            "zero_grad(): the first one reduce-scattered the gradients, so this one "
+            "cannot add to them; accumulate micro-batches under dp.no_sync() and "
+            "synchronise only the last, then step() and zero_grad()"
+        )
+    unmark_scattered(store)  # zeroed behind ShardedOptimizer's back (model.zero_grad)

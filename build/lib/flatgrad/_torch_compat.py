@@ -1,0 +1,269 @@
+"""Every private PyTorch name flatgrad uses, resolved in one place.
+
+Checked against torch 2.4 through 2.15 (the floor, 2.4, is `flatgrad._torch_version`'s);
+where a name is missing in some release a fallback says what happens then. Nothing else in
+the package reads a private name of torch's (``torch._C``, ``_execution_engine``, DDP's
+class-level helpers); an nn.Module's own ``_parameters``/``_modules``/``_buffers`` dicts are
+torch's documented extension surface and are read where they are needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable, forward_ad
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import _named_member_accessor
+from torch.utils._pytree import tree_leaves
+
+__all__ = [
+    "DisableTorchFunctionSubclass",
+    "GradScalerBase",
+    "active_ddp_getter",
+    "broadcast_coalesced",
+    "current_autograd_node",
+    "divides_by_ranks_not_joined",
+    "fast_apply",
+    "functorch_active",
+    "graph_task_id",
+    "in_compiled_autograd",
+    "non_finite_check_and_unscale",
+    "preserve_version_counter",
+    "queue_callback",
+    "register_load_pre_hook",
+    "register_state_dict_post_hook",
+    "shadowing_ddp",
+    "sharded_tensor",
+    "swap_tensor_code",
+    "tree_leaves",
+    "unwrap_if_dead",
+    "will_execute",
+]
+
+# --- autograd engine ------------------------------------------------------------------------
+
+_ENGINE: Any = Variable._execution_engine  # type: ignore[attr-defined]
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run `callback` when the running backward ends (an autograd final callback)."""
+    _ENGINE.queue_callback(callback)
+
+
+graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+"""The running backward's graph task (-1 outside one): tells backwards apart."""
+
+will_execute: Callable[[Any], bool] = torch._C._will_engine_execute_node
+"""Whether the running backward will run `node` (raises outside a backward's hooks)."""
+
+current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
+"""The node whose hook or Function is running (None at the top level of a backward)."""
+
+DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
+"""A context where tensor subclasses' ``__torch_function__`` is not called."""
+
+# `Function.apply` without its Python wrapper (the C++ descriptor `_FunctionBase.apply`):
+# None where a release has no such descriptor, and `torch.autograd.Function.apply` is used.
+_APPLY_DESCRIPTOR: Any = torch._C._FunctionBase.__dict__.get("apply")
+
+
+def fast_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``cls.apply`` through the C++ descriptor where there is one (skips the Python
+    wrapper's checks for functorch and setup_context, which flatgrad's Functions decide
+    themselves); `cls.apply` elsewhere."""
+    if _APPLY_DESCRIPTOR is None:
+        return cls.apply
+    bound: Callable[..., Any] = _APPLY_DESCRIPTOR.__get__(None, cls)
+    return bound
+
+
+def functorch_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp) or forward-mode AD is running."""
+    return bool(torch._C._are_functorch_transforms_active()) or forward_ad._current_level >= 0
+
+
+unwrap_if_dead: Callable[[torch.Tensor], torch.Tensor] = getattr(
+    torch._C._functorch, "unwrap_if_dead", lambda tensor: tensor
+)
+"""A tensor left wrapped by a finished torch.func transform, unwrapped (identity before 2.1)."""
+
+
+def in_compiled_autograd() -> bool:
+    """Whether compiled autograd runs this backward (its hooks are traced into a graph, and
+    an autograd final callback is refused there), or Dynamo is tracing."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(module, "in_compiled_autograd_region", False)) or torch.compiler.is_compiling()
+
+
+_PRESERVE = torch.autograd._unsafe_preserve_version_counter
+# It takes a tuple of tensors from torch 2.5 (its argument is then called `tensors`).
+_PRESERVE_TAKES_TUPLE = "tensors" in inspect.signature(_PRESERVE.__init__).parameters
+
+
+@contextlib.contextmanager
+def preserve_version_counter(tensors: tuple[torch.Tensor, ...]) -> Iterator[None]:
+    """Write `tensors` without bumping their version counters (DDP's buffer broadcast
+    does): ``torch.autograd._unsafe_preserve_version_counter`` over the tuple, or over one
+    tensor at a time before torch 2.5."""
+    with contextlib.ExitStack() as stack:
+        for each in [tensors] if _PRESERVE_TAKES_TUPLE else tensors:
+            stack.enter_context(_PRESERVE(each))
+        yield
+
+
+# --- torch.func ---------------------------------------------------------------------------
+
+# `torch.func.functional_call` swaps its temporaries into a module's `_parameters` through
+# this function (`torch.nn.utils.stateless._reparametrize_module`); None if it is missing.
+_SWAP_TENSOR = getattr(_named_member_accessor, "swap_tensor", None)
+swap_tensor_code = frozenset([_SWAP_TENSOR.__code__] if _SWAP_TENSOR is not None else [])
+
+# --- DDP --------------------------------------------------------------------------------------
+
+
+def active_ddp_getter() -> Callable[[], Any] | None:
+    """DDP's own tracking of the DDP whose forward is running (kept for TorchDynamo): a
+    function returning it or None; None itself where this torch has no such tracking."""
+    getter: Callable[[], Any] | None = getattr(DDP, "_get_active_ddp_module", None)
+    return getter
+
+
+def divides_by_ranks_not_joined(ddp: Any) -> bool:
+    """Whether `ddp` runs under a `Join` that averages over the ranks not joined yet
+    (``ddp.join(divide_by_initial_world_size=False)``), which DDP's reducer does by itself
+    but leaves to a registered comm hook, as it leaves it any division."""
+    config = getattr(ddp, "_join_config", None)
+    return bool(
+        config is not None and config.enable and not getattr(ddp, "_divide_by_initial_world_size", True)
+    )
+
+
+def shadowing_ddp() -> Any:
+    """The DDP whose joined rank, under `Join`, calls this comm hook to match the backward's
+    all-reduces with zeros (`DistributedDataParallel._match_all_reduce_for_bwd_pass`, up the
+    Python stack); None when the hook runs in a backward."""
+    code = getattr(DDP._match_all_reduce_for_bwd_pass, "__code__", None)
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
+
+
+def broadcast_coalesced(
+    process_group: dist.ProcessGroup | None, tensors: list[torch.Tensor], bucket_bytes: int, src: int
+) -> None:
+    """DDP's own coalesced broadcast of `tensors` from `src`, in pieces of `bucket_bytes`."""
+    group = process_group or dist.distributed_c10d._get_default_group()
+    dist._broadcast_coalesced(group, tensors, bucket_bytes, src)  # type: ignore[attr-defined]
+
+
+# --- nn.Module ----------------------------------------------------------------------------
+
+
+def register_load_pre_hook(module: torch.nn.Module, hook: Callable[..., None]) -> Any:
+    """`hook` runs before `module.load_state_dict` loads anything, called as
+    ``hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
+    unexpected_keys, error_msgs)``: ``register_load_state_dict_pre_hook`` from torch 2.5, the
+    private registration with ``with_module=True`` (the same call) before."""
+    register = getattr(module, "register_load_state_dict_pre_hook", None)
+    if register is None:
+        return module._register_load_state_dict_pre_hook(hook, with_module=True)
+    return register(hook)
+
+
+def register_state_dict_post_hook(module: torch.nn.Module, hook: Callable[..., None]) -> Any:
+    """`hook` runs after `module.state_dict` has filled its dict, called as
+    ``hook(module, state_dict, prefix, local_metadata)``: ``register_state_dict_post_hook``
+    from torch 2.5, the private ``_register_state_dict_hook`` (the same call) before."""
+    register = getattr(module, "register_state_dict_post_hook", None)
+    if register is None:
+        return module._register_state_dict_hook(hook)
+    return register(hook)
+
+
+# --- torch.distributed.checkpoint ---------------------------------------------------------
+
+
+def sharded_tensor(
+    local: list[torch.Tensor],
+    chunks: list[Any],
+    numel: int,
+    dtype: torch.dtype,
+    global_ranks: tuple[int, ...],
+    process_group: dist.ProcessGroup | None,
+) -> Any:
+    """A 1-D ShardedTensor of `numel` elements whose shards are `chunks` (each with `rank`,
+    `offset`, `numel`), `local` (views, not copies) this rank's, in the order of its chunks;
+    built from metadata every rank computes alike, with no communication.
+    ``torch.distributed.checkpoint`` saves and loads its shards in place and reshards it
+    (checked on torch 2.4-2.15; torch marks ShardedTensor deprecated in favour of DTensor,
+    which cannot express uneven shards at arbitrary offsets, and warns about it once)."""
+    import warnings
+
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    device = local[0].device if local else torch.device("cpu")
+    metadata = [
+        ShardMetadata([chunk.offset], [chunk.numel], f"rank:{global_ranks[chunk.rank]}/{device}")
+        for chunk in chunks
+    ]
+    rank = dist.get_rank(process_group)
+    mine = [meta for chunk, meta in zip(chunks, metadata) if chunk.rank == rank]
+    properties = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            [Shard(tensor, meta) for tensor, meta in zip(local, mine)],
+            ShardedTensorMetadata(metadata, torch.Size([numel]), properties),
+            process_group=process_group,
+        )
+
+
+def non_finite_check_and_unscale(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` (what torch.amp.GradScaler runs;
+    present in every torch the range accepts): `grads` (one device and dtype) multiplied by
+    `inv_scale` in place, `found_inf` set to 1.0 where one held an inf or NaN."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+class GradScalerBase(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` with one public override point for the optimizers whose
+    gradients its walk over ``optimizer.param_groups``' `.grad` cannot see:
+    `unscale_optimizer`. It wraps ``GradScaler._unscale_grads_`` (private; the walk that
+    ``unscale_`` and ``step``'s inf check both run, with this signature in every torch the
+    range accepts); were it renamed, the override would go unused and `ShardedOptimizer.step`
+    would refuse the scaler with a TypeError rather than step unchecked."""
+
+    def unscale_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor] | None:
+        """Unscale `optimizer`'s gradients and set `found_inf`; None leaves it to torch."""
+        return None
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        found = self.unscale_optimizer(optimizer, inv_scale, found_inf, allow_fp16)
+        if found is not None:
+            return found
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)

@@ -1,0 +1,352 @@
+"""`ShardEngine`: this rank's part of ZeRO-1 over DataParallel's buckets (see
+`flatgrad.sharded`): the flat parameter buffers, this rank's shards, the pieces the inner
+optimizer steps, the clip over shards and the parameter all-gather; and the hooks that
+wait for the all-gathers (``overlap_param_gather``)."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatgrad._checkpoint import Layout, Piece
+from flatgrad._scattered import is_scattered, unguarded
+from flatgrad._zero_grads import clip_shards, runs_in_shards, unscale_shards
+from flatgrad.buffer import GradStore
+from flatgrad.comm import all_gather_flat, reduce_scatters
+
+
+class StoreSource(Protocol):
+    """What lays the model's gradient buffers out (a wrapper's engine): the current store,
+    cheaply when nothing changed (`steady`) or after a full check (`refresh`)."""
+
+    def steady(self) -> GradStore: ...
+
+    def refresh(self) -> GradStore: ...
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's shard of one bucket."""
+
+    param: torch.Tensor  # of the flat parameter buffer
+    grad: torch.Tensor  # the same elements of the gradient buffer
+    bucket: torch.Tensor  # the whole bucket of the flat parameter buffer (all-gather output)
+    # With main grads (bfloat16/float16 parameters, float32 gradients): a float32 copy of
+    # `param` that the optimizer steps and that is cast back into `param` after each step.
+    master: torch.Tensor | None = None
+
+    @property
+    def stepped(self) -> torch.Tensor:
+        """What the inner optimizer steps: the float32 master, or the parameters themselves."""
+        return self.param if self.master is None else self.master
+
+
+class ShardEngine:
+    """The flat parameter buffers laid out like `store`'s gradient buffers (every parameter
+    becomes a view of its slot), and this rank's shard of each piece `shard_views` splits
+    (a bucket, or a whole buffer)."""
+
+    def __init__(
+        self,
+        store: GradStore,
+        bucket_views: list[tuple[torch.Tensor, int]],
+        process_group: dist.ProcessGroup | None,
+        overlap_param_gather: bool = False,
+    ) -> None:
+        self.store = store
+        # (gradient view, offset in its flat buffer) of each piece split into shards
+        self.bucket_views = shard_views(store, bucket_views, process_group, overlap_param_gather)
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.param_buffers = _flatten_parameters(store)
+        self._addresses = list(map(_data_ptr, store.params))  # (see `params_in_place`)
+        self.shards = self._cut_shards()
+        self.grad_runs = runs_in_shards(store, [shard.grad for shard in self.shards])  # (clipping)
+        # The parameters' version counters when the masters last matched them: a write
+        # since (load_state_dict, a copy under no_grad) makes `step` take the masters again.
+        self._versions = self._param_versions()
+        self.layout = self._chunk_layout()
+        # bucket index -> the works of its parameter gather still in flight
+        self.in_flight: dict[int, list[Any]] = {}
+        # gloo's all-gather of the flat buckets takes 1.7x its broadcasts of the same shards
+        # (120 vs 70 ms for 96 MB on 2 CPU ranks): there each rank broadcasts its shard.
+        self.gather_by_broadcast = dist.get_backend(process_group) == "gloo"
+        self.waited: list[int] = []  # this step's buckets, in the order their gathers were waited for
+
+    def _cut_shards(self) -> list[Shard]:
+        shards = []
+        for view, start in self.bucket_views:
+            size = view.numel() // self.world_size
+            params = self.param_buffers[(view.dtype, view.device)].narrow(0, start, view.numel())
+            shard = params.narrow(0, self.rank * size, size)  # shares the memory
+            master = shard.float() if shard.dtype != view.dtype else None  # (a copy)
+            shards.append(Shard(shard, view.narrow(0, self.rank * size, size), params, master))
+        return shards
+
+    def params_in_place(self) -> bool:
+        """Whether every parameter still lies in its slot of the flat parameter buffers (a
+        dtype or device conversion, or ``param.data = ...``, gives it other memory)."""
+        return list(map(_data_ptr, self.store.params)) == self._addresses
+
+    def has_grads(self) -> bool:
+        """Whether a step has gradients to use: a parameter has a `.grad` (reduce-scattered
+        ones are ScatteredGrads), or main grads were reduce-scattered into since flatgrad's
+        last zeroing (they have no `.grad`). Gradients set to None through the model
+        (``model.zero_grad()``) leave nothing to step, as with stock. Every rank answers
+        alike: a sync sets `.grad` alike on all."""
+        store = self.store
+        return any(p.grad is not None for p in store.params) or (is_scattered(store) and bool(store.mains))
+
+    def check_layout(self, stores: StoreSource) -> None:
+        """Raise RuntimeError where the model's parameters changed since construction;
+        `stores` is the model's gradient engine. A conversion between backward and step must
+        raise here: the parameters are views of the flat parameter buffer the all-gather
+        refills. Every parameter still at its slot (one data pointer each: a conversion or a
+        `.data` assignment moves it) and the engine's O(1) checks (a parameter registered,
+        frozen or unfrozen) stand for its full walk over every parameter."""
+        with unguarded():  # a change moves the reduce-scattered .grads (refused just below)
+            store = stores.steady() if self.params_in_place() else stores.refresh()
+        if store is not self.store:
+            raise RuntimeError(
+                "the model's parameters changed (added, replaced, frozen, converted) after the "
+                "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"
+            )
+
+    @property
+    def has_masters(self) -> bool:
+        """Whether the optimizer steps float32 masters of bfloat16/float16 parameters."""
+        return any(shard.master is not None for shard in self.shards)
+
+    def _param_versions(self) -> list[int]:
+        # The parameters' own version counters: a write through a parameter (copy_ under
+        # no_grad, load_state_dict, torch.distributed.checkpoint's load into its detached
+        # alias) bumps it; the all-gather writes the flat buffers, whose counter is another.
+        return list(map(_version, self.store.params))
+
+    def take_masters(self) -> None:
+        """Before a step: when the parameters were written since the masters last matched
+        them (a model load_state_dict, a copy under no_grad), each master element that no
+        longer rounds to its parameter takes the parameter's value (exactly: the cast up is
+        exact). A master loaded from the same checkpoint as the parameters, in either order,
+        is kept. One version read per parameter otherwise. (A write through ``param.data``
+        has a version counter of its own and goes unseen: write the parameter itself.)"""
+        if not self.has_masters or self._param_versions() == self._versions:
+            return
+        with torch.no_grad():
+            for shard in self.shards:
+                if shard.master is not None:
+                    moved = shard.master.to(shard.param.dtype) != shard.param
+                    shard.master.copy_(torch.where(moved, shard.param.float(), shard.master))
+        self._versions = self._param_versions()
+
+    def write_back(self) -> None:
+        """After a step: the updated masters into the parameters, in their dtype (rounded
+        to nearest), before the all-gather sends them."""
+        if not self.has_masters:
+            return
+        with torch.no_grad():
+            for shard in self.shards:
+                if shard.master is not None:
+                    shard.param.copy_(shard.master)
+
+    def _chunk_layout(self) -> Layout:
+        buckets: dict[Any, list[tuple[int, int]]] = {}
+        for view, start in self.bucket_views:
+            buckets.setdefault((view.dtype, view.device), []).append((start, view.numel()))
+        slots = {}
+        for param in self.store.params:
+            key, slot = self.store.slot(param)
+            slots[id(param)] = (key, slot.offset, slot.numel)
+        group = self.process_group
+        ranks = tuple(
+            dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)
+        )
+        return Layout(self.world_size, self.rank, ranks, buckets, slots)
+
+    def pieces(self, params: list[torch.Tensor]) -> list[Piece]:
+        """This rank's pieces of `params`: the runs of their slots (each slot with the
+        padding that follows it) inside this rank's shards."""
+        runs = {key: _runs(self.store, key, {id(p) for p in params}) for key in self.store.buffers}
+        pieces = []
+        for (view, start), shard in zip(self.bucket_views, self.shards):
+            key = (view.dtype, view.device)
+            size = view.numel() // self.world_size
+            lo = start + self.rank * size
+            for a, b in runs[key]:
+                a, b = max(a, lo), min(b, lo + size)
+                if a < b:
+                    piece = nn.Parameter(shard.stepped.narrow(0, a - lo, b - a))
+                    pieces.append(Piece(piece, self.store.buffers[key].narrow(0, a, b - a), key, a))
+        held = [p for p in params if p in self.store]
+        if not pieces and held:
+            # No element of the group in this rank's shards: an empty piece steps along, so
+            # this rank keeps the group's scalar state (step counts) like every other rank.
+            empty = self.store.view(held[0]).new_empty(0)  # (float32 for a main grad's)
+            pieces.append(Piece(nn.Parameter(empty), empty, (empty.dtype, empty.device), 0))
+        return pieces
+
+    def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Scale the gradient shards to a global norm of at most `max_norm`; returns the
+        global norm before (one scalar all-reduce)."""
+        runs = self.grad_runs
+        return clip_shards([s.grad for s in self.shards], max_norm, norm_type, self.process_group, runs)
+
+    def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:
+        """Multiply the gradient shards by `inv_scale` (a loss scaler's 1/scale); with
+        `found_inf`, set it to 1.0 where any rank's shard holds an inf or NaN
+        (`flatgrad._zero_grads.unscale_shards`)."""
+        grads = [s.grad for s in self.shards]
+        unscale_shards(grads, inv_scale, found_inf, allow_fp16, self.process_group)
+
+    def skip_or_unscale(self, found_inf: Any, grad_scale: torch.Tensor | None) -> bool:
+        """What a step under ``GradScaler.step`` does (the scaler's `found_inf` and
+        `grad_scale`, as it hands them to an optimizer that handles scaling itself; None
+        outside one): skip (True) after an inf or NaN on any rank, the same answer on every
+        rank; otherwise unscale the shards unless ``scaler.unscale_`` did already
+        (`grad_scale` None)."""
+        if found_inf is None:  # (not under scaler.step)
+            return False
+        if not isinstance(found_inf, torch.Tensor):  # (no inf check ran: torch's own scaler)
+            raise TypeError(
+                "torch.amp.GradScaler cannot unscale or check a ShardedOptimizer's gradients "
+                "(they are averaged in this rank's shards only, and main grads have no .grad): "
+                "use flatgrad.GradScaler, a torch.amp.GradScaler that does"
+            )
+        if bool(found_inf.item()):
+            return True
+        if grad_scale is not None:
+            self.unscale_(grad_scale.double().reciprocal().float(), None, allow_fp16=True)
+        return False
+
+    def launch_gather(self) -> None:
+        """Start the all-gather of every bucket's parameters from the ranks' updated shards
+        (asynchronously; `wait_gather` finishes them), in the parameters' dtype (bfloat16
+        with masters: half the bytes of float32)."""
+        self.wait_gather()  # (one still in flight would land after this one)
+        self.waited = []
+        self.in_flight = {index: self._gather(shard) for index, shard in enumerate(self.shards)}
+
+    def _gather(self, shard: Shard) -> list[Any]:
+        group = self.process_group
+        if not self.gather_by_broadcast:
+            return [all_gather_flat(shard.bucket, shard.param.detach(), group=group, async_op=True)]
+        size = shard.param.numel()
+        return [
+            dist.broadcast(shard.bucket.narrow(0, r * size, size), src=src, group=group, async_op=True)
+            for r, src in enumerate(self.layout.global_ranks)
+        ]
+
+    def wait_gather(self, indices: tuple[int, ...] | None = None) -> None:
+        """Wait for the all-gathers of buckets `indices` (all when None): their parameters
+        are whole afterwards (on CUDA: for work queued on the current stream from now on)."""
+        if not self.in_flight:
+            return
+        for index in tuple(self.in_flight) if indices is None else indices:
+            works = self.in_flight.pop(index, None)
+            if works is not None:
+                for work in works:
+                    work.wait()
+                self.waited.append(index)
+        if not self.in_flight:
+            self._versions = self._param_versions()  # the parameters match the masters again
+
+    def bucket_indices(self, params: list[torch.Tensor]) -> tuple[int, ...]:
+        """The buckets holding `params`' slots (those in the store), in bucket order."""
+        found = set()
+        for param in params:
+            if param not in self.store:
+                continue
+            key, slot = self.store.slot(param)
+            for index, (view, start) in enumerate(self.bucket_views):
+                if (view.dtype, view.device) == key and start <= slot.offset < start + view.numel():
+                    found.add(index)
+        return tuple(sorted(found))
+
+
+def shard_views(
+    store: GradStore,
+    bucket_views: list[tuple[torch.Tensor, int]],
+    process_group: dist.ProcessGroup | None,
+    overlap_param_gather: bool,
+) -> list[tuple[torch.Tensor, int]]:
+    """The (gradient view, offset in its flat buffer) of each piece of the buffers that is
+    split into equal shards: every bucket where the backward reduce-scatters the buckets
+    (NCCL: a rank receives only its shard of each) or where the next forward waits for
+    each bucket's gather (`overlap_param_gather`). Otherwise (gloo, whose backward
+    all-reduces every bucket, so every rank holds all of the averaged gradients) each whole
+    buffer: its parameters then come back in one broadcast per rank instead of one per
+    rank and bucket (per-bucket shards took 4-5% of the step more than the stock ZeRO-1 on
+    many small layers, 2 gloo ranks). Whole slots on multiples of the world size make
+    every buffer split evenly, as every bucket does."""
+    if overlap_param_gather or reduce_scatters(process_group):
+        return bucket_views
+    return [(buffer, 0) for buffer in store.buffers.values()]
+
+
+def _runs(store: GradStore, key: Any, wanted: set[int]) -> list[list[int]]:
+    """[start, end) runs of the wanted parameters' slots in `key`'s buffer, each slot with
+    the padding after it."""
+    slots = sorted(
+        (store.slot(p)[1].offset, id(p) in wanted) for p in store.params if store.slot(p)[0] == key
+    )
+    end_of_buffer = store.buffers[key].numel()
+    merged: list[list[int]] = []
+    for i, (offset, mine) in enumerate(slots):
+        end = slots[i + 1][0] if i + 1 < len(slots) else end_of_buffer
+        if mine and merged and merged[-1][1] == offset:
+            merged[-1][1] = end
+        elif mine:
+            merged.append([offset, end])
+    return merged
+
+
+_data_ptr = operator.methodcaller("data_ptr")
+_version = operator.attrgetter("_version")
+
+
+def parameter_dtypes(store: GradStore) -> dict[Any, set[torch.dtype]]:
+    """The parameters' dtype of each gradient buffer; raises ValueError where parameters
+    of different dtypes share one (float32 parameters next to bfloat16/float16 ones with
+    main grads), which no one flat parameter buffer could hold."""
+    dtypes: dict[Any, set[torch.dtype]] = {}
+    for param in store.params:
+        dtypes.setdefault(store.slot(param)[0], set()).add(param.dtype)
+    for key, found in dtypes.items():
+        if len(found) > 1:
+            names = sorted(str(dtype) for dtype in found)
+            raise ValueError(
+                f"ShardedOptimizer: parameters of dtypes {names} share the {key[0]} gradient "
+                "buffer (main grads, grad_dtype='float32'), so no one flat parameter buffer "
+                "holds them all; convert the model to one dtype (model.to(torch.bfloat16)) "
+                "before wrapping, or keep every parameter in float32"
+            )
+    return dtypes
+
+
+def _flatten_parameters(store: GradStore) -> dict[Any, torch.Tensor]:
+    """Flat parameter buffers with the gradient buffers' layout, in the parameters' dtype
+    (bfloat16 for a float32 buffer of main grads); every parameter becomes a view of its
+    slot (same shape, strides and values).
+
+    Raises:
+        ValueError: Parameters of different dtypes share a gradient buffer (`parameter_dtypes`).
+    """
+    dtypes = parameter_dtypes(store)
+    buffers = {
+        key: torch.zeros(grad.numel(), dtype=next(iter(dtypes.get(key, {grad.dtype}))), device=grad.device)
+        for key, grad in store.buffers.items()
+    }
+    with torch.no_grad():
+        for param in store.params:
+            key, slot = store.slot(param)
+            buffer = buffers[key]
+            view = buffer.as_strided(slot.shape, slot.stride, buffer.storage_offset() + slot.offset)
+            view.copy_(param)
+            param.data = view
+    return buffers

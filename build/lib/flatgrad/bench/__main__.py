@@ -1,0 +1,3 @@
+from flatgrad.bench.cli import main
+
+main()

@@ -1,0 +1,359 @@
+"""Command line of the benchmark suite.
+
+python -m flatgrad.bench                                  # CPU: spawns 2 gloo ranks
+python -m flatgrad.bench --models gpt,mlp --steps 30 --out bench.json
+python -m flatgrad.bench --local-only --compile --op-repeats 0   # one-process steps + compile row
+python -m flatgrad.bench --mixed-steps 0                  # without the mixed-precision row (bf16 LM, AdamW)
+torchrun --nproc_per_node=8 -m flatgrad.bench             # GPUs: NCCL, one rank per GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import logging
+import os
+import platform
+import resource
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flatgrad.bench.local import COMPILE_BACKENDS, compile_row, format_local, local_rows
+from flatgrad.bench.memory import pin_malloc
+from flatgrad.bench.mixed import MIXED_VARIANTS, bench_mixed
+from flatgrad.bench.models import LOCAL_MODELS, MODELS, resolve_model
+from flatgrad.bench.ops import format_ops, op_ratios
+from flatgrad.bench.report import format_mixed, format_overlap, format_table, write_png
+from flatgrad.bench.runners import CONFIGS
+from flatgrad.bench.suite import Progress, bench_model
+
+logger = logging.getLogger("flatgrad.bench")
+# The mixed-precision row takes any built-in model (the LMs are what it is for).
+MIXED_MODELS = {**MODELS, **LOCAL_MODELS}
+
+
+def _csv(choices: tuple[str, ...] | list[str], what: str) -> Any:
+    def parse(text: str) -> list[str]:
+        items = [t for t in text.split(",") if t]
+        bad = [t for t in items if t not in choices and ":" not in t]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(
+                f"{what} must be a comma-separated subset of {', '.join(choices)}, got {text!r}"
+            )
+        return items
+
+    return parse
+
+
+def _one_of(choices: list[str], what: str) -> Any:
+    many = _csv(choices, what)
+
+    def parse(text: str) -> str:
+        items = many(text)
+        if len(items) != 1:
+            raise argparse.ArgumentTypeError(f"{what} must be one model, got {text!r}")
+        return items[0]
+
+    return parse
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="flatgrad-bench", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--world-size", type=positive_int, default=2, help="gloo ranks to spawn (ignored under torchrun)"
+    )
+    parser.add_argument(
+        "--models",
+        type=_csv(list(MODELS), "--models"),
+        default=list(MODELS),
+        help="comma-separated built-in models, or package.module:factory returning a BenchModel",
+    )
+    parser.add_argument("--configs", type=_csv(CONFIGS, "--configs"), default=list(CONFIGS))
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per configuration")
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps first (DDP rebuilds buckets in step 2)"
+    )
+    parser.add_argument(
+        "--mixed-steps",
+        type=int,
+        default=20,
+        help="timed steps of the mixed-precision row (on the ranks; 4 micro-batches, AdamW; 0: skip)",
+    )
+    parser.add_argument(
+        "--mixed-model",
+        type=_one_of(list(MIXED_MODELS), "--mixed-model"),
+        default="llama",
+        help="the model of the mixed-precision row (one name, or package.module:factory)",
+    )
+    parser.add_argument(
+        "--mixed-variants",
+        type=_csv(MIXED_VARIANTS, "--mixed-variants"),
+        default=list(MIXED_VARIANTS),
+        help="comma-separated variants of the mixed-precision row",
+    )
+    parser.add_argument(
+        "--op-repeats", type=int, default=30, help="repeats of the single-op backward benchmarks (0: skip)"
+    )
+    parser.add_argument(
+        "--local-steps",
+        type=int,
+        default=20,
+        help="timed one-process steps per model for the stock-vs-FlatGrad step table (0: skip)",
+    )
+    parser.add_argument(
+        "--local-models",
+        type=_csv(list(LOCAL_MODELS), "--local-models"),
+        default=list(LOCAL_MODELS),
+        help="comma-separated models of the one-process step table, or package.module:factory",
+    )
+    parser.add_argument(
+        "--local-accumulate",
+        type=int,
+        default=4,
+        help="micro-batches per step of each one-process model's gradient-accumulation row (<2: no such row)",
+    )
+    parser.add_argument(
+        "--local-only",
+        action="store_true",
+        help="only the one-process rows (step table, compile row, single ops): no ranks",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also the torch.compile row: graph/break counts and compiled step times (slow on CPU)",
+    )
+    parser.add_argument(
+        "--compile-model",
+        type=_one_of(list(LOCAL_MODELS), "--compile-model"),
+        default="llama",
+        help="the model of the compile row (one name, or package.module:factory)",
+    )
+    parser.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default="inductor")
+    parser.add_argument(
+        "--threads", type=positive_int, default=None, help="torch threads per rank (default: cores / ranks)"
+    )
+    parser.add_argument(
+        "--malloc",
+        choices=("glibc", "pinned"),
+        default="glibc",
+        help="glibc: the C allocator as it comes; pinned: glibc's heap thresholds fixed in every "
+        "benchmark process (no trimming of the heap's top), so that steps do not re-fault the "
+        "memory freed by the step before, at random on either side of a comparison",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench_results.json"), help="JSON report (a PNG goes beside it)"
+    )
+    return parser.parse_args(argv)
+
+
+def _set_malloc(args: argparse.Namespace) -> None:
+    """Apply ``--malloc`` to this process; a pin that cannot take effect (not glibc) is
+    reported and recorded as "glibc"."""
+    if args.malloc == "pinned" and not pin_malloc():
+        logger.warning("--malloc pinned needs glibc's mallopt; measuring with the allocator as it comes")
+        args.malloc = "glibc"
+
+
+def _environment(backend: str | None, world_size: int, threads: int, malloc: str) -> dict[str, Any]:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {
+        "malloc": malloc,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "backend": backend,
+        "world_size": world_size,
+        "threads_per_rank": threads,
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "gpu": gpu,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def one_process(args: argparse.Namespace) -> dict[str, Any]:
+    """The one-process rows (step table, compile row, single-op backwards), measured before
+    any rank exists, with every core."""
+    models = {name: resolve_model(name, LOCAL_MODELS) for name in args.local_models}
+    rows = []
+    if args.local_steps > 0:
+        rows = local_rows(args.local_steps, args.warmup, models, args.local_accumulate)
+    compiled = None
+    if args.compile:
+        spec = resolve_model(args.compile_model, LOCAL_MODELS)
+        compiled = compile_row(
+            args.local_steps or 10, args.warmup, spec, args.compile_model, args.compile_backend
+        )
+    return {
+        "local_settings": {
+            "steps": args.local_steps,
+            "warmup": args.warmup,
+            "models": args.local_models,
+            "accumulate": args.local_accumulate,
+            "compile": args.compile,
+            "compile_backend": args.compile_backend,
+            "threads": torch.get_num_threads(),
+        },
+        "local": rows,
+        "compile": compiled,
+        "ops": op_ratios(args.op_repeats) if args.op_repeats else [],
+    }
+
+
+def _print_one_process(single: dict[str, Any]) -> None:
+    if single["local"] or single["compile"]:
+        print(format_local(single["local"], single["compile"]))
+    if single["ops"]:
+        print(format_ops(single["ops"]))
+
+
+def run_local_only(args: argparse.Namespace) -> None:
+    """The one-process rows alone: measure, print, write the JSON (no ranks, no chart)."""
+    single = one_process(args)
+    report = {"environment": _environment(None, 1, torch.get_num_threads(), args.malloc), **single}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    _print_one_process(single)
+    print(f"report: {args.out}")
+
+
+def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
+    """Benchmark on this rank (process group already initialised); rank 0 reports."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
+    torch.set_num_threads(threads)
+    total = len(args.models) * (args.warmup + args.steps)
+    if args.mixed_steps > 0:
+        total += args.warmup + args.mixed_steps
+    bar = _progress_bar(total) if rank == 0 else None
+    models = {}
+    for name in args.models:
+        if bar is not None:
+            bar.set_postfix_str(name)
+        models[name] = bench_model(name, args.configs, args.steps, args.warmup, device, bar)
+    mixed = _mixed_row(args, device, bar) if args.mixed_steps > 0 else None
+    if bar is not None:
+        bar.close()
+    rss = torch.tensor([_peak_rss_mb()], dtype=torch.float64)
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    if rank != 0:
+        return
+    report = {
+        "environment": _environment(dist.get_backend(), world_size, threads, args.malloc),
+        "settings": {"steps": args.steps, "warmup": args.warmup, "configs": args.configs},
+        "peak_rss_mb_max_rank": float(rss),
+        "models": models,
+        "mixed_precision": mixed,
+        **single,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(format_table(report))
+    print(format_overlap(report))
+    if mixed is not None:
+        print(format_mixed(mixed, world_size))
+    _print_one_process(single)
+    png = write_png(report, args.out.with_suffix(".png"))
+    print(f"report: {args.out}" + (f", chart: {png}" if png else " (install matplotlib for a chart)"))
+
+
+def _progress_bar(total: int) -> Progress | None:
+    """tqdm's bar over `total` steps; None (no bar) without tqdm (the ``bench`` extra)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        logger.info("flatgrad-bench: no progress bar without tqdm (pip install 'flatgrad[bench]')")
+        return None
+    return tqdm(total=total, desc="flatgrad-bench", unit="step")
+
+
+def _mixed_row(args: argparse.Namespace, device: torch.device, bar: Progress | None) -> dict[str, Any]:
+    """The mixed-precision row (`flatgrad.bench.mixed`) with the settings it ran with."""
+    if bar is not None:
+        bar.set_postfix_str(f"mixed precision: {args.mixed_model}")
+    spec = resolve_model(args.mixed_model, MIXED_MODELS)
+    measured = bench_mixed(spec, args.mixed_variants, args.mixed_steps, args.warmup, device, bar)
+    return {"model": args.mixed_model, "steps": args.mixed_steps, "warmup": args.warmup, **measured}
+
+
+def _spawned(rank: int, world_size: int, port: int, args: argparse.Namespace, single: dict[str, Any]) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    _set_malloc(args)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10))
+    try:
+        run_rank(args, single)
+    finally:
+        gc.collect()  # free DDP reducers (reference cycles) while the group exists: gloo can abort otherwise
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    _set_malloc(args)
+    if args.local_only:
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: rank 0 alone
+            run_local_only(args)
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+        try:
+            single = one_process(args) if dist.get_rank() == 0 else {}
+            dist.barrier()
+            run_rank(args, single)
+        finally:
+            gc.collect()
+            dist.destroy_process_group()
+        return
+    single = one_process(args)  # before spawning: all cores
+    mp.start_processes(
+        _spawned,
+        args=(args.world_size, _free_port(), args, single),
+        nprocs=args.world_size,
+        start_method="spawn",
+    )

@@ -1,0 +1,79 @@
+"""How much memory one configuration's step adds on top of what is already resident, inside
+a process that runs several configurations.
+
+CUDA: the caching allocator's peak during the step minus what was allocated before it.
+Linux CPU: the resident set's high-water mark (VmHWM, reset by writing "5" to
+/proc/self/clear_refs) minus the resident set before the step: the step's transient
+allocations that reached RAM (the allocator may also reuse pages already resident, so
+this is a lower bound). Elsewhere: 0 (not measurable per step).
+
+`pin_malloc` fixes glibc's heap thresholds (``--malloc pinned``); `minor_faults` counts the
+page faults that measure what it removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import platform
+import resource
+from pathlib import Path
+
+import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+# mallopt parameters (glibc's malloc.h), and the largest mmap threshold glibc accepts on
+# 64-bit: 32 MiB, half its 64 MiB heap size.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def _status_mb(field: str) -> float | None:
+    with contextlib.suppress(OSError):
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024  # kB
+    return None
+
+
+def step_start(device: torch.device) -> float:
+    """Reset the peak and return the baseline (MB) a later `step_peak` is measured against."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) / 2**20
+    with contextlib.suppress(OSError):
+        _CLEAR_REFS.write_text("5")
+    return _status_mb("VmRSS:") or 0.0
+
+
+def step_peak(device: torch.device, baseline: float) -> float:
+    """MB the step added at its peak over `baseline`."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20 - baseline
+    peak = _status_mb("VmHWM:")
+    return max(0.0, peak - baseline) if peak is not None and baseline else 0.0
+
+
+def pin_malloc() -> bool:
+    """Fix glibc's heap thresholds for this process: never trim the heap's top, and mmap only
+    single allocations over 32 MiB. By default glibc raises both thresholds as large blocks
+    are freed and gives the heap's top back to the OS once more than the trim threshold is
+    free, so a step whose transient tensors outgrow it takes them back page by page in the
+    next step (minor faults, each page zeroed by the kernel). Which side of an interleaved
+    comparison pays that depends on the order of frees in the shared heap, not on the code
+    being measured. Returns whether it took effect (False off glibc)."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)) and bool(
+            libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+        )
+    return False
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (first touches of fresh pages)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

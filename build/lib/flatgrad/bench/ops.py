@@ -1,0 +1,137 @@
+"""Single-op backward benchmarks: FlatGrad's layer backwards against stock PyTorch.
+
+Stock and wrapped run side by side, interleaved; each figure is a median backward time and
+the ratio wrapped / stock (below 1.0: flatgrad is faster).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import flatgrad
+
+Case = tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor], Callable[[], None]]
+
+
+def _time_backward(forward: Callable[[], torch.Tensor]) -> float:
+    out = forward()  # forward outside the timed region: only backward is measured
+    grad_out = torch.ones_like(out)
+    start = time.perf_counter()
+    out.backward(grad_out)
+    return time.perf_counter() - start
+
+
+def compare(case: Case, repeats: int) -> tuple[float, float]:
+    """Median backward seconds of (stock, flatgrad), alternating which goes first."""
+    stock, ours, zero = case
+    for _ in range(2):
+        zero(), _time_backward(stock), _time_backward(ours)
+    stock_times: list[float] = []
+    our_times: list[float] = []
+    for i in range(repeats):
+        zero()
+        pair = [(stock, stock_times), (ours, our_times)]
+        for forward, times in pair if i % 2 == 0 else pair[::-1]:
+            times.append(_time_backward(forward))
+    return statistics.median(stock_times), statistics.median(our_times)
+
+
+def _embedding(accumulate: bool) -> Case:
+    stock = nn.Embedding(50000, 256)
+    flat = flatgrad.FlatGrad(copy.deepcopy(stock))
+    idx = torch.randint(0, 50000, (32768,))
+
+    def zero() -> None:
+        stock.weight.grad = torch.zeros_like(stock.weight) if accumulate else None
+        flat.zero_grad(set_to_none=not accumulate)
+
+    return (lambda: stock(idx)), (lambda: flat(idx)), zero
+
+
+def _gather() -> Case:
+    table = torch.randn(20, requires_grad=True)
+    ours = table.detach().clone().requires_grad_()
+    idx = torch.randint(0, 20, (1_000_000,))
+
+    def zero() -> None:
+        table.grad = ours.grad = None
+
+    return (lambda: table[idx]), (lambda: flatgrad.gather_with_index_add(ours, idx)), zero
+
+
+class _Table(nn.Module):
+    """A (4096, 1024) parameter read along dim 1 with a (4096, 256) index."""
+
+    def __init__(self, dim_gather: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4096, 1024))
+        self.gather = dim_gather
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        return self.gather(self.weight, 1, index)
+
+
+def _dim_gather(accumulate: bool) -> Case:
+    stock = _Table(torch.gather)
+    flat = flatgrad.FlatGrad(_Table(flatgrad.gather))
+    index = torch.randint(0, 1024, (4096, 256))
+
+    def zero() -> None:
+        stock.weight.grad = torch.zeros_like(stock.weight) if accumulate else None
+        flat.zero_grad(set_to_none=not accumulate)
+
+    return (lambda: stock(index)), (lambda: flat(index)), zero
+
+
+def _linear_stack(accumulate: bool) -> Case:
+    stock = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+    flat = flatgrad.FlatGrad(copy.deepcopy(stock))
+    x = torch.randn(256, 512)
+
+    def zero() -> None:
+        for p in stock.parameters():
+            p.grad = torch.zeros_like(p) if accumulate else None
+        flat.zero_grad(set_to_none=not accumulate)
+
+    return (lambda: stock(x)), (lambda: flat(x)), zero
+
+
+CASES: dict[str, Callable[[], Case]] = {
+    "embedding 50000x256, 32768 idx, fresh .grad": lambda: _embedding(False),
+    "embedding 50000x256, 32768 idx, accumulating": lambda: _embedding(True),
+    "gather 20-elem table, 1M idx (vs table[idx])": _gather,
+    "gather dim 1 of 4096x1024, 4096x256 idx, fresh": lambda: _dim_gather(False),
+    "gather dim 1 of 4096x1024, 4096x256 idx, accum.": lambda: _dim_gather(True),
+    "linear 8x(512x512), batch 256, fresh .grad": lambda: _linear_stack(False),
+    "linear 8x(512x512), batch 256, accumulating": lambda: _linear_stack(True),
+}
+
+
+def op_ratios(repeats: int = 30, only: str = "") -> list[dict[str, float | str]]:
+    """Run every case whose name contains `only`; one record per case."""
+    rows: list[dict[str, float | str]] = []
+    for name, build in CASES.items():
+        if only in name:
+            stock_s, ours_s = compare(build(), repeats)
+            rows.append(
+                {
+                    "case": name,
+                    "stock_ms": stock_s * 1e3,
+                    "flatgrad_ms": ours_s * 1e3,
+                    "ratio": ours_s / stock_s,
+                }
+            )
+    return rows
+
+
+def format_ops(rows: list[dict[str, float | str]]) -> str:
+    lines = [f"{'backward of':48s} {'stock ms':>9s} {'flatgrad ms':>12s} {'ratio':>6s}"]
+    for r in rows:
+        lines.append(f"{r['case']:48s} {r['stock_ms']:9.2f} {r['flatgrad_ms']:12.2f} {r['ratio']:6.2f}")
+    return "\n".join(lines)

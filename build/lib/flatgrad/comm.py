@@ -1,0 +1,385 @@
+"""Synchronising the flat buffers across ranks: the DDP comm hook, the no-DDP sync, and the
+collectives over tensors that DataParallel's buckets launch (`launch_average`).
+
+No postponed annotations here: DDP checks the hook's annotations at registration
+(`dist.GradBucket`, `Future[Tensor]`).
+"""
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flatgrad._buffer_ops import host_tensor
+from flatgrad._torch_compat import (
+    active_ddp_getter,
+    divides_by_ranks_not_joined,
+    graph_task_id,
+    shadowing_ddp,
+)
+from flatgrad.buffer import GradStore
+
+logger = logging.getLogger(__name__)
+
+_WIRE_DTYPES = (torch.bfloat16, torch.float16)
+_DDP_DEFAULT_BUCKET_MB = 25
+
+
+@dataclass
+class FlatGradCommState:
+    """State of `allreduce_hook`; build it with `FlatGrad.comm_state()`.
+
+    Args:
+        wrapper: The `FlatGrad` whose buffers the hook keeps pointing at DDP's buckets.
+        process_group: The group to average over, None for the default group: the hook
+            does not see the group DDP was given (torch's own hooks take theirs the same
+            way), so a DDP on a sub-group needs the same group here.
+        wire_dtype: ``torch.bfloat16`` or ``torch.float16`` compresses floating-point buckets
+            on the wire; None sends them as they are.
+
+    Attributes:
+        num_calls: The hook's calls (one per bucket and synchronised backward: with
+            `ddp_kwargs()`, one per (dtype, device) buffer and step; under DDP's Python
+            reducer, one per parameter and step).
+
+    Raises:
+        ValueError: `wire_dtype` is not torch.bfloat16, torch.float16 or None.
+    """
+
+    wrapper: Any
+    process_group: dist.ProcessGroup | None = None
+    wire_dtype: torch.dtype | None = None
+    num_calls: int = field(default=0, init=False)
+    _warned: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        check_wire_dtype(self.wire_dtype)
+
+    def ranks_not_joined(self, device: torch.device) -> int | None:
+        """Under a `Join` with ``divide_by_initial_world_size=False``, the ranks not joined
+        yet, which DDP divides by (it leaves that to a comm hook): one small all-reduce per
+        bucket, matched by the joined ranks' zero buckets. None otherwise (every rank
+        decides alike: the join config is every rank's)."""
+        joined = graph_task_id() == -1  # a joined rank matching the backward's all-reduces
+        ddp = shadowing_ddp() if joined else self.wrapper._engine.joining_ddp()
+        if ddp is None or not divides_by_ranks_not_joined(ddp):
+            return None
+        count = torch.full((1,), 0 if joined else 1, dtype=torch.int64, device=device)
+        dist.all_reduce(count, group=self.process_group)
+        return int(count.item())
+
+    def adopt(self, bucket: dist.GradBucket) -> None:
+        """Make DDP's bucket the wrapper's flat buffer, once per bucket allocation.
+
+        Only when `.grad` already lives in the bucket (gradient_as_bucket_view=True) and one
+        bucket holds the whole (dtype, device) group; otherwise stay correct on DDP's copies
+        and say once how to get the zero-copy path.
+
+        Args:
+            bucket: The bucket DDP handed `allreduce_hook`.
+        """
+        engine = self.wrapper._engine
+        engine.hook_ran()  # nothing to warn about
+        buffer = bucket.buffer()
+        if buffer.layout != torch.strided:
+            return  # a sparse gradient (DDP gives each its own bucket): averaged as it is
+        if graph_task_id() == -1:
+            # Not inside a backward: DDP's `Join` shadowing one on a rank that ran out of
+            # inputs, with zero stand-in buckets (`_match_all_reduce_for_bwd_pass`). They
+            # are only all-reduced; nothing to adopt, nothing to warn about.
+            return
+        store: GradStore = engine.current()  # once per bucket per step: no full walk
+        key = (buffer.dtype, buffer.device)
+        current = store.buffers.get(key)
+        if (
+            current is not None
+            and current.data_ptr() == buffer.data_ptr()
+            and current.numel() == buffer.numel()
+        ):
+            return
+        params, grads = bucket.parameters(), bucket.gradients()
+        # Parameters DDP found unused (find_unused_parameters=True) may have no .grad yet.
+        pairs = [(p.grad, g) for p, g in zip(params, grads) if p.grad is not None]
+        as_views = bool(pairs) and all(grad.data_ptr() == view.data_ptr() for grad, view in pairs)
+        if not (as_views and store.adopt(buffer, params, grads)) and not self._warned:
+            self._warned = True
+            logger.warning(
+                "flatgrad: DDP keeps gradients in its own buckets, so they are copied every step; "
+                "construct DDP(flat, ..., **flat.ddp_kwargs()) (gradient_as_bucket_view=True and one "
+                "bucket per dtype) for the zero-copy, one-all-reduce path"
+            )
+
+
+_SYNCED_FORWARDS_BEFORE_WARNING = 3
+
+
+def note_forward_without_hook(num_forwards: int) -> int | None:
+    """Count the forwards whose backward DDP synchronises while `allreduce_hook` has not run
+    yet; at the third (two synchronised backward passes done without it) warn once and stop
+    counting (returns None).
+
+    Call site: `GradEngine.before_forward`, before the wrapped model runs.
+    `FlatGrad.ddp_kwargs()` starts the count at 0 (`GradEngine.expect_hook`), the hook sets
+    it to None (`GradEngine.hook_ran`: nothing to watch), so once the hook has run a forward
+    costs one comparison::
+
+        if self.ddp_forwards is not None:
+            self.ddp_forwards = comm.note_forward_without_hook(self.ddp_forwards)
+
+    Forwards under no_grad (evaluation, Lightning's sanity check) do not count, nor do
+    forwards inside ``ddp.no_sync()`` (gradient accumulation: the hook runs only on the last
+    micro-batch), nor forwards outside any DDP.
+    """
+    if not (torch.is_grad_enabled() and ddp_will_sync()):
+        return num_forwards
+    num_forwards += 1
+    if num_forwards < _SYNCED_FORWARDS_BEFORE_WARNING:
+        return num_forwards
+    logger.warning(
+        "flatgrad: ddp_kwargs() was used but allreduce_hook has not run in %d steps, so DDP "
+        "all-reduces its own buckets and copies every gradient: register it with "
+        "ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook) (PyTorch "
+        "Lightning's DDPStrategy registers its ddp_comm_hook on CUDA only: register it "
+        "yourself on CPU, see examples/lightning_train.py)",
+        num_forwards - 1,
+    )
+    return None
+
+
+def ddp_will_sync() -> bool:
+    """Whether a DDP is running this forward and will all-reduce after its backward. DDP
+    exposes the module whose forward is running for TorchDynamo; a torch without that hook
+    counts every forward (then accumulation over 3+ micro-batches can warn early)."""
+    active = active_ddp_getter()
+    if active is None:
+        return True
+    ddp = active()
+    return ddp is not None and bool(ddp.require_backward_grad_sync)
+
+
+def under_ddp() -> bool:
+    """Whether a DDP runs this forward, synchronising or in ``no_sync()`` (then its reducer,
+    not flatgrad, decides where `.grad` lives). A torch without DDP's hook for TorchDynamo
+    answers True: the answer only ever holds flatgrad back."""
+    active = active_ddp_getter()
+    return active is None or active() is not None
+
+
+def active_ddp() -> Any:
+    """The DDP whose forward is running (DDP exposes it for TorchDynamo), if any."""
+    active = active_ddp_getter()
+    return active() if active is not None else None
+
+
+def check_wire_dtype(wire_dtype: torch.dtype | None) -> None:
+    if wire_dtype is not None and wire_dtype not in _WIRE_DTYPES:
+        raise ValueError(f"wire_dtype must be torch.bfloat16, torch.float16 or None, got {wire_dtype}")
+
+
+def to_wire(tensor: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` as sent: cast to `wire_dtype` when one is set and `tensor` is floating point."""
+    if wire_dtype is not None and tensor.is_floating_point() and tensor.dtype != wire_dtype:
+        return tensor.to(wire_dtype)
+    return tensor
+
+
+def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average the bucket over the group with one all-reduce.
+
+    With the fast path (`FlatGrad.ddp_kwargs()`) the bucket is the wrapper's whole flat
+    buffer. Register it with ``ddp.register_comm_hook(flat.comm_state(), allreduce_hook)``.
+
+    Args:
+        state: The `FlatGradCommState` of the wrapped model (`FlatGrad.comm_state()`).
+        bucket: DDP's gradient bucket (under DDP's Python reducer, a ``(grad, param)`` pair,
+            averaged in place).
+
+    Returns:
+        A future whose value is the bucket buffer itself, averaged in place, so DDP copies
+        nothing back (None under DDP's Python reducer, which ignores it).
+    """
+    state.num_calls += 1
+    if isinstance(bucket, tuple):  # DDP's Python reducer: see `_python_reducer_mean`
+        _python_reducer_mean(state, *bucket)
+        return None  # type: ignore[return-value]  # (that reducer ignores what hooks return)
+    state.adopt(bucket)
+    ranks = state.ranks_not_joined(bucket.buffer().device)
+    return _all_reduce_mean(bucket.buffer(), state.process_group, state.wire_dtype, ranks)
+
+
+def _python_reducer_mean(state: FlatGradCommState, grad: torch.Tensor, param: torch.Tensor) -> None:
+    """`allreduce_hook` under DDP's Python reducer (``torch._dynamo.config.optimize_ddp =
+    "python_reducer"``, for compiled autograd), which calls comm hooks once per parameter
+    with ``(param.grad, param)`` after its AccumulateGrad, ignoring what they return: average
+    that gradient in place with a traceable functional all-reduce, as DDP does there without
+    a hook. One collective per parameter, as stock's; compiled autograd leaves `.grad`
+    outside the buffer anyway (see README, "Compiled autograd")."""
+    import torch.distributed._functional_collectives as fcol
+
+    state.wrapper._engine.hook_ran()
+    if not state._warned:
+        state._warned = True
+        logger.warning(
+            "flatgrad: DDP's python reducer (optimize_ddp='python_reducer') calls allreduce_hook "
+            "once per parameter: gradients are averaged one all-reduce each, as DDP does there"
+        )
+    wire = to_wire(grad, state.wire_dtype) / dist.get_world_size(state.process_group)
+    group = state.process_group or dist.group.WORLD
+    assert group is not None  # the hook runs inside DDP: a process group exists
+    grad.copy_(fcol.all_reduce(wire, "sum", group))
+
+
+# torch 2.13 renamed the flat-tensor collectives to *_single (the old names warn); older
+# releases only have the *_tensor names.
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def average_op(tensor: torch.Tensor, process_group: dist.ProcessGroup | None) -> tuple[Any, bool]:
+    """(reduce op, whether to divide by the world size first) for averaging `tensor`: NCCL
+    averages inside the reduction (`ReduceOp.AVG`, no extra pass); other backends sum a
+    tensor divided first, so that sums stay finite. One rank divides nothing (``x / 1`` is
+    ``x`` to the bit; a pass over every gradient for nothing)."""
+    if tensor.is_cuda and "nccl" in str(dist.get_backend(process_group)):
+        return dist.ReduceOp.AVG, False
+    return dist.ReduceOp.SUM, dist.get_world_size(process_group) > 1
+
+
+def _all_reduce_mean(
+    buffer: torch.Tensor,
+    process_group: dist.ProcessGroup | None,
+    wire_dtype: torch.dtype | None,
+    ranks: int | None = None,
+) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce `buffer` in place to the group mean (over `ranks` of them: under a `Join`
+    that counts only the ranks not joined yet); the future's value is `buffer`."""
+    wire = to_wire(buffer, wire_dtype)
+    if ranks is None:
+        op, divide = average_op(wire, process_group)
+        ranks = dist.get_world_size(process_group)
+    else:
+        op, divide = dist.ReduceOp.SUM, True
+    if divide:
+        wire.div_(ranks)  # divide first, so sums stay finite
+    fut = dist.all_reduce(wire, op=op, group=process_group, async_op=True).get_future()
+    if wire is buffer:
+        return fut.then(lambda f: f.value()[0])
+
+    def decompress(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        return buffer.copy_(f.value()[0])
+
+    return fut.then(decompress)
+
+
+def all_reduce_grads(
+    store: GradStore, process_group: dist.ProcessGroup | None = None, wire_dtype: torch.dtype | None = None
+) -> None:
+    """Average every buffer over the group: one all-reduce per (dtype, device) buffer.
+
+    A parameter without a gradient on this rank contributes zeros. Afterwards `.grad` is
+    as stock DDP with find_unused_parameters=True leaves it: the slot for every parameter
+    some rank used, None for a parameter no rank used. The used flags travel in the same
+    all-reduce, after the buffer (`GradStore.flagged`); a buffer adopted from a DDP bucket
+    has no room for them, and its flags take one more, small, all-reduce.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "all_reduce_grads needs an initialised default process group (dist.init_process_group)"
+        )
+    check_wire_dtype(wire_dtype)
+    store.settle()
+    futures, flagged, unflagged = [], [], []
+    for key, buffer in store.buffers.items():
+        found = store.flagged(key)
+        if found is None:
+            futures.append(_all_reduce_mean(buffer, process_group, wire_dtype))
+            unflagged += [p for p in store.params if store.slot(p)[0] == key]
+        else:
+            raw, flags, members = found
+            futures.append(_all_reduce_mean(raw, process_group, wire_dtype))
+            flagged.append((flags, members))
+    if unflagged:
+        used = host_tensor([p.grad is not None for p in unflagged], torch.uint8, unflagged[0].device)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=process_group)
+        flagged.append((used, tuple(unflagged)))
+    torch.futures.wait_all(futures)
+    settle_unused(store, flagged)
+
+
+def settle_unused(store: GradStore, flagged: Sequence[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]) -> None:
+    """After a sync that carried used flags (`flags[i]` other than 0: some rank used
+    `members[i]`): `.grad` becomes the slot for each parameter without a `.grad` here that
+    another rank used, as stock DDP with find_unused_parameters=True leaves it. The flags
+    are read only when this rank has such a parameter: on CUDA reading them waits for the
+    communication, and in the usual step every parameter has its `.grad` already."""
+    for flags, members in flagged:
+        if all(param.grad is not None or store.is_main(param) for param in members):
+            continue  # (a main grad is its parameter's gradient; `.grad` stays None)
+        for param, flag in zip(members, flags.tolist()):
+            if flag != 0 and param.grad is None and not store.is_main(param):  # (complex: complex flags)
+                param.grad = store.view(param)
+
+
+def refuse_main_grads(grad_dtype: str | None, what: str) -> None:
+    """Raise if main grads are configured: DDP buckets gradients by the parameter's dtype,
+    so its hook path cannot carry float32 main grads of bfloat16/float16 parameters."""
+    if grad_dtype is not None:
+        raise ValueError(
+            f"{what} cannot carry main grads (grad_dtype={grad_dtype!r}): DDP keeps each "
+            "gradient in its parameter's dtype; synchronise this model with flatgrad.DataParallel "
+            "instead (float32 buckets; with flatgrad.ShardedOptimizer for float32 master "
+            "shards), or wrap it without grad_dtype"
+        )
+
+
+def ddp_kwargs(store: GradStore) -> dict[str, Any]:
+    """DDP constructor arguments for the zero-copy, one-all-reduce-per-buffer path.
+
+    gradient_as_bucket_view=True makes `.grad` a view of DDP's bucket, which the hook then
+    adopts as the flat buffer. A bucket cap above the largest buffer keeps one bucket per
+    (dtype, device), also after DDP's one-time bucket rebuild (an explicit bucket_cap_mb
+    sets the first bucket's cap too).
+    """
+    largest = max(buf.numel() * buf.element_size() for buf in store.buffers.values())
+    cap = math.ceil(largest / 2**20) + 1
+    if cap == _DDP_DEFAULT_BUCKET_MB:
+        cap += 1  # Accelerate drops a DDP kwarg equal to DDP's default: 25 would become "unset"
+    return {"gradient_as_bucket_view": True, "bucket_cap_mb": cap}
+
+
+def reduce_scatters(process_group: dist.ProcessGroup | None) -> bool:
+    """Whether `launch_average(..., scatter=True)` runs a reduce-scatter over this group:
+    not on gloo, whose reduce-scatter reduces the whole tensor through a full-size
+    temporary and then scatters (1.6x its all-reduce at 25 MB on 2 CPU ranks); its
+    all-reduce leaves the same shard in place (and the others' too, which nothing reads)."""
+    return dist.get_backend(process_group) != "gloo"
+
+
+def launch_average(
+    sent: torch.Tensor,
+    process_group: dist.ProcessGroup | None,
+    wire_dtype: torch.dtype | None,
+    scatter: bool,
+    divide: bool = True,
+) -> tuple[Any, torch.Tensor | None]:
+    """Start averaging `sent` over `process_group` asynchronously: an all-reduce in place,
+    or (`scatter`) a reduce-scatter whose result is this rank's piece of `sent` (on gloo an
+    all-reduce, which is faster there and leaves that piece averaged too). Returns the
+    work and the wire tensor when it is not `sent` itself (a `wire_dtype` copy, which the
+    caller copies back once the work is done). `divide` False where the reduction sums:
+    the sum is left for the caller to divide (the shards a ShardedOptimizer reads)."""
+    wire = to_wire(sent, wire_dtype)
+    op, must_divide = average_op(wire, process_group)
+    world_size = dist.get_world_size(process_group)
+    if divide and must_divide:
+        wire.div_(world_size)  # divide first, so sums stay finite (used flags stay > 0)
+    if scatter and reduce_scatters(process_group):
+        out = wire.view(world_size, -1)[dist.get_rank(process_group)]
+        work = reduce_scatter_flat(out, wire, op=op, group=process_group, async_op=True)
+    else:
+        work = dist.all_reduce(wire, op=op, group=process_group, async_op=True)
+    return work, (wire if wire is not sent else None)

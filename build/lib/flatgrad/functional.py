@@ -1,0 +1,391 @@
+"""Autograd Functions whose backward writes weight gradients straight into the flat buffer.
+
+Each backward asks `flatgrad._targets` where each weight gradient goes (a fresh tensor,
+the empty slot, the seated slot, a main grad, or nowhere) and writes it there.
+
+Undefined gradients are not materialised as zeros (an output nothing differentiable used, a
+consumer that returned None for it): the Functions hand every input None, as torch's own
+backwards do, so the slot is not written and `.grad` stays None where stock leaves it.
+Nothing here imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from flatgrad._prescale import write_scale
+from flatgrad._scatter import out_of_range, scatter_add_into, scatter_rows
+from flatgrad._targets import TRACED, node_target, weight_target
+from flatgrad._torch_compat import fast_apply, functorch_active
+
+
+def plain_torch() -> bool:
+    """Whether the routed forwards and the gathers must be plain torch ops: under
+    torch.compile (Dynamo traces torch's own ops, no graph break), under torch.func
+    transforms (they need no `.grad`) and inside a forward-mode AD level (these Functions
+    have no jvp; torch's ops do)."""
+    return torch.compiler.is_compiling() or functorch_active()
+
+
+class _Linear(torch.autograd.Function):
+    """`F.linear` whose backward writes the weight and bias gradients into their slots.
+
+    The backward is written out flat (no helper per gradient): it runs once per layer per
+    step, and its Python is what routing a layer costs over torch's own backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = F.linear(x, weight, bias)  # autocast, if on, picks the compute dtype here
+        ctx.save_for_backward(x, weight)
+        ctx.set_materialize_grads(False)  # see the module doc on undefined gradients
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if grad_out is None:
+            return None, None, None
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        compute = grad_out.dtype  # differs from weight.dtype under autocast
+        grad_x = grad_w = grad_b = None
+        # Flattened once for every product: a non-contiguous gradient (one that comes back
+        # through a permute, as a fused qkv projection's does) is copied at most once here,
+        # as stock's view backward does, not again inside a 3-D matmul.
+        rows = grad_out if grad_out.dim() == 2 else _rows(grad_out)
+        if need_x:
+            grad_x = rows.mm(weight if weight.dtype == compute else weight.to(compute))
+            if grad_out.dim() != 2:
+                grad_x = grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1])
+            if grad_x.dtype != x.dtype:
+                grad_x = grad_x.to(x.dtype)
+        if not (need_w or need_b):
+            return grad_x, None, None
+        nexts = None if torch.compiler.is_compiling() else ctx.next_functions  # see TRACED
+        if need_w:
+            mode, slot, param = TRACED if nexts is None else node_target(nexts[1][0])
+            if mode != "skip":
+                dtype = weight.dtype
+                rows_t = rows.t()
+                xs = x if x.dim() == 2 else _rows(x)
+                if xs.dtype != compute:
+                    xs = xs.to(compute)
+                if mode == "fresh":
+                    grad_w = _as(rows_t.mm(xs), dtype)
+                elif mode == "main":
+                    add_product(slot, rows_t, xs)  # type: ignore[arg-type]
+                elif compute != dtype:  # in the autocast dtype, cast on write; divided into a divided slot
+                    w = rows_t.mm(xs)
+                    slot.copy_(w) if mode == "out" else slot.add_(w, alpha=write_scale(param, mode))  # type: ignore[union-attr,arg-type]
+                else:  # (scaled in the GEMM inside a DataParallel backward: see `write_scale`)
+                    scale = write_scale(param, mode)  # type: ignore[arg-type]
+                    if mode == "add":
+                        slot.addmm_(rows_t, xs, alpha=scale)  # type: ignore[union-attr]
+                    elif scale == 1.0:
+                        torch.mm(rows_t, xs, out=slot)
+                    else:  # (beta=0: the slot's old values are not read)
+                        slot.addmm_(rows_t, xs, beta=0, alpha=scale)  # type: ignore[union-attr]
+                if mode == "out":
+                    param.grad = slot  # type: ignore[union-attr]
+        if need_b and ctx.bias_dtype is not None:
+            mode, slot, param = TRACED if nexts is None else node_target(nexts[2][0])
+            if mode != "skip":
+                dtype = ctx.bias_dtype
+                if mode == "fresh":
+                    grad_b = _as(rows.sum(0), dtype)
+                elif mode == "out":
+                    torch.sum(rows, 0, out=slot) if compute == dtype else slot.copy_(rows.sum(0))  # type: ignore[union-attr]
+                    param.grad = slot  # type: ignore[union-attr]
+                elif mode == "main":
+                    slot.add_(rows.sum(0, dtype=slot.dtype))  # type: ignore[union-attr]
+                else:
+                    slot.add_(rows.sum(0))  # type: ignore[union-attr]
+        return grad_x, grad_w, grad_b
+
+
+def add_product(main: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``main += a @ b`` for a float32 `main` (a main grad) and bfloat16/float16 `a`, `b`,
+    with every product and sum in float32 and no temporary of `main`'s size: on CUDA the
+    GEMM accumulates into `main` itself (``addmm(..., out_dtype=torch.float32)``) where
+    this torch has that kernel (`fused_accumulate`); elsewhere `a` and `b` (activation-
+    sized) are upcast, exactly, and multiplied in float32."""
+    if a.dtype == main.dtype:
+        main.addmm_(a, b)
+    elif main.device.type == "cuda" and fused_accumulate(main.device.type):
+        torch.addmm(main, a, b, out_dtype=main.dtype, out=main)  # type: ignore[call-overload]
+    else:
+        main.addmm_(a.to(main.dtype), b.to(main.dtype))
+
+
+@functools.cache
+def fused_accumulate(device_type: str) -> bool:
+    """Whether this torch's GEMM on `device_type` accumulates bfloat16 products into a
+    float32 tensor in place (``torch.addmm(main, a, b, out_dtype=torch.float32,
+    out=main)``): CUDA kernels of recent releases (2.8 added ``out_dtype``; some refuse a
+    float32 ``input``). Probed once per device type with a 2x2 call; CPU has no such kernel."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        main = torch.ones(2, 2, device=device_type)
+        ones = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        torch.addmm(main, ones, ones, out_dtype=torch.float32, out=main)  # type: ignore[call-overload]
+        return bool((main == 3).all())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Leading dims flattened: (..., n) -> (N, n); explicit sizes, so n == 0 works too."""
+    return tensor.reshape(math.prod(tensor.shape[:-1]), tensor.shape[-1])
+
+
+def _read_counts(index: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """How many times each of `size` rows is read by `index`, as `dtype` (scale_grad_by_freq).
+    On CUDA `torch.bincount` sizes its output from ``index.max().item()``, a device sync on
+    every backward; a scatter-add of ones into `size` int64 counters needs none (integer
+    sums: the same counts in any order; 1-D, it has a deterministic kernel too)."""
+    if index.device.type != "cuda":
+        return torch.bincount(index, minlength=size).to(dtype)
+    counts = torch.zeros(size, dtype=torch.int64, device=index.device)
+    return counts.scatter_add_(0, index.long(), torch.ones_like(index, dtype=torch.int64)).to(dtype)
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``weight[indices]`` along dim 0 (an embedding lookup) with a scatter-add backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        weight: torch.Tensor,
+        indices: torch.Tensor,
+        padding_idx: int | None,
+        scale_grad_by_freq: bool,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(indices)  # not the weight: a max_norm renorm may bump its version
+        ctx.set_materialize_grads(False)  # see the module doc on undefined gradients
+        ctx.weight_meta = (weight.dtype, weight.device, weight.shape)
+        ctx.padding_idx = padding_idx
+        ctx.scale_grad_by_freq = scale_grad_by_freq
+        flat_index = indices.reshape(-1)
+        return weight.index_select(0, flat_index).view(*indices.shape, *weight.shape[1:])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        (indices,) = ctx.saved_tensors
+        mode, target, param = weight_target(ctx, 0)
+        if mode == "skip" or grad_out is None:
+            return None, None, None, None
+        dtype, device, shape = ctx.weight_meta
+        if mode == "main":
+            dtype = target.dtype  # type: ignore[union-attr]  # float32 rows into the main grad
+        index = indices.reshape(-1)
+        rows = grad_out.reshape(index.numel(), *shape[1:]).to(dtype)
+        per_row = (-1,) + (1,) * (rows.dim() - 1)  # broadcast a per-index value over a row
+        if ctx.padding_idx is not None:
+            rows = rows.masked_fill((index == ctx.padding_idx).view(per_row), 0)
+        if ctx.scale_grad_by_freq:
+            rows = rows / _read_counts(index, shape[0], dtype)[index].view(per_row)
+        if mode == "fresh":
+            fresh = torch.zeros(shape, dtype=dtype, device=device)
+            if torch.is_grad_enabled():  # create_graph: keep the result differentiable
+                return fresh.index_add(0, index, rows), None, None, None
+            return scatter_rows(fresh, index, rows), None, None, None
+        assert target is not None and param is not None
+        if mode == "out":
+            scatter_rows(target.zero_(), index, rows, write_scale(param, mode))
+            param.grad = target
+        else:
+            scatter_rows(target, index, rows, 1.0 if mode == "main" else write_scale(param, mode))
+        return None, None, None, None
+
+
+def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``buffer[indices]`` along dim 0, whose backward is an `index_add_` scatter.
+
+    Indices follow ``buffer[indices]``: in ``[-len(buffer), len(buffer))``, negative ones
+    counting from the end. On CPU an index out of that range raises an `IndexError` naming
+    it (one min over the indices finds negative ones; one above the range is named after the
+    gather's own check refuses it); on CUDA looking would cost a device sync per call, so the
+    gather's own device-side bounds check reports it.
+
+    The default backward of ``buffer[indices]`` is ``index_put_(accumulate=True)``, which
+    sorts the indices; the scatter computes the same sum without the sort. When `buffer`
+    is a parameter wrapped by `FlatGrad`, its gradient is written straight into its slot.
+    Under torch.compile, torch.func transforms and forward-mode AD it is `index_select`
+    (whose backward is the same `index_add_`), so compiled graphs do not break.
+
+    Args:
+        buffer: The tensor to gather rows from (at least 1-d).
+        indices: An int32 or int64 tensor of row indices, of any shape.
+
+    Returns:
+        A tensor of shape ``(*indices.shape, *buffer.shape[1:])``.
+
+    Raises:
+        TypeError: `buffer` or `indices` is not a tensor, or `indices` is not int32/int64.
+        ValueError: `buffer` is 0-d.
+        IndexError: On CPU, an index lies outside ``[-len(buffer), len(buffer))``.
+    """
+    if not isinstance(buffer, torch.Tensor) or not isinstance(indices, torch.Tensor):
+        raise TypeError(
+            f"buffer and indices must be tensors, got {type(buffer).__name__} and {type(indices).__name__}"
+        )
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must be an int32 or int64 tensor, got {indices.dtype}")
+    if buffer.dim() == 0:
+        raise ValueError("buffer must have at least one dimension, got a 0-d tensor")
+    size = buffer.shape[0]
+    if _has_negative(indices, size):
+        indices = torch.where(indices < 0, indices + size, indices)
+    if torch.compiler.is_compiling():
+        return _select_rows(buffer, indices)
+    try:
+        if functorch_active():
+            return _select_rows(buffer, indices)
+        return gather_rows_into_slot(buffer, indices, None, False)
+    except (IndexError, RuntimeError) as error:  # the gather's own range check: name the index
+        bad = out_of_range(indices, 0, size)  # (negative ones are wrapped by now)
+        if bad is not None:
+            raise _bad_row(size, bad) from error
+        raise
+
+
+def _select_rows(buffer: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``buffer[indices]`` (indices in range) as torch's own op, for Dynamo and torch.func."""
+    return buffer.index_select(0, indices.reshape(-1)).view(*indices.shape, *buffer.shape[1:])
+
+
+def _bad_row(size: int, bad: int) -> IndexError:
+    return IndexError(f"indices must lie in [-{size}, {size}) for a buffer of {size} rows, got {bad}")
+
+
+def _has_negative(indices: torch.Tensor, size: int) -> bool:
+    """Whether `indices` may hold negative entries (always assumed on accelerators, where
+    looking costs a sync, while compiling and inside torch.func transforms, where values
+    cannot be read); on CPU one min over them, which also names an index below ``-size``
+    (one above the range is named when the gather refuses it)."""
+    if not indices.numel():
+        return False
+    if indices.device.type != "cpu" or plain_torch():
+        return True
+    low = int(indices.min())
+    if low < -size:
+        raise _bad_row(size, low)
+    return low < 0
+
+
+class _GatherDim(torch.autograd.Function):
+    """``torch.gather(input, dim, index)`` whose backward scatter-adds into the slot."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.set_materialize_grads(False)  # see the module doc on undefined gradients
+        ctx.input_meta = (input.dtype, input.device, input.shape, dim)
+        return torch.gather(input, dim, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        (index,) = ctx.saved_tensors
+        mode, target, param = weight_target(ctx, 0)
+        if mode == "skip" or grad_out is None:
+            return None, None, None
+        dtype, device, shape, dim = ctx.input_meta
+        values = grad_out.to(dtype if mode != "main" else target.dtype)  # type: ignore[union-attr]
+        if mode == "fresh":
+            fresh = torch.zeros(shape, dtype=dtype, device=device)
+            if torch.is_grad_enabled():  # create_graph: keep the result differentiable
+                return fresh.scatter_add(dim, index, values), None, None
+            return scatter_add_into(fresh, dim, index, values), None, None
+        assert target is not None and param is not None
+        if mode == "out":
+            scatter_add_into(target.zero_(), dim, index, values)
+            param.grad = target
+        else:  # (into a slot written divided in this backward: divided too)
+            scale = 1.0 if mode == "main" else write_scale(param, mode)
+            scatter_add_into(target, dim, index, values if scale == 1.0 else values * scale)
+        return None, None, None
+
+
+def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """``torch.gather(input, dim, index)`` whose backward scatter-adds the output gradient
+    (repeated positions summed), straight into `input`'s slot when `input` is a parameter
+    wrapped by `FlatGrad`: no input-sized temporary, copy or add.
+
+    Same forward as `torch.gather`: `index` has `input`'s number of dimensions, is no
+    larger than `input` along every dimension but `dim`, and holds values in
+    ``[0, input.size(dim))``. On CPU an out-of-range value raises an `IndexError` naming it
+    and the size (read only after torch.gather's own check refused it: nothing is added
+    to a valid call); on accelerators reading it would cost a device sync, so torch.gather's
+    own device-side bounds check reports it.
+    Under torch.compile, torch.func transforms and forward-mode AD it is `torch.gather` itself.
+
+    Args:
+        input: The tensor to gather from.
+        dim: The dimension to gather along; negative counts from the end.
+        index: An int32 or int64 tensor of positions along `dim`.
+
+    Returns:
+        A tensor of `index`'s shape and `input`'s dtype, as `torch.gather` returns.
+
+    Raises:
+        TypeError: `input` or `index` is not a tensor, `index` is not int32/int64, or `dim`
+            is not an int.
+        IndexError: `dim` is out of range for `input`; or, on CPU, a value of `index` lies
+            outside ``[0, input.size(dim))``.
+        ValueError: `index` has another number of dimensions than `input` (and more than
+            one element), or is larger than `input` along a dimension other than `dim`.
+    """
+    _check_gather(input, dim, index)
+    if torch.compiler.is_compiling():
+        return torch.gather(input, dim, index)
+    gathered = dim % max(input.dim(), 1)
+    try:
+        return torch.gather(input, dim, index) if functorch_active() else gather_dim(input, gathered, index)
+    except RuntimeError as error:  # torch.gather's own range check: name the value and the size
+        size = input.shape[gathered] if input.dim() else 1
+        bad = out_of_range(index, 0, size)
+        if bad is not None:
+            message = f"index values must lie in [0, {size}) along dimension {gathered}, got {bad}"
+            raise IndexError(message) from error
+        raise
+
+
+def _check_gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> None:
+    if not isinstance(input, torch.Tensor) or not isinstance(index, torch.Tensor):
+        raise TypeError(
+            f"input and index must be tensors, got {type(input).__name__} and {type(index).__name__}"
+        )
+    if index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"index must be an int32 or int64 tensor, got {index.dtype}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    ndim = max(input.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"dim must lie in [{-ndim}, {ndim - 1}] for a {input.dim()}-d input, got {dim}")
+    if index.dim() != input.dim() and index.numel() > 1:
+        raise ValueError(f"index must have as many dimensions as input ({input.dim()}), got {index.dim()}")
+    gathered = dim % ndim
+    for d in range(index.dim() if index.dim() == input.dim() else 0):
+        if d != gathered and index.shape[d] > input.shape[d]:
+            raise ValueError(
+                f"index must be no larger than input along dimension {d} (not the gathered one), "
+                f"got {index.shape[d]} > {input.shape[d]}"
+            )
+
+
+# The routed layers' forwards (`flatgrad._routing`) and the gathers, which have checked that
+# no torch.func transform is active: `Function.apply` without its Python layer (`fast_apply`).
+linear_into_slot = fast_apply(_Linear)
+gather_rows_into_slot = fast_apply(_GatherRows)
+gather_dim = fast_apply(_GatherDim)

@@ -1,0 +1,84 @@
+"""Where each gradient lives: grouping by (dtype, device), order, alignment and offsets.
+
+Pure bookkeeping: reads shapes, strides and dtypes, allocates nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+GroupKey = tuple[torch.dtype, torch.device]
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """One parameter's place in its group's buffer (offsets and sizes in elements)."""
+
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """All slots of one (dtype, device) group; `slots[i]` belongs to `param_indices[i]`."""
+
+    numel: int
+    param_indices: tuple[int, ...]
+    slots: tuple[SlotSpec, ...]
+
+
+def dense_stride(param: torch.Tensor) -> tuple[int, ...]:
+    """The strides a gradient should have (AccumulateGrad's layout contract): the
+    parameter's own when they are dense and non-overlapping, else contiguous ones.
+    `empty_like` applies exactly that rule; on the meta device it allocates nothing."""
+    return tuple(torch.empty_like(param, device="meta").stride())
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def slot_dtype(dtype: torch.dtype, grad_dtype: str | None) -> torch.dtype:
+    """The dtype of the gradient slot of a `dtype` parameter: float32 for a bfloat16 or
+    float16 parameter when `grad_dtype` is ``"float32"`` (its main grad), else `dtype`."""
+    if grad_dtype == "float32" and dtype in _LOW_PRECISION:
+        return torch.float32
+    return dtype
+
+
+def align_elements(align_bytes: int, element_size: int) -> int:
+    """Alignment in elements of a dtype (at least one element)."""
+    return max(1, align_bytes // element_size)
+
+
+def plan_layout(
+    params: Sequence[torch.Tensor], align_bytes: int, multiple: int = 1, grad_dtype: str | None = None
+) -> dict[GroupKey, GroupLayout]:
+    """Group `params` by (dtype, device) and give each an aligned slot.
+
+    Slots follow the reverse of `params`' order (registration order), which is roughly
+    the order backward produces gradients in, so a bucket fills front to back. Every slot
+    also starts on a multiple of `multiple` elements (a sharded optimizer passes the world
+    size, so any run of whole slots splits into equal shards). A parameter's group dtype is
+    its slot's (`slot_dtype`: float32 main grads for bfloat16/float16 ones with `grad_dtype`).
+    """
+    members: dict[GroupKey, list[int]] = {}
+    for index in reversed(range(len(params))):
+        param = params[index]
+        members.setdefault((slot_dtype(param.dtype, grad_dtype), param.device), []).append(index)
+    layouts = {}
+    for key, indices in members.items():
+        align = math.lcm(align_elements(align_bytes, key[0].itemsize), multiple)
+        offset, slots = 0, []
+        for index in indices:
+            param = params[index]
+            shape = tuple(param.shape)
+            slots.append(SlotSpec(offset, param.numel(), shape, dense_stride(param)))
+            offset += -(-param.numel() // align) * align
+        layouts[key] = GroupLayout(offset, tuple(indices), tuple(slots))
+    return layouts

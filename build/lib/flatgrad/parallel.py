@@ -1,0 +1,343 @@
+"""`DataParallel`: overlapped, bucketed gradient averaging on FlatGrad's one flat buffer.
+
+Buckets are `narrow` views of the flat buffer, cut at slot boundaries in the buffer's order
+(the reverse of registration, roughly the order backward produces gradients), about
+`bucket_mb` each and a small first one (not on a CPU host whose cores the ranks' threads
+already fill: there gloo's thread overlaps nothing, see `flatgrad._buckets.cut_buckets`).
+A post hook on the AccumulateGrad node of every parameter (it fires also for the routed
+layers, whose Functions hand AccumulateGrad None) counts the parameter ready; when every
+parameter of a bucket is ready and every bucket
+before it in the launch order has been launched, the bucket's collective starts
+asynchronously, while backward goes on. The launch order is the buffer's until the first
+synchronised backward ends; from then on it is the order in which rank 0's buckets became
+complete in that backward (broadcast; buckets that never did go last), learned again after
+each layout change, as DDP rebuilds its buckets in gradient-ready order; from then on the
+hooks of the last bucket in that order count nothing (the final callback launches it, its
+gradients the backward's last anyway; they only open a backward, see below). Buckets
+therefore launch in the same order on every rank, and a model that runs its modules in
+another order than it registers them still overlaps. Once a synchronised backward has left parameters
+unused (no gradient final before its end), each later one asks the autograd engine, when it
+starts, which of those it will not reach, and counts them ready then (DDP with
+``find_unused_parameters=True`` marks unused parameters ready as backward starts), so their
+buckets do not wait for the end. An autograd final callback launches what is left
+(parameters unused and not counted so; slots are zeroed where `.grad` is None), waits for
+everything, and settles `.grad` as stock DDP with ``find_unused_parameters=True`` does, so
+`loss.backward()` returns with averaged gradients. The used flags ride in the all-reduce of
+a buffer's last bucket when that bucket also launches last of its buffer's; otherwise they
+go in one small all-reduce of their own.
+
+Which backwards average, as under DDP, whose hooks sit on the parameters: a backward through
+the output of a forward averages when that forward synchronised (grad enabled, outside
+`no_sync()`); FlatGrad's one pre hook on the nodes that made the output (the backward
+coordinator, `flatgrad._backward`, which this forward's sync flag is bound into) opens it
+before any gradient is final, after the seater, and runs that callback after the seater's.
+Any other backward that accumulates into a parameter averages
+when a synchronising forward came since the last averaged backward, whichever graph it goes
+through: a loss kept on the module during forward (an auxiliary loss), an output dp cannot
+look into (a plain object, a dict subclass); the first AccumulateGrad hook it reaches opens
+it (and counts no parameter ready before its AccumulateGrad runs). A backward after a
+forward that did not synchronise (``dp.module(x)`` called directly, a forward under
+no_sync()) that goes through no synchronising output stays local.
+A nested backward (reentrant activation checkpointing) counts toward the backward it runs
+in; a parameter only it reaches is not counted ready early unless it was unused in an
+earlier step (then a gradient that comes after its bucket launched raises).
+`torch.autograd.grad` (which accumulates nothing) is left alone; a create_graph backward
+that should average is refused.
+
+On CUDA with NCCL the collectives run on the process group's own communication stream,
+which waits (through an event) for the stream current at the launch: an AccumulateGrad
+hook's (the stream its node was made on, which DataParallel keeps from its construction)
+or the final callback's. That stream first waits for the one the backward opened on (the
+forward's, where the routed layers write their slots) when they differ: a model trained on
+another stream than it was wrapped on. `Work.wait()` in the final callback makes the
+current stream wait for the communication in turn. Nothing writes a bucket (the next micro-batch, `zero_grad`,
+the optimizer) before its collective is done, because backward does not return before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatgrad._bucketing import BucketSync
+from flatgrad._names import PlainNames, add_prefix
+from flatgrad._torch_compat import broadcast_coalesced, preserve_version_counter
+from flatgrad.comm import check_wire_dtype
+from flatgrad.wrapper import FlatGrad
+
+logger = logging.getLogger(__name__)
+
+_BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
+
+
+class DataParallel(PlainNames):
+    """Averages the gradients of `flat` over `process_group` during backward, bucket by
+    bucket, overlapping communication with the rest of the backward.
+
+    ``dp(*args)`` is ``flat(*args)``; after ``loss.backward()`` returns every `.grad` is
+    averaged over the ranks (as under DDP), also when the loss does not come out of dp's
+    output (an auxiliary loss kept on the module). ``with dp.no_sync():`` accumulates locally.
+    Rank 0's parameters and buffers are broadcast at construction, and with
+    `broadcast_buffers` (DDP's flag and default) its buffers (BatchNorm statistics) again
+    before each forward that follows a synchronised training forward, as DDP does.
+
+    Args:
+        flat: The `FlatGrad`-wrapped model; every rank must wrap the same model.
+        process_group: The group to average over; None for the default group.
+        bucket_mb: The approximate size of a bucket in MiB (the first one is smaller, 1 MiB
+            as DDP's, but for CPU buffers on a host without a core to spare).
+        wire_dtype: ``torch.bfloat16`` or ``torch.float16`` to average a compressed copy of
+            each floating-point bucket (decompressed into it); None sends the buckets as they are.
+        broadcast_buffers: Whether rank 0's buffers are broadcast again before a forward that
+            follows a synchronised training forward, as DDP's flag of that name.
+        check_finite: Whether a non-finite local gradient on any rank makes
+            ``loss.backward()`` raise `RuntimeError` on every rank, the rank that made it
+            naming itself and the parameters (one flag all-reduce and one host sync per
+            synchronised backward); off, a NaN is averaged into every rank, as under DDP.
+
+    Raises:
+        TypeError: `flat` is not a `FlatGrad`, or `check_finite` is not a bool.
+        RuntimeError: No process group is initialised (``dist.init_process_group``).
+        ValueError: `bucket_mb` is not positive; `wire_dtype` is not one of the above; the
+            model has sparse embeddings (``sparse=True``), whose gradients live outside the
+            flat buffers; or
+            the ranks' models differ in their parameters' and buffers'
+            shapes, dtypes, trainability or order (raised on every rank).
+    """
+
+    def __init__(
+        self,
+        flat: FlatGrad,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_mb: float = 25.0,
+        wire_dtype: torch.dtype | None = None,
+        broadcast_buffers: bool = True,
+        check_finite: bool = False,
+    ) -> None:
+        if not isinstance(flat, FlatGrad):
+            raise TypeError(f"flat must be a flatgrad.FlatGrad, got {type(flat).__name__}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DataParallel needs an initialised process group (dist.init_process_group)")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        check_wire_dtype(wire_dtype)
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
+        flat._engine.refuse_sparse("DataParallel")
+        super().__init__()
+        self.module = flat
+        self._share_root()
+        self.process_group = process_group
+        self.bucket_mb = float(bucket_mb)
+        self.wire_dtype = wire_dtype
+        self.world_size = dist.get_world_size(process_group)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        # DDP's require_forward_param_sync: whether the last forward trained and synchronised
+        # (True before the first), which is when the next forward broadcasts the buffers.
+        self._sync_buffers_next = True
+        self._sync = True
+        _check_same_model(flat, process_group)
+        _broadcast_from_rank0(flat, process_group)
+        self._engine = BucketSync(flat._engine, process_group, self.bucket_mb, wire_dtype, check_finite)
+
+    # --- public -------------------------------------------------------------------------
+
+    # Eager even under torch.compile(dp), as FlatGrad.forward (the frame only): its
+    # bookkeeping (the hooks on the output's nodes that open each backward) must see the
+    # real output, not a traced one, and is disabled as a whole so that Dynamo sees none of
+    # it; the wrapped model is still compiled (FlatGrad's forward hands it to Dynamo).
+    @torch.compiler.disable(recursive=False)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``flat(*args, **kwargs)``; a backward through the output averages when this
+        forward synchronises (grad enabled, outside `no_sync()`).
+
+        Args:
+            *args: Positional arguments, passed to the wrapped model unchanged.
+            **kwargs: Keyword arguments, passed to the wrapped model unchanged.
+
+        Returns:
+            The wrapped model's output, unchanged.
+
+        Raises:
+            ValueError: A sparse embedding (``sparse=True``) was added to the model since
+                construction.
+        """
+        self._before_forward()
+        learning = self._engine.forward_context  # (ShardedOptimizer's `ForwardWaits.learning`)
+        if learning is None:
+            output = self.module(*args, **kwargs)
+        else:
+            with learning():
+                output = self.module(*args, **kwargs)
+        self._after_forward()
+        return output
+
+    @torch.compiler.disable
+    def _before_forward(self) -> None:
+        engine = self._engine
+        if engine.in_backward:
+            engine.drain()  # a backward that raised never finished
+        if self.module._engine.steady() is not engine.store:
+            engine.rebuild()
+        if self._sync_buffers_next and self.broadcast_buffers and engine.has_buffers:
+            self._broadcast_buffers()
+        # The backward through the output of the forward about to run is this one's too
+        # (bound into that forward's plan: see flatgrad._backward).
+        self.module._engine.expect_sync(engine, self._sync)
+
+    @torch.compiler.disable
+    def _after_forward(self) -> None:
+        training = torch.is_grad_enabled()
+        self._sync_buffers_next = training and self._sync
+        if training:
+            self._engine.arm(self._sync)
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers to every rank, as DDP's forward does: the buffers found now (a
+        buffer may have been re-assigned), coalesced into few broadcasts
+        (`dist._broadcast_coalesced`, DDP's own, 250 MiB pieces), without bumping their
+        version counters (a buffer saved for a backward stays usable, as under DDP)."""
+        buffers = list(self.module.buffers())
+        if not buffers:
+            return
+        with torch.no_grad(), preserve_version_counter(tuple(buffers)):
+            broadcast_coalesced(self.process_group, buffers, _BROADCAST_BUCKET_BYTES, 0)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forwards inside (and the backwards through their outputs) accumulate into the
+        flat buffer without communicating, as under DDP; the first backward of a forward
+        outside averages everything accumulated.
+
+        Returns:
+            A context manager (``with dp.no_sync():``), which binds nothing.
+        """
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's flag, which `no_sync()` toggles: whether the next forward's backward
+        averages. nanoGPT's train.py sets it directly instead of entering `no_sync()`
+        (``model.require_backward_grad_sync = micro_step == last``); that works here too.
+
+        Returns:
+            True unless inside `no_sync()` or set to False.
+        """
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync = bool(value)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's state dict, under the plain model's keys (no ``module.`` prefix).
+
+        Args:
+            *args: Passed to `nn.Module.state_dict` unchanged.
+            **kwargs: Passed to `nn.Module.state_dict` unchanged (``destination``, ``prefix``,
+                ``keep_vars``).
+
+        Returns:
+            The plain model's state dict.
+        """
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """`FlatGrad.load_state_dict` (the plain model's keys, no ``module.`` prefix).
+
+        Args:
+            state_dict: The plain model's state dict (or one with ``module.`` prefixes).
+            strict: As `nn.Module.load_state_dict`'s: every key must match.
+            assign: As `nn.Module.load_state_dict`'s: assign the tensors instead of copying.
+
+        Returns:
+            The missing and unexpected keys, as `nn.Module.load_state_dict` returns them.
+        """
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # Nested in a module, whose `state_dict` gets the plain model's keys under `prefix`
+        # (`state_dict` above): the FlatGrad below takes them under ``prefix + "module."``.
+        add_prefix(self, state_dict, prefix, args[0])
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    @property
+    def buckets(self) -> list[torch.Tensor]:
+        """The bucket views of the flat buffers, in launch order.
+
+        Returns:
+            A new list of 1-D `narrow` views of the flat gradient buffers.
+        """
+        return self._engine.buckets
+
+    @property
+    def launch_offsets_s(self) -> list[float]:
+        """Of the last synchronised backward: when each bucket was launched.
+
+        Returns:
+            Seconds from the backward's start, one per bucket in launch order (empty before
+            the first synchronised backward).
+        """
+        return self._engine.last_round.launch_offsets_s
+
+    @property
+    def exposed_s(self) -> float:
+        """Of the last synchronised backward: how long the final callback spent in the waits
+        for communication after the backward's compute had ended.
+
+        Host time, as are `launch_offsets_s` and `backward_s`: on CUDA with NCCL the waits
+        order the current stream after the collectives without blocking the host, so this is
+        about 0 there, and the GPU's own timeline needs CUDA events or the profiler.
+
+        Returns:
+            Seconds (0.0 before the first synchronised backward).
+        """
+        return self._engine.last_round.exposed_s
+
+    @property
+    def backward_s(self) -> float:
+        """Of the last synchronised backward: its start to the end of its compute.
+
+        Returns:
+            Seconds (0.0 before the first synchronised backward).
+        """
+        return self._engine.last_round.backward_s
+
+
+def _check_same_model(module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank unless all ranks hold parameters and buffers of the same shapes,
+    dtypes and trainability, in the same order (DDP's constructor checks this too): the
+    broadcast and the buckets would otherwise hang or mix unrelated slots. One all-reduce
+    (MAX) of a digest and its negation: equal on all ranks exactly when min equals max."""
+    tensors = [*module.parameters(), *module.buffers()]
+    described = [(tuple(t.shape), str(t.dtype), t.requires_grad) for t in tensors]
+    digest = zlib.crc32(repr(described).encode())
+    device = tensors[0].device if tensors else torch.device("cpu")
+    seen = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=process_group)
+    high, low = int(seen[0]), -int(seen[1])
+    if high != low:
+        raise ValueError(
+            f"the model differs across ranks (rank {dist.get_rank(process_group)}: "
+            f"{len(described)} parameters and buffers): every rank must wrap the same model, "
+            "with the same parameter and buffer shapes, dtypes and requires_grad, in the same order"
+        )
+
+
+def _broadcast_from_rank0(module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
+    """What DDP's constructor does: every rank starts from rank 0's parameters and buffers."""
+    source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=source, group=process_group)

@@ -1,0 +1,301 @@
+"""`ShardedOptimizer`: ZeRO-1 over DataParallel's buckets of the one flat buffer.
+
+The parameters move into flat parameter buffers laid out exactly like the gradient
+buffers (every parameter becomes a view of one; `state_dict` keys do not change), with every
+slot starting on a multiple of the world size, so each bucket splits into equal shards.
+Backward reduce-scatters each bucket (asynchronously, as DataParallel all-reduces it): rank
+r ends up with the average of shard r of every bucket. `step()` runs the wrapped torch
+optimizer on this rank's shards only (1-D views of the flat parameter and gradient buffers,
+so its state is about 1/world_size of the unsharded state), then all-gathers every bucket's
+parameters. Only element-wise optimizers shard this way. On gloo, whose backward all-reduces
+every bucket (its reduce-scatter is slower), every rank holds all of the averages, and the
+shards split each whole buffer instead: the parameters come back in one broadcast per rank
+rather than one per rank and bucket (`flatgrad._zero.shard_views`), unless
+``overlap_param_gather`` waits for them bucket by bucket (its `clip_grad_norm_` then sums
+over other shards: equal to the last bit or two).
+
+After backward, the `.grad` of a model parameter is averaged only inside this rank's shards;
+`clip_grad_norm_` and `step` use exactly those. Until the gradients are zeroed every `.grad`
+is a `flatgrad._scattered.ScatteredGrad` (the slot's memory) that raises on any read of its
+values, so ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` or a logged
+``p.grad.norm()`` fails loudly on every rank instead of computing a different wrong value
+on each. A shard is updated as one tensor, so a
+parameter that no rank used in a step is stepped with a zero gradient (momentum and weight
+decay still apply), as Megatron's distributed optimizer steps its whole buffers; stock DDP
+with ``find_unused_parameters=True`` would skip it (its `.grad` stays None), and DDP with
+``static_graph=True`` refuses such a model. A parameter used on
+any rank is exact.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flatgrad._gather_waits import ForwardWaits
+from flatgrad._scattered import unguarded
+from flatgrad._zero import ShardEngine
+from flatgrad._zero_groups import (
+    PieceGroups,
+    as_groups,
+    check_members,
+    check_optimizer_class,
+    checked_defaults,
+)
+from flatgrad.parallel import DataParallel
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 on top of `dp`: ``ShardedOptimizer(dp, torch.optim.AdamW, lr=..., ...)``, or
+    with parameter groups as a torch optimizer takes them:
+    ``ShardedOptimizer(dp, torch.optim.AdamW, [{"params": decay, "weight_decay": 0.1},
+    {"params": no_decay, "weight_decay": 0.0}], lr=...)``.
+
+    A `torch.optim.Optimizer`: `param_groups` hold the model's parameters and are live (an
+    LR scheduler, ``LambdaLR(opt, ...)``, or a loop writing ``group["lr"]`` changes the next
+    step), `add_param_group` takes parameters of `dp` not in a group yet. Each group's
+    hyper-parameters apply to exactly its parameters, also where parameters of several
+    groups share a bucket. ``step(closure=None)``, ``zero_grad(set_to_none=...)``,
+    ``clip_grad_norm_(max_norm)`` (the global norm from the shard norms, one small
+    all-reduce: use it, not ``torch.nn.utils.clip_grad_norm_``, which refuses the
+    reduce-scattered `.grad`), ``state_dict()`` / ``load_state_dict()`` (per parameter:
+    ``torch.distributed.checkpoint`` saves it and loads it on any world size).
+
+    ``opt.optimizer`` is the torch optimizer that steps this rank's shards: one group per
+    group of `param_groups` (their hyper-parameters copied over at every step), over 1-D
+    pieces of the flat parameter buffer (runs of one group's parameters inside this rank's
+    shard of a bucket). It cannot take model parameters (its ``add_param_group`` refuses
+    them: each is stepped through its shard already). Its ``state`` is the per-element
+    optimizer state; this optimizer's own ``state`` stays empty.
+    Loss scaling (float16): ``flatgrad.GradScaler`` (a ``torch.amp.GradScaler`` whose
+    ``unscale_`` and inf check read this rank's gradient shards and agree over the ranks,
+    so every rank skips the same steps); torch's own raises a TypeError at ``step``.
+
+    With main grads (``grad_dtype="float32"``, bfloat16/float16 parameters) the inner
+    optimizer steps float32 masters of this rank's shards, which `step()` rounds into the
+    parameters and all-gathers in their dtype; they are saved with the state (key
+    ``"master"``). See docs/mixed-precision.md.
+
+    Construction lays the model's parameters out again (flat parameter buffers, slots on
+    multiples of the world size) and switches `dp`'s buckets to reduce-scatter.
+
+    Args:
+        dp: The `DataParallel` whose buckets are sharded; one ShardedOptimizer per
+            DataParallel.
+        optimizer_class: An element-wise torch optimizer class (SGD, Adam, AdamW, Adamax,
+            NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop, ASGD, or a subclass).
+        params: Parameters of `dp` or parameter groups (dicts with ``"params"`` and
+            per-group options), as a torch optimizer's first argument; None (the default)
+            puts every trainable parameter of `dp` in one group. A parameter in no group is
+            not stepped (its gradient is still averaged).
+        overlap_param_gather: Whether `step()` returns with the parameter all-gathers in
+            flight: the next forward waits for each bucket's just before the first module
+            using its parameters runs (`flatgrad._gather_waits`), and
+            the model's ``state_dict``/``load_state_dict`` and the next ``step()`` wait for
+            all. Code that reads parameters outside a forward in between calls
+            ``opt.wait_param_gather()`` first.
+        **defaults: The optimizer's arguments (``lr``, ``weight_decay``, ...), checked by
+            `optimizer_class` before anything moves: its error for an invalid one (a
+            ValueError for a negative ``lr``, a TypeError for an unknown name) leaves `dp`
+            and the model as they were.
+
+    Raises:
+        TypeError: `dp` is not a `DataParallel`, or `overlap_param_gather` is not a bool.
+        ValueError: `optimizer_class` is not an element-wise torch optimizer, `dp` already
+            has a ShardedOptimizer, `params` holds a tensor that is not a parameter of
+            `dp` (or one twice), or parameters of different dtypes share a gradient buffer
+            (float32 ones next to bfloat16 ones with main grads).
+    """
+
+    def __init__(
+        self,
+        dp: DataParallel,
+        optimizer_class: type[torch.optim.Optimizer],
+        params: Any = None,
+        *,
+        overlap_param_gather: bool = False,
+        **defaults: Any,
+    ) -> None:
+        if not isinstance(dp, DataParallel):
+            raise TypeError(f"dp must be a flatgrad.DataParallel, got {type(dp).__name__}")
+        if not isinstance(overlap_param_gather, bool):
+            raise TypeError(f"overlap_param_gather must be a bool, got {type(overlap_param_gather).__name__}")
+        check_optimizer_class(optimizer_class)
+        if dp._engine.reduce_scatter:
+            raise ValueError(
+                "dp already has a ShardedOptimizer (its buckets are reduce-scattered for that "
+                "one's shards); build one ShardedOptimizer per DataParallel"
+            )
+        groups = as_groups([p for p in dp.parameters() if p.requires_grad] if params is None else params)
+        self._names = {id(p): name for name, p in dp.named_parameters()}
+        check_members(self._names, groups, "ShardedOptimizer's params must be parameters of dp (its model's)")
+        # Checked before anything moves: a typo raises here and leaves dp and the model as they were.
+        checked = checked_defaults(dp.module._engine.refresh(), optimizer_class, groups, defaults)
+        self._ready = False  # the inner optimizer exists (add_param_group gives it a group too)
+        super().__init__(groups, checked)
+        self.dp = dp
+        self.world_size = dp.world_size
+        self.rank = dist.get_rank(dp.process_group)
+        # slots on multiples of the world size: equal shards per bucket (and per buffer)
+        store = dp.module._engine.use_slot_multiple(self.world_size)
+        buckets = dp._engine.use_reduce_scatter(store)
+        self._engine = ShardEngine(store, buckets, dp.process_group, overlap_param_gather)
+        dp._engine.shards = [shard.grad for shard in self._engine.shards]  # (what it divides last on gloo)
+        self._groups = PieceGroups(self._engine, self._names, optimizer_class, self.param_groups)
+        self._ready = True
+        self.overlap_param_gather = overlap_param_gather
+        if overlap_param_gather:
+            waits = ForwardWaits(self._engine, dp.module.module, dp._engine)
+            weakref.finalize(self, waits.remove)
+
+    # Steps the model's main grads through its float32 masters (see flatgrad._main_grads.MainGradGuard).
+    steps_main_grads = True
+    # torch.amp.GradScaler hands this step its scale and inf flag (`grad_scale`, `found_inf`
+    # attributes) instead of unscaling `.grad`, which holds no averaged value here.
+    _step_supports_amp_scaling = True
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer that steps this rank's pieces (read-only)."""
+        return self._groups.inner
+
+    # --- the optimizer API ----------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of `dp`'s parameters (not in a group yet), with its own options, as
+        torch's ``Optimizer.add_param_group``; the inner optimizer gets the matching group
+        over this rank's pieces of them.
+
+        Args:
+            param_group: ``{"params": parameters of dp, **options}``; options not given take
+                the optimizer's defaults.
+
+        Raises:
+            ValueError: A parameter is not one of `dp`'s, is in a group already, or appears
+                twice (torch's own checks).
+        """
+        what = "ShardedOptimizer's param groups hold parameters of dp only"
+        check_members(self._names, as_groups([param_group]), what)
+        super().add_param_group(param_group)
+        if self._ready:  # (torch's __init__ adds the first groups before the layout is made)
+            self._groups.add(self.param_groups[-1], self.param_groups)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update this rank's shards, then all-gather every bucket's parameters.
+
+        As a torch optimizer's: `closure` (which zeroes the gradients, runs forward and
+        backward and returns the loss) runs first, under grad mode, and its loss is
+        returned. When no parameter has a `.grad` (``zero_grad()`` and no backward since)
+        nothing moves and nothing is communicated, as stock skips parameters without one.
+
+        Args:
+            closure: Optional; zeroes the gradients, runs forward and backward, and returns
+                the loss.
+
+        Returns:
+            The closure's loss, or None without a closure.
+
+        Raises:
+            RuntimeError: The model's parameters changed (added, replaced, frozen, converted)
+                since construction; or the inner optimizer's param_groups hold other tensors
+                than exactly this rank's shards.
+        """
+        self._engine.wait_gather()  # (overlap_param_gather: a step with no forward since)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._engine.check_layout(self.dp.module._engine)
+        self._groups.check(self.param_groups)
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        if self._engine.skip_or_unscale(found_inf, grad_scale) or not self._engine.has_grads():
+            return loss
+        self._groups.step(self.param_groups)
+        self._engine.launch_gather()
+        if not self.overlap_param_gather:
+            self._engine.wait_gather()
+        return loss
+
+    def wait_param_gather(self) -> None:
+        """Wait for the parameter all-gathers `step()` left in flight
+        (``overlap_param_gather=True``); a no-op otherwise or once the forward waited."""
+        self._engine.wait_gather()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the model's gradients (`FlatGrad.zero_grad`) and drop the shards' `.grad`;
+        afterwards a `.grad` is plain again (no longer reduce-scattered).
+
+        Args:
+            set_to_none: True sets every model `.grad` to None; False zeroes them in place.
+        """
+        # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s
+        # (a clone each) before they are dropped or zeroed.
+        with unguarded():
+            self.dp.module.zero_grad(set_to_none=set_to_none)  # (plain .grad again: it unmarks)
+        self.dp._engine.grads_cleared()
+        self._groups.drop_grads()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradient shards so that their global norm (the norm over every rank's
+        shards: the norm of the averaged gradients, as stock clipping computes it) is at most
+        `max_norm`. One all-reduce of a scalar: every rank must call it.
+
+        Args:
+            max_norm: The largest global norm the gradients keep.
+            norm_type: The order of the norm: positive, or ``float("inf")`` for the max norm.
+
+        Returns:
+            The global norm before clipping, as a 0-d tensor in at least float32.
+
+        Raises:
+            ValueError: `norm_type` is NaN, zero or negative (``-inf`` included: the minimum
+                over shards would need another reduction, and nobody clips by it).
+        """
+        norm_type = float(norm_type)
+        if not norm_type > 0:  # (False for NaN too)
+            raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
+        return self._engine.clip(max_norm, norm_type)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state per parameter, keyed by the plain parameter names, in a form
+        that does not depend on the world size (`flatgrad._checkpoint`): per-element states
+        are ShardedTensors over every rank's pieces (this rank's shards are views of its
+        state), so ``torch.distributed.checkpoint`` saves ``{"optim": opt}`` in place and
+        loads it on another world size or bucket size. Every rank must call it together with
+        the others only under torch.distributed.checkpoint; alone it communicates nothing.
+
+        Returns:
+            ``{"state": {name: {key: value}}, "param_groups": [{**options, "params":
+            [names]}], "stepped": [whether each group has stepped]}``.
+        """
+        return self._groups.state_dict(self.param_groups)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from `state_dict` (what `state_dict` gave, on any world size, through
+        ``torch.distributed.checkpoint``; or this rank's own, ``torch.save``-d, on the same
+        world size, buckets and shards). Checked on every rank together (one small all-reduce), so a
+        state that does not fit raises the same error on every rank, and none loads it.
+        The groups' options (``lr``, ...) are the saved ones afterwards, as with torch's
+        optimizers.
+
+        Args:
+            state_dict: A ShardedOptimizer `state_dict` of the same model and parameter groups.
+
+        Raises:
+            ValueError: On every rank, when any rank's `state_dict` is not a ShardedOptimizer
+                state, has other parameter groups, or lacks state this rank needs (a file of
+                another rank or world size loaded without torch.distributed.checkpoint).
+        """
+        self._groups.load_state_dict(self.param_groups, state_dict)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank.
+
+        Returns:
+            The summed size of the tensors in the inner optimizer's state.
+        """
+        return self._groups.state_bytes()

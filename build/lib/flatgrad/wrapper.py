@@ -1,0 +1,272 @@
+"""`FlatGrad`: wraps a model so that all its gradients live in flat per-(dtype, device) buffers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from flatgrad import _grad_ops, comm
+from flatgrad._engine import GradEngine, trainable_parameters
+from flatgrad._names import add_prefix, strip_prefix
+from flatgrad._torch_compat import register_load_pre_hook, register_state_dict_post_hook
+from flatgrad._transparent import TransparentWrapper
+from flatgrad.config import FlatGradConfig, resolve_config
+from flatgrad.layout import GroupKey
+
+logger = logging.getLogger(__name__)
+
+# Keys of wrappers pickled before the engine held the layout: rebuilt, not restored.
+_PICKLED_BEFORE_THE_ENGINE = (
+    "_store", "_seater", "_watched", "_others", "_sparse", "_frozen", "_generation", "_watch",
+    "_ddp_state", "_adopted", "_ddp_forwards",
+)  # fmt: skip
+
+
+class FlatGrad(TransparentWrapper):
+    """Wraps `model`; every trainable parameter's `.grad` lives in `grad_buffers`.
+
+    Linear and Embedding layers (those that keep torch's own `forward`) run their backward
+    through Functions that write weight gradients straight into the buffer. Every other
+    parameter's `.grad` is pointed at its zeroed slot when a backward through the wrapper's
+    output starts, so AccumulateGrad adds into the buffer in place (no hook per parameter);
+    under a DDP its reducer copies those gradients into its bucket instead, which with
+    `ddp_kwargs()` is the buffer.
+
+    Args:
+        model: The module to wrap.
+        config: A `FlatGradConfig`, a dict of its fields, a path to a YAML/JSON file
+            (`FlatGradConfig.from_file`), or None for the defaults.
+
+    Raises:
+        TypeError: `model` is not an `nn.Module`, or `config` is none of the above.
+        ValueError: `model` has no trainable parameter with a dense gradient, or `config`
+            holds an invalid value (a `pydantic.ValidationError`). A config file raises as
+            `FlatGradConfig.from_file` does.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: FlatGradConfig | dict[str, Any] | str | Path | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        super().__init__()
+        self.flatgrad_config = resolve_config(config)
+        self.module = model
+        if not trainable_parameters(model):
+            raise ValueError(
+                "model must have at least one parameter with requires_grad=True (and a dense "
+                "gradient: sparse embeddings keep theirs outside the flat buffers), got none"
+            )
+        self._engine = GradEngine(self, self.flatgrad_config)
+        register_state_dict_post_hook(self, strip_prefix)
+        register_load_pre_hook(self, add_prefix)
+        for line in self._engine.summary_lines():
+            logger.info("flatgrad: %s", line)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The engine (store, views, seater, watch) is rebuilt by `__setstate__`.
+        state = self.__dict__.copy()
+        engine = state.pop("_engine")
+        state["_slot_multiple"] = engine.slot_multiple
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "config" in state:  # pickled before the wrapper's own config became flatgrad_config
+            state["flatgrad_config"] = state.pop("config")
+        for key in _PICKLED_BEFORE_THE_ENGINE:
+            state.pop(key, None)
+        multiple = state.pop("_slot_multiple", 1)
+        super().__setstate__(state)
+        self._engine = GradEngine(self, self.flatgrad_config, multiple)
+
+    # Eager under torch.compile(flat) (the frame only: what it calls is compiled unless
+    # disabled itself). The bookkeeping around the model is disabled as a whole, so Dynamo
+    # sees none of it; `_call_module` is where it starts tracing the model.
+    @torch.compiler.disable(recursive=False)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped model; a backward through the output accumulates into the buffers.
+
+        Args:
+            *args: Positional arguments, passed to the wrapped model unchanged.
+            **kwargs: Keyword arguments, passed to the wrapped model unchanged.
+
+        Returns:
+            The wrapped model's output, unchanged.
+        """
+        engine = self._engine
+        engine.before_forward()
+        output = self._call_module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            engine.after_forward(output)
+        return output
+
+    def _call_module(self, *args: Any, **kwargs: Any) -> Any:
+        # Under torch.compile(flat) the (disabled) forward frame runs eagerly and this frame
+        # is where Dynamo starts tracing: a frame of flatgrad's, so the wrapped model is
+        # traced as one graph even when its root is a torch container (nn.Sequential), whose
+        # own frames Dynamo would skip, compiling each child apart.
+        return self.module(*args, **kwargs)
+
+    @property
+    def grad_buffers(self) -> dict[GroupKey, torch.Tensor]:
+        """The flat gradient buffers, one per (dtype, device); every `.grad` is a view of one.
+
+        Returns:
+            A new dict from ``(dtype, device)`` to that group's flat buffer (the live
+            tensor, not a copy), laid out again first if the parameters changed.
+        """
+        return _grad_ops.settled_buffers(self._engine)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FlatGrad:
+        # .to(), .double(), .half(), .cuda() ... convert parameters and their .grad out of
+        # the buffers; lay the buffers out again for the new dtypes/devices.
+        super()._apply(fn, recurse)
+        engine = self.__dict__.get("_engine")
+        if engine is not None:
+            engine.build()
+        return self
+
+    # --- flat-buffer operations -----------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Like `nn.Module.zero_grad`, for every parameter of the model (frozen ones too).
+
+        Args:
+            set_to_none: True sets every `.grad` to None; False zeroes them, the buffered
+                gradients with one fill per buffer (a `.grad` that is not its slot's view is
+                pointed back at it). Main grads (``grad_dtype="float32"``) are zeroed either
+                way, and their parameters' `.grad` stays None.
+        """
+        _grad_ops.zero_grad(self._engine, set_to_none)
+
+    def main_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """The gradient slot of `param`, shaped like it: with ``grad_dtype="float32"`` the
+        float32 main grad of a bfloat16/float16 parameter (whose `.grad` stays None: the
+        main grad is its gradient, summed over micro-batches in float32 and zeroed by
+        `zero_grad`), otherwise the slot `.grad` is seated on (a float32 parameter's).
+
+        Args:
+            param: A trainable parameter of the wrapped model.
+
+        Returns:
+            The live view of the flat buffer (not a copy): read it, step from it, or
+            scale it in place; `grad_buffers` holds it.
+
+        Raises:
+            TypeError: `param` is not a tensor.
+            ValueError: `param` is not a trainable parameter of the wrapped model with a slot
+                (frozen, a sparse embedding's, another model's, or a plain tensor).
+        """
+        return _grad_ops.main_grad(self._engine, param)
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes
+        it, but accumulated in float64 over chunks of each buffer: within about 1e-9
+        (float32 gradients) or 1e-7 (bfloat16/float16) of the float64 norm at any size, and
+        returned in at least float32 (stock's bfloat16 norm keeps 3 digits). Parameters
+        whose `.grad` is None count as absent; frozen parameters that still hold a `.grad`
+        count, a tied one once.
+
+        Args:
+            norm_type: The order of the norm (``float("inf")`` for the max norm), as in torch.
+
+        Returns:
+            The total norm as a 0-d tensor (0 when no parameter has a `.grad`).
+
+        Raises:
+            ValueError: `norm_type` is NaN.
+            RuntimeError: The gradients are reduce-scattered by a `ShardedOptimizer` (after
+                its synchronised backward, until ``zero_grad()``); use its `clip_grad_norm_`.
+        """
+        return _grad_ops.grad_norm(self._engine, norm_type)
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on the flat buffers:
+        scales every gradient in place by ``min(1, max_norm / (total_norm + 1e-6))``, with
+        the total norm of `grad_norm` (more exact than stock's). Only gradient elements are
+        scaled, never the alignment padding, which stays zero; on the CPU a factor of
+        exactly 1 skips the pass (see `flatgrad._buffer_ops.scale_`).
+
+        Args:
+            max_norm: The largest total norm the gradients keep.
+            norm_type: The order of the norm (``float("inf")`` for the max norm), as in torch.
+            error_if_nonfinite: Raise instead of clipping when the total norm is NaN or infinite.
+
+        Returns:
+            The total norm before clipping, as `grad_norm` returns it.
+
+        Raises:
+            ValueError: `norm_type` is NaN.
+            RuntimeError: The total norm is non-finite and `error_if_nonfinite` is True; or the
+                gradients are reduce-scattered by a `ShardedOptimizer` (after its synchronised
+                backward, until ``zero_grad()``): use its `clip_grad_norm_`.
+        """
+        return _grad_ops.clip_grad_norm_(self._engine, max_norm, norm_type, error_if_nonfinite)
+
+    # --- synchronisation (the communication itself lives in flatgrad.comm) --------------
+
+    def all_reduce_grads(self, process_group: Any = None, wire_dtype: torch.dtype | None = None) -> None:
+        """Without DDP: average all gradients over `process_group` (default: the world),
+        one all-reduce per buffer. Call it after backward, before the optimizer step.
+        Afterwards `.grad` is as stock DDP with find_unused_parameters=True leaves it (None
+        only for a parameter no rank used).
+
+        Args:
+            process_group: The group to average over; None for the default group.
+            wire_dtype: ``torch.bfloat16`` or ``torch.float16`` to all-reduce a compressed copy
+                of the floating-point buffers (decompressed into them); None sends them as
+                they are.
+
+        Raises:
+            ValueError: The model has sparse embeddings (``sparse=True``), whose gradients
+                live outside the flat buffers, or `wire_dtype` is not one of the above.
+            RuntimeError: No default process group is initialised (``dist.init_process_group``).
+        """
+        _grad_ops.all_reduce_grads(self._engine, process_group, wire_dtype)
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """Constructor arguments for ``DDP(flat, **flat.ddp_kwargs())``: the zero-copy,
+        one-all-reduce-per-buffer path together with `allreduce_hook` (a warning follows
+        if the hook has not run after two steps).
+
+        Returns:
+            ``{"gradient_as_bucket_view": True, "bucket_cap_mb": cap}``, with a cap above the
+            largest buffer, so that DDP keeps one bucket per (dtype, device).
+
+        Raises:
+            ValueError: The wrapper keeps main grads (``grad_dtype`` set), which DDP cannot carry.
+        """
+        comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP (flat.ddp_kwargs())")
+        self._engine.expect_hook()
+        return comm.ddp_kwargs(self._engine.refresh())
+
+    def comm_state(
+        self, process_group: Any = None, wire_dtype: torch.dtype | None = None
+    ) -> comm.FlatGradCommState:
+        """State for ``ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)``.
+
+        Args:
+            process_group: The group to average over, None for the default group; a DDP on a
+                sub-group needs the same group here (the hook does not see DDP's).
+            wire_dtype: ``torch.bfloat16`` or ``torch.float16`` all-reduces a compressed copy and
+                decompresses into the buffer, like torch's bf16/fp16 compress hooks; None
+                sends the buffer as it is.
+
+        Returns:
+            A `FlatGradCommState` for this wrapper.
+
+        Raises:
+            ValueError: `wire_dtype` is not torch.bfloat16, torch.float16 or None; or the
+                wrapper keeps main grads (``grad_dtype`` set), which DDP cannot carry.
+        """
+        comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP's allreduce_hook (flat.comm_state())")
+        return comm.FlatGradCommState(self, process_group, wire_dtype)
