@@ -229,7 +229,7 @@ def sharded_tensor(
     computes alike, with no communication. ``torch.distributed.checkpoint`` saves and loads
     its shards in place and reshards it, into a plain tensor of that shape too (another
     optimizer's state); ``torch.save`` writes only this rank's shards, as plain tensors
-    (`SAVED_SHARDS`). (Checked on torch 2.4-2.13; torch marks ShardedTensor deprecated in
+    (`SAVED_SHARDS`). (Checked on torch 2.4-2.15; torch marks ShardedTensor deprecated in
     favour of DTensor, which cannot express uneven shards at arbitrary offsets, and warns
     about it once.)"""
     import warnings
