@@ -1,3 +1,0 @@
-from flatgrad.bench.cli import main
-
-main()
