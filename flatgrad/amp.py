@@ -45,6 +45,5 @@ class GradScaler(GradScalerBase):
         """
         if not isinstance(optimizer, ShardedOptimizer):
             return None
-        optimizer._follow_layout()  # (parameters frozen or unfrozen since its last step)
-        optimizer._engine.unscale_(inv_scale, found_inf, allow_fp16)
+        optimizer.unscale_shards_(inv_scale, found_inf, allow_fp16)
         return {found_inf.device: found_inf}

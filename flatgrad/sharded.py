@@ -293,6 +293,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._engine.wait_gather()
         return loss
 
+    def unscale_shards_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> None:
+        """What `flatgrad.GradScaler` runs for this optimizer: multiply this rank's gradient
+        shards by `inv_scale` and set `found_inf` to 1.0 where any rank's shard holds an inf
+        or NaN (one small all-reduce; every rank must call it), after following parameters
+        frozen or unfrozen since the last step.
+
+        Args:
+            inv_scale: One over the loss scale (a 1-element float32 tensor).
+            found_inf: Set to 1.0 where a gradient is not finite on some rank.
+            allow_fp16: Whether float16 gradients may be unscaled (torch's argument).
+        """
+        self._follow_layout()
+        self._engine.unscale_(inv_scale, found_inf, allow_fp16)
+
     def wait_param_gather(self) -> None:
         """Wait for the parameter all-gathers `step()` left in flight
         (``overlap_param_gather=True``); a no-op otherwise or once the forward waited."""
