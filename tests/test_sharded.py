@@ -103,9 +103,10 @@ def _profile_worker(rank: int, world_size: int, overlap: bool) -> None:
     # (both faster there: see flatgrad.comm.launch_average, flatgrad._zero); NCCL by
     # reduce-scatter and all-gather
     assert names.count("c10d::_reduce_scatter_base_") == 0, sorted(set(names))
-    # the used-parameter flags ride on the last bucket to launch (it ends the buffer here)
-    assert dp._engine._plan.carriers, "the flags should ride on a bucket"
-    assert names.count("c10d::allreduce_") == num_buckets
+    # the used-parameter flags go with the optimizer's step count (checked on every rank:
+    # see flatgrad._buckets.Round._check_round) in one small all-reduce of bytes
+    assert not dp._engine.last_round.carries_flags
+    assert names.count("c10d::allreduce_") == num_buckets + 1
     # every rank holds all averaged gradients after gloo's all-reduce: one shard of the
     # whole buffer per rank, one broadcast each; a bucket's shard per rank where the next
     # forward waits for each bucket (overlap_param_gather)
