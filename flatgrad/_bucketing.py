@@ -25,7 +25,12 @@ from flatgrad._buckets import (
     plan_launches,
     prescale_factor,
 )
-from flatgrad._scattered import carry_scattered, mark_scattered, refuse_adding_onto_scattered
+from flatgrad._scattered import (
+    carry_scattered,
+    mark_scattered,
+    refuse_adding_onto_scattered,
+    unmark_scattered,
+)
 from flatgrad._sync_hooks import Deferrals, ReadyHooks
 from flatgrad._torch_compat import (
     current_autograd_node,
@@ -74,9 +79,19 @@ class BucketSync:
         self._armed = False
         self._deferrals = Deferrals()  # hooks that carry a nested backward's end outward
         self._small_first_on_cpu = cores_to_spare(process_group)  # (see `cut_buckets`)
+        # The optimizer steps a ShardedOptimizer took (None without one): each synchronised
+        # backward checks that every rank took as many (`Round._check_round`).
+        self.step_count: int | None = None
+        # Under a `Join` that divides by the ranks not joined yet: the last forward's count
+        # of them, in flight (its work and tensor: `DataParallel._notify_join`), read when
+        # the backward opens; None otherwise.
+        self.joined_count: tuple[Any, torch.Tensor] | None = None
+        # On a joined rank: whether its last shadowed iteration averaged (`shadow`), which a
+        # ShardedOptimizer's join hook steps after.
+        self.shadowed_sync = False
         self.rebuild()
 
-    def _new_round(self) -> Round:
+    def _new_round(self, divisor: int | None = None) -> Round:
         names = self._parameter_names if self.check_finite else None
         return Round(
             self._buckets,
@@ -87,6 +102,8 @@ class BucketSync:
             self.reduce_scatter,
             names,
             self.shards,
+            divisor,
+            self.step_count,
         )
 
     def _parameter_names(self) -> dict[int, str]:
@@ -230,9 +247,42 @@ class BucketSync:
         return True
 
     def _average(self) -> Round:
-        self._round = self._new_round()  # (and the routed layers write divided where it sums)
-        self._store.prescale.start(self._prescale)  # type: ignore[union-attr]
+        divisor = self._ranks_not_joined()
+        self._round = self._new_round(divisor)  # (and the routed layers write divided where it sums)
+        self._store.prescale.start(self._prescale if divisor is None else None)  # type: ignore[union-attr]
         return self._round
+
+    def _ranks_not_joined(self) -> int | None:
+        """The ranks not joined yet, which this backward divides by, under a `Join` that
+        says so (`joined_count`, waited for here); None otherwise, or when none has joined."""
+        if self.joined_count is None:
+            return None
+        work, count = self.joined_count
+        self.joined_count = None
+        work.wait()
+        ranks = int(count[1])
+        return None if ranks == dist.get_world_size(self.process_group) else ranks
+
+    def shadow(self, divisor: int | None) -> None:
+        """On a rank that joined (`torch.distributed.algorithms.Join`): the averaging of the
+        backward the ranks still training run, with zeros for this rank's gradients, as
+        DDP's join hook does: the same round (every bucket in the plan's order, the used flags
+        and step count, the finiteness check) and the order agreement after the first one.
+        Unlike DDP's zero buckets, the buffers are this rank's own: it ends with the others'
+        averages in `.grad` (and its shards), which a ShardedOptimizer's join hook steps."""
+        store = self._store
+        assert store is not None, "DataParallel is not built"
+        self._scattered = False
+        unmark_scattered(store, to_none=True)
+        for param in store.params:
+            param.grad = None  # (its slot is zeroed at its bucket's launch, as an unused one's)
+        store.zero_mains()
+        self._round = round_ = self._new_round(divisor)
+        round_.sync_all()
+        self._agree_order(round_)
+        self._scattered = self.reduce_scatter
+        if self._scattered:
+            mark_scattered(store)
 
     def _open(self) -> bool:
         """From an AccumulateGrad hook, when no backward is open (this one reached none of
@@ -289,6 +339,11 @@ class BucketSync:
         it, its gradients the backward's last but for unused ones)."""
         last = self._buckets[self._plan.order[-1]] if self._plan.learned else None
         self._hooks.note_unused(round_, last)
+        self._agree_order(round_)
+
+    def _agree_order(self, round_: Round) -> None:
+        """After the first synchronised backward since a (re)build: rank 0's order of
+        completion becomes the launch order on every rank (one broadcast)."""
         if not self._plan.learned and self._buckets:
             device = self._buckets[0].buffer.device
             order = agree_order(round_.completed, len(self._buckets), device, self.process_group)

@@ -105,20 +105,21 @@ class Round:
         scatter: bool,
         check_finite: Callable[[], dict[int, str]] | None = None,
         shards: Sequence[torch.Tensor] = (),
+        divisor: int | None = None,
+        step_count: int | None = None,
     ) -> None:
         self.buckets, self.plan, self.store = buckets, plan, store
         self.process_group, self.wire_dtype, self.scatter = process_group, wire_dtype, scatter
+        # The ranks a `Join` averages over when not the world size (its joined ranks send
+        # zeros: `BucketSync.shadow`), and the steps a ShardedOptimizer took before this
+        # backward, which every rank checks against the others' (`_check_round`).
+        self.divisor, self.step_count = divisor, step_count
         # The used flags may ride with a bucket unless it is reduce-scattered (each rank
-        # would get only its part of them).
-        self.carries_flags = not (scatter and reduce_scatters(process_group))
-        # A ShardedOptimizer's all-reduced (gloo) float32/float64 buckets are summed and only its
-        # `shards` (all it reads) divided once everything arrived: 1/world_size of a pass. Only
-        # for a power-of-two world size (dividing by it is exact: DDP's result to the bit, but
-        # for sums beyond the float range and subnormal addends). Half precision divides
-        # first, so that its sums stay finite; so does `check_finite` (`.grad` stays readable).
+        # would get only its part of them), or a step count must ride with them (bytes
+        # compared by MAX: see `_check_round`).
+        self.carries_flags = not (scatter and reduce_scatters(process_group)) and step_count is None
         self.world_size = dist.get_world_size(process_group)
-        exact = self.world_size > 1 and self.world_size & (self.world_size - 1) == 0  # (1: no division)
-        summed = scatter and self.carries_flags and wire_dtype is None and exact and check_finite is None
+        summed = _sums_then_divides(self, check_finite is None)
         self.divide_after = [s for s in shards if s.dtype in _SUMMED] if summed else []
         # With `check_finite` (the parameters' names, asked for only to raise): per launched
         # bucket, whether its local gradients were all finite (a device tensor, no sync).
@@ -248,8 +249,8 @@ class Round:
         i, divide = bucket.index, not (self.divide_after and sent.dtype in _SUMMED)
         if divide_unscaled(bucket, self.store, self.world_size):
             divide = False  # (the routed slots were written divided: `flatgrad._prescale`)
-        group, wire_dtype = self.process_group, self.wire_dtype
-        self.work[i], self.wire[i] = launch_average(sent, group, wire_dtype, self.scatter, divide)
+        group, wire_dtype, scatter = self.process_group, self.wire_dtype, self.scatter
+        self.work[i], self.wire[i] = launch_average(sent, group, wire_dtype, scatter, divide, self.divisor)
         self.sent[i] = sent
 
     def wait_launched(self) -> None:
@@ -272,13 +273,15 @@ class Round:
         carried = {id(p) for _, members in self.flagged for p in members}
         rest = tuple(p for p in store.params if id(p) not in carried)
         used_work = None
-        if rest:
+        if rest or self.step_count is not None:
             # Used as the flags riding with a bucket say it (`GradStore.flagged`): a `.grad` (an
             # AccumulateGrad run with no gradient leaves None; so DDP counts it), or a main grad.
             flags = [p.grad is not None or store.is_main(p) for p in rest]
-            used = host_tensor(flags, torch.uint8, rest[0].device)
+            count = [] if self.step_count is None else _round_bytes(self.step_count)
+            device = next(iter(store.buffers.values())).device
+            used = host_tensor([*flags, *count], torch.uint8, device)
             used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
-            self.flagged.append((used, rest))
+            self.flagged.append((used[: len(rest)], rest))
         nonfinite = self._launch_finite_check(store) if self.check_finite is not None else None
         for work, wire, sent in zip(self.work, self.wire, self.sent):
             work.wait()
@@ -286,6 +289,8 @@ class Round:
                 sent.copy_(read_here(wire))  # type: ignore[union-attr]
         if used_work is not None:
             used_work.wait()
+            if self.step_count is not None:
+                self._check_round(used[len(rest) :], self.step_count)
         if self.divide_after:
             torch._foreach_div_(self.divide_after, self.world_size)
             self.divide_after = []  # (once)
@@ -294,6 +299,26 @@ class Round:
         settle_unused(store, self.flagged)
         if nonfinite is not None:
             self._raise_if_nonfinite(*nonfinite)
+
+    def _check_round(self, seen: torch.Tensor, step_count: int) -> None:
+        """Raise on every rank unless every rank took as many optimizer steps before this
+        backward (the bytes of `_round_bytes`, reduced by MAX: equal exactly when the
+        largest count equals the smallest). A rank that ran no forward and backward on an
+        empty batch but stepped pairs this backward with the others' previous one; its next
+        collectives (the parameter gathers of the others' step) would not match in size, and
+        gloo aborts the process from its own thread."""
+        high, low = (int(v) for v in seen.tolist())
+        if high == 255 - low:
+            return
+        rank = dist.get_rank(self.process_group)
+        raise RuntimeError(
+            f"DataParallel: the ranks disagree on the round: rank {rank} runs the backward after "
+            f"{step_count % 256} optimizer steps, while the ranks' counts range from {255 - low} "
+            f"to {high} (modulo 256): a rank stepped without the forward and backward of the others "
+            "(an empty batch?). Every rank must run the same synchronised backwards and steps; for "
+            "uneven data per rank, wrap the loop in "
+            "`with torch.distributed.algorithms.Join([dp, opt]):`"
+        )
 
     def _launch_finite_check(self, store: GradStore) -> tuple[torch.Tensor, Any]:
         """Which ranks had a non-finite local gradient: one small all-reduce of a flag per
@@ -328,6 +353,27 @@ class Round:
             f"DataParallel(check_finite=True): a non-finite gradient (NaN or inf) before averaging on "
             f"{where}; this step's gradients are not usable: skip it (zero_grad) or stop"
         )
+
+
+def _sums_then_divides(round_: Round, no_finite_check: bool) -> bool:
+    """Whether a ShardedOptimizer's all-reduced (gloo) float32/float64 buckets are summed and
+    only its shards (all it reads) divided once everything arrived: 1/world_size of a pass.
+    Only for a power-of-two world size (dividing by it is exact: DDP's result to the bit, but
+    for sums beyond the float range and subnormal addends) and no Join divisor. Half
+    precision divides first, so that its sums stay finite; so does `check_finite` (`.grad`
+    stays readable)."""
+    world_size = round_.world_size
+    exact = world_size > 1 and world_size & (world_size - 1) == 0  # (1: no division)
+    exact = exact and round_.divisor in (None, world_size)
+    scatter, group = round_.scatter, round_.process_group
+    return scatter and round_.wire_dtype is None and exact and no_finite_check and not reduce_scatters(group)
+
+
+def _round_bytes(count: int) -> list[int]:
+    """`count` modulo 256 and its complement to 255, as bytes: a MAX all-reduce of them gives
+    the largest count and 255 minus the smallest."""
+    low = count % 256
+    return [low, 255 - low]
 
 
 def _finite(store: GradStore, param: nn.Parameter) -> bool:

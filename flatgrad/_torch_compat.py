@@ -35,6 +35,7 @@ __all__ = [
     "functorch_active",
     "graph_task_id",
     "in_compiled_autograd",
+    "join_state",
     "non_finite_check_and_unscale",
     "preserve_version_counter",
     "queue_callback",
@@ -145,6 +146,17 @@ def divides_by_ranks_not_joined(ddp: Any) -> bool:
     return bool(
         config is not None and config.enable and not getattr(ddp, "_divide_by_initial_world_size", True)
     )
+
+
+def join_state(joinable: Any) -> tuple[bool, bool]:
+    """(whether `joinable` runs inside an enabled `torch.distributed.algorithms.Join`,
+    whether it is that Join's first joinable, the one whose per-iteration all-reduce tells
+    the joined ranks that it has not joined), from the config `Join` sets on it (private in
+    every torch the range accepts; a `Joinable` without one is in no Join)."""
+    config = getattr(joinable, "_join_config", None)
+    if config is None:
+        return False, False
+    return bool(config.enable), bool(config.is_first_joinable)
 
 
 def shadowing_ddp() -> Any:

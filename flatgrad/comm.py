@@ -365,18 +365,25 @@ def launch_average(
     wire_dtype: torch.dtype | None,
     scatter: bool,
     divide: bool = True,
+    divisor: int | None = None,
 ) -> tuple[Any, torch.Tensor | None]:
     """Start averaging `sent` over `process_group` asynchronously: an all-reduce in place,
     or (`scatter`) a reduce-scatter whose result is this rank's piece of `sent` (on gloo an
     all-reduce, which is faster there and leaves that piece averaged too). Returns the
     work and the wire tensor when it is not `sent` itself (a `wire_dtype` copy, which the
     caller copies back once the work is done). `divide` False where the reduction sums:
-    the sum is left for the caller to divide (the shards a ShardedOptimizer reads)."""
+    the sum is left for the caller to divide (the shards a ShardedOptimizer reads).
+    `divisor`: the ranks to average over when not the world size (under a `Join` that
+    divides by the ranks not joined yet, whose joined ranks send zeros): a sum of the
+    ranks' gradients divided first, on every backend."""
     wire = to_wire(sent, wire_dtype)
     op, must_divide = average_op(wire, process_group)
     world_size = dist.get_world_size(process_group)
+    ranks = world_size
+    if divisor is not None and divisor != world_size:
+        op, must_divide, ranks = dist.ReduceOp.SUM, True, divisor
     if divide and must_divide:
-        wire.div_(world_size)  # divide first, so sums stay finite (used flags stay > 0)
+        wire.div_(ranks)  # divide first, so sums stay finite (used flags stay > 0)
     if scatter and reduce_scatters(process_group):
         out = wire.view(world_size, -1)[dist.get_rank(process_group)]
         work = reduce_scatter_flat(out, wire, op=op, group=process_group, async_op=True)

@@ -65,10 +65,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from flatgrad._bucketing import BucketSync
 from flatgrad._names import PlainNames, add_prefix
-from flatgrad._torch_compat import broadcast_coalesced, preserve_version_counter
+from flatgrad._torch_compat import broadcast_coalesced, join_state, preserve_version_counter
 from flatgrad.comm import check_wire_dtype
 from flatgrad.wrapper import FlatGrad
 
@@ -77,7 +78,7 @@ logger = logging.getLogger(__name__)
 _BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
 
 
-class DataParallel(PlainNames):
+class DataParallel(PlainNames, Joinable):
     """Averages the gradients of `flat` over `process_group` during backward, bucket by
     bucket, overlapping communication with the rest of the backward.
 
@@ -87,6 +88,14 @@ class DataParallel(PlainNames):
     Rank 0's parameters and buffers are broadcast at construction, and with
     `broadcast_buffers` (DDP's flag and default) its buffers (BatchNorm statistics) again
     before each forward that follows a synchronised training forward, as DDP does.
+
+    A `torch.distributed.algorithms.Joinable`, as DDP: for uneven data per rank, train inside
+    ``with Join([dp, opt]):`` (dp first; `opt` a plain torch optimizer, which Join leaves
+    alone, or a `ShardedOptimizer`). A rank that ran out of data shadows each iteration of
+    the others: the buffer broadcast, and each synchronised backward's averaging with zeros
+    for its gradients (`join_hook`); gradients are divided by the world size, as DDP's by
+    default, or by the ranks not joined yet with ``Join(..., divide_by_initial_world_size=False)``.
+    When every rank has joined, the last to join broadcasts its parameters and buffers.
 
     Args:
         flat: The `FlatGrad`-wrapped model; every rank must wrap the same model.
@@ -132,6 +141,7 @@ class DataParallel(PlainNames):
             raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
         flat._engine.refuse_sparse("DataParallel")
         super().__init__()
+        Joinable.__init__(self)  # (not joined: Join configures it)
         self.module = flat
         self._share_root()
         self.process_group = process_group
@@ -143,6 +153,7 @@ class DataParallel(PlainNames):
         # (True before the first), which is when the next forward broadcasts the buffers.
         self._sync_buffers_next = True
         self._sync = True
+        self._divide_by_initial_world_size = True  # (the running Join's, as DDP's)
         _check_same_model(flat, process_group)
         _broadcast_from_rank0(flat, process_group)
         self._engine = BucketSync(flat._engine, process_group, self.bucket_mb, wire_dtype, check_finite)
@@ -186,7 +197,10 @@ class DataParallel(PlainNames):
             engine.drain()  # a backward that raised never finished
         if self.module._engine.steady() is not engine.store:
             engine.rebuild()
-        if self._sync_buffers_next and self.broadcast_buffers and engine.has_buffers:
+        joined, first = join_state(self)
+        if joined:
+            self._notify_join(first)
+        elif self._sync_buffers_next and self.broadcast_buffers and engine.has_buffers:
             self._broadcast_buffers()
         # The backward through the output of the forward about to run is this one's too
         # (bound into that forward's plan: see flatgrad._backward).
@@ -199,16 +213,84 @@ class DataParallel(PlainNames):
         if training:
             self._engine.arm(self._sync)
 
-    def _broadcast_buffers(self) -> None:
-        """Rank 0's buffers to every rank, as DDP's forward does: the buffers found now (a
-        buffer may have been re-assigned), coalesced into few broadcasts
-        (`dist._broadcast_coalesced`, DDP's own, 250 MiB pieces), without bumping their
-        version counters (a buffer saved for a backward stays usable, as under DDP)."""
+    def _broadcast_buffers(self, source: int = 0) -> None:
+        """The buffers of rank `source` (of the group) to every rank, as DDP's forward does:
+        the buffers found now (a buffer may have been re-assigned), coalesced into few
+        broadcasts (`dist._broadcast_coalesced`, DDP's own, 250 MiB pieces), without bumping
+        their version counters (a buffer saved for a backward stays usable, as under DDP)."""
         buffers = list(self.module.buffers())
         if not buffers:
             return
         with torch.no_grad(), preserve_version_counter(tuple(buffers)):
-            broadcast_coalesced(self.process_group, buffers, _BROADCAST_BUCKET_BYTES, 0)
+            broadcast_coalesced(self.process_group, buffers, _BROADCAST_BUCKET_BYTES, self._global(source))
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.process_group, rank) if self.process_group is not None else rank
+
+    # --- Join -----------------------------------------------------------------------------
+
+    def _notify_join(self, first: bool) -> None:
+        """Before a forward inside a `Join`, what DDP's forward does there, in its order: tell
+        the joined ranks that this one has not joined (`Join.notify_join_context`); broadcast
+        the buffers from the highest rank not joined (rank 0 may have joined with stale
+        ones); and all-reduce (sync, 1), which the joined ranks match with zeros
+        (`_DataParallelJoinHook`): whether this forward's backward averages, and the ranks
+        not joined, which it divides by under ``divide_by_initial_world_size=False``. One
+        small all-reduce per forward more than outside a Join, as DDP's."""
+        if not first:
+            raise ValueError(
+                "DataParallel must be the first joinable of its Join, as DDP is: "
+                "Join([dp, opt]) (its forward's all-reduce tells the joined ranks that this "
+                f"rank has not joined), got it at another place on rank {dist.get_rank(self.process_group)}"
+            )
+        Join.notify_join_context(self)
+        if self._sync_buffers_next and self.broadcast_buffers and self._engine.has_buffers:
+            self._broadcast_buffers(self._common_rank(True))
+        sync = torch.is_grad_enabled() and self._sync
+        flags = torch.tensor([int(sync), 1], dtype=torch.int64, device=self.join_device)
+        work = dist.all_reduce(flags, group=self.process_group, async_op=True)
+        self._engine.joined_count = None if self._divide_by_initial_world_size else (work, flags)
+
+    def _common_rank(self, candidate: bool) -> int:
+        """The highest rank (of the group) for which `candidate` holds (DDP's
+        `_find_common_rank`): every rank passes whether it is one; one small all-reduce."""
+        rank = dist.get_rank(self.process_group)
+        found = torch.tensor([rank if candidate else -1], dtype=torch.int64, device=self.join_device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
+        return int(found.item())
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook through which a rank that ran out of data shadows the others' iterations
+        inside ``with Join([dp, ...]):`` (`torch.distributed.algorithms.Join` calls it).
+
+        Args:
+            **kwargs: The Join's keyword arguments: ``divide_by_initial_world_size`` (default
+                True, as DDP's) divides each average by the world size; False by the ranks
+                not joined yet. Others are for other joinables.
+
+        Returns:
+            The join hook.
+        """
+        return _DataParallelJoinHook(self, bool(kwargs.get("divide_by_initial_world_size", True)))
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where the Join's own all-reduces run: the device of the model's gradients.
+
+        Returns:
+            The first flat buffer's device (CPU for a model without one).
+        """
+        buffers = self.module.grad_buffers
+        return next(iter(buffers.values())).device if buffers else torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group the Join's all-reduces run over: this DataParallel's.
+
+        Returns:
+            `process_group` (None: the default group).
+        """
+        return self.process_group
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -313,6 +395,45 @@ class DataParallel(PlainNames):
             Seconds (0.0 before the first synchronised backward).
         """
         return self._engine.last_round.backward_s
+
+
+class _DataParallelJoinHook(JoinHook):
+    """What a rank that ran out of data does in place of each iteration of the ranks still
+    training, as DDP's join hook (`_DDPJoinHook`) does for DDP."""
+
+    def __init__(self, dp: DataParallel, divide_by_initial_world_size: bool) -> None:
+        self.dp = dp
+        dp._divide_by_initial_world_size = divide_by_initial_world_size
+        super().__init__()
+
+    def main_hook(self) -> None:
+        """Match one forward of the others (`DataParallel._notify_join`) and, when it
+        averages, its backward (`BucketSync.shadow`, with zeros for this rank's gradients)."""
+        dp = self.dp
+        engine = dp._engine
+        if dp._sync_buffers_next and dp.broadcast_buffers and engine.has_buffers:
+            dp._broadcast_buffers(dp._common_rank(False))
+        flags = torch.zeros(2, dtype=torch.int64, device=dp.join_device)
+        dist.all_reduce(flags, group=dp.process_group)
+        sync, ranks = int(flags[0]) > 0, int(flags[1])
+        dp._sync_buffers_next = sync
+        engine.shadowed_sync = sync
+        if sync:
+            engine.shadow(None if dp._divide_by_initial_world_size else ranks)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank takes the parameters and buffers of the last rank to join (the highest
+        of them), as DDP's: a joined rank kept its own since it joined. With a
+        ShardedOptimizer the parameters are every rank's already (a joined rank steps its
+        shards and gathers along: its join hook), and only the buffers move."""
+        dp = self.dp
+        source = dp._common_rank(is_last_joiner)
+        if not dp._engine.reduce_scatter:
+            with torch.no_grad():
+                for param in dp.module.parameters():
+                    dist.broadcast(param.data, src=dp._global(source), group=dp.process_group)
+        if dp.broadcast_buffers:
+            dp._broadcast_buffers(source)
 
 
 def _check_same_model(module: nn.Module, process_group: dist.ProcessGroup | None) -> None:

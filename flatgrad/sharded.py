@@ -35,10 +35,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from flatgrad._checkpoint import GroupView, whole_state
 from flatgrad._gather_waits import ForwardWaits
 from flatgrad._scattered import is_scattered, unguarded, unmark_scattered
+from flatgrad._torch_compat import join_state
 from flatgrad._zero import ShardEngine
 from flatgrad._zero_groups import (
     PieceGroups,
@@ -53,7 +55,7 @@ from flatgrad.buffer import GradStore
 from flatgrad.parallel import DataParallel
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     """ZeRO-1 on top of `dp`: ``ShardedOptimizer(dp, torch.optim.AdamW, lr=..., ...)``, or
     with parameter groups as a torch optimizer takes them:
     ``ShardedOptimizer(dp, torch.optim.AdamW, [{"params": decay, "weight_decay": 0.1},
@@ -83,6 +85,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     optimizer steps float32 masters of this rank's shards, which `step()` rounds into the
     parameters and all-gathers in their dtype; they are saved with the state (key
     ``"master"``). See docs/mixed-precision.md.
+
+    A `torch.distributed.algorithms.Joinable`, as ZeroRedundancyOptimizer: inside
+    ``with Join([dp, opt]):`` (dp first) a rank that ran out of data steps its shards with
+    the averages of the others' synchronised backwards (which dp's join hook brings it) and
+    gathers along, once per synchronised backward; `clip_grad_norm_` and a GradScaler's
+    checks are not shadowed there (each is a collective the joined rank cannot foresee).
 
     Construction lays the model's parameters out again (flat parameter buffers, slots on
     multiples of the world size) and switches `dp`'s buckets to reduce-scatter.
@@ -141,6 +149,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         checked = checked_defaults(dp.module._engine.refresh(), optimizer_class, groups, defaults)
         self._ready = False  # the inner optimizer exists (add_param_group gives it a group too)
         super().__init__(groups, checked)
+        Joinable.__init__(self)  # (not joined: Join configures it)
         self.dp = dp
         self.world_size = dp.world_size
         self.rank = dist.get_rank(dp.process_group)
@@ -153,6 +162,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # slots on multiples of the world size: equal shards per bucket (and per buffer)
         self._lay_out(dp.module._engine.use_slot_multiple(self.world_size))
         self._ready = True
+        dp._engine.step_count = 0  # each synchronised backward checks the ranks agree on it
 
     def _lay_out(self, store: GradStore) -> None:
         """Shard `store` (the model's gradient store, slots on multiples of the world size):
@@ -277,6 +287,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 parameters of another step count.
         """
         self._engine.wait_gather()  # (overlap_param_gather: a step with no forward since)
+        self._check_join()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -285,6 +296,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._groups.check(self.param_groups)
         self._engine.take_assigned_grads()
         found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        self.dp._engine.step_count += 1  # type: ignore[operator]  # (a step without gradients too)
         if self._engine.skip_or_unscale(found_inf, grad_scale) or not self._engine.has_grads():
             return loss
         self._groups.step(self.param_groups, **kwargs)
@@ -306,6 +318,46 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         self._follow_layout()
         self._engine.unscale_(inv_scale, found_inf, allow_fp16)
+
+    def _check_join(self) -> None:
+        """Inside a `Join`, refuse an order the joined ranks could not follow: this optimizer
+        steps after dp's shadowed backward, so dp must be in the same Join, before it."""
+        joined, first = join_state(self)
+        if joined and (first or not join_state(self.dp)[0]):
+            raise ValueError(
+                "ShardedOptimizer inside a Join needs its DataParallel first in the same Join: "
+                "Join([dp, opt]) (a joined rank steps after dp's join hook shadowed a backward)"
+            )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook through which a rank that ran out of data steps with the others inside
+        ``with Join([dp, opt]):`` (`torch.distributed.algorithms.Join` calls it).
+
+        Args:
+            **kwargs: The Join's keyword arguments (for other joinables; none used here).
+
+        Returns:
+            The join hook.
+        """
+        return _ShardedJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where the Join's own all-reduces run: dp's (`DataParallel.join_device`).
+
+        Returns:
+            The device of the model's gradients.
+        """
+        return self.dp.join_device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group of dp, whose ranks share the shards.
+
+        Returns:
+            dp's `process_group` (None: the default group).
+        """
+        return self.dp.process_group
 
     def wait_param_gather(self) -> None:
         """Wait for the parameter all-gathers `step()` left in flight
@@ -400,3 +452,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
             The summed size of the tensors in the inner optimizer's state.
         """
         return self._groups.state_bytes()
+
+
+class _ShardedJoinHook(JoinHook):
+    """What a rank that ran out of data does in place of the others' `step()`, as
+    ZeroRedundancyOptimizer's join hook does: after each synchronised backward that dp's
+    join hook shadowed (which left this rank the others' averages), step its shards and
+    gather the parameters along (with the others' `overlap_param_gather`, left in flight as
+    theirs)."""
+
+    def __init__(self, opt: ShardedOptimizer) -> None:
+        self.opt = opt
+        super().__init__()
+
+    def main_hook(self) -> None:
+        """Step when dp's hook shadowed an averaging backward in this iteration."""
+        if self.opt.dp._engine.shadowed_sync:
+            self.opt.step()

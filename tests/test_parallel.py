@@ -1348,3 +1348,53 @@ def _no_grad_worker(rank: int, world_size: int) -> None:
 
 def test_a_parameter_that_gets_no_gradient_anywhere_keeps_grad_none_like_ddp():
     run_ranks(_no_grad_worker)
+
+
+def _join_batches(rank: int) -> range:
+    return range(2 + rank)  # uneven: rank r runs out after 2 + r steps
+
+
+def _train_joined(model: nn.Module, opt: torch.optim.Optimizer, rank: int, divide_initial: bool) -> None:
+    """Steps of two micro-batches (the first under no_sync) inside Join([model, opt]) (a plain
+    torch optimizer is no Joinable: Join([model]))."""
+    from torch.distributed.algorithms import Join, Joinable
+
+    joinables = [model, opt] if isinstance(opt, Joinable) else [model]
+    with Join(joinables, divide_by_initial_world_size=divide_initial):
+        for step in _join_batches(rank):
+            opt.zero_grad()
+            with model.no_sync():
+                model(_tokens(rank, step, 1)).backward()
+            model(_tokens(rank, step)).backward()
+            opt.step()
+
+
+def _join_worker(rank: int, world_size: int, divide_initial: bool, check_finite: bool) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    dp = flatgrad.DataParallel(flat, bucket_mb=0.001, check_finite=check_finite)
+    assert len(dp.buckets) >= 2
+    _train_joined(dp, torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9), rank, divide_initial)
+    _train_joined(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), rank, divide_initial)
+    for (name, p), q in zip(flat.module.named_parameters(), ref.module.parameters()):
+        torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    # After the Join the ranks train together again, as DDP's. (A joined rank's `.grad` is
+    # the others' last average here, DDP's its own last gradient: zeroed first.)
+    flat.zero_grad()
+    ref.zero_grad()
+    dp(_tokens(rank, 7)).backward()
+    ref(_tokens(rank, 7)).backward()
+    _assert_grads_match(flat.module, ref.module, "after the Join")
+
+
+@pytest.mark.parametrize(
+    ("world_size", "divide_initial", "check_finite"),
+    [(2, True, False), (3, True, True), (3, False, False), (2, False, True)],
+)
+def test_join_with_uneven_batches_equals_stock_ddp(world_size, divide_initial, check_finite):
+    """Oracle: stock DDP + SGD under the same Join (a joined rank's DDP shadows the others'
+    all-reduces with zeros; the last to join broadcasts the model at the end), dividing by
+    the world size (DDP's default) or by the ranks not joined yet."""
+    run_ranks(_join_worker, divide_initial, check_finite, world_size=world_size, timeout=120)

@@ -103,9 +103,10 @@ def _profile_worker(rank: int, world_size: int, overlap: bool) -> None:
     # (both faster there: see flatgrad.comm.launch_average, flatgrad._zero); NCCL by
     # reduce-scatter and all-gather
     assert names.count("c10d::_reduce_scatter_base_") == 0, sorted(set(names))
-    # the used-parameter flags ride on the last bucket to launch (it ends the buffer here)
-    assert dp._engine._plan.carriers, "the flags should ride on a bucket"
-    assert names.count("c10d::allreduce_") == num_buckets
+    # the used-parameter flags go with the optimizer's step count (checked on every rank:
+    # see flatgrad._buckets.Round._check_round) in one small all-reduce of bytes
+    assert not dp._engine.last_round.carries_flags
+    assert names.count("c10d::allreduce_") == num_buckets + 1
     # every rank holds all averaged gradients after gloo's all-reduce: one shard of the
     # whole buffer per rank, one broadcast each; a bucket's shard per rank where the next
     # forward waits for each bucket (overlap_param_gather)
@@ -1186,3 +1187,91 @@ def test_parameters_frozen_and_unfrozen_between_steps_equal_ddp(world_size, case
     layer frozen and unfrozen inside its group refused on every rank (torch counts AdamW's
     steps per parameter, ShardedOptimizer per group), before anything moved."""
     run_ranks(_freeze_worker, case, world_size=world_size)
+
+
+def _join_steps(dp, opt, rank: int, divide_initial: bool) -> None:  # noqa: ANN001
+    """Uneven data (rank r runs 2 + r steps), two micro-batches a step (the first under
+    no_sync), inside Join([dp, opt]) (a plain torch optimizer is no Joinable: Join([dp]))."""
+    from torch.distributed.algorithms import Join, Joinable
+
+    joinables = [dp, opt] if isinstance(opt, Joinable) else [dp]
+    with Join(joinables, divide_by_initial_world_size=divide_initial):
+        for step in range(2 + rank):
+            opt.zero_grad()
+            with dp.no_sync():
+                dp(_tokens(rank, step, 1)).backward()
+            dp(_tokens(rank, step)).backward()
+            opt.step()
+
+
+def _join_worker(rank: int, world_size: int, divide_initial: bool, overlap: bool, check_finite: bool) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    dp = flatgrad.DataParallel(flat, bucket_mb=0.002, check_finite=check_finite)  # several buckets
+    opt = flatgrad.ShardedOptimizer(
+        dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1, overlap_param_gather=overlap
+    )
+    _join_steps(dp, opt, rank, divide_initial)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    _join_steps(ref, ref_opt, rank, divide_initial)
+    opt.wait_param_gather()
+    _assert_params_close(model, ref)
+    # Every rank stepped its shards each step: the state of the last rank to join (the
+    # only one stock's model takes at the end) continues.
+    last = world_size - 1
+    ref_opt.zero_grad()
+    if rank != last:
+        ref_opt.state.clear()  # (only the last rank's stock optimizer saw every step)
+    opt.zero_grad()
+    dp(_tokens(rank, 9)).backward()
+    ref(_tokens(rank, 9)).backward()
+    opt.step()
+    opt.wait_param_gather()
+    if rank == last:
+        ref_opt.step()
+        for (name, p), q in zip(flat.module.named_parameters(), ref.module.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=name: f"after the Join {n}: {m}")
+
+
+@pytest.mark.parametrize(
+    ("world_size", "divide_initial", "overlap", "check_finite"),
+    [(2, True, False, False), (3, True, True, False), (3, False, False, True), (2, False, True, True)],
+)
+def test_join_with_uneven_batches_equals_stock_ddp_adamw(world_size, divide_initial, overlap, check_finite):
+    """Oracle: stock DDP + AdamW under the same Join (the ranks still training step, the
+    last to join broadcasts its model at the end). A joined rank here gets the others'
+    averages from dp's join hook and steps its shards with them, so its shards' state is
+    the last joiner's stock optimizer state: the step after the Join equals that rank's."""
+    run_ranks(_join_worker, divide_initial, overlap, check_finite, world_size=world_size, timeout=150)
+
+
+def _skip_worker(rank: int, world_size: int) -> None:
+    model, flat, dp, opt = _build(rank)
+    ref, ref_opt = _stock(model)
+    for step in range(2):  # in step: the same as stock
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        dp(_tokens(rank, step)).backward()
+        ref(_tokens(rank, step)).backward()
+        opt.step()
+        ref_opt.step()
+    _assert_params_close(model, ref)
+    with pytest.raises(
+        RuntimeError,
+        match=r"the ranks disagree on the round: rank \d runs the backward after [23] .*Join\(\[dp, opt\]\)",
+    ):
+        for step in range(2, 4):
+            opt.zero_grad()
+            if not (rank == 1 and step == 2):  # an empty batch on rank 1: no forward, no backward
+                dp(_tokens(rank, step)).backward()
+            opt.step()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_that_skips_forward_and_backward_raises_on_every_rank(world_size):
+    """Oracle: stock DDP's ranks raise too (here a gloo abort or a hang without the check).
+    Rank 1 skips step 2's forward and backward and steps; its next backward pairs with the
+    others' step-2 backward, and every rank raises there, naming the mismatch."""
+    run_ranks(_skip_worker, world_size=world_size, timeout=90)
