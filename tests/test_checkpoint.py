@@ -73,25 +73,15 @@ def _train(dp: Any, opt: Any, sched: Any, rank: int, world_size: int, steps: ran
         sched.step()
 
 
-def _save_worker(rank: int, world_size: int, tmp: str, zero: bool, overlap: bool = False) -> None:
-    model, dp, opt, sched = _setup(zero, overlap)
-    _train(dp, opt, sched, rank, world_size, range(2))
-    dcp.save({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
-    _train(dp, opt, sched, rank, world_size, range(2, 4))
-    if overlap:
-        opt.wait_param_gather()  # parameters read outside a forward
-    if rank == 0:
-        final = {name: p.detach().tolist() for name, p in model.named_parameters()}
-        with open(f"{tmp}/final.json", "w") as file:
-            json.dump(final, file)
+def _write_final(model: nn.Module, tmp: str) -> None:
+    """The uninterrupted run's parameters, the oracle of every resume."""
+    final = {name: p.detach().tolist() for name, p in model.named_parameters()}
+    with open(f"{tmp}/final.json", "w") as file:
+        json.dump(final, file)
 
 
-def _resume_worker(rank: int, world_size: int, tmp: str, zero: bool) -> None:
-    model, dp, opt, sched = _setup(zero)
-    _train(dp, opt, sched, rank, world_size, range(1))  # state that the load must replace
-    dcp.load({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
-    assert sched.last_epoch == 2
-    _train(dp, opt, sched, rank, world_size, range(2, 4))
+def _assert_final(model: nn.Module, tmp: str, world_size: int) -> None:
+    """The resumed run's parameters equal the uninterrupted run's (`_write_final`)."""
     with open(f"{tmp}/final.json") as file:
         final = json.load(file)
     for name, p in model.named_parameters():
@@ -100,6 +90,26 @@ def _resume_worker(rank: int, world_size: int, tmp: str, zero: bool) -> None:
             p.detach(), expected, **TOL, msg=lambda m, n=name: f"{world_size} ranks {n}: {m}"
         )
     dist.barrier()
+
+
+def _save_worker(rank: int, world_size: int, tmp: str, zero: bool, overlap: bool = False) -> None:
+    model, dp, opt, sched = _setup(zero, overlap)
+    _train(dp, opt, sched, rank, world_size, range(2))
+    dcp.save({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
+    _train(dp, opt, sched, rank, world_size, range(2, 4))
+    if overlap:
+        opt.wait_param_gather()  # parameters read outside a forward
+    if rank == 0:
+        _write_final(model, tmp)
+
+
+def _resume_worker(rank: int, world_size: int, tmp: str, zero: bool) -> None:
+    model, dp, opt, sched = _setup(zero)
+    _train(dp, opt, sched, rank, world_size, range(1))  # state that the load must replace
+    dcp.load({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
+    assert sched.last_epoch == 2
+    _train(dp, opt, sched, rank, world_size, range(2, 4))
+    _assert_final(model, tmp, world_size)
 
 
 @pytest.mark.parametrize("zero", [True, False], ids=["sharded", "dataparallel"])
@@ -167,9 +177,7 @@ def _plain_save_worker(rank: int, world_size: int, tmp: str) -> None:
     dcp.save({"model": model_sd, "optim": optim_sd, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
     _train(ddp, opt, sched, rank, world_size, range(2, 4))
     if rank == 0:
-        final = {name: p.detach().tolist() for name, p in model.named_parameters()}
-        with open(f"{tmp}/final.json", "w") as file:
-            json.dump(final, file)
+        _write_final(model, tmp)
 
 
 def _plain_resume_worker(rank: int, world_size: int, tmp: str) -> None:
@@ -179,14 +187,7 @@ def _plain_resume_worker(rank: int, world_size: int, tmp: str) -> None:
     set_state_dict(ddp, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
     assert sched.last_epoch == 2
     _train(ddp, opt, sched, rank, world_size, range(2, 4))
-    with open(f"{tmp}/final.json") as file:
-        final = json.load(file)
-    for name, p in model.named_parameters():
-        expected = torch.tensor(final[name], dtype=p.dtype)
-        torch.testing.assert_close(
-            p.detach(), expected, **TOL, msg=lambda m, n=name: f"{world_size} ranks {n}: {m}"
-        )
-    dist.barrier()
+    _assert_final(model, tmp, world_size)
 
 
 def test_a_sharded_checkpoint_loads_into_plain_ddp_and_adamw_on_1_and_2_ranks(tmp_path):
