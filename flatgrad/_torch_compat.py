@@ -36,10 +36,12 @@ __all__ = [
     "graph_task_id",
     "in_compiled_autograd",
     "non_finite_check_and_unscale",
+    "POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT",
     "preserve_version_counter",
     "queue_callback",
     "register_load_pre_hook",
     "register_state_dict_post_hook",
+    "run_post_accumulate_hooks",
     "shadowing_ddp",
     "SAVED_SHARDS",
     "sharded_tensor",
@@ -102,6 +104,41 @@ def in_compiled_autograd() -> bool:
     an autograd final callback is refused there), or Dynamo is tracing."""
     module = sys.modules.get("torch._dynamo.compiled_autograd")
     return bool(getattr(module, "in_compiled_autograd_region", False)) or torch.compiler.is_compiling()
+
+
+def _accumulate_grad_skips_hooks_without_a_gradient() -> bool:
+    """Whether AccumulateGrad skips a tensor's post-accumulate-grad hooks when no gradient
+    reaches it: probed on one leaf by calling its AccumulateGrad node directly with None
+    (`Node.__call__` runs the node's apply alone: no backward, engine thread or hook)."""
+    ran: list[torch.Tensor] = []
+    with torch.inference_mode(False), torch.enable_grad():
+        leaf = torch.zeros(1, device="cpu", requires_grad=True)
+        leaf.register_post_accumulate_grad_hook(ran.append)
+        leaf.view_as(leaf).grad_fn.next_functions[0][0](None)  # type: ignore[union-attr]
+    return not ran
+
+
+POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT = _accumulate_grad_skips_hooks_without_a_gradient()
+"""True on torch 2.4: its ``AccumulateGrad::apply`` returns before calling the tensor's
+post-accumulate-grad hooks when the incoming gradient is undefined (``if
+(!grads[0].defined()) return {};`` at its top, the hook call at its end), which is what a
+flatgrad Function hands it after writing the gradient into the slot. Later releases return
+early only from the accumulation (``AccumulateGrad_apply_impl``) and call the hooks in
+any case. Where True, flatgrad runs them itself (`run_post_accumulate_hooks`)."""
+
+
+def run_post_accumulate_hooks(param: torch.Tensor, grad_inputs: Any, grad_outputs: tuple[Any, ...]) -> None:
+    """A post hook of `param`'s AccumulateGrad node (bound to `param` with a partial), for
+    torch 2.4 (`POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT`): when no gradient reached it, call
+    `param`'s post-accumulate-grad hooks, in their order, as later releases' AccumulateGrad
+    does (registered first on the node, it runs where theirs would: after the accumulation,
+    before the node's other post hooks)."""
+    hooks = param._post_accumulate_grad_hooks
+    if grad_outputs[0] is not None or not hooks:
+        return  # (a gradient arrived: AccumulateGrad itself called them)
+    for hook in tuple(hooks.values()):
+        if hook(param) is not None:
+            raise RuntimeError("Tensor post accumulate grad hooks should return None.")
 
 
 _PRESERVE = torch.autograd._unsafe_preserve_version_counter
