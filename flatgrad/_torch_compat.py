@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "DisableTorchFunctionSubclass",
+    "GATHER_TAKES_INT32",
     "GradScalerBase",
     "active_ddp_getter",
     "broadcast_coalesced",
@@ -156,6 +157,21 @@ def preserve_version_counter(tensors: tuple[torch.Tensor, ...]) -> Iterator[None
             stack.enter_context(_PRESERVE(each))
         yield
 
+
+# --- tensor ops -----------------------------------------------------------------------------
+
+
+def _gather_takes_int32() -> bool:
+    try:
+        torch.gather(torch.zeros(1, device="cpu"), 0, torch.zeros(1, dtype=torch.int32, device="cpu"))
+    except RuntimeError:  # "gather(): Expected dtype int64 for index"
+        return False
+    return True
+
+
+GATHER_TAKES_INT32 = _gather_takes_int32()
+"""Whether ``torch.gather`` and ``scatter_add_`` take an int32 index (False on torch 2.4:
+int64 only; probed once on a one-element tensor)."""
 
 # --- torch.func ---------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """`flatgrad._torch_compat`'s behaviour probes: each agrees with what this torch does where
 flatgrad relies on it, and `run_post_accumulate_hooks` calls hooks as AccumulateGrad does.
 
-Oracle: the same torch behaviour observed the long way (a whole backward), on whichever
-torch runs the tests (2.4.1 and newer give opposite answers)."""
+Oracle: the same torch behaviour observed the long way (a whole backward, torch.gather
+itself), on whichever torch runs the tests (2.4.1 and newer give opposite answers)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flatgrad import _torch_compat
-from flatgrad._torch_compat import POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT
+from flatgrad._torch_compat import GATHER_TAKES_INT32, POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT
 
 
 class _NoGradientForTheLeaf(torch.autograd.Function):
@@ -55,3 +55,13 @@ def test_a_post_accumulate_hook_returning_a_value_is_refused_as_torch_refuses_it
     leaf.register_post_accumulate_grad_hook(lambda p: p)
     with pytest.raises(RuntimeError, match="Tensor post accumulate grad hooks should return None"):
         _torch_compat.run_post_accumulate_hooks(leaf, (), (None,))
+
+
+def test_the_int32_gather_probe_agrees_with_torch_gather():
+    index = torch.tensor([[1, 0]], dtype=torch.int32)
+    try:
+        torch.gather(torch.arange(6.0).view(2, 3), 1, index)
+        taken = True
+    except RuntimeError:
+        taken = False
+    assert taken is GATHER_TAKES_INT32
