@@ -115,7 +115,8 @@ def _accumulate_grad_skips_hooks_without_a_gradient() -> bool:
     with torch.inference_mode(False), torch.enable_grad():
         leaf = torch.zeros(1, device="cpu", requires_grad=True)
         leaf.register_post_accumulate_grad_hook(ran.append)
-        leaf.view_as(leaf).grad_fn.next_functions[0][0](None)  # type: ignore[union-attr]
+        accumulator: Any = leaf.view_as(leaf).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        accumulator(None)
     return not ran
 
 
