@@ -20,7 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatgrad._torch_compat import graph_task_id, tree_leaves
+from flatgrad._torch_compat import (
+    POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT,
+    graph_task_id,
+    run_post_accumulate_hooks,
+    tree_leaves,
+)
 from flatgrad.buffer import GradStore
 
 # Unrouted parameters below this many elements are seated (zero fill + AccumulateGrad's
@@ -61,6 +66,13 @@ class Seater:
         self._retired = False
         self._accumulators: list[Any] = []  # a parameter holds its AccumulateGrad node weakly
         self.hooks: list[Any] = []  # removed by `retire`, or with the wrapper (GradEngine)
+        if POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT:
+            # torch 2.4 calls no post-accumulate-grad hook where no gradient reaches AccumulateGrad,
+            # which is where a routed Function, a gather or `_place_incoming` wrote the slot
+            # instead: run them as later releases do (`_torch_compat`), first on the node.
+            for param in store.params:
+                node = self._accumulator(param)
+                self.hooks.append(node.register_hook(functools.partial(run_post_accumulate_hooks, param)))
         for param in self._placed:
             self._hook(param)
         for param in self._mains:
@@ -68,10 +80,15 @@ class Seater:
             self.hooks.append(param.register_post_accumulate_grad_hook(hook))
 
     def _hook(self, param: nn.Parameter) -> None:
+        node = self._accumulator(param)
+        self.hooks.append(node.register_prehook(functools.partial(_place_incoming, self.store, param)))
+
+    def _accumulator(self, param: nn.Parameter) -> Any:
+        """`param`'s AccumulateGrad node, kept alive with this seater (its hooks with it)."""
         with torch.enable_grad():
             node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-        self.hooks.append(node.register_prehook(functools.partial(_place_incoming, self.store, param)))
         self._accumulators.append(node)
+        return node
 
     @property
     def routed(self) -> tuple[nn.Parameter, ...]:

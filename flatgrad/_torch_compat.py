@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "DisableTorchFunctionSubclass",
+    "GATHER_TAKES_INT32",
     "GradScalerBase",
     "active_ddp_getter",
     "broadcast_coalesced",
@@ -37,10 +38,12 @@ __all__ = [
     "in_compiled_autograd",
     "join_state",
     "non_finite_check_and_unscale",
+    "POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT",
     "preserve_version_counter",
     "queue_callback",
     "register_load_pre_hook",
     "register_state_dict_post_hook",
+    "run_post_accumulate_hooks",
     "shadowing_ddp",
     "SAVED_SHARDS",
     "sharded_tensor",
@@ -105,6 +108,42 @@ def in_compiled_autograd() -> bool:
     return bool(getattr(module, "in_compiled_autograd_region", False)) or torch.compiler.is_compiling()
 
 
+def _accumulate_grad_skips_hooks_without_a_gradient() -> bool:
+    """Whether AccumulateGrad skips a tensor's post-accumulate-grad hooks when no gradient
+    reaches it: probed on one leaf by calling its AccumulateGrad node directly with None
+    (`Node.__call__` runs the node's apply alone: no backward, engine thread or hook)."""
+    ran: list[torch.Tensor] = []
+    with torch.inference_mode(False), torch.enable_grad():
+        leaf = torch.zeros(1, device="cpu", requires_grad=True)
+        leaf.register_post_accumulate_grad_hook(ran.append)
+        accumulator: Any = leaf.view_as(leaf).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        accumulator(None)
+    return not ran
+
+
+POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT = _accumulate_grad_skips_hooks_without_a_gradient()
+"""True on torch 2.4: its ``AccumulateGrad::apply`` returns before calling the tensor's
+post-accumulate-grad hooks when the incoming gradient is undefined (``if
+(!grads[0].defined()) return {};`` at its top, the hook call at its end), which is what a
+flatgrad Function hands it after writing the gradient into the slot. Later releases return
+early only from the accumulation (``AccumulateGrad_apply_impl``) and call the hooks in
+any case. Where True, flatgrad runs them itself (`run_post_accumulate_hooks`)."""
+
+
+def run_post_accumulate_hooks(param: torch.Tensor, grad_inputs: Any, grad_outputs: tuple[Any, ...]) -> None:
+    """A post hook of `param`'s AccumulateGrad node (bound to `param` with a partial), for
+    torch 2.4 (`POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT`): when no gradient reached it, call
+    `param`'s post-accumulate-grad hooks, in their order, as later releases' AccumulateGrad
+    does (registered first on the node, it runs where theirs would: after the accumulation,
+    before the node's other post hooks)."""
+    hooks = param._post_accumulate_grad_hooks
+    if grad_outputs[0] is not None or not hooks:
+        return  # (a gradient arrived: AccumulateGrad itself called them)
+    for hook in tuple(hooks.values()):
+        if hook(param) is not None:
+            raise RuntimeError("Tensor post accumulate grad hooks should return None.")
+
+
 _PRESERVE = torch.autograd._unsafe_preserve_version_counter
 # It takes a tuple of tensors from torch 2.5 (its argument is then called `tensors`).
 _PRESERVE_TAKES_TUPLE = "tensors" in inspect.signature(_PRESERVE.__init__).parameters
@@ -120,6 +159,21 @@ def preserve_version_counter(tensors: tuple[torch.Tensor, ...]) -> Iterator[None
             stack.enter_context(_PRESERVE(each))
         yield
 
+
+# --- tensor ops -----------------------------------------------------------------------------
+
+
+def _gather_takes_int32() -> bool:
+    try:
+        torch.gather(torch.zeros(1, device="cpu"), 0, torch.zeros(1, dtype=torch.int32, device="cpu"))
+    except RuntimeError:  # "gather(): Expected dtype int64 for index"
+        return False
+    return True
+
+
+GATHER_TAKES_INT32 = _gather_takes_int32()
+"""Whether ``torch.gather`` and ``scatter_add_`` take an int32 index (False on torch 2.4:
+int64 only; probed once on a one-element tensor)."""
 
 # --- torch.func ---------------------------------------------------------------------------
 

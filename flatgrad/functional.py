@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from flatgrad._prescale import write_scale
 from flatgrad._scatter import out_of_range, scatter_add_into, scatter_rows
 from flatgrad._targets import TRACED, node_target, weight_target
-from flatgrad._torch_compat import fast_apply, functorch_active
+from flatgrad._torch_compat import GATHER_TAKES_INT32, fast_apply, functorch_active
 
 
 def plain_torch() -> bool:
@@ -347,6 +347,8 @@ def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
             one element), or is larger than `input` along a dimension other than `dim`.
     """
     _check_gather(input, dim, index)
+    if index.dtype == torch.int32 and not GATHER_TAKES_INT32:
+        index = index.long()  # (torch 2.4's gather and scatter_add take int64 only: the same positions)
     if torch.compiler.is_compiling():
         return torch.gather(input, dim, index)
     gathered = dim % max(input.dim(), 1)

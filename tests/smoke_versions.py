@@ -4,8 +4,9 @@ that CI runs on the floor torch and on the newest release (see ``.ci/run``).
     python tests/smoke_versions.py
 
 Single process: `FlatGrad` (accumulation, clipping, state_dict), `gather_with_index_add`
-and `gather`, `torch.compile(FlatGrad(model), fullgraph=True)` (aot_eager and inductor) and
-main grads (``grad_dtype: float32``). On 2 gloo ranks (127.0.0.1): DDP with
+and `gather`, an optimizer stepped by post-accumulate-grad hooks inside backward,
+`torch.compile(FlatGrad(model), fullgraph=True)` (aot_eager and inductor) and main grads
+(``grad_dtype: float32``). On 2 gloo ranks (127.0.0.1): DDP with
 `allreduce_hook`, `FlatGrad.all_reduce_grads`, `DataParallel`, `ShardedOptimizer` and a
 ``torch.distributed.checkpoint`` save and resume. Each is compared with stock PyTorch on a
 deep copy of the same float64 model (main grads: a float64 oracle of the same bfloat16
@@ -143,6 +144,30 @@ def check_gathers() -> None:
     expected = plain.detach().clone().requires_grad_()
     torch.gather(expected, 1, cols).square().sum().backward()
     torch.testing.assert_close(other.grad, expected.grad, **TOL)
+
+
+def check_optimizer_in_backward() -> None:
+    """The optimizer-in-backward recipe: a post-accumulate-grad hook per parameter steps its
+    own AdamW and drops its `.grad`, on the routed Linears, the gathered bias and the tied
+    embedding, whose gradients flatgrad writes into the slots itself (torch 2.4's
+    AccumulateGrad then calls no hook: flatgrad does)."""
+    model = model64()
+    ref = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    for each in (model, ref):
+        optimizers = {p: torch.optim.AdamW([p], lr=0.01, weight_decay=0.1) for p in each.parameters()}
+
+        def step(param: torch.Tensor, optimizers: dict = optimizers) -> None:
+            optimizers[param].step()
+            optimizers[param].zero_grad()
+
+        for param in each.parameters():
+            param.register_post_accumulate_grad_hook(step)
+    for seed in range(3):
+        flat(tokens(seed)).backward()
+        ref(tokens(seed)).backward()
+    same_params(model, ref)
+    assert all(p.grad is None for p in model.parameters()), "every hook must have run"
 
 
 def check_compile(backend: str) -> None:
@@ -347,6 +372,7 @@ def main() -> int:
     checks: list[tuple[str, Callable[[], None]]] = [
         ("FlatGrad", check_wrapper),
         ("gather_with_index_add, gather", check_gathers),
+        ("optimizer in backward (post-accumulate-grad hooks)", check_optimizer_in_backward),
         ("torch.compile fullgraph (aot_eager)", lambda: check_compile("aot_eager")),
         ("torch.compile fullgraph (inductor)", lambda: check_compile("inductor")),
         ("main grads (grad_dtype float32)", check_main_grads),

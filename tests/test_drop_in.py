@@ -486,13 +486,15 @@ def test_compiled_autograd_gradients_equal_stock(config):
     and the next norm moves them into the buffer."""
     from torch._dynamo import compiled_autograd
 
+    # (`_enable` on newer torches; torch 2.4 has the same context manager as `enable`)
+    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
     torch._dynamo.reset()
     flat, oracle = _pair(CompileLM().double(), config=config)
     opt = torch.optim.AdamW(flat.parameters(), lr=0.01, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(oracle.parameters(), lr=0.01, weight_decay=0.1)
     for step in range(2):
         for model in (flat, oracle):
-            with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            with enable(torch.compile(backend="aot_eager")):
                 for micro in range(2):  # accumulation: the second backward adds
                     model(_tokens(10 * step + micro, vocab=64)).backward()
         flat.grad_buffers  # noqa: B018 (moves gradients that landed outside into their slots)

@@ -17,6 +17,7 @@ from test_functional import _COPY_OPS, _weight_sized_ops
 from torch import nn
 
 import flatgrad
+from flatgrad._torch_compat import GATHER_TAKES_INT32
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 
@@ -258,6 +259,34 @@ def test_tensor_hook_sees_the_gradient_and_the_result_lands_in_the_buffer():
     assert_same_grads(flat, oracle)
 
 
+def test_an_optimizer_stepping_inside_backward_matches_stock():
+    """The optimizer-in-backward recipe on the gathered table: its post-accumulate-grad hook
+    sees the gradient the gather wrote into the slot (AccumulateGrad got none; on torch 2.4,
+    which then skips the hook, flatgrad runs it), once per backward, as stock's sees its own."""
+    flat, oracle = _pair()
+    seen: dict[str, list[torch.Tensor]] = {"flat": [], "stock": []}
+    for key, model in (("flat", flat.module), ("stock", oracle)):
+        steppers = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in model.parameters()}
+
+        def step(param: torch.Tensor, steppers=steppers, model=model, log=seen[key]) -> None:
+            if param is model.table:
+                log.append(param.grad.clone())
+            steppers[param].step()
+            steppers[param].zero_grad()
+
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(step)
+    for step_index in range(3):
+        flat(_index(step_index)).backward()
+        _reference(oracle, _index(step_index)).backward()
+    assert len(seen["flat"]) == len(seen["stock"]) == 3
+    for ours, ref in zip(seen["flat"], seen["stock"]):
+        torch.testing.assert_close(ours, ref, **TOL)
+    for ours, ref in zip(flat.module.parameters(), oracle.parameters()):
+        torch.testing.assert_close(ours, ref, **TOL)
+    assert all(p.grad is None for p in flat.parameters())
+
+
 def test_grad_assigned_by_the_user_accumulates_like_stock():
     flat, oracle = _pair()
     for model in (flat.module, oracle):
@@ -279,12 +308,14 @@ def test_grad_assigned_by_the_user_accumulates_like_stock():
 def test_index_layouts_and_dtypes_equal_torch_gather(make_index):
     table, _ = _case((6, 5), 0, seed=5)
     index = make_index()
+    # Stock with the same positions: as int64 where torch.gather takes no int32 (torch 2.4).
+    stock_index = index if GATHER_TAKES_INT32 else index.long()
     ours = table.clone().requires_grad_(True)
     ref = table.clone().requires_grad_(True)
     weights = torch.randn(index.shape, dtype=torch.float64)
     for _ in range(2):
         (flatgrad.gather(ours, 0, index) * weights).sum().backward()
-        (torch.gather(ref, 0, index) * weights).sum().backward()
+        (torch.gather(ref, 0, stock_index) * weights).sum().backward()
     torch.testing.assert_close(ours.grad, ref.grad, **TOL)
 
 

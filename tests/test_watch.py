@@ -9,12 +9,14 @@ import gc
 import io
 import pickle
 
+import pytest
 import torch
 from conftest import ROUTE_ALL, TiedLM, assert_same_grads
 from torch import nn
 from torch.nn.modules import module as torch_module
 
 import flatgrad
+from flatgrad._torch_version import torch_release
 from flatgrad._watch import is_watched
 
 
@@ -178,6 +180,11 @@ def test_a_container_emptied_by_nothing_then_grown_is_seen_at_the_next_forward()
     assert_same_grads(flat, oracle)
 
 
+@pytest.mark.skipif(
+    torch_release(torch.__version__) == (2, 4),
+    reason="torch 2.4's Dynamo cannot trace torch.func.functional_call under fullgraph=True, "
+    "on a stock model too (Unsupported: call_function args: NNModuleVariable() ...)",
+)
 def test_functional_call_on_a_wrapped_model_compiles_with_fullgraph():
     """Writes that Dynamo traces (functional_call's swaps) are not counted and add no break."""
     torch._dynamo.reset()

@@ -143,7 +143,8 @@ def peak_bytes(prof: torch.profiler.profile, within: str | None = None) -> int:
     events: list[Any] = list(prof.profiler.kineto_results.events())
     start, end = 0, 2**63
     if within is not None:
-        ranges = [(e.start_ns(), e.end_ns()) for e in events if e.name() == within]
+        # (start plus duration: the end of each event, and torch 2.4 has no end_ns())
+        ranges = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == within]
         if len(ranges) != 1:
             raise ValueError(f"the profile must hold one {within!r} range, got {len(ranges)}")
         start, end = ranges[0]
