@@ -15,9 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatgrad._buffer_ops import host_tensor, read_here
-from flatgrad._prescale import divide_unscaled
-from flatgrad.buffer import GradStore
+from flatgrad.buffer import GradStore, host_tensor, read_here
 from flatgrad.comm import average_op, launch_average, reduce_scatters, settle_unused
 from flatgrad.layout import GroupKey
 
@@ -247,7 +245,7 @@ class Round:
         if self.check_finite is not None:
             self.finite.append(torch.isfinite(bucket.buffer).all())
         i, divide = bucket.index, not (self.divide_after and sent.dtype in _SUMMED)
-        if divide_unscaled(bucket, self.store, self.world_size):
+        if divide_unscaled(bucket, self.store, self.world_size):  # type: ignore[arg-type]
             divide = False  # (the routed slots were written divided: `flatgrad._prescale`)
         group, wire_dtype, scatter = self.process_group, self.wire_dtype, self.scatter
         self.work[i], self.wire[i] = launch_average(sent, group, wire_dtype, scatter, divide, self.divisor)
@@ -381,6 +379,25 @@ def _finite(store: GradStore, param: nn.Parameter) -> bool:
     None for those), else its `.grad` (None: nothing to blame)."""
     grad = store.view(param) if store.is_main(param) else param.grad
     return grad is None or bool(torch.isfinite(grad).all())
+
+
+def divide_unscaled(bucket: Bucket, store: GradStore, world_size: int) -> bool:
+    """Before `bucket`'s sum: divide its slots the routed layers did not write scaled
+    (`flatgrad._prescale`), in few fills (the spans of the rest are kept on the bucket while
+    the scaled set stays the same); False when none was, and the whole bucket is to be
+    divided as usual. (The used flags after it need no division: a sum of 0s and 1s is 0
+    only if all are.)"""
+    written = store.prescale.written
+    if not written:  # (a model with nothing routed: no pass over the bucket's parameters)
+        return False
+    scaled = frozenset(id(p) for p in bucket.params if id(p) in written)
+    if not scaled:
+        return False
+    if bucket.unscaled is None or bucket.unscaled[0] != scaled:
+        bucket.unscaled = (scaled, store.spans([p for p in bucket.params if id(p) not in scaled]))
+    if bucket.unscaled[1]:
+        torch._foreach_div_(bucket.unscaled[1], world_size)
+    return True
 
 
 def prescale_factor(

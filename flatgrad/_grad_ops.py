@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from flatgrad import _norms, comm
-from flatgrad._buffer_ops import scale_
 from flatgrad._engine import GradEngine
 from flatgrad._scattered import is_scattered, refuse_scattered, scattered_main_grad, unmark_scattered
-from flatgrad.buffer import GradStore
+from flatgrad.buffer import GradStore, scale_
 from flatgrad.layout import GroupKey
 
 

@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 import torch
 
-from flatgrad._slot_registry import REGISTRY
 from flatgrad._torch_compat import will_execute
+from flatgrad.buffer import REGISTRY
 
 Mode = Literal["skip", "fresh", "out", "add", "main"]
 # Compiled autograd traces a Function's backward with Dynamo (no graph or `.grad` to look

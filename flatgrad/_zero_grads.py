@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 
 from flatgrad import _norms
-from flatgrad._buffer_ops import scale_
 from flatgrad._torch_compat import non_finite_check_and_unscale
-from flatgrad.buffer import GradStore
+from flatgrad.buffer import GradStore, scale_
 from flatgrad.layout import GroupKey
 
 

@@ -14,14 +14,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flatgrad._buffer_ops import host_tensor
 from flatgrad._torch_compat import (
     active_ddp_getter,
     divides_by_ranks_not_joined,
     graph_task_id,
     shadowing_ddp,
 )
-from flatgrad.buffer import GradStore
+from flatgrad.buffer import GradStore, host_tensor
 
 logger = logging.getLogger(__name__)
 

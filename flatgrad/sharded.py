@@ -228,7 +228,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             for group in self.param_groups
         ]
 
-    # Steps the model's main grads through its float32 masters (see flatgrad._main_grads.MainGradGuard).
+    # Steps the model's main grads through its float32 masters (see flatgrad.buffer.MainGradGuard).
     steps_main_grads = True
     # torch.amp.GradScaler hands this step its scale and inf flag (`grad_scale`, `found_inf`
     # attributes) instead of unscaling `.grad`, which holds no averaged value here.

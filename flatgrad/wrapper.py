@@ -214,7 +214,7 @@ class FlatGrad(TransparentWrapper):
         scales every gradient in place by ``min(1, max_norm / (total_norm + 1e-6))``, with
         the total norm of `grad_norm` (more exact than stock's). Only gradient elements are
         scaled, never the alignment padding, which stays zero; on the CPU a factor of
-        exactly 1 skips the pass (see `flatgrad._buffer_ops.scale_`).
+        exactly 1 skips the pass (see `flatgrad.buffer.scale_`).
 
         Args:
             max_norm: The largest total norm the gradients keep.
