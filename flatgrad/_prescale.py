@@ -24,7 +24,7 @@ from flatgrad.buffer import REGISTRY, Prescale
 
 def write_scale(param: torch.Tensor, mode: str) -> float:
     """The factor a routed layer writes `param`'s gradient with in mode "out" or "add" (see
-    `flatgrad._targets`): 1 but inside such a backward; "out" notes the slot, "add" scales
+    `flatgrad.functional.weight_target`): 1 but inside such a backward; "out" notes the slot, "add" scales
     only into a slot so noted."""
     found = REGISTRY.find(param)
     state = found[0].prescale if found is not None else None
