@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from flatgrad import comm
-from flatgrad._backward import ForwardPlan, watch
+from flatgrad._backward import ForwardPlan, Participant, Seater, watch
 from flatgrad._names import share_root
 from flatgrad._routing import route_layers, unroute
-from flatgrad._seating import Seater
 from flatgrad._torch_compat import divides_by_ranks_not_joined, graph_task_id
 from flatgrad._watch import LayoutWatch
 from flatgrad.buffer import GradStore
@@ -54,8 +53,8 @@ class GradEngine:
         self.ddp_forwards: int | None = None
         # A DataParallel's bucket sync and sync flag for the next forward (`expect_sync`),
         # and the running forward's, taken by `before_forward`.
-        self._next_sync: tuple[Any, bool] | None = None
-        self._forward_sync: tuple[Any, bool] | None = None
+        self._next_sync: tuple[Participant, bool] | None = None
+        self._forward_sync: tuple[Participant, bool] | None = None
         # Whether a forward under a DDP came since the last backward began: its reducer places
         # the next backward's gradients, whichever output that backward reaches first.
         self.ddp_pending = False
@@ -151,7 +150,7 @@ class GradEngine:
         joined yet (`comm.FlatGradCommState.ranks_not_joined`), or None."""
         return None if self._joining is None else self._joining()
 
-    def expect_sync(self, bucket_sync: Any, sync: bool) -> None:
+    def expect_sync(self, bucket_sync: Participant, sync: bool) -> None:
         """From a DataParallel's forward, before it runs this wrapper's: the backward through
         this forward's output is `bucket_sync`'s too, averaging when `sync`."""
         self._next_sync = (bucket_sync, sync)
