@@ -18,7 +18,7 @@ from torch import nn
 
 from flatgrad import comm
 from flatgrad._backward import ForwardPlan, Participant, Seater, watch
-from flatgrad._names import share_root
+from flatgrad._module_proxy import share_root
 from flatgrad._routing import route_layers, unroute
 from flatgrad._torch_compat import divides_by_ranks_not_joined, graph_task_id
 from flatgrad._watch import LayoutWatch

@@ -68,7 +68,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from flatgrad._bucketing import BucketSync
-from flatgrad._names import PlainNames, add_prefix
+from flatgrad._module_proxy import PlainNames, add_prefix
 from flatgrad._torch_compat import broadcast_coalesced, join_state, preserve_version_counter
 from flatgrad.comm import check_wire_dtype
 from flatgrad.wrapper import FlatGrad

@@ -13,9 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flatgrad import _grad_ops, comm
 from flatgrad._engine import GradEngine, trainable_parameters
-from flatgrad._names import add_prefix, strip_prefix
+from flatgrad._module_proxy import TransparentWrapper, add_prefix, strip_prefix
 from flatgrad._torch_compat import register_load_pre_hook, register_state_dict_post_hook
-from flatgrad._transparent import TransparentWrapper
 from flatgrad.config import FlatGradConfig, resolve_config
 from flatgrad.layout import GroupKey
 
