@@ -41,9 +41,9 @@ from flatgrad._checkpoint import GroupView, whole_state
 from flatgrad._gather_waits import ForwardWaits
 from flatgrad._scattered import is_scattered, unguarded, unmark_scattered
 from flatgrad._torch_compat import join_state
-from flatgrad._zero import ShardEngine
-from flatgrad._zero_groups import (
+from flatgrad._zero import (
     PieceGroups,
+    ShardEngine,
     as_groups,
     check_members,
     check_optimizer_class,
@@ -193,7 +193,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         Raises:
             RuntimeError: The model's parameters changed otherwise.
             ValueError: A group would hold parameters with different step counts
-                (`flatgrad._zero_groups.relaid_state`).
+                (`flatgrad._zero.relaid_state`).
         """
         engine, grads = self._engine, self.dp.module._engine
         if not engine.params_in_place() or is_scattered(engine.store):
