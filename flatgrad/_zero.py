@@ -31,7 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from flatgrad import _norms
-from flatgrad._checkpoint import (
+from flatgrad._scattered_grad import is_scattered, unguarded
+from flatgrad._torch_compat import non_finite_check_and_unscale
+from flatgrad._zero_state import (
     MASTER,
     STEP,
     GroupView,
@@ -44,8 +46,6 @@ from flatgrad._checkpoint import (
     refuse_misfits,
     saved_stepped,
 )
-from flatgrad._scattered import is_scattered, unguarded
-from flatgrad._torch_compat import non_finite_check_and_unscale
 from flatgrad.buffer import GradStore, scale_
 from flatgrad.comm import all_gather_flat, reduce_scatters
 from flatgrad.layout import GroupKey
@@ -751,7 +751,7 @@ class PieceGroups:
                 piece.param.grad = None
 
     def views(self, param_groups: list[dict[str, Any]]) -> list[GroupView]:
-        """Each group as the checkpoint sees it (`flatgrad._checkpoint.GroupView`)."""
+        """Each group as the checkpoint sees it (`flatgrad._zero_state.GroupView`)."""
         slots = self.engine.layout.slots
         return [
             GroupView(
@@ -764,13 +764,13 @@ class PieceGroups:
         ]
 
     def state_dict(self, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
-        """The inner optimizer's state per parameter (`flatgrad._checkpoint.optimizer_state`)."""
+        """The inner optimizer's state per parameter (`flatgrad._zero_state.optimizer_state`)."""
         views = self.views(param_groups)
         return optimizer_state(self.inner, views, self.engine.layout, self.engine.process_group)
 
     def load_state_dict(self, param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
         """Load `state_dict` into the inner optimizer and the groups' options, after every
-        rank found it fits (`flatgrad._checkpoint.refuse_misfits`)."""
+        rank found it fits (`flatgrad._zero_state.refuse_misfits`)."""
         views = _with_saved_options(self.views(param_groups), state_dict)
         layout = self.engine.layout
         problem = misfit(type(self.inner), views, layout, state_dict)

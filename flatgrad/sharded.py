@@ -16,7 +16,7 @@ over other shards: equal to the last bit or two).
 
 After backward, the `.grad` of a model parameter is averaged only inside this rank's shards;
 `clip_grad_norm_` and `step` use exactly those. Until the gradients are zeroed every `.grad`
-is a `flatgrad._scattered.ScatteredGrad` (the slot's memory) that raises on any read of its
+is a `flatgrad._scattered_grad.ScatteredGrad` (the slot's memory) that raises on any read of its
 values, so ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` or a logged
 ``p.grad.norm()`` fails loudly on every rank instead of computing a different wrong value
 on each. A shard is updated as one tensor, so a
@@ -37,9 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from flatgrad._checkpoint import GroupView, whole_state
 from flatgrad._gather_waits import ForwardWaits
-from flatgrad._scattered import is_scattered, unguarded, unmark_scattered
+from flatgrad._scattered_grad import is_scattered, unguarded, unmark_scattered
 from flatgrad._torch_compat import join_state
 from flatgrad._zero import (
     PieceGroups,
@@ -51,6 +50,7 @@ from flatgrad._zero import (
     options,
     relaid_state,
 )
+from flatgrad._zero_state import GroupView, whole_state
 from flatgrad.buffer import GradStore
 from flatgrad.parallel import DataParallel
 
@@ -415,7 +415,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state per parameter, keyed by the plain parameter names, in a form
-        that does not depend on the world size (`flatgrad._checkpoint`): per-element states
+        that does not depend on the world size (`flatgrad._zero_state`): per-element states
         are ShardedTensors over every rank's pieces (this rank's shards are views of its
         state), so ``torch.distributed.checkpoint`` saves ``{"optim": opt}`` in place and
         loads it on another world size or bucket size. Every rank must call it together with

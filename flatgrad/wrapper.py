@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from flatgrad import _norms, comm
 from flatgrad._engine import GradEngine, trainable_parameters
 from flatgrad._module_proxy import TransparentWrapper, add_prefix, strip_prefix
-from flatgrad._scattered import is_scattered, refuse_scattered, scattered_main_grad, unmark_scattered
+from flatgrad._scattered_grad import is_scattered, refuse_scattered, scattered_main_grad, unmark_scattered
 from flatgrad._torch_compat import register_load_pre_hook, register_state_dict_post_hook
 from flatgrad.buffer import GradStore, scale_
 from flatgrad.config import FlatGradConfig, resolve_config
