@@ -47,6 +47,9 @@ from flatgrad._torch_compat import (
 )
 from flatgrad.buffer import GradStore
 
+# What an autograd node hook is given: gradients (its inputs', its outputs').
+Grads = tuple[torch.Tensor | None, ...]
+
 
 class Participant(Protocol):
     """What the coordinator asks of a participant (a `Seater`, a
@@ -76,7 +79,7 @@ class ForwardPlan:
     sync: bool = False  # whether that forward synchronised (outside no_sync)
 
 
-def watch(output: Any, plan: ForwardPlan) -> None:
+def watch(output: object, plan: ForwardPlan) -> None:
     """Hook the autograd nodes that made `output` (see `output_nodes`) with one prehook
     each, bound to `plan`."""
     hook = functools.partial(_on_backward, plan)
@@ -84,7 +87,7 @@ def watch(output: Any, plan: ForwardPlan) -> None:
         node.register_prehook(hook)
 
 
-def _on_backward(plan: ForwardPlan, grad_outputs: Any) -> None:
+def _on_backward(plan: ForwardPlan, grad_outputs: Grads) -> None:
     ends: list[Callable[[], None]] = []
     if plan.seater is not None:
         end = plan.seater.pre_backward(plan.alone)
@@ -272,7 +275,7 @@ def _absorb_incoming(store: GradStore, main: torch.Tensor, param: torch.Tensor) 
     param.grad = None
 
 
-def output_nodes(output: Any) -> set[Any]:
+def output_nodes(output: object) -> set[Any]:
     """The autograd nodes that made the tensors of a model's output: a tensor, any pytree
     of them, and the fields of dataclass instances in it (a dataclass is one opaque pytree
     leaf unless registered, and models return them: output classes, loss records)."""

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import Node
 
-from flatgrad._backward import Seater
+from flatgrad._backward import Grads, Seater
 from flatgrad._engine import GradEngine
 from flatgrad._prescale import scale_incoming
 from flatgrad._scattered_grad import (
@@ -488,8 +489,6 @@ def cut_buckets(store: GradStore, bucket_mb: float, small_first_on_cpu: bool = T
     return buckets
 
 
-# What an autograd node hook is given: its gradient inputs, then its outputs.
-Grads = tuple[torch.Tensor | None, ...]
 # What a hook on a parameter's AccumulateGrad calls: (param, bucket, grad_inputs, grad_outputs).
 OnReady = Callable[[nn.Parameter, Bucket, Grads, Grads], None]
 
@@ -597,7 +596,7 @@ class Deferrals:
     def __init__(self) -> None:
         self._handles: list[Any] = []
 
-    def defer(self, outer: Any, resume: Callable[[], None]) -> None:
+    def defer(self, outer: Node, resume: Callable[[], None]) -> None:
         """Call `resume` from a post hook on `outer`, the node the nested backward ran in (it
         runs in the outer backward once the node returns), once: the node may run again
         (retain_graph) before the hook is removed."""

@@ -121,7 +121,7 @@ class GradEngine:
             self.ddp_forwards = comm.note_forward_without_hook(self.ddp_forwards)
 
     @torch.compiler.disable
-    def after_forward(self, output: Any) -> None:
+    def after_forward(self, output: object) -> None:
         seater = self.seater
         # Under a DDP, seat nothing: its reducer copies each gradient AccumulateGrad made into
         # its bucket (one pass in C++, where a seat costs a zero fill, an add and Python per

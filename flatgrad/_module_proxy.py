@@ -212,7 +212,9 @@ def _rekey(mapping: dict[str, Any], old: str, new: str, root: str | None = None)
         mapping[new[:-1] if key == root else new + key[len(old) :]] = value
 
 
-def strip_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def strip_prefix(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
+) -> None:
     """After `state_dict()`: ``<prefix>module.x`` -> ``<prefix>x``, so the keys (and the
     version metadata) are the plain model's, also under ``DDP(flat)``."""
     _rekey(state_dict, prefix + _PREFIX, prefix)
@@ -223,7 +225,7 @@ def strip_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, loc
 
 
 def add_prefix(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, *args: Any
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], *args: Any
 ) -> None:
     """Before loading: ``<prefix>x`` -> ``<prefix>module.x`` (every key: FlatGrad has no
     state of its own, and a child of the model may itself be called "module")."""

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -247,7 +247,7 @@ class ShardEngine:
         grads = [s.grad for s in self.shards]
         unscale_shards(grads, inv_scale, found_inf, allow_fp16, self.process_group)
 
-    def skip_or_unscale(self, found_inf: Any, grad_scale: torch.Tensor | None) -> bool:
+    def skip_or_unscale(self, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None) -> bool:
         """What a step under ``GradScaler.step`` does (the scaler's `found_inf` and
         `grad_scale`, as it hands them to an optimizer that handles scaling itself; None
         outside one): skip (True) after an inf or NaN on any rank, the same answer on every
@@ -332,7 +332,7 @@ def shard_views(
     return [(buffer, 0) for buffer in store.buffers.values()]
 
 
-def _runs(store: GradStore, key: Any, wanted: set[int]) -> list[list[int]]:
+def _runs(store: GradStore, key: GroupKey, wanted: set[int]) -> list[list[int]]:
     """[start, end) runs of the wanted parameters' slots in `key`'s buffer, each slot with
     the padding after it."""
     slots = sorted(
@@ -505,7 +505,7 @@ ELEMENTWISE = (
 )
 
 
-def check_optimizer_class(optimizer_class: Any) -> None:
+def check_optimizer_class(optimizer_class: object) -> None:
     """Raise ValueError unless `optimizer_class` is one of `ELEMENTWISE` (or a subclass)."""
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE)):
         names = ", ".join(cls.__name__ for cls in ELEMENTWISE)
@@ -542,7 +542,7 @@ def checked_defaults(
     return checked.defaults
 
 
-def as_groups(params: Any) -> list[dict[str, Any]]:
+def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     """A torch optimizer's first argument as a list of groups, each with a list of params."""
     if isinstance(params, torch.Tensor):
         raise TypeError(
@@ -591,7 +591,7 @@ def add_piece_group(
     add(group)
 
 
-def _with_saved_options(views: list[GroupView], state_dict: Any) -> list[GroupView]:
+def _with_saved_options(views: list[GroupView], state_dict: object) -> list[GroupView]:
     """`views` with the options `state_dict` saved for each group over the current ones:
     they decide what state a group holds (SGD saved with momentum has momentum buffers that
     one built without it must load), as a torch optimizer loads whatever its dict holds.

@@ -282,7 +282,7 @@ class MainGradGuard:
             self._handle.remove()
             self._handle = None
 
-    def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _check(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if getattr(optimizer, "steps_main_grads", False):
             return
         skipped = 0

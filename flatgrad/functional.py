@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.graph import Node
 
 from flatgrad._prescale import write_scale
 from flatgrad._torch_compat import GATHER_TAKES_INT32, fast_apply, functorch_active, will_execute
@@ -437,7 +438,7 @@ def weight_target(
     return node_target((next_functions or ctx.next_functions)[index][0])
 
 
-def node_target(node: Any) -> tuple[Mode, torch.Tensor | None, torch.Tensor | None]:
+def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | None]:
     """`weight_target` for an input known to need a gradient, given its graph node."""
     param = getattr(node, "variable", None)  # None unless the input is a leaf (AccumulateGrad)
     found = REGISTRY.find(param) if param is not None else None

@@ -59,7 +59,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -335,7 +335,9 @@ class DataParallel(PlainNames, Joinable):
         """
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
         """`FlatGrad.load_state_dict` (the plain model's keys, no ``module.`` prefix).
 
         Args:

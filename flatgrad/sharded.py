@@ -30,7 +30,7 @@ any rank is exact.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -127,7 +127,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self,
         dp: DataParallel,
         optimizer_class: type[torch.optim.Optimizer],
-        params: Any = None,
+        params: Iterable[Any] | None = None,
         *,
         overlap_param_gather: bool = False,
         **defaults: Any,
