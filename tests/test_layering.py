@@ -3,7 +3,7 @@ imports in one direction, privacy by module name, each facade's one `_engine`, t
 private names in one place, and few parameters typed `Any`.
 
 - The modules' import graph has no cycle, counting imports inside functions and under
-  ``if TYPE_CHECKING:`` too.
+  ``if TYPE_CHECKING:`` too, and follows the layer order written in docs/design.md.
 
 - No flatgrad module imports an underscore name from another flatgrad module (importing an
   internal module, ``from flatgrad import _norms``, is how internals are used).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import re
 import sys
 from pathlib import Path
 
@@ -239,6 +240,42 @@ def test_the_import_scan_finds_a_cycle_through_type_checking_and_function_import
     }
     monkeypatch.setattr(sys.modules[__name__], "MODULES", modules)
     assert _a_cycle(_import_graph()) == ["_a", "_b", "_c", "_a"]
+
+
+DESIGN = PACKAGE.parent / "docs" / "design.md"
+
+
+def _written_layers() -> list[str]:
+    """The modules of docs/design.md's "Layers" table, in its order (lowest first)."""
+    text = DESIGN.read_text()
+    section = text[text.index("\n## Layers\n") :]
+    section = section[: section.find("\n## ", 1)]
+    return re.findall(r"^\| `flatgrad/(\w+)\.py` \|", section, flags=re.MULTILINE)
+
+
+def _imports_against(order: list[str], graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a module at or below the importer in `order` (each must be above)."""
+    rank = {module: index for index, module in enumerate(order)}
+    return [
+        f"{module} imports {imported}, written below it"
+        for module in order
+        for imported in sorted(graph.get(module, ()))
+        if rank.get(imported, len(order)) >= rank[module]
+    ]
+
+
+def test_the_written_layer_order_is_the_import_graphs():
+    """docs/design.md lists every module once, and each imports only modules listed above it."""
+    order = _written_layers()
+    graph = _import_graph()
+    assert sorted(order) == sorted(graph), "docs/design.md's layers and flatgrad/'s modules differ"
+    assert _imports_against(order, graph) == []
+
+
+def test_the_layer_check_finds_an_import_pointing_down():
+    graph = {"low": set(), "high": {"low"}}
+    assert _imports_against(["low", "high"], graph) == []
+    assert _imports_against(["high", "low"], graph) == ["high imports low, written below it"]
 
 
 # Parameters typed `Any` hide what a function takes; none may stand in for a flatgrad class
