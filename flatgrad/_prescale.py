@@ -11,6 +11,10 @@ adding onto an earlier backward's gradient (accumulation) does not, and the buck
 divides that slot as before. A gradient that reaches a noted weight through plain autograd
 (the weight also read outside its layer) is scaled by a pre hook on its AccumulateGrad on
 its way into the slot.
+
+The state lives on the store (`flatgrad.buffer.Prescale`, which the layer backwards find
+through the registry); the factor is chosen and the rest of a bucket divided where the
+buckets are (`flatgrad._bucket_sync.prescale_factor`, `divide_unscaled`).
 """
 
 from __future__ import annotations
