@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flatgrad import comm
 from flatgrad._backward import ForwardPlan, Participant, Seater, watch
@@ -145,7 +146,7 @@ class GradEngine:
         if seater is not None and graph_task_id() == -1:  # (a recompute inside a backward: not)
             seater.store.prescale.factor = None  # a backward that raised left it on: see `_prescale`
 
-    def joining_ddp(self) -> Any:
+    def joining_ddp(self) -> DDP | None:
         """The DDP whose last forward ran under a `Join` that divides by the ranks not
         joined yet (`comm.FlatGradCommState.ranks_not_joined`), or None."""
         return None if self._joining is None else self._joining()
