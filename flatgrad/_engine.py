@@ -59,7 +59,7 @@ class GradEngine:
         # Whether a forward under a DDP came since the last backward began: its reducer places
         # the next backward's gradients, whichever output that backward reaches first.
         self.ddp_pending = False
-        self._joining: weakref.ref[Any] | None = None  # see `joining_ddp`
+        self._joining: weakref.ref[DDP] | None = None  # see `joining_ddp`
         # Watch the model's registrations while the wrapper lives; when it is collected the
         # model is as it was before wrapping (plain dicts, torch's forwards).
         self.watch = LayoutWatch()
