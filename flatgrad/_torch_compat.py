@@ -20,6 +20,7 @@ from typing import Any, SupportsIndex
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable, forward_ad
+from torch.distributed.algorithms.join import Joinable
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import _named_member_accessor
 from torch.utils._pytree import tree_leaves
@@ -206,7 +207,7 @@ def divides_by_ranks_not_joined(ddp: DDP) -> bool:
     )
 
 
-def join_state(joinable: Any) -> tuple[bool, bool]:
+def join_state(joinable: Joinable) -> tuple[bool, bool]:
     """(whether `joinable` runs inside an enabled `torch.distributed.algorithms.Join`,
     whether it is that Join's first joinable, the one whose per-iteration all-reduce tells
     the joined ranks that it has not joined), from the config `Join` sets on it (private in
