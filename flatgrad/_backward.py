@@ -1,4 +1,6 @@
-"""The backward coordinator: one prehook per output node of a wrapped forward, and one
+"""The backward coordinator, and seating.
+
+The coordinator: one prehook per output node of a wrapped forward, and one
 final callback per backward that calls its participants in a fixed order.
 
 A training forward through `FlatGrad` ends with `watch(output, plan)`. The `ForwardPlan`
@@ -13,30 +15,71 @@ the same backward opens nothing new, and may upgrade a bucket sync to averaging)
 they return is queued as one final callback, run in the same order: the seater settles
 `.grad` first, then the bucket sync launches what is left, waits and settles the used
 flags.
-"""
+
+Seating: during one backward through a wrapper's output, the gradients of the
+parameters no routed Function writes land in their slots, with stock's `.grad` None-ness.
+
+Small unrouted parameters are *seated*: `.grad` points at the zeroed slot when the backward
+starts, so AccumulateGrad adds into the buffer in place. Large ones are *placed*: a pre-hook
+on their AccumulateGrad copies the incoming gradient into the slot (one pass instead of a
+zero fill and an add). Parameters with a main grad (a float32 slot for a bfloat16/float16
+parameter) are neither: whatever reaches their AccumulateGrad is added into the main grad
+by a post-accumulate-grad hook, which sets `.grad` back to None."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from flatgrad._seating import output_nodes
-from flatgrad._torch_compat import queue_callback
+import torch
+from torch import nn
+
+from flatgrad._torch_compat import (
+    POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT,
+    graph_task_id,
+    queue_callback,
+    run_post_accumulate_hooks,
+    tree_leaves,
+)
+from flatgrad.buffer import GradStore
+
+# What an autograd node hook is given: gradients (its inputs', its outputs').
+Grads = tuple[torch.Tensor | None, ...]
+
+
+class Participant(Protocol):
+    """What the coordinator asks of a participant (a `Seater`, a
+    `flatgrad._bucket_sync.BucketSync`) when a backward first reaches a forward's output:
+    what to run at that backward's end, or None."""
+
+    def pre_backward(self, flag: bool, /) -> Callable[[], None] | None: ...
+
+
+class Layouts(Protocol):
+    """What a `Seater` asks of the engine that made it (`flatgrad._engine.GradEngine`, which
+    sits above this module): whether a DDP forward came since the last backward, and a
+    seater over a new layout when the model changed behind the wrapper."""
+
+    ddp_pending: bool
+
+    def rebuilt_seater(self) -> Seater: ...
 
 
 @dataclass(frozen=True)
 class ForwardPlan:
     """What one forward decided for the backward through its output."""
 
-    seater: Any  # the `Seater` of the layout the forward ran on (None before any)
+    seater: Seater | None  # the seater of the layout the forward ran on (None before any)
     alone: bool  # no DDP reducer places this backward's gradients: seat the unrouted slots
-    bucket_sync: Any = None  # the `BucketSync` of the DataParallel that made the forward
+    bucket_sync: Participant | None = None  # the `BucketSync` of the DataParallel that made the forward
     sync: bool = False  # whether that forward synchronised (outside no_sync)
 
 
-def watch(output: Any, plan: ForwardPlan) -> None:
+def watch(output: object, plan: ForwardPlan) -> None:
     """Hook the autograd nodes that made `output` (see `output_nodes`) with one prehook
     each, bound to `plan`."""
     hook = functools.partial(_on_backward, plan)
@@ -44,7 +87,7 @@ def watch(output: Any, plan: ForwardPlan) -> None:
         node.register_prehook(hook)
 
 
-def _on_backward(plan: ForwardPlan, grad_outputs: Any) -> None:
+def _on_backward(plan: ForwardPlan, grad_outputs: Grads) -> None:
     ends: list[Callable[[], None]] = []
     if plan.seater is not None:
         end = plan.seater.pre_backward(plan.alone)
@@ -61,3 +104,191 @@ def _on_backward(plan: ForwardPlan, grad_outputs: Any) -> None:
 def _finish(ends: tuple[Callable[[], None], ...]) -> None:
     for end in ends:
         end()
+
+
+# Unrouted parameters below this many elements are seated (zero fill + AccumulateGrad's
+# in-place add, no Python per parameter); larger ones are copied in by a pre-hook (one pass
+# instead of two, for a Python hook). On CPU the hook costs more than the two passes up to
+# about this size: the GPT bench model's twelve 65536-element projections seated rather
+# than placed take 0.3% off its backward (one process, 4 runs); on a GPU the passes are
+# cheaper still and the hook is CPU time.
+SEAT_MAX_NUMEL = 1 << 17
+
+
+class Seater:
+    """Points `.grad` of the unrouted parameters at their zeroed slots when a backward
+    through the wrapper's output starts, and puts back None where that backward delivered
+    nothing (from an autograd final callback), so `.grad` is None exactly where stock has it.
+
+    One prehook per output node per forward, whatever the number of parameters: that, a
+    zero fill and a loop that sets `.grad` replace a Python hook per parameter per backward.
+    A parameter used outside the wrapper's output, or a backward that does not go through
+    it, still gets a correct `.grad` (outside the buffer); the next norm or sync moves it in.
+    """
+
+    def __init__(
+        self, store: GradStore, params: list[nn.Parameter], routed: set[int], engine: Layouts
+    ) -> None:
+        self.store = store
+        # Main grads: routed ones are written by their Functions, the others' gradients
+        # are added in by `_absorb_incoming`; none is seated, placed or taken in.
+        self._mains = store.mains
+        params = [p for p in params if not store.is_main(p)]
+        unrouted = [p for p in params if id(p) not in routed]
+        self.params = tuple(p for p in unrouted if p.numel() < SEAT_MAX_NUMEL)  # seated ones
+        # Large unrouted parameters (a conv, an attention projection): a zero fill plus an
+        # in-place add would be two passes over the gradient where one copy will do, and a
+        # Python hook costs nothing next to it: a pre-hook on AccumulateGrad copies in.
+        self._placed = tuple(p for p in unrouted if p.numel() >= SEAT_MAX_NUMEL)
+        self._routed = tuple(p for p in params if id(p) in routed)  # their Functions write the slot
+        self._owner = weakref.ref(engine)  # the GradEngine that lays out again
+        self._task: int | None = None  # the graph task of the last backward it opened
+        self._retired = False
+        self._accumulators: list[Any] = []  # a parameter holds its AccumulateGrad node weakly
+        self.hooks: list[Any] = []  # removed by `retire`, or with the wrapper (GradEngine)
+        if POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT:
+            # torch 2.4 calls no post-accumulate-grad hook where no gradient reaches AccumulateGrad,
+            # which is where a routed Function, a gather or `_place_incoming` wrote the slot
+            # instead: run them as later releases do (`_torch_compat`), first on the node.
+            for param in store.params:
+                node = self._accumulator(param)
+                self.hooks.append(node.register_hook(functools.partial(run_post_accumulate_hooks, param)))
+        for param in self._placed:
+            self._hook(param)
+        for param in self._mains:
+            hook = functools.partial(_absorb_incoming, store, store.views[id(param)])
+            self.hooks.append(param.register_post_accumulate_grad_hook(hook))
+
+    def _hook(self, param: nn.Parameter) -> None:
+        node = self._accumulator(param)
+        self.hooks.append(node.register_prehook(functools.partial(_place_incoming, self.store, param)))
+
+    def _accumulator(self, param: nn.Parameter) -> Any:
+        """`param`'s AccumulateGrad node, kept alive with this seater (its hooks with it)."""
+        with torch.enable_grad():
+            node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        self._accumulators.append(node)
+        return node
+
+    @property
+    def routed(self) -> tuple[nn.Parameter, ...]:
+        """The parameters whose layers' Functions write their slots."""
+        return self._routed
+
+    def retire(self) -> None:
+        self._retired = True
+        for handle in self.hooks:  # a graph still alive must not write into old buffers
+            handle.remove()
+
+    def pre_backward(self, alone: bool) -> Callable[[], None] | None:
+        """When a backward first reaches the output of a forward on this layout (from the
+        coordinator, `flatgrad._backward`): seat the slots when `alone` (no DDP reducer
+        places this backward's gradients: under a DDP its reducer copies them into its
+        buckets) and return what settles `.grad` at its end; None for another output of the
+        same backward, a create_graph backward, or a retired layout."""
+        if self._retired or torch.is_grad_enabled():  # create_graph: grads stay differentiable
+            return None
+        if torch.compiler.is_compiling():
+            return None  # compiled autograd traces this hook: see README
+        task = graph_task_id()
+        if task == self._task:
+            return None  # another output of the same backward
+        self._task = task
+        engine = self._owner()
+        if engine is not None and engine.ddp_pending:
+            # A forward under a DDP came since the last backward (this one may also run through
+            # an output of the plain wrapper, called directly): DDP's reducer places this
+            # backward's gradients, whichever output it reached first.
+            alone = engine.ddp_pending = False
+        store = self.store
+        store.check(self._routed + self._placed + self._mains)  # the seated: by `seat`
+        seated = [] if store.stale or not alone else store.seat(self.params)
+        if store.stale and engine is not None:
+            # A parameter was converted or reshaped behind the wrapper (model.double() on the
+            # inner model, param.data = ...): lay out again now, before any gradient arrives.
+            GradStore.unseat(seated)
+            if store.seated is seated:
+                store.seated = []
+            seater = engine.rebuilt_seater()
+            seater._task = task
+            store = seater.store
+            seated = store.seat(seater.params) if alone else []
+        return functools.partial(self._after_backward, store, seated, alone)
+
+    def _after_backward(
+        self, store: GradStore, seated: list[tuple[torch.Tensor, torch.Tensor, int]], alone: bool
+    ) -> None:
+        GradStore.unseat(seated)
+        if store.seated is seated:
+            store.seated = []
+        # A routed weight whose gradient came through plain autograd (its layer ran inside a
+        # torch.compile'd region, or its owner used the weight without calling the layer)
+        # got a tensor of its own from AccumulateGrad: outside DDP it moves into the slot
+        # now, so that `.grad` lives in the buffer when the backward returns (under DDP it
+        # is the reducer's bucket view), and from now on the weight is seated (or placed)
+        # like an unrouted one.
+        views = self.store.views
+        bypassed = [p for p in self._routed if p.grad is not None and p.grad is not views[id(p)]]
+        if bypassed and not self._retired:
+            if alone and not self.store.stale:
+                self.store.take_in(bypassed)
+            self.params += tuple(p for p in bypassed if p.numel() < SEAT_MAX_NUMEL)
+            for param in bypassed:
+                if param.numel() >= SEAT_MAX_NUMEL:
+                    self._placed += (param,)
+                    self._hook(param)
+            self._routed = tuple(p for p in self._routed if p.grad is None or p.grad is views[id(p)])
+
+
+def _place_incoming(
+    store: GradStore, param: nn.Parameter, grads: tuple[torch.Tensor | None, ...]
+) -> tuple[torch.Tensor | None, ...] | None:
+    """AccumulateGrad pre-hook of a large unrouted parameter: when `.grad` is None, copy
+    the incoming gradient into the slot, make the slot the `.grad`, and hand AccumulateGrad
+    nothing to do (its post hooks, DDP's among them, still run). When `.grad` is defined
+    AccumulateGrad adds in place into it, which is the slot. Under create_graph=True the
+    gradient must stay differentiable: left alone."""
+    grad = grads[0]
+    if grad is None or param.grad is not None or torch.is_grad_enabled() or not param.requires_grad:
+        return None  # (frozen since the forward: AccumulateGrad skips it, as stock's does)
+    if store.view(param).shape != grad.shape:
+        store.stale = True  # reshaped behind the wrapper: AccumulateGrad takes it as stock does
+        return None
+    store.place(param, grad)
+    return (None,)
+
+
+def _absorb_incoming(store: GradStore, main: torch.Tensor, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a main-grad parameter that no routed Function writes
+    (or a routed one whose gradient came through plain autograd): add the `.grad`
+    AccumulateGrad just made into the float32 main grad and set `.grad` back to None, so
+    the next micro-batch's gradient is taken, not added, in low precision. Under
+    create_graph=True `.grad` must stay differentiable: left alone (a norm or sync takes
+    it in later)."""
+    grad = param.grad
+    if grad is None or torch.is_grad_enabled() or store.stale:
+        return
+    if grad.shape != main.shape:
+        store.stale = True  # reshaped behind the wrapper: the next step lays out again
+        return
+    main.add_(grad)  # (AccumulateGrad's own tensor: dense, no graph)
+    param.grad = None
+
+
+def output_nodes(output: object) -> set[Any]:
+    """The autograd nodes that made the tensors of a model's output: a tensor, any pytree
+    of them, and the fields of dataclass instances in it (a dataclass is one opaque pytree
+    leaf unless registered, and models return them: output classes, loss records)."""
+    if isinstance(output, torch.Tensor):
+        return set() if output.grad_fn is None else {output.grad_fn}
+    nodes = set()
+    stack, seen = tree_leaves(output), set()
+    while stack:
+        leaf = stack.pop()
+        if isinstance(leaf, torch.Tensor):
+            if leaf.grad_fn is not None:
+                nodes.add(leaf.grad_fn)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and id(leaf) not in seen:
+            seen.add(id(leaf))
+            stack.extend(tree_leaves([getattr(leaf, field.name) for field in dataclasses.fields(leaf)]))
+    return nodes

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flatgrad import comm
-from flatgrad._backward import ForwardPlan, watch
-from flatgrad._names import share_root
+from flatgrad._backward import ForwardPlan, Participant, Seater, watch
+from flatgrad._module_proxy import share_root
 from flatgrad._routing import route_layers, unroute
-from flatgrad._seating import Seater
 from flatgrad._torch_compat import divides_by_ranks_not_joined, graph_task_id
 from flatgrad._watch import LayoutWatch
 from flatgrad.buffer import GradStore
@@ -54,12 +54,12 @@ class GradEngine:
         self.ddp_forwards: int | None = None
         # A DataParallel's bucket sync and sync flag for the next forward (`expect_sync`),
         # and the running forward's, taken by `before_forward`.
-        self._next_sync: tuple[Any, bool] | None = None
-        self._forward_sync: tuple[Any, bool] | None = None
+        self._next_sync: tuple[Participant, bool] | None = None
+        self._forward_sync: tuple[Participant, bool] | None = None
         # Whether a forward under a DDP came since the last backward began: its reducer places
         # the next backward's gradients, whichever output that backward reaches first.
         self.ddp_pending = False
-        self._joining: weakref.ref[Any] | None = None  # see `joining_ddp`
+        self._joining: weakref.ref[DDP] | None = None  # see `joining_ddp`
         # Watch the model's registrations while the wrapper lives; when it is collected the
         # model is as it was before wrapping (plain dicts, torch's forwards).
         self.watch = LayoutWatch()
@@ -122,7 +122,7 @@ class GradEngine:
             self.ddp_forwards = comm.note_forward_without_hook(self.ddp_forwards)
 
     @torch.compiler.disable
-    def after_forward(self, output: Any) -> None:
+    def after_forward(self, output: object) -> None:
         seater = self.seater
         # Under a DDP, seat nothing: its reducer copies each gradient AccumulateGrad made into
         # its bucket (one pass in C++, where a seat costs a zero fill, an add and Python per
@@ -146,12 +146,12 @@ class GradEngine:
         if seater is not None and graph_task_id() == -1:  # (a recompute inside a backward: not)
             seater.store.prescale.factor = None  # a backward that raised left it on: see `_prescale`
 
-    def joining_ddp(self) -> Any:
+    def joining_ddp(self) -> DDP | None:
         """The DDP whose last forward ran under a `Join` that divides by the ranks not
         joined yet (`comm.FlatGradCommState.ranks_not_joined`), or None."""
         return None if self._joining is None else self._joining()
 
-    def expect_sync(self, bucket_sync: Any, sync: bool) -> None:
+    def expect_sync(self, bucket_sync: Participant, sync: bool) -> None:
         """From a DataParallel's forward, before it runs this wrapper's: the backward through
         this forward's output is `bucket_sync`'s too, averaging when `sync`."""
         self._next_sync = (bucket_sync, sync)

@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from flatgrad._bucket_sync import BucketSync
 from flatgrad._torch_compat import register_load_pre_hook, tree_leaves
+from flatgrad._zero import ShardEngine
 
 # Tensor methods and attributes that read metadata only: not a read of the parameter's values.
 _METADATA = frozenset(
@@ -55,7 +57,7 @@ class ForwardWaits:
     `BucketSync`, whose forward runs the model inside `sync.forward_context` (`learning`)
     until a forward has taught the waits."""
 
-    def __init__(self, engine: Any, model: nn.Module, sync: Any) -> None:
+    def __init__(self, engine: ShardEngine, model: nn.Module, sync: BucketSync) -> None:
         self.engine, self.sync = engine, sync
         self._hooked = list(model.modules())
         # each parameter's buckets (by id), and each module's own parameters' (by the module's id)
@@ -186,7 +188,13 @@ class _FirstReads(TorchFunctionMode):
         self.first: dict[int, int] = {}
         self.read: set[int] = set()
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if self.running and not _metadata(func):
             buckets_of, reader = self.buckets_of, self.running[-1]
@@ -199,7 +207,7 @@ class _FirstReads(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _metadata(func: Any) -> bool:
+def _metadata(func: object) -> bool:
     """Whether `func` reads a tensor's metadata only (``w.shape``, ``w.size()``)."""
     name = getattr(func, "__name__", "")
     if name == "__get__":
@@ -207,5 +215,5 @@ def _metadata(func: Any) -> bool:
     return name in _METADATA and getattr(torch.Tensor, name, None) is func
 
 
-def _wait_for(engine: Any, indices: tuple[int, ...], *hook_args: Any) -> None:
+def _wait_for(engine: ShardEngine, indices: tuple[int, ...], *hook_args: Any) -> None:
     engine.wait_gather(indices)

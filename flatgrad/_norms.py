@@ -15,9 +15,10 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
+
+from flatgrad.buffer import GradStore
 
 # The CPU's norm kernel accumulates each row in order, so its error grows with the row:
 # with gradients of mean 0.5, 8Ki-element rows are ~1e-6 off, 1Ki-element rows ~1e-9
@@ -85,7 +86,7 @@ def _upcast(block: torch.Tensor) -> torch.Tensor:
 
 
 def piece_norms(
-    store: Any, others: list[torch.Tensor], norm_type: float
+    store: GradStore, others: list[torch.Tensor], norm_type: float
 ) -> tuple[list[torch.Tensor], torch.dtype]:
     """The per-piece float64 norms whose `norm_type` norm is the total of a store's
     gradients and `others` (gradients outside it), and the total's dtype. For a positive
@@ -96,8 +97,8 @@ def piece_norms(
     if norm_type > 0:
         pieces = list(store.buffers.values())
     else:
-        pieces = [store.view(p) if store.is_main(p) else p.grad for p in store.params]
-        pieces = [piece for piece in pieces if piece is not None]
+        grads = [store.view(p) if store.is_main(p) else p.grad for p in store.params]
+        pieces = [grad for grad in grads if grad is not None]
     pieces += others
     norms = [vector_norm(t, norm_type) for t in pieces]
     dtype = functools.reduce(torch.promote_types, [norm_dtype(t.dtype) for t in pieces], torch.float32)

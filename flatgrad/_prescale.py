@@ -11,37 +11,24 @@ adding onto an earlier backward's gradient (accumulation) does not, and the buck
 divides that slot as before. A gradient that reaches a noted weight through plain autograd
 (the weight also read outside its layer) is scaled by a pre hook on its AccumulateGrad on
 its way into the slot.
+
+The state lives on the store (`flatgrad.buffer.Prescale`, which the layer backwards find
+through the registry); the factor is chosen and the rest of a bucket divided where the
+buckets are (`flatgrad._bucket_sync.prescale_factor`, `divide_unscaled`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from flatgrad._slot_registry import REGISTRY
-
-
-@dataclass
-class Prescale:
-    """A store's prescaling state: the factor while such a backward runs (None otherwise)
-    and the ids of the parameters whose slots were written so scaled."""
-
-    factor: float | None = None
-    written: set[int] = field(default_factory=set)
-    # The parameters whose AccumulateGrad scales what plain autograd brings (`scale_incoming`):
-    # only their slots are written divided.
-    hooked: set[int] = field(default_factory=set)
-
-    def start(self, factor: float | None) -> None:
-        self.written.clear()
-        self.factor = factor
+from flatgrad.buffer import REGISTRY, Prescale
 
 
 def write_scale(param: torch.Tensor, mode: str) -> float:
     """The factor a routed layer writes `param`'s gradient with in mode "out" or "add" (see
-    `flatgrad._targets`): 1 but inside such a backward; "out" notes the slot, "add" scales
+    `flatgrad.functional.weight_target`): 1 but inside such a backward; "out" notes the slot, "add" scales
     only into a slot so noted."""
     found = REGISTRY.find(param)
     state = found[0].prescale if found is not None else None
@@ -64,21 +51,3 @@ def scale_incoming(state: Prescale, param: torch.Tensor, grads: tuple[torch.Tens
     if grad is None or factor is None or id(param) not in state.written:
         return None
     return (grad * factor,)
-
-
-def divide_unscaled(bucket: Any, store: Any, world_size: int) -> bool:
-    """Before `bucket`'s sum: divide its slots not written scaled (few fills: the spans of
-    the rest are kept on the bucket while the scaled set stays the same); False when none
-    was, and the whole bucket is to be divided as usual. (The used flags after it need no
-    division: a sum of 0s and 1s is 0 only if all are.)"""
-    written = store.prescale.written
-    if not written:  # (a model with nothing routed: no pass over the bucket's parameters)
-        return False
-    scaled = frozenset(id(p) for p in bucket.params if id(p) in written)
-    if not scaled:
-        return False
-    if bucket.unscaled is None or bucket.unscaled[0] != scaled:
-        bucket.unscaled = (scaled, store.spans([p for p in bucket.params if id(p) not in scaled]))
-    if bucket.unscaled[1]:
-        torch._foreach_div_(bucket.unscaled[1], world_size)
-    return True

@@ -15,11 +15,12 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable, forward_ad
+from torch.distributed.algorithms.join import Joinable
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import _named_member_accessor
 from torch.utils._pytree import tree_leaves
@@ -130,7 +131,11 @@ early only from the accumulation (``AccumulateGrad_apply_impl``) and call the ho
 any case. Where True, flatgrad runs them itself (`run_post_accumulate_hooks`)."""
 
 
-def run_post_accumulate_hooks(param: torch.Tensor, grad_inputs: Any, grad_outputs: tuple[Any, ...]) -> None:
+def run_post_accumulate_hooks(
+    param: torch.Tensor,
+    grad_inputs: tuple[torch.Tensor | None, ...],
+    grad_outputs: tuple[torch.Tensor | None, ...],
+) -> None:
     """A post hook of `param`'s AccumulateGrad node (bound to `param` with a partial), for
     torch 2.4 (`POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT`): when no gradient reached it, call
     `param`'s post-accumulate-grad hooks, in their order, as later releases' AccumulateGrad
@@ -192,7 +197,7 @@ def active_ddp_getter() -> Callable[[], Any] | None:
     return getter
 
 
-def divides_by_ranks_not_joined(ddp: Any) -> bool:
+def divides_by_ranks_not_joined(ddp: DDP) -> bool:
     """Whether `ddp` runs under a `Join` that averages over the ranks not joined yet
     (``ddp.join(divide_by_initial_world_size=False)``), which DDP's reducer does by itself
     but leaves to a registered comm hook, as it leaves it any division."""
@@ -202,7 +207,7 @@ def divides_by_ranks_not_joined(ddp: Any) -> bool:
     )
 
 
-def join_state(joinable: Any) -> tuple[bool, bool]:
+def join_state(joinable: Joinable) -> tuple[bool, bool]:
     """(whether `joinable` runs inside an enabled `torch.distributed.algorithms.Join`,
     whether it is that Join's first joinable, the one whose per-iteration all-reduce tells
     the joined ranks that it has not joined), from the config `Join` sets on it (private in
@@ -274,7 +279,7 @@ def _local_shards_pickled() -> type:
         """A ShardedTensor that pickles (``torch.save``) as its local shards only, in types
         ``weights_only`` loading accepts; torch.distributed.checkpoint sees a ShardedTensor."""
 
-        def __reduce_ex__(self, protocol: Any) -> Any:
+        def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
             shards = [(list(s.metadata.shard_offsets), s.tensor) for s in self.local_shards()]
             return (collections.OrderedDict, ([(SAVED_SHARDS, shards)],))
 

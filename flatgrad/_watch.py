@@ -83,7 +83,7 @@ class LayoutWatch:
         self._covered = weakref.WeakSet()
 
 
-class _WatchedDict(dict):  # type: ignore[type-arg]
+class _WatchedDict(dict[str, Any]):
     """A module's ``_parameters`` or ``_modules``: every write bumps its watches' generation.
     Copies, deep copies and pickles are plain dicts (nothing of flatgrad's is saved)."""
 
@@ -94,17 +94,17 @@ class _WatchedDict(dict):  # type: ignore[type-arg]
         for watch in self.watches:
             watch.generation += 1
 
-    def __setitem__(self, key: Any, value: Any) -> None:
+    def __setitem__(self, key: str, value: Any) -> None:
         if _counted():
             self._bump()
         super().__setitem__(key, value)
 
-    def __delitem__(self, key: Any) -> None:
+    def __delitem__(self, key: str) -> None:
         if _counted():
             self._bump()
         super().__delitem__(key)
 
-    def __ior__(self, other: Any) -> _WatchedDict:  # type: ignore[misc]
+    def __ior__(self, other: Any) -> _WatchedDict:  # type: ignore[misc,override]
         self._bump()
         return super().__ior__(other)  # type: ignore[no-any-return]
 

@@ -1,18 +1,29 @@
-"""`GradStore`: the flat gradient buffers, each parameter's slot in them (kept in a
-`flatgrad._slot_table.SlotTable`), and the slots' `.grad` around a backward."""
+"""The flat gradient buffers, and where each parameter's gradient lives in them.
+
+- `GradStore`: one zero-initialised 1-D buffer per (dtype, device) group, each parameter's
+  slot in it (kept in a `SlotTable`), and the slots' `.grad` around a backward.
+- `SlotTable`: a store's table of slots (group, place in the buffer, one view made once)
+  and the 1-D views it cuts over them.
+- `SlotRegistry` (`REGISTRY`): which live store owns each parameter, so that a layer
+  backward given only the weight finds its slot.
+- Main grads: a float32 slot of a bfloat16/float16 parameter is its gradient while `.grad`
+  stays None. `MainGrads` holds one store's; `MainGradGuard` (`MAIN_GRAD_GUARD`) makes a
+  torch optimizer that would skip them raise.
+- `Prescale`: a store's prescaling state, which `flatgrad._prescale` writes and reads.
+- Free functions over the buffers' tensors: allocating a buffer aligned (`aligned_zeros`),
+  staging host values for a device copy (`host_tensor`, `write_flags`), scaling in place
+  (`scale_`), reading on another CUDA stream (`read_here`)."""
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from flatgrad._buffer_ops import aligned_zeros, write_flags
-from flatgrad._main_grads import MAIN_GRAD_GUARD, MainGrads
-from flatgrad._prescale import Prescale
-from flatgrad._slot_registry import REGISTRY
-from flatgrad._slot_table import SlotEntry, SlotTable
 from flatgrad.layout import GroupKey, SlotSpec, dense_stride, plan_layout
 
 _Flagged = tuple[torch.Tensor, torch.Tensor, tuple[torch.nn.Parameter, ...]]
@@ -270,3 +281,296 @@ class GradStore:
         (stale values must not reach a norm or a sync) and move any `.grad` that lives
         elsewhere into its slot (`take_in`)."""
         self.take_in(self.params, zero_empty=True)
+
+
+@dataclass(frozen=True)
+class SlotEntry:
+    key: GroupKey
+    slot: SlotSpec
+    view: torch.Tensor  # the slot, shaped and strided like the parameter; becomes its .grad
+
+
+class SlotTable:
+    """Each parameter's slot in `buffers` (the store's dict of flat buffers, shared: a slot
+    set after the store replaced a buffer points into the new one).
+
+    Args:
+        buffers: the flat buffer of each (dtype, device) group.
+    """
+
+    def __init__(self, buffers: dict[GroupKey, torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.entries: dict[torch.Tensor, SlotEntry] = {}
+        self.views: dict[int, torch.Tensor] = {}  # by id: the backward's lookup, no Tensor hash
+        self._addresses: dict[int, int] = {}  # by id: where each view points (see `intact`)
+
+    def set(self, param: torch.Tensor, key: GroupKey, slot: SlotSpec) -> None:
+        """Make `slot` of the `key` group's buffer `param`'s, with a new view."""
+        buffer = self.buffers[key]
+        # `set_` rather than a view op: the slot shares the buffer's memory but has a
+        # version counter of its own, so `_version` tells whether this slot was written
+        # (AccumulateGrad's in-place add, a Function's out=/addmm_) since it was seated.
+        view = torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
+            buffer.untyped_storage(), buffer.storage_offset() + slot.offset, slot.shape, slot.stride
+        )
+        self.entries[param] = SlotEntry(key, slot, view)
+        self.views[id(param)] = view
+        self._addresses[id(param)] = view.data_ptr()
+
+    def intact(self) -> bool:
+        """Whether every slot view still points at its slot (see `GradStore.intact`)."""
+        # Both dicts gain their keys together in `set`, so they iterate in one order.
+        return list(map(_data_ptr, self.views.values())) == list(self._addresses.values())
+
+    def _in_buffer_order(self) -> list[tuple[torch.Tensor, SlotEntry]]:
+        return sorted(self.entries.items(), key=lambda item: (str(item[1].key), item[1].slot.offset))
+
+    def runs(self) -> list[torch.Tensor]:
+        """1-D views covering exactly the gradient elements of every slot (never the
+        alignment padding), adjacent slots merged: what a scale (clipping) may touch.
+        Padding stays zero by construction, so whole-buffer norms and syncs may read it."""
+        spans: dict[GroupKey, list[list[int]]] = {}
+        for _, entry in self._in_buffer_order():
+            runs = spans.setdefault(entry.key, [])
+            if runs and runs[-1][1] == entry.slot.offset:
+                runs[-1][1] += entry.slot.numel
+            else:
+                runs.append([entry.slot.offset, entry.slot.offset + entry.slot.numel])
+        return self._cut([(key, start, end) for key, runs in spans.items() for start, end in runs])
+
+    def spans(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """1-D views of the buffers that cover the slots of `params` and no other slot, as
+        few as the layout allows: slots adjacent in a buffer (alignment padding between
+        them included, which is zero anyway) share one view."""
+        wanted = {id(param) for param in params}
+        spans: list[tuple[GroupKey, int, int]] = []
+        entries = self._in_buffer_order()
+        open_span = False  # whether the previous slot of the same buffer extended spans[-1]
+        for index, (param, entry) in enumerate(entries):
+            same_buffer = index > 0 and entries[index - 1][1].key == entry.key
+            if id(param) not in wanted:
+                open_span = False
+                continue
+            end = entry.slot.offset + entry.slot.numel
+            if open_span and same_buffer:
+                spans[-1] = (entry.key, spans[-1][1], end)
+            else:
+                spans.append((entry.key, entry.slot.offset, end))
+            open_span = True
+        return self._cut(spans)
+
+    def _cut(self, spans: Iterable[tuple[GroupKey, int, int]]) -> list[torch.Tensor]:
+        return [self.buffers[key].narrow(0, start, end - start) for key, start, end in spans if end > start]
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+class SlotRegistry:
+    """Which live store owns each parameter, by id, so that a backward given only the weight
+    finds its slot. A store keeps its parameters alive, so their ids are not reused while
+    its entries stand; they go with `GradStore.release` or when the store is collected. No
+    weak reference to a parameter (that would block torch.utils.swap_tensors)."""
+
+    def __init__(self) -> None:
+        self._owners: dict[int, weakref.ref[GradStore]] = {}
+
+    def check_free(self, params: Sequence[torch.Tensor]) -> None:
+        for param in params:
+            if self.owner_of(param) is not None:
+                raise ValueError(
+                    f"a parameter of shape {tuple(param.shape)} is already wrapped by another "
+                    "FlatGrad; a parameter's gradient can live in one flat buffer only"
+                )
+
+    def claim(self, store: GradStore) -> None:
+        me = weakref.ref(store)
+        ids = [id(param) for param in store.params]
+        for param_id in ids:
+            self._owners[param_id] = me
+        weakref.finalize(store, self.forget, me, ids)
+
+    def forget(self, store: weakref.ref[GradStore], ids: list[int]) -> None:
+        for param_id in ids:
+            if self._owners.get(param_id) == store:
+                del self._owners[param_id]
+
+    def owner_of(self, param: torch.Tensor) -> GradStore | None:
+        """The live store holding `param`'s slot, if any."""
+        ref = self._owners.get(id(param))
+        store = ref() if ref is not None else None
+        return store if store is not None and param in store else None
+
+    def find(self, param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
+        """(live store, slot view) of `param`, if any: `owner_of` and the view in one lookup
+        (for the layer backwards). A store keeps its parameters alive, so an id it holds
+        is not reused while it stands."""
+        ref = self._owners.get(id(param))
+        store = ref() if ref is not None else None
+        if store is None:
+            return None
+        view = store.views.get(id(param))
+        return None if view is None else (store, view)
+
+
+REGISTRY = SlotRegistry()
+
+
+class MainGrads:
+    """The parameters of one store whose slot is a main grad, and their slots.
+
+    Args:
+        params: those parameters.
+        views: the store's slot views by ``id(param)`` (shared: the store updates it).
+        spans: 1-D views covering their slots (`GradStore.spans`), zeroed by `zero`.
+    """
+
+    def __init__(
+        self, params: Sequence[torch.nn.Parameter], views: dict[int, torch.Tensor], spans: list[torch.Tensor]
+    ) -> None:
+        self.params = tuple(params)
+        self.ids = frozenset(map(id, self.params))
+        self._views = views
+        self._spans = spans
+
+    def zero(self) -> None:
+        """Zero every main grad (a few fills: adjacent slots share one)."""
+        if self._spans:
+            torch._foreach_zero_(self._spans)
+
+    def take_in(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Add the low-precision `.grad` of each main-grad parameter among `params` (one that
+        arrived through AccumulateGrad) into its main grad and set that `.grad` back to None.
+
+        Returns:
+            The others among `params`, in order.
+        """
+        ids, views = self.ids, self._views
+        for param in [p for p in params if id(p) in ids]:
+            grad = param.grad
+            if grad is not None:
+                views[id(param)].add_(grad.to_dense() if grad.is_sparse else grad.detach())
+                param.grad = None
+        return [p for p in params if id(p) not in ids]
+
+
+class MainGradGuard:
+    """While a store with main grads lives: a torch optimizer step (a global step pre hook,
+    `torch.optim.optimizer.register_optimizer_step_pre_hook`) over a parameter whose
+    gradient is a main grad and whose `.grad` is None raises, instead of skipping it
+    silently. Optimizers that step main grads themselves say so with a true class
+    attribute ``steps_main_grads`` (ShardedOptimizer). The hook goes when the last such
+    store does; it reads each parameter's `.grad` and, for a None one, the registry."""
+
+    def __init__(self) -> None:
+        self._stores: weakref.WeakSet[GradStore] = weakref.WeakSet()
+        self._handle: Any = None
+
+    def watch(self, store: GradStore) -> None:
+        self._stores.add(store)
+        if self._handle is None:
+            self._handle = register_optimizer_step_pre_hook(self._check)
+        weakref.finalize(store, self._release)
+
+    def _release(self) -> None:
+        if self._handle is not None and not self._stores:
+            self._handle.remove()
+            self._handle = None
+
+    def _check(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if getattr(optimizer, "steps_main_grads", False):
+            return
+        skipped = 0
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None and param.requires_grad:  # (frozen: skipped, as by stock)
+                    store = REGISTRY.owner_of(param)
+                    skipped += store is not None and store.is_main(param)
+        if skipped:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() would skip {skipped} bfloat16/float16 "
+                "parameter(s) whose gradient is a float32 main grad (grad_dtype='float32': their "
+                ".grad stays None): step them with flatgrad.ShardedOptimizer (float32 master "
+                "shards, on any number of ranks), or give the optimizer float32 master copies "
+                "whose .grad you take from flat.main_grad(param)"
+            )
+
+
+MAIN_GRAD_GUARD = MainGradGuard()
+
+
+@dataclass
+class Prescale:
+    """A store's prescaling state: the factor while such a backward runs (None otherwise)
+    and the ids of the parameters whose slots were written so scaled."""
+
+    factor: float | None = None
+    written: set[int] = field(default_factory=set)
+    # The parameters whose AccumulateGrad scales what plain autograd brings (`scale_incoming`):
+    # only their slots are written divided.
+    hooked: set[int] = field(default_factory=set)
+
+    def start(self, factor: float | None) -> None:
+        self.written.clear()
+        self.factor = factor
+
+
+def aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:
+    """A zeroed 1-D tensor whose first element sits on an `align_bytes` boundary."""
+    dtype, device = key
+    buffer = torch.zeros(numel, dtype=dtype, device=device)
+    misalignment = buffer.data_ptr() % align_bytes
+    if misalignment == 0:
+        return buffer
+    itemsize = buffer.element_size()
+    raw = torch.zeros(numel + align_bytes // itemsize, dtype=dtype, device=device)
+    start = (-raw.data_ptr() % align_bytes) // itemsize
+    return raw.narrow(0, start, numel)
+
+
+def host_tensor(values: Sequence[bool | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`. For an accelerator it is staged in pinned memory
+    and copied without blocking: a copy from pageable memory would make the host wait for
+    everything queued on the stream (the whole backward), where the copy needs only to be
+    ordered after it. Pinned blocks come from torch's caching host allocator, which does
+    not hand a block out again before the copy that reads it has run."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":  # (pinned staging is CUDA's; other backends copy as they do)
+        return torch.tensor(values, dtype=dtype).to(device)
+    staged = torch.tensor(values, dtype=dtype, pin_memory=True)
+    return staged.to(device, non_blocking=True)
+
+
+def write_flags(flags: torch.Tensor, values: Sequence[float]) -> None:
+    """Write `values` (one per element) into `flags` without waiting on the device."""
+    if all(values):
+        flags.fill_(1)  # the usual step: no host data to send
+    else:
+        flags.copy_(host_tensor(values, flags.dtype, flags.device), non_blocking=True)
+
+
+def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply `tensors` in place by the 0-d `coef` (a clipping coefficient), one foreach
+    per device. A CPU `coef` of exactly 1 (clipping that does not clip: the norm is under
+    `max_norm`) skips the pass: ``x * 1.0`` is ``x`` in every floating dtype, so the result
+    is bitwise what stock's unconditional multiply gives, minus a read and write of every
+    gradient. On accelerators the multiply always runs: reading `coef` would sync."""
+    if coef.device.type == "cpu" and bool(coef == 1.0):
+        return
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device, []).append(tensor)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, coef.to(device))
+
+
+def read_here(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, marked as read by the current CUDA stream (`Tensor.record_stream`), where it
+    may have been made on another: an AccumulateGrad hook runs on the stream its node was
+    made on (DataParallel keeps the nodes from its construction), a final callback on the
+    caller's. Torch's caching allocator then does not hand its memory out again, once it is
+    freed, before that read has run. Elsewhere a no-op."""
+    if tensor.is_cuda:
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+    return tensor

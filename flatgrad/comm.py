@@ -9,24 +9,42 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from flatgrad._buffer_ops import host_tensor
 from flatgrad._torch_compat import (
     active_ddp_getter,
     divides_by_ranks_not_joined,
     graph_task_id,
     shadowing_ddp,
 )
-from flatgrad.buffer import GradStore
+from flatgrad.buffer import GradStore, host_tensor
 
 logger = logging.getLogger(__name__)
 
 _WIRE_DTYPES = (torch.bfloat16, torch.float16)
 _DDP_DEFAULT_BUCKET_MB = 25
+
+
+class HookEngine(Protocol):
+    """What the DDP hook's state asks of its wrapper's engine (`flatgrad._engine.GradEngine`,
+    which sits above this module and imports it)."""
+
+    def current(self) -> GradStore: ...
+
+    def hook_ran(self) -> None: ...
+
+    def joining_ddp(self) -> DDP | None: ...
+
+
+class HookedWrapper(Protocol):
+    """What the DDP hook's state asks of its wrapper (a `flatgrad.FlatGrad`): its engine."""
+
+    @property
+    def _engine(self) -> HookEngine: ...
 
 
 @dataclass
@@ -50,7 +68,7 @@ class FlatGradCommState:
         ValueError: `wire_dtype` is not torch.bfloat16, torch.float16 or None.
     """
 
-    wrapper: Any
+    wrapper: HookedWrapper
     process_group: dist.ProcessGroup | None = None
     wire_dtype: torch.dtype | None = None
     num_calls: int = field(default=0, init=False)

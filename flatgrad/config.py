@@ -152,7 +152,7 @@ def _kind(path: Path) -> str:
     return "JSON" if path.suffix == ".json" else "YAML"
 
 
-def _type_name(data: Any) -> str:
+def _type_name(data: object) -> str:
     return "null" if data is None else type(data).__name__
 
 

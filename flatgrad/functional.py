@@ -1,27 +1,49 @@
 """Autograd Functions whose backward writes weight gradients straight into the flat buffer.
 
-Each backward asks `flatgrad._targets` where each weight gradient goes (a fresh tensor,
-the empty slot, the seated slot, a main grad, or nowhere) and writes it there.
+Each backward first decides where each weight gradient goes (`weight_target`, below: a
+fresh tensor, the empty slot, the seated slot, a main
+grad, or nowhere) and writes it there; the gathers' backwards scatter-add their rows
+(`scatter_rows`, `scatter_add_into`: repeated positions summed, deterministic under
+`torch.use_deterministic_algorithms`).
 
 Undefined gradients are not materialised as zeros (an output nothing differentiable used, a
 consumer that returned None for it): the Functions hand every input None, as torch's own
 backwards do, so the slot is not written and `.grad` stays None where stock leaves it.
 Nothing here imports torch.distributed.
-"""
+
+Where a weight's gradient goes (`weight_target`), by mode:
+
+- ``"out"``:   `.grad` is None: compute into a fresh view of the slot with ``out=``, make
+  that view the `.grad`, and return None.
+- ``"add"``:   `.grad` already is the slot: accumulate in place and return None.
+- ``"fresh"``: plain out-of-place autograd: `torch.autograd.grad` captures this weight,
+  ``create_graph=True`` needs a differentiable result, the weight has tensor hooks that
+  must see its gradient, or it has no slot.
+- ``"skip"``:  no gradient is wanted for the weight in this backward.
+- ``"main"``:  the slot is the weight's float32 main grad (a bfloat16/float16 weight with
+  ``grad_dtype="float32"``): accumulate into it in float32, leave `.grad` None, return None.
+
+Why "out" sets `.grad` instead of returning the view for AccumulateGrad to steal: a weight
+used more than once in a backward (tied embedding and LM head, or a layer called twice)
+reaches AccumulateGrad once, after autograd summed all its contributions. A returned view
+may be summed out of place with another contribution before a later writer adds into the
+slot, and that later addition would be lost. Once `.grad` is the slot every later writer
+adds into it, and AccumulateGrad adds any other (unrouted) contribution into it in place.
+Returning None still runs AccumulateGrad's post hooks (DDP's reducer hooks)."""
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.graph import Node
 
 from flatgrad._prescale import write_scale
-from flatgrad._scatter import out_of_range, scatter_add_into, scatter_rows
-from flatgrad._targets import TRACED, node_target, weight_target
-from flatgrad._torch_compat import GATHER_TAKES_INT32, fast_apply, functorch_active
+from flatgrad._torch_compat import GATHER_TAKES_INT32, fast_apply, functorch_active, will_execute
+from flatgrad.buffer import REGISTRY
 
 
 def plain_torch() -> bool:
@@ -391,3 +413,115 @@ def _check_gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> None:
 linear_into_slot = fast_apply(_Linear)
 gather_rows_into_slot = fast_apply(_GatherRows)
 gather_dim = fast_apply(_GatherDim)
+
+
+Mode = Literal["skip", "fresh", "out", "add", "main"]
+# Compiled autograd traces a Function's backward with Dynamo (no graph or `.grad` to look
+# at): the gradient is returned to the traced AccumulateGrad, as for stock.
+TRACED: tuple[Mode, None, None] = ("fresh", None, None)
+
+
+def weight_target(
+    ctx: Any, index: int, next_functions: Any = None
+) -> tuple[Mode, torch.Tensor | None, torch.Tensor | None]:
+    """Where the gradient of input `index` goes in this backward: (mode, slot, parameter).
+
+    The parameter is taken from the graph (its AccumulateGrad node), not from saved
+    tensors, which checkpointing and saved-tensor hooks hand back as other objects.
+    `next_functions` may be passed by a caller that needs several inputs (it costs a
+    tuple of node objects per access).
+    """
+    if not ctx.needs_input_grad[index]:
+        return "skip", None, None
+    if torch.compiler.is_compiling():
+        return TRACED
+    return node_target((next_functions or ctx.next_functions)[index][0])
+
+
+def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | None]:
+    """`weight_target` for an input known to need a gradient, given its graph node."""
+    param = getattr(node, "variable", None)  # None unless the input is a leaf (AccumulateGrad)
+    found = REGISTRY.find(param) if param is not None else None
+    if found is None or torch.is_grad_enabled():
+        return "fresh", None, param
+    if not param.requires_grad:  # type: ignore[union-attr]
+        return "skip", None, param  # frozen since the forward: AccumulateGrad skips it too
+    try:
+        if not will_execute(node):
+            return "skip", None, param  # backward(inputs=...) without this weight
+    except RuntimeError:
+        return "fresh", None, param  # torch.autograd.grad captures this leaf: leave .grad alone
+    store, view = found
+    if view.dtype != param.dtype or view.shape != param.shape:  # type: ignore[union-attr]
+        if view.shape == param.shape and store.is_main(param):  # type: ignore[union-attr,arg-type]
+            # A main grad: hooked gradients are returned, and AccumulateGrad's hook adds them in.
+            return ("fresh", None, param) if param._backward_hooks else ("main", view, param)  # type: ignore[union-attr]
+        store.stale = True  # param.data replaced or converted behind the wrapper: lay out again
+        return "fresh", None, param
+    grad = param.grad  # type: ignore[union-attr]
+    if param._backward_hooks:  # type: ignore[union-attr]
+        # Tensor hooks must see the gradient: return it, and let AccumulateGrad add the
+        # hooked result into the slot (seated here when empty).
+        if grad is None:
+            param.grad = view.zero_()  # type: ignore[union-attr]
+        return "fresh", None, param
+    if grad is None:
+        return "out", view, param
+    if grad is view:
+        return "add", view, param
+    return ("add", grad, param) if store.holds(param, grad) else ("fresh", None, param)  # type: ignore[arg-type]
+
+
+def scatter_rows(
+    target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, alpha: float = 1.0
+) -> torch.Tensor:
+    """``target[index] += alpha * rows`` with repeated indices summed.
+
+    `index_add_` scatters without sorting; under `torch.use_deterministic_algorithms`
+    the sort-based `index_put_(accumulate=True)` gives a run-to-run identical sum.
+    """
+    if torch.are_deterministic_algorithms_enabled():
+        return target.index_put_((index,), rows if alpha == 1.0 else rows * alpha, accumulate=True)
+    return target.index_add_(0, index, rows, alpha=alpha)
+
+
+def scatter_add_into(
+    target: torch.Tensor, dim: int, index: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    """``target.scatter_add_(dim, index, values)``: repeated positions are summed.
+
+    On CPU that kernel is run-to-run identical (each output element is summed in one
+    thread, in order); on accelerators it uses atomics, so under
+    `torch.use_deterministic_algorithms` the sum goes through the sorting
+    ``index_put_(accumulate=True)`` on linear indices instead.
+    """
+    if target.device.type == "cpu" or not torch.are_deterministic_algorithms_enabled():
+        return target.scatter_add_(dim, index, values)
+    flat = (
+        target if target.is_contiguous() else torch.zeros_like(target, memory_format=torch.contiguous_format)
+    )
+    strides = flat.stride()
+    linear = index * strides[dim]
+    for d in range(index.dim()):
+        if d != dim:
+            shape = [1] * index.dim()
+            shape[d] = index.shape[d]
+            linear = linear + torch.arange(index.shape[d], device=index.device).view(shape) * strides[d]
+    flat.view(-1).index_put_((linear.reshape(-1),), values.reshape(-1), accumulate=True)
+    return target if flat is target else target.add_(flat)
+
+
+def out_of_range(index: torch.Tensor, low: int, size: int) -> int | None:
+    """A value of a CPU `index` outside ``[low, size)``, read after a gather refused it (to
+    name it: the gathers do not look at their indices beforehand); None when every value
+    lies inside, on accelerators (a sync), or where the values cannot be read (inside a
+    torch.func transform)."""
+    if index.device.type != "cpu" or not index.numel():
+        return None
+    try:
+        smallest, largest = (int(value) for value in torch.aminmax(index))
+    except RuntimeError:
+        return None
+    if smallest < low:
+        return smallest
+    return largest if largest >= size else None

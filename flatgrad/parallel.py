@@ -3,7 +3,7 @@
 Buckets are `narrow` views of the flat buffer, cut at slot boundaries in the buffer's order
 (the reverse of registration, roughly the order backward produces gradients), about
 `bucket_mb` each and a small first one (not on a CPU host whose cores the ranks' threads
-already fill: there gloo's thread overlaps nothing, see `flatgrad._buckets.cut_buckets`).
+already fill: there gloo's thread overlaps nothing, see `flatgrad._bucket_sync.cut_buckets`).
 A post hook on the AccumulateGrad node of every parameter (it fires also for the routed
 layers, whose Functions hand AccumulateGrad None) counts the parameter ready; when every
 parameter of a bucket is ready and every bucket
@@ -59,7 +59,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -67,8 +67,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from flatgrad._bucketing import BucketSync
-from flatgrad._names import PlainNames, add_prefix
+from flatgrad._bucket_sync import BucketSync
+from flatgrad._module_proxy import PlainNames, add_prefix
 from flatgrad._torch_compat import broadcast_coalesced, join_state, preserve_version_counter
 from flatgrad.comm import check_wire_dtype
 from flatgrad.wrapper import FlatGrad
@@ -335,7 +335,9 @@ class DataParallel(PlainNames, Joinable):
         """
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
         """`FlatGrad.load_state_dict` (the plain model's keys, no ``module.`` prefix).
 
         Args:

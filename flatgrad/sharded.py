@@ -16,7 +16,7 @@ over other shards: equal to the last bit or two).
 
 After backward, the `.grad` of a model parameter is averaged only inside this rank's shards;
 `clip_grad_norm_` and `step` use exactly those. Until the gradients are zeroed every `.grad`
-is a `flatgrad._scattered.ScatteredGrad` (the slot's memory) that raises on any read of its
+is a `flatgrad._scattered_grad.ScatteredGrad` (the slot's memory) that raises on any read of its
 values, so ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` or a logged
 ``p.grad.norm()`` fails loudly on every rank instead of computing a different wrong value
 on each. A shard is updated as one tensor, so a
@@ -30,20 +30,19 @@ any rank is exact.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from flatgrad._checkpoint import GroupView, whole_state
 from flatgrad._gather_waits import ForwardWaits
-from flatgrad._scattered import is_scattered, unguarded, unmark_scattered
+from flatgrad._scattered_grad import is_scattered, unguarded, unmark_scattered
 from flatgrad._torch_compat import join_state
-from flatgrad._zero import ShardEngine
-from flatgrad._zero_groups import (
+from flatgrad._zero import (
     PieceGroups,
+    ShardEngine,
     as_groups,
     check_members,
     check_optimizer_class,
@@ -51,6 +50,7 @@ from flatgrad._zero_groups import (
     options,
     relaid_state,
 )
+from flatgrad._zero_state import GroupView, whole_state
 from flatgrad.buffer import GradStore
 from flatgrad.parallel import DataParallel
 
@@ -127,7 +127,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self,
         dp: DataParallel,
         optimizer_class: type[torch.optim.Optimizer],
-        params: Any = None,
+        params: Iterable[Any] | None = None,
         *,
         overlap_param_gather: bool = False,
         **defaults: Any,
@@ -193,7 +193,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         Raises:
             RuntimeError: The model's parameters changed otherwise.
             ValueError: A group would hold parameters with different step counts
-                (`flatgrad._zero_groups.relaid_state`).
+                (`flatgrad._zero.relaid_state`).
         """
         engine, grads = self._engine, self.dp.module._engine
         if not engine.params_in_place() or is_scattered(engine.store):
@@ -228,7 +228,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             for group in self.param_groups
         ]
 
-    # Steps the model's main grads through its float32 masters (see flatgrad._main_grads.MainGradGuard).
+    # Steps the model's main grads through its float32 masters (see flatgrad.buffer.MainGradGuard).
     steps_main_grads = True
     # torch.amp.GradScaler hands this step its scale and inf flag (`grad_scale`, `found_inf`
     # attributes) instead of unscaling `.grad`, which holds no averaged value here.
@@ -415,7 +415,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state per parameter, keyed by the plain parameter names, in a form
-        that does not depend on the world size (`flatgrad._checkpoint`): per-element states
+        that does not depend on the world size (`flatgrad._zero_state`): per-element states
         are ShardedTensors over every rank's pieces (this rank's shards are views of its
         state), so ``torch.distributed.checkpoint`` saves ``{"optim": opt}`` in place and
         loads it on another world size or bucket size. Every rank must call it together with

@@ -1,21 +1,32 @@
-"""`FlatGrad`: wraps a model so that all its gradients live in flat per-(dtype, device) buffers."""
+"""`FlatGrad`: wraps a model so that all its gradients live in flat per-(dtype, device) buffers.
+
+Its operations on those gradients (zeroing, main grads, norms, clipping and the all-reduce
+without DDP) are the functions after the class. Each takes the wrapper's `GradEngine`
+(``flat._engine``) and first takes its store from `GradEngine.refresh`, which lays the
+buffers out again if the model changed, as stock's ``clip_grad_norm_(model.parameters())``
+walks the model (`zero_grad` setting None: from `GradEngine.current`, O(1)). The norm
+arithmetic is `flatgrad._norms`', the collectives are `flatgrad.comm`'s.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from flatgrad import _grad_ops, comm
+from flatgrad import _norms, comm
 from flatgrad._engine import GradEngine, trainable_parameters
-from flatgrad._names import add_prefix, strip_prefix
+from flatgrad._module_proxy import TransparentWrapper, add_prefix, strip_prefix
+from flatgrad._scattered_grad import is_scattered, refuse_scattered, scattered_main_grad, unmark_scattered
 from flatgrad._torch_compat import register_load_pre_hook, register_state_dict_post_hook
-from flatgrad._transparent import TransparentWrapper
+from flatgrad.buffer import GradStore, scale_
 from flatgrad.config import FlatGradConfig, resolve_config
 from flatgrad.layout import GroupKey
 
@@ -142,7 +153,7 @@ class FlatGrad(TransparentWrapper):
             A new dict from ``(dtype, device)`` to that group's flat buffer (the live
             tensor, not a copy), laid out again first if the parameters changed.
         """
-        return _grad_ops.settled_buffers(self._engine)
+        return _settled_buffers(self._engine)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FlatGrad:
         # .to(), .double(), .half(), .cuda() ... convert parameters and their .grad out of
@@ -164,7 +175,7 @@ class FlatGrad(TransparentWrapper):
                 pointed back at it). Main grads (``grad_dtype="float32"``) are zeroed either
                 way, and their parameters' `.grad` stays None.
         """
-        _grad_ops.zero_grad(self._engine, set_to_none)
+        _zero_grad(self._engine, set_to_none)
 
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
         """The gradient slot of `param`, shaped like it: with ``grad_dtype="float32"`` the
@@ -184,7 +195,7 @@ class FlatGrad(TransparentWrapper):
             ValueError: `param` is not a trainable parameter of the wrapped model with a slot
                 (frozen, a sparse embedding's, another model's, or a plain tensor).
         """
-        return _grad_ops.main_grad(self._engine, param)
+        return _main_grad(self._engine, param)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes
@@ -205,7 +216,7 @@ class FlatGrad(TransparentWrapper):
             RuntimeError: The gradients are reduce-scattered by a `ShardedOptimizer` (after
                 its synchronised backward, until ``zero_grad()``); use its `clip_grad_norm_`.
         """
-        return _grad_ops.grad_norm(self._engine, norm_type)
+        return _grad_norm(self._engine, norm_type)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -214,7 +225,7 @@ class FlatGrad(TransparentWrapper):
         scales every gradient in place by ``min(1, max_norm / (total_norm + 1e-6))``, with
         the total norm of `grad_norm` (more exact than stock's). Only gradient elements are
         scaled, never the alignment padding, which stays zero; on the CPU a factor of
-        exactly 1 skips the pass (see `flatgrad._buffer_ops.scale_`).
+        exactly 1 skips the pass (see `flatgrad.buffer.scale_`).
 
         Args:
             max_norm: The largest total norm the gradients keep.
@@ -230,11 +241,13 @@ class FlatGrad(TransparentWrapper):
                 gradients are reduce-scattered by a `ShardedOptimizer` (after its synchronised
                 backward, until ``zero_grad()``): use its `clip_grad_norm_`.
         """
-        return _grad_ops.clip_grad_norm_(self._engine, max_norm, norm_type, error_if_nonfinite)
+        return _clip_grad_norm_(self._engine, max_norm, norm_type, error_if_nonfinite)
 
     # --- synchronisation (the communication itself lives in flatgrad.comm) --------------
 
-    def all_reduce_grads(self, process_group: Any = None, wire_dtype: torch.dtype | None = None) -> None:
+    def all_reduce_grads(
+        self, process_group: dist.ProcessGroup | None = None, wire_dtype: torch.dtype | None = None
+    ) -> None:
         """Without DDP: average all gradients over `process_group` (default: the world),
         one all-reduce per buffer. Call it after backward, before the optimizer step.
         Afterwards `.grad` is as stock DDP with find_unused_parameters=True leaves it (None
@@ -251,7 +264,7 @@ class FlatGrad(TransparentWrapper):
                 live outside the flat buffers, or `wire_dtype` is not one of the above.
             RuntimeError: No default process group is initialised (``dist.init_process_group``).
         """
-        _grad_ops.all_reduce_grads(self._engine, process_group, wire_dtype)
+        _all_reduce_grads(self._engine, process_group, wire_dtype)
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Constructor arguments for ``DDP(flat, **flat.ddp_kwargs())``: the zero-copy,
@@ -270,7 +283,7 @@ class FlatGrad(TransparentWrapper):
         return comm.ddp_kwargs(self._engine.refresh())
 
     def comm_state(
-        self, process_group: Any = None, wire_dtype: torch.dtype | None = None
+        self, process_group: dist.ProcessGroup | None = None, wire_dtype: torch.dtype | None = None
     ) -> comm.FlatGradCommState:
         """State for ``ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)``.
 
@@ -290,3 +303,116 @@ class FlatGrad(TransparentWrapper):
         """
         comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP's allreduce_hook (flat.comm_state())")
         return comm.FlatGradCommState(self, process_group, wire_dtype)
+
+
+def _settled_buffers(engine: GradEngine) -> dict[GroupKey, torch.Tensor]:
+    """The flat buffers as the truth (`GradStore.settle`), by (dtype, device)."""
+    store = engine.refresh()
+    store.settle()
+    return dict(store.buffers)
+
+
+def _zero_grad(engine: GradEngine, set_to_none: bool) -> None:
+    """`FlatGrad.zero_grad`: every `.grad` of the model None, or zeroed with one fill per
+    buffer; main grads zeroed either way. Setting None needs no walk over the model (it runs
+    every step): whatever `GradEngine.current` does not see (a held parameter frozen or
+    converted in place) still has its `.grad` set to None, and is found by the next norm,
+    sync or backward."""
+    store = engine.current() if set_to_none else engine.refresh()
+    unmark_scattered(store, to_none=set_to_none)  # (zeroed: right on every rank again)
+    if set_to_none:
+        for param in store.params + engine.others:
+            param.grad = None
+        store.zero_mains()  # a main grad is the gradient itself: zeroed either way
+        return
+    for param in store.params:  # (a ScatteredGrad, or a `.grad` outside its slot)
+        if param.grad is not None and param.grad is not store.view(param):
+            param.grad = None if store.is_main(param) else store.view(param)
+    for buffer in store.buffers.values():
+        buffer.zero_()
+    for param in engine.others:
+        _zero_stock(param)
+
+
+def _zero_stock(param: nn.Parameter) -> None:
+    """What `nn.Module.zero_grad(set_to_none=False)` does to one parameter."""
+    grad = param.grad
+    if grad is None:
+        return
+    if grad.grad_fn is not None:
+        grad.detach_()
+    else:
+        grad.requires_grad_(False)
+    grad.zero_()
+
+
+def _main_grad(engine: GradEngine, param: torch.Tensor) -> torch.Tensor:
+    """`FlatGrad.main_grad`: `param`'s slot (its ScatteredGrad while reduce-scattered)."""
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"param must be a parameter of the wrapped model, got {type(param).__name__}")
+    store = engine.refresh()
+    if param not in store:
+        raise ValueError(
+            f"param must be a trainable parameter of the wrapped model with a gradient slot, "
+            f"got a tensor of shape {tuple(param.shape)} that has none (frozen, sparse, "
+            "another model's, or not a parameter)"
+        )
+    store.take_in([param], zero_empty=True)  # the buffer as the truth, as `settle` makes it
+    if is_scattered(store):  # (a ShardedOptimizer's backward: averaged in its shards only)
+        return scattered_main_grad(store, param)
+    return store.view(param)
+
+
+def _grad_norm(engine: GradEngine, norm_type: float) -> torch.Tensor:
+    """`FlatGrad.grad_norm`: the total norm of every gradient, in float64 chunks."""
+    norm_type = _check_norm_type(norm_type)
+    refuse_scattered(engine.store, "flat.grad_norm()")
+    _, _, norms, dtype = _grads_and_norms(engine, norm_type)
+    return _norms.total_norm(norms, norm_type, dtype)
+
+
+def _clip_grad_norm_(
+    engine: GradEngine, max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> torch.Tensor:
+    """`FlatGrad.clip_grad_norm_`: scale the runs and the gradients outside the buffers in
+    place by ``min(1, max_norm / (total + 1e-6))``; the total norm before clipping."""
+    norm_type = _check_norm_type(norm_type)
+    refuse_scattered(engine.store, "flat.clip_grad_norm_()")
+    store, others, norms, dtype = _grads_and_norms(engine, norm_type)
+    total = _norms.total_norm(norms, norm_type, dtype)
+    if not norms:
+        return total
+    if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+            "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
+        )
+    scale_(store.runs + others, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
+    return total
+
+
+def _grads_and_norms(
+    engine: GradEngine, norm_type: float
+) -> tuple[GradStore, list[torch.Tensor], list[torch.Tensor], torch.dtype]:
+    """(store, gradients outside it, per-piece float64 norms, the total's dtype)."""
+    store = engine.refresh()
+    store.settle()
+    others = [p.grad for p in engine.others if p.grad is not None]
+    return (store, others, *_norms.piece_norms(store, others, norm_type))
+
+
+def _check_norm_type(norm_type: float) -> float:
+    norm_type = float(norm_type)
+    if math.isnan(norm_type):
+        raise ValueError(f"norm_type must be a number or +-inf, got {norm_type}")
+    return norm_type
+
+
+def _all_reduce_grads(
+    engine: GradEngine, process_group: dist.ProcessGroup | None, wire_dtype: torch.dtype | None
+) -> None:
+    """`FlatGrad.all_reduce_grads`: `comm.all_reduce_grads` over the refreshed store, which
+    must hold every trainable parameter (no sparse embedding)."""
+    store = engine.refresh()
+    engine.refuse_sparse("all_reduce_grads")
+    comm.all_reduce_grads(store, process_group, wire_dtype)

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
-from flatgrad._checkpoint import _box_view, boxes
+from flatgrad._zero_state import _box_view, boxes
 
 pytestmark = pytest.mark.distributed
 

@@ -20,7 +20,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils import parametrizations
 
 import flatgrad
-from flatgrad._seating import SEAT_MAX_NUMEL
+from flatgrad._backward import SEAT_MAX_NUMEL
 
 
 def _tokens(seed: int, shape: tuple[int, int] = (4, 6), vocab: int = 13) -> torch.Tensor:

@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from flatgrad._slot_registry import REGISTRY
-from flatgrad.buffer import GradStore
+from flatgrad.buffer import REGISTRY, GradStore
 from flatgrad.layout import align_elements, dense_stride, plan_layout
 
 CPU = torch.device("cpu")

@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
-from flatgrad._buckets import cores_to_spare, cut_buckets
+from flatgrad._bucket_sync import cores_to_spare, cut_buckets
 from flatgrad.buffer import GradStore
 
 pytestmark = pytest.mark.distributed

@@ -104,7 +104,7 @@ def _profile_worker(rank: int, world_size: int, overlap: bool) -> None:
     # reduce-scatter and all-gather
     assert names.count("c10d::_reduce_scatter_base_") == 0, sorted(set(names))
     # the used-parameter flags go with the optimizer's step count (checked on every rank:
-    # see flatgrad._buckets.Round._check_round) in one small all-reduce of bytes
+    # see flatgrad._bucket_sync.Round._check_round) in one small all-reduce of bytes
     assert not dp._engine.last_round.carries_flags
     assert names.count("c10d::allreduce_") == num_buckets + 1
     # every rank holds all averaged gradients after gloo's all-reduce: one shard of the

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatgrad
-from flatgrad import _buckets
+from flatgrad import _bucket_sync
 from flatgrad.bench.device_base import (
     ROUTE_ALL,
     DeviceRun,
@@ -222,9 +222,9 @@ def _wire_on_a_side_stream(run: DeviceRun) -> str:
     x = torch.randn(16, 128, device=run.device)
     marked: list[torch.Tensor] = []
     waited: list[bool] = []
-    follow = _buckets.Round._follow_backward
+    follow = _bucket_sync.Round._follow_backward
 
-    def spy(round_: _buckets.Round, device: torch.device) -> bool:
+    def spy(round_: _bucket_sync.Round, device: torch.device) -> bool:
         waited.append(follow(round_, device))
         return waited[-1]
 
@@ -232,13 +232,13 @@ def _wire_on_a_side_stream(run: DeviceRun) -> str:
     side.wait_stream(main)  # (built on the default stream, trained on the side one)
     with (
         torch.cuda.stream(side),
-        mock.patch.object(_buckets, "read_here", side_effect=_buckets.read_here),
-        mock.patch.object(_buckets.Round, "_follow_backward", spy),
+        mock.patch.object(_bucket_sync, "read_here", side_effect=_bucket_sync.read_here),
+        mock.patch.object(_bucket_sync.Round, "_follow_backward", spy),
     ):
         for _ in range(2):
             dp.zero_grad()
             dp(x).square().mean().backward()
-        marked = [call.args[0] for call in _buckets.read_here.call_args_list]  # type: ignore[attr-defined]
+        marked = [call.args[0] for call in _bucket_sync.read_here.call_args_list]  # type: ignore[attr-defined]
     main.wait_stream(side)
     assert any(waited), "no bucket launch waited for the backward's stream"
     stock(x).square().mean().backward()
@@ -255,17 +255,17 @@ def _wire_on_a_side_stream(run: DeviceRun) -> str:
 
 # (where in flatgrad, what the CUDA branch does, the function that runs it and shows it ran)
 BRANCHES: tuple[tuple[str, str, Callable[[DeviceRun], str]], ...] = (
-    ("_buffer_ops.host_tensor via GradStore.flagged", "pinned staging, non_blocking copy", _pinned_flags),
-    ("_buffer_ops.host_tensor via Round.sync_all", "pinned staging under reduce-scatter", _pinned_sharded),
+    ("buffer.host_tensor via GradStore.flagged", "pinned staging, non_blocking copy", _pinned_flags),
+    ("buffer.host_tensor via Round.sync_all", "pinned staging under reduce-scatter", _pinned_sharded),
     ("comm.settle_unused", "reads the used flags back from the GPU", _pinned_flags),
     ("comm.average_op", "ReduceOp.AVG on NCCL", _nccl_average),
     ("parallel: async NCCL buckets, Work.wait in the final callback", "stream waits", _async_buckets),
-    ("_buffer_ops.scale_", "always multiplies on accelerators", _clip_multiplies),
-    ("functional._has_negative, _scatter.out_of_range", "no host range check on CUDA", _gather_no_sync),
-    ("_scatter.scatter_add_into", "deterministic index_put_ path on CUDA", _deterministic_gather),
+    ("buffer.scale_", "always multiplies on accelerators", _clip_multiplies),
+    ("functional._has_negative, functional.out_of_range", "no host range check on CUDA", _gather_no_sync),
+    ("functional.scatter_add_into", "deterministic index_put_ path on CUDA", _deterministic_gather),
     ("wrapper: .to(cuda) after wrapping", "buffers rebuilt on the GPU", _moved_after_wrapping),
     ("functional._read_counts", "scale_grad_by_freq counts without a host sync", _freq_counts_no_sync),
-    ("Round._follow_backward, _buffer_ops.read_here", "trained on another stream", _wire_on_a_side_stream),
+    ("Round._follow_backward, buffer.read_here", "trained on another stream", _wire_on_a_side_stream),
 )
 
 

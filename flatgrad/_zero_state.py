@@ -23,6 +23,7 @@ saves a step count of 0 and resumes fresh (`saved_stepped`).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +102,9 @@ def state_spec(
     return StateSpec(per_element, {k: v for k, v in state.items() if k not in per_element})
 
 
-def piece_states(pieces: list[Piece], live: Any, spec: StateSpec) -> list[dict[str, Any]]:
+def piece_states(
+    pieces: list[Piece], live: Mapping[torch.Tensor, dict[str, Any]], spec: StateSpec
+) -> list[dict[str, Any]]:
     """Each piece's state: the inner optimizer's where it has one, else zeros (and the
     spec's scalars) shaped as it would be."""
     states = []
@@ -121,7 +124,7 @@ def piece_states(pieces: list[Piece], live: Any, spec: StateSpec) -> list[dict[s
 STEP = "step"  # the step count torch's optimizers (all but SGD) keep per parameter
 
 
-def _copy(value: Any) -> Any:
+def _copy(value: object) -> object:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
@@ -313,7 +316,7 @@ def _overlap(
     return into_box, into_data
 
 
-def _covered(value: Any, box: Box, shaped: torch.Tensor) -> bool:
+def _covered(value: object, box: Box, shaped: torch.Tensor) -> bool:
     covered = 0
     for offsets, data in _saved_parts(value, shaped):
         found = _overlap(box, offsets, data)
@@ -344,7 +347,7 @@ def load_parameter_state(
         state.update({key: _copy(scalars[key]) for key in spec.scalars})
 
 
-def _copy_box(target: torch.Tensor, box: Box, saved: Any, shaped: torch.Tensor) -> None:
+def _copy_box(target: torch.Tensor, box: Box, saved: object, shaped: torch.Tensor) -> None:
     for offsets, data in _saved_parts(saved, shaped):
         found = _overlap(box, offsets, data)
         if found is not None:
@@ -445,7 +448,7 @@ def saved_stepped(groups: list[GroupView], saved: dict[str, Any]) -> list[bool]:
 
 
 def misfit(
-    optimizer_class: type[torch.optim.Optimizer], groups: list[GroupView], layout: Layout, saved: Any
+    optimizer_class: type[torch.optim.Optimizer], groups: list[GroupView], layout: Layout, saved: object
 ) -> str | None:
     """What keeps `saved` from loading on this rank; None when it fits."""
     if not isinstance(saved, dict) or not {"state", "param_groups"} <= saved.keys():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -74,7 +74,11 @@ class ScatteredGrad(torch.Tensor):
 
     @classmethod
     def __torch_function__(
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        cls,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> Any:
         name, allowed = _op(func)
         if name in ("__repr__", "__format__"):
@@ -91,7 +95,7 @@ class ScatteredGrad(torch.Tensor):
             return func(*args, **(kwargs or {}))
 
 
-def _op(func: Any) -> tuple[str, bool]:
+def _op(func: object) -> tuple[str, bool]:
     """(the op's name for a message, whether a ScatteredGrad lets it through). A property
     comes as its descriptor's ``__get__`` / ``__set__``."""
     name = getattr(func, "__name__", repr(func))

@@ -1,0 +1,941 @@
+"""The overlapped bucket averaging of one `DataParallel` (see `flatgrad.parallel` for how it
+works), static parts apart from per-backward state:
+
+- `Bucket`, `LaunchPlan`: the static buckets cut from a store's flat buffers
+  (`cut_buckets`) and the order their launches follow, the same on every rank.
+- `Round`: one synchronised backward over them (readiness, launches in the plan's order,
+  the wait and the settling of `.grad`), made when such a backward opens.
+- `ReadyHooks`, `Deferrals`: the autograd hooks, through which each parameter is counted
+  ready (with the parameters a synchronised backward left unused, counted ready at the
+  start of a later backward that will not reach them), and which carry the end of a
+  nested backward out to the backward around it.
+- `BucketSync`: the buckets over one `GradEngine`'s store, the launch order learned in the
+  first synchronised backward, which backwards average, and the final callback that
+  launches the rest, waits, and settles `.grad` as stock DDP does."""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import Node
+
+from flatgrad._backward import Grads, Seater
+from flatgrad._engine import GradEngine
+from flatgrad._prescale import scale_incoming
+from flatgrad._scattered_grad import (
+    carry_scattered,
+    mark_scattered,
+    refuse_adding_onto_scattered,
+    unmark_scattered,
+)
+from flatgrad._torch_compat import (
+    current_autograd_node,
+    graph_task_id,
+    in_compiled_autograd,
+    queue_callback,
+    will_execute,
+)
+from flatgrad.buffer import GradStore, host_tensor, read_here
+from flatgrad.comm import average_op, launch_average, reduce_scatters, settle_unused
+from flatgrad.layout import GroupKey
+
+_FIRST_BUCKET_MB = 1.0  # a small first bucket starts communication early, as in DDP
+_SUMMED = (torch.float32, torch.float64)  # summed whole and divided after (see `Round`)
+
+
+@dataclass
+class Bucket:
+    """One contiguous piece of a flat buffer and the parameters whose slots it holds."""
+
+    index: int
+    buffer: torch.Tensor  # a narrow view of the flat buffer
+    params: tuple[nn.Parameter, ...]
+    key: GroupKey
+    # Whether it ends its group's buffer: the group's used flags follow it in memory
+    # (`GradStore.flagged`), so the all-reduce that averages it may carry them too.
+    ends_buffer: bool = False
+    # The prescaled parameters of its last launch, and its other slots' spans (`_prescale`).
+    unscaled: tuple[frozenset[int], list[torch.Tensor]] | None = None
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The order the buckets launch in, the same on every rank (collectives must be issued
+    in one order everywhere), and the buckets that carry their group's used flags.
+
+    Buffer order until a synchronised backward has been seen (`learned` False); then rank
+    0's order of completion in that backward (`agree_order`), so that a model whose
+    gradients become final in another order than its buffer's, or whose early buckets wait
+    for an unused parameter, still launches its buckets while backward goes on."""
+
+    order: tuple[int, ...]
+    # A group's flags ride on its last bucket to launch, which launches once every gradient
+    # of the group is final, when that bucket also ends the buffer (the flags follow it in
+    # memory); otherwise `Round.sync_all` sends them in a small all-reduce of their own.
+    carriers: frozenset[int]
+    learned: bool = False
+
+
+def plan_launches(buckets: Sequence[Bucket], order: Sequence[int] | None = None) -> LaunchPlan:
+    """The plan that launches `buckets` in `order` (buffer order when None, not learned)."""
+    ordered = tuple(range(len(buckets)) if order is None else order)
+    last: dict[GroupKey, Bucket] = {}
+    for index in ordered:
+        last[buckets[index].key] = buckets[index]
+    carriers = frozenset(bucket.index for bucket in last.values() if bucket.ends_buffer)
+    return LaunchPlan(ordered, carriers, learned=order is not None)
+
+
+def agree_order(
+    completed: Sequence[int], num_buckets: int, device: torch.device, process_group: dist.ProcessGroup | None
+) -> list[int]:
+    """Rank 0's order of bucket completion in its last backward, on every rank (one small
+    broadcast): the buckets in the order they completed, then those that never did (a
+    parameter unused there) in buffer order."""
+    seen = set(completed)
+    order = [*completed, *(index for index in range(num_buckets) if index not in seen)]
+    agreed = host_tensor(order, torch.int64, device)  # (pinned on CUDA: no pageable copy)
+    source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    dist.broadcast(agreed, src=source, group=process_group)
+    return [int(index) for index in agreed.tolist()]
+
+
+def _current_streams(buckets: Sequence[Bucket]) -> dict[torch.device, Any]:
+    """The current stream of each CUDA device the buckets live on (a round opens on the
+    forward's: an output's pre hook runs there); empty off CUDA."""
+    cuda = {bucket.buffer.device for bucket in buckets if bucket.buffer.is_cuda}
+    return {device: torch.cuda.current_stream(device) for device in cuda}
+
+
+class Round:
+    """One synchronised backward's averaging: which parameters are ready, which bucket
+    launches next (in the plan's order), each bucket's collective, and the used flags that
+    travel with them. Made when such a backward opens (and at a rebuild), replaced by the
+    next one; its timings are the last synchronised backward's."""
+
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        plan: LaunchPlan,
+        store: GradStore | None,
+        process_group: dist.ProcessGroup | None,
+        wire_dtype: torch.dtype | None,
+        scatter: bool,
+        check_finite: Callable[[], dict[int, str]] | None = None,
+        shards: Sequence[torch.Tensor] = (),
+        divisor: int | None = None,
+        step_count: int | None = None,
+    ) -> None:
+        self.buckets, self.plan, self.store = buckets, plan, store
+        self.process_group, self.wire_dtype, self.scatter = process_group, wire_dtype, scatter
+        # The ranks a `Join` averages over when not the world size (its joined ranks send
+        # zeros: `BucketSync.shadow`), and the steps a ShardedOptimizer took before this
+        # backward, which every rank checks against the others' (`_check_round`).
+        self.divisor, self.step_count = divisor, step_count
+        # The used flags may ride with a bucket unless it is reduce-scattered (each rank
+        # would get only its part of them), or a step count must ride with them (bytes
+        # compared by MAX: see `_check_round`).
+        self.carries_flags = not (scatter and reduce_scatters(process_group)) and step_count is None
+        self.world_size = dist.get_world_size(process_group)
+        summed = _sums_then_divides(self, check_finite is None)
+        self.divide_after = [s for s in shards if s.dtype in _SUMMED] if summed else []
+        # With `check_finite` (the parameters' names, asked for only to raise): per launched
+        # bucket, whether its local gradients were all finite (a device tensor, no sync).
+        self.check_finite = check_finite
+        self.finite: list[torch.Tensor] = []
+        self.streams = _current_streams(buckets)  # the backward's (see `_follow_backward`)
+        self.pending = [len(bucket.params) for bucket in self.buckets]
+        self.work: list[Any] = [None] * len(self.buckets)
+        self.wire: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.sent: list[torch.Tensor | None] = [None] * len(self.buckets)  # what each collective ran on
+        self.ready: set[int] = set()  # the parameters whose AccumulateGrad ran
+        # The parameters the engine said this backward will not reach (`skip`): ready from
+        # its start, and unused unless some rank used them.
+        self.unreached: set[int] = set()
+        # Whether every gradient final in this backward is counted (not so in a round made
+        # in the middle of one: `BucketSync._upgrade`); only such a round tells which
+        # parameters the model leaves unused.
+        self.counts_all = True
+        self.completed: list[int] = []  # the buckets, in the order they became complete
+        # (flags, their parameters): carried by the plan's carriers, or by one small
+        # all-reduce of their own (see `sync_all`).
+        self.flagged: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []
+        self.next = 0  # the position in the plan's order of the next bucket to launch
+        self.launched: list[Bucket] = []
+        self.launched_in_backward = 0  # launched before the final callback flushed the rest
+        # perf_counter seconds (host time): when each bucket was launched, relative to the
+        # backward's start; how long the final callback spent in the waits after the
+        # backward's compute had ended (exposed communication; about 0 on NCCL, whose waits
+        # do not block the host); the backward's start to that end.
+        self.started = time.perf_counter()
+        self.launch_offsets_s: list[float] = []
+        self.exposed_s = 0.0
+        self.backward_s = 0.0
+
+    def mark_ready(self, param: nn.Parameter, bucket: Bucket) -> None:
+        key = id(param)
+        if key in self.ready:
+            raise RuntimeError(
+                "a parameter's gradient became final twice in one backward (a reentrant "
+                "activation checkpoint using it both inside and outside the checkpointed "
+                "function); use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
+        self.ready.add(key)
+        if self.unreached and key in self.unreached:  # counted at the start (see below)
+            self._reached_late(key, bucket)
+            return
+        pending, index = self.pending, bucket.index  # (`_count`, inline: once per parameter)
+        pending[index] -= 1
+        if not pending[index]:
+            self.completed.append(index)
+            self.launch_ready()
+
+    def skip(self, unreached: Sequence[tuple[nn.Parameter, Bucket]]) -> None:
+        """At the backward's start: count ready the parameters it will not reach (their
+        AccumulateGrad does not run), as DDP with find_unused_parameters=True does, so that
+        their buckets launch once their other gradients are final."""
+        for param, bucket in unreached:
+            self.unreached.add(id(param))
+            self._count(bucket, launch=False)
+        self.launch_ready()
+
+    def _count(self, bucket: Bucket, launch: bool = True) -> None:
+        self.pending[bucket.index] -= 1
+        if not self.pending[bucket.index]:
+            self.completed.append(bucket.index)
+            if launch:
+                self.launch_ready()
+
+    def _reached_late(self, key: int, bucket: Bucket) -> None:
+        # The engine said the backward would not reach this parameter, and a nested
+        # backward (a reentrant activation checkpoint) did: fine while its bucket waits.
+        self.unreached.discard(key)
+        if self.sent[bucket.index] is not None:
+            raise RuntimeError(
+                "DataParallel: a parameter unused in an earlier step got its gradient from a "
+                "nested backward (a reentrant activation checkpoint) after its bucket was "
+                "averaged; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
+
+    def launch_ready(self, flush: bool = False) -> None:
+        """Launch buckets in the plan's order while the next one is complete (or, on
+        flush, all)."""
+        order = self.plan.order
+        while self.next < len(order):
+            bucket = self.buckets[order[self.next]]
+            if self.pending[bucket.index] and not flush:
+                return
+            if bucket.buffer.is_cuda:
+                self._follow_backward(bucket.buffer.device)
+            # Zero the slots of parameters without a `.grad` (unused, or whose AccumulateGrad
+            # ran with an undefined gradient): the slot may still hold an earlier step's
+            # values. Move in any `.grad` that lives outside its slot.
+            self.store.take_in(bucket.params, zero_empty=True)  # type: ignore[union-attr]
+            self._launch(bucket)
+            self.launched.append(bucket)
+            self.launch_offsets_s.append(time.perf_counter() - self.started)
+            self.next += 1
+
+    def _follow_backward(self, device: torch.device) -> bool:
+        """Make the current stream wait for the backward's on `device`; whether it had to.
+        A routed layer writes its slot on the stream of its forward and hands AccumulateGrad
+        no gradient, so the engine orders nothing after that write; the AccumulateGrad hooks
+        that launch most buckets run on the stream their nodes were made on (DataParallel
+        keeps them from its construction). Trained on another stream than it was built on, a
+        launch would otherwise read slots still being written."""
+        stream = self.streams.get(device)
+        current = torch.cuda.current_stream(device)
+        if stream is None or stream == current:
+            return False
+        current.wait_stream(stream)
+        return True
+
+    def _launch(self, bucket: Bucket) -> None:
+        sent = bucket.buffer
+        if bucket.index in self.plan.carriers and self.carries_flags:
+            # Every parameter of the group is final now: its buckets launch in the plan's
+            # order, this is the last, and one before it with a parameter not ready waits
+            # for the flush.
+            found = self.store.flagged(bucket.key)  # type: ignore[union-attr]
+            if found is not None:
+                raw, flags, members = found
+                start = bucket.buffer.storage_offset() - raw.storage_offset()
+                sent = raw.narrow(0, start, raw.numel() - start)
+                self.flagged.append((flags, members))
+        if self.check_finite is not None:
+            self.finite.append(torch.isfinite(bucket.buffer).all())
+        i, divide = bucket.index, not (self.divide_after and sent.dtype in _SUMMED)
+        if divide_unscaled(bucket, self.store, self.world_size):  # type: ignore[arg-type]
+            divide = False  # (the routed slots were written divided: `flatgrad._prescale`)
+        group, wire_dtype, scatter = self.process_group, self.wire_dtype, self.scatter
+        self.work[i], self.wire[i] = launch_average(sent, group, wire_dtype, scatter, divide, self.divisor)
+        self.sent[i] = sent
+
+    def wait_launched(self) -> None:
+        for work in self.work:
+            if work is not None:
+                work.wait()
+
+    def sync_all(self) -> None:
+        """Launch the rest, wait, and settle `.grad` like stock DDP with
+        find_unused_parameters=True (a parameter no rank used keeps `.grad` None)."""
+        store = self.store
+        assert store is not None, "DataParallel is not built"
+        compute_done = time.perf_counter()
+        self.backward_s = compute_done - self.started
+        self.launched_in_backward = self.next
+        self.launch_ready(flush=True)  # first: the flags below are made while it runs
+        # Groups whose flags did not travel with a bucket (reduce-scatter, a buffer without
+        # room for them, a last bucket to launch that does not end the buffer): one small
+        # all-reduce of theirs.
+        carried = {id(p) for _, members in self.flagged for p in members}
+        rest = tuple(p for p in store.params if id(p) not in carried)
+        used_work = None
+        if rest or self.step_count is not None:
+            # Used as the flags riding with a bucket say it (`GradStore.flagged`): a `.grad` (an
+            # AccumulateGrad run with no gradient leaves None; so DDP counts it), or a main grad.
+            flags = [p.grad is not None or store.is_main(p) for p in rest]
+            count = [] if self.step_count is None else _round_bytes(self.step_count)
+            device = next(iter(store.buffers.values())).device
+            used = host_tensor([*flags, *count], torch.uint8, device)
+            used_work = dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+            self.flagged.append((used[: len(rest)], rest))
+        nonfinite = self._launch_finite_check(store) if self.check_finite is not None else None
+        for work, wire, sent in zip(self.work, self.wire, self.sent):
+            work.wait()
+            if wire is not None:
+                sent.copy_(read_here(wire))  # type: ignore[union-attr]
+        if used_work is not None:
+            used_work.wait()
+            if self.step_count is not None:
+                self._check_round(used[len(rest) :], self.step_count)
+        if self.divide_after:
+            torch._foreach_div_(self.divide_after, self.world_size)
+            self.divide_after = []  # (once)
+        self.exposed_s = time.perf_counter() - compute_done
+        store.prescale.factor = None
+        settle_unused(store, self.flagged)
+        if nonfinite is not None:
+            self._raise_if_nonfinite(*nonfinite)
+
+    def _check_round(self, seen: torch.Tensor, step_count: int) -> None:
+        """Raise on every rank unless every rank took as many optimizer steps before this
+        backward (the bytes of `_round_bytes`, reduced by MAX: equal exactly when the
+        largest count equals the smallest). A rank that ran no forward and backward on an
+        empty batch but stepped pairs this backward with the others' previous one; its next
+        collectives (the parameter gathers of the others' step) would not match in size, and
+        gloo aborts the process from its own thread."""
+        high, low = (int(v) for v in seen.tolist())
+        if high == 255 - low:
+            return
+        rank = dist.get_rank(self.process_group)
+        raise RuntimeError(
+            f"DataParallel: the ranks disagree on the round: rank {rank} runs the backward after "
+            f"{step_count % 256} optimizer steps, while the ranks' counts range from {255 - low} "
+            f"to {high} (modulo 256): a rank stepped without the forward and backward of the others "
+            "(an empty batch?). Every rank must run the same synchronised backwards and steps; for "
+            "uneven data per rank, wrap the loop in "
+            "`with torch.distributed.algorithms.Join([dp, opt]):`"
+        )
+
+    def _launch_finite_check(self, store: GradStore) -> tuple[torch.Tensor, dist.Work]:
+        """Which ranks had a non-finite local gradient: one small all-reduce of a flag per
+        rank, launched with the buckets', so every rank learns it (and raises) together."""
+        device = next(iter(store.buffers.values())).device
+        ranks = torch.zeros(dist.get_world_size(self.process_group), dtype=torch.int32, device=device)
+        if self.finite:
+            finite = torch.stack([read_here(flag) for flag in self.finite])
+            ranks[dist.get_rank(self.process_group)] = (~finite).any().to(torch.int32)
+        return ranks, dist.all_reduce(ranks, group=self.process_group, async_op=True)
+
+    def _raise_if_nonfinite(self, ranks: torch.Tensor, work: dist.Work) -> None:
+        work.wait()
+        bad = [rank for rank, flag in enumerate(ranks.tolist()) if flag]
+        if not bad:
+            return
+        rank = dist.get_rank(self.process_group)
+        where = f"rank(s) {bad} (each names its own parameters)"
+        if rank in bad:
+            names = self.check_finite() if self.check_finite is not None else {}
+            local = [
+                names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
+                for bucket, finite in zip(self.launched, self.finite)
+                if not bool(finite)
+                for p in bucket.params
+                if not _finite(self.store, p)  # type: ignore[arg-type]
+            ]
+            where = f"rank {rank} (this rank) in {local[:8]}" + (
+                f", and rank(s) {bad}" if len(bad) > 1 else ""
+            )
+        raise RuntimeError(
+            f"DataParallel(check_finite=True): a non-finite gradient (NaN or inf) before averaging on "
+            f"{where}; this step's gradients are not usable: skip it (zero_grad) or stop"
+        )
+
+
+def _sums_then_divides(round_: Round, no_finite_check: bool) -> bool:
+    """Whether a ShardedOptimizer's all-reduced (gloo) float32/float64 buckets are summed and
+    only its shards (all it reads) divided once everything arrived: 1/world_size of a pass.
+    Only for a power-of-two world size (dividing by it is exact: DDP's result to the bit, but
+    for sums beyond the float range and subnormal addends) and no Join divisor. Half
+    precision divides first, so that its sums stay finite; so does `check_finite` (`.grad`
+    stays readable)."""
+    world_size = round_.world_size
+    exact = world_size > 1 and world_size & (world_size - 1) == 0  # (1: no division)
+    exact = exact and round_.divisor in (None, world_size)
+    scatter, group = round_.scatter, round_.process_group
+    return scatter and round_.wire_dtype is None and exact and no_finite_check and not reduce_scatters(group)
+
+
+def _round_bytes(count: int) -> list[int]:
+    """`count` modulo 256 and its complement to 255, as bytes: a MAX all-reduce of them gives
+    the largest count and 255 minus the smallest."""
+    low = count % 256
+    return [low, 255 - low]
+
+
+def _finite(store: GradStore, param: nn.Parameter) -> bool:
+    """Whether `param`'s gradient as the sync left it is finite: its main grad (`.grad` stays
+    None for those), else its `.grad` (None: nothing to blame)."""
+    grad = store.view(param) if store.is_main(param) else param.grad
+    return grad is None or bool(torch.isfinite(grad).all())
+
+
+def divide_unscaled(bucket: Bucket, store: GradStore, world_size: int) -> bool:
+    """Before `bucket`'s sum: divide its slots the routed layers did not write scaled
+    (`flatgrad._prescale`), in few fills (the spans of the rest are kept on the bucket while
+    the scaled set stays the same); False when none was, and the whole bucket is to be
+    divided as usual. (The used flags after it need no division: a sum of 0s and 1s is 0
+    only if all are.)"""
+    written = store.prescale.written
+    if not written:  # (a model with nothing routed: no pass over the bucket's parameters)
+        return False
+    scaled = frozenset(id(p) for p in bucket.params if id(p) in written)
+    if not scaled:
+        return False
+    if bucket.unscaled is None or bucket.unscaled[0] != scaled:
+        bucket.unscaled = (scaled, store.spans([p for p in bucket.params if id(p) not in scaled]))
+    if bucket.unscaled[1]:
+        torch._foreach_div_(bucket.unscaled[1], world_size)
+    return True
+
+
+def prescale_factor(
+    store: GradStore, process_group: dist.ProcessGroup | None, scatter: bool, wire_dtype: torch.dtype | None
+) -> float | None:
+    """1 / world size where `store`'s buckets are averaged by a sum the routed layers may
+    divide for (`flatgrad._prescale`): every buffer summed (gloo), a power-of-two world size
+    (exact), no wire dtype, all-reduced (not a ShardedOptimizer's); None elsewhere."""
+    world = dist.get_world_size(process_group)
+    if scatter or wire_dtype is not None or world < 2 or world & (world - 1):
+        return None
+    return 1 / world if all(average_op(b, process_group)[1] for b in store.buffers.values()) else None
+
+
+def cores_to_spare(process_group: dist.ProcessGroup | None) -> bool:
+    """Whether this host has a core that the ranks' compute threads leave free: torch's
+    intra-op threads times the ranks on the host (``LOCAL_WORLD_SIZE``, set by torchrun;
+    without it, the group's size) below the cores this process may run on."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        cores = os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks = int(local) if local.isdigit() else dist.get_world_size(process_group)
+    return torch.get_num_threads() * ranks < cores
+
+
+def cut_buckets(store: GradStore, bucket_mb: float, small_first_on_cpu: bool = True) -> list[Bucket]:
+    """Buckets per buffer, cut at slot boundaries in buffer order: the first about
+    `_FIRST_BUCKET_MB`, the others about `bucket_mb`.
+
+    A CPU buffer is averaged by gloo on a thread of its own, which competes with the
+    backward for the cores when none is free (`small_first_on_cpu` False: see
+    `cores_to_spare`; torchrun's default of one thread per rank on as many cores as ranks).
+    There a collective costs about 0.7 ms of the step by itself (2 gloo ranks on 2 cores),
+    more than an early 1 MiB bucket hides, while an early bucket of 12.9 MiB (recommender)
+    hides more than it costs: its first bucket is half a bucket (12.5 MiB by default; never
+    below 1 MiB), so a buffer up to that size is one bucket."""
+    buckets: list[Bucket] = []
+    for key, buffer in store.buffers.items():
+        slots = sorted(
+            ((store.slot(p)[1].offset, p) for p in store.params if store.slot(p)[0] == key),
+            key=lambda item: item[0],
+        )
+        busy_cpu = not small_first_on_cpu and buffer.device.type == "cpu"
+        first_mb = max(_FIRST_BUCKET_MB, bucket_mb / 2) if busy_cpu else _FIRST_BUCKET_MB
+        cap = int(min(first_mb, bucket_mb) * 2**20) // buffer.element_size()
+        start, members = 0, []
+        for i, (_, param) in enumerate(slots):
+            members.append(param)
+            end = slots[i + 1][0] if i + 1 < len(slots) else buffer.numel()
+            if end - start >= cap or i + 1 == len(slots):
+                view = buffer.narrow(0, start, end - start)
+                buckets.append(
+                    Bucket(len(buckets), view, tuple(members), key, ends_buffer=i + 1 == len(slots))
+                )
+                start, members = end, []
+                cap = int(bucket_mb * 2**20) // buffer.element_size()
+    return buckets
+
+
+# What a hook on a parameter's AccumulateGrad calls: (param, bucket, grad_inputs, grad_outputs).
+OnReady = Callable[[nn.Parameter, Bucket, Grads, Grads], None]
+
+
+class ReadyHooks:
+    """One hook per parameter on its AccumulateGrad node (kept alive here: a parameter holds
+    its node only weakly), and the parameters once unused, with their nodes and buckets."""
+
+    def __init__(self) -> None:
+        self.unused: dict[int, tuple[nn.Parameter, Any, Bucket]] = {}
+        self._params: tuple[nn.Parameter, ...] = ()
+        self._bucket_of: Mapping[int, Bucket] = {}
+        self._handles: list[Any] = []  # per parameter, in `_params`' order
+        self._scaling: list[Any] = []  # the routed parameters' (`scale_incoming`)
+        self._nodes: list[Any] = []
+
+    def remove(self) -> None:
+        """Remove every hook (from outside any hook dispatch)."""
+        for handle in self._handles + self._scaling:
+            handle.remove()
+        self._handles, self._nodes, self._scaling = [], [], []
+
+    def scale_incoming(self, store: GradStore, seater: Seater | None) -> None:
+        """Hook the AccumulateGrad of each parameter `seater` routes (of `store`; none without
+        one) to scale a gradient that reaches it through plain autograd (the weight also used
+        outside its layer) by the store's prescale factor where its layer wrote the slot so
+        scaled in this backward (`flatgrad._prescale.scale_incoming`)."""
+        routed = seater.routed if seater is not None else ()
+        store.prescale.hooked = {id(param) for param in routed}
+        with torch.enable_grad():
+            for param in routed:
+                node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+                self._scaling.append(
+                    node.register_prehook(functools.partial(scale_incoming, store.prescale, param))
+                )
+                self._nodes.append(node)
+
+    def hook(
+        self, params: Sequence[nn.Parameter], bucket_of: Mapping[int, Bucket], on_ready: OnReady
+    ) -> None:
+        """Hook each of `params` (a new store's) to call ``on_ready(param, bucket, ...)``,
+        after `remove`; nothing is known unused yet.
+
+        Args:
+            params: the store's parameters, in its order.
+            bucket_of: each one's bucket, by ``id(param)``.
+            on_ready: what each hook calls, with the parameter and its bucket first.
+        """
+        self._params, self._bucket_of, self.unused = tuple(params), bucket_of, {}
+        with torch.enable_grad():
+            for param in self._params:
+                node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+                bucket = bucket_of[id(param)]
+                self._handles.append(node.register_hook(functools.partial(on_ready, param, bucket)))
+                self._nodes.append(node)
+
+    def will_accumulate(self) -> bool:
+        """Whether the running backward accumulates into a parameter: not so for
+        torch.autograd.grad, nor for backward(inputs=...) that names none of them."""
+        try:
+            return any(will_execute(node) for node in self._nodes)
+        except RuntimeError:  # asked during torch.autograd.grad, which never accumulates
+            return False
+
+    def note_unused(self, round_: Round, last: Bucket | None) -> None:
+        """After `round_`, a synchronised backward: note the parameters it left unused (no
+        AccumulateGrad ran before its final callback) but those of `last`, the last bucket
+        to launch once the order is learned, whose hooks count nothing."""
+        counted = len(self._params) - (len(last.params) if last is not None else 0)
+        if round_.counts_all and len(round_.ready) < counted:
+            ready, unused = round_.ready, self.unused
+            for param, node in zip(self._params, self._nodes):
+                bucket = self._bucket_of[id(param)]
+                if id(param) not in ready and id(param) not in unused and bucket is not last:
+                    unused[id(param)] = (param, node, bucket)
+
+    def skip_unreached(self, round_: Round) -> None:
+        """Count ready the parameters once unused that this backward will not reach (the
+        engine will not run their AccumulateGrad), so their buckets need not wait for the
+        final callback. Only those once unused are asked: a parameter that only a nested
+        backward reaches (a reentrant checkpoint), which the engine cannot see from here,
+        was ready before the final callback of every backward that used it."""
+        unused = self.unused.values()
+        unreached = [(param, bucket) for param, node, bucket in unused if not will_execute(node)]
+        if unreached:
+            round_.skip(unreached)
+
+    def stop_counting(self, last: Bucket, on_last_ready: Callable[[Grads, Grads], None]) -> None:
+        """Hook the parameters of `last` (the last bucket to launch) with `on_last_ready`,
+        which counts nothing; a parameter once unused there is not asked about either.
+        (From a final callback, where removing a hook is safe.)"""
+        for i, param in enumerate(self._params):
+            if self._bucket_of[id(param)] is last:
+                self._handles[i].remove()
+                self._handles[i] = self._nodes[i].register_hook(on_last_ready)
+                self.unused.pop(id(param), None)
+
+
+class Deferrals:
+    """Post hooks that carry a nested backward's end outward. A backward that ran inside a
+    node of another one (a reentrant activation checkpoint recomputing its part of the
+    graph) ends before that one, which may have gradients still to come: its end is the
+    step's."""
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+
+    def defer(self, outer: Node, resume: Callable[[], None]) -> None:
+        """Call `resume` from a post hook on `outer`, the node the nested backward ran in (it
+        runs in the outer backward once the node returns), once: the node may run again
+        (retain_graph) before the hook is removed."""
+        pending = [True]
+
+        def finish_outside(grad_inputs: Grads, grad_outputs: Grads) -> None:
+            if pending:
+                pending.clear()
+                resume()
+
+        self._handles.append(outer.register_hook(finish_outside))
+
+    def forget(self) -> None:
+        """Remove every hook (outside any hook dispatch: a final callback, a forward)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class BucketSync:
+    """Buckets over one `GradEngine`'s store, and the averaging of each backward."""
+
+    def __init__(
+        self,
+        grads: GradEngine,
+        process_group: dist.ProcessGroup | None,
+        bucket_mb: float,
+        wire_dtype: torch.dtype | None,
+        check_finite: bool = False,
+    ) -> None:
+        self._grads = grads  # the FlatGrad's GradEngine
+        self.check_finite = check_finite
+        self.process_group = process_group
+        self.bucket_mb = bucket_mb
+        self.wire_dtype = wire_dtype
+        self.has_buffers = False  # whether the model had buffers at the last (re)build
+        self.reduce_scatter = False  # ShardedOptimizer switches the buckets to reduce-scatter
+        # The gradient shards that ShardedOptimizer reads, of this store (see `Round`).
+        self.shards: list[torch.Tensor] = []
+        # What the model's forward runs in, if anything (`flatgrad._gather_waits.ForwardWaits`).
+        self.forward_context: Callable[[], AbstractContextManager[None]] | None = None
+        self._scattered = False  # the last synchronised backward reduce-scattered (see _begin)
+        # This rank's shards of the averages of the synchronised backwards since zero_grad,
+        # which the running one adds onto its own (`carry_scattered`).
+        self._carried: list[torch.Tensor] | None = None
+        self._store: GradStore | None = None
+        self._buckets: list[Bucket] = []
+        self._plan = LaunchPlan((), frozenset())
+        self._hooks = ReadyHooks()  # the AccumulateGrad hooks, and the parameters once unused
+        self._round: Round | None = None  # the running or last synchronised backward's
+        self._task: int | None = None  # the graph task of the running backward, if one is open
+        self._task_sync = True  # whether the running backward averages
+        # DDP's expect_autograd_hooks_: a synchronising training forward came since the last
+        # averaged backward, so the next backward averages whichever graph it goes through.
+        self._armed = False
+        self._deferrals = Deferrals()  # hooks that carry a nested backward's end outward
+        self._small_first_on_cpu = cores_to_spare(process_group)  # (see `cut_buckets`)
+        # The optimizer steps a ShardedOptimizer took (None without one): each synchronised
+        # backward checks that every rank took as many (`Round._check_round`).
+        self.step_count: int | None = None
+        # Under a `Join` that divides by the ranks not joined yet: the last forward's count
+        # of them, in flight (its work and tensor: `DataParallel._notify_join`), read when
+        # the backward opens; None otherwise.
+        self.joined_count: tuple[Any, torch.Tensor] | None = None
+        # On a joined rank: whether its last shadowed iteration averaged (`shadow`), which a
+        # ShardedOptimizer's join hook steps after.
+        self.shadowed_sync = False
+        self.rebuild()
+
+    def _new_round(self, divisor: int | None = None) -> Round:
+        names = self._parameter_names if self.check_finite else None
+        return Round(
+            self._buckets,
+            self._plan,
+            self._store,
+            self.process_group,
+            self.wire_dtype,
+            self.reduce_scatter,
+            names,
+            self.shards,
+            divisor,
+            self.step_count,
+        )
+
+    def _parameter_names(self) -> dict[int, str]:
+        return {id(p): name for name, p in self._grads.model.named_parameters()}
+
+    @property
+    def last_round(self) -> Round:
+        """The running or last synchronised backward's round (its timings)."""
+        assert self._round is not None, "DataParallel is not built"
+        return self._round
+
+    @property
+    def store(self) -> GradStore | None:
+        """The store the buckets were cut from."""
+        return self._store
+
+    @property
+    def buckets(self) -> list[torch.Tensor]:
+        """The bucket views of the flat buffers, in launch order."""
+        return [self._buckets[index].buffer for index in self._plan.order]
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether a backward is open (one that raised never closes: `drain` first)."""
+        return self._task is not None
+
+    def use_reduce_scatter(self, store: GradStore) -> list[tuple[torch.Tensor, int]]:
+        """Switch to reduce-scatter (ZeRO-1) over `store`, laid out for it; returns each
+        bucket's (view, offset in its flat buffer), in buffer order (whatever order they
+        launch in)."""
+        self.reduce_scatter = True
+        self.rebuild()
+        assert self._store is store, "the store changed while switching to reduce-scatter"
+        offset = {key: int(buffer.storage_offset()) for key, buffer in store.buffers.items()}
+        key = operator.attrgetter("dtype", "device")
+        return [(b.buffer, int(b.buffer.storage_offset()) - offset[key(b.buffer)]) for b in self._buckets]
+
+    def grads_cleared(self) -> None:
+        """The reduce-scattered gradients were zeroed: the next backward may add again."""
+        self._scattered = False
+        self._carried = None
+
+    def drain(self) -> None:
+        """Wait for the collectives a backward that raised had launched, before this step
+        writes any gradient: in flight, they would land on top of it. (That step's
+        launched buckets hold averages of partial gradients, as DDP's bucket views would,
+        or their sums where a ShardedOptimizer divides after (`Round.divide_after`);
+        `zero_grad()` before the next backward, as after any failed step.)"""
+        self._task = None
+        self._deferrals.forget()
+        self._carried = None
+        if self._round is not None:
+            self._round.wait_launched()
+        if self._store is not None:
+            self._store.prescale.factor = None
+        self._round = self._new_round()
+
+    def rebuild(self) -> None:
+        """Cut the buckets of the current store, launched in buffer order until the next
+        synchronised backward teaches an order, and hook every parameter's AccumulateGrad
+        node to count it ready (and open a backward that reached none of dp's outputs): all
+        of them while the order is learned, then all but the last bucket's (`_learn`)."""
+        self._hooks.remove()
+        store = self._grads.refresh()
+        self._grads.refuse_sparse("DataParallel")  # (a sparse embedding added since)
+        if store is not self._store:
+            self.shards = []  # of the old buffers
+            self._carried = None
+        self._store = store
+        self.has_buffers = any(True for _ in self._grads.model.buffers())
+        self._buckets = cut_buckets(store, self.bucket_mb, self._small_first_on_cpu)
+        self._plan = plan_launches(self._buckets)
+        bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._hooks.hook(store.params, bucket_of, self._on_ready)
+        self._hooks.scale_incoming(store, self._grads.seater)
+        self._prescale = prescale_factor(store, self.process_group, self.reduce_scatter, self.wire_dtype)
+        self._round = self._new_round()
+
+    # --- backward -----------------------------------------------------------------------
+
+    def arm(self, sync: bool) -> None:
+        """After a training forward: a synchronising one makes the next backward average,
+        whichever graph it goes through (see `_open`)."""
+        self._armed = self._armed or sync
+
+    def pre_backward(self, sync: bool) -> Callable[[], None] | None:
+        """When a backward reaches the output of a forward this DataParallel made (from the
+        coordinator, `flatgrad._backward`, after the seater), before any gradient of the
+        model is final: open it, averaging when that forward synchronised (`sync`), and
+        return the end of it (`_finish`, which the coordinator runs after the seater's);
+        None when it is open already (another output: a synchronised one upgrades it to
+        averaging) or accumulates into no parameter."""
+        _refuse_compiled_autograd()
+        if self._grads.store is not self._store:
+            self.rebuild()  # the seater, just before, laid out again (a stale slot)
+        if graph_task_id() != self._task:
+            if self._hooks.will_accumulate() and self._begin(sync, queue=False):
+                return self._finish
+        elif sync and not self._task_sync:
+            self._upgrade()
+        return None
+
+    def _upgrade(self) -> None:
+        """One backward through the outputs of a forward under `no_sync()` and of one outside
+        it, the first reached first: it averages, as under DDP (the synchronised forward
+        prepared DDP's reducer for this backward). Gradients final before now count at the
+        final callback, which launches every bucket not launched yet."""
+        self._task_sync = True  # (a create_graph backward never opened a task: `_begin`)
+        self._armed = False
+        self._average().counts_all = False
+
+    def _begin(self, sync: bool, from_output: bool = True, queue: bool = True) -> bool:
+        """Open the running backward, averaging when `sync` (the no_sync state of the forward
+        whose output it reached, or the arming: see `_open`), as DDP decides; False when it
+        is a create_graph backward under no_sync (nothing to do). Opened `from_output` (no
+        gradient final yet), the parameters it will not reach are counted ready now."""
+        if sync:
+            self._armed = False  # this backward is the one the synchronising forward armed
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must stay differentiable
+            if sync:
+                raise RuntimeError(
+                    "DataParallel cannot average the gradients of a backward with "
+                    "create_graph=True (they must stay differentiable); run that forward and "
+                    "backward under dp.no_sync()"
+                )
+            return False
+        if self._scattered:  # (a second backward before zero_grad)
+            if sync:
+                self._carried = carry_scattered(self._store, self.shards)
+            else:
+                refuse_adding_onto_scattered(self._store)
+            self._scattered = False
+        self._task = graph_task_id()
+        self._task_sync = sync
+        if sync:
+            round_ = self._average()
+            if self._hooks.unused and from_output:
+                self._hooks.skip_unreached(round_)
+        if queue:  # (the coordinator queues it after the seater's end: `pre_backward`)
+            queue_callback(self._finish)
+        return True
+
+    def _average(self) -> Round:
+        divisor = self._ranks_not_joined()
+        self._round = self._new_round(divisor)  # (and the routed layers write divided where it sums)
+        self._store.prescale.start(self._prescale if divisor is None else None)  # type: ignore[union-attr]
+        return self._round
+
+    def _ranks_not_joined(self) -> int | None:
+        """The ranks not joined yet, which this backward divides by, under a `Join` that
+        says so (`joined_count`, waited for here); None otherwise, or when none has joined."""
+        if self.joined_count is None:
+            return None
+        work, count = self.joined_count
+        self.joined_count = None
+        work.wait()
+        ranks = int(count[1])
+        return None if ranks == dist.get_world_size(self.process_group) else ranks
+
+    def shadow(self, divisor: int | None) -> None:
+        """On a rank that joined (`torch.distributed.algorithms.Join`): the averaging of the
+        backward the ranks still training run, with zeros for this rank's gradients, as
+        DDP's join hook does: the same round (every bucket in the plan's order, the used flags
+        and step count, the finiteness check) and the order agreement after the first one.
+        Unlike DDP's zero buckets, the buffers are this rank's own: it ends with the others'
+        averages in `.grad` (and its shards), which a ShardedOptimizer's join hook steps."""
+        store = self._store
+        assert store is not None, "DataParallel is not built"
+        self._scattered = False
+        unmark_scattered(store, to_none=True)
+        for param in store.params:
+            param.grad = None  # (its slot is zeroed at its bucket's launch, as an unused one's)
+        store.zero_mains()
+        self._round = round_ = self._new_round(divisor)
+        round_.sync_all()
+        self._agree_order(round_)
+        self._scattered = self.reduce_scatter
+        if self._scattered:
+            mark_scattered(store)
+
+    def _open(self) -> bool:
+        """From an AccumulateGrad hook, when no backward is open (this one reached none of
+        dp's outputs): open it, averaging, when a synchronising forward armed it, as DDP's
+        hooks on the parameters do. Its first final gradient is this hook's: FlatGrad seated
+        no slot for it (no output pre hook ran), so the small parameters' gradients land in
+        tensors of their own, which each bucket takes into its slots before it launches."""
+        if not self._armed:
+            return False
+        _refuse_compiled_autograd()
+        # From a hook, maybe of a nested backward (whose graph is not the one that ends the
+        # step): no parameter is counted ready before its AccumulateGrad runs.
+        return self._begin(True, from_output=False)
+
+    def _on_last_ready(self, grad_inputs: Grads, grad_outputs: Grads) -> None:
+        # A parameter of the last bucket to launch (once the order is learned): the final
+        # callback launches that bucket, so there is nothing to count; only a backward that
+        # reached none of dp's outputs to open.
+        if self._task is None:
+            self._open()
+
+    def _on_ready(self, param: nn.Parameter, bucket: Bucket, grad_inputs: Grads, grad_outputs: Grads) -> None:
+        # A nested backward (reentrant activation checkpointing) belongs to the open one:
+        # same bookkeeping.
+        if self._task is None and not self._open():
+            return
+        if self._task_sync:  # (a synchronising backward always has its round)
+            self._round.mark_ready(param, bucket)  # type: ignore[union-attr]
+
+    def _finish(self) -> None:
+        """Final callback of the running backward."""
+        outer = current_autograd_node()
+        if outer is not None:  # a nested backward: the end of the one around it is this step's
+            self._deferrals.defer(outer, self._resume)
+            return
+        self._task = None
+        self._deferrals.forget()
+        if self._task_sync:
+            round_ = self.last_round
+            round_.sync_all()
+            if self._carried is not None:  # the averages of the backwards before, since zero_grad
+                for shard, carried in zip(self.shards, self._carried):
+                    shard.add_(carried)
+                self._carried = None
+            self._learn(round_)
+            self._scattered = self.reduce_scatter
+            if self._scattered:  # .grad refuses math until zeroed: see flatgrad._scattered_grad
+                mark_scattered(self._store)  # type: ignore[arg-type]
+
+    def _learn(self, round_: Round) -> None:
+        """After a synchronised backward: note the parameters it left unused; the first
+        after a (re)build sets the launch order (rank 0's, on every rank), and from then on
+        the hooks of the last bucket to launch count nothing (the final callback launches
+        it, its gradients the backward's last but for unused ones)."""
+        last = self._buckets[self._plan.order[-1]] if self._plan.learned else None
+        self._hooks.note_unused(round_, last)
+        self._agree_order(round_)
+
+    def _agree_order(self, round_: Round) -> None:
+        """After the first synchronised backward since a (re)build: rank 0's order of
+        completion becomes the launch order on every rank (one broadcast)."""
+        if not self._plan.learned and self._buckets:
+            device = self._buckets[0].buffer.device
+            order = agree_order(round_.completed, len(self._buckets), device, self.process_group)
+            self._plan = plan_launches(self._buckets, order)
+            self._hooks.stop_counting(self._buckets[order[-1]], self._on_last_ready)
+
+    def _resume(self) -> None:
+        # The node a nested backward ran in returned, inside the outer backward: finish there.
+        self._task = graph_task_id()
+        queue_callback(self._finish)
+
+
+def _refuse_compiled_autograd() -> None:
+    if in_compiled_autograd():
+        raise RuntimeError(
+            "DataParallel cannot run its bucket hooks under compiled autograd (it refuses "
+            "the final callback that launches the last bucket); under compiled autograd use "
+            "DDP with torch._dynamo.config.optimize_ddp = 'python_reducer' and "
+            "flatgrad.allreduce_hook, or run this backward without compiled autograd"
+        )
