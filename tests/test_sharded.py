@@ -56,6 +56,17 @@ def _train(dp, opt, rank: int, steps: range) -> list[torch.Tensor]:  # noqa: ANN
     return norms
 
 
+def _steps_as_stock(dp, opt, ref, ref_opt, rank: int, steps: range) -> None:  # noqa: ANN001
+    """One plain step each of ours and the stock pair per step, on the same batches."""
+    for step in steps:
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        dp(_tokens(rank, step)).backward()
+        ref(_tokens(rank, step)).backward()
+        opt.step()
+        ref_opt.step()
+
+
 def _equal_to_ddp_worker(rank: int, world_size: int) -> None:
     model, flat, dp, opt = _build(rank)
     ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
@@ -425,13 +436,7 @@ def _param_group_worker(rank: int, world_size: int) -> None:
     for bad in (0.0, -1.0, float("-inf"), float("nan")):  # checked before any collective
         with pytest.raises(ValueError, match="norm_type must be positive or inf"):
             opt.clip_grad_norm_(1.0, norm_type=bad)
-    for step in range(2):  # nothing was added: stepped once, as stock
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        dp(_tokens(rank, step)).backward()
-        ref(_tokens(rank, step)).backward()
-        opt.step()
-        ref_opt.step()
+    _steps_as_stock(dp, opt, ref, ref_opt, rank, range(2))  # nothing was added: stepped once, as stock
     _assert_params_close(model, ref)
     opt.param_groups[0]["params"].append(nn.Parameter(torch.zeros(2)))  # past add_param_group
     with pytest.raises(RuntimeError, match="were changed by hand: add parameters with opt.add_param_group"):
@@ -1250,13 +1255,7 @@ def test_join_with_uneven_batches_equals_stock_ddp_adamw(world_size, divide_init
 def _skip_worker(rank: int, world_size: int) -> None:
     model, flat, dp, opt = _build(rank)
     ref, ref_opt = _stock(model)
-    for step in range(2):  # in step: the same as stock
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        dp(_tokens(rank, step)).backward()
-        ref(_tokens(rank, step)).backward()
-        opt.step()
-        ref_opt.step()
+    _steps_as_stock(dp, opt, ref, ref_opt, rank, range(2))  # in step: the same as stock
     _assert_params_close(model, ref)
     with pytest.raises(
         RuntimeError,
