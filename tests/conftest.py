@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
+import dist_utils
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,3 +103,10 @@ def tied_pair() -> tuple[flatgrad.FlatGrad, nn.Module]:
     model = TiedLM().double()
     oracle = copy.deepcopy(model)
     return flatgrad.FlatGrad(model, config=ROUTE_ALL), oracle
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _rank_pools() -> Iterator[None]:
+    """One persistent group of gloo ranks per test module (and world size): ended here."""
+    yield
+    dist_utils.close_pools()

@@ -208,7 +208,7 @@ def test_allreduce_hook_under_ddps_python_reducer_matches_stock(compiled):
     calls comm hooks per parameter with ``(grad, param)``: the hook averages each gradient
     as DDP does there, so training equals stock DDP under the same reducer."""
     torch._dynamo.reset()
-    run_ranks(_python_reducer_worker, compiled, timeout=240)
+    run_ranks(_python_reducer_worker, compiled, timeout=240, fresh=True)  # sets a Dynamo config
 
 
 def _slow_path_logs_worker(rank: int, world_size: int) -> None:
