@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import logging
 import multiprocessing.connection
 import os
 import socket
@@ -64,7 +65,11 @@ def _entry(
 
 
 def _reset(seed: int, environ: dict[str, str]) -> None:
-    """Put back what a fresh rank starts with, so no case sees another's settings."""
+    """Put back what a fresh rank starts with, so no case sees another's settings (a case's
+    log handlers on flatgrad's loggers included: the library adds none)."""
+    for name, log in logging.Logger.manager.loggerDict.items():
+        if name.split(".")[0] == "flatgrad" and isinstance(log, logging.Logger):
+            log.handlers.clear()
     os.environ.clear()
     os.environ.update(environ)
     torch.manual_seed(seed)
