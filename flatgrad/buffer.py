@@ -9,7 +9,8 @@
 - Main grads: a float32 slot of a bfloat16/float16 parameter is its gradient while `.grad`
   stays None. `MainGrads` holds one store's; `MainGradGuard` (`MAIN_GRAD_GUARD`) makes a
   torch optimizer that would skip them raise.
-- `Prescale`: a store's prescaling state, which `flatgrad._prescale` writes and reads.
+- `Prescale`: a store's prescaling state, which `flatgrad._prescale` writes and reads;
+  `Scattered`: its reduce-scatter state, which `flatgrad._scattered_grad` writes and reads.
 - Free functions over the buffers' tensors: allocating a buffer aligned (`aligned_zeros`),
   staging host values for a device copy (`host_tensor`, `write_flags`), scaling in place
   (`scale_`), reading on another CUDA stream (`read_here`)."""
@@ -61,6 +62,7 @@ class GradStore:
         # may ask before). A nested backward that seats nothing leaves it alone.
         self.seated: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self.prescale = Prescale()  # (see `flatgrad._prescale`)
+        self.scattered = Scattered()  # (see `flatgrad._scattered_grad`)
         for key, group in plan_layout(self.params, align_bytes, multiple, grad_dtype).items():
             members = tuple(self.params[index] for index in group.param_indices)
             raw = aligned_zeros(group.numel + len(members), key, align_bytes)
@@ -513,6 +515,18 @@ class Prescale:
     def start(self, factor: float | None) -> None:
         self.written.clear()
         self.factor = factor
+
+
+@dataclass(eq=False)
+class Scattered:
+    """A store's reduce-scatter state (under a ShardedOptimizer): whether its gradients were
+    reduce-scattered and not zeroed since (`marked`), one ScatteredGrad alias of each slot
+    view, in the store's parameter order, made once (`aliases`), and whether those aliases
+    act as plain tensors for now (`unguarded`: the store is being laid out again)."""
+
+    marked: bool = False
+    aliases: tuple[torch.Tensor, ...] = ()
+    unguarded: bool = False
 
 
 def aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:
