@@ -4,8 +4,9 @@
   slot in it (kept in a `SlotTable`), and the slots' `.grad` around a backward.
 - `SlotTable`: a store's table of slots (group, place in the buffer, one view made once)
   and the 1-D views it cuts over them.
-- `SlotRegistry` (`REGISTRY`): which live store owns each parameter, so that a layer
-  backward given only the weight finds its slot.
+- `find_slot`, `owner_of`: which live store owns a parameter (the parameter itself carries
+  a weak reference to it, `Owner`), so that a layer backward given only the weight finds
+  its slot. No table outside the stores and their parameters.
 - Main grads: a float32 slot of a bfloat16/float16 parameter is its gradient while `.grad`
   stays None. `MainGrads` holds one store's; `MainGradGuard` (`MAIN_GRAD_GUARD`) makes a
   torch optimizer that would skip them raise.
@@ -48,7 +49,7 @@ class GradStore:
         grad_dtype: str | None = None,
     ) -> None:
         self.params = tuple(params)
-        REGISTRY.check_free(self.params)
+        _check_free(self.params)
         self.stale = False  # set when a parameter no longer fits its slot
         self._seat_cache: _SeatCache | None = None  # dropped when the slots move
         self.buffers: dict[GroupKey, torch.Tensor] = {}
@@ -76,7 +77,11 @@ class GradStore:
         mains = [p for p in self.params if self._entries[p].view.dtype != p.dtype]
         self._main_grads = MainGrads(mains, self._views, self.spans(mains))
         self.mains, self._main_ids = self._main_grads.params, self._main_grads.ids
-        REGISTRY.claim(self)
+        owner = Owner(self)
+        owner.claim(self.params)
+        # When the store is collected without `release`, its parameters drop the reference
+        # too (a strong one to them here: the store holds them anyway while it lives).
+        self._disown = weakref.finalize(self, owner.disown, self.params)
         if self.mains:
             MAIN_GRAD_GUARD.watch(self)
 
@@ -89,7 +94,7 @@ class GradStore:
 
     def release(self) -> None:
         """Stop owning the parameters (before a rebuild replaces this store)."""
-        REGISTRY.forget(weakref.ref(self), [id(param) for param in self.params])
+        self._disown()  # (runs once: a second release, or the store's death, does nothing)
 
     def __contains__(self, param: object) -> bool:
         return isinstance(param, torch.Tensor) and param in self._entries
@@ -368,54 +373,68 @@ class SlotTable:
 _data_ptr = torch.Tensor.data_ptr
 
 
-class SlotRegistry:
-    """Which live store owns each parameter, by id, so that a backward given only the weight
-    finds its slot. A store keeps its parameters alive, so their ids are not reused while
-    its entries stand; they go with `GradStore.release` or when the store is collected. No
-    weak reference to a parameter (that would block torch.utils.swap_tensors)."""
+_OWNER = "_flatgrad_store"  # the key of a held parameter's `Owner` in its ``__dict__``
 
-    def __init__(self) -> None:
-        self._owners: dict[int, weakref.ref[GradStore]] = {}
 
-    def check_free(self, params: Sequence[torch.Tensor]) -> None:
+class Owner(weakref.ref["GradStore"]):
+    """What every parameter of a live store carries, as ``param._flatgrad_store``: a weak
+    reference to that store (one per store, shared by its parameters), so that a backward
+    given only the weight finds its slot without a table outside the store (as Megatron
+    keeps ``param.main_grad`` on the parameter). It never keeps the store alive, and goes
+    with `GradStore.release` and when the store is collected (`disown`). A copy or a pickle
+    of a parameter carries none: copying or pickling it gives an empty set (which
+    torch.load's ``weights_only`` unpickler accepts, and which owns nothing). No weak
+    reference to a parameter (that would block torch.utils.swap_tensors)."""
+
+    __slots__ = ()
+
+    def claim(self, params: Sequence[torch.Tensor]) -> None:
         for param in params:
-            if self.owner_of(param) is not None:
-                raise ValueError(
-                    f"a parameter of shape {tuple(param.shape)} is already wrapped by another "
-                    "FlatGrad; a parameter's gradient can live in one flat buffer only"
-                )
+            param.__dict__[_OWNER] = self
 
-    def claim(self, store: GradStore) -> None:
-        me = weakref.ref(store)
-        ids = [id(param) for param in store.params]
-        for param_id in ids:
-            self._owners[param_id] = me
-        weakref.finalize(store, self.forget, me, ids)
+    def disown(self, params: Sequence[torch.Tensor]) -> None:
+        for param in params:
+            if param.__dict__.get(_OWNER) is self:  # (not a later store's owner)
+                del param.__dict__[_OWNER]
 
-    def forget(self, store: weakref.ref[GradStore], ids: list[int]) -> None:
-        for param_id in ids:
-            if self._owners.get(param_id) == store:
-                del self._owners[param_id]
+    def __reduce__(self) -> tuple[type[set[Any]], tuple[()]]:
+        return set, ()
 
-    def owner_of(self, param: torch.Tensor) -> GradStore | None:
-        """The live store holding `param`'s slot, if any."""
-        ref = self._owners.get(id(param))
-        store = ref() if ref is not None else None
-        return store if store is not None and param in store else None
+    def __copy__(self) -> set[Any]:
+        return set()
 
-    def find(self, param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
-        """(live store, slot view) of `param`, if any: `owner_of` and the view in one lookup
-        (for the layer backwards). A store keeps its parameters alive, so an id it holds
-        is not reused while it stands."""
-        ref = self._owners.get(id(param))
-        store = ref() if ref is not None else None
-        if store is None:
-            return None
-        view = store.views.get(id(param))
-        return None if view is None else (store, view)
+    def __deepcopy__(self, memo: dict[int, Any]) -> set[Any]:
+        return set()
 
 
-REGISTRY = SlotRegistry()
+def find_slot(param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
+    """(live store, slot view) of `param`, if a store holds it: the layer backwards' lookup
+    (a dict read, a weak reference and the store's view by id). A store keeps its parameters
+    alive, so an id it holds is not reused while it stands; a copy of `param` sharing its
+    `Owner` finds no view of its own."""
+    owner = param.__dict__.get(_OWNER)
+    if type(owner) is not Owner:  # (None, or a copied or pickled one: an empty set)
+        return None
+    store = owner()
+    if store is None:
+        return None
+    view = store._views.get(id(param))
+    return None if view is None else (store, view)
+
+
+def owner_of(param: torch.Tensor) -> GradStore | None:
+    """The live store holding `param`'s slot, if any."""
+    found = find_slot(param)
+    return None if found is None else found[0]
+
+
+def _check_free(params: Sequence[torch.Tensor]) -> None:
+    for param in params:
+        if find_slot(param) is not None:
+            raise ValueError(
+                f"a parameter of shape {tuple(param.shape)} is already wrapped by another "
+                "FlatGrad; a parameter's gradient can live in one flat buffer only"
+            )
 
 
 class MainGrads:
@@ -462,7 +481,7 @@ class MainGradGuard:
     gradient is a main grad and whose `.grad` is None raises, instead of skipping it
     silently. Optimizers that step main grads themselves say so with a true class
     attribute ``steps_main_grads`` (ShardedOptimizer). The hook goes when the last such
-    store does; it reads each parameter's `.grad` and, for a None one, the registry."""
+    store does; it reads each parameter's `.grad` and, for a None one, its `Owner`."""
 
     def __init__(self) -> None:
         self._stores: weakref.WeakSet[GradStore] = weakref.WeakSet()
@@ -486,7 +505,7 @@ class MainGradGuard:
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.grad is None and param.requires_grad:  # (frozen: skipped, as by stock)
-                    store = REGISTRY.owner_of(param)
+                    store = owner_of(param)
                     skipped += store is not None and store.is_main(param)
         if skipped:
             raise RuntimeError(
