@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -475,20 +476,35 @@ class MainGrads:
         return [p for p in params if id(p) not in ids]
 
 
+_Scan = tuple[tuple[int, ...], list[torch.Tensor]]
+
+
 class MainGradGuard:
     """While a store with main grads lives: a torch optimizer step (a global step pre hook,
     `torch.optim.optimizer.register_optimizer_step_pre_hook`) over a parameter whose
     gradient is a main grad and whose `.grad` is None raises, instead of skipping it
     silently. Optimizers that step main grads themselves say so with a true class
     attribute ``steps_main_grads`` (ShardedOptimizer). The hook goes when the last such
-    store does; it reads each parameter's `.grad` and, for a None one, its `Owner`."""
+    store does.
+
+    The one process-wide hook flatgrad keeps: nothing per wrapper or per parameter sees a
+    torch optimizer's step (it skips a None `.grad` without a call flatgrad could watch),
+    and the optimizer is made after the wrapper. It costs an optimizer that holds no
+    main-grad parameter one look at its groups per step: which of its parameters have a
+    main grad is found once and kept (weakly, by optimizer) until its groups change or a
+    store with main grads is built."""
 
     def __init__(self) -> None:
         self._stores: weakref.WeakSet[GradStore] = weakref.WeakSet()
         self._handle: Any = None
+        self._builds = 0  # stores with main grads built so far: a kept scan older is redone
+        # Per optimizer: (`_builds` and its groups' lists and lengths when scanned, its
+        # parameters that had a main grad then).
+        self._scans: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Scan] = weakref.WeakKeyDictionary()
 
     def watch(self, store: GradStore) -> None:
         self._stores.add(store)
+        self._builds += 1
         if self._handle is None:
             self._handle = register_optimizer_step_pre_hook(self._check)
         weakref.finalize(store, self._release)
@@ -497,16 +513,20 @@ class MainGradGuard:
         if self._handle is not None and not self._stores:
             self._handle.remove()
             self._handle = None
+            self._scans.clear()
 
     def _check(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if getattr(optimizer, "steps_main_grads", False):
             return
-        skipped = 0
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is None and param.requires_grad:  # (frozen: skipped, as by stock)
-                    store = owner_of(param)
-                    skipped += store is not None and store.is_main(param)
+        groups = optimizer.param_groups
+        key = (self._builds, *[id(g["params"]) for g in groups], *[len(g["params"]) for g in groups])
+        scan = self._scans.get(optimizer)
+        if scan is None or scan[0] != key:
+            scan = (key, [p for g in groups for p in g["params"] if _has_main(p)])
+            with contextlib.suppress(TypeError):  # (an optimizer without weak references: not kept)
+                self._scans[optimizer] = scan
+        # (frozen: skipped, as by stock; a store laid out again since may own it no more)
+        skipped = sum(p.grad is None and p.requires_grad and _has_main(p) for p in scan[1])
         if skipped:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step() would skip {skipped} bfloat16/float16 "
@@ -515,6 +535,11 @@ class MainGradGuard:
                 "shards, on any number of ranks), or give the optimizer float32 master copies "
                 "whose .grad you take from flat.main_grad(param)"
             )
+
+
+def _has_main(param: torch.Tensor) -> bool:
+    store = owner_of(param)
+    return store is not None and store.is_main(param)
 
 
 MAIN_GRAD_GUARD = MainGradGuard()
