@@ -4,9 +4,8 @@
   slot in it (kept in a `SlotTable`), and the slots' `.grad` around a backward.
 - `SlotTable`: a store's table of slots (group, place in the buffer, one view made once)
   and the 1-D views it cuts over them.
-- `find_slot`, `owner_of`: which live store owns a parameter (the parameter itself carries
-  a weak reference to it, `Owner`), so that a layer backward given only the weight finds
-  its slot. No table outside the stores and their parameters.
+- `find_slot`, `owner_of`: which live store owns a parameter (`SlotRegistry`, a table by
+  id this module owns), so that a layer backward given only the weight finds its slot.
 - Main grads: a float32 slot of a bfloat16/float16 parameter is its gradient while `.grad`
   stays None. `MainGrads` holds one store's; `MainGradGuard` (`MAIN_GRAD_GUARD`) makes a
   torch optimizer that would skip them raise.
@@ -20,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,11 +77,7 @@ class GradStore:
         mains = [p for p in self.params if self._entries[p].view.dtype != p.dtype]
         self._main_grads = MainGrads(mains, self._views, self.spans(mains))
         self.mains, self._main_ids = self._main_grads.params, self._main_grads.ids
-        owner = Owner(self)
-        owner.claim(self.params)
-        # When the store is collected without `release`, its parameters drop the reference
-        # too (a strong one to them here: the store holds them anyway while it lives).
-        self._disown = weakref.finalize(self, owner.disown, self.params)
+        self._disown = _REGISTRY.claim(self)
         if self.mains:
             MAIN_GRAD_GUARD.watch(self)
 
@@ -374,58 +369,52 @@ class SlotTable:
 _data_ptr = torch.Tensor.data_ptr
 
 
-_OWNER = "_flatgrad_store"  # the key of a held parameter's `Owner` in its ``__dict__``
+class SlotRegistry:
+    """Which live store owns each parameter, by id, so that a backward given only the weight
+    finds its slot: a table the buffers' module owns, never an attribute on the parameter. A
+    store keeps its parameters alive, so their ids are not reused while its entries stand;
+    they go with `GradStore.release` or when the store is collected. No weak reference to a
+    parameter (that would block torch.utils.swap_tensors), and nothing in a copy or pickle
+    of a parameter."""
+
+    def __init__(self) -> None:
+        self._owners: dict[int, weakref.ref[GradStore]] = {}
+
+    def claim(self, store: GradStore) -> Callable[[], Any]:
+        """Record `store` as the owner of its parameters; returns the one call that forgets
+        them again (also run when the store is collected)."""
+        me = weakref.ref(store)
+        ids = [id(param) for param in store.params]
+        for param_id in ids:
+            self._owners[param_id] = me
+        return weakref.finalize(store, self._forget, me, ids)
+
+    def _forget(self, store: weakref.ref[GradStore], ids: list[int]) -> None:
+        for param_id in ids:
+            if self._owners.get(param_id) == store:  # (not a later store's entry)
+                del self._owners[param_id]
+
+    def find(self, param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
+        ref = self._owners.get(id(param))
+        store = ref() if ref is not None else None
+        if store is None:
+            return None
+        view = store.views.get(id(param))
+        return None if view is None else (store, view)
 
 
-class Owner(weakref.ref["GradStore"]):
-    """What every parameter of a live store carries, as ``param._flatgrad_store``: a weak
-    reference to that store (one per store, shared by its parameters), so that a backward
-    given only the weight finds its slot without a table outside the store (as Megatron
-    keeps ``param.main_grad`` on the parameter). It never keeps the store alive, and goes
-    with `GradStore.release` and when the store is collected (`disown`). A copy or a pickle
-    of a parameter carries none: copying or pickling it gives an empty set (which
-    torch.load's ``weights_only`` unpickler accepts, and which owns nothing). No weak
-    reference to a parameter (that would block torch.utils.swap_tensors)."""
-
-    __slots__ = ()
-
-    def claim(self, params: Sequence[torch.Tensor]) -> None:
-        for param in params:
-            param.__dict__[_OWNER] = self
-
-    def disown(self, params: Sequence[torch.Tensor]) -> None:
-        for param in params:
-            if param.__dict__.get(_OWNER) is self:  # (not a later store's owner)
-                del param.__dict__[_OWNER]
-
-    def __reduce__(self) -> tuple[type[set[Any]], tuple[()]]:
-        return set, ()
-
-    def __copy__(self) -> set[Any]:
-        return set()
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> set[Any]:
-        return set()
+_REGISTRY = SlotRegistry()
 
 
 def find_slot(param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
     """(live store, slot view) of `param`, if a store holds it: the layer backwards' lookup
-    (a dict read, a weak reference and the store's view by id). A store keeps its parameters
-    alive, so an id it holds is not reused while it stands; a copy of `param` sharing its
-    `Owner` finds no view of its own."""
-    owner = param.__dict__.get(_OWNER)
-    if type(owner) is not Owner:  # (None, or a copied or pickled one: an empty set)
-        return None
-    store = owner()
-    if store is None:
-        return None
-    view = store._views.get(id(param))
-    return None if view is None else (store, view)
+    (a dict read by id, a weak reference and the store's view by id)."""
+    return _REGISTRY.find(param)
 
 
 def owner_of(param: torch.Tensor) -> GradStore | None:
     """The live store holding `param`'s slot, if any."""
-    found = find_slot(param)
+    found = _REGISTRY.find(param)
     return None if found is None else found[0]
 
 

@@ -580,9 +580,9 @@ def test_deepcopy_and_pickle_round_trip(tmp_path):
 
 
 def test_copies_and_pickles_of_the_wrapped_model_own_no_slot(tmp_path):
-    # A held parameter carries a weak reference to its store (flatgrad.buffer.Owner); a copy
-    # or a pickle of the model, or of the parameters alone (a plain torch.load with
-    # weights_only=True too), carries none: a second FlatGrad wraps it, and the original
+    # Which store holds a parameter is flatgrad's table, not the parameter's: a copy or a
+    # pickle of the model, or of the parameters alone (a plain torch.load with
+    # weights_only=True too), is held by none: a second FlatGrad wraps it, and the original
     # keeps writing into its own buffers.
     torch.manual_seed(0)
     model = TiedLM().double()
@@ -596,7 +596,7 @@ def test_copies_and_pickles_of_the_wrapped_model_own_no_slot(tmp_path):
         other = flatgrad.FlatGrad(clone, config=ROUTE_ALL)
         other(_tokens(0)).backward()
         assert all(grad_in_buffers(other, p.grad) for p in clone.parameters())
-    shallow = copy.copy(next(model.parameters()))  # (shares the original's Owner)
+    shallow = copy.copy(next(model.parameters()))  # (another object: not held)
     assert owner_of(shallow) is None and owner_of(next(model.parameters())) is not None
     flat(_tokens(0)).backward()
     assert all(grad_in_buffers(flat, p.grad) for p in model.parameters())
