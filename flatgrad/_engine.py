@@ -21,7 +21,7 @@ from flatgrad import comm
 from flatgrad._backward import ForwardPlan, Participant, Seater, watch
 from flatgrad._module_proxy import share_root
 from flatgrad._routing import route_layers, unroute
-from flatgrad._torch_compat import divides_by_ranks_not_joined, graph_task_id
+from flatgrad._torch_compat import graph_task_id, join_state
 from flatgrad._watch import LayoutWatch
 from flatgrad.buffer import GradStore
 from flatgrad.config import FlatGradConfig
@@ -137,7 +137,7 @@ class GradEngine:
         if not alone:
             self.ddp_pending = True  # (see `Seater.pre_backward`)
             ddp = comm.active_ddp()
-            self._joining = None if ddp is None or not divides_by_ranks_not_joined(ddp) else weakref.ref(ddp)
+            self._joining = None if ddp is None or not join_state(ddp)[0] else weakref.ref(ddp)
         # A DataParallel's forward (`expect_sync`, just before) binds its bucket sync too.
         bucket_sync, sync = self._forward_sync if self._forward_sync is not None else (None, False)
         self._forward_sync = None
@@ -147,8 +147,8 @@ class GradEngine:
             seater.store.prescale.factor = None  # a backward that raised left it on: see `_prescale`
 
     def joining_ddp(self) -> DDP | None:
-        """The DDP whose last forward ran under a `Join` that divides by the ranks not
-        joined yet (`comm.FlatGradCommState.ranks_not_joined`), or None."""
+        """The DDP whose last forward ran under an enabled `Join`
+        (`comm.FlatGradCommState.ranks_not_joined`), or None."""
         return None if self._joining is None else self._joining()
 
     def expect_sync(self, bucket_sync: Participant, sync: bool) -> None:

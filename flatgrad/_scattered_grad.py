@@ -20,14 +20,13 @@ for anything that reads or writes values.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
 
 from flatgrad._torch_compat import DisableTorchFunctionSubclass
-from flatgrad.buffer import GradStore
+from flatgrad.buffer import GradStore, Scattered
 
 # What a ScatteredGrad lets through: metadata (no value is read), `requires_grad` (set to
 # False by nn.Module.zero_grad), and zeroing (zero is the right average of zeros).
@@ -54,23 +53,30 @@ _ADVICE = (
     "with a loss scaler use flatgrad.GradScaler (it unscales the shards); after "
     "opt.zero_grad() .grad is plain again"
 )
-_UNGUARDED = [False]  # see `unguarded`
 
 
 @contextlib.contextmanager
-def unguarded() -> Iterator[None]:
-    """Inside, a ScatteredGrad acts as a plain tensor: for flatgrad laying the buffers out
-    again (it clones or copies `.grad` into new slots) on the way to refusing that change."""
-    previous, _UNGUARDED[0] = _UNGUARDED[0], True
+def unguarded(*stores: GradStore | None) -> Iterator[None]:
+    """Inside, the ScatteredGrads of `stores` act as plain tensors: for flatgrad laying those
+    stores' buffers out again (it clones or copies `.grad` into new slots) on the way to
+    refusing that change. The flag is each store's (`GradStore.scattered`)."""
+    states = [store.scattered for store in stores if store is not None]
+    previous = [state.unguarded for state in states]
+    for state in states:
+        state.unguarded = True
     try:
         yield
     finally:
-        _UNGUARDED[0] = previous
+        for state, was in zip(states, previous):
+            state.unguarded = was
 
 
 class ScatteredGrad(torch.Tensor):
     """A model parameter's `.grad` between a reduce-scattering backward and `zero_grad`: the
-    slot's memory, readable for metadata only (see the module notes)."""
+    slot's memory, readable for metadata only (see the module notes). Each knows its
+    store's reduce-scatter state (`scattered`), which says when it acts as a plain tensor."""
+
+    scattered: Scattered
 
     @classmethod
     def __torch_function__(
@@ -83,7 +89,7 @@ class ScatteredGrad(torch.Tensor):
         name, allowed = _op(func)
         if name in ("__repr__", "__format__"):
             return _describe(args[0])
-        if not (allowed or _UNGUARDED[0]):
+        if not (allowed or _unguarded(args, kwargs)):
             raise RuntimeError(
                 f"{name} on a parameter's .grad under a ShardedOptimizer: after the synchronised "
                 "backward the gradients are reduce-scattered, so each rank holds the average over "
@@ -93,6 +99,13 @@ class ScatteredGrad(torch.Tensor):
             )
         with DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
+
+
+def _unguarded(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
+    """Whether a ScatteredGrad the op is given belongs to a store inside `unguarded` (read
+    only for an op that would be refused: the metadata reads never come here)."""
+    values = (*args, *kwargs.values()) if kwargs else args
+    return any(isinstance(v, ScatteredGrad) and v.scattered.unguarded for v in values)
 
 
 def _op(func: object) -> tuple[str, bool]:
@@ -118,49 +131,47 @@ def _describe(grad: torch.Tensor) -> str:
     )
 
 
-# Per store, one ScatteredGrad per parameter (aliases of the slot views), made once.
-_GUARDS: weakref.WeakKeyDictionary[GradStore, tuple[torch.Tensor, ...]] = weakref.WeakKeyDictionary()
-
-
-# The stores whose gradients are reduce-scattered (marked, not zeroed since).
-_MARKED: weakref.WeakSet[GradStore] = weakref.WeakSet()
-
-
-def _guards(store: GradStore) -> tuple[torch.Tensor, ...]:
-    guards = _GUARDS.get(store)
-    if guards is None:
-        guards = _GUARDS[store] = tuple(store.view(p).as_subclass(ScatteredGrad) for p in store.params)
-    return guards
+def _aliases(store: GradStore) -> tuple[torch.Tensor, ...]:
+    """The store's ScatteredGrads, one per parameter (aliases of the slot views), made once."""
+    state = store.scattered
+    if not state.aliases:
+        aliases = []
+        for param in store.params:
+            alias = store.view(param).as_subclass(ScatteredGrad)
+            alias.scattered = state
+            aliases.append(alias)
+        state.aliases = tuple(aliases)
+    return state.aliases
 
 
 def mark_scattered(store: GradStore) -> None:
     """After a reduce-scattering backward: every defined `.grad` (its slot, where the sync
     left it) becomes its slot's ScatteredGrad. One attribute set per parameter."""
-    _MARKED.add(store)
-    for param, guard in zip(store.params, _guards(store)):
+    store.scattered.marked = True
+    for param, alias in zip(store.params, _aliases(store)):
         if param.grad is not None:
-            param.grad = guard
+            param.grad = alias
 
 
 def is_scattered(store: GradStore | None) -> bool:
     """Whether `store`'s gradients were reduce-scattered and not zeroed since."""
-    return store is not None and store in _MARKED
+    return store is not None and store.scattered.marked
 
 
 def scattered_main_grad(store: GradStore, param: torch.Tensor) -> torch.Tensor:
     """The main grad of `param` as `flat.main_grad` gives it while `store` is reduce-
     scattered: its slot's ScatteredGrad (a main grad has no `.grad` to mark)."""
     index = next(i for i, held in enumerate(store.params) if held is param)
-    return _guards(store)[index]
+    return _aliases(store)[index]
 
 
 def unmark_scattered(store: GradStore, to_none: bool = False) -> None:
     """Every ScatteredGrad `.grad` becomes its plain slot again: the gradients were zeroed
     (or are about to be), so they are right on every rank. With `to_none` the caller sets
     every `.grad` of the store to None itself (`zero_grad`): only the mark goes."""
-    if store not in _MARKED:
+    if not store.scattered.marked:
         return
-    _MARKED.discard(store)
+    store.scattered.marked = False
     if to_none:
         return
     for param in store.params:

@@ -45,7 +45,6 @@ __all__ = [
     "register_load_pre_hook",
     "register_state_dict_post_hook",
     "run_post_accumulate_hooks",
-    "shadowing_ddp",
     "SAVED_SHARDS",
     "sharded_tensor",
     "swap_tensor_code",
@@ -216,19 +215,6 @@ def join_state(joinable: Joinable) -> tuple[bool, bool]:
     if config is None:
         return False, False
     return bool(config.enable), bool(config.is_first_joinable)
-
-
-def shadowing_ddp() -> Any:
-    """The DDP whose joined rank, under `Join`, calls this comm hook to match the backward's
-    all-reduces with zeros (`DistributedDataParallel._match_all_reduce_for_bwd_pass`, up the
-    Python stack); None when the hook runs in a backward."""
-    code = getattr(DDP._match_all_reduce_for_bwd_pass, "__code__", None)
-    frame: Any = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            return frame.f_locals.get("self")
-        frame = frame.f_back
-    return None
 
 
 def broadcast_coalesced(

@@ -55,6 +55,8 @@ class StoreSource(Protocol):
     """What lays the model's gradient buffers out (a wrapper's engine): the current store,
     cheaply when nothing changed (`steady`) or after a full check (`refresh`)."""
 
+    store: GradStore | None
+
     def steady(self) -> GradStore: ...
 
     def refresh(self) -> GradStore: ...
@@ -153,7 +155,8 @@ class ShardEngine:
         refills. Every parameter still at its slot (one data pointer each: a conversion or a
         `.data` assignment moves it) and the engine's O(1) checks (a parameter registered,
         frozen or unfrozen) stand for its full walk over every parameter."""
-        with unguarded():  # a change moves the reduce-scattered .grads (refused just below)
+        # A change moves the reduce-scattered .grads (and is refused just below).
+        with unguarded(self.store, stores.store):
             store = stores.steady() if self.params_in_place() else stores.refresh()
         if store is not self.store:
             raise RuntimeError(

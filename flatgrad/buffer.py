@@ -4,20 +4,22 @@
   slot in it (kept in a `SlotTable`), and the slots' `.grad` around a backward.
 - `SlotTable`: a store's table of slots (group, place in the buffer, one view made once)
   and the 1-D views it cuts over them.
-- `SlotRegistry` (`REGISTRY`): which live store owns each parameter, so that a layer
-  backward given only the weight finds its slot.
+- `find_slot`, `owner_of`: which live store owns a parameter (`SlotRegistry`, a table by
+  id this module owns), so that a layer backward given only the weight finds its slot.
 - Main grads: a float32 slot of a bfloat16/float16 parameter is its gradient while `.grad`
   stays None. `MainGrads` holds one store's; `MainGradGuard` (`MAIN_GRAD_GUARD`) makes a
   torch optimizer that would skip them raise.
-- `Prescale`: a store's prescaling state, which `flatgrad._prescale` writes and reads.
+- `Prescale`: a store's prescaling state, which `flatgrad._prescale` writes and reads;
+  `Scattered`: its reduce-scatter state, which `flatgrad._scattered_grad` writes and reads.
 - Free functions over the buffers' tensors: allocating a buffer aligned (`aligned_zeros`),
   staging host values for a device copy (`host_tensor`, `write_flags`), scaling in place
   (`scale_`), reading on another CUDA stream (`read_here`)."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +49,7 @@ class GradStore:
         grad_dtype: str | None = None,
     ) -> None:
         self.params = tuple(params)
-        REGISTRY.check_free(self.params)
+        _check_free(self.params)
         self.stale = False  # set when a parameter no longer fits its slot
         self._seat_cache: _SeatCache | None = None  # dropped when the slots move
         self.buffers: dict[GroupKey, torch.Tensor] = {}
@@ -61,6 +63,7 @@ class GradStore:
         # may ask before). A nested backward that seats nothing leaves it alone.
         self.seated: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self.prescale = Prescale()  # (see `flatgrad._prescale`)
+        self.scattered = Scattered()  # (see `flatgrad._scattered_grad`)
         for key, group in plan_layout(self.params, align_bytes, multiple, grad_dtype).items():
             members = tuple(self.params[index] for index in group.param_indices)
             raw = aligned_zeros(group.numel + len(members), key, align_bytes)
@@ -74,7 +77,7 @@ class GradStore:
         mains = [p for p in self.params if self._entries[p].view.dtype != p.dtype]
         self._main_grads = MainGrads(mains, self._views, self.spans(mains))
         self.mains, self._main_ids = self._main_grads.params, self._main_grads.ids
-        REGISTRY.claim(self)
+        self._disown = _REGISTRY.claim(self)
         if self.mains:
             MAIN_GRAD_GUARD.watch(self)
 
@@ -87,7 +90,7 @@ class GradStore:
 
     def release(self) -> None:
         """Stop owning the parameters (before a rebuild replaces this store)."""
-        REGISTRY.forget(weakref.ref(self), [id(param) for param in self.params])
+        self._disown()  # (runs once: a second release, or the store's death, does nothing)
 
     def __contains__(self, param: object) -> bool:
         return isinstance(param, torch.Tensor) and param in self._entries
@@ -368,43 +371,30 @@ _data_ptr = torch.Tensor.data_ptr
 
 class SlotRegistry:
     """Which live store owns each parameter, by id, so that a backward given only the weight
-    finds its slot. A store keeps its parameters alive, so their ids are not reused while
-    its entries stand; they go with `GradStore.release` or when the store is collected. No
-    weak reference to a parameter (that would block torch.utils.swap_tensors)."""
+    finds its slot: a table the buffers' module owns, never an attribute on the parameter. A
+    store keeps its parameters alive, so their ids are not reused while its entries stand;
+    they go with `GradStore.release` or when the store is collected. No weak reference to a
+    parameter (that would block torch.utils.swap_tensors), and nothing in a copy or pickle
+    of a parameter."""
 
     def __init__(self) -> None:
         self._owners: dict[int, weakref.ref[GradStore]] = {}
 
-    def check_free(self, params: Sequence[torch.Tensor]) -> None:
-        for param in params:
-            if self.owner_of(param) is not None:
-                raise ValueError(
-                    f"a parameter of shape {tuple(param.shape)} is already wrapped by another "
-                    "FlatGrad; a parameter's gradient can live in one flat buffer only"
-                )
-
-    def claim(self, store: GradStore) -> None:
+    def claim(self, store: GradStore) -> Callable[[], Any]:
+        """Record `store` as the owner of its parameters; returns the one call that forgets
+        them again (also run when the store is collected)."""
         me = weakref.ref(store)
         ids = [id(param) for param in store.params]
         for param_id in ids:
             self._owners[param_id] = me
-        weakref.finalize(store, self.forget, me, ids)
+        return weakref.finalize(store, self._forget, me, ids)
 
-    def forget(self, store: weakref.ref[GradStore], ids: list[int]) -> None:
+    def _forget(self, store: weakref.ref[GradStore], ids: list[int]) -> None:
         for param_id in ids:
-            if self._owners.get(param_id) == store:
+            if self._owners.get(param_id) == store:  # (not a later store's entry)
                 del self._owners[param_id]
 
-    def owner_of(self, param: torch.Tensor) -> GradStore | None:
-        """The live store holding `param`'s slot, if any."""
-        ref = self._owners.get(id(param))
-        store = ref() if ref is not None else None
-        return store if store is not None and param in store else None
-
     def find(self, param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
-        """(live store, slot view) of `param`, if any: `owner_of` and the view in one lookup
-        (for the layer backwards). A store keeps its parameters alive, so an id it holds
-        is not reused while it stands."""
         ref = self._owners.get(id(param))
         store = ref() if ref is not None else None
         if store is None:
@@ -413,7 +403,28 @@ class SlotRegistry:
         return None if view is None else (store, view)
 
 
-REGISTRY = SlotRegistry()
+_REGISTRY = SlotRegistry()
+
+
+def find_slot(param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
+    """(live store, slot view) of `param`, if a store holds it: the layer backwards' lookup
+    (a dict read by id, a weak reference and the store's view by id)."""
+    return _REGISTRY.find(param)
+
+
+def owner_of(param: torch.Tensor) -> GradStore | None:
+    """The live store holding `param`'s slot, if any."""
+    found = _REGISTRY.find(param)
+    return None if found is None else found[0]
+
+
+def _check_free(params: Sequence[torch.Tensor]) -> None:
+    for param in params:
+        if find_slot(param) is not None:
+            raise ValueError(
+                f"a parameter of shape {tuple(param.shape)} is already wrapped by another "
+                "FlatGrad; a parameter's gradient can live in one flat buffer only"
+            )
 
 
 class MainGrads:
@@ -454,20 +465,35 @@ class MainGrads:
         return [p for p in params if id(p) not in ids]
 
 
+_Scan = tuple[tuple[int, ...], list[torch.Tensor]]
+
+
 class MainGradGuard:
     """While a store with main grads lives: a torch optimizer step (a global step pre hook,
     `torch.optim.optimizer.register_optimizer_step_pre_hook`) over a parameter whose
     gradient is a main grad and whose `.grad` is None raises, instead of skipping it
     silently. Optimizers that step main grads themselves say so with a true class
     attribute ``steps_main_grads`` (ShardedOptimizer). The hook goes when the last such
-    store does; it reads each parameter's `.grad` and, for a None one, the registry."""
+    store does.
+
+    The one process-wide hook flatgrad keeps: nothing per wrapper or per parameter sees a
+    torch optimizer's step (it skips a None `.grad` without a call flatgrad could watch),
+    and the optimizer is made after the wrapper. It costs an optimizer that holds no
+    main-grad parameter one look at its groups per step: which of its parameters have a
+    main grad is found once and kept (weakly, by optimizer) until its groups change or a
+    store with main grads is built."""
 
     def __init__(self) -> None:
         self._stores: weakref.WeakSet[GradStore] = weakref.WeakSet()
         self._handle: Any = None
+        self._builds = 0  # stores with main grads built so far: a kept scan older is redone
+        # Per optimizer: (`_builds` and its groups' lists and lengths when scanned, its
+        # parameters that had a main grad then).
+        self._scans: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Scan] = weakref.WeakKeyDictionary()
 
     def watch(self, store: GradStore) -> None:
         self._stores.add(store)
+        self._builds += 1
         if self._handle is None:
             self._handle = register_optimizer_step_pre_hook(self._check)
         weakref.finalize(store, self._release)
@@ -476,16 +502,20 @@ class MainGradGuard:
         if self._handle is not None and not self._stores:
             self._handle.remove()
             self._handle = None
+            self._scans.clear()
 
     def _check(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if getattr(optimizer, "steps_main_grads", False):
             return
-        skipped = 0
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is None and param.requires_grad:  # (frozen: skipped, as by stock)
-                    store = REGISTRY.owner_of(param)
-                    skipped += store is not None and store.is_main(param)
+        groups = optimizer.param_groups
+        key = (self._builds, *[id(g["params"]) for g in groups], *[len(g["params"]) for g in groups])
+        scan = self._scans.get(optimizer)
+        if scan is None or scan[0] != key:
+            scan = (key, [p for g in groups for p in g["params"] if _has_main(p)])
+            with contextlib.suppress(TypeError):  # (an optimizer without weak references: not kept)
+                self._scans[optimizer] = scan
+        # (frozen: skipped, as by stock; a store laid out again since may own it no more)
+        skipped = sum(p.grad is None and p.requires_grad and _has_main(p) for p in scan[1])
         if skipped:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step() would skip {skipped} bfloat16/float16 "
@@ -494,6 +524,11 @@ class MainGradGuard:
                 "shards, on any number of ranks), or give the optimizer float32 master copies "
                 "whose .grad you take from flat.main_grad(param)"
             )
+
+
+def _has_main(param: torch.Tensor) -> bool:
+    store = owner_of(param)
+    return store is not None and store.is_main(param)
 
 
 MAIN_GRAD_GUARD = MainGradGuard()
@@ -513,6 +548,18 @@ class Prescale:
     def start(self, factor: float | None) -> None:
         self.written.clear()
         self.factor = factor
+
+
+@dataclass(eq=False)
+class Scattered:
+    """A store's reduce-scatter state (under a ShardedOptimizer): whether its gradients were
+    reduce-scattered and not zeroed since (`marked`), one ScatteredGrad alias of each slot
+    view, in the store's parameter order, made once (`aliases`), and whether those aliases
+    act as plain tensors for now (`unguarded`: the store is being laid out again)."""
+
+    marked: bool = False
+    aliases: tuple[torch.Tensor, ...] = ()
+    unguarded: bool = False
 
 
 def aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:

@@ -19,7 +19,6 @@ from flatgrad._torch_compat import (
     active_ddp_getter,
     divides_by_ranks_not_joined,
     graph_task_id,
-    shadowing_ddp,
 )
 from flatgrad.buffer import GradStore, host_tensor
 
@@ -79,15 +78,22 @@ class FlatGradCommState:
 
     def ranks_not_joined(self, device: torch.device) -> int | None:
         """Under a `Join` with ``divide_by_initial_world_size=False``, the ranks not joined
-        yet, which DDP divides by (it leaves that to a comm hook): one small all-reduce per
-        bucket, matched by the joined ranks' zero buckets. None otherwise (every rank
-        decides alike: the join config is every rank's)."""
+        yet, which DDP divides by (it leaves that to a comm hook); None otherwise.
+
+        Inside an enabled `Join` every rank all-reduces one count per bucket, whatever the
+        Join divides by: a joined rank, matching the backward's all-reduces with zero
+        buckets, is not told which DDP it stands in for (DDP hands its hook only the state
+        and the bucket), but knows it is inside such a Join, so every rank makes the same
+        collectives without knowing how the Join divides. The rank still training reads
+        the count only where its DDP divides by it."""
         joined = graph_task_id() == -1  # a joined rank matching the backward's all-reduces
-        ddp = shadowing_ddp() if joined else self.wrapper._engine.joining_ddp()
-        if ddp is None or not divides_by_ranks_not_joined(ddp):
-            return None
+        ddp = None if joined else self.wrapper._engine.joining_ddp()
+        if ddp is None and not joined:
+            return None  # (no Join: nothing to match)
         count = torch.full((1,), 0 if joined else 1, dtype=torch.int64, device=device)
         dist.all_reduce(count, group=self.process_group)
+        if ddp is None or not divides_by_ranks_not_joined(ddp):
+            return None  # (a joined rank's buckets are zeros: any divisor will do)
         return int(count.item())
 
     def adopt(self, bucket: dist.GradBucket) -> None:

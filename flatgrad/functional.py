@@ -43,7 +43,7 @@ from torch.autograd.graph import Node
 
 from flatgrad._prescale import write_scale
 from flatgrad._torch_compat import GATHER_TAKES_INT32, fast_apply, functorch_active, will_execute
-from flatgrad.buffer import REGISTRY
+from flatgrad.buffer import find_slot
 
 
 def plain_torch() -> bool:
@@ -441,7 +441,7 @@ def weight_target(
 def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | None]:
     """`weight_target` for an input known to need a gradient, given its graph node."""
     param = getattr(node, "variable", None)  # None unless the input is a leaf (AccumulateGrad)
-    found = REGISTRY.find(param) if param is not None else None
+    found = find_slot(param) if param is not None else None
     if found is None or torch.is_grad_enabled():
         return "fresh", None, param
     if not param.requires_grad:  # type: ignore[union-attr]

@@ -199,7 +199,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if not engine.params_in_place() or is_scattered(engine.store):
             engine.check_layout(grads)  # (raises if it changed)
             return
-        with unguarded():
+        with unguarded(engine.store, grads.store):
             store = grads.steady()
         if store is engine.store:
             return
@@ -373,7 +373,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """
         # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s
         # (a clone each) before they are dropped or zeroed.
-        with unguarded():
+        with unguarded(self._engine.store, self.dp.module._engine.store):
             self.dp.module.zero_grad(set_to_none=set_to_none)  # (plain .grad again: it unmarks)
         # (and the store of the last layout, where (un)freezing laid the model out again since)
         unmark_scattered(self._engine.store, to_none=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from flatgrad.buffer import REGISTRY, GradStore
+from flatgrad.buffer import GradStore, owner_of
 from flatgrad.layout import align_elements, dense_stride, plan_layout
 
 CPU = torch.device("cpu")
@@ -249,11 +249,11 @@ def test_store_second_store_over_same_params_raises() -> None:
         GradStore(params, 256)
     with pytest.raises(ValueError, match=r"shape \(1,\) is already wrapped"):
         GradStore([params[3]], 256)
-    assert REGISTRY.owner_of(params[0]) is first
+    assert owner_of(params[0]) is first
     first.release()
-    assert REGISTRY.owner_of(params[0]) is None
+    assert owner_of(params[0]) is None
     second = GradStore(params, 256)
-    assert REGISTRY.owner_of(params[0]) is second
+    assert owner_of(params[0]) is second
     second.release()
 
 
@@ -263,7 +263,7 @@ def test_store_dropped_store_frees_params() -> None:
     del first
     gc.collect()
     second = GradStore(params, 256)  # no release() needed: ownership is weak
-    assert REGISTRY.owner_of(params[-1]) is second
+    assert owner_of(params[-1]) is second
     second.release()
 
 
@@ -273,7 +273,7 @@ def test_store_release_leaves_other_owner_alone() -> None:
     first.release()
     second = GradStore(params, 256)
     first.release()  # releasing a stale store must not drop the live owner
-    assert REGISTRY.owner_of(params[0]) is second
+    assert owner_of(params[0]) is second
     with pytest.raises(ValueError, match="already wrapped"):
         GradStore(params, 256)
     second.release()

@@ -144,6 +144,28 @@ def test_a_torch_optimizer_over_main_grad_parameters_refuses_to_skip_them():
     torch.optim.SGD(model.parameters(), lr=0.1).step()  # unwrapped: stock's silent skip again
 
 
+def test_the_refusal_follows_an_optimizer_whose_groups_or_wrappers_change():
+    """The step hook finds once per optimizer which of its parameters have main grads
+    (an optimizer with none then pays one look at its groups per step): a group added since,
+    or a wrapper with main grads built after the optimizer's first step, is seen at the next."""
+    flat = flatgrad.FlatGrad(Mixed(torch.bfloat16), config=MAIN)
+    head = nn.Parameter(torch.zeros(3))
+    head.grad = torch.ones(3)
+    opt = torch.optim.SGD([head], lr=0.1)
+    opt.step()  # no main-grad parameter in it
+    flat(_batches()[0]).backward()
+    opt.add_param_group({"params": list(flat.module.parameters())})
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\) would skip \d+ bfloat16/float16"):
+        opt.step()
+    later = Mixed(torch.bfloat16)
+    plain = torch.optim.SGD(later.parameters(), lr=0.1)
+    plain.step()  # not wrapped yet: stock's silent skip
+    other = flatgrad.FlatGrad(later, config=MAIN)
+    other(_batches()[0]).backward()
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\) would skip \d+ bfloat16/float16"):
+        plain.step()
+
+
 def test_frozen_main_grad_parameters_are_not_counted_as_skipped():
     """A bfloat16 part frozen after wrapping has no gradient, as stock's: a torch optimizer
     over the model (its float32 head the only trainable part) steps without the main-grad

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flatgrad
+from flatgrad.buffer import owner_of
 
 
 def _tokens(seed: int, shape: tuple[int, int] = (4, 6), vocab: int = 13) -> torch.Tensor:
@@ -576,6 +577,29 @@ def test_deepcopy_and_pickle_round_trip(tmp_path):
         for p, q in zip(clone.parameters(), flat.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
             assert grad_in_buffers(clone, p.grad)
+
+
+def test_copies_and_pickles_of_the_wrapped_model_own_no_slot(tmp_path):
+    # Which store holds a parameter is flatgrad's table, not the parameter's: a copy or a
+    # pickle of the model, or of the parameters alone (a plain torch.load with
+    # weights_only=True too), is held by none: a second FlatGrad wraps it, and the original
+    # keeps writing into its own buffers.
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    path = tmp_path / "params.pt"
+    torch.save(dict(model.named_parameters()), path)
+    loaded = torch.load(path)  # (weights_only=True: the default)
+    assert all(owner_of(p) is None for p in loaded.values())
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert all(owner_of(p) is None for p in clone.parameters())
+        other = flatgrad.FlatGrad(clone, config=ROUTE_ALL)
+        other(_tokens(0)).backward()
+        assert all(grad_in_buffers(other, p.grad) for p in clone.parameters())
+    shallow = copy.copy(next(model.parameters()))  # (another object: not held)
+    assert owner_of(shallow) is None and owner_of(next(model.parameters())) is not None
+    flat(_tokens(0)).backward()
+    assert all(grad_in_buffers(flat, p.grad) for p in model.parameters())
 
 
 def _pickled(flat: flatgrad.FlatGrad, tmp_path) -> flatgrad.FlatGrad:
