@@ -40,6 +40,7 @@ from torch import nn
 
 from flatgrad._torch_compat import (
     POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT,
+    accumulate_grad_node,
     graph_task_id,
     queue_callback,
     run_post_accumulate_hooks,
@@ -165,8 +166,7 @@ class Seater:
 
     def _accumulator(self, param: nn.Parameter) -> Any:
         """`param`'s AccumulateGrad node, kept alive with this seater (its hooks with it)."""
-        with torch.enable_grad():
-            node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        node = accumulate_grad_node(param)
         self._accumulators.append(node)
         return node
 

@@ -39,6 +39,7 @@ from flatgrad._scattered_grad import (
     unmark_scattered,
 )
 from flatgrad._torch_compat import (
+    accumulate_grad_node,
     current_autograd_node,
     graph_task_id,
     in_compiled_autograd,
@@ -518,13 +519,11 @@ class ReadyHooks:
         scaled in this backward (`flatgrad._prescale.scale_incoming`)."""
         routed = seater.routed if seater is not None else ()
         store.prescale.hooked = {id(param) for param in routed}
-        with torch.enable_grad():
-            for param in routed:
-                node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-                self._scaling.append(
-                    node.register_prehook(functools.partial(scale_incoming, store.prescale, param))
-                )
-                self._nodes.append(node)
+        for param in routed:
+            node = accumulate_grad_node(param)
+            hook = functools.partial(scale_incoming, store.prescale, param)
+            self._scaling.append(node.register_prehook(hook))
+            self._nodes.append(node)
 
     def hook(
         self, params: Sequence[nn.Parameter], bucket_of: Mapping[int, Bucket], on_ready: OnReady
@@ -538,12 +537,10 @@ class ReadyHooks:
             on_ready: what each hook calls, with the parameter and its bucket first.
         """
         self._params, self._bucket_of, self.unused = tuple(params), bucket_of, {}
-        with torch.enable_grad():
-            for param in self._params:
-                node: Any = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-                bucket = bucket_of[id(param)]
-                self._handles.append(node.register_hook(functools.partial(on_ready, param, bucket)))
-                self._nodes.append(node)
+        for param in self._params:
+            node = accumulate_grad_node(param)
+            self._handles.append(node.register_hook(functools.partial(on_ready, param, bucket_of[id(param)])))
+            self._nodes.append(node)
 
     def will_accumulate(self) -> bool:
         """Whether the running backward accumulates into a parameter: not so for

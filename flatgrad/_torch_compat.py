@@ -108,6 +108,15 @@ def in_compiled_autograd() -> bool:
     return bool(getattr(module, "in_compiled_autograd_region", False)) or torch.compiler.is_compiling()
 
 
+def accumulate_grad_node(tensor: torch.Tensor) -> Any:
+    """The AccumulateGrad node of a leaf `tensor` that requires grad: the one autograd node
+    its gradient passes last, where hooks that must see every gradient of a parameter go
+    (reached through a throwaway view's graph, as DDP's reducer does; grad mode on for it).
+    The caller keeps the node alive as long as hooks registered on it must stay."""
+    with torch.enable_grad():
+        return tensor.view_as(tensor).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+
+
 def _accumulate_grad_skips_hooks_without_a_gradient() -> bool:
     """Whether AccumulateGrad skips a tensor's post-accumulate-grad hooks when no gradient
     reaches it: probed on one leaf by calling its AccumulateGrad node directly with None
@@ -116,8 +125,7 @@ def _accumulate_grad_skips_hooks_without_a_gradient() -> bool:
     with torch.inference_mode(False), torch.enable_grad():
         leaf = torch.zeros(1, device="cpu", requires_grad=True)
         leaf.register_post_accumulate_grad_hook(ran.append)
-        accumulator: Any = leaf.view_as(leaf).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-        accumulator(None)
+        accumulate_grad_node(leaf)(None)
     return not ran
 
 
