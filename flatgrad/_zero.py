@@ -48,7 +48,7 @@ from flatgrad._zero_state import (
 )
 from flatgrad.buffer import GradStore, scale_
 from flatgrad.comm import all_gather_flat, reduce_scatters
-from flatgrad.layout import GroupKey
+from flatgrad.layout import GroupKey, merge_touching, overlap
 
 
 class StoreSource(Protocol):
@@ -224,9 +224,10 @@ class ShardEngine:
             key = (view.dtype, view.device)
             size = view.numel() // self.world_size
             lo = start + self.rank * size
-            for a, b in runs[key]:
-                a, b = max(a, lo), min(b, lo + size)
-                if a < b:
+            for run in runs[key]:
+                inside = overlap(*run, lo, lo + size)
+                if inside is not None:
+                    a, b = inside
                     piece = nn.Parameter(shard.stepped.narrow(0, a - lo, b - a))
                     pieces.append(Piece(piece, self.store.buffers[key].narrow(0, a, b - a), key, a))
         held = [p for p in params if p in self.store]
@@ -335,21 +336,18 @@ def shard_views(
     return [(buffer, 0) for buffer in store.buffers.values()]
 
 
-def _runs(store: GradStore, key: GroupKey, wanted: set[int]) -> list[list[int]]:
+def _runs(store: GradStore, key: GroupKey, wanted: set[int]) -> list[tuple[int, int]]:
     """[start, end) runs of the wanted parameters' slots in `key`'s buffer, each slot with
     the padding after it."""
     slots = sorted(
         (store.slot(p)[1].offset, id(p) in wanted) for p in store.params if store.slot(p)[0] == key
     )
     end_of_buffer = store.buffers[key].numel()
-    merged: list[list[int]] = []
-    for i, (offset, mine) in enumerate(slots):
-        end = slots[i + 1][0] if i + 1 < len(slots) else end_of_buffer
-        if mine and merged and merged[-1][1] == offset:
-            merged[-1][1] = end
-        elif mine:
-            merged.append([offset, end])
-    return merged
+    return merge_touching(
+        (offset, slots[i + 1][0] if i + 1 < len(slots) else end_of_buffer)
+        for i, (offset, mine) in enumerate(slots)
+        if mine
+    )
 
 
 _data_ptr = operator.methodcaller("data_ptr")
@@ -415,9 +413,9 @@ def runs_in_shards(store: GradStore, shards: Sequence[torch.Tensor]) -> list[tor
     for run in store.runs:
         key, first, end = span(run)
         for shard_key, lo, hi in edges:
-            a, b = max(first, lo), min(end, hi)
-            if shard_key == key and a < b:
-                runs.append(store.buffers[key].narrow(0, a, b - a))
+            inside = overlap(first, end, lo, hi) if shard_key == key else None
+            if inside is not None:
+                runs.append(store.buffers[key].narrow(0, inside[0], inside[1] - inside[0]))
     return runs
 
 

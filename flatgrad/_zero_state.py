@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatgrad._torch_compat import SAVED_SHARDS, sharded_tensor
-from flatgrad.layout import GroupKey
+from flatgrad.layout import GroupKey, overlap
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,9 @@ class Layout:
         for start, size in self.buckets[key]:
             shard = size // self.world_size
             for rank in range(self.world_size):
-                lo = max(offset, start + rank * shard)
-                hi = min(offset + numel, start + (rank + 1) * shard)
-                if lo < hi:
+                inside = overlap(offset, offset + numel, start + rank * shard, start + (rank + 1) * shard)
+                if inside is not None:
+                    lo, hi = inside
                     found.append(Chunk(rank, lo - offset, hi - lo, lo))
         return found
 

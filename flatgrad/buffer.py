@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from flatgrad.layout import GroupKey, SlotSpec, dense_stride, plan_layout
+from flatgrad.layout import GroupKey, SlotSpec, dense_stride, merge_touching, plan_layout
 
 _Flagged = tuple[torch.Tensor, torch.Tensor, tuple[torch.nn.Parameter, ...]]
 # The last parameter tuple `seat` was given, its (parameter, slot) pairs and `spans`.
@@ -332,35 +332,28 @@ class SlotTable:
         """1-D views covering exactly the gradient elements of every slot (never the
         alignment padding), adjacent slots merged: what a scale (clipping) may touch.
         Padding stays zero by construction, so whole-buffer norms and syncs may read it."""
-        spans: dict[GroupKey, list[list[int]]] = {}
+        slots: dict[GroupKey, list[tuple[int, int]]] = {}
         for _, entry in self._in_buffer_order():
-            runs = spans.setdefault(entry.key, [])
-            if runs and runs[-1][1] == entry.slot.offset:
-                runs[-1][1] += entry.slot.numel
-            else:
-                runs.append([entry.slot.offset, entry.slot.offset + entry.slot.numel])
-        return self._cut([(key, start, end) for key, runs in spans.items() for start, end in runs])
+            slots.setdefault(entry.key, []).append((entry.slot.offset, entry.slot.offset + entry.slot.numel))
+        return self._cut([(key, *run) for key, spans in slots.items() for run in merge_touching(spans)])
 
     def spans(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """1-D views of the buffers that cover the slots of `params` and no other slot, as
         few as the layout allows: slots adjacent in a buffer (alignment padding between
         them included, which is zero anyway) share one view."""
         wanted = {id(param) for param in params}
-        spans: list[tuple[GroupKey, int, int]] = []
         entries = self._in_buffer_order()
-        open_span = False  # whether the previous slot of the same buffer extended spans[-1]
+        slots: dict[GroupKey, list[tuple[int, int]]] = {}
         for index, (param, entry) in enumerate(entries):
-            same_buffer = index > 0 and entries[index - 1][1].key == entry.key
             if id(param) not in wanted:
-                open_span = False
                 continue
             end = entry.slot.offset + entry.slot.numel
-            if open_span and same_buffer:
-                spans[-1] = (entry.key, spans[-1][1], end)
-            else:
-                spans.append((entry.key, entry.slot.offset, end))
-            open_span = True
-        return self._cut(spans)
+            if index + 1 < len(entries):  # the next slot of this buffer wanted too: up to it
+                after, following = entries[index + 1]
+                if id(after) in wanted and following.key == entry.key:
+                    end = following.slot.offset
+            slots.setdefault(entry.key, []).append((entry.slot.offset, end))
+        return self._cut([(key, *span) for key, spans in slots.items() for span in merge_touching(spans)])
 
     def _cut(self, spans: Iterable[tuple[GroupKey, int, int]]) -> list[torch.Tensor]:
         return [self.buffers[key].narrow(0, start, end - start) for key, start, end in spans if end > start]

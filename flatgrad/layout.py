@@ -6,7 +6,7 @@ Pure bookkeeping: reads shapes, strides and dtypes, allocates nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,3 +82,21 @@ def plan_layout(
             offset += -(-param.numel() // align) * align
         layouts[key] = GroupLayout(offset, tuple(indices), tuple(slots))
     return layouts
+
+
+def merge_touching(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, end) intervals in order, each one that starts where the one before it ends
+    merged into that one: the slot runs, spans and shard pieces over a buffer."""
+    merged: list[tuple[int, int]] = []
+    for start, end in intervals:
+        if merged and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def overlap(start: int, end: int, lo: int, hi: int) -> tuple[int, int] | None:
+    """The part of [start, end) inside [lo, hi), or None where they do not overlap."""
+    a, b = max(start, lo), min(end, hi)
+    return (a, b) if a < b else None

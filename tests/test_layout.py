@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from flatgrad.buffer import GradStore, owner_of
-from flatgrad.layout import align_elements, dense_stride, plan_layout
+from flatgrad.layout import align_elements, dense_stride, merge_touching, overlap, plan_layout
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -334,3 +334,14 @@ def test_a_seat_that_seats_nothing_keeps_the_record_of_the_running_one():
     params[0].grad.add_(1.0)  # delivered; params[1] is not
     GradStore.unseat(outer)
     assert params[0].grad is not None and params[1].grad is None
+
+
+def test_interval_helpers_merge_touching_runs_and_clip_to_a_window():
+    # The one interval arithmetic behind slot runs, spans, shard pieces and checkpoint chunks.
+    assert merge_touching([(0, 4), (4, 6), (8, 9), (9, 12), (16, 20)]) == [(0, 6), (8, 12), (16, 20)]
+    assert merge_touching([]) == []
+    assert merge_touching([(0, 4), (5, 6)]) == [(0, 4), (5, 6)]  # a gap (padding) is not merged over
+    assert overlap(2, 10, 4, 8) == (4, 8)
+    assert overlap(2, 10, 0, 3) == (2, 3)
+    assert overlap(2, 10, 10, 12) is None  # [start, end): touching is not overlapping
+    assert overlap(5, 5, 0, 10) is None
