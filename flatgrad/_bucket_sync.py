@@ -702,16 +702,32 @@ class BucketSync:
         """Whether a backward is open (one that raised never closes: `drain` first)."""
         return self._task is not None
 
-    def use_reduce_scatter(self, store: GradStore) -> list[tuple[torch.Tensor, int]]:
-        """Switch to reduce-scatter (ZeRO-1) over `store`, laid out for it; returns each
-        bucket's (view, offset in its flat buffer), in buffer order (whatever order they
-        launch in)."""
+    def shard_plan(self, store: GradStore) -> list[tuple[torch.Tensor, int]]:
+        """The shard plan for a ShardedOptimizer over `store` (laid out for it: slots on
+        multiples of the world size): each bucket's (view, offset in its flat buffer), in
+        buffer order (whatever order they launch in), each split into equal shards, rank r
+        owning the r-th. From here on the buckets reduce-scatter (ZeRO-1)."""
         self.reduce_scatter = True
         self.rebuild()
         assert self._store is store, "the store changed while switching to reduce-scatter"
         offset = {key: int(buffer.storage_offset()) for key, buffer in store.buffers.items()}
         key = operator.attrgetter("dtype", "device")
         return [(b.buffer, int(b.buffer.storage_offset()) - offset[key(b.buffer)]) for b in self._buckets]
+
+    def sharded_by(self, shards: list[torch.Tensor]) -> None:
+        """The gradient shards the ShardedOptimizer built from `shard_plan` reads (what the
+        round divides last on gloo, `Round.divide_after`)."""
+        self.shards = shards
+
+    def count_steps(self, steps: int | None) -> None:
+        """The ShardedOptimizer's step count from here on (None: none counted); each
+        synchronised backward checks that the ranks agree on it (`Round._check_round`)."""
+        self.step_count = steps
+
+    def stepped(self) -> None:
+        """The ShardedOptimizer stepped (with or without gradients)."""
+        if self.step_count is not None:
+            self.step_count += 1
 
     def grads_cleared(self) -> None:
         """The reduce-scattered gradients were zeroed: the next backward may add again."""

@@ -162,7 +162,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         # slots on multiples of the world size: equal shards per bucket (and per buffer)
         self._lay_out(dp.module._engine.use_slot_multiple(self.world_size))
         self._ready = True
-        dp._engine.step_count = 0  # each synchronised backward checks the ranks agree on it
+        dp._engine.count_steps(0)  # each synchronised backward checks the ranks agree on it
 
     def _lay_out(self, store: GradStore) -> None:
         """Shard `store` (the model's gradient store, slots on multiples of the world size):
@@ -170,9 +170,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         buffers, and the inner optimizer steps this rank's pieces of `param_groups` (fresh:
         the caller loads its state)."""
         dp = self.dp
-        buckets = dp._engine.use_reduce_scatter(store)
+        buckets = dp._engine.shard_plan(store)
         self._engine = ShardEngine(store, buckets, dp.process_group, self.overlap_param_gather)
-        dp._engine.shards = [shard.grad for shard in self._engine.shards]  # (what it divides last on gloo)
+        dp._engine.sharded_by([shard.grad for shard in self._engine.shards])
         self._groups = PieceGroups(self._engine, self._names, self._optimizer_class, self.param_groups)
         if self._waits is not None:
             self._waits()  # (the hooks that waited for the old buckets' gathers)
@@ -296,7 +296,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._groups.check(self.param_groups)
         self._engine.take_assigned_grads()
         found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
-        self.dp._engine.step_count += 1  # type: ignore[operator]  # (a step without gradients too)
+        self.dp._engine.stepped()  # (a step without gradients too)
         if self._engine.skip_or_unscale(found_inf, grad_scale) or not self._engine.has_grads():
             return loss
         self._groups.step(self.param_groups, **kwargs)
