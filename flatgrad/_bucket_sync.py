@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -47,7 +46,7 @@ from flatgrad._torch_compat import (
     will_execute,
 )
 from flatgrad.buffer import GradStore, host_tensor, read_here
-from flatgrad.comm import average_op, launch_average, reduce_scatters, settle_unused
+from flatgrad.comm import BackendPolicy, average_op, backend_policy, launch_average, settle_unused
 from flatgrad.layout import GroupKey
 
 _FIRST_BUCKET_MB = 1.0  # a small first bucket starts communication early, as in DDP
@@ -130,6 +129,7 @@ class Round:
         plan: LaunchPlan,
         store: GradStore | None,
         process_group: dist.ProcessGroup | None,
+        policy: BackendPolicy,
         wire_dtype: torch.dtype | None,
         scatter: bool,
         check_finite: Callable[[], dict[int, str]] | None = None,
@@ -146,7 +146,8 @@ class Round:
         # The used flags may ride with a bucket unless it is reduce-scattered (each rank
         # would get only its part of them), or a step count must ride with them (bytes
         # compared by MAX: see `_check_round`).
-        self.carries_flags = not (scatter and reduce_scatters(process_group)) and step_count is None
+        self.reduce_scatters = scatter and policy.reduce_scatter  # (gloo all-reduces instead)
+        self.carries_flags = not self.reduce_scatters and step_count is None
         self.world_size = dist.get_world_size(process_group)
         summed = _sums_then_divides(self, check_finite is None)
         self.divide_after = [s for s in shards if s.dtype in _SUMMED] if summed else []
@@ -278,7 +279,7 @@ class Round:
         i, divide = bucket.index, not (self.divide_after and sent.dtype in _SUMMED)
         if divide_unscaled(bucket, self.store, self.world_size):  # type: ignore[arg-type]
             divide = False  # (the routed slots were written divided: `flatgrad._prescale`)
-        group, wire_dtype, scatter = self.process_group, self.wire_dtype, self.scatter
+        group, wire_dtype, scatter = self.process_group, self.wire_dtype, self.reduce_scatters
         self.work[i], self.wire[i] = launch_average(sent, group, wire_dtype, scatter, divide, self.divisor)
         self.sent[i] = sent
 
@@ -394,8 +395,8 @@ def _sums_then_divides(round_: Round, no_finite_check: bool) -> bool:
     world_size = round_.world_size
     exact = world_size > 1 and world_size & (world_size - 1) == 0  # (1: no division)
     exact = exact and round_.divisor in (None, world_size)
-    scatter, group = round_.scatter, round_.process_group
-    return scatter and round_.wire_dtype is None and exact and no_finite_check and not reduce_scatters(group)
+    all_reduced = round_.scatter and not round_.reduce_scatters  # (gloo: `BackendPolicy.reduce_scatter`)
+    return all_reduced and round_.wire_dtype is None and exact and no_finite_check
 
 
 def _round_bytes(count: int) -> list[int]:
@@ -443,26 +444,13 @@ def prescale_factor(
     return 1 / world if all(average_op(b, process_group)[1] for b in store.buffers.values()) else None
 
 
-def cores_to_spare(process_group: dist.ProcessGroup | None) -> bool:
-    """Whether this host has a core that the ranks' compute threads leave free: torch's
-    intra-op threads times the ranks on the host (``LOCAL_WORLD_SIZE``, set by torchrun;
-    without it, the group's size) below the cores this process may run on."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # (not Linux)
-        cores = os.cpu_count() or 1
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    ranks = int(local) if local.isdigit() else dist.get_world_size(process_group)
-    return torch.get_num_threads() * ranks < cores
-
-
 def cut_buckets(store: GradStore, bucket_mb: float, small_first_on_cpu: bool = True) -> list[Bucket]:
     """Buckets per buffer, cut at slot boundaries in buffer order: the first about
     `_FIRST_BUCKET_MB`, the others about `bucket_mb`.
 
     A CPU buffer is averaged by gloo on a thread of its own, which competes with the
     backward for the cores when none is free (`small_first_on_cpu` False: see
-    `cores_to_spare`; torchrun's default of one thread per rank on as many cores as ranks).
+    `BackendPolicy.spare_core`; torchrun's default of one thread per rank on as many cores as ranks).
     There a collective costs about 0.7 ms of the step by itself (2 gloo ranks on 2 cores),
     more than an early 1 MiB bucket hides, while an early bucket of 12.9 MiB (recommender)
     hides more than it costs: its first bucket is half a bucket (12.5 MiB by default; never
@@ -650,7 +638,7 @@ class BucketSync:
         # averaged backward, so the next backward averages whichever graph it goes through.
         self._armed = False
         self._deferrals = Deferrals()  # hooks that carry a nested backward's end outward
-        self._small_first_on_cpu = cores_to_spare(process_group)  # (see `cut_buckets`)
+        self.policy = backend_policy(process_group)  # the gloo/CPU choices, read once
         # The optimizer steps a ShardedOptimizer took (None without one): each synchronised
         # backward checks that every rank took as many (`Round._check_round`).
         self.step_count: int | None = None
@@ -670,6 +658,7 @@ class BucketSync:
             self._plan,
             self._store,
             self.process_group,
+            self.policy,
             self.wire_dtype,
             self.reduce_scatter,
             names,
@@ -762,7 +751,7 @@ class BucketSync:
             self._carried = None
         self._store = store
         self.has_buffers = any(True for _ in self._grads.model.buffers())
-        self._buckets = cut_buckets(store, self.bucket_mb, self._small_first_on_cpu)
+        self._buckets = cut_buckets(store, self.bucket_mb, self.policy.spare_core)
         self._plan = plan_launches(self._buckets)
         bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._hooks.hook(store.params, bucket_of, self._on_ready)

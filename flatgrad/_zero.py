@@ -47,7 +47,7 @@ from flatgrad._zero_state import (
     saved_stepped,
 )
 from flatgrad.buffer import GradStore, scale_
-from flatgrad.comm import all_gather_flat, reduce_scatters
+from flatgrad.comm import BackendPolicy, all_gather_flat
 from flatgrad.layout import GroupKey, merge_touching, overlap
 
 
@@ -89,11 +89,12 @@ class ShardEngine:
         store: GradStore,
         bucket_views: list[tuple[torch.Tensor, int]],
         process_group: dist.ProcessGroup | None,
+        policy: BackendPolicy,
         overlap_param_gather: bool = False,
     ) -> None:
         self.store = store
         # (gradient view, offset in its flat buffer) of each piece split into shards
-        self.bucket_views = shard_views(store, bucket_views, process_group, overlap_param_gather)
+        self.bucket_views = shard_views(store, bucket_views, policy, overlap_param_gather)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -107,9 +108,7 @@ class ShardEngine:
         self.layout = self._chunk_layout()
         # bucket index -> the works of its parameter gather still in flight
         self.in_flight: dict[int, list[Any]] = {}
-        # gloo's all-gather of the flat buckets takes 1.7x its broadcasts of the same shards
-        # (120 vs 70 ms for 96 MB on 2 CPU ranks): there each rank broadcasts its shard.
-        self.gather_by_broadcast = dist.get_backend(process_group) == "gloo"
+        self.gather_by_broadcast = not policy.all_gather  # (gloo: see `BackendPolicy`)
         self.waited: list[int] = []  # this step's buckets, in the order their gathers were waited for
 
     def _cut_shards(self) -> list[Shard]:
@@ -319,7 +318,7 @@ class ShardEngine:
 def shard_views(
     store: GradStore,
     bucket_views: list[tuple[torch.Tensor, int]],
-    process_group: dist.ProcessGroup | None,
+    policy: BackendPolicy,
     overlap_param_gather: bool,
 ) -> list[tuple[torch.Tensor, int]]:
     """The (gradient view, offset in its flat buffer) of each piece of the buffers that is
@@ -331,7 +330,7 @@ def shard_views(
     rank and bucket (per-bucket shards took 4-5% of the step more than the stock ZeRO-1 on
     many small layers, 2 gloo ranks). Whole slots on multiples of the world size make
     every buffer split evenly, as every bucket does."""
-    if overlap_param_gather or reduce_scatters(process_group):
+    if overlap_param_gather or policy.reduce_scatter:
         return bucket_views
     return [(buffer, 0) for buffer in store.buffers.values()]
 

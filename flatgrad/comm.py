@@ -7,6 +7,7 @@ No postponed annotations here: DDP checks the hook's annotations at registration
 
 import logging
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -375,12 +376,54 @@ def ddp_kwargs(store: GradStore) -> dict[str, Any]:
     return {"gradient_as_bucket_view": True, "bucket_cap_mb": cap}
 
 
-def reduce_scatters(process_group: dist.ProcessGroup | None) -> bool:
-    """Whether `launch_average(..., scatter=True)` runs a reduce-scatter over this group:
-    not on gloo, whose reduce-scatter reduces the whole tensor through a full-size
-    temporary and then scatters (1.6x its all-reduce at 25 MB on 2 CPU ranks); its
-    all-reduce leaves the same shard in place (and the others' too, which nothing reads)."""
-    return dist.get_backend(process_group) != "gloo"
+@dataclass(frozen=True)
+class BackendPolicy:
+    """Every choice flatgrad makes for gloo and CPU hosts only, decided once per process
+    group (`backend_policy`). With NCCL each field keeps its default, so the NCCL path never
+    enters a gloo branch. Each choice stays only with its measured number, in
+    docs/performance.md ("The CPU and gloo choices, and the numbers that keep them").
+    (Dividing before a sum where the backend has no average op is no choice: `average_op`;
+    the routed layers writing divided gradients for such sums is `prescale_factor`.)
+
+    Attributes:
+        reduce_scatter: a ShardedOptimizer's buckets are reduce-scattered (NCCL). False on
+            gloo, whose reduce-scatter reduces the whole tensor through a full-size
+            temporary and then scatters (1.6x its all-reduce at 25 MB on 2 CPU ranks): the
+            buckets are all-reduced instead (the same shard lands averaged), the shards
+            split whole buffers unless ``overlap_param_gather`` (`shard_views`), and only the
+            shards are divided after the sum (`Round.divide_after`).
+        all_gather: a ShardedOptimizer's parameters are all-gathered (NCCL). False on gloo,
+            whose all-gather of the flat buckets takes 1.7x its broadcasts of the same
+            shards (120 vs 70 ms for 96 MB on 2 CPU ranks): each rank broadcasts its shard.
+        spare_core: the ranks' compute threads leave a core of this host free
+            (`cores_to_spare`), where gloo's thread can overlap the backward. Without one, a
+            CPU buffer's first bucket is half a bucket instead of DDP's 1 MiB (`cut_buckets`).
+    """
+
+    reduce_scatter: bool = True
+    all_gather: bool = True
+    spare_core: bool = True
+
+
+def backend_policy(process_group: dist.ProcessGroup | None) -> BackendPolicy:
+    """The `BackendPolicy` for `process_group` (read once, by the engine that owns it)."""
+    gloo = dist.get_backend(process_group) == "gloo"
+    return BackendPolicy(
+        reduce_scatter=not gloo, all_gather=not gloo, spare_core=cores_to_spare(process_group)
+    )
+
+
+def cores_to_spare(process_group: dist.ProcessGroup | None) -> bool:
+    """Whether this host has a core that the ranks' compute threads leave free: torch's
+    intra-op threads times the ranks on the host (``LOCAL_WORLD_SIZE``, set by torchrun;
+    without it, the group's size) below the cores this process may run on."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        cores = os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks = int(local) if local.isdigit() else dist.get_world_size(process_group)
+    return torch.get_num_threads() * ranks < cores
 
 
 def launch_average(
@@ -408,7 +451,7 @@ def launch_average(
         op, must_divide, ranks = dist.ReduceOp.SUM, True, divisor
     if divide and must_divide:
         wire.div_(ranks)  # divide first, so sums stay finite (used flags stay > 0)
-    if scatter and reduce_scatters(process_group):
+    if scatter:
         out = wire.view(world_size, -1)[dist.get_rank(process_group)]
         work = reduce_scatter_flat(out, wire, op=op, group=process_group, async_op=True)
     else:

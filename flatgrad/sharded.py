@@ -171,7 +171,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         the caller loads its state)."""
         dp = self.dp
         buckets = dp._engine.shard_plan(store)
-        self._engine = ShardEngine(store, buckets, dp.process_group, self.overlap_param_gather)
+        self._engine = ShardEngine(
+            store, buckets, dp.process_group, dp._engine.policy, self.overlap_param_gather
+        )
         dp._engine.sharded_by([shard.grad for shard in self._engine.shards])
         self._groups = PieceGroups(self._engine, self._names, self._optimizer_class, self.param_groups)
         if self._waits is not None:

@@ -26,8 +26,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
-from flatgrad._bucket_sync import cores_to_spare, cut_buckets
+from flatgrad._bucket_sync import cut_buckets
 from flatgrad.buffer import GradStore
+from flatgrad.comm import cores_to_spare
 
 pytestmark = pytest.mark.distributed
 
