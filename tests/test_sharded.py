@@ -688,7 +688,7 @@ def _overlap_gather_worker(rank: int, world_size: int) -> None:
         flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=1)
 
 
-def _bucket_shards(store, bucket_views, process_group, overlap_param_gather):  # noqa: ANN001, ANN202
+def _bucket_shards(store, bucket_views, policy, overlap_param_gather):  # noqa: ANN001, ANN202
     return bucket_views
 
 
