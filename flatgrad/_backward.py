@@ -47,6 +47,7 @@ from flatgrad._torch_compat import (
     tree_leaves,
 )
 from flatgrad.buffer import GradStore
+from flatgrad.comm import DDPEdge
 
 # What an autograd node hook is given: gradients (its inputs', its outputs').
 Grads = tuple[torch.Tensor | None, ...]
@@ -65,7 +66,7 @@ class Layouts(Protocol):
     sits above this module): whether a DDP forward came since the last backward, and a
     seater over a new layout when the model changed behind the wrapper."""
 
-    ddp_pending: bool
+    ddp: DDPEdge
 
     def rebuilt_seater(self) -> Seater: ...
 
@@ -195,11 +196,11 @@ class Seater:
             return None  # another output of the same backward
         self._task = task
         engine = self._owner()
-        if engine is not None and engine.ddp_pending:
+        if engine is not None and engine.ddp.take_pending():
             # A forward under a DDP came since the last backward (this one may also run through
             # an output of the plain wrapper, called directly): DDP's reducer places this
             # backward's gradients, whichever output it reached first.
-            alone = engine.ddp_pending = False
+            alone = False
         store = self.store
         store.check(self._routed + self._placed + self._mains)  # the seated: by `seat`
         seated = [] if store.stale or not alone else store.seat(self.params)

@@ -15,13 +15,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flatgrad import comm
 from flatgrad._backward import ForwardPlan, Participant, Seater, watch
 from flatgrad._module_proxy import share_root
 from flatgrad._routing import route_layers, unroute
-from flatgrad._torch_compat import graph_task_id, join_state
+from flatgrad._torch_compat import graph_task_id
 from flatgrad._watch import LayoutWatch
 from flatgrad.buffer import GradStore
 from flatgrad.config import FlatGradConfig
@@ -50,16 +49,11 @@ class GradEngine:
         # sparse `.grad`, outside the buffers; the rest of `others` is frozen.
         self.sparse: tuple[nn.Parameter, ...] = ()
         self.generation = -1
-        # Forwards since ddp_kwargs() without allreduce_hook; None: not asked, or the hook ran.
-        self.ddp_forwards: int | None = None
+        self.ddp = comm.DDPEdge()  # whether a DDP runs the forwards, its hook, its Join
         # A DataParallel's bucket sync and sync flag for the next forward (`expect_sync`),
         # and the running forward's, taken by `before_forward`.
         self._next_sync: tuple[Participant, bool] | None = None
         self._forward_sync: tuple[Participant, bool] | None = None
-        # Whether a forward under a DDP came since the last backward began: its reducer places
-        # the next backward's gradients, whichever output that backward reaches first.
-        self.ddp_pending = False
-        self._joining: weakref.ref[DDP] | None = None  # see `joining_ddp`
         # Watch the model's registrations while the wrapper lives; when it is collected the
         # model is as it was before wrapping (plain dicts, torch's forwards).
         self.watch = LayoutWatch()
@@ -93,14 +87,6 @@ class GradEngine:
         assert self.store is not None, "the engine is not built"
         return self.store
 
-    def expect_hook(self) -> None:
-        """`ddp_kwargs()` was asked for: warn if `allreduce_hook` does not run."""
-        if self.ddp_forwards is None:
-            self.ddp_forwards = 0
-
-    def hook_ran(self) -> None:
-        self.ddp_forwards = None
-
     def refuse_sparse(self, what: str) -> None:
         """Raise unless every trainable parameter has a slot: flatgrad's own syncs average
         the flat buffers only, so a sparse gradient (kept outside them) would stay local.
@@ -118,8 +104,7 @@ class GradEngine:
     def before_forward(self) -> None:
         self.current()
         self._forward_sync, self._next_sync = self._next_sync, None  # this forward's (or None)
-        if self.ddp_forwards is not None:
-            self.ddp_forwards = comm.note_forward_without_hook(self.ddp_forwards)
+        self.ddp.before_forward()
 
     @torch.compiler.disable
     def after_forward(self, output: object) -> None:
@@ -133,11 +118,7 @@ class GradEngine:
         # AccumulateGrad got no gradient on every rank end with zeros where stock keeps
         # None (or, after a `no_sync()` backward, make the reducer raise). Routed layers
         # still write into their slots, and placed parameters are copied in by their hooks.
-        alone = not comm.under_ddp()
-        if not alone:
-            self.ddp_pending = True  # (see `Seater.pre_backward`)
-            ddp = comm.active_ddp()
-            self._joining = None if ddp is None or not join_state(ddp)[0] else weakref.ref(ddp)
+        alone = self.ddp.after_forward()
         # A DataParallel's forward (`expect_sync`, just before) binds its bucket sync too.
         bucket_sync, sync = self._forward_sync if self._forward_sync is not None else (None, False)
         self._forward_sync = None
@@ -145,11 +126,6 @@ class GradEngine:
             watch(output, ForwardPlan(seater, alone, bucket_sync, sync))
         if seater is not None and graph_task_id() == -1:  # (a recompute inside a backward: not)
             seater.store.prescale.factor = None  # a backward that raised left it on: see `_prescale`
-
-    def joining_ddp(self) -> DDP | None:
-        """The DDP whose last forward ran under an enabled `Join`
-        (`comm.FlatGradCommState.ranks_not_joined`), or None."""
-        return None if self._joining is None else self._joining()
 
     def expect_sync(self, bucket_sync: Participant, sync: bool) -> None:
         """From a DataParallel's forward, before it runs this wrapper's: the backward through

@@ -8,6 +8,7 @@ No postponed annotations here: DDP checks the hook's annotations at registration
 import logging
 import math
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,6 +21,7 @@ from flatgrad._torch_compat import (
     active_ddp_getter,
     divides_by_ranks_not_joined,
     graph_task_id,
+    join_state,
 )
 from flatgrad.buffer import GradStore, host_tensor
 
@@ -33,11 +35,9 @@ class HookEngine(Protocol):
     """What the DDP hook's state asks of its wrapper's engine (`flatgrad._engine.GradEngine`,
     which sits above this module and imports it)."""
 
+    ddp: "DDPEdge"
+
     def current(self) -> GradStore: ...
-
-    def hook_ran(self) -> None: ...
-
-    def joining_ddp(self) -> DDP | None: ...
 
 
 class HookedWrapper(Protocol):
@@ -88,7 +88,7 @@ class FlatGradCommState:
         collectives without knowing how the Join divides. The rank still training reads
         the count only where its DDP divides by it."""
         joined = graph_task_id() == -1  # a joined rank matching the backward's all-reduces
-        ddp = None if joined else self.wrapper._engine.joining_ddp()
+        ddp = None if joined else self.wrapper._engine.ddp.joining()
         if ddp is None and not joined:
             return None  # (no Join: nothing to match)
         count = torch.full((1,), 0 if joined else 1, dtype=torch.int64, device=device)
@@ -108,7 +108,7 @@ class FlatGradCommState:
             bucket: The bucket DDP handed `allreduce_hook`.
         """
         engine = self.wrapper._engine
-        engine.hook_ran()  # nothing to warn about
+        engine.ddp.hook_ran()  # nothing to warn about
         buffer = bucket.buffer()
         if buffer.layout != torch.strided:
             return  # a sparse gradient (DDP gives each its own bucket): averaged as it is
@@ -147,13 +147,10 @@ def note_forward_without_hook(num_forwards: int) -> int | None:
     yet; at the third (two synchronised backward passes done without it) warn once and stop
     counting (returns None).
 
-    Call site: `GradEngine.before_forward`, before the wrapped model runs.
-    `FlatGrad.ddp_kwargs()` starts the count at 0 (`GradEngine.expect_hook`), the hook sets
-    it to None (`GradEngine.hook_ran`: nothing to watch), so once the hook has run a forward
-    costs one comparison::
-
-        if self.ddp_forwards is not None:
-            self.ddp_forwards = comm.note_forward_without_hook(self.ddp_forwards)
+    Call site: `DDPEdge.before_forward`, before the wrapped model runs.
+    `FlatGrad.ddp_kwargs()` starts the count at 0 (`DDPEdge.expect_hook`), the hook sets
+    it to None (`DDPEdge.hook_ran`: nothing to watch), so once the hook has run a forward
+    costs one comparison.
 
     Forwards under no_grad (evaluation, Lightning's sanity check) do not count, nor do
     forwards inside ``ddp.no_sync()`` (gradient accumulation: the hook runs only on the last
@@ -184,6 +181,52 @@ def ddp_will_sync() -> bool:
         return True
     ddp = active()
     return ddp is not None and bool(ddp.require_backward_grad_sync)
+
+
+class DDPEdge:
+    """One wrapper's side of the DDP boundary, owned by its engine (`GradEngine.ddp`): whether
+    a DDP runs its forwards (its reducer then places the gradients, and nothing is seated),
+    the check that `allreduce_hook` runs after `ddp_kwargs()`, and the DDP whose last forward
+    ran inside an enabled `Join` (`FlatGradCommState.ranks_not_joined`)."""
+
+    def __init__(self) -> None:
+        # Forwards since ddp_kwargs() without allreduce_hook; None: not asked, or the hook ran.
+        self.forwards_without_hook: int | None = None
+        # Whether a forward under a DDP came since the last backward began: its reducer places
+        # the next backward's gradients, whichever output that backward reaches first.
+        self.pending = False
+        self._joining: weakref.ref[DDP] | None = None
+
+    def expect_hook(self) -> None:
+        """`ddp_kwargs()` was asked for: warn if `allreduce_hook` does not run."""
+        if self.forwards_without_hook is None:
+            self.forwards_without_hook = 0
+
+    def hook_ran(self) -> None:
+        self.forwards_without_hook = None
+
+    def before_forward(self) -> None:
+        if self.forwards_without_hook is not None:
+            self.forwards_without_hook = note_forward_without_hook(self.forwards_without_hook)
+
+    def after_forward(self) -> bool:
+        """After a training forward: whether it ran alone, under no DDP."""
+        if not under_ddp():
+            return True
+        self.pending = True  # (see `take_pending`)
+        ddp = active_ddp()
+        self._joining = None if ddp is None or not join_state(ddp)[0] else weakref.ref(ddp)
+        return False
+
+    def take_pending(self) -> bool:
+        """Whether a forward under a DDP came since the last backward began (then DDP's
+        reducer places this backward's gradients), forgetting it."""
+        pending, self.pending = self.pending, False
+        return pending
+
+    def joining(self) -> DDP | None:
+        """The DDP whose last forward ran under an enabled `Join`, or None."""
+        return None if self._joining is None else self._joining()
 
 
 def under_ddp() -> bool:
@@ -245,7 +288,7 @@ def _python_reducer_mean(state: FlatGradCommState, grad: torch.Tensor, param: to
     outside the buffer anyway (see README, "Compiled autograd")."""
     import torch.distributed._functional_collectives as fcol
 
-    state.wrapper._engine.hook_ran()
+    state.wrapper._engine.ddp.hook_ran()
     if not state._warned:
         state._warned = True
         logger.warning(

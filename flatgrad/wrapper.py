@@ -279,7 +279,7 @@ class FlatGrad(TransparentWrapper):
             ValueError: The wrapper keeps main grads (``grad_dtype`` set), which DDP cannot carry.
         """
         comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP (flat.ddp_kwargs())")
-        self._engine.expect_hook()
+        self._engine.ddp.expect_hook()
         return comm.ddp_kwargs(self._engine.refresh())
 
     def comm_state(
