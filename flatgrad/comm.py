@@ -478,8 +478,9 @@ def launch_average(
     divisor: int | None = None,
 ) -> tuple[Any, torch.Tensor | None]:
     """Start averaging `sent` over `process_group` asynchronously: an all-reduce in place,
-    or (`scatter`) a reduce-scatter whose result is this rank's piece of `sent` (on gloo an
-    all-reduce, which is faster there and leaves that piece averaged too). Returns the
+    or (`scatter`) a reduce-scatter whose result is this rank's piece of `sent` (the caller
+    asks for it only where `BackendPolicy.reduce_scatter` says so: gloo all-reduces, which
+    leaves that piece averaged too). Returns the
     work and the wire tensor when it is not `sent` itself (a `wire_dtype` copy, which the
     caller copies back once the work is done). `divide` False where the reduction sums:
     the sum is left for the caller to divide (the shards a ShardedOptimizer reads).
