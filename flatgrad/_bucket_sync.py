@@ -1,16 +1,17 @@
 """The overlapped bucket averaging of one `DataParallel` (see `flatgrad.parallel` for how it
 works), static parts apart from per-backward state:
 
-- `Bucket`, `LaunchPlan`: the static buckets cut from a store's flat buffers
-  (`cut_buckets`) and the order their launches follow, the same on every rank.
+- `BucketPlan`: the static side, the same on every rank: the buckets cut from a store's
+  flat buffers (`plan_buckets`; each a `Bucket` record), the order they launch in and the
+  buckets that carry the used flags.
 - `Round`: one synchronised backward over them (readiness, launches in the plan's order,
   the wait and the settling of `.grad`), made when such a backward opens.
 - `ReadyHooks`, `Deferrals`: the autograd hooks, through which each parameter is counted
   ready (with the parameters a synchronised backward left unused, counted ready at the
   start of a later backward that will not reach them), and which carry the end of a
   nested backward out to the backward around it.
-- `BucketSync`: the buckets over one `GradEngine`'s store, the launch order learned in the
-  first synchronised backward, which backwards average, and the final callback that
+- `BucketSync`: the bucket plan over one `GradEngine`'s store (its launch order learned in
+  the first synchronised backward), which backwards average, and the final callback that
   launches the rest, waits, and settles `.grad` as stock DDP does."""
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ _SUMMED = (torch.float32, torch.float64)  # summed whole and divided after (see 
 
 @dataclass
 class Bucket:
-    """One contiguous piece of a flat buffer and the parameters whose slots it holds."""
+    """One contiguous piece of a flat buffer and the parameters whose slots it holds: a
+    record of a `BucketPlan`, which cuts it."""
 
-    index: int
+    index: int  # its position in `BucketPlan.buckets` (buffer order)
     buffer: torch.Tensor  # a narrow view of the flat buffer
     params: tuple[nn.Parameter, ...]
     key: GroupKey
@@ -69,31 +71,50 @@ class Bucket:
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
-    """The order the buckets launch in, the same on every rank (collectives must be issued
-    in one order everywhere), and the buckets that carry their group's used flags.
+class BucketPlan:
+    """The static side of one store's averaging, the same on every rank, apart from the
+    per-backward `Round`s that follow it: the buckets (cut by `plan_buckets`), the order they
+    launch in (collectives must be issued in one order everywhere), and the buckets that
+    carry their group's used flags.
 
     Buffer order until a synchronised backward has been seen (`learned` False); then rank
-    0's order of completion in that backward (`agree_order`), so that a model whose
+    0's order of completion in that backward (`agree_order`, `learn`), so that a model whose
     gradients become final in another order than its buffer's, or whose early buckets wait
     for an unused parameter, still launches its buckets while backward goes on."""
 
-    order: tuple[int, ...]
+    buckets: tuple[Bucket, ...]  # in buffer order
+    order: tuple[int, ...]  # the launch order, as indices into `buckets`
     # A group's flags ride on its last bucket to launch, which launches once every gradient
     # of the group is final, when that bucket also ends the buffer (the flags follow it in
     # memory); otherwise `Round.sync_all` sends them in a small all-reduce of their own.
     carriers: frozenset[int]
     learned: bool = False
 
+    def learn(self, order: Sequence[int]) -> BucketPlan:
+        """The same buckets launched in `order` (rank 0's, agreed by every rank) from now on."""
+        return _ordered(self.buckets, tuple(order), learned=True)
 
-def plan_launches(buckets: Sequence[Bucket], order: Sequence[int] | None = None) -> LaunchPlan:
-    """The plan that launches `buckets` in `order` (buffer order when None, not learned)."""
-    ordered = tuple(range(len(buckets)) if order is None else order)
+    @property
+    def last(self) -> Bucket | None:
+        """The last bucket to launch once the order is learned (the final callback launches
+        it, so its hooks count nothing: `BucketSync._learn`); None before."""
+        return self.buckets[self.order[-1]] if self.learned else None
+
+    def bucket_of(self) -> dict[int, Bucket]:
+        """Each parameter's bucket, by ``id(param)``."""
+        return {id(p): bucket for bucket in self.buckets for p in bucket.params}
+
+
+_NO_BUCKETS = BucketPlan((), (), frozenset())  # (before the first build)
+
+
+def _ordered(buckets: tuple[Bucket, ...], order: tuple[int, ...], learned: bool) -> BucketPlan:
+    """The plan that launches `buckets` in `order`, with the carriers that order gives."""
     last: dict[GroupKey, Bucket] = {}
-    for index in ordered:
+    for index in order:
         last[buckets[index].key] = buckets[index]
     carriers = frozenset(bucket.index for bucket in last.values() if bucket.ends_buffer)
-    return LaunchPlan(ordered, carriers, learned=order is not None)
+    return BucketPlan(buckets, order, carriers, learned)
 
 
 def agree_order(
@@ -110,7 +131,7 @@ def agree_order(
     return [int(index) for index in agreed.tolist()]
 
 
-def _current_streams(buckets: Sequence[Bucket]) -> dict[torch.device, Any]:
+def _current_streams(buckets: tuple[Bucket, ...]) -> dict[torch.device, Any]:
     """The current stream of each CUDA device the buckets live on (a round opens on the
     forward's: an output's pre hook runs there); empty off CUDA."""
     cuda = {bucket.buffer.device for bucket in buckets if bucket.buffer.is_cuda}
@@ -119,14 +140,13 @@ def _current_streams(buckets: Sequence[Bucket]) -> dict[torch.device, Any]:
 
 class Round:
     """One synchronised backward's averaging: which parameters are ready, which bucket
-    launches next (in the plan's order), each bucket's collective, and the used flags that
+    launches next (in the bucket plan's order), each bucket's collective, and the used flags that
     travel with them. Made when such a backward opens (and at a rebuild), replaced by the
     next one; its timings are the last synchronised backward's."""
 
     def __init__(
         self,
-        buckets: list[Bucket],
-        plan: LaunchPlan,
+        plan: BucketPlan,
         store: GradStore | None,
         process_group: dist.ProcessGroup | None,
         policy: BackendPolicy,
@@ -137,7 +157,7 @@ class Round:
         divisor: int | None = None,
         step_count: int | None = None,
     ) -> None:
-        self.buckets, self.plan, self.store = buckets, plan, store
+        self.plan, self.store = plan, store
         self.process_group, self.wire_dtype, self.scatter = process_group, wire_dtype, scatter
         # The ranks a `Join` averages over when not the world size (its joined ranks send
         # zeros: `BucketSync.shadow`), and the steps a ShardedOptimizer took before this
@@ -155,11 +175,11 @@ class Round:
         # bucket, whether its local gradients were all finite (a device tensor, no sync).
         self.check_finite = check_finite
         self.finite: list[torch.Tensor] = []
-        self.streams = _current_streams(buckets)  # the backward's (see `_follow_backward`)
-        self.pending = [len(bucket.params) for bucket in self.buckets]
-        self.work: list[Any] = [None] * len(self.buckets)
-        self.wire: list[torch.Tensor | None] = [None] * len(self.buckets)
-        self.sent: list[torch.Tensor | None] = [None] * len(self.buckets)  # what each collective ran on
+        self.streams = _current_streams(plan.buckets)  # the backward's (see `_follow_backward`)
+        self.pending = [len(bucket.params) for bucket in plan.buckets]
+        self.work: list[Any] = [None] * len(plan.buckets)
+        self.wire: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self.sent: list[torch.Tensor | None] = [None] * len(plan.buckets)  # what each collective ran on
         self.ready: set[int] = set()  # the parameters whose AccumulateGrad ran
         # The parameters the engine said this backward will not reach (`skip`): ready from
         # its start, and unused unless some rank used them.
@@ -232,9 +252,9 @@ class Round:
     def launch_ready(self, flush: bool = False) -> None:
         """Launch buckets in the plan's order while the next one is complete (or, on
         flush, all)."""
-        order = self.plan.order
+        buckets, order = self.plan.buckets, self.plan.order
         while self.next < len(order):
-            bucket = self.buckets[order[self.next]]
+            bucket = buckets[order[self.next]]
             if self.pending[bucket.index] and not flush:
                 return
             if bucket.buffer.is_cuda:
@@ -444,9 +464,10 @@ def prescale_factor(
     return 1 / world if all(average_op(b, process_group)[1] for b in store.buffers.values()) else None
 
 
-def cut_buckets(store: GradStore, bucket_mb: float, small_first_on_cpu: bool = True) -> list[Bucket]:
-    """Buckets per buffer, cut at slot boundaries in buffer order: the first about
-    `_FIRST_BUCKET_MB`, the others about `bucket_mb`.
+def plan_buckets(store: GradStore, bucket_mb: float, small_first_on_cpu: bool = True) -> BucketPlan:
+    """The bucket plan of `store`, launched in buffer order (not learned): buckets per
+    buffer, cut at slot boundaries in buffer order, the first about `_FIRST_BUCKET_MB`, the
+    others about `bucket_mb`.
 
     A CPU buffer is averaged by gloo on a thread of its own, which competes with the
     backward for the cores when none is free (`small_first_on_cpu` False: see
@@ -475,7 +496,7 @@ def cut_buckets(store: GradStore, bucket_mb: float, small_first_on_cpu: bool = T
                 )
                 start, members = end, []
                 cap = int(bucket_mb * 2**20) // buffer.element_size()
-    return buckets
+    return _ordered(tuple(buckets), tuple(range(len(buckets))), learned=False)
 
 
 # What a hook on a parameter's AccumulateGrad calls: (param, bucket, grad_inputs, grad_outputs).
@@ -602,7 +623,7 @@ class Deferrals:
 
 
 class BucketSync:
-    """Buckets over one `GradEngine`'s store, and the averaging of each backward."""
+    """The bucket plan over one `GradEngine`'s store, and the averaging of each backward."""
 
     def __init__(
         self,
@@ -628,8 +649,7 @@ class BucketSync:
         # which the running one adds onto its own (`carry_scattered`).
         self._carried: list[torch.Tensor] | None = None
         self._store: GradStore | None = None
-        self._buckets: list[Bucket] = []
-        self._plan = LaunchPlan((), frozenset())
+        self._plan = _NO_BUCKETS  # the buckets of `_store` and their launch order
         self._hooks = ReadyHooks()  # the AccumulateGrad hooks, and the parameters once unused
         self._round: Round | None = None  # the running or last synchronised backward's
         self._task: int | None = None  # the graph task of the running backward, if one is open
@@ -654,7 +674,6 @@ class BucketSync:
     def _new_round(self, divisor: int | None = None) -> Round:
         names = self._parameter_names if self.check_finite else None
         return Round(
-            self._buckets,
             self._plan,
             self._store,
             self.process_group,
@@ -684,7 +703,7 @@ class BucketSync:
     @property
     def buckets(self) -> list[torch.Tensor]:
         """The bucket views of the flat buffers, in launch order."""
-        return [self._buckets[index].buffer for index in self._plan.order]
+        return [self._plan.buckets[index].buffer for index in self._plan.order]
 
     @property
     def in_backward(self) -> bool:
@@ -701,7 +720,8 @@ class BucketSync:
         assert self._store is store, "the store changed while switching to reduce-scatter"
         offset = {key: int(buffer.storage_offset()) for key, buffer in store.buffers.items()}
         key = operator.attrgetter("dtype", "device")
-        return [(b.buffer, int(b.buffer.storage_offset()) - offset[key(b.buffer)]) for b in self._buckets]
+        buckets = self._plan.buckets
+        return [(b.buffer, int(b.buffer.storage_offset()) - offset[key(b.buffer)]) for b in buckets]
 
     def sharded_by(self, shards: list[torch.Tensor]) -> None:
         """The gradient shards the ShardedOptimizer built from `shard_plan` reads (what the
@@ -751,10 +771,8 @@ class BucketSync:
             self._carried = None
         self._store = store
         self.has_buffers = any(True for _ in self._grads.model.buffers())
-        self._buckets = cut_buckets(store, self.bucket_mb, self.policy.spare_core)
-        self._plan = plan_launches(self._buckets)
-        bucket_of = {id(p): b for b in self._buckets for p in b.params}
-        self._hooks.hook(store.params, bucket_of, self._on_ready)
+        self._plan = plan_buckets(store, self.bucket_mb, self.policy.spare_core)
+        self._hooks.hook(store.params, self._plan.bucket_of(), self._on_ready)
         self._hooks.scale_incoming(store, self._grads.seater)
         self._prescale = prescale_factor(store, self.process_group, self.reduce_scatter, self.wire_dtype)
         self._round = self._new_round()
@@ -914,18 +932,18 @@ class BucketSync:
         after a (re)build sets the launch order (rank 0's, on every rank), and from then on
         the hooks of the last bucket to launch count nothing (the final callback launches
         it, its gradients the backward's last but for unused ones)."""
-        last = self._buckets[self._plan.order[-1]] if self._plan.learned else None
-        self._hooks.note_unused(round_, last)
+        self._hooks.note_unused(round_, self._plan.last)
         self._agree_order(round_)
 
     def _agree_order(self, round_: Round) -> None:
         """After the first synchronised backward since a (re)build: rank 0's order of
         completion becomes the launch order on every rank (one broadcast)."""
-        if not self._plan.learned and self._buckets:
-            device = self._buckets[0].buffer.device
-            order = agree_order(round_.completed, len(self._buckets), device, self.process_group)
-            self._plan = plan_launches(self._buckets, order)
-            self._hooks.stop_counting(self._buckets[order[-1]], self._on_last_ready)
+        plan = self._plan
+        if not plan.learned and plan.buckets:
+            device = plan.buckets[0].buffer.device
+            order = agree_order(round_.completed, len(plan.buckets), device, self.process_group)
+            self._plan = plan.learn(order)
+            self._hooks.stop_counting(plan.buckets[order[-1]], self._on_last_ready)
 
     def _resume(self) -> None:
         # The node a nested backward ran in returned, inside the outer backward: finish there.

@@ -440,7 +440,7 @@ class BackendPolicy:
             shards (120 vs 70 ms for 96 MB on 2 CPU ranks): each rank broadcasts its shard.
         spare_core: the ranks' compute threads leave a core of this host free
             (`cores_to_spare`), where gloo's thread can overlap the backward. Without one, a
-            CPU buffer's first bucket is half a bucket instead of DDP's 1 MiB (`cut_buckets`).
+            CPU buffer's first bucket is half a bucket instead of DDP's 1 MiB (`plan_buckets`).
     """
 
     reduce_scatter: bool = True

@@ -3,7 +3,7 @@
 Buckets are `narrow` views of the flat buffer, cut at slot boundaries in the buffer's order
 (the reverse of registration, roughly the order backward produces gradients), about
 `bucket_mb` each and a small first one (not on a CPU host whose cores the ranks' threads
-already fill: there gloo's thread overlaps nothing, see `flatgrad._bucket_sync.cut_buckets`).
+already fill: there gloo's thread overlaps nothing, see `flatgrad._bucket_sync.plan_buckets`).
 A post hook on the AccumulateGrad node of every parameter (it fires also for the routed
 layers, whose Functions hand AccumulateGrad None) counts the parameter ready; when every
 parameter of a bucket is ready and every bucket

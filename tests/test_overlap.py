@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
-from flatgrad._bucket_sync import cut_buckets
+from flatgrad._bucket_sync import plan_buckets
 from flatgrad.buffer import GradStore
 from flatgrad.comm import cores_to_spare
 
@@ -392,7 +392,7 @@ def test_a_cpu_buffer_without_a_spare_core_gets_a_first_bucket_of_half_a_bucket(
     store = GradStore([nn.Parameter(torch.zeros(1 << 16)) for _ in range(12)], 256)  # 256 KiB each
 
     def sizes(bucket_mb: float, small_first: bool) -> list[int]:
-        return [len(bucket.params) for bucket in cut_buckets(store, bucket_mb, small_first)]
+        return [len(bucket.params) for bucket in plan_buckets(store, bucket_mb, small_first).buckets]
 
     assert sizes(4.0, True) == [4, 8]  # 1 MiB first (as DDP), then up to 4 MiB
     assert sizes(4.0, False) == [8, 4]  # 2 MiB first

@@ -471,7 +471,7 @@ def _groups_worker(rank: int, world_size: int) -> None:
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert [g["lr"] for g in opt.param_groups] == [0.05, 0.02]
     assert opt.param_groups[0]["betas"] == (0.8, 0.9)  # the defaults fill every group
-    kinds = [{p.dim() >= 2 for p in bucket.params} for bucket in dp._engine._buckets]
+    kinds = [{p.dim() >= 2 for p in bucket.params} for bucket in dp._engine._plan.buckets]
     assert {True, False} in kinds, "a bucket should hold parameters of both groups"
     schedules = []
     for optimizer in (opt, ref_opt):
