@@ -81,8 +81,8 @@ class Shard:
 
 class ShardEngine:
     """The flat parameter buffers laid out like `store`'s gradient buffers (every parameter
-    becomes a view of its slot), and this rank's shard of each piece `shard_views` splits
-    (a bucket, or a whole buffer)."""
+    becomes a view of its slot), and this rank's shard (`Shard`) of each piece of the shard
+    plan (`bucket_views`, from `BucketSync.shard_plan`: the buckets, or whole buffers)."""
 
     def __init__(
         self,
@@ -90,11 +90,11 @@ class ShardEngine:
         bucket_views: list[tuple[torch.Tensor, int]],
         process_group: dist.ProcessGroup | None,
         policy: BackendPolicy,
-        overlap_param_gather: bool = False,
     ) -> None:
         self.store = store
-        # (gradient view, offset in its flat buffer) of each piece split into shards
-        self.bucket_views = shard_views(store, bucket_views, policy, overlap_param_gather)
+        # (gradient view, offset in its flat buffer) of each piece split into shards: the
+        # shard plan (`BucketSync.shard_plan`)
+        self.bucket_views = bucket_views
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -313,26 +313,6 @@ class ShardEngine:
                 if (view.dtype, view.device) == key and start <= slot.offset < start + view.numel():
                     found.add(index)
         return tuple(sorted(found))
-
-
-def shard_views(
-    store: GradStore,
-    bucket_views: list[tuple[torch.Tensor, int]],
-    policy: BackendPolicy,
-    overlap_param_gather: bool,
-) -> list[tuple[torch.Tensor, int]]:
-    """The (gradient view, offset in its flat buffer) of each piece of the buffers that is
-    split into equal shards: every bucket where the backward reduce-scatters the buckets
-    (NCCL: a rank receives only its shard of each) or where the next forward waits for
-    each bucket's gather (`overlap_param_gather`). Otherwise (gloo, whose backward
-    all-reduces every bucket, so every rank holds all of the averaged gradients) each whole
-    buffer: its parameters then come back in one broadcast per rank instead of one per
-    rank and bucket (per-bucket shards took 4-5% of the step more than the stock ZeRO-1 on
-    many small layers, 2 gloo ranks). Whole slots on multiples of the world size make
-    every buffer split evenly, as every bucket does."""
-    if overlap_param_gather or policy.reduce_scatter:
-        return bucket_views
-    return [(buffer, 0) for buffer in store.buffers.values()]
 
 
 def _runs(store: GradStore, key: GroupKey, wanted: set[int]) -> list[tuple[int, int]]:

@@ -433,7 +433,7 @@ class BackendPolicy:
             gloo, whose reduce-scatter reduces the whole tensor through a full-size
             temporary and then scatters (1.6x its all-reduce at 25 MB on 2 CPU ranks): the
             buckets are all-reduced instead (the same shard lands averaged), the shards
-            split whole buffers unless ``overlap_param_gather`` (`shard_views`), and only the
+            split whole buffers unless ``overlap_param_gather`` (`BucketSync.shard_plan`), and only the
             shards are divided after the sum (`Round.divide_after`).
         all_gather: a ShardedOptimizer's parameters are all-gathered (NCCL). False on gloo,
             whose all-gather of the flat buckets takes 1.7x its broadcasts of the same

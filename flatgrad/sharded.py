@@ -10,7 +10,7 @@ so its state is about 1/world_size of the unsharded state), then all-gathers eve
 parameters. Only element-wise optimizers shard this way. On gloo, whose backward all-reduces
 every bucket (its reduce-scatter is slower), every rank holds all of the averages, and the
 shards split each whole buffer instead: the parameters come back in one broadcast per rank
-rather than one per rank and bucket (`flatgrad._zero.shard_views`), unless
+rather than one per rank and bucket (`BucketSync.shard_plan`), unless
 ``overlap_param_gather`` waits for them bucket by bucket (its `clip_grad_norm_` then sums
 over other shards: equal to the last bit or two).
 
@@ -170,10 +170,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         buffers, and the inner optimizer steps this rank's pieces of `param_groups` (fresh:
         the caller loads its state)."""
         dp = self.dp
-        buckets = dp._engine.shard_plan(store)
-        self._engine = ShardEngine(
-            store, buckets, dp.process_group, dp._engine.policy, self.overlap_param_gather
-        )
+        pieces = dp._engine.shard_plan(store, self.overlap_param_gather)
+        self._engine = ShardEngine(store, pieces, dp.process_group, dp._engine.policy)
         dp._engine.sharded_by([shard.grad for shard in self._engine.shards])
         self._groups = PieceGroups(self._engine, self._names, self._optimizer_class, self.param_groups)
         if self._waits is not None:

@@ -627,7 +627,7 @@ def _overlap_gather_worker(rank: int, world_size: int) -> None:
         torch.manual_seed(0)
         model = _Net()
         dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.002)
-        with mock.patch.object(flatgrad._zero, "shard_views", _bucket_shards):
+        with mock.patch.object(flatgrad._bucket_sync.BucketSync, "shard_plan", _bucket_shards):
             # the synchronous path with the shards overlap_param_gather has (one per bucket;
             # on gloo it would split whole buffers): the same clip norm, summed over the
             # same shards, so bit-identical parameters
@@ -688,8 +688,11 @@ def _overlap_gather_worker(rank: int, world_size: int) -> None:
         flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=1)
 
 
-def _bucket_shards(store, bucket_views, policy, overlap_param_gather):  # noqa: ANN001, ANN202
-    return bucket_views
+_shard_plan = flatgrad._bucket_sync.BucketSync.shard_plan
+
+
+def _bucket_shards(engine, store, overlap_param_gather):  # noqa: ANN001, ANN202
+    return _shard_plan(engine, store, overlap_param_gather=True)  # (one shard per bucket)
 
 
 def test_overlap_param_gather_waits_per_bucket_in_the_next_forward_and_equals_the_sync_path():
