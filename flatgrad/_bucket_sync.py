@@ -740,6 +740,15 @@ class BucketSync:
         round divides last on gloo, `Round.divide_after`)."""
         self.shards = shards
 
+    def run_forwards_in(
+        self, context: Callable[[], AbstractContextManager[None]] | None, replacing: object = None
+    ) -> None:
+        """Run DataParallel's forwards of the model inside `context` from now on (a
+        ShardedOptimizer's `ForwardWaits.learning`, until a forward has taught its waits);
+        None: plainly. With `replacing`, only while the context is still that one."""
+        if replacing is None or self.forward_context == replacing:
+            self.forward_context = context
+
     def count_steps(self, steps: int | None) -> None:
         """The ShardedOptimizer's step count from here on (None: none counted); each
         synchronised backward checks that the ranks agree on it (`Round._check_round`)."""

@@ -54,7 +54,7 @@ _METADATA_ATTRS = frozenset(
 class ForwardWaits:
     """The hooks of one ShardedOptimizer with `overlap_param_gather` on its model; `engine`
     is its `ShardEngine` (`bucket_indices`, `wait_gather`), `sync` its DataParallel's
-    `BucketSync`, whose forward runs the model inside `sync.forward_context` (`learning`)
+    `BucketSync`, whose forward runs the model inside `learning` (`BucketSync.run_forwards_in`)
     until a forward has taught the waits."""
 
     def __init__(self, engine: ShardEngine, model: nn.Module, sync: BucketSync) -> None:
@@ -81,7 +81,7 @@ class ForwardWaits:
             self._learning.append(module.register_forward_pre_hook(note, prepend=True))
             self._learning.append(module.register_forward_hook(self._leave, always_call=True))
         self._learning.append(model.register_forward_hook(self._learn))
-        sync.forward_context = self.learning
+        sync.run_forwards_in(self.learning)
         self._waits: list[Any] = []
         # the model's state_dict and load_state_dict read or write every parameter: wait for all
         self._always = [
@@ -149,7 +149,7 @@ class ForwardWaits:
                     waits.setdefault(id(up), set()).update(indices)
                 else:
                     stack.extend(parents.get(id(up), ()))
-        self.sync.forward_context = None
+        self.sync.run_forwards_in(None)
         self._remove(self._learning)
         by_id = {id(module): module for module in self._hooked}
         self._hooked, self._own, self._buckets_of, self._ran = [], {}, {}, set()  # (no references kept)
@@ -169,8 +169,7 @@ class ForwardWaits:
 
     def remove(self) -> None:
         """Remove every hook (the optimizer is gone)."""
-        if self.sync.forward_context == self.learning:
-            self.sync.forward_context = None
+        self.sync.run_forwards_in(None, replacing=self.learning)
         for handles in (self._learning, self._waits, self._always):
             self._remove(handles)
 

@@ -9,7 +9,7 @@ import logging
 import math
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,7 +49,10 @@ class HookedWrapper(Protocol):
 
 @dataclass
 class FlatGradCommState:
-    """State of `allreduce_hook`; build it with `FlatGrad.comm_state()`.
+    """The settings of `allreduce_hook` and its call count; build it with
+    `FlatGrad.comm_state()`. What the hook does to the wrapper's buffers (adopting DDP's
+    buckets, a `Join`'s count) belongs to the wrapper's DDP edge (`DDPEdge`), which the hook
+    reaches through `wrapper`.
 
     Args:
         wrapper: The `FlatGrad` whose buffers the hook keeps pointing at DDP's buckets.
@@ -72,71 +75,9 @@ class FlatGradCommState:
     process_group: dist.ProcessGroup | None = None
     wire_dtype: torch.dtype | None = None
     num_calls: int = field(default=0, init=False)
-    _warned: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         check_wire_dtype(self.wire_dtype)
-
-    def ranks_not_joined(self, device: torch.device) -> int | None:
-        """Under a `Join` with ``divide_by_initial_world_size=False``, the ranks not joined
-        yet, which DDP divides by (it leaves that to a comm hook); None otherwise.
-
-        Inside an enabled `Join` every rank all-reduces one count per bucket, whatever the
-        Join divides by: a joined rank, matching the backward's all-reduces with zero
-        buckets, is not told which DDP it stands in for (DDP hands its hook only the state
-        and the bucket), but knows it is inside such a Join, so every rank makes the same
-        collectives without knowing how the Join divides. The rank still training reads
-        the count only where its DDP divides by it."""
-        joined = graph_task_id() == -1  # a joined rank matching the backward's all-reduces
-        ddp = None if joined else self.wrapper._engine.ddp.joining()
-        if ddp is None and not joined:
-            return None  # (no Join: nothing to match)
-        count = torch.full((1,), 0 if joined else 1, dtype=torch.int64, device=device)
-        dist.all_reduce(count, group=self.process_group)
-        if ddp is None or not divides_by_ranks_not_joined(ddp):
-            return None  # (a joined rank's buckets are zeros: any divisor will do)
-        return int(count.item())
-
-    def adopt(self, bucket: dist.GradBucket) -> None:
-        """Make DDP's bucket the wrapper's flat buffer, once per bucket allocation.
-
-        Only when `.grad` already lives in the bucket (gradient_as_bucket_view=True) and one
-        bucket holds the whole (dtype, device) group; otherwise stay correct on DDP's copies
-        and say once how to get the zero-copy path.
-
-        Args:
-            bucket: The bucket DDP handed `allreduce_hook`.
-        """
-        engine = self.wrapper._engine
-        engine.ddp.hook_ran()  # nothing to warn about
-        buffer = bucket.buffer()
-        if buffer.layout != torch.strided:
-            return  # a sparse gradient (DDP gives each its own bucket): averaged as it is
-        if graph_task_id() == -1:
-            # Not inside a backward: DDP's `Join` shadowing one on a rank that ran out of
-            # inputs, with zero stand-in buckets (`_match_all_reduce_for_bwd_pass`). They
-            # are only all-reduced; nothing to adopt, nothing to warn about.
-            return
-        store: GradStore = engine.current()  # once per bucket per step: no full walk
-        key = (buffer.dtype, buffer.device)
-        current = store.buffers.get(key)
-        if (
-            current is not None
-            and current.data_ptr() == buffer.data_ptr()
-            and current.numel() == buffer.numel()
-        ):
-            return
-        params, grads = bucket.parameters(), bucket.gradients()
-        # Parameters DDP found unused (find_unused_parameters=True) may have no .grad yet.
-        pairs = [(p.grad, g) for p, g in zip(params, grads) if p.grad is not None]
-        as_views = bool(pairs) and all(grad.data_ptr() == view.data_ptr() for grad, view in pairs)
-        if not (as_views and store.adopt(buffer, params, grads)) and not self._warned:
-            self._warned = True
-            logger.warning(
-                "flatgrad: DDP keeps gradients in its own buckets, so they are copied every step; "
-                "construct DDP(flat, ..., **flat.ddp_kwargs()) (gradient_as_bucket_view=True and one "
-                "bucket per dtype) for the zero-copy, one-all-reduce path"
-            )
 
 
 _SYNCED_FORWARDS_BEFORE_WARNING = 3
@@ -186,8 +127,9 @@ def ddp_will_sync() -> bool:
 class DDPEdge:
     """One wrapper's side of the DDP boundary, owned by its engine (`GradEngine.ddp`): whether
     a DDP runs its forwards (its reducer then places the gradients, and nothing is seated),
-    the check that `allreduce_hook` runs after `ddp_kwargs()`, and the DDP whose last forward
-    ran inside an enabled `Join` (`FlatGradCommState.ranks_not_joined`)."""
+    the check that `allreduce_hook` runs after `ddp_kwargs()`, what the hook does to the
+    wrapper's buffers (`adopt`: DDP's bucket becomes the flat buffer), and the DDP whose last
+    forward ran inside an enabled `Join` (`ranks_not_joined`)."""
 
     def __init__(self) -> None:
         # Forwards since ddp_kwargs() without allreduce_hook; None: not asked, or the hook ran.
@@ -196,6 +138,7 @@ class DDPEdge:
         # the next backward's gradients, whichever output that backward reaches first.
         self.pending = False
         self._joining: weakref.ref[DDP] | None = None
+        self.warned = False  # (the hook's one warning, said once)
 
     def expect_hook(self) -> None:
         """`ddp_kwargs()` was asked for: warn if `allreduce_hook` does not run."""
@@ -227,6 +170,68 @@ class DDPEdge:
     def joining(self) -> DDP | None:
         """The DDP whose last forward ran under an enabled `Join`, or None."""
         return None if self._joining is None else self._joining()
+
+    def ranks_not_joined(self, device: torch.device, process_group: dist.ProcessGroup | None) -> int | None:
+        """Under a `Join` with ``divide_by_initial_world_size=False``, the ranks not joined
+        yet, which DDP divides by (it leaves that to a comm hook); None otherwise.
+
+        Inside an enabled `Join` every rank all-reduces one count per bucket, whatever the
+        Join divides by: a joined rank, matching the backward's all-reduces with zero
+        buckets, is not told which DDP it stands in for (DDP hands its hook only the state
+        and the bucket), but knows it is inside such a Join, so every rank makes the same
+        collectives without knowing how the Join divides. The rank still training reads
+        the count only where its DDP divides by it."""
+        joined = graph_task_id() == -1  # a joined rank matching the backward's all-reduces
+        ddp = None if joined else self.joining()
+        if ddp is None and not joined:
+            return None  # (no Join: nothing to match)
+        count = torch.full((1,), 0 if joined else 1, dtype=torch.int64, device=device)
+        dist.all_reduce(count, group=process_group)
+        if ddp is None or not divides_by_ranks_not_joined(ddp):
+            return None  # (a joined rank's buckets are zeros: any divisor will do)
+        return int(count.item())
+
+    def adopt(self, bucket: dist.GradBucket, store_now: Callable[[], GradStore]) -> None:
+        """Make DDP's bucket the wrapper's flat buffer, once per bucket allocation.
+
+        Only when `.grad` already lives in the bucket (gradient_as_bucket_view=True) and one
+        bucket holds the whole (dtype, device) group; otherwise stay correct on DDP's copies
+        and say once how to get the zero-copy path.
+
+        Args:
+            bucket: The bucket DDP handed `allreduce_hook`.
+            store_now: The wrapper's store, laid out again first if the model changed
+                (`GradEngine.current`).
+        """
+        self.hook_ran()  # nothing to warn about
+        buffer = bucket.buffer()
+        if buffer.layout != torch.strided:
+            return  # a sparse gradient (DDP gives each its own bucket): averaged as it is
+        if graph_task_id() == -1:
+            # Not inside a backward: DDP's `Join` shadowing one on a rank that ran out of
+            # inputs, with zero stand-in buckets (`_match_all_reduce_for_bwd_pass`). They
+            # are only all-reduced; nothing to adopt, nothing to warn about.
+            return
+        store = store_now()  # once per bucket per step: no full walk
+        key = (buffer.dtype, buffer.device)
+        current = store.buffers.get(key)
+        if (
+            current is not None
+            and current.data_ptr() == buffer.data_ptr()
+            and current.numel() == buffer.numel()
+        ):
+            return
+        params, grads = bucket.parameters(), bucket.gradients()
+        # Parameters DDP found unused (find_unused_parameters=True) may have no .grad yet.
+        pairs = [(p.grad, g) for p, g in zip(params, grads) if p.grad is not None]
+        as_views = bool(pairs) and all(grad.data_ptr() == view.data_ptr() for grad, view in pairs)
+        if not (as_views and store.adopt(buffer, params, grads)) and not self.warned:
+            self.warned = True
+            logger.warning(
+                "flatgrad: DDP keeps gradients in its own buckets, so they are copied every step; "
+                "construct DDP(flat, ..., **flat.ddp_kwargs()) (gradient_as_bucket_view=True and one "
+                "bucket per dtype) for the zero-copy, one-all-reduce path"
+            )
 
 
 def under_ddp() -> bool:
@@ -274,8 +279,9 @@ def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.f
     if isinstance(bucket, tuple):  # DDP's Python reducer: see `_python_reducer_mean`
         _python_reducer_mean(state, *bucket)
         return None  # type: ignore[return-value]  # (that reducer ignores what hooks return)
-    state.adopt(bucket)
-    ranks = state.ranks_not_joined(bucket.buffer().device)
+    engine = state.wrapper._engine
+    engine.ddp.adopt(bucket, engine.current)
+    ranks = engine.ddp.ranks_not_joined(bucket.buffer().device, state.process_group)
     return _all_reduce_mean(bucket.buffer(), state.process_group, state.wire_dtype, ranks)
 
 
@@ -288,9 +294,10 @@ def _python_reducer_mean(state: FlatGradCommState, grad: torch.Tensor, param: to
     outside the buffer anyway (see README, "Compiled autograd")."""
     import torch.distributed._functional_collectives as fcol
 
-    state.wrapper._engine.ddp.hook_ran()
-    if not state._warned:
-        state._warned = True
+    edge = state.wrapper._engine.ddp
+    edge.hook_ran()
+    if not edge.warned:
+        edge.warned = True
         logger.warning(
             "flatgrad: DDP's python reducer (optimize_ddp='python_reducer') calls allreduce_hook "
             "once per parameter: gradients are averaged one all-reduce each, as DDP does there"
