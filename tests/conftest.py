@@ -76,6 +76,23 @@ def grad_in_buffers(flat: flatgrad.FlatGrad, grad: torch.Tensor) -> bool:
     return False
 
 
+def assert_grads_like(ours: nn.Module, oracle: nn.Module, rtol: float, atol: float, what: str = "") -> None:
+    """Grads of `ours` equal the oracle's, matched by parameter name: None where it has None.
+
+    `what` (a step, a phase) opens every failure message.
+    """
+    params = dict(ours.named_parameters())
+    for name, ref in oracle.named_parameters():
+        param, label = params[name], f"{what} {name}".lstrip()
+        if ref.grad is None:
+            assert param.grad is None, f"{label}: expected no grad"
+            continue
+        assert param.grad is not None, f"{label}: grad missing"
+        torch.testing.assert_close(
+            param.grad, ref.grad, rtol=rtol, atol=atol, msg=lambda m, n=label: f"{n}: {m}"
+        )
+
+
 def assert_same_grads(
     flat: flatgrad.FlatGrad, oracle: nn.Module, rtol: float = 1e-12, atol: float = 1e-12
 ) -> None:
@@ -83,17 +100,11 @@ def assert_same_grads(
 
     Default tolerance is float64 round-off: the same sums, possibly in another order.
     """
+    assert_grads_like(flat.module, oracle, rtol, atol)
     ours = dict(flat.module.named_parameters())
     for name, ref in oracle.named_parameters():
         param = ours[name]
-        if ref.grad is None:
-            assert param.grad is None, f"{name}: expected no grad"
-            continue
-        assert param.grad is not None, f"{name}: grad missing"
-        torch.testing.assert_close(
-            param.grad, ref.grad, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
-        )
-        if param.requires_grad:
+        if ref.grad is not None and param.requires_grad:
             assert grad_in_buffers(flat, param.grad), f"{name}: .grad is outside grad_buffers"
 
 
