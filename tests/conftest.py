@@ -9,6 +9,7 @@ import dist_utils
 import pytest
 import torch
 import torch.nn.functional as F
+from oracle import assert_grads_like
 from torch import nn
 
 import flatgrad
@@ -74,23 +75,6 @@ def grad_in_buffers(flat: flatgrad.FlatGrad, grad: torch.Tensor) -> bool:
         if start <= grad.data_ptr() and grad.data_ptr() + grad.numel() * grad.element_size() <= end:
             return True
     return False
-
-
-def assert_grads_like(ours: nn.Module, oracle: nn.Module, rtol: float, atol: float, what: str = "") -> None:
-    """Grads of `ours` equal the oracle's, matched by parameter name: None where it has None.
-
-    `what` (a step, a phase) opens every failure message.
-    """
-    params = dict(ours.named_parameters())
-    for name, ref in oracle.named_parameters():
-        param, label = params[name], f"{what} {name}".lstrip()
-        if ref.grad is None:
-            assert param.grad is None, f"{label}: expected no grad"
-            continue
-        assert param.grad is not None, f"{label}: grad missing"
-        torch.testing.assert_close(
-            param.grad, ref.grad, rtol=rtol, atol=atol, msg=lambda m, n=label: f"{n}: {m}"
-        )
 
 
 def assert_same_grads(

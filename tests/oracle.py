@@ -4,7 +4,8 @@ with ours on the same batches, compared by parameter name.
 A worker builds both sides (`stock` makes the stock one) and hands them to `Lockstep`, which
 zeroes, runs forward and backward, and steps both, and compares gradients (None where stock
 has None) and parameters. What a test is about (no_sync, Join, freezing, a profiler) stays
-in the worker, around these calls.
+in the worker, around these calls. Workers with no optimizer to step compare with
+`assert_grads_like` and `assert_params_like`, which `conftest.assert_same_grads` uses too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from conftest import assert_grads_like
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -37,6 +37,33 @@ def stock(
     return ref, optimizer_class(ref.parameters(), **options)
 
 
+def assert_grads_like(ours: nn.Module, oracle: nn.Module, rtol: float, atol: float, what: str = "") -> None:
+    """Grads of `ours` equal the oracle's, matched by parameter name: None where it has None.
+
+    `what` (a step, a phase) opens every failure message.
+    """
+    params = dict(ours.named_parameters())
+    for name, ref in oracle.named_parameters():
+        param, label = params[name], f"{what} {name}".lstrip()
+        if ref.grad is None:
+            assert param.grad is None, f"{label}: expected no grad"
+            continue
+        assert param.grad is not None, f"{label}: grad missing"
+        torch.testing.assert_close(
+            param.grad, ref.grad, rtol=rtol, atol=atol, msg=lambda m, n=label: f"{n}: {m}"
+        )
+
+
+def assert_params_like(ours: nn.Module, oracle: nn.Module, rtol: float, atol: float, what: str = "") -> None:
+    """Parameters of `ours` equal the oracle's, matched by name."""
+    params = dict(ours.named_parameters())
+    for name, ref in oracle.named_parameters():
+        label = f"{what} {name}".lstrip()
+        torch.testing.assert_close(
+            params[name], ref, rtol=rtol, atol=atol, msg=lambda m, n=label: f"{n}: {m}"
+        )
+
+
 def _itself(output: torch.Tensor) -> torch.Tensor:
     return output
 
@@ -48,23 +75,22 @@ class Lockstep:
     Attributes:
         model: our plain model, whose parameters are compared (by name) with `ref.module`'s.
         wrapper: what runs our forward (a flatgrad.DataParallel, a DDP around a FlatGrad).
-        opt: our optimizer (None where the test steps by hand).
+        opt: our optimizer.
         ref: stock DDP on a deep copy of `model`.
-        ref_opt: the stock optimizer over `ref`'s parameters (None as `opt`).
+        ref_opt: the stock optimizer over `ref`'s parameters.
         loss: turns a forward's output into the loss to backpropagate (the output itself
             unless the model returns something else).
     """
 
     model: nn.Module
     wrapper: Callable[..., Any]
-    opt: torch.optim.Optimizer | None
+    opt: torch.optim.Optimizer
     ref: DDP
-    ref_opt: torch.optim.Optimizer | None
+    ref_opt: torch.optim.Optimizer
     loss: Callable[[Any], torch.Tensor] = _itself
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Both optimizers' `zero_grad(set_to_none)`."""
-        assert self.opt is not None and self.ref_opt is not None
         self.opt.zero_grad(set_to_none=set_to_none)
         self.ref_opt.zero_grad(set_to_none=set_to_none)
 
@@ -75,7 +101,6 @@ class Lockstep:
 
     def step(self, **kwargs: Any) -> None:
         """Both optimizers' `step(**kwargs)`."""
-        assert self.opt is not None and self.ref_opt is not None
         self.opt.step(**kwargs)
         self.ref_opt.step(**kwargs)
 
@@ -97,9 +122,4 @@ class Lockstep:
 
     def assert_params(self, rtol: float, atol: float, what: str = "") -> None:
         """Our parameters equal stock's by name."""
-        params = dict(self.model.named_parameters())
-        for name, ref in self.ref.module.named_parameters():
-            label = f"{what} {name}".lstrip()
-            torch.testing.assert_close(
-                params[name], ref, rtol=rtol, atol=atol, msg=lambda m, n=label: f"{n}: {m}"
-            )
+        assert_params_like(self.model, self.ref.module, rtol, atol, what)

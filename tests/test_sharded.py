@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from conftest import ROUTE_ALL, grad_in_buffers
 from dist_utils import rank_profile, run_ranks
+from oracle import Lockstep, stock
 from test_parallel import _Net, _tokens
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -56,21 +57,19 @@ def _train(dp, opt, rank: int, steps: range) -> list[torch.Tensor]:  # noqa: ANN
     return norms
 
 
-def _steps_as_stock(dp, opt, ref, ref_opt, rank: int, steps: range) -> None:  # noqa: ANN001
-    """One plain step each of ours and the stock pair per step, on the same batches."""
-    for step in steps:
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        dp(_tokens(rank, step)).backward()
-        ref(_tokens(rank, step)).backward()
-        opt.step()
-        ref_opt.step()
+def _stock(model: nn.Module) -> tuple[DDP, torch.optim.Optimizer]:
+    """The module's oracle on a deep copy of `model`: DDP(find_unused_parameters=True) + AdamW."""
+    return stock(model, torch.optim.AdamW, {"find_unused_parameters": True}, lr=0.05, weight_decay=0.1)
+
+
+def _with_stock(model: nn.Module, dp: flatgrad.DataParallel, opt: flatgrad.ShardedOptimizer) -> Lockstep:
+    """Ours (from `_build`) in lockstep with `_stock(model)`."""
+    return Lockstep(model, dp, opt, *_stock(model))
 
 
 def _equal_to_ddp_worker(rank: int, world_size: int) -> None:
     model, flat, dp, opt = _build(rank)
-    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    ref, ref_opt = _stock(model)
     ours = _train(dp, opt, rank, range(4))
     for step in range(4):
         ref_opt.zero_grad()
@@ -81,8 +80,7 @@ def _equal_to_ddp_worker(rank: int, world_size: int) -> None:
         total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         torch.testing.assert_close(ours[step], total, **TOL)
         ref_opt.step()
-    for (name, p), q in zip(flat.module.named_parameters(), ref.module.parameters()):
-        torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    Lockstep(model, dp, opt, ref, ref_opt).assert_params(**TOL)
     # memory: this rank holds about 1/world_size of AdamW's state
     full = sum(2 * p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     assert opt.state_bytes() <= (0.6 if world_size == 2 else 0.45) * full, (opt.state_bytes(), full)
@@ -232,35 +230,30 @@ def _accumulate_synced_worker(rank: int, world_size: int) -> None:
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1)
     ddp = DDP(ref)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    pair = Lockstep(model, dp, opt, ddp, ref_opt, loss=_sum_of_squares)
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randn(3, 4, dtype=torch.float64, generator=gen) for _ in range(4)]
     # a second synchronised backward before zero_grad adds its average onto the first's, as
     # two synchronised backwards under DDP do
     for x in batches[:2]:
-        dp(x).square().sum().backward()
-        ddp(x).square().sum().backward()
+        pair.backward(x)
     # adding local gradients onto reduce-scattered shards under no_sync: refused
     with (
         pytest.raises(RuntimeError, match=r"under dp.no_sync\(\) after a synchronised backward"),
         dp.no_sync(),
     ):
         dp(batches[1]).square().sum().backward()
-    opt.step()
-    ref_opt.step()
-    torch.testing.assert_close(model.weight, ref.weight, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(model.bias, ref.bias, rtol=1e-12, atol=1e-12)
+    pair.step()
+    pair.assert_params(rtol=1e-12, atol=1e-12)
     for zero in (lambda: opt.zero_grad(), lambda: model.zero_grad(set_to_none=False)):
         zero()
         ref_opt.zero_grad()
         for x in batches[2:]:  # the supported way: no_sync, then one synchronised backward
-            with dp.no_sync(), ddp.no_sync():
-                dp(x).square().sum().backward()
-                ddp(x).square().sum().backward()
-        dp(batches[0]).square().sum().backward()
-        ddp(batches[0]).square().sum().backward()
-        opt.step()
-        ref_opt.step()
-        torch.testing.assert_close(model.weight, ref.weight, rtol=1e-12, atol=1e-12)
+            with pair.no_sync():
+                pair.backward(x)
+        pair.backward(batches[0])
+        pair.step()
+        pair.assert_params(rtol=1e-12, atol=1e-12)  # (the bias too)
 
 
 def test_a_second_synchronised_backward_adds_its_average_and_no_sync_onto_shards_is_refused():
@@ -351,19 +344,9 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _stock(model: nn.Module) -> tuple[DDP, torch.optim.Optimizer]:
-    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
-    return ref, torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
-
-
-def _assert_params_close(model: nn.Module, ref: DDP) -> None:
-    for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
-        torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=name: f"{n}: {m}")
-
-
 def _scattered_grad_worker(rank: int, world_size: int) -> None:
     model, flat, dp, opt = _build(rank)
-    ref, ref_opt = _stock(model)
+    pair = _with_stock(model, dp, opt)
     advice = r"use opt\.clip_grad_norm_\(max_norm\) to clip"
     # every way to zero between steps: ShardedOptimizer's, and behind its back (the next
     # backward finds the zeroed buffers and makes .grad plain before any gradient arrives)
@@ -375,9 +358,8 @@ def _scattered_grad_worker(rank: int, world_size: int) -> None:
     ]
     for step, zero in enumerate(zeroers):
         zero()
-        ref_opt.zero_grad()
-        dp(_tokens(rank, step)).backward()
-        ref(_tokens(rank, step)).backward()
+        pair.ref_opt.zero_grad()
+        pair.backward(_tokens(rank, step))
         # each rank holds the average of its own shard only: torch's clip (either path), a
         # norm for logging and the flat-buffer norms would all be quietly wrong, per rank
         for wrong in (
@@ -398,10 +380,9 @@ def _scattered_grad_worker(rank: int, world_size: int) -> None:
         assert "reduce-scattered by a ShardedOptimizer" in repr(model.fc.weight.grad)
         # ShardedOptimizer's own clip is the global norm, as stock's over DDP's gradients
         total = opt.clip_grad_norm_(1.0)
-        torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0), **TOL)
-        opt.step()
-        ref_opt.step()
-        _assert_params_close(model, ref)
+        torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(pair.ref.parameters(), 1.0), **TOL)
+        pair.step()
+        pair.assert_params(**TOL)
     opt.zero_grad(set_to_none=False)  # plain zeroed slots, readable again
     for p in _trainable(model):
         assert type(p.grad) is torch.Tensor and grad_in_buffers(flat, p.grad)
@@ -422,7 +403,7 @@ def test_torch_clip_grad_norm_after_a_sharded_backward_raises_on_every_rank():
 
 def _param_group_worker(rank: int, world_size: int) -> None:
     model, flat, dp, opt = _build(rank)
-    ref, ref_opt = _stock(model)
+    pair = _with_stock(model, dp, opt)
     no_decay = [model.norm.weight, model.norm.bias]
     with pytest.raises(
         ValueError, match="inner optimizer holds this rank's pieces .* cannot take model param"
@@ -436,8 +417,9 @@ def _param_group_worker(rank: int, world_size: int) -> None:
     for bad in (0.0, -1.0, float("-inf"), float("nan")):  # checked before any collective
         with pytest.raises(ValueError, match="norm_type must be positive or inf"):
             opt.clip_grad_norm_(1.0, norm_type=bad)
-    _steps_as_stock(dp, opt, ref, ref_opt, rank, range(2))  # nothing was added: stepped once, as stock
-    _assert_params_close(model, ref)
+    for step in range(2):  # nothing was added: stepped once, as stock
+        pair.train_step(_tokens(rank, step))
+    pair.assert_params(**TOL)
     opt.param_groups[0]["params"].append(nn.Parameter(torch.zeros(2)))  # past add_param_group
     with pytest.raises(RuntimeError, match="were changed by hand: add parameters with opt.add_param_group"):
         opt.step()
@@ -467,6 +449,7 @@ def _groups_worker(rank: int, world_size: int) -> None:
     dp = flatgrad.DataParallel(flat, bucket_mb=0.002)  # buckets hold parameters of both groups
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, _decay_groups(model), lr=0.05, betas=(0.8, 0.9))
     ref_opt = torch.optim.AdamW(_decay_groups(ref.module), lr=0.05, betas=(0.8, 0.9))
+    pair = Lockstep(model, dp, opt, ref, ref_opt)
     assert isinstance(opt, torch.optim.Optimizer)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert [g["lr"] for g in opt.param_groups] == [0.05, 0.02]
@@ -478,12 +461,11 @@ def _groups_worker(rank: int, world_size: int) -> None:
         warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
         schedules.append(warmup)
     for step in range(6):
-        for optimizer, module in ((opt, dp), (ref_opt, ref)):
-            optimizer.zero_grad()
-            use_branch = not (rank == 1 and step % 3 == 1)
-            with module.no_sync():
-                module(_tokens(rank, step, 1), use_branch).backward()
-            module(_tokens(rank, step), use_branch).backward()
+        pair.zero_grad()
+        use_branch = not (rank == 1 and step % 3 == 1)
+        with pair.no_sync():
+            pair.backward(_tokens(rank, step, 1), use_branch)
+        pair.backward(_tokens(rank, step), use_branch)
         norm = opt.clip_grad_norm_(0.5)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         torch.testing.assert_close(norm, ref_norm, **TOL)
@@ -491,11 +473,10 @@ def _groups_worker(rank: int, world_size: int) -> None:
             for optimizer in (opt, ref_opt):
                 for group in optimizer.param_groups:
                     group["lr"] *= 0.5
-        opt.step()
-        ref_opt.step()
+        pair.step()
         for schedule in schedules:
             schedule.step()
-        _assert_params_close(model, ref)
+        pair.assert_params(**TOL)
     assert opt.param_groups[1]["lr"] == ref_opt.param_groups[1]["lr"]
 
 
@@ -517,15 +498,13 @@ def _add_group_worker(rank: int, world_size: int) -> None:
     ref_first, ref_second = _decay_groups(ref.module)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, [first], lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD([ref_first], lr=0.1, momentum=0.9)
+    pair = Lockstep(model, dp, opt, ref, ref_opt)
     for step in range(4):
         if step == 2:  # a group added mid-run (unfreezing schedules do this)
             opt.add_param_group(second)
             ref_opt.add_param_group(ref_second)
-        for optimizer, module in ((opt, dp), (ref_opt, ref)):
-            optimizer.zero_grad()
-            module(_tokens(rank, step)).backward()
-            optimizer.step()
-        _assert_params_close(model, ref)
+        pair.train_step(_tokens(rank, step))
+        pair.assert_params(**TOL)
 
 
 def test_a_param_group_added_later_and_parameters_in_no_group_equal_stock():
@@ -546,13 +525,14 @@ def _closure(module: nn.Module, zero_grad: Callable[[], None], tokens: torch.Ten
 
 def _closure_worker(rank: int, world_size: int) -> None:
     model, flat, dp, opt = _build(rank)
-    ref, ref_opt = _stock(model)
+    pair = _with_stock(model, dp, opt)
+    ref, ref_opt = pair.ref, pair.ref_opt
     for step in range(3):
         with torch.no_grad():  # torch's step runs the closure under grad mode anyway
             loss = opt.step(_closure(dp, opt.zero_grad, _tokens(rank, step)))
         ref_loss = ref_opt.step(_closure(ref, ref_opt.zero_grad, _tokens(rank, step)))
         torch.testing.assert_close(loss, ref_loss, **TOL)
-        _assert_params_close(model, ref)
+        pair.assert_params(**TOL)
 
 
 def test_step_with_a_closure_equals_stock():
@@ -563,36 +543,22 @@ def test_step_with_a_closure_equals_stock():
 
 def _no_backward_worker(rank: int, world_size: int) -> None:
     model, flat, dp, opt = _build(rank)
-    ref, ref_opt = _stock(model)
-
-    def backward(step: int) -> None:
-        dp(_tokens(rank, step)).backward()
-        ref(_tokens(rank, step)).backward()
-
+    pair = _with_stock(model, dp, opt)
     for set_to_none in (True, False):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        backward(0)
-        opt.step()
-        ref_opt.step()
+        pair.train_step(_tokens(rank, 0))
         # no backward since: set_to_none=True leaves every .grad None (stock moves nothing);
         # set_to_none=False steps with zero gradients (AdamW's momentum and decay move)
-        opt.zero_grad(set_to_none=set_to_none)
-        ref_opt.zero_grad(set_to_none=set_to_none)
+        pair.zero_grad(set_to_none=set_to_none)
         before = [p.detach().clone() for p in model.parameters()]
         with rank_profile() as prof:
             opt.step()
-        ref_opt.step()
-        _assert_params_close(model, ref)
+        pair.ref_opt.step()
+        pair.assert_params(**TOL)
         gathers = [e.name for e in prof.events()].count("c10d::broadcast_") // world_size  # (gloo)
         moved = any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
         assert (gathers, moved) == ((0, False) if set_to_none else (len(opt._engine.shards), True))
-    opt.zero_grad()  # a last step: AdamW's step counts (bias correction) agree with stock's
-    ref_opt.zero_grad()
-    backward(1)
-    opt.step()
-    ref_opt.step()
-    _assert_params_close(model, ref)
+    pair.train_step(_tokens(rank, 1))  # a last step: AdamW's step counts (bias correction) agree with stock's
+    pair.assert_params(**TOL)
 
 
 def test_step_without_a_backward_after_zero_grad_equals_stock():
@@ -709,13 +675,13 @@ def _nan_step_worker(rank: int, world_size: int) -> None:
     coefficient of that step multiplies gradients only, never the alignment padding inside
     the shards, which no zeroing reaches and every later norm would read."""
     model, flat, dp, opt = _build(rank)
-    ref, ref_opt = _stock(model)
+    pair = _with_stock(model, dp, opt)
+    ref = pair.ref
     store = flat._engine.store
     padded = sum(b.numel() for b in store.buffers.values()) > sum(p.numel() for p in store.params)
     assert padded, "the model must leave alignment padding in its buffers"
     for step in range(4):
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        pair.zero_grad()
         nan = step == 1 and rank == 1
         loss = dp(_tokens(rank, step))
         (loss * float("nan") if nan else loss).backward()
@@ -726,9 +692,8 @@ def _nan_step_worker(rank: int, world_size: int) -> None:
         assert torch.isfinite(norm) == torch.isfinite(ref_norm) == (step != 1), (step, norm, ref_norm)
         if torch.isfinite(norm):
             torch.testing.assert_close(norm, ref_norm, **TOL)
-            opt.step()
-            ref_opt.step()
-    _assert_params_close(model, ref)
+            pair.step()
+    pair.assert_params(**TOL)
 
 
 def test_a_nan_step_does_not_poison_the_next_ones():
@@ -746,17 +711,16 @@ def _model_zero_grad_worker(rank: int, world_size: int, who: str) -> None:
     flat = flatgrad.FlatGrad(model)  # (the default config routes the Embedding)
     dp = flatgrad.DataParallel(flat)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    pair = Lockstep(model, dp, opt, ref, ref_opt, loss=lambda out: out.square().mean())
     zero = {"model": model.zero_grad, "flat": flat.zero_grad, "dp": dp.zero_grad}[who]
     for step in range(4):
         x = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(step * 2 + rank))
         zero()
         ref.zero_grad()
         if step != 2:  # step 2: zeroed, then a step with nothing to step
-            dp(x).square().mean().backward()
-            ref(x).square().mean().backward()
-        opt.step()
-        ref_opt.step()
-    _assert_params_close(model, ref)
+            pair.backward(x)
+        pair.step()
+    pair.assert_params(**TOL)
 
 
 @pytest.mark.parametrize("who", ["model", "flat", "dp"])
@@ -797,23 +761,19 @@ def _uncalled_worker(rank: int, world_size: int) -> None:
 
     torch.manual_seed(0)
     model = _ReadsUncalled(probe)
-    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ref, ref_opt = stock(model, torch.optim.SGD, {"find_unused_parameters": True}, lr=0.1)
     ref.module.probe = lambda: None
     dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0001)  # a bucket or two per layer
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=True)
     engine.append(opt._engine)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    pair = Lockstep(model, dp, opt, ref, ref_opt)
     assert len(dp.buckets) > 2
     for step in range(4):
         gen = torch.Generator().manual_seed(step * 2 + rank)
-        x = torch.randn(2, 3, 4, dtype=torch.float64, generator=gen)
-        for net, o in ((dp, opt), (ref, ref_opt)):
-            o.zero_grad()
-            net(x).backward()
-            o.step()
+        pair.train_step(torch.randn(2, 3, 4, dtype=torch.float64, generator=gen))
     assert len(pending) == 4 and not any(pending), pending  # no head bucket in flight when read
     opt.wait_param_gather()
-    _assert_params_close(model, ref)
+    pair.assert_params(**TOL)
 
 
 def test_overlap_param_gather_waits_for_modules_that_are_never_called():
@@ -996,6 +956,11 @@ def _batch(rank: int, step: int) -> torch.Tensor:
     return torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * rank + step))
 
 
+def _sum_of_squares(output: torch.Tensor) -> torch.Tensor:
+    """The loss of `_small`'s model (and of `_accumulate_synced_worker`'s)."""
+    return output.square().sum()
+
+
 def _load_other_options_worker(rank: int, world_size: int) -> None:
     """torch's test_state_dict: a state saved with momentum=0.9 loads into an optimizer
     built with lr=0.01 and no momentum; the momentum buffers come with it (torch loads what
@@ -1004,11 +969,9 @@ def _load_other_options_worker(rank: int, world_size: int) -> None:
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, momentum=0.9)
     ddp = DDP(ref)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    pair = Lockstep(model, dp, opt, ddp, ref_opt, loss=_sum_of_squares)
     for step in range(2):
-        for o, m in ((opt, dp), (ref_opt, ddp)):
-            o.zero_grad()
-            m(_batch(rank, step)).square().sum().backward()
-            o.step()
+        pair.train_step(_batch(rank, step))
     saved, ref_saved = opt.state_dict(), ref_opt.state_dict()
     model2, ref2, dp2 = _small(rank)
     with torch.no_grad():
@@ -1019,15 +982,10 @@ def _load_other_options_worker(rank: int, world_size: int) -> None:
     opt2.load_state_dict(saved)
     ref_opt2.load_state_dict(ref_saved)
     assert opt2.param_groups[0]["momentum"] == 0.9 == ref_opt2.param_groups[0]["momentum"]
+    pair2 = Lockstep(model2, dp2, opt2, ddp, ref_opt2, loss=_sum_of_squares)
     for step in range(2, 4):
-        opt2.zero_grad()
-        dp2(_batch(rank, step)).square().sum().backward()
-        opt2.step()
-        ref_opt2.zero_grad()
-        ddp(_batch(rank, step)).square().sum().backward()
-        ref_opt2.step()
-    for p, q in zip(model2.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, **TOL)
+        pair2.train_step(_batch(rank, step))
+    pair2.assert_params(**TOL)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -1054,22 +1012,14 @@ def _assigned_grad_worker(rank: int, world_size: int) -> None:
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, **TOL)
     # a synchronised step, then hand-set gradients on every parameter again
-    ddp = DDP(ref)
-    opt.zero_grad()
-    ref_opt.zero_grad()
-    dp(_batch(rank, 0)).square().sum().backward()
-    ddp(_batch(rank, 0)).square().sum().backward()
-    opt.step()
-    ref_opt.step()
-    opt.zero_grad()
-    ref_opt.zero_grad()
+    pair = Lockstep(model, dp, opt, DDP(ref), ref_opt, loss=_sum_of_squares)
+    pair.train_step(_batch(rank, 0))
+    pair.zero_grad()
     for p, q in zip(model.parameters(), ref.parameters()):
         g = torch.full_like(p, 0.5)
         p.grad, q.grad = g.clone(), g.clone()
-    opt.step()
-    ref_opt.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, **TOL)
+    pair.step()
+    pair.assert_params(**TOL)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -1098,22 +1048,19 @@ def _torch_signatures_worker(rank: int, world_size: int) -> None:
         flatgrad.ShardedOptimizer(dp, torch.optim.SGD, params + [42], lr=0.1)
     opt = flatgrad.ShardedOptimizer(dp, _SGDWithExtras, lr=0.1)
     ref_opt = _SGDWithExtras(ref.parameters(), lr=0.1)
-    ddp = DDP(ref)
+    pair = Lockstep(model, dp, opt, DDP(ref), ref_opt, loss=_sum_of_squares)
     for step in range(2):
-        for o, m in ((opt, dp), (ref_opt, ddp)):
-            o.zero_grad()
-            m(_batch(rank, step)).square().sum().backward()
+        pair.zero_grad()
+        pair.backward(_batch(rank, step))
         total = opt.clip_grad_norm_(0.5, foreach=True, error_if_nonfinite=True)
         ref_total = torch.nn.utils.clip_grad_norm_(
             ref.parameters(), 0.5, foreach=True, error_if_nonfinite=True
         )
         torch.testing.assert_close(total, ref_total, **TOL)
-        opt.step(scale=0.5)
-        ref_opt.step(scale=0.5)
+        pair.step(scale=0.5)
     assert opt.param_groups[0]["steps_seen"] == 2 == ref_opt.param_groups[0]["steps_seen"]
     assert opt.param_groups[0]["lr"] == 0.025 == ref_opt.param_groups[0]["lr"]
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, **TOL)
+    pair.assert_params(**TOL)
     opt.zero_grad()
     x = _batch(rank, 5)
     x[0, 0] = float("nan") if rank == world_size - 1 else 0.0  # non-finite on one rank only
@@ -1159,6 +1106,7 @@ def _freeze_worker(rank: int, world_size: int, case: str) -> None:
         dp, cls, [p for p in model.parameters() if p.requires_grad], lr=0.05, **kwargs
     )
     ref_opt = cls([p for p in ref.parameters() if p.requires_grad], lr=0.05, **kwargs)
+    pair = Lockstep(model, dp, opt, ddp, ref_opt, loss=_sum_of_squares)
     for step in range(6):
         if case == "flip" and step in (2, 4):  # frozen at 2, trainable again at 4, state kept
             for m in (model, ref):
@@ -1178,12 +1126,8 @@ def _freeze_worker(rank: int, world_size: int, case: str) -> None:
                 ):
                     opt.step()
                 return
-        for o, m in ((opt, dp), (ref_opt, ddp)):
-            o.zero_grad()
-            m(_batch(rank, step)).square().sum().backward()
-            o.step()
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, **TOL)
+        pair.train_step(_batch(rank, step))
+        pair.assert_params(**TOL)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -1225,7 +1169,8 @@ def _join_worker(rank: int, world_size: int, divide_initial: bool, overlap: bool
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
     _join_steps(ref, ref_opt, rank, divide_initial)
     opt.wait_param_gather()
-    _assert_params_close(model, ref)
+    pair = Lockstep(model, dp, opt, ref, ref_opt)
+    pair.assert_params(**TOL)
     # Every rank stepped its shards each step: the state of the last rank to join (the
     # only one stock's model takes at the end) continues.
     last = world_size - 1
@@ -1233,14 +1178,12 @@ def _join_worker(rank: int, world_size: int, divide_initial: bool, overlap: bool
     if rank != last:
         ref_opt.state.clear()  # (only the last rank's stock optimizer saw every step)
     opt.zero_grad()
-    dp(_tokens(rank, 9)).backward()
-    ref(_tokens(rank, 9)).backward()
+    pair.backward(_tokens(rank, 9))
     opt.step()
     opt.wait_param_gather()
     if rank == last:
         ref_opt.step()
-        for (name, p), q in zip(flat.module.named_parameters(), ref.module.parameters()):
-            torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=name: f"after the Join {n}: {m}")
+        pair.assert_params(**TOL, what="after the Join")
 
 
 @pytest.mark.parametrize(
@@ -1257,9 +1200,10 @@ def test_join_with_uneven_batches_equals_stock_ddp_adamw(world_size, divide_init
 
 def _skip_worker(rank: int, world_size: int) -> None:
     model, flat, dp, opt = _build(rank)
-    ref, ref_opt = _stock(model)
-    _steps_as_stock(dp, opt, ref, ref_opt, rank, range(2))  # in step: the same as stock
-    _assert_params_close(model, ref)
+    pair = _with_stock(model, dp, opt)
+    for step in range(2):  # in step: the same as stock
+        pair.train_step(_tokens(rank, step))
+    pair.assert_params(**TOL)
     with pytest.raises(
         RuntimeError,
         match=r"the ranks disagree on the round: rank \d runs the backward after [23] .*Join\(\[dp, opt\]\)",
