@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from conftest import ROUTE_ALL, grad_in_buffers
 from dist_utils import rank_profile, run_ranks
+from oracle import Lockstep, assert_grads_like, assert_params_like, stock
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -68,12 +69,9 @@ def _tokens(rank: int, step: int, micro: int = 0) -> torch.Tensor:
 
 
 def _assert_close(ours: nn.Module, ref: nn.Module, what: str) -> None:
-    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=name: f"{what} {n}: {m}")
-        if q.grad is None:
-            assert p.grad is None, f"{name}: expected no grad"
-        else:
-            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, n=name: f"grad {n}: {m}")
+    """Parameters, and `.grad` with their None-ness, equal the oracle's (by name)."""
+    assert_params_like(ours, ref, **TOL, what=what)
+    assert_grads_like(ours, ref, **TOL, what=f"grad {what}")
 
 
 def _dp_and_ddp(
@@ -102,39 +100,24 @@ def _equal_to_ddp_worker(rank: int, world_size: int, bucket_mb: float) -> None:
     model = flat.module
     assert len(dp.buckets) >= (2 if bucket_mb < 0.01 else 1)
     opt = torch.optim.AdamW(dp.parameters(), lr=0.05, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    pair = Lockstep(model, dp, opt, ref, torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1))
     for step in range(4):
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        pair.zero_grad()
         use_branch = not (step == 1 and rank == 1) and step != 2  # unused on one rank, then on all
         checkpoint = step == 3
-        for micro in range(2):  # gradient accumulation: the first micro-batch does not sync
-            ctx_ours = dp.no_sync() if micro == 0 else _nothing()
-            ctx_ref = ref.no_sync() if micro == 0 else _nothing()
-            with ctx_ours:
-                dp(_tokens(rank, step, micro), use_branch, checkpoint).backward()
-            with ctx_ref:
-                ref(_tokens(rank, step, micro), use_branch, checkpoint).backward()
+        with pair.no_sync():  # gradient accumulation: the first micro-batch does not sync
+            pair.backward(_tokens(rank, step, 0), use_branch, checkpoint)
+        pair.backward(_tokens(rank, step, 1), use_branch, checkpoint)
         _assert_close(flat.module, ref.module, f"step {step} before update")
-        opt.step()
-        ref_opt.step()
+        pair.step()
     _assert_close(flat.module, ref.module, "final")
     assert dp.state_dict().keys() == model.state_dict().keys()
     # As under DDP, a backward whose graph bypasses the wrapper's output is not averaged
     # after an averaged one (no synchronising forward since).
-    opt.zero_grad()
-    ref_opt.zero_grad()
+    pair.zero_grad()
     flat(_tokens(rank, 9), True, False).backward()
     ref.module(_tokens(rank, 9), True, False).backward()
     _assert_close(flat.module, ref.module, "bypassed")
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: object) -> None:
-        return None
 
 
 @pytest.mark.parametrize(("world_size", "bucket_mb"), [(2, 25.0), (2, 0.001), (3, 0.001)])
@@ -375,24 +358,20 @@ def _used_twice_worker(rank: int, world_size: int) -> None:
     flat, dp, ref = _dp_and_ddp(25.0, _UsedTwice)
     store = flat._engine.store
     opt = torch.optim.SGD(dp.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    pair = Lockstep(flat.module, dp, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.1))
     for step in range(3):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        accumulate = step == 2  # a first micro-batch under no_sync: written undivided
-        for micro in range(2 if accumulate else 1):
-            with dp.no_sync() if accumulate and micro == 0 else _nothing():
-                dp(_tokens(rank, step, micro)).backward()
-            with ref.no_sync() if accumulate and micro == 0 else _nothing():
-                ref(_tokens(rank, step, micro)).backward()
+        pair.zero_grad()
+        accumulate = step == 2
+        if accumulate:  # a first micro-batch under no_sync: written undivided
+            with pair.no_sync():
+                pair.backward(_tokens(rank, step, 0))
+        pair.backward(_tokens(rank, step, 1 if accumulate else 0))
         routed = {id(flat.module.fc.weight), id(flat.module.emb.weight)}
         assert (store.prescale.written == routed) == (world_size == 2 and not accumulate)
         _assert_close(flat.module, ref.module, f"step {step}")
-        dp(_tokens(rank, step, 5)).backward()  # a second synchronised backward adds on top
-        ref(_tokens(rank, step, 5)).backward()
+        pair.backward(_tokens(rank, step, 5))  # a second synchronised backward adds on top
         _assert_close(flat.module, ref.module, f"step {step}, added")
-        opt.step()
-        ref_opt.step()
+        pair.step()
 
 
 class _ReadOtherwise(nn.Module):
@@ -469,15 +448,15 @@ def _compiled_worker(rank: int, world_size: int, bucket_mb: float) -> None:
     flat, dp, ref = _dp_and_ddp(bucket_mb)
     compiled = torch.compile(dp, backend="aot_eager")
     opt = torch.optim.AdamW(dp.parameters(), lr=0.05, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    pair = Lockstep(
+        flat.module, compiled, opt, ref, torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    )
     for step in range(3):
-        compiled(_tokens(rank, step)).backward()
-        ref(_tokens(rank, step)).backward()
+        pair.backward(_tokens(rank, step))
         _assert_close(flat.module, ref.module, f"step {step}")
         assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters() if p.grad is not None)
-        for optimizer in (opt, ref_opt):
-            optimizer.step()
-            optimizer.zero_grad()
+        pair.step()
+        pair.zero_grad()
 
 
 @pytest.mark.parametrize("bucket_mb", [25.0, 0.001], ids=["one_bucket", "buckets"])
@@ -641,24 +620,23 @@ class _Normed(nn.Module):
 def _buffers_worker(rank: int, world_size: int, broadcast_buffers: bool) -> None:
     torch.manual_seed(0)
     model = _Normed()
-    ref = DDP(copy.deepcopy(model), broadcast_buffers=broadcast_buffers)
+    ref, ref_opt = stock(model, torch.optim.SGD, {"broadcast_buffers": broadcast_buffers}, lr=0.1)
     dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), broadcast_buffers=broadcast_buffers)
-    opt = torch.optim.SGD(dp.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    pair = Lockstep(model, dp, torch.optim.SGD(dp.parameters(), lr=0.1), ref, ref_opt)
     gen = torch.Generator().manual_seed(rank)
     for step in range(5):
         x = torch.randn(8, 6, generator=gen, dtype=torch.float64)
         extra = torch.randn(8, 6, generator=gen, dtype=torch.float64)
-        for module, optimizer in ((dp, opt), (ref, ref_opt)):
-            if step == 2:  # a no_sync micro-batch: the next forward does not broadcast
-                with module.no_sync():
-                    module(extra * (rank + 1)).backward()
-            if step == 3:  # an evaluation forward: nor does the one after it
-                with torch.no_grad():
-                    module(extra)
-            module(x).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        if step == 2:  # a no_sync micro-batch: the next forward does not broadcast
+            with pair.no_sync():
+                pair.backward(extra * (rank + 1))
+        if step == 3:  # an evaluation forward: nor does the one after it
+            with torch.no_grad():
+                dp(extra)
+                ref(extra)
+        pair.backward(x)
+        pair.step()
+        pair.zero_grad()
         for (name, ours), theirs in zip(model.named_buffers(), ref.module.buffers()):
             torch.testing.assert_close(ours, theirs, **TOL, msg=lambda m, n=name, s=step: f"{s} {n}: {m}")
         _assert_close(model, ref.module, f"step {step}")
@@ -872,8 +850,7 @@ def _functional_call_worker(rank: int, world_size: int) -> None:
     assert flat._engine.store is store  # not laid out onto the temporary parameters
     for module in (dp, ref):
         module(x).sum().backward()
-    for p, q in zip(model.parameters(), ref.module.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **TOL)
+    assert_grads_like(model, ref.module, **TOL)
     assert flat._engine.store is store
 
 
@@ -1182,9 +1159,7 @@ def _sharded_bypass_worker(rank: int, world_size: int) -> None:
                 _step(module, _tokens(rank, step), wrap, losses[rank])
                 optimizer.step()
                 optimizer.zero_grad()
-            where = f"{bucket_mb} step {step}"
-            for (name, p), q in zip(flat.module.named_parameters(), ref.module.parameters()):
-                torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=f"{where} {name}": f"{n}: {m}")
+            assert_params_like(flat.module, ref.module, **TOL, what=f"{bucket_mb} step {step}")
 
 
 def test_a_loss_that_bypasses_the_output_is_reduce_scattered_for_a_sharded_optimizer():
@@ -1331,19 +1306,19 @@ class _Stopped(nn.Module):
 def _no_grad_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _Stopped()
-    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ref, ref_opt = stock(
+        model, torch.optim.AdamW, {"find_unused_parameters": True}, lr=0.05, weight_decay=0.1
+    )
     dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0001)  # several buckets
-    opts = [torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1) for net in (dp, ref)]
+    pair = Lockstep(model, dp, torch.optim.AdamW(dp.parameters(), lr=0.05, weight_decay=0.1), ref, ref_opt)
     for step in range(3):
-        x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step * 2 + rank))
-        for net, opt in zip((dp, ref), opts):
-            opt.zero_grad()
-            net(x).backward()
+        pair.zero_grad()
+        pair.backward(
+            torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step * 2 + rank))
+        )
         assert ref.module.b.weight.grad is None and model.b.weight.grad is None, step
-        for opt in opts:
-            opt.step()
-    for p, q in zip(model.parameters(), ref.module.parameters()):
-        torch.testing.assert_close(p, q, **TOL)
+        pair.step()
+    pair.assert_params(**TOL)
 
 
 def test_a_parameter_that_gets_no_gradient_anywhere_keeps_grad_none_like_ddp():
@@ -1378,8 +1353,7 @@ def _join_worker(rank: int, world_size: int, divide_initial: bool, check_finite:
     assert len(dp.buckets) >= 2
     _train_joined(dp, torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9), rank, divide_initial)
     _train_joined(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), rank, divide_initial)
-    for (name, p), q in zip(flat.module.named_parameters(), ref.module.parameters()):
-        torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert_params_like(model, ref.module, **TOL)
     # After the Join the ranks train together again, as DDP's. (A joined rank's `.grad` is
     # the others' last average here, DDP's its own last gradient: zeroed first.)
     flat.zero_grad()
