@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from dist_utils import run_ranks
+from oracle import Lockstep, assert_grads_like, assert_params_like, stock
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
 from flatgrad._bucket_sync import plan_buckets
@@ -145,11 +145,9 @@ def _tokens(rank: int, step: int) -> torch.Tensor:
 
 
 def _assert_close(ours: nn.Module, ref: nn.Module, what: str) -> None:
-    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=name: f"{what} {n}: {m}")
-        assert (p.grad is None) == (q.grad is None), f"{what} {name}: .grad None-ness"
-        if q.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, n=name: f"{what} grad {n}: {m}")
+    """Parameters, and `.grad` with their None-ness, equal the oracle's (by name)."""
+    assert_params_like(ours, ref, **TOL, what=what)
+    assert_grads_like(ours, ref, **TOL, what=f"{what} grad")
 
 
 def _assert_overlapped(dp: flatgrad.DataParallel, model: nn.Module, what: str) -> None:
@@ -172,21 +170,18 @@ _BRANCH = [(False, True), (True, False), (False, False), (True, True), (True, Fa
 def _unused_and_reordered_worker(rank: int, world_size: int, build: type[nn.Module]) -> None:
     torch.manual_seed(0)
     model = build()
-    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ref, ref_opt = stock(model, torch.optim.SGD, {"find_unused_parameters": True}, lr=0.1, momentum=0.9)
     dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
     model.probe.dp = model.mid.dp = dp  # type: ignore[union-attr]
     assert len(dp.buckets) >= 10
-    opt = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    pair = Lockstep(model, dp, torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9), ref, ref_opt)
     for step, used in enumerate(_BRANCH):
-        for module, optimizer in ((dp, opt), (ref, ref_opt)):
-            optimizer.zero_grad()
-            module(_tokens(rank, step), used[rank]).backward()
+        pair.zero_grad()
+        pair.backward(_tokens(rank, step), used[rank])
         _assert_close(model, ref.module, f"step {step}")
         if step >= 2:
             _assert_overlapped(dp, model, f"step {step}")
-        opt.step()
-        ref_opt.step()
+        pair.step()
     _assert_close(model, ref.module, "final")
 
 
@@ -208,19 +203,16 @@ def _launch_order(dp: flatgrad.DataParallel) -> list[int]:
 def _swapped_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _Swapped()
-    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ref, ref_opt = stock(model, torch.optim.AdamW, {"find_unused_parameters": True}, lr=0.01)
     dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
-    opt = torch.optim.AdamW(dp.parameters(), lr=0.01)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    pair = Lockstep(model, dp, torch.optim.AdamW(dp.parameters(), lr=0.01), ref, ref_opt)
     buffer_order = _launch_order(dp)
     for step in range(5):
         swap, use_branch = rank == 1, rank == 1 or step == 3  # rank 0 skips the branch but once
-        for module, optimizer in ((dp, opt), (ref, ref_opt)):
-            optimizer.zero_grad()
-            module(_tokens(rank, step), swap, use_branch).backward()
+        pair.zero_grad()
+        pair.backward(_tokens(rank, step), swap, use_branch)
         _assert_close(model, ref.module, f"step {step}")
-        opt.step()
-        ref_opt.step()
+        pair.step()
         orders: list[list[int]] = [[] for _ in range(world_size)]
         dist.all_gather_object(orders, _launch_order(dp))
         assert orders[0] == orders[1], f"step {step}: the ranks launch in different orders {orders}"
@@ -318,10 +310,9 @@ def test_parameters_reached_only_by_a_reentrant_checkpoint_are_not_counted_unuse
 def _aux_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _LM()
-    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ref, ref_opt = stock(model, torch.optim.SGD, {"find_unused_parameters": True}, lr=0.1, momentum=0.9)
     dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
-    opt = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    pair = Lockstep(model, dp, torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9), ref, ref_opt)
     # (loss backwarded, whether each rank runs the branch): the branch unused on both ranks
     # first, then the auxiliary loss alone, which reaches none of dp's outputs.
     steps = [
@@ -331,13 +322,12 @@ def _aux_worker(rank: int, world_size: int) -> None:
         ("aux", (False, False)),
     ]
     for step, (which, used) in enumerate([*steps, ("main", (False, False))]):
-        for module, inner, optimizer in ((dp, model, opt), (ref, ref.module, ref_opt)):
-            optimizer.zero_grad()
+        pair.zero_grad()
+        for module, inner in ((dp, model), (ref, ref.module)):
             loss = module(_tokens(rank, step), used[rank])
             (inner.aux if which == "aux" else loss).backward()
         _assert_close(model, ref.module, f"step {step} {which}")
-        opt.step()
-        ref_opt.step()
+        pair.step()
 
 
 def test_a_backward_opened_by_a_parameters_hook_counts_no_parameter_ready_early():
@@ -351,19 +341,16 @@ def test_a_backward_opened_by_a_parameters_hook_counts_no_parameter_ready_early(
 def _sharded_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _Reordered()
-    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ref, ref_opt = stock(model, torch.optim.AdamW, {"find_unused_parameters": True}, lr=0.01)
     dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
-    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.01)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    pair = Lockstep(model, dp, flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.01), ref, ref_opt)
     # A parameter no rank used is stepped with a zero gradient by a ShardedOptimizer (its
     # shard holds others), skipped under DDP: here some rank uses the branch in every step.
     for step, used in enumerate([(False, True), (True, False), (True, True), (True, False), (False, True)]):
-        for module, optimizer in ((dp, opt), (ref, ref_opt)):
-            module(_tokens(rank, step), used[rank]).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        for (name, p), q in zip(model.named_parameters(), ref.module.parameters()):
-            torch.testing.assert_close(p, q, **TOL, msg=lambda m, n=f"step {step} {name}": f"{n}: {m}")
+        pair.backward(_tokens(rank, step), used[rank])
+        pair.step()
+        pair.zero_grad()
+        pair.assert_params(**TOL, what=f"step {step}")
 
 
 def test_a_sharded_optimizer_steps_as_ddp_whatever_order_the_buckets_launch_in():
