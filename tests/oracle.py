@@ -37,6 +37,11 @@ def stock(
     return ref, optimizer_class(ref.parameters(), **options)
 
 
+def _labelled(label: str) -> Callable[[str], str]:
+    """An `assert_close` message that opens with `label` (the parameter, the step)."""
+    return lambda message: f"{label}: {message}"
+
+
 def assert_grads_like(ours: nn.Module, oracle: nn.Module, rtol: float, atol: float, what: str = "") -> None:
     """Grads of `ours` equal the oracle's, matched by parameter name: None where it has None.
 
@@ -49,9 +54,7 @@ def assert_grads_like(ours: nn.Module, oracle: nn.Module, rtol: float, atol: flo
             assert param.grad is None, f"{label}: expected no grad"
             continue
         assert param.grad is not None, f"{label}: grad missing"
-        torch.testing.assert_close(
-            param.grad, ref.grad, rtol=rtol, atol=atol, msg=lambda m, n=label: f"{n}: {m}"
-        )
+        torch.testing.assert_close(param.grad, ref.grad, rtol=rtol, atol=atol, msg=_labelled(label))
 
 
 def assert_params_like(ours: nn.Module, oracle: nn.Module, rtol: float, atol: float, what: str = "") -> None:
@@ -59,9 +62,7 @@ def assert_params_like(ours: nn.Module, oracle: nn.Module, rtol: float, atol: fl
     params = dict(ours.named_parameters())
     for name, ref in oracle.named_parameters():
         label = f"{what} {name}".lstrip()
-        torch.testing.assert_close(
-            params[name], ref, rtol=rtol, atol=atol, msg=lambda m, n=label: f"{n}: {m}"
-        )
+        torch.testing.assert_close(params[name], ref, rtol=rtol, atol=atol, msg=_labelled(label))
 
 
 def _itself(output: torch.Tensor) -> torch.Tensor:
