@@ -38,6 +38,7 @@ from flatgrad._zero_state import (
     STEP,
     GroupView,
     Layout,
+    OptimizerRecipe,
     Piece,
     group_spec,
     load_group,
@@ -514,12 +515,30 @@ def checked_defaults(
     """`optimizer_class`'s defaults after it checked `defaults` and the groups' options on a
     one-element stand-in per group, before anything moves: its error for an invalid one (or
     a duplicate parameter) leaves the model as it was. Raises ValueError first for dtypes
-    that no one flat parameter buffer holds (`parameter_dtypes`)."""
+    that no one flat parameter buffer holds (`parameter_dtypes`), and for
+    ``differentiable=True`` (`refuse_differentiable`)."""
     parameter_dtypes(store)
     probe = next(iter(store.buffers.values()))
     dummies = [nn.Parameter(probe.new_zeros(1)) for _ in groups]
     checked = optimizer_class([dict(g, params=[d]) for g, d in zip(groups, dummies)], **defaults)
+    refuse_differentiable(optimizer_class, checked.param_groups)
     return checked.defaults
+
+
+def refuse_differentiable(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> None:
+    """Raise ValueError where a group (or the defaults) asks for ``differentiable=True``: a
+    differentiable step records the update of each parameter in autograd's graph, and a
+    sharded step updates leaf views of the flat parameter buffer in place and all-gathers
+    them, which no graph can follow (torch's own optimizer refuses such a step on leaf
+    parameters, at the first ``step()``)."""
+    for index, group in enumerate(groups):
+        if group.get("differentiable", False):
+            raise ValueError(
+                f"ShardedOptimizer cannot step {optimizer_class.__name__} with "
+                f"differentiable=True (param group {index}): a sharded step updates leaf "
+                "parameters in place and all-gathers them, which autograd cannot "
+                "differentiate; use differentiable=False (the default)"
+            )
 
 
 def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -589,12 +608,13 @@ def relaid_state(
     kept: dict[str, dict[str, Any]],
     parked: dict[str, dict[str, Any]],
     views: list[GroupView],
-    optimizer_class: type[torch.optim.Optimizer],
+    recipe: OptimizerRecipe,
 ) -> dict[str, Any]:
     """The state a new layout's groups (`views`) load after parameters were frozen or
     unfrozen: each parameter's own, whole (`kept`, of those in the layout before; `parked`,
     of those frozen since they last had one), a parameter that never had one a fresh one
-    (zeros; its master is its value). Raises ValueError, on every rank alike (the step
+    (a fresh optimizer's, where `recipe` builds one eagerly as Adagrad does, else zeros;
+    its master is its value). Raises ValueError, on every rank alike (the step
     counts are the same everywhere), where a group would hold parameters with different
     step counts: torch's optimizers count steps per parameter, ShardedOptimizer's pieces
     per group."""
@@ -602,7 +622,7 @@ def relaid_state(
     for index, view in enumerate(views):
         if not view.params:
             continue
-        spec = group_spec(optimizer_class, view)
+        spec = group_spec(recipe, view)
         entries = {name: kept.get(name) or parked.get(name) for name, _ in view.params}
         template = next((e for e in entries.values() if e is not None), None)
         steps = {
@@ -614,7 +634,7 @@ def relaid_state(
             raise ValueError(
                 f"ShardedOptimizer: after parameters were frozen or unfrozen, param group {index} "
                 f"would hold parameters with different step counts ({steps}); "
-                f"{optimizer_class.__name__} counts steps per parameter, ShardedOptimizer per "
+                f"{recipe.name} counts steps per parameter, ShardedOptimizer per "
                 "group: give parameters that become trainable later a group of their own "
                 "(build the optimizer without them and opt.add_param_group({'params': ...}) "
                 "when unfreezing them), and keep a frozen parameter frozen or its group whole"
@@ -622,7 +642,7 @@ def relaid_state(
         for name, param in view.params:
             entry = entries[name]
             if entry is None:
-                entry = {
+                entry = _eager_state(recipe, view.options, param, MASTER in spec.per_element) or {
                     key: param.new_zeros(param.shape, dtype=_state_dtype(template, key, param))
                     for key in spec.per_element
                 }
@@ -638,6 +658,17 @@ def relaid_state(
         "state": state,
         "param_groups": [{**view.options, "params": [name for name, _ in view.params]} for view in views],
     }
+
+
+def _eager_state(
+    recipe: OptimizerRecipe, options: dict[str, Any], param: torch.Tensor, masters: bool
+) -> dict[str, Any]:
+    """The state `recipe`'s optimizer gives a parameter shaped as `param` when it is built
+    (Adagrad's initial accumulator and step count; empty for the classes that make state at
+    their first step), on a throwaway stand-in (float32 where masters are stepped)."""
+    dtype = torch.float32 if masters else param.dtype
+    stand_in = nn.Parameter(torch.zeros(param.shape, dtype=dtype, device=param.device))
+    return dict(recipe.build([dict(options, params=[stand_in])]).state.get(stand_in, {}))
 
 
 def _state_dtype(template: dict[str, Any] | None, key: str, param: torch.Tensor) -> torch.dtype:
@@ -656,16 +687,18 @@ class PieceGroups:
         self,
         engine: ShardEngine,
         names: dict[int, str],
-        optimizer_class: type[torch.optim.Optimizer],
+        recipe: OptimizerRecipe,
         param_groups: list[dict[str, Any]],
     ) -> None:
         self.engine = engine
         self.names = names
+        self.recipe = recipe
         # Per group: this rank's pieces of its parameters (1-D views of the flat parameter
         # buffer) and the same pieces of the gradient buffer.
         self.pieces = [engine.pieces(group["params"]) for group in param_groups]
         inner_groups = [self.inner_group(group, pieces) for group, pieces in zip(param_groups, self.pieces)]
-        self.inner = optimizer_class(inner_groups)  # type: ignore[call-arg]  # (an ELEMENTWISE one)
+        # With the user's constructor arguments, as a plain optimizer is built (`OptimizerRecipe`).
+        self.inner = recipe.build(inner_groups)
         # Model parameters given to the inner optimizer would be stepped twice (there and
         # through their shard): refused at the call. (An instance attribute: the optimizer
         # pickles and deep-copies by its state only.)
@@ -746,19 +779,19 @@ class PieceGroups:
     def state_dict(self, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
         """The inner optimizer's state per parameter (`flatgrad._zero_state.optimizer_state`)."""
         views = self.views(param_groups)
-        return optimizer_state(self.inner, views, self.engine.layout, self.engine.process_group)
+        return optimizer_state(self.inner, self.recipe, views, self.engine.layout, self.engine.process_group)
 
     def load_state_dict(self, param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
         """Load `state_dict` into the inner optimizer and the groups' options, after every
         rank found it fits (`flatgrad._zero_state.refuse_misfits`)."""
         views = _with_saved_options(self.views(param_groups), state_dict)
         layout = self.engine.layout
-        problem = misfit(type(self.inner), views, layout, state_dict)
+        problem = misfit(self.recipe, views, layout, state_dict)
         refuse_misfits(problem, self.engine.shards[0].param.device, self.engine.process_group)
         stepped = saved_stepped(views, state_dict)
         for group, view, saved, flag in zip(param_groups, views, state_dict["param_groups"], stepped):
             group.update(options(saved))
-            load_group(self.inner, view, layout, state_dict["state"], flag)
+            load_group(self.inner, self.recipe, view, layout, state_dict["state"], flag)
 
     def state_bytes(self) -> int:
         """The summed size of the tensors in the inner optimizer's state."""

@@ -80,6 +80,28 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class OptimizerRecipe:
+    """An optimizer class and the constructor arguments the user gave it: every optimizer
+    ShardedOptimizer builds (the inner one, and the throwaway ones that show what state a
+    group keeps) is built from both, as a plain optimizer is. Groups alone are not enough:
+    some classes read their constructor arguments outside the groups (Adagrad fills
+    ``state["sum"]`` from ``initial_accumulator_value``; ``differentiable`` picks the grad
+    mode of every class's ``step``; ``fused`` turns on the amp-scaling step)."""
+
+    optimizer_class: type[torch.optim.Optimizer]
+    kwargs: Mapping[str, Any]
+
+    @property
+    def name(self) -> str:
+        """The class's name, for messages."""
+        return self.optimizer_class.__name__
+
+    def build(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """``optimizer_class(groups, **kwargs)``: the groups' options override the arguments."""
+        return self.optimizer_class(groups, **self.kwargs)
+
+
+@dataclass(frozen=True)
 class StateSpec:
     """What an optimizer keeps per parameter: the per-element state keys, and the scalar
     states with a template value each."""
@@ -88,14 +110,12 @@ class StateSpec:
     scalars: dict[str, Any]
 
 
-def state_spec(
-    optimizer_class: type[torch.optim.Optimizer], options: dict[str, Any], like: torch.Tensor
-) -> StateSpec:
-    """What `optimizer_class` keeps per parameter with these group options: one step of a
-    throwaway one-element parameter like `like` shows it."""
+def state_spec(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Tensor) -> StateSpec:
+    """What `recipe`'s optimizer keeps per parameter with these group options: one step of
+    a throwaway one-element parameter like `like` shows it."""
     dummy = nn.Parameter(like.new_zeros(1))
     dummy.grad = torch.zeros_like(dummy)
-    probe = optimizer_class([dict(options, params=[dummy])])  # type: ignore[call-arg]
+    probe = recipe.build([dict(options, params=[dummy])])
     probe.step()
     state = probe.state[dummy]
     per_element = tuple(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1)
@@ -375,10 +395,10 @@ class GroupView:
 MASTER = "master"
 
 
-def group_spec(optimizer_class: type[torch.optim.Optimizer], group: GroupView) -> StateSpec:
+def group_spec(recipe: OptimizerRecipe, group: GroupView) -> StateSpec:
     """The state `group` saves per parameter: the optimizer's, and its masters if any."""
     like = group.pieces[0].param if group.pieces else group.params[0][1]
-    spec = state_spec(optimizer_class, group.options, like)
+    spec = state_spec(recipe, group.options, like)
     if group.masters:
         return StateSpec((*spec.per_element, MASTER), spec.scalars)
     return spec
@@ -386,15 +406,17 @@ def group_spec(optimizer_class: type[torch.optim.Optimizer], group: GroupView) -
 
 def optimizer_state(
     optimizer: torch.optim.Optimizer,
+    recipe: OptimizerRecipe,
     groups: list[GroupView],
     layout: Layout,
     process_group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
-    """The per-parameter form of `optimizer`'s state over `groups` (see the module notes)."""
+    """The per-parameter form of `optimizer`'s state (built from `recipe`) over `groups`
+    (see the module notes)."""
     state: dict[str, Any] = {}
     for group in groups:
         if group.params:
-            spec = group_spec(type(optimizer), group)
+            spec = group_spec(recipe, group)
             states = piece_states(group.pieces, optimizer.state, spec)
             state.update(parameter_state(layout, group.params, group.pieces, states, spec, process_group))
     param_groups = [{**group.options, "params": [name for name, _ in group.params]} for group in groups]
@@ -447,9 +469,7 @@ def saved_stepped(groups: list[GroupView], saved: dict[str, Any]) -> list[bool]:
     return flags
 
 
-def misfit(
-    optimizer_class: type[torch.optim.Optimizer], groups: list[GroupView], layout: Layout, saved: object
-) -> str | None:
+def misfit(recipe: OptimizerRecipe, groups: list[GroupView], layout: Layout, saved: object) -> str | None:
     """What keeps `saved` from loading on this rank; None when it fits."""
     if not isinstance(saved, dict) or not {"state", "param_groups"} <= saved.keys():
         return "not an optimizer state keyed by parameter names (ShardedOptimizer.state_dict())"
@@ -459,7 +479,7 @@ def misfit(
         return "its parameter groups hold other parameters (another model or grouping)"
     for group, stepped in zip(groups, saved_stepped(groups, saved)):
         if stepped and group.params:
-            spec = group_spec(optimizer_class, group)
+            spec = group_spec(recipe, group)
             missing = missing_state(layout, group.params, saved["state"], spec)
             if missing:
                 return f"no state for {missing[:4]}"
@@ -487,20 +507,26 @@ def refuse_misfits(
 
 
 def load_group(
-    optimizer: torch.optim.Optimizer, group: GroupView, layout: Layout, saved: dict[str, Any], stepped: bool
+    optimizer: torch.optim.Optimizer,
+    recipe: OptimizerRecipe,
+    group: GroupView,
+    layout: Layout,
+    saved: dict[str, Any],
+    stepped: bool,
 ) -> None:
     """Give `group`'s pieces their state from `saved` (which `misfit` accepted); a group
-    saved before it stepped gets a fresh optimizer's state."""
+    saved before it stepped gets a fresh optimizer's state (`recipe`'s: Adagrad's holds its
+    initial accumulator)."""
     if not group.params or not group.pieces:
         return
     if not stepped:
-        fresh = type(optimizer)([dict(group.options, params=[p.param for p in group.pieces])])  # type: ignore[call-arg]
+        fresh = recipe.build([dict(group.options, params=[p.param for p in group.pieces])])
         for piece in group.pieces:
             optimizer.state.pop(piece.param, None)
             if fresh.state.get(piece.param):
                 optimizer.state[piece.param] = fresh.state[piece.param]
         return
-    spec = group_spec(type(optimizer), group)
+    spec = group_spec(recipe, group)
     states = piece_states(group.pieces, optimizer.state, spec)
     load_parameter_state(layout, group.params, saved, group.pieces, states, spec)
     for piece, state in zip(group.pieces, states):

@@ -50,7 +50,7 @@ from flatgrad._zero import (
     options,
     relaid_state,
 )
-from flatgrad._zero_state import GroupView, whole_state
+from flatgrad._zero_state import GroupView, OptimizerRecipe, whole_state
 from flatgrad.buffer import GradStore
 from flatgrad.parallel import DataParallel
 
@@ -113,7 +113,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         **defaults: The optimizer's arguments (``lr``, ``weight_decay``, ...), checked by
             `optimizer_class` before anything moves: its error for an invalid one (a
             ValueError for a negative ``lr``, a TypeError for an unknown name) leaves `dp`
-            and the model as they were.
+            and the model as they were. The inner optimizer is built with them too, as a
+            plain one would be: what a class reads from its constructor rather than its
+            groups (Adagrad's ``initial_accumulator_value``, ``fused``) holds.
+            ``differentiable=True`` is refused (a ValueError).
 
     Raises:
         TypeError: `dp` is not a `DataParallel`, or `overlap_param_gather` is not a bool.
@@ -154,7 +157,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.world_size = dp.world_size
         self.rank = dist.get_rank(dp.process_group)
         self.overlap_param_gather = overlap_param_gather
-        self._optimizer_class = optimizer_class
+        # The class and the user's constructor arguments: every optimizer built here gets both.
+        self._recipe = OptimizerRecipe(optimizer_class, dict(defaults))
         # The whole state of parameters frozen since they were stepped, by name: restored
         # when they are trainable again (a plain optimizer keeps it, skipping them).
         self._parked: dict[str, dict[str, Any]] = {}
@@ -173,7 +177,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         pieces = dp._engine.shard_plan(store, self.overlap_param_gather)
         self._engine = ShardEngine(store, pieces, dp.process_group, dp._engine.policy)
         dp._engine.sharded_by([shard.grad for shard in self._engine.shards])
-        self._groups = PieceGroups(self._engine, self._names, self._optimizer_class, self.param_groups)
+        self._groups = PieceGroups(self._engine, self._names, self._recipe, self.param_groups)
         if self._waits is not None:
             self._waits()  # (the hooks that waited for the old buckets' gathers)
         if self.overlap_param_gather:
@@ -209,14 +213,14 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         kept = whole_state(old, self.dp.process_group)
         frozen = [p for p in engine.store.params if p not in store]
         parked = {**self._parked, **{self._names[id(p)]: kept.pop(self._names[id(p)], {}) for p in frozen}}
-        relaid_state(kept, parked, self._groups_on(store), self._optimizer_class)  # (raises before any move)
+        relaid_state(kept, parked, self._groups_on(store), self._recipe)  # (raises before any move)
         self._parked = parked
         with torch.no_grad():
             for param in frozen:  # (its memory its own again, not the old flat buffer's)
                 param.data = param.data.clone()
         self._lay_out(store)
         views = self._groups.views(self.param_groups)
-        saved = relaid_state(kept, self._parked, views, self._optimizer_class)
+        saved = relaid_state(kept, self._parked, views, self._recipe)
         self._groups.load_state_dict(self.param_groups, saved)
         for name in saved["state"]:
             self._parked.pop(name, None)
@@ -423,7 +427,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
         Returns:
             ``{"state": {name: {key: value}}, "param_groups": [{**options, "params":
-            [names]}], "stepped": [whether each group has stepped]}``.
+            [names]}]}`` (a group that has not stepped saves step counts of 0).
         """
         return self._groups.state_dict(self.param_groups)
 

@@ -1221,3 +1221,68 @@ def test_a_rank_that_skips_forward_and_backward_raises_on_every_rank(world_size)
     Rank 1 skips step 2's forward and backward and steps; its next backward pairs with the
     others' step-2 backward, and every rank raises there, naming the mismatch."""
     run_ranks(_skip_worker, world_size=world_size, timeout=90)
+
+
+def _constructor_arguments_worker(rank: int, world_size: int, kwargs: dict[str, Any]) -> None:
+    """Adagrad reads ``initial_accumulator_value`` from its constructor, not its groups (it
+    fills ``state["sum"]`` with it): built from the groups alone, the inner optimizer would
+    start from 0 (a 3e-2 difference after 6 steps). Against DDP + Adagrad with the same
+    arguments: 3 steps, a state_dict round trip into a fresh ShardedOptimizer, 3 more; and a
+    first layer frozen in a group of its own, unfrozen at step 2 (its fresh state is the
+    constructor's accumulator, as stock's eager one is)."""
+    model, ref, dp = _small(rank)
+    ddp = DDP(ref, find_unused_parameters=True)  # (before the freeze: DDP syncs only what is trainable then)
+    model[0].requires_grad_(False)
+    ref[0].requires_grad_(False)
+    groups = lambda m: [{"params": list(m[0].parameters())}, {"params": list(m[2].parameters())}]  # noqa: E731
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.Adagrad, groups(model), lr=0.1, **kwargs)
+    ref_opt = torch.optim.Adagrad(groups(ref), lr=0.1, **kwargs)
+    pair = Lockstep(model, dp, opt, ddp, ref_opt, loss=_sum_of_squares)
+    for step in range(3):
+        if step == 2:
+            model[0].requires_grad_(True)
+            ref[0].requires_grad_(True)
+        pair.train_step(_batch(rank, step))
+        pair.assert_params(**TOL, what=f"step {step}")
+    saved = opt.state_dict()
+    model2, _, dp2 = _small(rank)
+    with torch.no_grad():
+        for p, q in zip(model2.parameters(), model.parameters()):
+            p.copy_(q)
+    opt2 = flatgrad.ShardedOptimizer(dp2, torch.optim.Adagrad, groups(model2), lr=0.1, **kwargs)
+    opt2.load_state_dict(saved)
+    pair2 = Lockstep(model2, dp2, opt2, ddp, ref_opt, loss=_sum_of_squares)
+    for step in range(3, 6):
+        pair2.train_step(_batch(rank, step))
+        pair2.assert_params(**TOL, what=f"resumed, step {step}")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"initial_accumulator_value": 0.1},
+        {"initial_accumulator_value": 0.1, "foreach": True},
+        {"initial_accumulator_value": 0.1, "fused": True},
+        {"initial_accumulator_value": 0.25, "lr_decay": 0.01, "weight_decay": 0.1, "maximize": True},
+    ],
+    ids=["plain", "foreach", "fused", "decays_maximize"],
+)
+def test_constructor_arguments_outside_the_groups_reach_the_inner_optimizer(world_size, kwargs):
+    run_ranks(_constructor_arguments_worker, kwargs, world_size=world_size)
+
+
+def _differentiable_worker(rank: int, world_size: int) -> None:
+    model, _, dp = _small(rank)
+    weight = model[0].weight
+    for groups in ([{"params": list(model.parameters())}], [{"params": [weight], "differentiable": True}]):
+        kwargs = {"differentiable": True} if len(groups) == 1 else {}
+        with pytest.raises(ValueError, match=r"cannot step Adam with differentiable=True \(param group 0\)"):
+            flatgrad.ShardedOptimizer(dp, torch.optim.Adam, groups, lr=0.1, **kwargs)
+    assert model[0].weight is weight and weight.untyped_storage().size() == weight.numel() * 8  # not moved
+
+
+def test_differentiable_steps_are_refused_before_anything_moves():
+    """torch refuses a differentiable step on leaf parameters (at the first step); ours
+    refuses at construction, on every rank, and leaves the model as it was."""
+    run_ranks(_differentiable_worker)
