@@ -24,7 +24,7 @@ import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -80,7 +80,72 @@ class Shard:
         return self.param if self.master is None else self.master
 
 
-class ShardEngine:
+class FlatParameters:
+    """The flat parameter buffers of a ShardedOptimizer, laid out like `store`'s gradient
+    buffers (every parameter a view of its slot: `flat_parameters`), over `process_group`;
+    what both kinds of shard plan (`ShardEngine`, by element; `flatgrad._zero_tensor.
+    TensorEngine`, by tensor) do with them alike."""
+
+    def __init__(self, store: GradStore, process_group: dist.ProcessGroup | None) -> None:
+        self.store = store
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.global_ranks = tuple(
+            dist.get_global_rank(process_group, r) if process_group is not None else r
+            for r in range(self.world_size)
+        )
+        self.param_buffers = flat_parameters(store)
+        self._addresses = list(map(_data_ptr, store.params))  # (see `params_in_place`)
+
+    def params_in_place(self) -> bool:
+        """Whether every parameter still lies in its slot of the flat parameter buffers (a
+        dtype or device conversion, or ``param.data = ...``, gives it other memory)."""
+        return list(map(_data_ptr, self.store.params)) == self._addresses
+
+    def check_layout(self, stores: StoreSource) -> None:
+        """Raise RuntimeError where the model's parameters changed since construction;
+        `stores` is the model's gradient engine. A conversion between backward and step must
+        raise here: the parameters are views of the flat parameter buffer the gather
+        refills. Every parameter still at its slot (one data pointer each: a conversion or a
+        `.data` assignment moves it) and the engine's O(1) checks (a parameter registered,
+        frozen or unfrozen) stand for its full walk over every parameter."""
+        # A change moves the reduce-scattered .grads (and is refused just below).
+        with unguarded(self.store, stores.store):
+            store = stores.steady() if self.params_in_place() else stores.refresh()
+        if store is not self.store:
+            raise RuntimeError(
+                "the model's parameters changed (added, replaced, frozen, converted) after the "
+                "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"
+            )
+
+    def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:
+        """Multiply the gradients this rank steps from by `inv_scale`; with `found_inf`, set
+        it to 1.0 where any rank's hold an inf or NaN."""
+        raise NotImplementedError
+
+    def skip_or_unscale(self, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None) -> bool:
+        """What a step under ``GradScaler.step`` does (the scaler's `found_inf` and
+        `grad_scale`, as it hands them to an optimizer that handles scaling itself; None
+        outside one): skip (True) after an inf or NaN on any rank, the same answer on every
+        rank; otherwise unscale the gradients unless ``scaler.unscale_`` did already
+        (`grad_scale` None)."""
+        if found_inf is None:  # (not under scaler.step)
+            return False
+        if not isinstance(found_inf, torch.Tensor):  # (no inf check ran: torch's own scaler)
+            raise TypeError(
+                "torch.amp.GradScaler cannot unscale or check a ShardedOptimizer's gradients "
+                "(they are averaged in this rank's shards only, and main grads have no .grad): "
+                "use flatgrad.GradScaler, a torch.amp.GradScaler that does"
+            )
+        if bool(found_inf.item()):
+            return True
+        if grad_scale is not None:
+            self.unscale_(grad_scale.double().reciprocal().float(), None, allow_fp16=True)
+        return False
+
+
+class ShardEngine(FlatParameters):
     """The flat parameter buffers laid out like `store`'s gradient buffers (every parameter
     becomes a view of its slot), and this rank's shard (`Shard`) of each piece of the shard
     plan (`bucket_views`, from `BucketSync.shard_plan`: the buckets, or whole buffers)."""
@@ -92,15 +157,10 @@ class ShardEngine:
         process_group: dist.ProcessGroup | None,
         policy: BackendPolicy,
     ) -> None:
-        self.store = store
+        super().__init__(store, process_group)
         # (gradient view, offset in its flat buffer) of each piece split into shards: the
         # shard plan (`BucketSync.shard_plan`)
         self.bucket_views = bucket_views
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
-        self.param_buffers = _flatten_parameters(store)
-        self._addresses = list(map(_data_ptr, store.params))  # (see `params_in_place`)
         self.shards = self._cut_shards()
         self.grad_runs = runs_in_shards(store, [shard.grad for shard in self.shards])  # (clipping)
         # The parameters' version counters when the masters last matched them: a write
@@ -122,11 +182,6 @@ class ShardEngine:
             shards.append(Shard(shard, view.narrow(0, self.rank * size, size), params, master))
         return shards
 
-    def params_in_place(self) -> bool:
-        """Whether every parameter still lies in its slot of the flat parameter buffers (a
-        dtype or device conversion, or ``param.data = ...``, gives it other memory)."""
-        return list(map(_data_ptr, self.store.params)) == self._addresses
-
     def has_grads(self) -> bool:
         """Whether a step has gradients to use: a parameter has a `.grad` (reduce-scattered
         ones are ScatteredGrads), or main grads were reduce-scattered into since flatgrad's
@@ -147,22 +202,6 @@ class ShardEngine:
         store = self.store
         if not is_scattered(store) and any(p.grad is not None for p in store.params):
             store.take_in(store.params, zero_empty=True)
-
-    def check_layout(self, stores: StoreSource) -> None:
-        """Raise RuntimeError where the model's parameters changed since construction;
-        `stores` is the model's gradient engine. A conversion between backward and step must
-        raise here: the parameters are views of the flat parameter buffer the all-gather
-        refills. Every parameter still at its slot (one data pointer each: a conversion or a
-        `.data` assignment moves it) and the engine's O(1) checks (a parameter registered,
-        frozen or unfrozen) stand for its full walk over every parameter."""
-        # A change moves the reduce-scattered .grads (and is refused just below).
-        with unguarded(self.store, stores.store):
-            store = stores.steady() if self.params_in_place() else stores.refresh()
-        if store is not self.store:
-            raise RuntimeError(
-                "the model's parameters changed (added, replaced, frozen, converted) after the "
-                "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"
-            )
 
     @property
     def has_masters(self) -> bool:
@@ -209,11 +248,7 @@ class ShardEngine:
         for param in self.store.params:
             key, slot = self.store.slot(param)
             slots[id(param)] = (key, slot.offset, slot.numel)
-        group = self.process_group
-        ranks = tuple(
-            dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)
-        )
-        return Layout(self.world_size, self.rank, ranks, buckets, slots)
+        return Layout(self.world_size, self.rank, self.global_ranks, buckets, slots)
 
     def pieces(self, params: list[torch.Tensor]) -> list[Piece]:
         """This rank's pieces of `params`: the runs of their slots (each slot with the
@@ -244,32 +279,14 @@ class ShardEngine:
         grads, group, runs = [s.grad for s in self.shards], self.process_group, self.grad_runs
         return clip_shards(grads, max_norm, norm_type, group, runs, error_if_nonfinite)
 
-    def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:
+    def unscale_(  # (FlatParameters')
+        self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool
+    ) -> None:
         """Multiply the gradient shards by `inv_scale` (a loss scaler's 1/scale); with
         `found_inf`, set it to 1.0 where any rank's shard holds an inf or NaN
         (`unscale_shards`)."""
         grads = [s.grad for s in self.shards]
         unscale_shards(grads, inv_scale, found_inf, allow_fp16, self.process_group)
-
-    def skip_or_unscale(self, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None) -> bool:
-        """What a step under ``GradScaler.step`` does (the scaler's `found_inf` and
-        `grad_scale`, as it hands them to an optimizer that handles scaling itself; None
-        outside one): skip (True) after an inf or NaN on any rank, the same answer on every
-        rank; otherwise unscale the shards unless ``scaler.unscale_`` did already
-        (`grad_scale` None)."""
-        if found_inf is None:  # (not under scaler.step)
-            return False
-        if not isinstance(found_inf, torch.Tensor):  # (no inf check ran: torch's own scaler)
-            raise TypeError(
-                "torch.amp.GradScaler cannot unscale or check a ShardedOptimizer's gradients "
-                "(they are averaged in this rank's shards only, and main grads have no .grad): "
-                "use flatgrad.GradScaler, a torch.amp.GradScaler that does"
-            )
-        if bool(found_inf.item()):
-            return True
-        if grad_scale is not None:
-            self.unscale_(grad_scale.double().reciprocal().float(), None, allow_fp16=True)
-        return False
 
     def launch_gather(self) -> None:
         """Start the all-gather of every bucket's parameters from the ranks' updated shards
@@ -353,15 +370,20 @@ def parameter_dtypes(store: GradStore) -> dict[Any, set[torch.dtype]]:
     return dtypes
 
 
-def _flatten_parameters(store: GradStore) -> dict[Any, torch.Tensor]:
+def flat_parameters(store: GradStore) -> dict[Any, torch.Tensor]:
     """Flat parameter buffers with the gradient buffers' layout, in the parameters' dtype
     (bfloat16 for a float32 buffer of main grads); every parameter becomes a view of its
-    slot (same shape, strides and values).
+    slot (same shape, strides and values). Where the parameters are views of such buffers
+    already (a second ShardedOptimizer by tensor over the same DataParallel: Muon's and
+    AdamW's), those buffers themselves, so both optimizers gather into the same memory.
 
     Raises:
         ValueError: Parameters of different dtypes share a gradient buffer (`parameter_dtypes`).
     """
     dtypes = parameter_dtypes(store)
+    found = {key: _buffer_under(store, key) for key in store.buffers}
+    if all(buffer is not None for buffer in found.values()):
+        return found  # type: ignore[return-value]
     buffers = {
         key: torch.zeros(grad.numel(), dtype=next(iter(dtypes.get(key, {grad.dtype}))), device=grad.device)
         for key, grad in store.buffers.items()
@@ -374,6 +396,26 @@ def _flatten_parameters(store: GradStore) -> dict[Any, torch.Tensor]:
             view.copy_(param)
             param.data = view
     return buffers
+
+
+def _buffer_under(store: GradStore, key: GroupKey) -> torch.Tensor | None:
+    """The flat parameter buffer of `key` that the parameters are views of already, each at
+    its slot; None where they are not."""
+    params = [p for p in store.params if store.slot(p)[0] == key]
+    if not params:
+        return None
+    storage = params[0].untyped_storage()
+    base = params[0].storage_offset() - store.slot(params[0])[1].offset
+    numel = store.buffers[key].numel()
+    fits = base >= 0 and storage.nbytes() >= (base + numel) * params[0].element_size()
+    if not fits or any(
+        p.untyped_storage().data_ptr() != storage.data_ptr()
+        or p.storage_offset() - store.slot(p)[1].offset != base
+        or p.stride() != store.slot(p)[1].stride
+        for p in params
+    ):
+        return None
+    return params[0].new_empty(0).set_(storage, base, (numel,), (1,))
 
 
 def runs_in_shards(store: GradStore, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -469,9 +511,11 @@ def unscale_shards(
         found_inf.copy_(found)  # type: ignore[union-attr]
 
 
-# Optimizers whose update of an element depends only on that element (and scalars): they
-# give the same result on a shard as on the whole tensor.
-ELEMENTWISE = (
+ShardBy = Literal["element", "tensor"]
+
+# torch's optimizers whose update of an element depends only on that element (and scalars):
+# a flat shard updates as the whole tensor would.
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
     torch.optim.AdamW,
@@ -484,17 +528,195 @@ ELEMENTWISE = (
     torch.optim.Rprop,
     torch.optim.ASGD,
 )
+# torch's optimizers whose update of a tensor reads the whole tensor and no other one
+# (Muon: torch 2.9 on; Adafactor: 2.5 on).
+PER_TENSOR: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    cls
+    for cls in (getattr(torch.optim, "Muon", None), getattr(torch.optim, "Adafactor", None))
+    if cls is not None
+)
+# Whose update of any parameter reads every parameter (LBFGS's line search and history).
+CROSS_TENSOR: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.LBFGS,)
+
+_HOW_TO_SAY = (
+    "pass shard_by='element' (each element's update reads that element only: Lion, "
+    "schedule-free AdamW) or shard_by='tensor' (each tensor's update reads that whole tensor "
+    "and no other: LAMB, Shampoo per tensor); ShardedOptimizer checks the answer on small "
+    "probe tensors"
+)
 
 
-def check_optimizer_class(optimizer_class: object) -> None:
-    """Raise ValueError unless `optimizer_class` is one of `ELEMENTWISE` (or a subclass)."""
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE)):
-        names = ", ".join(cls.__name__ for cls in ELEMENTWISE)
-        given = getattr(optimizer_class, "__name__", optimizer_class)
+def shard_kind(recipe: OptimizerRecipe, shard_by: object, like: torch.Tensor) -> ShardBy:
+    """How `recipe`'s optimizer may be sharded, before anything moves (every rank decides
+    alike: the same class, arguments and probe).
+
+    torch's own classes are known (a subclass that keeps its `step` too); a known
+    element-wise class may also go by tensor. Any other class is probed on small float64
+    tensors like `like` (`probe`): with `shard_by` the answer must hold there; without, it
+    goes by tensor where the probe shows that exact (an element-wise class goes by tensor
+    too unless the user says ``shard_by="element"``: a probe on small tensors cannot show
+    that a class never looks past an element, as 8-bit optimizers do in blocks of large
+    tensors).
+
+    Raises:
+        TypeError: `recipe`'s class is not a `torch.optim.Optimizer` subclass.
+        ValueError: `shard_by` is not None, "element" or "tensor"; the class is
+            cross-tensor (LBFGS, or an unknown class whose probe updates a tensor by
+            another), or sparse (SparseAdam); `shard_by` asks for finer shards than the
+            class allows or than the probe shows exact; or an unknown class without
+            `shard_by` whose probe could not run.
+    """
+    cls = recipe.optimizer_class
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        given = getattr(cls, "__name__", cls)
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {given}")
+    if shard_by not in (None, "element", "tensor"):
+        raise ValueError(f"shard_by must be None, 'element' or 'tensor', got {shard_by!r}")
+    declared: ShardBy | None = shard_by  # type: ignore[assignment]
+    name = recipe.name
+    cross = (
+        f"ShardedOptimizer cannot shard {name}: its update of a parameter reads other "
+        "parameters (a statistic over all of them), which no rank holding a part can compute; "
+        f"use flatgrad.DataParallel with a plain {name} over dp.parameters()"
+    )
+    if issubclass(cls, CROSS_TENSOR):
+        raise ValueError(cross)
+    if issubclass(cls, torch.optim.SparseAdam):
         raise ValueError(
-            f"optimizer_class must be an element-wise torch optimizer ({names}) so that a "
-            f"shard updates as the whole tensor would, got {given}"
+            f"ShardedOptimizer cannot step {name}: it takes sparse gradients, which flatgrad's "
+            "flat buffers never hold (nn.Embedding(sparse=True) is refused when wrapping)"
         )
+    known = _known_kind(cls)
+    if known is not None:
+        if shard_by == "element" and known == "tensor":
+            raise ValueError(
+                f"{name} updates each tensor as a whole (shard_by='tensor'), so its flat shards "
+                "would not update as the whole tensor does: shard_by='element' cannot hold; "
+                "leave shard_by out"
+            )
+        return declared or known
+    return _probed_kind(recipe, declared, like, cross)
+
+
+def _probed_kind(
+    recipe: OptimizerRecipe, shard_by: ShardBy | None, like: torch.Tensor, cross: str
+) -> ShardBy:
+    """`shard_kind` for a class torch does not know: what `probe` shows, against what
+    `shard_by` says (see there); `cross` is the message for a cross-tensor class."""
+    name = recipe.name
+    found = probe(recipe, like)
+    if isinstance(found, Exception):
+        if shard_by is None:
+            raise ValueError(
+                f"ShardedOptimizer cannot tell how {name} may be sharded: it is not one of "
+                f"torch's own optimizers, and a probe step on small tensors raised {found!r}; " + _HOW_TO_SAY
+            )
+        return shard_by  # (nothing contradicts the answer)
+    if found == "cross":
+        raise ValueError(cross + f" (a probe step on small tensors showed it{_said(shard_by)})")
+    if shard_by == "element" and found != "element":
+        raise ValueError(
+            f"{name} was declared shard_by='element', but a probe step of a tensor in flat pieces "
+            "differs from its step of the whole tensor: its update reads more than each "
+            "element; use shard_by='tensor'"
+        )
+    return shard_by or "tensor"
+
+
+def _said(shard_by: object) -> str:
+    return "" if shard_by is None else f", whatever shard_by={shard_by!r} says"
+
+
+def _known_kind(cls: type[torch.optim.Optimizer]) -> ShardBy | None:
+    """The kind of torch's own class that `cls` is, or subclasses without its own `step`."""
+    for kind, known in (("element", ELEMENTWISE), ("tensor", PER_TENSOR)):
+        for base in known:
+            if issubclass(cls, base) and cls.step is base.step:
+                return kind  # type: ignore[return-value]
+    return None
+
+
+ProbeKind = Literal["element", "tensor", "cross"]
+
+
+def probe(recipe: OptimizerRecipe, like: torch.Tensor, steps: int = 3) -> ProbeKind | Exception:
+    """Step throwaway optimizers of `recipe` on small float64 tensors (on `like`'s device)
+    with the same gradients and compare: the whole tensors in one optimizer, against flat
+    pieces of them ("element" when equal), and against each tensor in an optimizer of its
+    own ("tensor" when equal; "cross" otherwise). Equal means within 1e-9 relative:
+    round-off of another summation order passes, a statistic over another tensor or over
+    a whole tensor does not. The exception the whole tensors' step raised, if any."""
+    shapes = [(16, 8), (12, 6)]  # 2-D: Muon-like classes take matrices only
+    generator = torch.Generator().manual_seed(0)
+    starts = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    # Gradients of different scales per tensor, so that a statistic they share shows.
+    grads = [
+        [
+            torch.randn(shape, generator=generator, dtype=torch.float64) * 10.0**i
+            for i, shape in enumerate(shapes)
+        ]
+        for _ in range(steps)
+    ]
+    try:
+        whole = _probe_run(recipe, starts, grads, like.device, "whole")
+    except Exception as error:  # noqa: BLE001  (any failure: the probe cannot tell)
+        return error
+    close = functools.partial(torch.allclose, rtol=1e-9, atol=1e-12)
+    try:
+        if all(map(close, whole, _probe_run(recipe, starts, grads, like.device, "pieces"))):
+            return "element"
+    except Exception:  # noqa: BLE001, S110  (it refuses 1-D pieces, as Muon does: not element-wise)
+        pass
+    try:
+        alone = _probe_run(recipe, starts, grads, like.device, "alone")
+    except Exception:  # noqa: BLE001
+        return "cross"
+    return "tensor" if all(map(close, whole, alone)) else "cross"
+
+
+def _probe_run(
+    recipe: OptimizerRecipe,
+    starts: list[torch.Tensor],
+    grads: list[list[torch.Tensor]],
+    device: torch.device,
+    how: Literal["whole", "pieces", "alone"],
+) -> list[torch.Tensor]:
+    """`starts` stepped with `grads` by optimizers of `recipe`: all in one ("whole"), each
+    flattened and cut into two unequal pieces, all pieces in one ("pieces"), or each in one
+    of its own ("alone"); the values afterwards, shaped as `starts`. Under a fixed seed."""
+    # (tensor index, [lo, hi) of its flat elements, the leaf stepped)
+    leaves = [
+        (
+            i,
+            lo,
+            hi,
+            nn.Parameter(
+                t.reshape(-1)[lo:hi].clone().to(device) if how == "pieces" else t.clone().to(device)
+            ),
+        )
+        for i, t in enumerate(starts)
+        for lo, hi in (
+            [(0, t.numel() // 3), (t.numel() // 3, t.numel())] if how == "pieces" else [(0, t.numel())]
+        )
+    ]
+    every = [leaf for *_, leaf in leaves]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        optimizers = (
+            [recipe.build([{"params": [leaf]}]) for leaf in every]
+            if how == "alone"
+            else [recipe.build([{"params": every}])]
+        )
+        for step_grads in grads:
+            for i, lo, hi, leaf in leaves:
+                grad = step_grads[i].reshape(-1)[lo:hi] if how == "pieces" else step_grads[i]
+                leaf.grad = grad.to(device)
+            for optimizer in optimizers:
+                optimizer.step()
+    values = [[] for _ in starts]  # type: list[list[torch.Tensor]]
+    for i, _, _, leaf in leaves:
+        values[i].append(leaf.detach().cpu().reshape(-1))
+    return [torch.cat(parts).view(t.shape) for parts, t in zip(values, starts)]
 
 
 def check_members(names: dict[int, str], groups: list[dict[str, Any]], what: str) -> None:
@@ -513,16 +735,23 @@ def checked_defaults(
     defaults: dict[str, Any],
 ) -> dict[str, Any]:
     """`optimizer_class`'s defaults after it checked `defaults` and the groups' options on a
-    one-element stand-in per group, before anything moves: its error for an invalid one (or
+    one-element stand-in per parameter, before anything moves: its error for an invalid one (or
     a duplicate parameter) leaves the model as it was. Raises ValueError first for dtypes
     that no one flat parameter buffer holds (`parameter_dtypes`), and for
     ``differentiable=True`` (`refuse_differentiable`)."""
     parameter_dtypes(store)
-    probe = next(iter(store.buffers.values()))
-    dummies = [nn.Parameter(probe.new_zeros(1)) for _ in groups]
-    checked = optimizer_class([dict(g, params=[d]) for g, d in zip(groups, dummies)], **defaults)
+    # A one-element stand-in per parameter with its number of dimensions, dtype and device:
+    # what a class checks of its parameters (Muon: matrices only) is checked for all of them
+    # here, on every rank alike, before any rank's inner optimizer holds only its own.
+    checked = optimizer_class(
+        [dict(g, params=[_stand_in_for_checks(p) for p in g["params"]]) for g in groups], **defaults
+    )
     refuse_differentiable(optimizer_class, checked.param_groups)
     return checked.defaults
+
+
+def _stand_in_for_checks(param: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(torch.zeros((1,) * param.dim(), dtype=param.dtype, device=param.device))
 
 
 def refuse_differentiable(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> None:
@@ -588,6 +817,26 @@ def add_piece_group(
             "and would be stepped twice); give them to ShardedOptimizer.add_param_group"
         )
     add(group)
+
+
+def group_signature(
+    param_groups: list[dict[str, Any]], inner: torch.optim.Optimizer
+) -> list[tuple[int, int]]:
+    """The params lists of the groups and of the inner optimizer's, and their lengths: a
+    list replaced or changed by hand (past add_param_group) shows here, at no cost per
+    parameter."""
+    groups = [*param_groups, *inner.param_groups]
+    return [(id(group["params"]), len(group["params"])) for group in groups]
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The summed size of the tensors in `optimizer`'s state."""
+    return sum(
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def _with_saved_options(views: list[GroupView], state_dict: object) -> list[GroupView]:
@@ -705,7 +954,7 @@ class PieceGroups:
         self.inner.add_param_group = functools.partial(  # type: ignore[method-assign]
             add_piece_group, self.inner.add_param_group, self.piece_ids
         )
-        self.held = self.signature(param_groups)
+        self.held = group_signature(param_groups, self.inner)
 
     def piece_ids(self) -> set[int]:
         return {id(piece.param) for pieces in self.pieces for piece in pieces}
@@ -721,19 +970,13 @@ class PieceGroups:
         pieces = self.engine.pieces(group["params"])
         self.pieces.append(pieces)
         torch.optim.Optimizer.add_param_group(self.inner, self.inner_group(group, pieces))
-        self.held = self.signature(param_groups)
-
-    def signature(self, param_groups: list[dict[str, Any]]) -> list[tuple[int, int]]:
-        # The params lists themselves and their lengths: a list replaced or changed by hand
-        # (past add_param_group) shows here, at no cost per parameter.
-        groups = [*param_groups, *self.inner.param_groups]
-        return [(id(group["params"]), len(group["params"])) for group in groups]
+        self.held = group_signature(param_groups, self.inner)
 
     def check(self, param_groups: list[dict[str, Any]]) -> None:
         """Raise RuntimeError where the groups (or the inner ones) were changed by hand: a
         parameter put into a group past add_param_group has no pieces, and one put into the
         inner optimizer would be stepped there and through its shard."""
-        if self.signature(param_groups) != self.held:
+        if group_signature(param_groups, self.inner) != self.held:
             raise RuntimeError(
                 "ShardedOptimizer's param_groups (and its inner optimizer's) were changed by "
                 "hand: add parameters with opt.add_param_group, which gives them their pieces "
@@ -795,9 +1038,4 @@ class PieceGroups:
 
     def state_bytes(self) -> int:
         """The summed size of the tensors in the inner optimizer's state."""
-        return sum(
-            t.numel() * t.element_size()
-            for state in self.inner.state.values()
-            for t in state.values()
-            if isinstance(t, torch.Tensor)
-        )
+        return state_bytes(self.inner)

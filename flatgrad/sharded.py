@@ -42,15 +42,17 @@ from flatgrad._scattered_grad import is_scattered, unguarded, unmark_scattered
 from flatgrad._torch_compat import join_state
 from flatgrad._zero import (
     PieceGroups,
+    ShardBy,
     ShardEngine,
     as_groups,
     check_members,
-    check_optimizer_class,
     checked_defaults,
     options,
     relaid_state,
+    shard_kind,
 )
 from flatgrad._zero_state import GroupView, OptimizerRecipe, whole_state
+from flatgrad._zero_tensor import TensorEngine, TensorGroups
 from flatgrad.buffer import GradStore
 from flatgrad.parallel import DataParallel
 
@@ -133,23 +135,22 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         params: Iterable[Any] | None = None,
         *,
         overlap_param_gather: bool = False,
+        shard_by: ShardBy | None = None,
         **defaults: Any,
     ) -> None:
         if not isinstance(dp, DataParallel):
             raise TypeError(f"dp must be a flatgrad.DataParallel, got {type(dp).__name__}")
         if not isinstance(overlap_param_gather, bool):
             raise TypeError(f"overlap_param_gather must be a bool, got {type(overlap_param_gather).__name__}")
-        check_optimizer_class(optimizer_class)
-        if dp._engine.reduce_scatter:
-            raise ValueError(
-                "dp already has a ShardedOptimizer (its buckets are reduce-scattered for that "
-                "one's shards); build one ShardedOptimizer per DataParallel"
-            )
         groups = as_groups([p for p in dp.parameters() if p.requires_grad] if params is None else params)
         self._names = {id(p): name for name, p in dp.named_parameters()}
         check_members(self._names, groups, "ShardedOptimizer's params must be parameters of dp (its model's)")
         # Checked before anything moves: a typo raises here and leaves dp and the model as they were.
-        checked = checked_defaults(dp.module._engine.refresh(), optimizer_class, groups, defaults)
+        store = dp.module._engine.refresh()
+        recipe = OptimizerRecipe(optimizer_class, dict(defaults))
+        self.shard_by: ShardBy = shard_kind(recipe, shard_by, next(iter(store.buffers.values())))
+        _check_companions(dp, self.shard_by, overlap_param_gather, bool(store.mains))
+        checked = checked_defaults(store, optimizer_class, groups, defaults)
         self._ready = False  # the inner optimizer exists (add_param_group gives it a group too)
         super().__init__(groups, checked)
         Joinable.__init__(self)  # (not joined: Join configures it)
@@ -158,13 +159,17 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.rank = dist.get_rank(dp.process_group)
         self.overlap_param_gather = overlap_param_gather
         # The class and the user's constructor arguments: every optimizer built here gets both.
-        self._recipe = OptimizerRecipe(optimizer_class, dict(defaults))
+        self._recipe = recipe
         # The whole state of parameters frozen since they were stepped, by name: restored
         # when they are trainable again (a plain optimizer keeps it, skipping them).
         self._parked: dict[str, dict[str, Any]] = {}
         self._waits: weakref.finalize | None = None
-        # slots on multiples of the world size: equal shards per bucket (and per buffer)
-        self._lay_out(dp.module._engine.use_slot_multiple(self.world_size))
+        self._engine: ShardEngine | TensorEngine
+        self._groups: PieceGroups | TensorGroups
+        if self.shard_by == "tensor":
+            self._lay_out_by_tensor(store)
+        else:  # slots on multiples of the world size: equal shards per bucket (and per buffer)
+            self._lay_out(dp.module._engine.use_slot_multiple(self.world_size))
         self._ready = True
         dp._engine.count_steps(0)  # each synchronised backward checks the ranks agree on it
 
@@ -175,14 +180,25 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         the caller loads its state)."""
         dp = self.dp
         pieces = dp._engine.shard_plan(store, self.overlap_param_gather)
-        self._engine = ShardEngine(store, pieces, dp.process_group, dp._engine.policy)
-        dp._engine.sharded_by([shard.grad for shard in self._engine.shards])
-        self._groups = PieceGroups(self._engine, self._names, self._recipe, self.param_groups)
+        engine = ShardEngine(store, pieces, dp.process_group, dp._engine.policy)
+        dp._engine.sharded_by([shard.grad for shard in engine.shards])
+        self._engine = engine
+        self._groups = PieceGroups(engine, self._names, self._recipe, self.param_groups)
         if self._waits is not None:
             self._waits()  # (the hooks that waited for the old buckets' gathers)
         if self.overlap_param_gather:
-            waits = ForwardWaits(self._engine, dp.module.module, dp._engine)
+            waits = ForwardWaits(engine, dp.module.module, dp._engine)
             self._waits = weakref.finalize(self, waits.remove)
+
+    def _lay_out_by_tensor(self, store: GradStore) -> None:
+        """Own whole parameters of `store` (`flatgrad._zero_tensor`): dp's buckets keep
+        all-reducing, the parameters become views of flat parameter buffers (those of
+        another ShardedOptimizer by tensor over dp, if any), and the inner optimizer steps
+        the parameters of `param_groups` this rank owns."""
+        members = {id(p) for group in self.param_groups for p in group["params"]}
+        engine = TensorEngine(store, self.dp.process_group, members)
+        self._engine = engine
+        self._groups = TensorGroups(engine, self._names, self._recipe, self.param_groups)
 
     def _follow_layout(self) -> None:
         """Before a step, a clip or a checkpoint: when parameters were frozen or unfrozen
@@ -200,6 +216,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 (`flatgrad._zero.relaid_state`).
         """
         engine, grads = self._engine, self.dp.module._engine
+        if isinstance(engine, TensorEngine):  # (by tensor: a change is refused)
+            engine.check_layout(grads)
+            return
         if not engine.params_in_place() or is_scattered(engine.store):
             engine.check_layout(grads)  # (raises if it changed)
             return
@@ -209,6 +228,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             return
         if any(id(p) not in self._names for p in store.params):  # (added or replaced)
             engine.check_layout(grads)
+        assert isinstance(self._groups, PieceGroups), "by element: its pieces"
         old = self._groups.state_dict(self.param_groups)["state"]
         kept = whole_state(old, self.dp.process_group)
         frozen = [p for p in engine.store.params if p not in store]
@@ -219,6 +239,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             for param in frozen:  # (its memory its own again, not the old flat buffer's)
                 param.data = param.data.clone()
         self._lay_out(store)
+        assert isinstance(self._groups, PieceGroups), "by element: its pieces"
         views = self._groups.views(self.param_groups)
         saved = relaid_state(kept, self._parked, views, self._recipe)
         self._groups.load_state_dict(self.param_groups, saved)
@@ -415,6 +436,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if not norm_type > 0:  # (False for NaN too)
             raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
         self._follow_layout()
+        if isinstance(self._engine, TensorEngine):  # (every rank holds every averaged gradient)
+            return self.dp.module.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
         return self._engine.clip(max_norm, norm_type, error_if_nonfinite)
 
     def state_dict(self) -> dict[str, Any]:
@@ -456,6 +479,31 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             The summed size of the tensors in the inner optimizer's state.
         """
         return self._groups.state_bytes()
+
+
+def _check_companions(dp: DataParallel, shard_by: ShardBy, overlap_param_gather: bool, mains: bool) -> None:
+    """Raise ValueError where `dp` already has a ShardedOptimizer this one cannot share it
+    with (by element, dp's buckets reduce-scatter for that one's shards; several by tensor
+    share dp: Muon's and AdamW's), or where ``shard_by="tensor"`` meets what it does not
+    do yet (`overlap_param_gather`, main grads)."""
+    has_one, by_element = dp._engine.step_count is not None, dp._engine.reduce_scatter
+    if by_element or (has_one and shard_by == "element"):
+        raise ValueError(
+            "dp already has a ShardedOptimizer (its buckets are reduce-scattered for that "
+            "one's shards); build one ShardedOptimizer per DataParallel, or several with "
+            "shard_by='tensor' (Muon's and AdamW's: docs/data-parallel.md)"
+        )
+    if shard_by == "tensor" and overlap_param_gather:
+        raise ValueError(
+            "overlap_param_gather=True is not supported with shard_by='tensor' (whole "
+            "parameters per rank) yet: leave it False"
+        )
+    if shard_by == "tensor" and mains:
+        raise ValueError(
+            "ShardedOptimizer with shard_by='tensor' does not step float32 masters of "
+            "bfloat16/float16 parameters (grad_dtype='float32') yet: use an element-wise "
+            "optimizer, or float32 parameters"
+        )
 
 
 class _ShardedJoinHook(JoinHook):

@@ -1,0 +1,328 @@
+"""ZeRO-1 by whole tensors, for a ShardedOptimizer with ``shard_by="tensor"`` (see
+`flatgrad.sharded`): for optimizers whose update of a parameter reads the whole parameter
+and no other one (Muon's orthogonalisation, Adafactor's factored second moments, a trust
+ratio per tensor), and for any element-wise one.
+
+The backward all-reduces every bucket, as DataParallel does alone, so every rank holds every
+averaged gradient (each `.grad` a plain, readable view of its slot). Each rank owns whole
+parameters: a contiguous run of slots of each flat parameter buffer, cut so that a rank's
+share of the elements is within one parameter of 1/world_size (`own_runs`). A rank steps
+only the parameters it owns and keeps only their optimizer state, then broadcasts its runs
+of the flat parameter buffers: at most world_size + (buffers - 1) broadcasts in all, each
+of one contiguous run (`TensorEngine.launch_gather`). torch's ZeroRedundancyOptimizer does
+the same with DDP's all-reduce (a greedy partition by size, a broadcast per rank), and
+Megatron-Core's layer-wise optimizer for Muon too; why this pair of collectives and not a
+reduce-scatter into owner ranges is in docs/performance.md.
+
+`TensorGroups` is the inner torch optimizer, over stand-ins of the owned parameters
+(`nn.Parameter`s sharing each parameter's memory and shape) with one inner group per group
+of `param_groups`, kept in step with them as `flatgrad._zero.PieceGroups` keeps its pieces;
+its state is saved per parameter name, whole, by the rank that owns it
+(``torch.distributed.checkpoint`` loads it on any world size).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatgrad._torch_compat import broadcast_coalesced
+from flatgrad._zero import (
+    FlatParameters,
+    add_piece_group,
+    group_signature,
+    options,
+    state_bytes,
+    unscale_shards,
+)
+from flatgrad._zero_state import STEP, OptimizerRecipe, refuse_misfits
+from flatgrad.buffer import GradStore
+from flatgrad.layout import GroupKey, merge_touching
+
+
+@dataclass(frozen=True)
+class Run:
+    """One rank's run of one flat parameter buffer: [start, end) holds whole slots (and the
+    padding after each) of the parameters that rank owns."""
+
+    key: GroupKey
+    start: int
+    end: int
+    rank: int
+
+
+def own_runs(store: GradStore, world_size: int, members: set[int]) -> tuple[dict[int, int], list[Run]]:
+    """The owner of each member parameter of `store` (`members`: the ids of the
+    optimizer's parameters) and the runs every rank broadcasts.
+
+    The buffers are taken one after the other, their slots in buffer order; a member goes
+    to the rank whose 1/world_size of all members' elements holds its middle element, so
+    owners only grow along that order and a rank's elements are within one parameter of
+    1/world_size of the total. A run is a stretch of one rank's member slots (each with the
+    padding after it) with no other slot between: one run per rank and buffer when the
+    optimizer holds every parameter, more where parameters of another optimizer (Muon's
+    matrices beside AdamW's vectors) lie between."""
+    order = [
+        (key, store.slot(p)[1].offset, p)
+        for key in store.buffers
+        for p in sorted(
+            (p for p in store.params if store.slot(p)[0] == key), key=lambda p: store.slot(p)[1].offset
+        )
+    ]
+    total = max(1, sum(p.numel() for _, _, p in order if id(p) in members))
+    owners: dict[int, int] = {}
+    spans: dict[tuple[GroupKey, int], list[tuple[int, int]]] = {}  # (buffer, rank) -> slot spans
+    position = 0
+    for index, (key, offset, param) in enumerate(order):
+        if id(param) not in members:
+            continue
+        rank = min(world_size - 1, (2 * position + param.numel()) * world_size // (2 * total))
+        owners[id(param)] = rank
+        position += param.numel()
+        following = order[index + 1] if index + 1 < len(order) else None
+        end = following[1] if following is not None and following[0] == key else store.buffers[key].numel()
+        spans.setdefault((key, rank), []).append((offset, end))
+    runs = [
+        Run(key, start, end, rank)
+        for (key, rank), found in spans.items()
+        for start, end in merge_touching(found)
+    ]
+    return owners, runs
+
+
+class TensorEngine(FlatParameters):
+    """The flat parameter buffers laid out like `store`'s gradient buffers (every parameter
+    a view of its slot), which parameters this rank owns, and the broadcasts that bring
+    every rank's updated parameters to the others."""
+
+    def __init__(self, store: GradStore, process_group: dist.ProcessGroup | None, members: set[int]) -> None:
+        super().__init__(store, process_group)
+        self.owners, runs = own_runs(store, self.world_size, members)
+        self.runs_by_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
+        for run in runs:
+            self.runs_by_rank[run.rank].append(
+                self.param_buffers[run.key].narrow(0, run.start, run.end - run.start)
+            )
+        self.in_flight: list[Any] = []  # the broadcasts of the last step still in flight
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether this rank steps `param` (a parameter of the store)."""
+        return self.owners.get(id(param)) == self.rank
+
+    def has_grads(self) -> bool:
+        """Whether a step has gradients to use: a parameter has a `.grad` (the same answer
+        on every rank: a synchronised backward sets them alike)."""
+        return any(p.grad is not None for p in self.store.params)
+
+    def take_assigned_grads(self) -> None:
+        """Nothing to take: the stand-ins step from each parameter's `.grad` as it is."""
+
+    def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:
+        """Multiply every gradient by `inv_scale`; with `found_inf`, set it to 1.0 where any
+        gradient holds an inf or NaN (every rank holds all of them, averaged: the small
+        all-reduce of `unscale_shards` only keeps the ranks in step)."""
+        grads = [p.grad for p in self.store.params if p.grad is not None]
+        if grads:
+            unscale_shards(grads, inv_scale, found_inf, allow_fp16, self.process_group)
+
+    def launch_gather(self) -> None:
+        """Broadcast every rank's runs of the flat parameter buffers from it, in the
+        parameters' dtype: a rank's one run (the optimizer holds every parameter) as it
+        lies, asynchronously (`wait_gather` finishes it); several runs (another optimizer's
+        parameters between) coalesced into one broadcast per dtype and ~250 MiB (DDP's own
+        `_broadcast_coalesced`: a copy in and out, instead of one collective per run)."""
+        self.wait_gather()
+        group = self.process_group
+        for rank, runs in enumerate(self.runs_by_rank):
+            src = self.global_ranks[rank]
+            if len(runs) == 1:
+                self.in_flight.append(dist.broadcast(runs[0], src=src, group=group, async_op=True))
+            elif runs:
+                broadcast_coalesced(group, runs, _COALESCED_BYTES, src)
+
+    def wait_gather(self, indices: tuple[int, ...] | None = None) -> None:
+        """Wait for the broadcasts `launch_gather` started: every parameter is whole
+        afterwards (on CUDA: for work queued on the current stream from now on)."""
+        for work in self.in_flight:
+            work.wait()
+        self.in_flight = []
+
+
+_COALESCED_BYTES = 250 * 1024 * 1024  # (DDP's broadcast bucket)
+
+
+def _stand_in(param: torch.Tensor) -> nn.Parameter:
+    """What the inner optimizer steps for `param`: a leaf sharing its memory, shape and
+    version counter, so the update lands in the parameter as a plain optimizer's would."""
+    return nn.Parameter(param.detach())
+
+
+class TensorGroups:
+    """The inner optimizer (`inner`) over stand-ins of the parameters this rank owns, one
+    inner group per group of `param_groups` (empty where it owns none of the group), whose
+    options it copies at every step. `names` maps id(param) to the plain parameter name
+    (the checkpoint's keys)."""
+
+    def __init__(
+        self,
+        engine: TensorEngine,
+        names: dict[int, str],
+        recipe: OptimizerRecipe,
+        param_groups: list[dict[str, Any]],
+    ) -> None:
+        self.engine = engine
+        self.names = names
+        self.recipe = recipe
+        self.stand_ins: dict[int, nn.Parameter] = {}  # id(param) -> its stand-in
+        self.owned: list[list[torch.Tensor]] = []  # per group: the parameters this rank steps
+        self.inner = recipe.build([self._inner_group(group) for group in param_groups])
+        # Model parameters given to the inner optimizer would be stepped outside the plan
+        # (and not broadcast): refused at the call, as PieceGroups refuses them.
+        self.inner.add_param_group = functools.partial(  # type: ignore[method-assign]
+            add_piece_group, self.inner.add_param_group, self.stand_in_ids
+        )
+        self.held = group_signature(param_groups, self.inner)
+
+    def _inner_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        owned = [p for p in group["params"] if p in self.engine.store and self.engine.owns(p)]
+        self.owned.append(owned)
+        for param in owned:
+            self.stand_ins[id(param)] = _stand_in(param)
+        return {**options(group), "params": [self.stand_ins[id(p)] for p in owned]}
+
+    def stand_in_ids(self) -> set[int]:
+        return {id(s) for s in self.stand_ins.values()}
+
+    def add(self, group: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
+        """The inner group for `group`, just added to `param_groups`."""
+        torch.optim.Optimizer.add_param_group(self.inner, self._inner_group(group))
+        self.held = group_signature(param_groups, self.inner)
+
+    def check(self, param_groups: list[dict[str, Any]]) -> None:
+        """Raise RuntimeError where the groups (or the inner ones) were changed by hand."""
+        if group_signature(param_groups, self.inner) != self.held:
+            raise RuntimeError(
+                "ShardedOptimizer's param_groups (and its inner optimizer's) were changed by "
+                "hand: add parameters with opt.add_param_group, which gives each its owner "
+                "rank; the inner optimizer holds this rank's parameters only"
+            )
+
+    def step(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> None:
+        """The inner optimizer's step over this rank's parameters, each with its own `.grad`
+        (None: skipped, as a plain optimizer skips it), with the options `param_groups`
+        hold now; what the step writes into its groups shows in `param_groups` afterwards."""
+        for owned in self.owned:
+            for param in owned:
+                self.stand_ins[id(param)].grad = param.grad
+        for group, inner in zip(param_groups, self.inner.param_groups):
+            inner.update(options(group))
+        self.inner.step(**kwargs)
+        for group, inner in zip(param_groups, self.inner.param_groups):
+            group.update(options(inner))
+
+    def drop_grads(self) -> None:
+        """Drop the stand-ins' `.grad` (zero_grad)."""
+        for stand_in in self.stand_ins.values():
+            stand_in.grad = None
+
+    def state_dict(self, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+        """This rank's parameters' state, whole, by name (a parameter not stepped yet: the
+        state one step would make, zeros, with a step count of 0, so that
+        ``torch.distributed.checkpoint`` has a tensor to load into), and every group's
+        options with the names of all of its parameters (the same on every rank)."""
+        state: dict[str, Any] = {}
+        for group, owned in zip(self.inner.param_groups, self.owned):
+            for param in owned:
+                stand_in = self.stand_ins[id(param)]
+                entry = self.inner.state.get(stand_in) or _unstepped_state(
+                    self.recipe, options(group), stand_in
+                )
+                state[self.names[id(param)]] = dict(entry)
+        groups = [
+            {**options(group), "params": [self.names[id(p)] for p in group["params"]]}
+            for group in param_groups
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
+        """Load `state_dict` (a ShardedOptimizer's of the same groups, on any world size
+        through torch.distributed.checkpoint, or this rank's own) into the inner optimizer
+        and the groups' options, after every rank found it fits (`refuse_misfits`). A
+        saved step count of 0 (never stepped) loads as a fresh optimizer's state."""
+        problem = self._misfit(param_groups, state_dict)
+        device = next(iter(self.engine.param_buffers.values())).device
+        refuse_misfits(problem, device, self.engine.process_group)
+        for group, inner, saved, owned in zip(
+            param_groups, self.inner.param_groups, state_dict["param_groups"], self.owned
+        ):
+            group.update(options(saved))
+            inner.update(options(saved))
+            for param in owned:
+                stand_in = self.stand_ins[id(param)]
+                entry = state_dict["state"].get(self.names[id(param)])
+                self.inner.state.pop(stand_in, None)
+                if entry is None or _never_stepped(entry):
+                    fresh = self.recipe.build([{**options(inner), "params": [stand_in]}]).state.get(stand_in)
+                    if fresh:  # (Adagrad's initial accumulator)
+                        self.inner.state[stand_in] = fresh
+                else:
+                    self.inner.state[stand_in] = {
+                        key: _placed(key, value, stand_in) for key, value in entry.items()
+                    }
+
+    def _misfit(self, param_groups: list[dict[str, Any]], saved: object) -> str | None:
+        """What keeps `saved` from loading on this rank; None when it fits."""
+        if not isinstance(saved, dict) or not {"state", "param_groups"} <= saved.keys():
+            return "not an optimizer state keyed by parameter names (ShardedOptimizer.state_dict())"
+        names = [[self.names[id(p)] for p in group["params"]] for group in param_groups]
+        if [list(group.get("params", ())) for group in saved["param_groups"]] != names:
+            return "its parameter groups hold other parameters (another model or grouping)"
+        for group_names, owned in zip(names, self.owned):
+            entries = [saved["state"][n] for n in group_names if n in saved["state"]]
+            if not entries or all(_never_stepped(e) for e in entries):
+                continue  # (a group that never stepped: fresh)
+            missing = [self.names[id(p)] for p in owned if self.names[id(p)] not in saved["state"]]
+            if missing:
+                return f"no state for {missing[:4]}"
+        return None
+
+    def state_bytes(self) -> int:
+        """The summed size of the tensors in the inner optimizer's state."""
+        return state_bytes(self.inner)
+
+
+def _never_stepped(entry: object) -> bool:
+    step = entry.get(STEP) if isinstance(entry, dict) else None
+    return step is not None and float(step) == 0
+
+
+def _placed(key: str, value: object, stand_in: torch.Tensor) -> object:
+    """A loaded state value where the parameter is, as torch's `Optimizer.load_state_dict`
+    places it: floating tensors in the parameter's dtype and device, the step count as
+    saved."""
+    if not isinstance(value, torch.Tensor) or key == STEP:
+        return value
+    if value.is_floating_point():
+        return value.to(dtype=stand_in.dtype, device=stand_in.device)
+    return value.to(device=stand_in.device)
+
+
+def _unstepped_state(
+    recipe: OptimizerRecipe, group_options: dict[str, Any], stand_in: torch.Tensor
+) -> dict[str, Any]:
+    """The state one step of `recipe`'s optimizer makes for a parameter like `stand_in`
+    (on a throwaway copy with a zero gradient), every tensor zeroed: its keys, shapes and
+    dtypes, for a checkpoint to load into; its step count of 0 says it never stepped."""
+    dummy = nn.Parameter(torch.zeros_like(stand_in))
+    dummy.grad = torch.zeros_like(dummy)
+    probe = recipe.build([{**group_options, "params": [dummy]}])
+    probe.step()
+    return {
+        key: torch.zeros_like(value) if isinstance(value, torch.Tensor) else value
+        for key, value in probe.state.get(dummy, {}).items()
+    }
