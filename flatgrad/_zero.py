@@ -1000,6 +1000,18 @@ class PieceGroups:
             group.update(options(inner))
         self.engine.write_back()
 
+    def call(self, name: str, param_groups: list[dict[str, Any]]) -> None:
+        """The inner optimizer's method `name` (schedule-free's ``train``/``eval``, which
+        move the parameters), with the options `param_groups` hold now; what it writes into
+        its groups shows in `param_groups` afterwards."""
+        for group, inner in zip(param_groups, self.inner.param_groups):
+            inner.update(options(group))
+        self.engine.take_masters()
+        getattr(self.inner, name)()
+        for group, inner in zip(param_groups, self.inner.param_groups):
+            group.update(options(inner))
+        self.engine.write_back()
+
     def drop_grads(self) -> None:
         """Drop the pieces' `.grad` (zero_grad)."""
         for pieces in self.pieces:

@@ -225,6 +225,16 @@ class TensorGroups:
         for group, inner in zip(param_groups, self.inner.param_groups):
             group.update(options(inner))
 
+    def call(self, name: str, param_groups: list[dict[str, Any]]) -> None:
+        """The inner optimizer's method `name` (schedule-free's ``train``/``eval``, which
+        move the parameters), with the options `param_groups` hold now; what it writes into
+        its groups shows in `param_groups` afterwards."""
+        for group, inner in zip(param_groups, self.inner.param_groups):
+            inner.update(options(group))
+        getattr(self.inner, name)()
+        for group, inner in zip(param_groups, self.inner.param_groups):
+            group.update(options(inner))
+
     def drop_grads(self) -> None:
         """Drop the stand-ins' `.grad` (zero_grad)."""
         for stand_in in self.stand_ins.values():

@@ -330,6 +330,34 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self._engine.wait_gather()
         return loss
 
+    def train(self) -> None:
+        """The inner optimizer's ``train()`` (schedule-free optimizers: the parameters move
+        to the training point), then every rank's updated parameters reach the others.
+
+        Raises:
+            AttributeError: The optimizer class has no ``train()``.
+        """
+        self._call_inner("train")
+
+    def eval(self) -> None:
+        """The inner optimizer's ``eval()`` (schedule-free optimizers: the parameters move
+        to the averaged point, for evaluation and checkpoints), then every rank's updated
+        parameters reach the others.
+
+        Raises:
+            AttributeError: The optimizer class has no ``eval()``.
+        """
+        self._call_inner("eval")
+
+    def _call_inner(self, name: str) -> None:
+        if not callable(getattr(self.optimizer, name, None)):
+            raise AttributeError(f"{self._recipe.name} has no {name}() for ShardedOptimizer to call")
+        self._engine.wait_gather()
+        self._follow_layout()
+        self._groups.call(name, self.param_groups)
+        self._engine.launch_gather()
+        self._engine.wait_gather()
+
     def unscale_shards_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> None:
         """What `flatgrad.GradScaler` runs for this optimizer: multiply this rank's gradient
         shards by `inv_scale` and set `found_inf` to 1.0 where any rank's shard holds an inf
