@@ -681,42 +681,53 @@ def _probe_run(
     device: torch.device,
     how: Literal["whole", "pieces", "alone"],
 ) -> list[torch.Tensor]:
-    """`starts` stepped with `grads` by optimizers of `recipe`: all in one ("whole"), each
-    flattened and cut into two unequal pieces, all pieces in one ("pieces"), or each in one
-    of its own ("alone"); the values afterwards, shaped as `starts`. Under a fixed seed."""
-    # (tensor index, [lo, hi) of its flat elements, the leaf stepped)
-    leaves = [
-        (
-            i,
-            lo,
-            hi,
-            nn.Parameter(
-                t.reshape(-1)[lo:hi].clone().to(device) if how == "pieces" else t.clone().to(device)
-            ),
-        )
-        for i, t in enumerate(starts)
-        for lo, hi in (
-            [(0, t.numel() // 3), (t.numel() // 3, t.numel())] if how == "pieces" else [(0, t.numel())]
-        )
+    """`starts` stepped with `grads` by optimizers of `recipe`, as ranks would hold them:
+    all in one ("whole"); each flattened and cut into two unequal pieces, the first pieces
+    of all in one optimizer and the second ones in another ("pieces": two ranks' flat
+    shards); or each in an optimizer of its own ("alone": ranks owning whole tensors). The
+    values afterwards, shaped as `starts`. Under a fixed seed."""
+    # Per optimizer, its leaves: (tensor index, [lo, hi) of its flat elements, the leaf).
+    held: list[list[tuple[int, int, int, nn.Parameter]]]
+    if how == "pieces":
+        cuts = [[(i, 0, t.numel() // 3) for i, t in enumerate(starts)]]
+        cuts.append([(i, t.numel() // 3, t.numel()) for i, t in enumerate(starts)])
+    else:
+        every = [(i, 0, t.numel()) for i, t in enumerate(starts)]
+        cuts = [every] if how == "whole" else [[cut] for cut in every]
+    whole = how != "pieces"  # (whole tensors keep their shape: Muon-like classes need it)
+    held = [
+        [
+            (
+                i,
+                lo,
+                hi,
+                nn.Parameter((starts[i] if whole else starts[i].reshape(-1)[lo:hi]).clone().to(device)),
+            )
+            for i, lo, hi in part
+        ]
+        for part in cuts
     ]
-    every = [leaf for *_, leaf in leaves]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        optimizers = (
-            [recipe.build([{"params": [leaf]}]) for leaf in every]
-            if how == "alone"
-            else [recipe.build([{"params": every}])]
-        )
+        optimizers = [recipe.build([{"params": [leaf for *_, leaf in leaves]}]) for leaves in held]
+        for optimizer in optimizers:  # (schedule-free optimizers step in train mode only)
+            train = getattr(optimizer, "train", None)
+            if callable(train):
+                train()
         for step_grads in grads:
-            for i, lo, hi, leaf in leaves:
-                grad = step_grads[i].reshape(-1)[lo:hi] if how == "pieces" else step_grads[i]
-                leaf.grad = grad.to(device)
+            for leaves in held:
+                for i, lo, hi, leaf in leaves:
+                    leaf.grad = step_grads[i].reshape(-1)[lo:hi].view(leaf.shape).to(device)
             for optimizer in optimizers:
                 optimizer.step()
-    values = [[] for _ in starts]  # type: list[list[torch.Tensor]]
-    for i, _, _, leaf in leaves:
-        values[i].append(leaf.detach().cpu().reshape(-1))
-    return [torch.cat(parts).view(t.shape) for parts, t in zip(values, starts)]
+    values: list[list[tuple[int, torch.Tensor]]] = [[] for _ in starts]
+    for leaves in held:
+        for i, lo, _, leaf in leaves:
+            values[i].append((lo, leaf.detach().cpu().reshape(-1)))
+    return [
+        torch.cat([v for _, v in sorted(parts, key=lambda p: p[0])]).view(t.shape)
+        for parts, t in zip(values, starts)
+    ]
 
 
 def check_members(names: dict[int, str], groups: list[dict[str, Any]], what: str) -> None:

@@ -1,0 +1,365 @@
+"""`flatgrad.ShardedOptimizer` with ``shard_by="tensor"`` (whole parameters per rank): Muon
+with AdamW, Adafactor, checkpoints and refusals.
+
+The oracles are stock DDP + the same torch optimizers on a deep copy, and torch's
+`ZeroRedundancyOptimizer` (which also gives each rank whole parameters) over a second DDP
+copy. 2 and 3 gloo ranks, float64, different data per rank. Each parameter is updated by
+the same optimizer code from the same averaged gradient on its owner rank, so the only
+difference from stock is the gradient average's summation order (gloo's all-reduce on both
+sides): 1e-12 relative. A resume on another world size changes the order of the global
+batch's additions: 1e-10.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from dist_utils import run_ranks
+from oracle import Lockstep, assert_params_like
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import flatgrad
+from flatgrad.bench.models import TiedGPT
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon: torch 2.9 on"),
+]
+
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+RESUME_TOL = {"rtol": 1e-10, "atol": 1e-10}
+MUON = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01}
+ADAMW = {"lr": 3e-3, "weight_decay": 0.1}
+
+
+def _gpt() -> nn.Module:
+    """A small GPT (torch's encoder layers, causal), its LM head tied to the embedding."""
+    torch.manual_seed(0)
+    return TiedGPT(vocab=64, dim=16, depth=2, heads=2, block=8).double()
+
+
+def _gpt_batch(rank: int, step: int, micro: int = 0, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    tokens = torch.randint(0, 64, (rows, 9), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _muon_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Muon's recipe: the hidden matrices for Muon, the rest (embeddings and the tied head,
+    norms, biases) for AdamW."""
+    matrices = [p for name, p in model.named_parameters() if p.dim() == 2 and name.startswith("blocks.")]
+    rest = [p for name, p in model.named_parameters() if not (p.dim() == 2 and name.startswith("blocks."))]
+    return matrices, rest
+
+
+def _warmup(step: int) -> float:
+    return min(1.0, (step + 1) / 3)
+
+
+class _Pair:
+    """Muon + AdamW over one model, with an LR scheduler on each: ours (two
+    ShardedOptimizers over one DataParallel), or stock's over `wrapper` (DDP)."""
+
+    def __init__(self, model: nn.Module, ours: bool, wrapper: Any = None, zero: bool = False) -> None:
+        matrices, rest = _muon_split(model)
+        if ours:
+            self.wrapper = wrapper
+            self.opts = [
+                flatgrad.ShardedOptimizer(wrapper, torch.optim.Muon, matrices, **MUON),
+                flatgrad.ShardedOptimizer(wrapper, torch.optim.AdamW, rest, shard_by="tensor", **ADAMW),
+            ]
+        elif zero:
+            self.wrapper = wrapper
+            self.opts = [
+                ZeroRedundancyOptimizer(matrices, optimizer_class=torch.optim.Muon, **MUON),
+                ZeroRedundancyOptimizer(rest, optimizer_class=torch.optim.AdamW, **ADAMW),
+            ]
+        else:
+            self.wrapper = wrapper
+            self.opts = [torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(rest, **ADAMW)]
+        self.scheds = [torch.optim.lr_scheduler.LambdaLR(opt, _warmup) for opt in self.opts]
+        self.ours = ours
+
+    def step(self, rank: int, step: int) -> torch.Tensor:
+        """Two micro-batches (the first under no_sync), clipping, both optimizers, both
+        schedulers; the norm before clipping."""
+        for opt in self.opts:
+            opt.zero_grad()
+        with self.wrapper.no_sync():
+            self.wrapper(*_gpt_batch(rank, step, 0)).backward()
+        self.wrapper(*_gpt_batch(rank, step, 1)).backward()
+        if self.ours:  # (one clip over the whole model, as stock's over all parameters)
+            norm = self.opts[0].clip_grad_norm_(0.5)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.wrapper.parameters(), 0.5)
+        for opt, sched in zip(self.opts, self.scheds):
+            opt.step()
+            sched.step()
+        return norm
+
+
+def _muon_adamw_worker(rank: int, world_size: int) -> None:
+    model = _gpt()
+    stock_model, zero_model = copy.deepcopy(model), copy.deepcopy(model)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.01)
+    ours = _Pair(model, True, dp)
+    stock = _Pair(stock_model, False, DDP(stock_model))
+    zero = _Pair(zero_model, False, DDP(zero_model), zero=True)
+    for step in range(4):
+        norms = [pair.step(rank, step) for pair in (ours, stock, zero)]
+        torch.testing.assert_close(norms[0], norms[1], **TOL)
+        assert_params_like(model, stock_model, **TOL, what=f"stock, step {step}")
+        assert_params_like(model, zero_model, **TOL, what=f"ZeroRedundancyOptimizer, step {step}")
+    assert [opt.shard_by for opt in ours.opts] == ["tensor", "tensor"]
+    assert ours.opts[0].param_groups[0]["lr"] == stock.opts[0].param_groups[0]["lr"]
+    # memory: this rank's state is within one largest tensor of 1/world_size of the whole
+    ours_bytes = sum(opt.state_bytes() for opt in ours.opts)
+    whole = sum(_state_bytes(opt) for opt in stock.opts)
+    largest = max(2 * p.numel() * p.element_size() for p in model.parameters())  # (AdamW's two moments)
+    assert ours_bytes <= whole / world_size + largest, (ours_bytes, whole, largest)
+    mine = torch.tensor([ours_bytes], dtype=torch.float64)
+    dist.all_reduce(mine)
+    assert int(mine) == whole  # every parameter's state on exactly one rank
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_muon_with_adamw_equals_ddp_and_zero_redundancy_optimizer(world_size):
+    """Two ShardedOptimizers by tensor over one DataParallel (Muon for the hidden matrices,
+    AdamW for the rest), gradient accumulation, clipping, an LR scheduler on each: the
+    parameters of DDP + Muon + AdamW and of ZeroRedundancyOptimizer(Muon) +
+    ZeroRedundancyOptimizer(AdamW); each rank holds about 1/world_size of the state."""
+    run_ranks(_muon_adamw_worker, world_size=world_size)
+
+
+# Adafactor's eps1 (its floor under the squared gradient) at 1e-3 instead of float64's
+# machine epsilon: the key projection's bias has a gradient that is zero but for round-off
+# (attention does not depend on it), which the default floor scales up to the size of an
+# update, so one ulp of difference in the average (3 ranks; GEMMs on differently aligned
+# memory) would become a 10x relative difference in that bias.
+ADAFACTOR = {"lr": 0.01, "eps": (1e-3, 1e-3)}
+
+
+def _adafactor_worker(rank: int, world_size: int) -> None:
+    model = _gpt()
+    ref = copy.deepcopy(model)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.01)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.Adafactor, **ADAFACTOR)
+    assert opt.shard_by == "tensor"
+    pair = Lockstep(model, dp, opt, DDP(ref), torch.optim.Adafactor(ref.parameters(), **ADAFACTOR))
+    for step in range(3):
+        pair.train_step(*_gpt_batch(rank, step))
+        pair.assert_params(**TOL, what=f"step {step}")
+    # this rank's own state, torch.save-d and loaded into a fresh optimizer, steps on as stock
+    saved = opt.state_dict()
+    assert all(name in saved["state"] for name in _owned_names(opt, dp))
+    model2 = copy.deepcopy(model)
+    dp2 = flatgrad.DataParallel(flatgrad.FlatGrad(model2), bucket_mb=0.01)
+    opt2 = flatgrad.ShardedOptimizer(dp2, torch.optim.Adafactor, **ADAFACTOR)
+    opt2.load_state_dict(saved)
+    pair2 = Lockstep(model2, dp2, opt2, pair.ref, pair.ref_opt)
+    for step in range(3, 5):
+        pair2.train_step(*_gpt_batch(rank, step))
+        pair2.assert_params(**TOL, what=f"resumed, step {step}")
+
+
+def _owned_names(opt: flatgrad.ShardedOptimizer, dp: flatgrad.DataParallel) -> list[str]:
+    return [name for name, p in dp.named_parameters() if opt._engine.owns(p)]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_adafactor_equals_ddp_and_resumes_from_its_state_dict(world_size):
+    run_ranks(_adafactor_worker, world_size=world_size)
+
+
+# --- checkpoints on another world size ---------------------------------------------------
+
+GLOBAL_ROWS = 6
+
+
+def _share(rank: int, world_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s equal share of the global batch of `step` (the same on any world size)."""
+    inputs, targets = _gpt_batch(0, step, rows=GLOBAL_ROWS)
+    rows = GLOBAL_ROWS // world_size
+    return inputs[rank * rows : (rank + 1) * rows], targets[rank * rows : (rank + 1) * rows]
+
+
+def _ckpt_setup() -> tuple[nn.Module, flatgrad.DataParallel, list[flatgrad.ShardedOptimizer], list[Any]]:
+    model = _gpt()
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.01)
+    matrices, rest = _muon_split(model)
+    opts = [
+        flatgrad.ShardedOptimizer(dp, torch.optim.Muon, matrices, **MUON),
+        flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, rest, shard_by="tensor", **ADAMW),
+    ]
+    return model, dp, opts, [torch.optim.lr_scheduler.LambdaLR(opt, _warmup) for opt in opts]
+
+
+def _ckpt_train(
+    dp: Any, opts: list[Any], scheds: list[Any], rank: int, world_size: int, steps: range
+) -> None:
+    for step in steps:
+        for opt in opts:
+            opt.zero_grad()
+        dp(*_share(rank, world_size, step)).backward()
+        opts[0].clip_grad_norm_(0.5)
+        for opt, sched in zip(opts, scheds):
+            opt.step()
+            sched.step()
+
+
+def _state(dp: Any, opts: list[Any], scheds: list[Any]) -> dict[str, Any]:
+    return {"model": dp, "muon": opts[0], "adamw": opts[1], "muon_lr": scheds[0], "adamw_lr": scheds[1]}
+
+
+def _ckpt_save_worker(rank: int, world_size: int, tmp: str) -> None:
+    model, dp, opts, scheds = _ckpt_setup()
+    _ckpt_train(dp, opts, scheds, rank, world_size, range(2))
+    dcp.save(_state(dp, opts, scheds), checkpoint_id=f"{tmp}/ckpt")
+    _ckpt_train(dp, opts, scheds, rank, world_size, range(2, 4))
+    if rank == 0:
+        with open(f"{tmp}/final.json", "w") as file:
+            json.dump({name: p.detach().tolist() for name, p in model.named_parameters()}, file)
+
+
+def _ckpt_resume_worker(rank: int, world_size: int, tmp: str) -> None:
+    model, dp, opts, scheds = _ckpt_setup()
+    _ckpt_train(dp, opts, scheds, rank, world_size, range(1))  # state that the load must replace
+    dcp.load(_state(dp, opts, scheds), checkpoint_id=f"{tmp}/ckpt")
+    _ckpt_train(dp, opts, scheds, rank, world_size, range(2, 4))
+    with open(f"{tmp}/final.json") as file:
+        final = json.load(file)
+    for name, p in model.named_parameters():
+        expected = torch.tensor(final[name], dtype=p.dtype)
+        torch.testing.assert_close(p.detach(), expected, **RESUME_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_muon_with_adamw_resumes_from_dcp_on_another_world_size(tmp_path):
+    """dcp.save of the model, both optimizers and both schedulers on 2 ranks; dcp.load on 3
+    (each rank owns other parameters there) and on 2, then 2 more steps: the uninterrupted
+    run's parameters."""
+    run_ranks(_ckpt_save_worker, str(tmp_path), world_size=2)
+    for world_size in (3, 2):
+        run_ranks(_ckpt_resume_worker, str(tmp_path), world_size=world_size, timeout=150)
+
+
+# --- which optimizers shard how ----------------------------------------------------------
+
+
+class _GlobalNormSGD(torch.optim.Optimizer):
+    """SGD on gradients divided by their global norm over every parameter: cross-tensor."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / total, alpha=-group["lr"])
+
+
+class _TrustRatioSGD(torch.optim.Optimizer):
+    """SGD scaled by each tensor's trust ratio (LARS-like): per-tensor."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    ratio = torch.linalg.vector_norm(p) / (torch.linalg.vector_norm(p.grad) + 1e-12)
+                    p.add_(p.grad * ratio, alpha=-group["lr"])
+
+
+class _SignSGD(torch.optim.Optimizer):
+    """SGD on the gradient's sign (Lion's update without momentum): element-wise."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+class _NeedsAnArgument(torch.optim.SGD):
+    def step(self, closure: Any = None, *, scale: float) -> None:  # type: ignore[override]
+        super().step(closure)
+
+
+def _kinds_worker(rank: int, world_size: int) -> None:
+    def build(cls: Any, **kwargs: Any) -> flatgrad.ShardedOptimizer:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+        return flatgrad.ShardedOptimizer(
+            flatgrad.DataParallel(flatgrad.FlatGrad(model)), cls, lr=0.1, **kwargs
+        )
+
+    assert build(torch.optim.AdamW).shard_by == "element"
+    assert build(torch.optim.AdamW, shard_by="tensor").shard_by == "tensor"
+    assert build(_SignSGD).shard_by == "tensor"  # (probed: a small probe cannot prove "element")
+    assert build(_SignSGD, shard_by="element").shard_by == "element"
+    assert build(_TrustRatioSGD).shard_by == "tensor"
+    with pytest.raises(ValueError, match="declared shard_by='element', but a probe step of a tensor in flat"):
+        build(_TrustRatioSGD, shard_by="element")
+    with pytest.raises(ValueError, match=r"cannot shard _GlobalNormSGD: .*\(a probe step on small tensors"):
+        build(_GlobalNormSGD)
+    with pytest.raises(ValueError, match="whatever shard_by='tensor' says"):
+        build(_GlobalNormSGD, shard_by="tensor")
+    with pytest.raises(ValueError, match="cannot tell how _NeedsAnArgument may be sharded: .* shard_by="):
+        build(_NeedsAnArgument)
+    assert build(_NeedsAnArgument, shard_by="element").shard_by == "element"  # (the user's word)
+    with pytest.raises(ValueError, match="Muon updates each tensor as a whole"):
+        flatgrad.ShardedOptimizer(
+            flatgrad.DataParallel(flatgrad.FlatGrad(nn.Linear(4, 4, bias=False))),
+            torch.optim.Muon,
+            shard_by="element",
+        )
+    with pytest.raises(ValueError, match="cannot step SparseAdam: it takes sparse gradients"):
+        build(torch.optim.SparseAdam)
+    with pytest.raises(ValueError, match="shard_by must be None, 'element' or 'tensor', got 'row'"):
+        build(torch.optim.SGD, shard_by="row")
+    with pytest.raises(TypeError, match="optimizer_class must be a torch.optim.Optimizer subclass, got dict"):
+        build(dict)
+    # Muon refuses a vector (its own check), on every rank before anything moves
+    model = nn.Linear(4, 4).double()
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model))
+    with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
+        flatgrad.ShardedOptimizer(dp, torch.optim.Muon, lr=0.1)
+    with pytest.raises(ValueError, match="overlap_param_gather=True is not supported with shard_by='tensor'"):
+        flatgrad.ShardedOptimizer(dp, torch.optim.Adam, shard_by="tensor", overlap_param_gather=True)
+    flatgrad.ShardedOptimizer(dp, torch.optim.Muon, [model.weight], lr=0.1)
+    with pytest.raises(ValueError, match="dp already has a ShardedOptimizer"):
+        flatgrad.ShardedOptimizer(dp, torch.optim.Adam, [model.bias])  # (by element: reduce-scatters)
+
+
+def test_each_class_gets_the_sharding_it_allows_or_a_clear_refusal():
+    """torch's element-wise classes by element, Muon and Adafactor by tensor; other classes
+    by what a probe shows (a trust ratio: by tensor; a global norm: refused) or what the user
+    says, where the probe agrees; what cannot hold refused with its reason."""
+    run_ranks(_kinds_worker)
