@@ -102,13 +102,20 @@ class TensorEngine(FlatParameters):
 
     def __init__(self, store: GradStore, process_group: dist.ProcessGroup | None, members: set[int]) -> None:
         super().__init__(store, process_group)
-        self.owners, runs = own_runs(store, self.world_size, members)
+        self.owners: dict[int, int] = {}  # id(param) -> the rank that steps it
         self.runs_by_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
-        for run in runs:
-            self.runs_by_rank[run.rank].append(
-                self.param_buffers[run.key].narrow(0, run.start, run.end - run.start)
-            )
         self.in_flight: list[Any] = []  # the broadcasts of the last step still in flight
+        self.add_members(members)
+
+    def add_members(self, members: set[int]) -> None:
+        """Give the parameters `members` (ids; none owned yet: a param group added later)
+        owners and runs of their own, balanced among themselves (`own_runs`), so the
+        parameters owned already stay where their state is."""
+        owners, runs = own_runs(self.store, self.world_size, members - self.owners.keys())
+        self.owners.update(owners)
+        for run in runs:
+            buffer = self.param_buffers[run.key]
+            self.runs_by_rank[run.rank].append(buffer.narrow(0, run.start, run.end - run.start))
 
     def owns(self, param: torch.Tensor) -> bool:
         """Whether this rank steps `param` (a parameter of the store)."""
@@ -199,7 +206,9 @@ class TensorGroups:
         return {id(s) for s in self.stand_ins.values()}
 
     def add(self, group: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
-        """The inner group for `group`, just added to `param_groups`."""
+        """The inner group for `group`, just added to `param_groups` (its parameters get
+        owners first)."""
+        self.engine.add_members({id(p) for p in group["params"]})
         torch.optim.Optimizer.add_param_group(self.inner, self._inner_group(group))
         self.held = group_signature(param_groups, self.inner)
 

@@ -363,3 +363,90 @@ def test_each_class_gets_the_sharding_it_allows_or_a_clear_refusal():
     by what a probe shows (a trust ratio: by tensor; a global norm: refused) or what the user
     says, where the probe agrees; what cannot hold refused with its reason."""
     run_ranks(_kinds_worker)
+
+
+# --- the optimizer contracts by tensor ---------------------------------------------------
+
+
+def _small(rank: int) -> tuple[nn.Module, nn.Module, flatgrad.DataParallel]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    ref = copy.deepcopy(model)
+    return model, ref, flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0002)
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * rank + step))
+
+
+def _square_sum(output: torch.Tensor) -> torch.Tensor:
+    return output.square().sum()
+
+
+def _contracts_worker(rank: int, world_size: int) -> None:
+    """A param group added later, a closure, zero_grad(set_to_none=False), and a .grad that
+    torch's own clip_grad_norm_ reads (every rank holds every averaged gradient by tensor),
+    against DDP(find_unused_parameters=True) + Adam."""
+    model, ref, dp = _small(rank)
+    first, later = list(model[0].parameters()), [p for m in (model[2], model[4]) for p in m.parameters()]
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.Adam, first, shard_by="tensor", lr=0.05)
+    ref_first = list(ref[0].parameters())
+    ref_later = [p for m in (ref[2], ref[4]) for p in m.parameters()]
+    ref_opt = torch.optim.Adam(ref_first, lr=0.05)
+    ddp = DDP(ref, find_unused_parameters=True)
+    pair = Lockstep(model, dp, opt, ddp, ref_opt, loss=_square_sum)
+    pair.train_step(_batch(rank, 0))
+    opt.add_param_group({"params": later, "lr": 0.02})
+    ref_opt.add_param_group({"params": ref_later, "lr": 0.02})
+    for step in range(1, 4):
+        pair.zero_grad(set_to_none=step % 2 == 0)
+        pair.backward(_batch(rank, step))
+        pair.assert_grads(**TOL, what=f"step {step}")
+        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.3) for m in (model, ref)]
+        torch.testing.assert_close(norms[0], norms[1], **TOL)
+        pair.step()
+        pair.assert_params(**TOL, what=f"step {step}")
+
+    def closure(m: Any, o: torch.optim.Optimizer) -> Any:
+        def run() -> torch.Tensor:
+            o.zero_grad()
+            loss = m(_batch(rank, 9)).square().sum()
+            loss.backward()
+            return loss
+
+        return run
+
+    losses = [opt.step(closure(dp, opt)), ref_opt.step(closure(ddp, ref_opt))]
+    torch.testing.assert_close(losses[0], losses[1], **TOL)
+    pair.assert_params(**TOL, what="closure")
+
+
+def test_param_groups_closure_and_readable_grads_by_tensor_equal_stock():
+    run_ranks(_contracts_worker, world_size=3)
+
+
+def _join_steps(dp: Any, opt: Any, rank: int) -> None:
+    from torch.distributed.algorithms import Join, Joinable
+
+    joinables = [dp, opt] if isinstance(opt, Joinable) else [dp]
+    with Join(joinables):
+        for step in range(2 + rank):
+            opt.zero_grad()
+            dp(_batch(rank, step)).square().sum().backward()
+            opt.step()
+
+
+def _join_worker(rank: int, world_size: int) -> None:
+    """Uneven data (rank r runs 2 + r steps) inside Join([dp, opt]): a joined rank steps the
+    parameters it owns with the others' averages and broadcasts them, as stock DDP + Join +
+    AdamW ends."""
+    model, ref, dp = _small(rank)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, shard_by="tensor", lr=0.05, weight_decay=0.1)
+    ddp = DDP(ref)
+    _join_steps(dp, opt, rank)
+    _join_steps(ddp, torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1), rank)
+    assert_params_like(model, ref, **TOL)
+
+
+def test_join_with_uneven_batches_by_tensor_equals_stock():
+    run_ranks(_join_worker, world_size=3)
