@@ -368,11 +368,16 @@ def test_each_class_gets_the_sharding_it_allows_or_a_clear_refusal():
 # --- the optimizer contracts by tensor ---------------------------------------------------
 
 
-def _small(rank: int) -> tuple[nn.Module, nn.Module, flatgrad.DataParallel]:
+def _small(
+    rank: int, dtype: torch.dtype = torch.float64
+) -> tuple[nn.Module, nn.Module, flatgrad.DataParallel | None]:
+    """A model of several slots, its deep copy (the oracle's), and DataParallel over it
+    (float64; None for another dtype: the caller wraps it)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
     ref = copy.deepcopy(model)
-    return model, ref, flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0002)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0002) if dtype == torch.float64 else None
+    return model, ref, dp
 
 
 def _batch(rank: int, step: int) -> torch.Tensor:
@@ -450,3 +455,76 @@ def _join_worker(rank: int, world_size: int) -> None:
 
 def test_join_with_uneven_batches_by_tensor_equals_stock():
     run_ranks(_join_worker, world_size=3)
+
+
+def _scaler_worker(rank: int, world_size: int, ours_scaler: str) -> None:
+    """float32 (the dtype a GradScaler unscales), flatgrad's GradScaler or torch's own (by
+    tensor, every `.grad` is a whole average, which torch's reads), against DDP + AdamW +
+    torch's GradScaler: an inf on rank 1 at step 2 skips that step on every rank."""
+    model, ref, _ = _small(rank, torch.float32)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0002)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, shard_by="tensor", lr=0.05)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    make = flatgrad.GradScaler if ours_scaler == "flatgrad" else torch.amp.GradScaler
+    sides = [
+        (dp, opt, make("cpu", init_scale=2.0**10)),
+        (ddp, ref_opt, torch.amp.GradScaler("cpu", init_scale=2.0**10)),
+    ]
+    for step in range(4):
+        poison = float("inf") if (step == 2 and rank == 1) else 1.0
+        for wrapper, optimizer, scaler in sides:
+            optimizer.zero_grad()
+            scaler.scale(wrapper(_batch(rank, step).float()).square().sum() * poison).backward()
+            scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+        assert sides[0][2].get_scale() == sides[1][2].get_scale()
+        assert_params_like(model, ref, rtol=0, atol=0, what=f"step {step}")
+
+
+@pytest.mark.parametrize("ours_scaler", ["flatgrad", "torch"])
+def test_a_grad_scaler_by_tensor_skips_and_steps_as_stock(ours_scaler):
+    run_ranks(_scaler_worker, ours_scaler)
+
+
+def _plain_worker(rank: int, world_size: int, tmp: str) -> None:
+    """Into and from a plain optimizer: ShardedOptimizer(Muon)'s state through
+    get_state_dict / dcp.save loads into DDP + Muon through dcp.load / set_state_dict, and
+    the plain one's back into ShardedOptimizer; both then step on as one."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7, bias=False), nn.Tanh(), nn.Linear(7, 3, bias=False)).double()
+    ref = copy.deepcopy(model)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model))
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.Muon, **MUON)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.Muon(ref.parameters(), **MUON)
+    pair = Lockstep(model, dp, opt, ddp, ref_opt, loss=_square_sum)
+    for step in range(2):
+        pair.train_step(_batch(rank, step))
+    dcp.save({"optim": opt}, checkpoint_id=f"{tmp}/ours")
+    fresh_ref = torch.optim.Muon(ref.parameters(), **MUON)
+    fresh_ref.zero_grad()  # (get_state_dict makes a fresh optimizer's state only without grads)
+    _, optim_sd = get_state_dict(ddp, fresh_ref)
+    dcp.load({"optim": optim_sd}, checkpoint_id=f"{tmp}/ours")
+    set_state_dict(ddp, fresh_ref, model_state_dict={}, optim_state_dict=optim_sd)
+    for name, state in ref_opt.state_dict()["state"].items():
+        torch.testing.assert_close(fresh_ref.state_dict()["state"][name], state, **TOL)
+    _, optim_sd = get_state_dict(ddp, ref_opt)
+    dcp.save({"optim": optim_sd}, checkpoint_id=f"{tmp}/plain")
+    opt2 = flatgrad.ShardedOptimizer(
+        flatgrad.DataParallel(flatgrad.FlatGrad(copy.deepcopy(model))), torch.optim.Muon, **MUON
+    )
+    dcp.load({"optim": opt2}, checkpoint_id=f"{tmp}/plain")
+    for name, state in opt2.state_dict()["state"].items():
+        torch.testing.assert_close(state, opt.state_dict()["state"][name], **TOL)
+    pair2 = Lockstep(model, dp, opt, ddp, fresh_ref, loss=_square_sum)
+    for step in range(2, 4):
+        pair2.train_step(_batch(rank, step))
+        pair2.assert_params(**TOL, what=f"step {step}")
+
+
+def test_state_by_tensor_loads_into_and_from_a_plain_optimizer(tmp_path):
+    run_ranks(_plain_worker, str(tmp_path), world_size=3)
