@@ -419,11 +419,18 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the model's gradients (`FlatGrad.zero_grad`) and drop the shards' `.grad`;
-        afterwards a `.grad` is plain again (no longer reduce-scattered).
+        afterwards a `.grad` is plain again (no longer reduce-scattered). By tensor
+        (``shard_by="tensor"``), only this optimizer's parameters' gradients, as a torch
+        optimizer's `zero_grad` (Muon's and AdamW's ShardedOptimizers over one model: one's
+        zero_grad between the two steps leaves the other's gradients).
 
         Args:
             set_to_none: True sets every model `.grad` to None; False zeroes them in place.
         """
+        if isinstance(self._engine, TensorEngine):
+            torch.optim.Optimizer.zero_grad(self, set_to_none=set_to_none)
+            self._groups.drop_grads()
+            return
         # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s
         # (a clone each) before they are dropped or zeroed.
         with unguarded(self._engine.store, self.dp.module._engine.store):

@@ -528,3 +528,24 @@ def _plain_worker(rank: int, world_size: int, tmp: str) -> None:
 
 def test_state_by_tensor_loads_into_and_from_a_plain_optimizer(tmp_path):
     run_ranks(_plain_worker, str(tmp_path), world_size=3)
+
+
+def _zero_between_worker(rank: int, world_size: int) -> None:
+    """``muon.step(); muon.zero_grad(); adamw.step(); adamw.zero_grad()``: each zero_grad
+    zeroes its own optimizer's gradients only, as a torch optimizer's does."""
+    model = _gpt()
+    stock_model = copy.deepcopy(model)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.01)
+    ours = _Pair(model, True, dp)
+    stock = _Pair(stock_model, False, DDP(stock_model))
+    for step in range(3):
+        for pair in (ours, stock):
+            pair.wrapper(*_gpt_batch(rank, step)).backward()
+            for opt in pair.opts:
+                opt.step()
+                opt.zero_grad(set_to_none=step != 1)
+        assert_params_like(model, stock_model, **TOL, what=f"step {step}")
+
+
+def test_zero_grad_by_tensor_zeroes_its_own_parameters_only():
+    run_ranks(_zero_between_worker)
