@@ -20,7 +20,7 @@ from typing import Any, SupportsIndex
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable, forward_ad
-from torch.distributed.algorithms.join import Joinable
+from torch.distributed.algorithms.join import Joinable, _JoinConfig
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import _named_member_accessor
 from torch.utils._pytree import tree_leaves
@@ -223,6 +223,14 @@ def join_state(joinable: Joinable) -> tuple[bool, bool]:
     if config is None:
         return False, False
     return bool(config.enable), bool(config.is_first_joinable)
+
+
+def leave_join(joinable: Joinable) -> None:
+    """Take `joinable` out of the `Join` it was configured for (the disabled config its
+    constructor set): torch's `Join` never resets the configs it sets, and an exception out
+    of the block skips even its post hooks, so a Join that raised would keep the joinable
+    "joined" for every later call outside any Join."""
+    joinable._join_config = _JoinConfig.construct_disabled_join_config()  # type: ignore[attr-defined]
 
 
 def broadcast_coalesced(

@@ -39,7 +39,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from flatgrad._gather_waits import ForwardWaits
 from flatgrad._scattered_grad import is_scattered, unguarded, unmark_scattered
-from flatgrad._torch_compat import join_state
+from flatgrad._torch_compat import join_state, leave_join
 from flatgrad._zero import (
     PieceGroups,
     ShardBy,
@@ -377,6 +377,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         steps after dp's shadowed backward, so dp must be in the same Join, before it."""
         joined, first = join_state(self)
         if joined and (first or not join_state(self.dp)[0]):
+            leave_join(self)  # (the refusal ends the block: it must not outlive it)
             raise ValueError(
                 "ShardedOptimizer inside a Join needs its DataParallel first in the same Join: "
                 "Join([dp, opt]) (a joined rank steps after dp's join hook shadowed a backward)"

@@ -1286,3 +1286,29 @@ def test_differentiable_steps_are_refused_before_anything_moves():
     """torch refuses a differentiable step on leaf parameters (at the first step); ours
     refuses at construction, on every rank, and leaves the model as it was."""
     run_ranks(_differentiable_worker)
+
+
+def _join_refusal_worker(rank: int, world_size: int) -> None:
+    """torch's test_zero_join puts the optimizer alone in a Join: refused inside (a joined
+    rank could not follow), and the refusal ends with the block: later steps outside any
+    Join, and a Join([dp, opt]) after it, step as stock."""
+    from torch.distributed.algorithms import Join
+
+    model, ref, dp = _small(rank)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ddp = DDP(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    pair = Lockstep(model, dp, opt, ddp, ref_opt, loss=_sum_of_squares)
+    with pytest.raises(ValueError, match="needs its DataParallel first in the same Join"), Join([opt]):
+        pair.train_step(_batch(rank, 0))
+    ref_opt.zero_grad()
+    for step in range(1, 3):
+        pair.train_step(_batch(rank, step))
+    with Join([dp, opt]), Join([ddp]):
+        pair.train_step(_batch(rank, 3))
+    pair.train_step(_batch(rank, 4))
+    pair.assert_params(**TOL)
+
+
+def test_a_join_that_refused_leaves_the_optimizer_usable():
+    run_ranks(_join_refusal_worker)
