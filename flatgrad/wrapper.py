@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.parameter import is_lazy
 
 from flatgrad import _norms, comm
 from flatgrad._engine import GradEngine, trainable_parameters
@@ -37,6 +38,18 @@ _PICKLED_BEFORE_THE_ENGINE = (
     "_store", "_seater", "_watched", "_others", "_sparse", "_frozen", "_generation", "_watch",
     "_ddp_state", "_adopted", "_ddp_forwards",
 )  # fmt: skip
+
+
+def _refuse_lazy(model: nn.Module) -> None:
+    """Raise ValueError for a parameter not materialised yet (``nn.LazyLinear`` before its
+    first forward): it has no shape, so it has no slot, as DDP refuses it too."""
+    lazy = [name for name, param in model.named_parameters() if is_lazy(param)]
+    if lazy:
+        raise ValueError(
+            f"model has parameters that are not initialised yet ({', '.join(lazy[:4])}: lazy "
+            "modules such as nn.LazyLinear); a flat buffer needs every parameter's shape: run "
+            "one dummy forward pass to initialise them, then wrap the model"
+        )
 
 
 def _refuse_inner_ddp(model: nn.Module) -> None:
@@ -87,6 +100,7 @@ class FlatGrad(TransparentWrapper):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         _refuse_inner_ddp(model)
+        _refuse_lazy(model)
         super().__init__()
         self.flatgrad_config = resolve_config(config)
         self.module = model

@@ -865,3 +865,19 @@ def test_dataparallel_walks_name_the_plain_model():
     keys, Trainer's and minGPT's weight-decay grouping) under the plain model's names;
     `train`, `apply` and a conversion reach the model through the FlatGrad (2 gloo ranks)."""
     run_ranks(_dataparallel_names_worker)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: nn.LazyConv1d(4, 3), lambda: nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))],
+    ids=["lazy_conv", "lazy_in_sequential"],
+)
+def test_a_lazy_module_before_its_first_forward_is_refused_with_what_to_do(make):
+    """torch's module_db's lazy samples: a parameter with no shape has no slot; the message
+    says to run a dummy forward first (DDP's advice), and after one the model wraps."""
+    model = make()
+    with pytest.raises(ValueError, match=r"not initialised yet \((weight|0.weight).*one dummy forward pass"):
+        flatgrad.FlatGrad(model)
+    model(torch.randn(2, 3, 5) if isinstance(model, nn.LazyConv1d) else torch.randn(2, 5))
+    flat = flatgrad.FlatGrad(model)
+    assert sum(b.numel() for b in flat.grad_buffers.values()) >= sum(p.numel() for p in model.parameters())
