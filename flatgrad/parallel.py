@@ -155,6 +155,7 @@ class DataParallel(PlainNames, Joinable):
         self._sync = True
         self._divide_by_initial_world_size = True  # (the running Join's, as DDP's)
         _check_same_model(flat, process_group)
+        _check_same_settings(flat, self.bucket_mb, wire_dtype, process_group)
         _broadcast_from_rank0(flat, process_group)
         self._engine = BucketSync(flat._engine, process_group, self.bucket_mb, wire_dtype, check_finite)
 
@@ -455,6 +456,49 @@ def _check_same_model(module: nn.Module, process_group: dist.ProcessGroup | None
             f"the model differs across ranks (rank {dist.get_rank(process_group)}: "
             f"{len(described)} parameters and buffers): every rank must wrap the same model, "
             "with the same parameter and buffer shapes, dtypes and requires_grad, in the same order"
+        )
+
+
+_WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_same_settings(
+    flat: FlatGrad, bucket_mb: float, wire_dtype: torch.dtype | None, process_group: dist.ProcessGroup | None
+) -> None:
+    """Raise on every rank, naming each setting and every rank's value, unless all ranks
+    agree on what shapes the collectives: ``bucket_mb`` (the buckets), ``wire_dtype`` (what
+    each all-reduce sends), and the layout of the gradient buffers (``align_bytes``,
+    ``grad_dtype``: the elements every collective covers). A rank that differs would
+    otherwise be killed inside the backend with no Python error, or hang. One small
+    all-gather."""
+    buffers = flat.grad_buffers
+    wire = _WIRE_DTYPES.index(wire_dtype) if wire_dtype in _WIRE_DTYPES else len(_WIRE_DTYPES)
+    config = flat.flatgrad_config
+    mine = [
+        ("bucket_mb", bucket_mb),
+        ("wire_dtype", wire),
+        ("align_bytes", config.align_bytes),
+        ("grad_dtype", 0 if config.grad_dtype is None else 1),
+        ("buffer elements", sum(b.numel() for b in buffers.values())),
+    ]
+    device = next(iter(buffers.values())).device
+    values = torch.tensor([float(v) for _, v in mine], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(process_group))]
+    dist.all_gather(gathered, values, group=process_group)
+    rows = [g.tolist() for g in gathered]
+    named = {"wire_dtype": [str(d) for d in _WIRE_DTYPES], "grad_dtype": ["None", "float32"]}
+    differ = []
+    for index, (name, _) in enumerate(mine):
+        seen = [row[index] for row in rows]
+        if len(set(seen)) > 1:
+            shown = [
+                named[name][int(v)] if name in named and int(v) < len(named[name]) else f"{v:g}" for v in seen
+            ]
+            differ.append(f"{name}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(shown)))
+    if differ:
+        raise ValueError(
+            "DataParallel's settings differ across ranks (" + "; ".join(differ) + "): every "
+            "rank must build FlatGrad and DataParallel with the same settings"
         )
 
 

@@ -1372,3 +1372,31 @@ def test_join_with_uneven_batches_equals_stock_ddp(world_size, divide_initial, c
     all-reduces with zeros; the last to join broadcasts the model at the end), dividing by
     the world size (DDP's default) or by the ranks not joined yet."""
     run_ranks(_join_worker, divide_initial, check_finite, world_size=world_size, timeout=120)
+
+
+def _settings_worker(rank: int, world_size: int) -> None:
+    """A setting that shapes the collectives, different on one rank: every rank raises,
+    naming the setting and each rank's value (before, gloo killed one rank silently)."""
+    last = rank == world_size - 1
+    cases = [
+        ({}, {"bucket_mb": 1.0 if last else 25.0}, r"bucket_mb: rank 0 25.0, rank 1 1.0"),
+        (
+            {},
+            {"wire_dtype": torch.bfloat16 if last else None},
+            r"wire_dtype: rank 0 None, rank 1 torch.bfloat16",
+        ),
+        (
+            {"align_bytes": 64 if last else 256},
+            {},
+            r"align_bytes: rank 0 256.0, rank 1 64.0; buffer elements",
+        ),
+    ]
+    for config, kwargs, message in cases:
+        torch.manual_seed(0)
+        flat = flatgrad.FlatGrad(nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)), config=config)
+        with pytest.raises(ValueError, match=message):
+            flatgrad.DataParallel(flat, **kwargs)
+
+
+def test_settings_that_differ_across_ranks_raise_on_every_rank():
+    run_ranks(_settings_worker)
