@@ -709,15 +709,12 @@ def _probe_run(
     ]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        optimizers = [recipe.build([{"params": [leaf for *_, leaf in leaves]}]) for leaves in held]
-        for optimizer in optimizers:  # (schedule-free optimizers step in train mode only)
-            train = getattr(optimizer, "train", None)
-            if callable(train):
-                train()
+        optimizers = [recipe.build_to_step([{"params": [leaf for *_, leaf in leaves]}]) for leaves in held]
         for step_grads in grads:
             for leaves in held:
                 for i, lo, hi, leaf in leaves:
-                    leaf.grad = step_grads[i].reshape(-1)[lo:hi].view(leaf.shape).to(device)
+                    # (a copy each run: an optimizer may write into its .grad, as LARS does)
+                    leaf.grad = step_grads[i].reshape(-1)[lo:hi].view(leaf.shape).to(device, copy=True)
             for optimizer in optimizers:
                 optimizer.step()
     values: list[list[tuple[int, torch.Tensor]]] = [[] for _ in starts]

@@ -100,6 +100,16 @@ class OptimizerRecipe:
         """``optimizer_class(groups, **kwargs)``: the groups' options override the arguments."""
         return self.optimizer_class(groups, **self.kwargs)
 
+    def build_to_step(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        """`build`, for a throwaway optimizer about to step: in training mode where the class
+        has one (schedule-free optimizers step only after ``train()``, and a group saved at
+        their eval point says ``train_mode=False``)."""
+        optimizer = self.build(groups)
+        train = getattr(optimizer, "train", None)
+        if callable(train):
+            train()
+        return optimizer
+
 
 @dataclass(frozen=True)
 class StateSpec:
@@ -115,7 +125,7 @@ def state_spec(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Ten
     a throwaway one-element parameter like `like` shows it."""
     dummy = nn.Parameter(like.new_zeros(1))
     dummy.grad = torch.zeros_like(dummy)
-    probe = recipe.build([dict(options, params=[dummy])])
+    probe = recipe.build_to_step([dict(options, params=[dummy])])
     probe.step()
     state = probe.state[dummy]
     per_element = tuple(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1)

@@ -339,7 +339,7 @@ def _unstepped_state(
     dtypes, for a checkpoint to load into; its step count of 0 says it never stepped."""
     dummy = nn.Parameter(torch.zeros_like(stand_in))
     dummy.grad = torch.zeros_like(dummy)
-    probe = recipe.build([{**group_options, "params": [dummy]}])
+    probe = recipe.build_to_step([{**group_options, "params": [dummy]}])
     probe.step()
     return {
         key: torch.zeros_like(value) if isinstance(value, torch.Tensor) else value

@@ -1379,7 +1379,7 @@ def _settings_worker(rank: int, world_size: int) -> None:
     naming the setting and each rank's value (before, gloo killed one rank silently)."""
     last = rank == world_size - 1
     cases = [
-        ({}, {"bucket_mb": 1.0 if last else 25.0}, r"bucket_mb: rank 0 25.0, rank 1 1.0"),
+        ({}, {"bucket_mb": 1.5 if last else 25.0}, r"bucket_mb: rank 0 25, rank 1 1.5"),
         (
             {},
             {"wire_dtype": torch.bfloat16 if last else None},
@@ -1388,7 +1388,7 @@ def _settings_worker(rank: int, world_size: int) -> None:
         (
             {"align_bytes": 64 if last else 256},
             {},
-            r"align_bytes: rank 0 256.0, rank 1 64.0; buffer elements",
+            r"align_bytes: rank 0 256, rank 1 64; buffer elements",
         ),
     ]
     for config, kwargs, message in cases:
