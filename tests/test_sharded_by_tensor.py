@@ -549,3 +549,28 @@ def _zero_between_worker(rank: int, world_size: int) -> None:
 
 def test_zero_grad_by_tensor_zeroes_its_own_parameters_only():
     run_ranks(_zero_between_worker)
+
+
+def _nccl_worker(rank: int, world_size: int) -> None:
+    """Muon + AdamW by tensor on CUDA over NCCL (the broadcasts on the GPU's stream):
+    DDP + the plain optimizers' parameters."""
+    torch.cuda.set_device(rank)
+    model = _gpt().cuda()
+    stock_model = copy.deepcopy(model)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.01)
+    ours = _Pair(model, True, dp)
+    stock = _Pair(stock_model, False, DDP(stock_model, device_ids=[rank]))
+    for step in range(3):
+        for pair in (ours, stock):
+            for opt in pair.opts:
+                opt.zero_grad()
+            pair.wrapper(*(t.cuda() for t in _gpt_batch(rank, step))).backward()
+            for opt in pair.opts:
+                opt.step()
+        assert_params_like(model, stock_model, rtol=1e-10, atol=1e-12, what=f"step {step}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_muon_with_adamw_by_tensor_on_nccl_equals_ddp():
+    run_ranks(_nccl_worker, world_size=torch.cuda.device_count(), backend="nccl")

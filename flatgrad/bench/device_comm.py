@@ -18,7 +18,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -119,14 +119,17 @@ def flat_dp(
     sharded: bool = False,
     bucket_mb: float = 0.002,
     config: flatgrad.FlatGradConfig = ROUTE_ALL,
+    shard_by: Literal["element", "tensor"] | None = None,
 ) -> Trainer:
-    """DataParallel (several buckets at the default `bucket_mb`: launched during backward)."""
+    """DataParallel (several buckets at the default `bucket_mb`: launched during backward),
+    with a ShardedOptimizer when `sharded` (by `shard_by`)."""
     flat = flatgrad.FlatGrad(copy.deepcopy(model), config=config)
     dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
     params = list(flat.module.parameters())
     if sharded:
-        opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=LR, weight_decay=0.1)
-        return Trainer("ShardedOptimizer", dp, opt, params, opt.clip_grad_norm_, dp.no_sync)
+        opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=LR, weight_decay=0.1, shard_by=shard_by)
+        name = "ShardedOptimizer" + (" by tensor" if shard_by == "tensor" else "")
+        return Trainer(name, dp, opt, params, opt.clip_grad_norm_, dp.no_sync)
     return Trainer("DataParallel", dp, adamw(params), params, flat.clip_grad_norm_, dp.no_sync)
 
 
@@ -207,6 +210,11 @@ PATHS = (
     SyncPath("DataParallel", stock_ddp, flat_dp, True),
     SyncPath(
         "ShardedOptimizer", stock_ddp, lambda m, d: flat_dp(m, d, sharded=True), True, none_used_ok=False
+    ),
+    # By tensor every rank holds every averaged gradient and steps whole parameters: a
+    # parameter no rank used keeps `.grad` None and is skipped, as stock skips it.
+    SyncPath(
+        "ShardedOptimizer by tensor", stock_ddp, lambda m, d: flat_dp(m, d, True, shard_by="tensor"), True
     ),
     SyncPath("all_reduce_grads", stock_ddp, flat_all_reduce, True),
     SyncPath(
