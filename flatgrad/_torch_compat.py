@@ -236,7 +236,9 @@ def leave_join(joinable: Joinable) -> None:
 def broadcast_coalesced(
     process_group: dist.ProcessGroup | None, tensors: list[torch.Tensor], bucket_bytes: int, src: int
 ) -> None:
-    """DDP's own coalesced broadcast of `tensors` from `src`, in pieces of `bucket_bytes`."""
+    """DDP's own coalesced broadcast of `tensors` from `src`, in pieces of `bucket_bytes`.
+    `src` is a rank of `process_group` (not a global rank, as `dist.broadcast` takes): the
+    C++ call hands it to the group as its root, as DDP passes ``process_group.rank()``."""
     group = process_group or dist.distributed_c10d._get_default_group()
     dist._broadcast_coalesced(group, tensors, bucket_bytes, src)  # type: ignore[attr-defined]
 

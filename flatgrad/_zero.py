@@ -86,7 +86,9 @@ class FlatParameters:
     what both kinds of shard plan (`ShardEngine`, by element; `flatgrad._zero_tensor.
     TensorEngine`, by tensor) do with them alike."""
 
-    def __init__(self, store: GradStore, process_group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, store: GradStore, process_group: dist.ProcessGroup | None, companion: bool = False
+    ) -> None:
         self.store = store
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -95,7 +97,8 @@ class FlatParameters:
             dist.get_global_rank(process_group, r) if process_group is not None else r
             for r in range(self.world_size)
         )
-        self.param_buffers = flat_parameters(store)
+        # (`companion`: another ShardedOptimizer over the same model steps its flat buffers)
+        self.param_buffers = flat_parameters(store, reuse_only=companion)
         self._addresses = list(map(_data_ptr, store.params))  # (see `params_in_place`)
 
     def params_in_place(self) -> bool:
@@ -111,12 +114,21 @@ class FlatParameters:
         `.data` assignment moves it) and the engine's O(1) checks (a parameter registered,
         frozen or unfrozen) stand for its full walk over every parameter."""
         # A change moves the reduce-scattered .grads (and is refused just below).
+        in_place = self.params_in_place()
         with unguarded(self.store, stores.store):
-            store = stores.steady() if self.params_in_place() else stores.refresh()
+            store = stores.steady() if in_place else stores.refresh()
         if store is not self.store:
             raise RuntimeError(
                 "the model's parameters changed (added, replaced, frozen, converted) after the "
                 "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"
+            )
+        if not in_place:  # (the same layout, but a parameter's memory is not its slot's any more)
+            raise RuntimeError(
+                "a parameter's memory was replaced (param.data = ...) after the ShardedOptimizer "
+                "was built: the optimizer steps, and gathers into, the flat parameter buffer its "
+                "slot is in, so the parameter would not move; write into it instead "
+                "(with torch.no_grad(): param.copy_(value)), or build DataParallel and "
+                "ShardedOptimizer again"
             )
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:
@@ -370,7 +382,7 @@ def parameter_dtypes(store: GradStore) -> dict[Any, set[torch.dtype]]:
     return dtypes
 
 
-def flat_parameters(store: GradStore) -> dict[Any, torch.Tensor]:
+def flat_parameters(store: GradStore, reuse_only: bool = False) -> dict[Any, torch.Tensor]:
     """Flat parameter buffers with the gradient buffers' layout, in the parameters' dtype
     (bfloat16 for a float32 buffer of main grads); every parameter becomes a view of its
     slot (same shape, strides and values). Where the parameters are views of such buffers
@@ -378,12 +390,22 @@ def flat_parameters(store: GradStore) -> dict[Any, torch.Tensor]:
     AdamW's), those buffers themselves, so both optimizers gather into the same memory.
 
     Raises:
-        ValueError: Parameters of different dtypes share a gradient buffer (`parameter_dtypes`).
+        ValueError: Parameters of different dtypes share a gradient buffer (`parameter_dtypes`);
+            or, with `reuse_only` (another ShardedOptimizer steps the parameters already),
+            they are not views of such buffers any more: new ones would move that one's
+            parameters out of the memory it steps.
     """
     dtypes = parameter_dtypes(store)
     found = {key: _buffer_under(store, key) for key in store.buffers}
     if all(buffer is not None for buffer in found.values()):
         return found  # type: ignore[return-value]
+    if reuse_only:
+        raise ValueError(
+            "dp's parameters are not views of its first ShardedOptimizer's flat parameter "
+            "buffers any more (param.data = ... since it was built), so another "
+            "ShardedOptimizer over dp would move them out of the memory that one steps: "
+            "build dp's ShardedOptimizers again, one after the other, before changing parameters"
+        )
     buffers = {
         key: torch.zeros(grad.numel(), dtype=next(iter(dtypes.get(key, {grad.dtype}))), device=grad.device)
         for key, grad in store.buffers.items()
@@ -623,6 +645,21 @@ def _probed_kind(
     return shard_by or "tensor"
 
 
+def agreed_kind(kind: ShardBy, store: GradStore, process_group: dist.ProcessGroup | None) -> ShardBy:
+    """`kind` after checking that every rank chose it (one small all-reduce): ranks that
+    differ (a probe step that failed on one rank only: memory, a kernel) would run other
+    collectives and hang; they raise the same ValueError instead."""
+    device = next(iter(store.buffers.values())).device
+    codes = torch.tensor([int(kind == "tensor"), -int(kind == "tensor")], device=device)
+    dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=process_group)
+    if int(codes[0]) != -int(codes[1]):
+        raise ValueError(
+            f"ranks chose different shard_by for the same optimizer (this rank: {kind!r}): "
+            "pass shard_by explicitly, the same on every rank"
+        )
+    return kind
+
+
 def _said(shard_by: object) -> str:
     return "" if shard_by is None else f", whatever shard_by={shard_by!r} says"
 
@@ -685,7 +722,7 @@ def _probe_run(
     all in one ("whole"); each flattened and cut into two unequal pieces, the first pieces
     of all in one optimizer and the second ones in another ("pieces": two ranks' flat
     shards); or each in an optimizer of its own ("alone": ranks owning whole tensors). The
-    values afterwards, shaped as `starts`. Under a fixed seed."""
+    values afterwards, shaped as `starts`."""
     # Per optimizer, its leaves: (tensor index, [lo, hi) of its flat elements, the leaf).
     held: list[list[tuple[int, int, int, nn.Parameter]]]
     if how == "pieces":
@@ -707,8 +744,13 @@ def _probe_run(
         ]
         for part in cuts
     ]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    # Under a fixed seed, and leaving no trace: the generators of the CPU and of `device`
+    # are restored afterwards (torch.manual_seed would seed every device's, for good).
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(0)
+        if cuda:
+            torch.cuda.manual_seed(0)
         optimizers = [recipe.build_to_step([{"params": [leaf for *_, leaf in leaves]}]) for leaves in held]
         for step_grads in grads:
             for leaves in held:

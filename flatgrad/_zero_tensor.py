@@ -100,8 +100,10 @@ class TensorEngine(FlatParameters):
     a view of its slot), which parameters this rank owns, and the broadcasts that bring
     every rank's updated parameters to the others."""
 
-    def __init__(self, store: GradStore, process_group: dist.ProcessGroup | None, members: set[int]) -> None:
-        super().__init__(store, process_group)
+    def __init__(
+        self, store: GradStore, process_group: dist.ProcessGroup | None, members: set[int], companion: bool
+    ) -> None:
+        super().__init__(store, process_group, companion)
         self.owners: dict[int, int] = {}  # id(param) -> the rank that steps it
         self.runs_by_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
         self.in_flight: list[Any] = []  # the broadcasts of the last step still in flight
@@ -124,16 +126,18 @@ class TensorEngine(FlatParameters):
     def has_grads(self) -> bool:
         """Whether a step has gradients to use: a parameter has a `.grad` (the same answer
         on every rank: a synchronised backward sets them alike)."""
-        return any(p.grad is not None for p in self.store.params)
+        return any(p.grad is not None for p in self.store.params if id(p) in self.owners)
 
     def take_assigned_grads(self) -> None:
         """Nothing to take: the stand-ins step from each parameter's `.grad` as it is."""
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:
-        """Multiply every gradient by `inv_scale`; with `found_inf`, set it to 1.0 where any
-        gradient holds an inf or NaN (every rank holds all of them, averaged: the small
-        all-reduce of `unscale_shards` only keeps the ranks in step)."""
-        grads = [p.grad for p in self.store.params if p.grad is not None]
+        """Multiply this optimizer's gradients by `inv_scale` (only its own: a second
+        ShardedOptimizer over the model unscales the others, as a loss scaler unscales each
+        torch optimizer's); with `found_inf`, set it to 1.0 where any of them holds an inf
+        or NaN (every rank holds all of them, averaged: the small all-reduce of
+        `unscale_shards` only keeps the ranks in step)."""
+        grads = [p.grad for p in self.store.params if id(p) in self.owners and p.grad is not None]
         if grads:
             unscale_shards(grads, inv_scale, found_inf, allow_fp16, self.process_group)
 
@@ -146,11 +150,11 @@ class TensorEngine(FlatParameters):
         self.wait_gather()
         group = self.process_group
         for rank, runs in enumerate(self.runs_by_rank):
-            src = self.global_ranks[rank]
             if len(runs) == 1:
+                src = self.global_ranks[rank]  # (dist.broadcast takes a global rank)
                 self.in_flight.append(dist.broadcast(runs[0], src=src, group=group, async_op=True))
             elif runs:
-                broadcast_coalesced(group, runs, _COALESCED_BYTES, src)
+                broadcast_coalesced(group, runs, _COALESCED_BYTES, rank)  # (a rank of the group)
 
     def wait_gather(self, indices: tuple[int, ...] | None = None) -> None:
         """Wait for the broadcasts `launch_gather` started: every parameter is whole
@@ -273,7 +277,15 @@ class TensorGroups:
         through torch.distributed.checkpoint, or this rank's own) into the inner optimizer
         and the groups' options, after every rank found it fits (`refuse_misfits`). A
         saved step count of 0 (never stepped) loads as a fresh optimizer's state."""
-        problem = self._misfit(param_groups, state_dict)
+        try:
+            problem = self._misfit(param_groups, state_dict)
+        except (
+            TypeError,
+            KeyError,
+            AttributeError,
+            ValueError,
+        ) as error:  # (every rank must reach the check)
+            problem = f"not a ShardedOptimizer state ({type(error).__name__}: {error})"
         device = next(iter(self.engine.param_buffers.values())).device
         refuse_misfits(problem, device, self.engine.process_group)
         for group, inner, saved, owned in zip(
@@ -291,7 +303,7 @@ class TensorGroups:
                         self.inner.state[stand_in] = fresh
                 else:
                     self.inner.state[stand_in] = {
-                        key: _placed(key, value, stand_in) for key, value in entry.items()
+                        key: _placed(key, value, stand_in, inner) for key, value in entry.items()
                     }
 
     def _misfit(self, param_groups: list[dict[str, Any]], saved: object) -> str | None:
@@ -320,11 +332,15 @@ def _never_stepped(entry: object) -> bool:
     return step is not None and float(step) == 0
 
 
-def _placed(key: str, value: object, stand_in: torch.Tensor) -> object:
+def _placed(key: str, value: object, stand_in: torch.Tensor, group: dict[str, Any]) -> object:
     """A loaded state value where the parameter is, as torch's `Optimizer.load_state_dict`
-    places it: floating tensors in the parameter's dtype and device, the step count as
-    saved."""
-    if not isinstance(value, torch.Tensor) or key == STEP:
+    places it: floating tensors in the parameter's dtype and device; the step count as
+    saved, but on the parameter's device (as float32) for a fused or capturable group."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == STEP:
+        if group.get("fused") or group.get("capturable"):
+            return value.to(dtype=torch.float32, device=stand_in.device)
         return value
     if value.is_floating_point():
         return value.to(dtype=stand_in.dtype, device=stand_in.device)
@@ -334,14 +350,19 @@ def _placed(key: str, value: object, stand_in: torch.Tensor) -> object:
 def _unstepped_state(
     recipe: OptimizerRecipe, group_options: dict[str, Any], stand_in: torch.Tensor
 ) -> dict[str, Any]:
-    """The state one step of `recipe`'s optimizer makes for a parameter like `stand_in`
-    (on a throwaway copy with a zero gradient), every tensor zeroed: its keys, shapes and
-    dtypes, for a checkpoint to load into; its step count of 0 says it never stepped."""
-    dummy = nn.Parameter(torch.zeros_like(stand_in))
+    """The state of a parameter not stepped yet, for a checkpoint to load into: what one
+    step of `recipe`'s optimizer with a zero gradient makes on a throwaway copy of it. With
+    a step count, every tensor zeroed and the count 0 (which says "never stepped": it loads
+    as fresh state); without one (Muon's momentum, schedule-free's ``z``, a copy of the
+    parameter), the values that step left, which a fresh optimizer would start from too."""
+    dummy = nn.Parameter(stand_in.detach().clone())
     dummy.grad = torch.zeros_like(dummy)
     probe = recipe.build_to_step([{**group_options, "params": [dummy]}])
     probe.step()
+    state = probe.state.get(dummy, {})
+    if STEP not in state:
+        return dict(state)
     return {
         key: torch.zeros_like(value) if isinstance(value, torch.Tensor) else value
-        for key, value in probe.state.get(dummy, {}).items()
+        for key, value in state.items()
     }

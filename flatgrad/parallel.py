@@ -155,7 +155,9 @@ class DataParallel(PlainNames, Joinable):
         self._sync = True
         self._divide_by_initial_world_size = True  # (the running Join's, as DDP's)
         _check_same_model(flat, process_group)
-        _check_same_settings(flat, self.bucket_mb, wire_dtype, process_group)
+        _check_same_settings(
+            flat, self.bucket_mb, wire_dtype, check_finite, self.broadcast_buffers, process_group
+        )
         _broadcast_from_rank0(flat, process_group)
         self._engine = BucketSync(flat._engine, process_group, self.bucket_mb, wire_dtype, check_finite)
 
@@ -223,7 +225,7 @@ class DataParallel(PlainNames, Joinable):
         if not buffers:
             return
         with torch.no_grad(), preserve_version_counter(tuple(buffers)):
-            broadcast_coalesced(self.process_group, buffers, _BROADCAST_BUCKET_BYTES, self._global(source))
+            broadcast_coalesced(self.process_group, buffers, _BROADCAST_BUCKET_BYTES, source)  # (group rank)
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.process_group, rank) if self.process_group is not None else rank
@@ -463,12 +465,18 @@ _WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_same_settings(
-    flat: FlatGrad, bucket_mb: float, wire_dtype: torch.dtype | None, process_group: dist.ProcessGroup | None
+    flat: FlatGrad,
+    bucket_mb: float,
+    wire_dtype: torch.dtype | None,
+    check_finite: bool,
+    broadcast_buffers: bool,
+    process_group: dist.ProcessGroup | None,
 ) -> None:
     """Raise on every rank, naming each setting and every rank's value, unless all ranks
     agree on what shapes the collectives: ``bucket_mb`` (the buckets), ``wire_dtype`` (what
-    each all-reduce sends), and the layout of the gradient buffers (``align_bytes``,
-    ``grad_dtype``: the elements every collective covers). A rank that differs would
+    each all-reduce sends), ``check_finite`` (an all-reduce per backward more),
+    ``broadcast_buffers`` (a broadcast per forward), and the layout of the gradient buffers
+    (``align_bytes``, ``grad_dtype``: the elements every collective covers). A rank that differs would
     otherwise be killed inside the backend with no Python error, or hang. One small
     all-gather."""
     buffers = flat.grad_buffers
@@ -477,6 +485,8 @@ def _check_same_settings(
     mine = [
         ("bucket_mb", bucket_mb),
         ("wire_dtype", wire),
+        ("check_finite", int(check_finite)),
+        ("broadcast_buffers", int(broadcast_buffers)),
         ("align_bytes", config.align_bytes),
         ("grad_dtype", 0 if config.grad_dtype is None else 1),
         ("buffer elements", sum(b.numel() for b in buffers.values())),
@@ -486,7 +496,12 @@ def _check_same_settings(
     gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(process_group))]
     dist.all_gather(gathered, values, group=process_group)
     rows = [g.tolist() for g in gathered]
-    named = {"wire_dtype": [str(d) for d in _WIRE_DTYPES], "grad_dtype": ["None", "float32"]}
+    named = {
+        "wire_dtype": [str(d) for d in _WIRE_DTYPES],
+        "grad_dtype": ["None", "float32"],
+        "check_finite": ["False", "True"],
+        "broadcast_buffers": ["False", "True"],
+    }
     differ = []
     for index, (name, _) in enumerate(mine):
         seen = [row[index] for row in rows]

@@ -44,6 +44,7 @@ from flatgrad._zero import (
     PieceGroups,
     ShardBy,
     ShardEngine,
+    agreed_kind,
     as_groups,
     check_members,
     checked_defaults,
@@ -147,10 +148,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         check_members(self._names, groups, "ShardedOptimizer's params must be parameters of dp (its model's)")
         # Checked before anything moves: a typo raises here and leaves dp and the model as they were.
         store = dp.module._engine.refresh()
-        recipe = OptimizerRecipe(optimizer_class, dict(defaults))
-        self.shard_by: ShardBy = shard_kind(recipe, shard_by, next(iter(store.buffers.values())))
-        _check_companions(dp, self.shard_by, overlap_param_gather, bool(store.mains))
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            given = getattr(optimizer_class, "__name__", optimizer_class)
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {given}")
+        # The class's own error for a typo or a bad value first (before a probe would meet it).
         checked = checked_defaults(store, optimizer_class, groups, defaults)
+        recipe = OptimizerRecipe(optimizer_class, dict(defaults))
+        kind = shard_kind(recipe, shard_by, next(iter(store.buffers.values())))
+        self.shard_by: ShardBy = agreed_kind(kind, store, dp.process_group)
+        _check_companions(dp, self.shard_by, overlap_param_gather, bool(store.mains))
         self._ready = False  # the inner optimizer exists (add_param_group gives it a group too)
         super().__init__(groups, checked)
         Joinable.__init__(self)  # (not joined: Join configures it)
@@ -196,7 +202,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         another ShardedOptimizer by tensor over dp, if any), and the inner optimizer steps
         the parameters of `param_groups` this rank owns."""
         members = {id(p) for group in self.param_groups for p in group["params"]}
-        engine = TensorEngine(store, self.dp.process_group, members)
+        companion = self.dp._engine.step_count is not None  # (another ShardedOptimizer over dp)
+        engine = TensorEngine(store, self.dp.process_group, members, companion)
         self._engine = engine
         self._groups = TensorGroups(engine, self._names, self._recipe, self.param_groups)
 

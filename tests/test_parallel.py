@@ -1385,6 +1385,7 @@ def _settings_worker(rank: int, world_size: int) -> None:
             {"wire_dtype": torch.bfloat16 if last else None},
             r"wire_dtype: rank 0 None, rank 1 torch.bfloat16",
         ),
+        ({}, {"check_finite": last}, r"check_finite: rank 0 False, rank 1 True"),
         (
             {"align_bytes": 64 if last else 256},
             {},

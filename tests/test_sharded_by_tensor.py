@@ -574,3 +574,126 @@ def _nccl_worker(rank: int, world_size: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_muon_with_adamw_by_tensor_on_nccl_equals_ddp():
     run_ranks(_nccl_worker, world_size=torch.cuda.device_count(), backend="nccl")
+
+
+# --- what the review found ---------------------------------------------------------------
+
+
+def _replaced_memory_worker(rank: int, world_size: int, shard_by: str) -> None:
+    """``param.data = other memory`` after construction: the optimizer would step the slot
+    the parameter left (it would never move again); every rank raises at the step."""
+    model, _, dp = _small(rank)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, shard_by=shard_by)
+    dp(_batch(rank, 0)).square().sum().backward()
+    opt.step()
+    with torch.no_grad():
+        model[0].weight.data = model[0].weight.data.clone()
+    opt.zero_grad()
+    dp(_batch(rank, 1)).square().sum().backward()
+    with pytest.raises(RuntimeError, match=r"a parameter's memory was replaced \(param.data = ...\)"):
+        opt.step()
+
+
+@pytest.mark.parametrize("shard_by", ["element", "tensor"])
+def test_a_parameter_given_other_memory_after_construction_is_refused(shard_by):
+    run_ranks(_replaced_memory_worker, shard_by)
+
+
+def _second_after_replace_worker(rank: int, world_size: int) -> None:
+    model = _gpt()
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.01)
+    matrices, rest = _muon_split(model)
+    flatgrad.ShardedOptimizer(dp, torch.optim.Muon, matrices, **MUON)
+    with torch.no_grad():
+        rest[0].data = rest[0].data.clone()
+    with pytest.raises(ValueError, match="not views of its first ShardedOptimizer's flat parameter buffers"):
+        flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, rest, shard_by="tensor", **ADAMW)
+
+
+def test_a_second_optimizer_refuses_parameters_moved_out_of_the_first_ones_buffers():
+    """It would lay the parameters out in new flat buffers, out of the memory Muon steps."""
+    run_ranks(_second_after_replace_worker)
+
+
+def _subgroup_worker(rank: int, world_size: int) -> None:
+    """Over a process group of one rank each (ranks of the group are not global ranks): Muon
+    + AdamW's coalesced broadcasts, rooted at the group's rank, equal the plain optimizers."""
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    model = _gpt()
+    stock_model = copy.deepcopy(model)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), process_group=groups[rank], bucket_mb=0.01)
+    ours = _Pair(model, True, dp)
+    stock = _Pair(stock_model, False, DDP(stock_model, process_group=groups[rank]))
+    for step in range(2):
+        ours.step(rank, step)
+        stock.step(rank, step)
+        assert_params_like(model, stock_model, **TOL, what=f"step {step}")
+
+
+def test_muon_with_adamw_over_a_process_group_that_is_not_the_world():
+    run_ranks(_subgroup_worker)
+
+
+def _two_scalers_worker(rank: int, world_size: int) -> None:
+    """One loss scaler over Muon's and AdamW's ShardedOptimizers: each unscales its own
+    gradients once (the whole model's before, so every gradient twice), as torch's scaler
+    over two torch optimizers."""
+    torch.manual_seed(0)
+    model = TiedGPT(vocab=64, dim=16, depth=2, heads=2, block=8)  # float32, as a scaler takes
+    stock_model = copy.deepcopy(model)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.01)
+    ours, stock = _Pair(model, True, dp), _Pair(stock_model, False, DDP(stock_model))
+    scalers = [
+        flatgrad.GradScaler("cpu", init_scale=2.0**10),
+        torch.amp.GradScaler("cpu", init_scale=2.0**10),
+    ]
+    for step in range(2):
+        for pair, scaler in zip((ours, stock), scalers):
+            for opt in pair.opts:
+                opt.zero_grad()
+            scaler.scale(pair.wrapper(*_gpt_batch(rank, step))).backward()
+            for opt in pair.opts:
+                scaler.unscale_(opt)
+            for opt in pair.opts:
+                scaler.step(opt)
+            scaler.update()
+        assert_params_like(model, stock_model, rtol=1e-5, atol=1e-6, what=f"step {step}")
+
+
+def test_one_loss_scaler_over_two_optimizers_by_tensor_unscales_each_gradient_once():
+    run_ranks(_two_scalers_worker)
+
+
+def _no_trace_worker(rank: int, world_size: int) -> None:
+    """The probe of a class torch does not know leaves the random generators as they were,
+    and the class's own error for a bad argument comes first."""
+    model, _, dp = _small(rank)
+    before = torch.get_rng_state()
+    flatgrad.ShardedOptimizer(dp, _SignSGD, lr=0.1)
+    assert torch.equal(torch.get_rng_state(), before)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lrr'"):
+        flatgrad.ShardedOptimizer(
+            flatgrad.DataParallel(flatgrad.FlatGrad(_small(rank)[1])), _SignSGD, lrr=0.1
+        )
+
+
+def test_the_probe_leaves_no_trace_and_bad_arguments_get_the_class_error():
+    run_ranks(_no_trace_worker)
+
+
+def _disagree_worker(rank: int, world_size: int) -> None:
+    """Ranks that chose different shard_by (a probe step that failed on one rank only)
+    raise the same error on every rank instead of running other collectives."""
+    from unittest import mock
+
+    _, _, dp = _small(rank)
+    chosen = "tensor" if rank == world_size - 1 else "element"
+    with (
+        mock.patch("flatgrad.sharded.shard_kind", return_value=chosen),
+        pytest.raises(ValueError, match="ranks chose different shard_by for the same optimizer"),
+    ):
+        flatgrad.ShardedOptimizer(dp, _SignSGD, lr=0.1)
+
+
+def test_ranks_that_choose_different_shard_by_raise_on_every_rank():
+    run_ranks(_disagree_worker)
