@@ -158,7 +158,9 @@ class TensorEngine(FlatParameters):
 
     def wait_gather(self, indices: tuple[int, ...] | None = None) -> None:
         """Wait for the broadcasts `launch_gather` started: every parameter is whole
-        afterwards (on CUDA: for work queued on the current stream from now on)."""
+        afterwards (on CUDA: for work queued on the current stream from now on). `indices`
+        (the element path's buckets) is accepted for the same call and ignored: all are
+        waited for."""
         for work in self.in_flight:
             work.wait()
         self.in_flight = []
@@ -207,6 +209,7 @@ class TensorGroups:
         return {**options(group), "params": [self.stand_ins[id(p)] for p in owned]}
 
     def stand_in_ids(self) -> set[int]:
+        """The ids of the stand-ins: what the inner optimizer may hold."""
         return {id(s) for s in self.stand_ins.values()}
 
     def add(self, group: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:

@@ -1,4 +1,6 @@
-"""`ShardedOptimizer`: ZeRO-1 over DataParallel's buckets of the one flat buffer.
+"""`ShardedOptimizer`: ZeRO-1 over DataParallel's buckets of the one flat buffer, by element
+(flat shards, below) or by tensor (``shard_by="tensor"``: whole parameters per rank, for
+optimizers that update each tensor as a whole, `flatgrad._zero_tensor`).
 
 The parameters move into flat parameter buffers laid out exactly like the gradient
 buffers (every parameter becomes a view of one; `state_dict` keys do not change), with every
@@ -7,7 +9,8 @@ Backward reduce-scatters each bucket (asynchronously, as DataParallel all-reduce
 r ends up with the average of shard r of every bucket. `step()` runs the wrapped torch
 optimizer on this rank's shards only (1-D views of the flat parameter and gradient buffers,
 so its state is about 1/world_size of the unsharded state), then all-gathers every bucket's
-parameters. Only element-wise optimizers shard this way. On gloo, whose backward all-reduces
+parameters. Only element-wise optimizers shard this way (`flatgrad._zero.shard_kind` says
+which way a class may go). On gloo, whose backward all-reduces
 every bucket (its reduce-scatter is slower), every rank holds all of the averages, and the
 shards split each whole buffer instead: the parameters come back in one broadcast per rank
 rather than one per rank and bucket (`BucketSync.shard_plan`), unless
@@ -77,7 +80,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     ``opt.optimizer`` is the torch optimizer that steps this rank's shards: one group per
     group of `param_groups` (their hyper-parameters copied over at every step), over 1-D
     pieces of the flat parameter buffer (runs of one group's parameters inside this rank's
-    shard of a bucket). It cannot take model parameters (its ``add_param_group`` refuses
+    shard of a bucket); by tensor, over stand-ins of the whole parameters this rank owns
+    (leaves sharing their memory and shape). It cannot take model parameters (its ``add_param_group`` refuses
     them: each is stepped through its shard already). Its ``state`` is the per-element
     optimizer state; this optimizer's own ``state`` stays empty.
     Loss scaling (float16): ``flatgrad.GradScaler`` (a ``torch.amp.GradScaler`` whose
@@ -101,8 +105,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     Args:
         dp: The `DataParallel` whose buckets are sharded; one ShardedOptimizer per
             DataParallel.
-        optimizer_class: An element-wise torch optimizer class (SGD, Adam, AdamW, Adamax,
-            NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop, ASGD, or a subclass).
+        optimizer_class: A `torch.optim.Optimizer` subclass: torch's element-wise ones
+            (SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop,
+            ASGD) shard by element, Muon and Adafactor by tensor; any other class as
+            `shard_by` says or a probe shows (docs/data-parallel.md). LBFGS and
+            SparseAdam are refused.
         params: Parameters of `dp` or parameter groups (dicts with ``"params"`` and
             per-group options), as a torch optimizer's first argument; None (the default)
             puts every trainable parameter of `dp` in one group. A parameter in no group is
@@ -113,6 +120,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             the model's ``state_dict``/``load_state_dict`` and the next ``step()`` wait for
             all. Code that reads parameters outside a forward in between calls
             ``opt.wait_param_gather()`` first.
+        shard_by: ``"element"`` (flat shards of every parameter: for optimizers whose
+            update of an element reads that element only), ``"tensor"`` (whole parameters
+            per rank, balanced by size: for optimizers that update each tensor as a whole,
+            and any element-wise one), or None (the default): torch's classes their own
+            way; another class by tensor where a probe on small tensors shows that exact,
+            refused where it shows a statistic over several tensors. A declared value the
+            probe contradicts is refused. By tensor, ``overlap_param_gather``, float32
+            masters (``grad_dtype="float32"``) and following parameters frozen after
+            construction are not supported yet (refused).
         **defaults: The optimizer's arguments (``lr``, ``weight_decay``, ...), checked by
             `optimizer_class` before anything moves: its error for an invalid one (a
             ValueError for a negative ``lr``, a TypeError for an unknown name) leaves `dp`
@@ -122,11 +138,14 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             ``differentiable=True`` is refused (a ValueError).
 
     Raises:
-        TypeError: `dp` is not a `DataParallel`, or `overlap_param_gather` is not a bool.
-        ValueError: `optimizer_class` is not an element-wise torch optimizer, `dp` already
-            has a ShardedOptimizer, `params` holds a tensor that is not a parameter of
-            `dp` (or one twice), or parameters of different dtypes share a gradient buffer
-            (float32 ones next to bfloat16 ones with main grads).
+        TypeError: `dp` is not a `DataParallel`, `overlap_param_gather` is not a bool, or
+            `optimizer_class` is not a `torch.optim.Optimizer` subclass.
+        ValueError: `optimizer_class` cannot be sharded (cross-tensor, sparse) or not the
+            way `shard_by` says; `dp` already has a ShardedOptimizer it cannot share (by
+            element: one per DataParallel; several by tensor may share it); `params` holds
+            a tensor that is not a parameter of `dp` (or one twice); parameters of
+            different dtypes share a gradient buffer (float32 ones next to bfloat16 ones
+            with main grads); or ``differentiable=True``.
     """
 
     def __init__(
@@ -361,6 +380,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             raise AttributeError(f"{self._recipe.name} has no {name}() for ShardedOptimizer to call")
         self._engine.wait_gather()
         self._follow_layout()
+        self._groups.check(self.param_groups)
         self._groups.call(name, self.param_groups)
         self._engine.launch_gather()
         self._engine.wait_gather()
