@@ -336,14 +336,17 @@ def _never_stepped(entry: object) -> bool:
 
 
 def _placed(key: str, value: object, stand_in: torch.Tensor, group: dict[str, Any]) -> object:
-    """A loaded state value where the parameter is, as torch's `Optimizer.load_state_dict`
-    places it: floating tensors in the parameter's dtype and device; the step count as
-    saved, but on the parameter's device (as float32) for a fused or capturable group."""
+    """A loaded state value where the optimizer keeps it, so that a resume is bitwise the
+    uninterrupted run: a tensor shaped as the parameter in its dtype and on its device; a
+    scalar (the step count, NAdam's ``mu_product``) in its own dtype, on the parameter's
+    device for a fused or capturable group and where it was saved otherwise, as torch's
+    optimizers make them (torch's own `load_state_dict` casts ``mu_product`` to the
+    parameter's dtype: a resumed float64 NAdam differs in the 9th digit)."""
     if not isinstance(value, torch.Tensor):
         return value
-    if key == STEP:
+    if value.dim() == 0:  # (a 0-d parameter's own state is made in its dtype: kept as well)
         if group.get("fused") or group.get("capturable"):
-            return value.to(dtype=torch.float32, device=stand_in.device)
+            return value.to(device=stand_in.device)
         return value
     if value.is_floating_point():
         return value.to(dtype=stand_in.dtype, device=stand_in.device)
