@@ -30,8 +30,8 @@ import flatgrad
 from flatgrad.bench.counters import COPY_OPS, StepCounts, count_step, grad_bytes, weight_shapes
 from flatgrad.bench.local import COMPILE_VARIANTS
 from flatgrad.bench.mixed import MICRO_BATCHES, MIXED_VARIANTS, ROLES, build_mixed
-from flatgrad.bench.models import BenchModel, LlamaLike, ReorderedMLP
-from flatgrad.bench.runners import CONFIGS, build_runner
+from flatgrad.bench.models import BenchModel, LlamaLike, ReorderedMLP, TiedGPT
+from flatgrad.bench.runners import CONFIGS, MUON_CONFIGS, build_runner, muon_split
 
 _LOCAL_KEYS = {"model", "clip", "micro_batches", "stock_ms", "flatgrad_ms", "ratio", "control_ratio"}
 _LOCAL_KEYS |= {"stock_faults", "flatgrad_faults"}  # minor page faults per step, each side
@@ -265,6 +265,70 @@ def test_every_configuration_runs_a_model_with_unused_parameters():
     run_ranks(_unused_parameters_worker)
 
 
+def tiny_gpt() -> BenchModel:
+    """The bench's TiedGPT, tiny and in float64 (a factory for the Muon rows' test)."""
+
+    def batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
+        idx = torch.randint(0, 32, (2, 9), generator=gen)
+        return idx[:, :-1].to(device), idx[:, 1:].to(device)
+
+    return BenchModel(lambda: TiedGPT(vocab=32, dim=16, depth=2, heads=2, block=8).double(), batch)
+
+
+def _muon_rows_worker(rank: int, world_size: int) -> None:
+    """The Muon + AdamW configurations through the bench's own loop (`bench_model`): every
+    row, its ratio to the stock ZeRO-1, every rank's state. float64, so all five train
+    alike (the loss of the last timed step agrees; Muon's bfloat16 Newton-Schulz sees the
+    same gradients). Both ZeRO-1s hold about half of the unsharded state on each rank and
+    all of it over the ranks."""
+    from flatgrad.bench.report import format_muon
+    from flatgrad.bench.suite import bench_model
+
+    model = TiedGPT(vocab=32, dim=16, depth=2, heads=2, block=8)
+    matrices, rest = muon_split(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [names[id(p)] for p in matrices] == [
+        n for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")
+    ]  # the hidden matrices; the tied embedding and head, the positions and vectors: AdamW
+    assert names[id(model.tokens.weight)] in [names[id(p)] for p in rest]
+    result = bench_model("test_bench:tiny_gpt", list(MUON_CONFIGS), 2, 1, torch.device("cpu"), None)
+    rows = result["configs"]
+    assert list(rows) == list(MUON_CONFIGS)
+    assert rows["zero_stock_muon"]["pair_ratio_to_zero_stock_muon"] == 1.0
+    unsharded = rows["ddp_muon"]["optimizer_state_bytes_by_rank"]
+    assert unsharded == [rows["ddp_muon"]["optimizer_state_bytes"]] * world_size
+    assert rows["flatgrad_dp_muon"]["optimizer_state_bytes_by_rank"] == unsharded
+    for name, record in rows.items():
+        assert record["pair_ratio_to_zero_stock_muon"] > 0 and "ratio_to_ddp_default" not in record
+        assert record["final_loss"] == pytest.approx(rows["ddp_muon"]["final_loss"], rel=1e-9), name
+    for name in ("flatgrad_zero_muon", "zero_stock_muon", "zero_stock_muon_view"):
+        per_rank = rows[name]["optimizer_state_bytes_by_rank"]
+        assert per_rank[rank] == rows[name]["optimizer_state_bytes"]
+        assert sum(per_rank) == unsharded[0], (name, per_rank, unsharded)
+        assert max(per_rank) <= 0.6 * unsharded[0], (name, per_rank, unsharded)
+    assert rows["flatgrad_zero_muon"]["collectives_per_step"] >= 1
+    table = format_muon({"models": {"tiny_gpt": result}})
+    assert all(name in table for name in MUON_CONFIGS) and "vs ZeRO" in table
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon: torch 2.9 on")
+def test_bench_muon_rows_shard_the_state_and_train_alike():
+    run_ranks(_muon_rows_worker)
+
+
+def test_bench_muon_configurations_are_asked_for_by_name():
+    from flatgrad.bench.cli import parse_args
+    from flatgrad.bench.report import format_muon
+
+    assert set(parse_args([]).configs) == set(CONFIGS)  # not in the default run
+    assert parse_args(["--configs", "zero_stock_muon,flatgrad_zero_muon"]).configs == [
+        "zero_stock_muon",
+        "flatgrad_zero_muon",
+    ]
+    assert format_muon({"models": {"gpt": {"configs": {}}}}) == ""
+
+
 # Bytes per parameter one rank holds after a step, on 2 ranks with AdamW: parameters +
 # gradients + masters + the two moments.
 _MIXED_BYTES = {
@@ -362,6 +426,7 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
                 "step_peak_extra_mb",
                 "final_loss",
                 "optimizer_state_bytes",
+                "optimizer_state_bytes_by_rank",
                 "exposed_comm_ms",
                 "bucket_launch_ms",
                 "backward_ms",

@@ -4,6 +4,7 @@ python -m flatgrad.bench                                  # CPU: spawns 2 gloo r
 python -m flatgrad.bench --models gpt,mlp --steps 30 --out bench.json
 python -m flatgrad.bench --local-only --compile --op-repeats 0   # one-process steps + compile row
 python -m flatgrad.bench --mixed-steps 0                  # without the mixed-precision row (bf16 LM, AdamW)
+python -m flatgrad.bench --models gpt --configs ddp_muon,flatgrad_zero_muon,zero_stock_muon  # Muon + AdamW
 torchrun --nproc_per_node=8 -m flatgrad.bench             # GPUs: NCCL, one rank per GPU
 """
 
@@ -31,8 +32,8 @@ from flatgrad.bench.memory import pin_malloc
 from flatgrad.bench.mixed import MIXED_VARIANTS, bench_mixed
 from flatgrad.bench.models import LOCAL_MODELS, MODELS, resolve_model
 from flatgrad.bench.ops import format_ops, op_ratios
-from flatgrad.bench.report import format_mixed, format_overlap, format_table, write_png
-from flatgrad.bench.runners import CONFIGS
+from flatgrad.bench.report import format_mixed, format_muon, format_overlap, format_table, write_png
+from flatgrad.bench.runners import CONFIGS, MUON_CONFIGS
 from flatgrad.bench.suite import Progress, bench_model
 
 logger = logging.getLogger("flatgrad.bench")
@@ -76,7 +77,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=list(MODELS),
         help="comma-separated built-in models, or package.module:factory returning a BenchModel",
     )
-    parser.add_argument("--configs", type=_csv(CONFIGS, "--configs"), default=list(CONFIGS))
+    parser.add_argument(
+        "--configs",
+        type=_csv(CONFIGS + MUON_CONFIGS, "--configs"),
+        default=list(CONFIGS),
+        help=f"comma-separated configurations (default: those with SGD; Muon + AdamW, by name: "
+        f"{', '.join(MUON_CONFIGS)})",
+    )
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per configuration")
     parser.add_argument(
         "--warmup", type=int, default=3, help="untimed steps first (DDP rebuilds buckets in step 2)"
@@ -267,6 +274,9 @@ def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(format_table(report))
+    muon = format_muon(report)
+    if muon:
+        print(muon)
     print(format_overlap(report))
     if mixed is not None:
         print(format_mixed(mixed, world_size))

@@ -44,6 +44,44 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_muon(report: dict[str, Any]) -> str:
+    """The Muon + AdamW rows (`runners.MUON_CONFIGS`) of a report: step times, the ratio to
+    the stock ZeRO-1 (`zero_stock_muon`) and every rank's optimizer state; "" without
+    them."""
+    from flatgrad.bench.runners import MUON_CONFIGS  # (here: this module imports no torch)
+
+    lines = [
+        "Muon + AdamW (Muon for the hidden matrices, AdamW for the embeddings, tied head and "
+        "vectors; clipped at 1.0)",
+        f"{'model':13s} {'configuration':20s} {'median ms':>9s} {'min':>8s} {'max':>8s} "
+        f"{'vs ZeRO':>7s} {'opt MB per rank':>20s} {'most/unsharded':>14s}",
+    ]
+    rows = 0
+    for model, result in report["models"].items():
+        configs = result["configs"]
+        unsharded = [
+            configs[n]["optimizer_state_bytes"] for n in ("ddp_muon", "flatgrad_dp_muon") if n in configs
+        ]
+        for name in MUON_CONFIGS:
+            r = configs.get(name)
+            if r is None:
+                continue
+            rows += 1
+            per_rank = " / ".join(f"{b / 2**20:.2f}" for b in r["optimizer_state_bytes_by_rank"])
+            share = max(r["optimizer_state_bytes_by_rank"]) / unsharded[0] if unsharded else float("nan")
+            lines.append(
+                f"{model:13s} {name:20s} {r['median_ms']:9.2f} {r['min_ms']:8.2f} {r['max_ms']:8.2f} "
+                f"{r.get('pair_ratio_to_zero_stock_muon', float('nan')):7.3f} {per_rank:>20s} {share:14.2f}"
+            )
+    lines.append(
+        "vs ZeRO: median over steps of the step-time ratio to zero_stock_muon (DDP + two "
+        "ZeroRedundancyOptimizers; same step, interleaved); opt MB per rank: the optimizer state "
+        "each rank holds (rank 0 first); most/unsharded: the most any rank holds over what "
+        "every rank of ddp_muon (or flatgrad_dp_muon) holds"
+    )
+    return "\n".join(lines) if rows else ""
+
+
 def format_mixed(row: dict[str, Any], world_size: int) -> str:
     """The mixed-precision row (`flatgrad.bench.mixed`): step times, ratios, memory per parameter."""
     per = row["num_parameters"]

@@ -1,10 +1,14 @@
 """The configurations compared: stock DDP variants, FlatGrad with and without DDP,
 single-process stock/FlatGrad, and the sharded ones (flatgrad's ZeRO-1, torch's
-ZeroRedundancyOptimizer, FSDP2). Each owns its model copy and optimizer."""
+ZeroRedundancyOptimizer, FSDP2), all with SGD (momentum); and, asked for by name
+(`MUON_CONFIGS`), Muon's recipe (Muon for the hidden matrices, AdamW for the rest) plain,
+under flatgrad's ZeRO-1 by tensor and under torch's ZeroRedundancyOptimizer. Each owns its
+model copy and optimizer."""
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +44,7 @@ class Runner:
 
     name: str
     module: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | Optimizers
     sync: Callable[[], None] = _no_sync
     ddp: DDP | None = None
     engine: flatgrad.DataParallel | None = None
@@ -49,19 +53,10 @@ class Runner:
     copies every gradient into its reduce-scatter input with ``fsdp::chunk_cat``."""
 
     def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds: a ShardedOptimizer's shards, a
-        ZeroRedundancyOptimizer's local optimizer, the local shards of FSDP2's DTensors."""
-        if isinstance(self.optimizer, flatgrad.ShardedOptimizer):
-            return self.optimizer.state_bytes()
-        optimizer = self.optimizer
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            optimizer = optimizer.optim  # its `state` holds no tensors; this rank's are here
-        return sum(
-            local_bytes(t)
-            for state in optimizer.state.values()
-            for t in state.values()
-            if isinstance(t, torch.Tensor)
-        )
+        """Bytes of optimizer state this rank holds (`optimizer_state_bytes`)."""
+        if isinstance(self.optimizer, Optimizers):
+            return sum(optimizer_state_bytes(part) for part in self.optimizer.parts)
+        return optimizer_state_bytes(self.optimizer)
 
     def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         self.optimizer.zero_grad()  # set_to_none=True, torch's default, for every configuration
@@ -79,6 +74,40 @@ class Runner:
         if self.ddp is None or self.ddp.gradient_as_bucket_view:
             return []
         return [bucket.buffer() for bucket in self.ddp.reducer._get_zeros_like_grad_buckets()]
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank holds: a ShardedOptimizer's shards (or whole
+    parameters' state, by tensor), a ZeroRedundancyOptimizer's local optimizer, the local
+    shards of FSDP2's DTensors."""
+    if isinstance(optimizer, flatgrad.ShardedOptimizer):
+        return optimizer.state_bytes()
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer = optimizer.optim  # its `state` holds no tensors; this rank's are here
+    return sum(
+        local_bytes(t)
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
+
+
+@dataclass
+class Optimizers:
+    """Several optimizers stepped as one (Muon's recipe: Muon and AdamW over parts of one
+    model): `step()` clips the whole model's gradients (`clip`), then steps each part."""
+
+    parts: list[torch.optim.Optimizer]
+    clip: Callable[[], object]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.clip()
+        for part in self.parts:
+            part.step()
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
@@ -104,6 +133,22 @@ CONFIGS = (
 BASELINE = "ddp_default"
 BEST_STOCK = "ddp_bucket_view"  # stock DDP's best setting for memory and copies
 
+# Muon's recipe (Muon for the 2-D hidden matrices, AdamW for the embeddings, the tied head
+# and the vectors; the whole model clipped at MUON_MAX_NORM), asked for by name: not in
+# the default run (Newton-Schulz on the MLPs' 2048x2048 matrices takes seconds per step on
+# a CPU). Their `lr` is theirs, not build_runner's.
+MUON_CONFIGS = (
+    "ddp_muon",  # DDP (bucket views) + torch.optim.Muon + torch.optim.AdamW
+    "flatgrad_dp_muon",  # DataParallel + the same two plain optimizers
+    "flatgrad_zero_muon",  # DataParallel + two ShardedOptimizers by tensor
+    "zero_stock_muon",  # DDP (bucket views) + two ZeroRedundancyOptimizers
+    "zero_stock_muon_view",  # the same with parameters_as_bucket_view=True
+)
+MUON_BASE = "zero_stock_muon"  # the stock ZeRO-1 the Muon rows are compared against
+MUON: dict[str, Any] = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01}
+MUON_ADAMW: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.1}
+MUON_MAX_NORM = 1.0
+
 
 def _device_ids(device: torch.device) -> list[int] | None:
     return [device.index or 0] if device.type == "cuda" else None
@@ -116,6 +161,8 @@ def build_runner(
     leaves some unused, which DDP (but for static_graph) must be told."""
     module = copy.deepcopy(model).to(device)
     ids = _device_ids(device)
+    if name in MUON_CONFIGS:
+        return _muon_runner(name, module, ids, unused_parameters)
     ddp: DDP | None = None
     sync: Callable[[], None] = _no_sync
     if name in ("ddp_default", "ddp_bucket_view", "ddp_static_graph"):
@@ -162,9 +209,58 @@ def build_runner(
     elif name == "local_flatgrad":
         wrapped = flatgrad.FlatGrad(module)
     else:
-        raise ValueError(f"configuration must be one of {', '.join(CONFIGS)}, got {name!r}")
+        raise ValueError(f"configuration must be one of {', '.join(CONFIGS + MUON_CONFIGS)}, got {name!r}")
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=0.9)
     return Runner(name, wrapped, optimizer, sync, ddp)
+
+
+def muon_split(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Muon's recipe: (the hidden matrices, for Muon; the rest, for AdamW). A hidden matrix
+    is a 2-D parameter no `nn.Embedding` holds (a head tied to the embedding is the
+    embedding's weight); on the bench's LMs that is every 2-D parameter of their
+    `blocks`."""
+    embeddings = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    params = [p for p in module.parameters() if p.requires_grad]
+    matrices = [p for p in params if p.dim() == 2 and id(p) not in embeddings]
+    rest = [p for p in params if not (p.dim() == 2 and id(p) not in embeddings)]
+    return matrices, rest
+
+
+def _muon_runner(name: str, module: nn.Module, ids: list[int] | None, unused_parameters: bool) -> Runner:
+    """`module` (a fresh copy) set up as the Muon configuration `name`."""
+    muon_class = getattr(torch.optim, "Muon", None)
+    if muon_class is None:
+        raise ValueError(
+            f"configuration {name} needs torch.optim.Muon (torch 2.9 on), not in torch {torch.__version__}"
+        )
+    if name in ("flatgrad_dp_muon", "flatgrad_zero_muon"):
+        dp = flatgrad.DataParallel(flatgrad.FlatGrad(module))
+        matrices, rest = muon_split(module)
+        if name == "flatgrad_zero_muon":  # (one clip over the whole model: every rank holds every gradient)
+            muon = flatgrad.ShardedOptimizer(dp, muon_class, matrices, **MUON)
+            adamw = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, rest, shard_by="tensor", **MUON_ADAMW)
+            clip = functools.partial(muon.clip_grad_norm_, MUON_MAX_NORM)
+            return Runner(name, dp, Optimizers([muon, adamw], clip), engine=dp)
+        plain = [muon_class(matrices, **MUON), torch.optim.AdamW(rest, **MUON_ADAMW)]
+        clip = functools.partial(dp.module.clip_grad_norm_, MUON_MAX_NORM)
+        return Runner(name, dp, Optimizers(plain, clip), engine=dp)
+    ddp = DDP(module, device_ids=ids, gradient_as_bucket_view=True, find_unused_parameters=unused_parameters)
+    matrices, rest = muon_split(module)
+    parts: list[torch.optim.Optimizer]
+    if name == "ddp_muon":
+        parts = [muon_class(matrices, **MUON), torch.optim.AdamW(rest, **MUON_ADAMW)]
+    else:
+        view = name == "zero_stock_muon_view"
+        parts = [
+            ZeroRedundancyOptimizer(
+                matrices, optimizer_class=muon_class, parameters_as_bucket_view=view, **MUON
+            ),
+            ZeroRedundancyOptimizer(
+                rest, optimizer_class=torch.optim.AdamW, parameters_as_bucket_view=view, **MUON_ADAMW
+            ),
+        ]
+    clip = functools.partial(torch.nn.utils.clip_grad_norm_, list(module.parameters()), MUON_MAX_NORM)
+    return Runner(name, ddp, Optimizers(parts, clip), ddp=ddp)
 
 
 def _fully_shard(module: nn.Module, device: torch.device) -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from flatgrad.bench.counters import count_step, grad_bytes
 from flatgrad.bench.memory import step_peak, step_start
 from flatgrad.bench.models import resolve_model
-from flatgrad.bench.runners import BASELINE, BEST_STOCK, Runner, build_runner
+from flatgrad.bench.runners import BASELINE, BEST_STOCK, MUON_BASE, Runner, build_runner
 
 
 class Progress(Protocol):
@@ -63,7 +63,7 @@ def bench_model(
     """Interleaved steps of every configuration on the same data; step time is the slowest
     rank's. Then one counted backward each for collectives, copies and gradient bytes (the
     parameter all-gathers of the sharded configurations, in their step or forward, are not
-    in it)."""
+    in it), and every rank's optimizer state bytes."""
     spec = resolve_model(model_name)
     torch.manual_seed(0)
     model = spec.build()
@@ -113,8 +113,18 @@ def bench_model(
             if runner.engine is not None
             else None,
         }
+    mine = torch.tensor([r.optimizer_state_bytes() for r in runners], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    for index, runner in enumerate(runners):
+        results[runner.name]["optimizer_state_bytes_by_rank"] = [int(t[index].item()) for t in every]
+    bases = (
+        (BASELINE, "ratio_to_ddp_default"),
+        (BEST_STOCK, "pair_ratio_to_ddp_bucket_view"),
+        (MUON_BASE, "pair_ratio_to_zero_stock_muon"),
+    )
     for name, record in results.items():
-        for base, key in ((BASELINE, "ratio_to_ddp_default"), (BEST_STOCK, "pair_ratio_to_ddp_bucket_view")):
+        for base, key in bases:
             if base in rows:  # median over steps of (this step / the baseline's same step)
                 record[key] = statistics.median(a / b for a, b in zip(rows[name], rows[base]))
     grad_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
