@@ -260,10 +260,13 @@ def check_data_parallel(rank: int) -> None:
     same_params(model, ref.module)
 
 
-def _sharded(seed: int = 0) -> tuple[SmokeLM, flatgrad.DataParallel, flatgrad.ShardedOptimizer]:
+def _sharded(
+    seed: int = 0, shard_by: str | None = None
+) -> tuple[SmokeLM, flatgrad.DataParallel, flatgrad.ShardedOptimizer]:
     model = model64(seed)
     dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.0005)
-    return model, dp, flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1, shard_by=shard_by)  # type: ignore[arg-type]
+    return model, dp, opt
 
 
 def _sharded_steps(
@@ -276,9 +279,10 @@ def _sharded_steps(
         opt.step()
 
 
-def check_sharded(rank: int) -> None:
-    """`ShardedOptimizer` (ZeRO-1, AdamW, clipping) against stock DDP + AdamW."""
-    model, dp, opt = _sharded()
+def check_sharded(rank: int, shard_by: str | None = None) -> None:
+    """`ShardedOptimizer` (ZeRO-1, AdamW, clipping; by element or, with ``shard_by="tensor"``,
+    by whole parameters) against stock DDP + AdamW."""
+    model, dp, opt = _sharded(shard_by=shard_by)
     ref = DDP(copy.deepcopy(model64()))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
     _sharded_steps(dp, opt, rank, range(3))
@@ -310,6 +314,7 @@ RANK_CHECKS: list[tuple[str, Callable[..., None]]] = [
     ("FlatGrad.all_reduce_grads", check_all_reduce_grads),
     ("DataParallel", check_data_parallel),
     ("ShardedOptimizer", check_sharded),
+    ("ShardedOptimizer by tensor", lambda rank: check_sharded(rank, "tensor")),
     ("DCP save/load (ShardedOptimizer)", check_checkpoint),
 ]
 
