@@ -879,6 +879,20 @@ def group_signature(
     return [(id(group["params"]), len(group["params"])) for group in groups]
 
 
+def with_options(
+    inner: torch.optim.Optimizer, param_groups: list[dict[str, Any]], run: Callable[[], Any]
+) -> None:
+    """`run()` (a step, schedule-free's ``train``/``eval``) on the inner optimizer with the
+    options `param_groups` hold now (live: what a scheduler or the loop wrote); what it
+    writes into its groups (an optimizer that adapts an option, or adds one) shows in
+    `param_groups` afterwards, as it would in a plain optimizer's."""
+    for group, own in zip(param_groups, inner.param_groups):
+        own.update(options(group))
+    run()
+    for group, own in zip(param_groups, inner.param_groups):
+        group.update(options(own))
+
+
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """The summed size of the tensors in `optimizer`'s state."""
     return sum(
@@ -1042,24 +1056,16 @@ class PieceGroups:
         for pieces in self.pieces:
             for piece in pieces:
                 piece.param.grad = piece.grad
-        for group, inner in zip(param_groups, self.inner.param_groups):
-            inner.update(options(group))
         self.engine.take_masters()
-        self.inner.step(**kwargs)
-        for group, inner in zip(param_groups, self.inner.param_groups):
-            group.update(options(inner))
+        with_options(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
         self.engine.write_back()
 
     def call(self, name: str, param_groups: list[dict[str, Any]]) -> None:
         """The inner optimizer's method `name` (schedule-free's ``train``/``eval``, which
         move the parameters), with the options `param_groups` hold now; what it writes into
         its groups shows in `param_groups` afterwards."""
-        for group, inner in zip(param_groups, self.inner.param_groups):
-            inner.update(options(group))
         self.engine.take_masters()
-        getattr(self.inner, name)()
-        for group, inner in zip(param_groups, self.inner.param_groups):
-            group.update(options(inner))
+        with_options(self.inner, param_groups, getattr(self.inner, name))
         self.engine.write_back()
 
     def drop_grads(self) -> None:

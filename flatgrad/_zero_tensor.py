@@ -39,6 +39,7 @@ from flatgrad._zero import (
     options,
     state_bytes,
     unscale_shards,
+    with_options,
 )
 from flatgrad._zero_state import STEP, OptimizerRecipe, refuse_misfits
 from flatgrad.buffer import GradStore
@@ -235,21 +236,13 @@ class TensorGroups:
         for owned in self.owned:
             for param in owned:
                 self.stand_ins[id(param)].grad = param.grad
-        for group, inner in zip(param_groups, self.inner.param_groups):
-            inner.update(options(group))
-        self.inner.step(**kwargs)
-        for group, inner in zip(param_groups, self.inner.param_groups):
-            group.update(options(inner))
+        with_options(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
 
     def call(self, name: str, param_groups: list[dict[str, Any]]) -> None:
         """The inner optimizer's method `name` (schedule-free's ``train``/``eval``, which
         move the parameters), with the options `param_groups` hold now; what it writes into
         its groups shows in `param_groups` afterwards."""
-        for group, inner in zip(param_groups, self.inner.param_groups):
-            inner.update(options(group))
-        getattr(self.inner, name)()
-        for group, inner in zip(param_groups, self.inner.param_groups):
-            group.update(options(inner))
+        with_options(self.inner, param_groups, getattr(self.inner, name))
 
     def drop_grads(self) -> None:
         """Drop the stand-ins' `.grad` (zero_grad)."""

@@ -27,6 +27,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+from flatgrad._zero import state_bytes
 from flatgrad.bench.models import TiedGPT
 
 pytestmark = [
@@ -122,21 +123,12 @@ def _muon_adamw_worker(rank: int, world_size: int) -> None:
     assert ours.opts[0].param_groups[0]["lr"] == stock.opts[0].param_groups[0]["lr"]
     # memory: this rank's state is within one largest tensor of 1/world_size of the whole
     ours_bytes = sum(opt.state_bytes() for opt in ours.opts)
-    whole = sum(_state_bytes(opt) for opt in stock.opts)
+    whole = sum(state_bytes(opt) for opt in stock.opts)
     largest = max(2 * p.numel() * p.element_size() for p in model.parameters())  # (AdamW's two moments)
     assert ours_bytes <= whole / world_size + largest, (ours_bytes, whole, largest)
     mine = torch.tensor([ours_bytes], dtype=torch.float64)
     dist.all_reduce(mine)
     assert int(mine) == whole  # every parameter's state on exactly one rank
-
-
-def _state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(
-        t.numel() * t.element_size()
-        for s in opt.state.values()
-        for t in s.values()
-        if isinstance(t, torch.Tensor)
-    )
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -262,49 +254,45 @@ def test_muon_with_adamw_resumes_from_dcp_on_another_world_size(tmp_path):
 # --- which optimizers shard how ----------------------------------------------------------
 
 
-class _GlobalNormSGD(torch.optim.Optimizer):
+class _ToySGD(torch.optim.Optimizer):
+    """SGD whose update of each parameter is `update` (of it, its gradient and all the
+    parameters with one): the probe's subjects."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    def update(self, p: torch.Tensor, every: list[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        every = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(self.update(p, every), alpha=-group["lr"])
+
+
+class _GlobalNormSGD(_ToySGD):
     """SGD on gradients divided by their global norm over every parameter: cross-tensor."""
 
-    def __init__(self, params: Any, lr: float = 0.1) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad / total, alpha=-group["lr"])
+    def update(self, p: torch.Tensor, every: list[torch.Tensor]) -> torch.Tensor:
+        norms = torch.stack([torch.linalg.vector_norm(q.grad) for q in every])  # type: ignore[arg-type]
+        return p.grad / torch.linalg.vector_norm(norms)  # type: ignore[operator]
 
 
-class _TrustRatioSGD(torch.optim.Optimizer):
+class _TrustRatioSGD(_ToySGD):
     """SGD scaled by each tensor's trust ratio (LARS-like): per-tensor."""
 
-    def __init__(self, params: Any, lr: float = 0.1) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    ratio = torch.linalg.vector_norm(p) / (torch.linalg.vector_norm(p.grad) + 1e-12)
-                    p.add_(p.grad * ratio, alpha=-group["lr"])
+    def update(self, p: torch.Tensor, every: list[torch.Tensor]) -> torch.Tensor:
+        return p.grad * torch.linalg.vector_norm(p) / (torch.linalg.vector_norm(p.grad) + 1e-12)  # type: ignore[operator,arg-type]
 
 
-class _SignSGD(torch.optim.Optimizer):
+class _SignSGD(_ToySGD):
     """SGD on the gradient's sign (Lion's update without momentum): element-wise."""
 
-    def __init__(self, params: Any, lr: float = 0.1) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad.sign(), alpha=-group["lr"])
+    def update(self, p: torch.Tensor, every: list[torch.Tensor]) -> torch.Tensor:
+        return p.grad.sign()  # type: ignore[union-attr]
 
 
 class _NeedsAnArgument(torch.optim.SGD):
