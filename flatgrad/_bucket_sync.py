@@ -669,6 +669,10 @@ class BucketSync:
         # On a joined rank: whether its last shadowed iteration averaged (`shadow`), which a
         # ShardedOptimizer's join hook steps after.
         self.shadowed_sync = False
+        # Synchronised backwards so far (shadowed ones on a joined rank too): a ShardedOptimizer
+        # by tensor compares it with its count at its zero_grad to know that main grads (which
+        # have no `.grad` to say so) hold an average to step from.
+        self.num_syncs = 0
         self.rebuild()
 
     def _new_round(self, divisor: int | None = None) -> Round:
@@ -896,6 +900,7 @@ class BucketSync:
         self._round = round_ = self._new_round(divisor)
         round_.sync_all()
         self._agree_order(round_)
+        self.num_syncs += 1
         self._scattered = self.reduce_scatter
         if self._scattered:
             mark_scattered(store)
@@ -944,6 +949,7 @@ class BucketSync:
                     shard.add_(carried)
                 self._carried = None
             self._learn(round_)
+            self.num_syncs += 1
             self._scattered = self.reduce_scatter
             if self._scattered:  # .grad refuses math until zeroed: see flatgrad._scattered_grad
                 mark_scattered(self._store)  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ its state is saved per parameter name, whole, by the rank that owns it
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ from flatgrad._zero import (
     unscale_shards,
     with_options,
 )
-from flatgrad._zero_state import STEP, OptimizerRecipe, refuse_misfits
+from flatgrad._zero_state import MASTER, STEP, OptimizerRecipe, refuse_misfits
 from flatgrad.buffer import GradStore
 from flatgrad.layout import GroupKey, merge_touching
 
@@ -102,9 +103,19 @@ class TensorEngine(FlatParameters):
     every rank's updated parameters to the others."""
 
     def __init__(
-        self, store: GradStore, process_group: dist.ProcessGroup | None, members: set[int], companion: bool
+        self,
+        store: GradStore,
+        process_group: dist.ProcessGroup | None,
+        members: set[int],
+        companion: bool,
+        num_syncs: Callable[[], int],
     ) -> None:
         super().__init__(store, process_group, companion)
+        # DataParallel's count of synchronised backwards, and its value at this optimizer's
+        # last zero_grad: main grads (no `.grad` says they hold anything) hold an average to
+        # step from once it has grown since.
+        self._num_syncs = num_syncs
+        self._cleared_at = num_syncs()
         self.owners: dict[int, int] = {}  # id(param) -> the rank that steps it
         self.runs_by_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
         self.in_flight: list[Any] = []  # the broadcasts of the last step still in flight
@@ -124,10 +135,22 @@ class TensorEngine(FlatParameters):
         """Whether this rank steps `param` (a parameter of the store)."""
         return self.owners.get(id(param)) == self.rank
 
+    def cleared(self) -> None:
+        """This optimizer's gradients were zeroed: main grads hold nothing to step from until
+        the next synchronised backward."""
+        self._cleared_at = self._num_syncs()
+
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """What `param` steps from: its `.grad`; for a bfloat16/float16 parameter with a main
+        grad, that float32 slot, once a synchronised backward wrote it since `cleared`."""
+        if not self.store.is_main(param):
+            return param.grad
+        return self.store.view(param) if self._num_syncs() > self._cleared_at else None
+
     def has_grads(self) -> bool:
-        """Whether a step has gradients to use: a parameter has a `.grad` (the same answer
-        on every rank: a synchronised backward sets them alike)."""
-        return any(p.grad is not None for p in self.store.params if id(p) in self.owners)
+        """Whether a step has gradients to use: a parameter of this optimizer has one
+        (`grad_of`; the same answer on every rank: a synchronised backward sets them alike)."""
+        return any(self.grad_of(p) is not None for p in self.store.params if id(p) in self.owners)
 
     def take_assigned_grads(self) -> None:
         """Nothing to take: the stand-ins step from each parameter's `.grad` as it is."""
@@ -138,7 +161,7 @@ class TensorEngine(FlatParameters):
         torch optimizer's); with `found_inf`, set it to 1.0 where any of them holds an inf
         or NaN (every rank holds all of them, averaged: the small all-reduce of
         `unscale_shards` only keeps the ranks in step)."""
-        grads = [p.grad for p in self.store.params if id(p) in self.owners and p.grad is not None]
+        grads = [g for p in self.store.params if id(p) in self.owners and (g := self.grad_of(p)) is not None]
         if grads:
             unscale_shards(grads, inv_scale, found_inf, allow_fp16, self.process_group)
 
@@ -170,10 +193,12 @@ class TensorEngine(FlatParameters):
 _COALESCED_BYTES = 250 * 1024 * 1024  # (DDP's broadcast bucket)
 
 
-def _stand_in(param: torch.Tensor) -> nn.Parameter:
+def _stand_in(param: torch.Tensor, master: bool) -> nn.Parameter:
     """What the inner optimizer steps for `param`: a leaf sharing its memory, shape and
-    version counter, so the update lands in the parameter as a plain optimizer's would."""
-    return nn.Parameter(param.detach())
+    version counter, so the update lands in the parameter as a plain optimizer's would; or,
+    for a bfloat16/float16 parameter with a main grad (`master`), its float32 master, a
+    copy that `TensorGroups.write_back` rounds into the parameter after each step."""
+    return nn.Parameter(param.detach().float() if master else param.detach())
 
 
 class TensorGroups:
@@ -194,6 +219,11 @@ class TensorGroups:
         self.recipe = recipe
         self.stand_ins: dict[int, nn.Parameter] = {}  # id(param) -> its stand-in
         self.owned: list[list[torch.Tensor]] = []  # per group: the parameters this rank steps
+        # The owned parameters with float32 masters, and their version counters when the
+        # masters last matched them (a write since, a model load_state_dict, makes the
+        # master take the parameter's value: `take_masters`).
+        self.masters: list[torch.Tensor] = []
+        self._versions: dict[int, int] = {}
         self.inner = recipe.build([self._inner_group(group) for group in param_groups])
         # Model parameters given to the inner optimizer would be stepped outside the plan
         # (and not broadcast): refused at the call, as PieceGroups refuses them.
@@ -206,7 +236,11 @@ class TensorGroups:
         owned = [p for p in group["params"] if p in self.engine.store and self.engine.owns(p)]
         self.owned.append(owned)
         for param in owned:
-            self.stand_ins[id(param)] = _stand_in(param)
+            master = self.engine.store.is_main(param)
+            self.stand_ins[id(param)] = _stand_in(param, master)
+            if master:
+                self.masters.append(param)
+                self._versions[id(param)] = param._version
         return {**options(group), "params": [self.stand_ins[id(p)] for p in owned]}
 
     def stand_in_ids(self) -> set[int]:
@@ -235,14 +269,39 @@ class TensorGroups:
         hold now; what the step writes into its groups shows in `param_groups` afterwards."""
         for owned in self.owned:
             for param in owned:
-                self.stand_ins[id(param)].grad = param.grad
+                self.stand_ins[id(param)].grad = self.engine.grad_of(param)
+        self.take_masters()
         with_options(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
+        self.write_back()
+
+    def take_masters(self) -> None:
+        """Before a step: a master whose parameter was written since (a model
+        load_state_dict, a copy under no_grad) takes the parameter's value where it no
+        longer rounds to it (exactly: the cast up is exact); a master loaded from the same
+        checkpoint as the parameter is kept."""
+        with torch.no_grad():
+            for param in self.masters:
+                if param._version != self._versions[id(param)]:
+                    master = self.stand_ins[id(param)]
+                    moved = master.to(param.dtype) != param
+                    master.copy_(torch.where(moved, param.float(), master))
+                    self._versions[id(param)] = param._version
+
+    def write_back(self) -> None:
+        """After a step: the masters into their parameters, rounded to nearest, before the
+        broadcasts send them."""
+        with torch.no_grad():
+            for param in self.masters:
+                param.copy_(self.stand_ins[id(param)])
+                self._versions[id(param)] = param._version
 
     def call(self, name: str, param_groups: list[dict[str, Any]]) -> None:
         """The inner optimizer's method `name` (schedule-free's ``train``/``eval``, which
         move the parameters), with the options `param_groups` hold now; what it writes into
         its groups shows in `param_groups` afterwards."""
+        self.take_masters()
         with_options(self.inner, param_groups, getattr(self.inner, name))
+        self.write_back()
 
     def drop_grads(self) -> None:
         """Drop the stand-ins' `.grad` (zero_grad)."""
@@ -262,6 +321,8 @@ class TensorGroups:
                     self.recipe, options(group), stand_in
                 )
                 state[self.names[id(param)]] = dict(entry)
+                if stand_in.dtype != param.dtype:  # (a float32 master: saved and loaded in place)
+                    state[self.names[id(param)]][MASTER] = stand_in.detach()
         groups = [
             {**options(group), "params": [self.names[id(p)] for p in group["params"]]}
             for group in param_groups
@@ -293,6 +354,11 @@ class TensorGroups:
                 stand_in = self.stand_ins[id(param)]
                 entry = state_dict["state"].get(self.names[id(param)])
                 self.inner.state.pop(stand_in, None)
+                if isinstance(entry, dict) and MASTER in entry and stand_in.dtype != param.dtype:
+                    with torch.no_grad():
+                        stand_in.copy_(entry[MASTER])
+                    self._versions[id(param)] = param._version
+                    entry = {key: value for key, value in entry.items() if key != MASTER}
                 if entry is None or _never_stepped(entry):
                     fresh = self.recipe.build([{**options(inner), "params": [stand_in]}]).state.get(stand_in)
                     if fresh:  # (Adagrad's initial accumulator)

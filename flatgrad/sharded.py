@@ -126,9 +126,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             and any element-wise one), or None (the default): torch's classes their own
             way; another class by tensor where a probe on small tensors shows that exact,
             refused where it shows a statistic over several tensors. A declared value the
-            probe contradicts is refused. By tensor, ``overlap_param_gather``, float32
-            masters (``grad_dtype="float32"``) and following parameters frozen after
-            construction are not supported yet (refused).
+            probe contradicts is refused. By tensor, ``overlap_param_gather`` and
+            following parameters frozen after construction are not supported yet
+            (refused); float32 masters (``grad_dtype="float32"``) are this rank's owned
+            parameters'.
         **defaults: The optimizer's arguments (``lr``, ``weight_decay``, ...), checked by
             `optimizer_class` before anything moves: its error for an invalid one (a
             ValueError for a negative ``lr``, a TypeError for an unknown name) leaves `dp`
@@ -175,7 +176,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         recipe = OptimizerRecipe(optimizer_class, dict(defaults))
         kind = shard_kind(recipe, shard_by, next(iter(store.buffers.values())))
         self.shard_by: ShardBy = agreed_kind(kind, store, dp.process_group)
-        _check_companions(dp, self.shard_by, overlap_param_gather, bool(store.mains))
+        _check_companions(dp, self.shard_by, overlap_param_gather)
         self._ready = False  # the inner optimizer exists (add_param_group gives it a group too)
         super().__init__(groups, checked)
         Joinable.__init__(self)  # (not joined: Join configures it)
@@ -222,7 +223,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         the parameters of `param_groups` this rank owns."""
         members = {id(p) for group in self.param_groups for p in group["params"]}
         companion = self.dp._engine.step_count is not None  # (another ShardedOptimizer over dp)
-        engine = TensorEngine(store, self.dp.process_group, members, companion)
+        syncs = self.dp._engine
+        engine = TensorEngine(store, self.dp.process_group, members, companion, lambda: syncs.num_syncs)
         self._engine = engine
         self._groups = TensorGroups(engine, self._names, self._recipe, self.param_groups)
 
@@ -457,6 +459,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """
         if isinstance(self._engine, TensorEngine):
             torch.optim.Optimizer.zero_grad(self, set_to_none=set_to_none)
+            store = self._engine.store
+            with torch.no_grad():  # (main grads: zeroed, never None, as FlatGrad.zero_grad does)
+                for param in [p for group in self.param_groups for p in group["params"]]:
+                    if param in store and store.is_main(param):
+                        store.view(param).zero_()
+            self._engine.cleared()
             self._groups.drop_grads()
             return
         # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s
@@ -544,11 +552,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return self._groups.state_bytes()
 
 
-def _check_companions(dp: DataParallel, shard_by: ShardBy, overlap_param_gather: bool, mains: bool) -> None:
+def _check_companions(dp: DataParallel, shard_by: ShardBy, overlap_param_gather: bool) -> None:
     """Raise ValueError where `dp` already has a ShardedOptimizer this one cannot share it
     with (by element, dp's buckets reduce-scatter for that one's shards; several by tensor
     share dp: Muon's and AdamW's), or where ``shard_by="tensor"`` meets what it does not
-    do yet (`overlap_param_gather`, main grads)."""
+    do yet (`overlap_param_gather`)."""
     has_one, by_element = dp._engine.step_count is not None, dp._engine.reduce_scatter
     if by_element or (has_one and shard_by == "element"):
         raise ValueError(
@@ -560,12 +568,6 @@ def _check_companions(dp: DataParallel, shard_by: ShardBy, overlap_param_gather:
         raise ValueError(
             "overlap_param_gather=True is not supported with shard_by='tensor' (whole "
             "parameters per rank) yet: leave it False"
-        )
-    if shard_by == "tensor" and mains:
-        raise ValueError(
-            "ShardedOptimizer with shard_by='tensor' does not step float32 masters of "
-            "bfloat16/float16 parameters (grad_dtype='float32') yet: use an element-wise "
-            "optimizer, or float32 parameters"
         )
 
 

@@ -685,3 +685,63 @@ def _disagree_worker(rank: int, world_size: int) -> None:
 
 def test_ranks_that_choose_different_shard_by_raise_on_every_rank():
     run_ranks(_disagree_worker)
+
+
+def _masters_worker(rank: int, world_size: int) -> None:
+    """bfloat16 parameters with float32 main grads (``grad_dtype="float32"``), Muon + AdamW
+    by tensor, stepping float32 masters: the parameters, to the bit, of a written-out
+    reference (plain Muon + AdamW over float32 masters, stepped from `flat.main_grad` after
+    DataParallel's average, rounded into the parameters); a state_dict round trip into
+    fresh optimizers keeps the masters; a step with no backward since zero_grad moves
+    nothing."""
+    torch.manual_seed(0)
+    model = TiedGPT(vocab=64, dim=16, depth=2, heads=2, block=8).to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    config = {"grad_dtype": "float32"}
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=config), bucket_mb=0.01)
+    matrices, rest = _muon_split(model)
+
+    def ours() -> list[flatgrad.ShardedOptimizer]:
+        return [
+            flatgrad.ShardedOptimizer(dp, torch.optim.Muon, matrices, **MUON),
+            flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, rest, shard_by="tensor", **ADAMW),
+        ]
+
+    opts = ours()
+    ref_flat = flatgrad.FlatGrad(reference, config=config)
+    ref_dp = flatgrad.DataParallel(ref_flat, bucket_mb=0.01)
+    masters = {name: p.detach().float().requires_grad_() for name, p in reference.named_parameters()}
+    names = {id(p): n for n, p in reference.named_parameters()}
+    ref_matrices, ref_rest = _muon_split(reference)
+    ref_opts = [
+        torch.optim.Muon([masters[names[id(p)]] for p in ref_matrices], **MUON),
+        torch.optim.AdamW([masters[names[id(p)]] for p in ref_rest], **ADAMW),
+    ]
+    for step in range(4):
+        if step == 2:  # this rank's own state, into fresh optimizers (over the same flat buffers)
+            saved = [opt.state_dict() for opt in opts]
+            opts = ours()
+            for opt, state in zip(opts, saved):
+                opt.load_state_dict(state)
+        for opt in (*opts, *ref_opts):
+            opt.zero_grad()
+        ref_flat.zero_grad()
+        dp(*_gpt_batch(rank, step)).backward()
+        ref_dp(*_gpt_batch(rank, step)).backward()
+        for name, p in reference.named_parameters():
+            masters[name].grad = ref_flat.main_grad(p).clone()
+        for opt in (*opts, *ref_opts):
+            opt.step()
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                p.copy_(masters[name])
+        assert_params_like(model, reference, rtol=0, atol=0, what=f"step {step}")
+    before = [p.detach().clone() for p in model.parameters()]
+    for opt in opts:
+        opt.zero_grad()
+        opt.step()  # (no backward since: main grads hold nothing to step from)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_bfloat16_with_float32_masters_by_tensor_equals_the_written_out_reference():
+    run_ranks(_masters_worker)
