@@ -238,8 +238,7 @@ class ShardEngine(FlatParameters):
         with torch.no_grad():
             for shard in self.shards:
                 if shard.master is not None:
-                    moved = shard.master.to(shard.param.dtype) != shard.param
-                    shard.master.copy_(torch.where(moved, shard.param.float(), shard.master))
+                    retake_master(shard.master, shard.param)
         self._versions = self._param_versions()
 
     def write_back(self) -> None:
@@ -343,6 +342,14 @@ class ShardEngine(FlatParameters):
                 if (view.dtype, view.device) == key and start <= slot.offset < start + view.numel():
                     found.add(index)
         return tuple(sorted(found))
+
+
+def retake_master(master: torch.Tensor, param: torch.Tensor) -> None:
+    """Each element of the float32 `master` that no longer rounds to `param`'s (written
+    since: a model load, a copy under no_grad) takes the parameter's value, exactly (the
+    cast up is exact); one that still rounds to it keeps its extra precision. Under no_grad."""
+    moved = master.to(param.dtype) != param
+    master.copy_(torch.where(moved, param.float(), master))
 
 
 def _runs(store: GradStore, key: GroupKey, wanted: set[int]) -> list[tuple[int, int]]:

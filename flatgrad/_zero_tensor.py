@@ -38,6 +38,7 @@ from flatgrad._zero import (
     add_piece_group,
     group_signature,
     options,
+    retake_master,
     state_bytes,
     unscale_shards,
     with_options,
@@ -282,9 +283,7 @@ class TensorGroups:
         with torch.no_grad():
             for param in self.masters:
                 if param._version != self._versions[id(param)]:
-                    master = self.stand_ins[id(param)]
-                    moved = master.to(param.dtype) != param
-                    master.copy_(torch.where(moved, param.float(), master))
+                    retake_master(self.stand_ins[id(param)], param)
                     self._versions[id(param)] = param._version
 
     def write_back(self) -> None:
