@@ -95,7 +95,7 @@ def piece_norms(
     torch per gradient tensor, so each is its own piece (a main grad always is one: it
     stands for its parameter's gradient, whose `.grad` stays None)."""
     if norm_type > 0:
-        pieces = list(store.buffers.values())
+        pieces = store.norm_pieces()
     else:
         grads = [store.view(p) if store.is_main(p) else p.grad for p in store.params]
         pieces = [grad for grad in grads if grad is not None]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from flatgrad import functional
+from flatgrad import _dtensor, functional
 from flatgrad._torch_compat import unwrap_if_dead
 from flatgrad.config import FlatGradConfig
 
@@ -54,7 +54,8 @@ def route_layers(model: nn.Module, config: FlatGradConfig) -> set[int]:
     """Give every supported layer that keeps torch's own forward a flat-buffer forward;
     returns the ids of the parameters those layers' Functions write themselves.
 
-    Left alone: subclasses that override `forward` (LoRA layers, quantised layers...),
+    Left alone: tensor-parallel layers (a DTensor weight: `parallelize_module`'s),
+    subclasses that override `forward` (LoRA layers, quantised layers...),
     parametrized layers (their weight is computed, never a leaf: nothing to write into,
     and reading it would run the parametrization) and complex Linears. Their parameters
     still get their gradients in the buffer. Never runs model code.
@@ -69,6 +70,10 @@ def route_layers(model: nn.Module, config: FlatGradConfig) -> set[int]:
         for kind in config.layers:
             cls, forward = _ROUTES[kind]
             if not isinstance(module, cls) or type(module).forward is not cls.forward:
+                continue
+            if _dtensor.is_dtensor(module._parameters.get("weight")):  # type: ignore[arg-type]
+                # A tensor-parallel layer: DTensor's dispatch and the plan's hooks run it.
+                unroute(module)
                 continue
             own = module.__dict__.get("forward")
             if own is not None:  # routed by an earlier build, or a forward the user set: keep it

@@ -26,6 +26,7 @@ from torch.nn.utils import _named_member_accessor
 from torch.utils._pytree import tree_leaves
 
 __all__ = [
+    "DTensor",
     "DisableTorchFunctionSubclass",
     "GATHER_TAKES_INT32",
     "GradScalerBase",
@@ -52,6 +53,13 @@ __all__ = [
     "unwrap_if_dead",
     "will_execute",
 ]
+
+# --- DTensor ----------------------------------------------------------------------------------
+
+try:  # public from torch 2.5
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch 2.4: the same class under its private module
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 
 # --- autograd engine ------------------------------------------------------------------------
 

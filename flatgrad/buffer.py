@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from flatgrad import _dtensor
 from flatgrad.layout import GroupKey, SlotSpec, dense_stride, merge_touching, plan_layout
 
 _Flagged = tuple[torch.Tensor, torch.Tensor, tuple[torch.nn.Parameter, ...]]
@@ -50,12 +51,21 @@ class GradStore:
     ) -> None:
         self.params = tuple(params)
         _check_free(self.params)
+        # The mesh of the DTensor parameters (a tensor-parallel model), None without any: their
+        # slots hold local shards, their `.grad` are DTensors over them (`flatgrad._dtensor`).
+        self.tensor_parallel = _dtensor.tensor_parallel_of(self.params)
+        if self.tensor_parallel is not None and grad_dtype is not None:
+            raise ValueError(
+                f"grad_dtype must be None for a model with DTensor parameters, got {grad_dtype!r}: "
+                "main grads of tensor-parallel parameters are not supported"
+            )
         self.stale = False  # set when a parameter no longer fits its slot
         self._seat_cache: _SeatCache | None = None  # dropped when the slots move
         self.buffers: dict[GroupKey, torch.Tensor] = {}
         self._table = SlotTable(self.buffers)
         self._entries: dict[torch.Tensor, SlotEntry] = self._table.entries
         self._views: dict[int, torch.Tensor] = self._table.views  # by id: no Tensor hash
+        self._locals: dict[int, torch.Tensor] = self._table.locals  # the slots themselves, by id
         # Per group: the buffer followed, in the same memory, by one used-flag element per
         # parameter; those flags; and those parameters (see `flagged`).
         self._flagged: dict[GroupKey, _Flagged] = {}
@@ -64,7 +74,8 @@ class GradStore:
         self.seated: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self.prescale = Prescale()  # (see `flatgrad._prescale`)
         self.scattered = Scattered()  # (see `flatgrad._scattered_grad`)
-        for key, group in plan_layout(self.params, align_bytes, multiple, grad_dtype).items():
+        shards = [_dtensor.local_of(param) for param in self.params]  # (a DTensor's local shard)
+        for key, group in plan_layout(shards, align_bytes, multiple, grad_dtype).items():
             members = tuple(self.params[index] for index in group.param_indices)
             raw = aligned_zeros(group.numel + len(members), key, align_bytes)
             self.buffers[key] = raw.narrow(0, 0, group.numel)
@@ -101,8 +112,19 @@ class GradStore:
         return self._views
 
     def view(self, param: torch.Tensor) -> torch.Tensor:
-        """`param`'s slot, shaped and strided like the parameter (always the same tensor)."""
+        """`param`'s slot as its `.grad`, shaped and strided like the parameter (always the
+        same tensor): the slot itself, or for a DTensor parameter the DTensor over it."""
         return self._entries[param].view
+
+    def norm_pieces(self) -> list[torch.Tensor]:
+        """What a positive-order norm of this rank's gradients reads: every buffer whole (its
+        padding and the slots of parameters without a gradient are zero), or, with DTensor
+        parameters, the runs of the slots this rank counts (`TensorParallel.counts`), whose
+        norms `TensorParallel.combine` makes the norm of the whole gradient."""
+        tensor_parallel = self.tensor_parallel
+        if tensor_parallel is None:
+            return list(self.buffers.values())
+        return self._table.runs([param for param in self.params if tensor_parallel.counts(param)])
 
     def is_main(self, param: torch.Tensor) -> bool:
         """Whether `param`'s slot is a main grad: a float32 slot of a bfloat16/float16
@@ -127,8 +149,15 @@ class GradStore:
         """Whether `grad` is exactly `param`'s slot (same memory, shape and strides)."""
         if grad is None:
             return False
-        view = self._entries[param].view
-        return grad is view or (
+        entry = self._entries[param]
+        view = entry.view
+        if grad is view:
+            return True
+        if view is not entry.local:  # a DTensor parameter's: the same placements over the slot
+            if not _dtensor.is_dtensor(grad) or tuple(grad.placements) != tuple(view.placements):  # type: ignore[attr-defined]
+                return False
+            grad, view = _dtensor.local_of(grad), entry.local
+        return (
             grad.device == view.device
             and grad.dtype == view.dtype
             and grad.data_ptr() == view.data_ptr()
@@ -137,11 +166,12 @@ class GradStore:
         )
 
     def place(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """Copy `grad` into `param`'s slot and make the slot its `.grad`; returns the slot."""
-        slot = self._entries[param].view
-        slot.copy_(grad.to_dense() if grad.is_sparse else grad.detach())
-        param.grad = slot
-        return slot
+        """Copy `grad` into `param`'s slot and make the slot its `.grad`; returns the slot (a
+        DTensor `grad` is first laid out as the parameter's placements)."""
+        entry = self._entries[param]
+        entry.local.copy_(_dtensor.local_gradient(grad.to_dense() if grad.is_sparse else grad, entry.view))
+        param.grad = entry.view
+        return entry.view
 
     def take_in(self, params: Sequence[torch.Tensor], zero_empty: bool = False) -> None:
         """Move the `.grad` of each of `params` that lives outside its slot (a routed layer
@@ -155,7 +185,7 @@ class GradStore:
             grad = param.grad
             if grad is None:
                 if zero_empty:
-                    views[id(param)].zero_()
+                    self._locals[id(param)].zero_()
             elif grad is not views[id(param)] and not self.holds(param, grad):
                 self.place(param, grad)
 
@@ -241,7 +271,8 @@ class GradStore:
                 return []
         # Slots have version counters of their own (see `SlotTable.set`), which a fill through a
         # span does not bump: `unseat` compares against the versions read after the fill.
-        zeroed = spans if len(seated) == len(pairs) else [view for _, view in seated]
+        slots = self._locals
+        zeroed = spans if len(seated) == len(pairs) else [slots[id(param)] for param, _ in seated]
         if zeroed:  # none when every seated parameter has zero elements
             torch._foreach_zero_(zeroed)
         self.seated = [(param, view, view._version) for param, view in seated]
@@ -290,7 +321,8 @@ class GradStore:
 class SlotEntry:
     key: GroupKey
     slot: SlotSpec
-    view: torch.Tensor  # the slot, shaped and strided like the parameter; becomes its .grad
+    view: torch.Tensor  # the slot as the parameter's .grad (a DTensor parameter's: a DTensor over it)
+    local: torch.Tensor  # the slot, shaped and strided like the parameter (its local shard)
 
 
 class SlotTable:
@@ -305,6 +337,7 @@ class SlotTable:
         self.buffers = buffers
         self.entries: dict[torch.Tensor, SlotEntry] = {}
         self.views: dict[int, torch.Tensor] = {}  # by id: the backward's lookup, no Tensor hash
+        self.locals: dict[int, torch.Tensor] = {}  # by id: the slots (a DTensor view's local tensor)
         self._addresses: dict[int, int] = {}  # by id: where each view points (see `intact`)
 
     def set(self, param: torch.Tensor, key: GroupKey, slot: SlotSpec) -> None:
@@ -313,27 +346,33 @@ class SlotTable:
         # `set_` rather than a view op: the slot shares the buffer's memory but has a
         # version counter of its own, so `_version` tells whether this slot was written
         # (AccumulateGrad's in-place add, a Function's out=/addmm_) since it was seated.
-        view = torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
+        local = torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
             buffer.untyped_storage(), buffer.storage_offset() + slot.offset, slot.shape, slot.stride
         )
-        self.entries[param] = SlotEntry(key, slot, view)
+        view = _dtensor.grad_of_slot(local, param) if _dtensor.is_dtensor(param) else local
+        self.entries[param] = SlotEntry(key, slot, view, local)
         self.views[id(param)] = view
-        self._addresses[id(param)] = view.data_ptr()
+        self.locals[id(param)] = local
+        self._addresses[id(param)] = local.data_ptr()
 
     def intact(self) -> bool:
         """Whether every slot view still points at its slot (see `GradStore.intact`)."""
         # Both dicts gain their keys together in `set`, so they iterate in one order.
-        return list(map(_data_ptr, self.views.values())) == list(self._addresses.values())
+        return list(map(_data_ptr, self.locals.values())) == list(self._addresses.values())
 
     def _in_buffer_order(self) -> list[tuple[torch.Tensor, SlotEntry]]:
         return sorted(self.entries.items(), key=lambda item: (str(item[1].key), item[1].slot.offset))
 
-    def runs(self) -> list[torch.Tensor]:
+    def runs(self, params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """1-D views covering exactly the gradient elements of every slot (never the
         alignment padding), adjacent slots merged: what a scale (clipping) may touch.
-        Padding stays zero by construction, so whole-buffer norms and syncs may read it."""
+        Padding stays zero by construction, so whole-buffer norms and syncs may read it.
+        With `params`, the slots of those only."""
+        wanted = None if params is None else {id(param) for param in params}
         slots: dict[GroupKey, list[tuple[int, int]]] = {}
-        for _, entry in self._in_buffer_order():
+        for param, entry in self._in_buffer_order():
+            if wanted is not None and id(param) not in wanted:
+                continue
             slots.setdefault(entry.key, []).append((entry.slot.offset, entry.slot.offset + entry.slot.numel))
         return self._cut([(key, *run) for key, spans in slots.items() for run in merge_touching(spans)])
 

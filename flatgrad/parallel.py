@@ -66,8 +66,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.device_mesh import DeviceMesh
 
 from flatgrad._bucket_sync import BucketSync
+from flatgrad._dtensor import local_of
 from flatgrad._module_proxy import PlainNames, add_prefix
 from flatgrad._torch_compat import broadcast_coalesced, join_state, preserve_version_counter
 from flatgrad.comm import check_wire_dtype
@@ -99,7 +101,9 @@ class DataParallel(PlainNames, Joinable):
 
     Args:
         flat: The `FlatGrad`-wrapped model; every rank must wrap the same model.
-        process_group: The group to average over; None for the default group.
+        process_group: The group to average over; None for the default group. For a
+            tensor-parallel model (DTensor parameters), the data-parallel dimension's group,
+            which holds one rank of each tensor-parallel group (``mesh["dp"].get_group()``).
         bucket_mb: The approximate size of a bucket in MiB (the first one is smaller, 1 MiB
             as DDP's, but for CPU buffers on a host without a core to spare).
         wire_dtype: ``torch.bfloat16`` or ``torch.float16`` to average a compressed copy of
@@ -110,6 +114,8 @@ class DataParallel(PlainNames, Joinable):
             ``loss.backward()`` raise `RuntimeError` on every rank, the rank that made it
             naming itself and the parameters (one flag all-reduce and one host sync per
             synchronised backward); off, a NaN is averaged into every rank, as under DDP.
+        device_mesh: A 1-D `DeviceMesh` to average over instead of `process_group` (DDP's
+            argument of that name; ``mesh["dp"]`` of a 2-D mesh).
 
     Raises:
         TypeError: `flat` is not a `FlatGrad`, or `check_finite` is not a bool.
@@ -118,7 +124,9 @@ class DataParallel(PlainNames, Joinable):
             model has sparse embeddings (``sparse=True``), whose gradients live outside the
             flat buffers; or
             the ranks' models differ in their parameters' and buffers'
-            shapes, dtypes, trainability or order (raised on every rank).
+            shapes, dtypes, trainability or order (raised on every rank); `device_mesh` is
+            not 1-D or comes with a `process_group`; or the group crosses the mesh of the
+            model's DTensor parameters.
     """
 
     def __init__(
@@ -129,6 +137,7 @@ class DataParallel(PlainNames, Joinable):
         wire_dtype: torch.dtype | None = None,
         broadcast_buffers: bool = True,
         check_finite: bool = False,
+        device_mesh: DeviceMesh | None = None,
     ) -> None:
         if not isinstance(flat, FlatGrad):
             raise TypeError(f"flat must be a flatgrad.FlatGrad, got {type(flat).__name__}")
@@ -140,6 +149,10 @@ class DataParallel(PlainNames, Joinable):
         if not isinstance(check_finite, bool):
             raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
         flat._engine.refuse_sparse("DataParallel")
+        process_group = _mesh_group(device_mesh, process_group)
+        tensor_parallel = flat._engine.refresh().tensor_parallel
+        if tensor_parallel is not None:
+            tensor_parallel.check_data_parallel(process_group, "DataParallel")
         super().__init__()
         Joinable.__init__(self)  # (not joined: Join configures it)
         self.module = flat
@@ -436,7 +449,7 @@ class _DataParallelJoinHook(JoinHook):
         if not dp._engine.reduce_scatter:
             with torch.no_grad():
                 for param in dp.module.parameters():
-                    dist.broadcast(param.data, src=dp._global(source), group=dp.process_group)
+                    dist.broadcast(local_of(param), src=dp._global(source), group=dp.process_group)
         if dp.broadcast_buffers:
             dp._broadcast_buffers(source)
 
@@ -522,4 +535,20 @@ def _broadcast_from_rank0(module: nn.Module, process_group: dist.ProcessGroup | 
     source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=source, group=process_group)
+            dist.broadcast(local_of(tensor), src=source, group=process_group)  # (a DTensor's shard)
+
+
+def _mesh_group(
+    device_mesh: DeviceMesh | None, process_group: dist.ProcessGroup | None
+) -> dist.ProcessGroup | None:
+    """The group DataParallel averages over: `device_mesh`'s (1-D) where one is given."""
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise ValueError("pass process_group or device_mesh, not both")
+    if device_mesh.ndim != 1:
+        raise ValueError(
+            f"device_mesh must be 1-D (the data-parallel dimension, e.g. mesh['dp']), got a mesh of "
+            f"shape {tuple(device_mesh.shape)}"
+        )
+    return device_mesh.get_group()

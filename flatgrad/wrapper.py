@@ -293,6 +293,7 @@ class FlatGrad(TransparentWrapper):
             ValueError: The wrapper keeps main grads (``grad_dtype`` set), which DDP cannot carry.
         """
         comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP (flat.ddp_kwargs())")
+        _refuse_ddp(self._engine, "flat.ddp_kwargs()")
         self._engine.ddp.expect_hook()
         return comm.ddp_kwargs(self._engine.refresh())
 
@@ -316,6 +317,7 @@ class FlatGrad(TransparentWrapper):
                 wrapper keeps main grads (``grad_dtype`` set), which DDP cannot carry.
         """
         comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP's allreduce_hook (flat.comm_state())")
+        _refuse_ddp(self._engine, "flat.comm_state()")
         return comm.FlatGradCommState(self, process_group, wire_dtype)
 
 
@@ -410,9 +412,21 @@ def _grads_and_norms(
 ) -> tuple[GradStore, list[torch.Tensor], list[torch.Tensor], torch.dtype]:
     """(store, gradients outside it, per-piece float64 norms, the total's dtype)."""
     store = engine.refresh()
+    tensor_parallel = store.tensor_parallel
+    if tensor_parallel is not None and norm_type <= 0:
+        raise ValueError(
+            f"norm_type must be positive or inf for a model with DTensor parameters, got {norm_type}: "
+            "orders 0 and below are defined per whole tensor, not over its shards"
+        )
     store.settle()
     others = [p.grad for p in engine.others if p.grad is not None]
-    return (store, others, *_norms.piece_norms(store, others, norm_type))
+    if tensor_parallel is None:
+        return (store, others, *_norms.piece_norms(store, others, norm_type))
+    # With DTensor parameters this rank counts its shards, and replicated gradients only on
+    # the mesh's first rank; one all-reduce over the mesh makes that the whole gradient's norm.
+    counted = [p.grad for p in engine.others if p.grad is not None and tensor_parallel.counts(p)]
+    norms, dtype = _norms.piece_norms(store, counted, norm_type)  # type: ignore[arg-type]
+    return store, others, tensor_parallel.combine(norms, norm_type), dtype
 
 
 def _check_norm_type(norm_type: float) -> float:
@@ -429,4 +443,17 @@ def _all_reduce_grads(
     must hold every trainable parameter (no sparse embedding)."""
     store = engine.refresh()
     engine.refuse_sparse("all_reduce_grads")
+    if store.tensor_parallel is not None:
+        store.tensor_parallel.check_data_parallel(process_group, "flat.all_reduce_grads()")
     comm.all_reduce_grads(store, process_group, wire_dtype)
+
+
+def _refuse_ddp(engine: GradEngine, what: str) -> None:
+    """DDP takes no DTensor parameter (it broadcasts and buckets `param.data`, which a DTensor
+    parameter's dispatch refuses); flatgrad's own data parallel runs over local shards."""
+    if engine.refresh().tensor_parallel is not None:
+        raise ValueError(
+            f"{what}: the model has DTensor parameters (tensor-parallel), which DDP does not "
+            "take: use flatgrad.DataParallel(flat, process_group=mesh['dp'].get_group()), which "
+            "averages the local shards over the data-parallel dimension only"
+        )

@@ -1,0 +1,161 @@
+"""DTensor parameters: a model made tensor-parallel (`parallelize_module`) inside the wrapper.
+
+A DTensor parameter's slot holds its *local* shard, a plain tensor in the flat buffer like
+any other slot, so buffers, buckets and all-reduces over the data-parallel ranks stay plain
+tensors. Its `.grad` is a DTensor with the parameter's mesh and placements whose local
+tensor is that slot (`grad_of_slot`): what reads `.grad` (torch's optimizers over DTensor
+parameters, `torch.nn.utils.clip_grad_norm_`, DCP) sees what it sees without flatgrad, and
+AccumulateGrad's in-place add into that DTensor writes the slot.
+
+`TensorParallel` is the one mesh of a model's DTensor parameters: which slots a norm counts
+on this rank (a shard on every rank, a replicated parameter on the mesh's first rank only),
+the all-reduce that makes a local norm the norm of the whole, unsharded gradient, and the
+check that a data-parallel group does not cross it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from flatgrad._torch_compat import DTensor
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a DTensor (a tensor-parallel parameter or its gradient)."""
+    return isinstance(tensor, DTensor)
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor this rank holds of `tensor`: a DTensor's local shard (no autograd
+    edge), any other tensor itself."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
+
+
+def grad_of_slot(slot: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The `.grad` of DTensor `param` whose local tensor is `slot` (its local shard's place
+    in the flat buffer): the parameter's mesh, placements, global shape and strides."""
+    with torch.no_grad():
+        mesh, placements = param.device_mesh, param.placements  # type: ignore[attr-defined]
+        return DTensor.from_local(
+            slot, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+
+
+def local_gradient(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `grad` laid out as `like` (a DTensor parameter or its slot's
+    `.grad`): `grad` redistributed to `like`'s placements where they differ, then local.
+    A plain `grad` is returned as it is."""
+    if not isinstance(grad, DTensor):
+        return grad.detach()
+    with torch.no_grad():
+        if tuple(grad.placements) != tuple(like.placements):  # type: ignore[attr-defined]
+            grad = grad.redistribute(like.device_mesh, like.placements)  # type: ignore[attr-defined]
+        return grad.to_local()
+
+
+@dataclass(frozen=True, eq=False)
+class TensorParallel:
+    """The mesh a model's DTensor parameters live on, as gradient norms and data-parallel
+    groups need it.
+
+    Args:
+        mesh: that 1-D mesh (the "tp" dimension of a 2-D one).
+    """
+
+    mesh: DeviceMesh
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The mesh's process group (the norms' all-reduce)."""
+        return self.mesh.get_group()
+
+    def counts(self, param: torch.Tensor) -> bool:
+        """Whether a norm counts this rank's slot of `param`: a sharded parameter's on every
+        rank of the mesh (the shards are disjoint), a replicated one's and a plain
+        parameter's (the same on every rank of the mesh, as a model outside the
+        tensor-parallel layers computes it) on the mesh's first rank only, so the sum over
+        the mesh counts each element of the whole gradient once."""
+        first = self.mesh.get_local_rank() == 0
+        if not isinstance(param, DTensor):
+            return first
+        return first or all(placement.is_shard() for placement in param.placements)
+
+    def combine(self, norms: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+        """The norm of the whole gradient from this rank's float64 per-piece norms of its
+        counted slots: their `norm_type` norm, combined over the mesh (the max for inf, else
+        the sum of the `norm_type`-th powers), as one float64 piece, the same on every rank."""
+        device = norms[0].device if norms else torch.device("cpu")
+        if self.mesh.device_type != device.type:
+            device = torch.device(self.mesh.device_type)
+        stacked = torch.stack([n.to(device, torch.float64) for n in norms]) if norms else None
+        local = (
+            torch.linalg.vector_norm(stacked, norm_type)
+            if stacked is not None
+            else torch.zeros((), dtype=torch.float64, device=device)
+        )
+        if math.isinf(norm_type):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+            return [local]
+        powered = local.pow(norm_type)
+        dist.all_reduce(powered, group=self.group)
+        return [powered.pow(1.0 / norm_type)]
+
+    def check_data_parallel(self, process_group: dist.ProcessGroup | None, what: str) -> None:
+        """Raise unless `process_group` (None: the default group) meets the mesh in this rank
+        alone: a data-parallel group must hold one rank of each tensor-parallel group, or its
+        average would mix different shards. Every rank checks its own pair of groups: a
+        group that crosses the mesh crosses it on every rank it holds."""
+        group = process_group if process_group is not None else dist.group.WORLD
+        data_parallel = set(dist.get_process_group_ranks(group))
+        tensor_parallel = set(self.mesh.mesh.flatten().tolist())
+        shared = sorted(data_parallel & tensor_parallel)
+        if len(shared) != 1:
+            raise ValueError(
+                f"{what}'s process_group must hold one rank of each tensor-parallel group (the mesh "
+                f"of the model's DTensor parameters, ranks {sorted(tensor_parallel)}), got a group "
+                f"with ranks {sorted(data_parallel)}: pass the data-parallel dimension's group, e.g. "
+                'mesh["dp"].get_group() for init_device_mesh(..., mesh_dim_names=("dp", "tp"))'
+            )
+
+
+def tensor_parallel_of(params: Sequence[torch.Tensor]) -> TensorParallel | None:
+    """The `TensorParallel` of `params`' DTensors (None when there is none).
+
+    Raises:
+        ValueError: DTensor parameters on more than one mesh, on a mesh of more than one
+            dimension, or with a Partial placement.
+    """
+    meshes: list[DeviceMesh] = []
+    for param in params:
+        if not isinstance(param, DTensor):
+            continue
+        mesh = param.device_mesh
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"a DTensor parameter's mesh must have one dimension (the tensor-parallel one), got "
+                f"a parameter of shape {tuple(param.shape)} on a mesh of shape {tuple(mesh.shape)}: "
+                'parallelize the model over mesh["tp"], and give the data-parallel dimension to '
+                "flatgrad.DataParallel"
+            )
+        if any(placement.is_partial() for placement in param.placements):
+            raise ValueError(
+                f"a DTensor parameter's placements must be Shard or Replicate, got {param.placements} "
+                f"for a parameter of shape {tuple(param.shape)}"
+            )
+        if not any(mesh == seen for seen in meshes):
+            meshes.append(mesh)
+    if len(meshes) > 1:
+        raise ValueError(
+            f"the model's DTensor parameters must live on one mesh, got {len(meshes)}: "
+            + ", ".join(str(mesh) for mesh in meshes)
+        )
+    return TensorParallel(meshes[0]) if meshes else None
