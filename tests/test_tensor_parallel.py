@@ -322,3 +322,80 @@ def _torch_clip_reads_the_slots(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_torch_clip_grad_norm_over_dtensor_grads_clips_the_buffers():
     run_ranks(_torch_clip_reads_the_slots, world_size=2)
+
+
+def _train_steps(dp: nn.Module, optimizer: torch.optim.Optimizer, steps: range, dp_rank: int) -> None:
+    for step in steps:
+        dp(_batch(step, 0, dp_rank, (4, 8))).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _save_2d(rank: int, world_size: int, path: str, out: str) -> None:
+    """2 x 2: save model and AdamW state with DCP after two steps (and, in `out`, the whole
+    parameters); a fresh FlatGrad + DataParallel loads it and steps on as the uninterrupted
+    run (bitwise), and a model tensor-parallel without flatgrad loads the same parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    plain = MLP().double()
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        dp = flatgrad.DataParallel(
+            flatgrad.FlatGrad(_parallel(plain, mesh["tp"], MLP_PLAN)), device_mesh=mesh["dp"]
+        )
+        return dp, torch.optim.AdamW(dp.parameters(), lr=1e-3)
+
+    dp, optimizer = build()
+    _train_steps(dp, optimizer, range(2), dp_rank)
+    model_state, optim_state = get_state_dict(dp, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    saved = {name: _full(param.detach()) for name, param in dp.named_parameters()}  # (collectives)
+    if rank == 0:
+        torch.save(saved, out)
+    resumed, resumed_optimizer = build()
+    model_state, optim_state = get_state_dict(resumed, resumed_optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        resumed, resumed_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    stock = _parallel(plain, mesh["tp"], MLP_PLAN)
+    stock_state = {"model": stock.state_dict()}
+    dcp.load(stock_state, checkpoint_id=path)
+    stock.load_state_dict(stock_state["model"])
+    for (name, param), loaded in zip(dp.named_parameters(), stock.parameters()):
+        assert torch.equal(_full(param.detach()), _full(loaded.detach())), name
+    _train_steps(dp, optimizer, range(2, 4), dp_rank)
+    _train_steps(resumed, resumed_optimizer, range(2, 4), dp_rank)
+    for (name, param), other in zip(dp.named_parameters(), resumed.parameters()):
+        assert torch.equal(_full(param.detach()), _full(other.detach())), name
+
+
+def _load_on_one_dp_rank(rank: int, world_size: int, path: str, out: str) -> None:
+    """1 x 2 (another data-parallel size): the 2 x 2 checkpoint loads into FlatGrad alone and
+    into the model tensor-parallel without flatgrad, both the saved parameters exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    expected = torch.load(out)
+    for model in (
+        flatgrad.FlatGrad(_parallel(MLP().double(), mesh, MLP_PLAN)),
+        _parallel(MLP().double(), mesh, MLP_PLAN),
+    ):
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        for name, param in model.named_parameters():
+            assert torch.equal(_full(param.detach()), expected[name]), name
+
+
+@pytest.mark.distributed
+def test_dcp_checkpoints_on_a_2d_mesh_resume_and_load_on_another_data_parallel_size(tmp_path):
+    pytest.importorskip("numpy")  # (DCP's object collectives)
+    path, out = str(tmp_path / "checkpoint"), str(tmp_path / "saved.pt")
+    run_ranks(_save_2d, path, out, world_size=4, timeout=240.0)
+    run_ranks(_load_on_one_dp_rank, path, out, world_size=2)
