@@ -3,6 +3,7 @@ examples/train_gpt.py, whose checkpoint must load into the plain GPT."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from pydantic import ValidationError
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))  # the examples import each other from there
 
-from gpt_model import GPT  # noqa: E402
+from gpt_model import GPT, CharData, read_text  # noqa: E402
 from run_config import CompareConfig, TrainConfig, load_config  # noqa: E402
 
 RunConfig = TrainConfig | CompareConfig
@@ -183,3 +184,26 @@ def test_train_gpt_under_torchrun_saves_a_plain_checkpoint(tmp_path: Path, engin
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert "resumed after step 3" in result.stderr + result.stdout
         assert set(torch.load(tmp_path / "ckpt.pt", weights_only=True)["losses"]) == {4}
+
+
+@pytest.mark.distributed
+def test_train_gpt_2d_on_a_2x2_mesh_saves_what_the_plain_gpt_loads(tmp_path: Path) -> None:
+    """examples/train_gpt_2d.py on 4 processes (dp 2 x tp 2): it trains, and its DCP
+    checkpoint (DTensor shards of the MLPs) loads into the plain GPT in one process."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+        "examples/train_gpt_2d.py", "--tp", "2", "--max-steps", "3", "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "mesh dp=2 x tp=2" in output and "16 of them DTensors" in output
+    cfg = load_config(TrainConfig, ROOT / "configs" / "gpt_cpu.yaml")
+    data = CharData(read_text(cfg.data.source, cfg.data.stdlib_modules, cfg.data.path))
+    model = GPT(data.vocab_size, **cfg.model.model_dump())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=tmp_path / "dcp_2d")  # (no process group: one process)
+    model.load_state_dict(state["model"])
+    assert all(not torch.equal(before[k], v) for k, v in model.state_dict().items() if "mlp.0.weight" in k)
