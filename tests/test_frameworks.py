@@ -204,7 +204,6 @@ def test_trainer_with_weight_decay_trains_a_wrapped_model_as_stock(tmp_path):
         trainer = _trainer(
             model, tmp_path / name, _Tokens(), per_device_train_batch_size=4, gradient_accumulation_steps=2,
             max_steps=3, learning_rate=1e-2, max_grad_norm=1.0, logging_steps=1,
-            remove_unused_columns=False,  # the wrapper's forward takes (*args, **kwargs)
         )  # fmt: skip
         trainer.train()
         logs = trainer.state.log_history
