@@ -270,9 +270,11 @@ def sign_forward(wrapper: nn.Module) -> None:
     ``module`` is set or the wrapper is unpickled): callers that choose arguments by the
     forward's signature (transformers' `Trainer` keeps only the dataset columns it names)
     see the plain model's. Calls are unchanged: nn.Module's hooks around the wrapper's
-    forward. The partial holds the wrapper by weak reference, so dropping the wrapper frees
-    it at once, as before. A model forward without a signature (a C function) leaves the
-    class's ``(*args, **kwargs)``.
+    forward; its ``__func__`` is the class's forward, as a bound method's. The partial
+    holds the wrapper by weak reference, so dropping the wrapper frees it at once, as
+    before. A model forward without a signature (a C function) leaves the class's
+    ``(*args, **kwargs)``. Code that rewraps ``forward.__func__`` (Accelerate's mixed
+    precision) gets the class's signature from then on; Trainer reads it before that.
     """
     wrapper.__dict__.pop("forward", None)
     try:
@@ -281,6 +283,10 @@ def sign_forward(wrapper: nn.Module) -> None:
         return
     forward = functools.partial(_forward_of, weakref.ref(wrapper))
     forward.__signature__ = signature  # type: ignore[attr-defined]
+    # As a bound method's: code that rewraps a module's forward takes ``forward.__func__``
+    # and binds its wrapper to the module again (Accelerate's mixed precision does, and
+    # `unwrap_model(..., keep_fp32_wrapper=False)` undoes it so); the function is the class's.
+    forward.__func__ = type(wrapper).forward  # type: ignore[attr-defined]
     wrapper.__dict__["forward"] = forward
 
 

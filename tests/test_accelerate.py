@@ -51,3 +51,35 @@ def test_attach_errors():
         flatgrad_accelerate.attach(compressing, flat)
     with pytest.raises(ValueError, match="wire_dtype must be"):
         flatgrad_accelerate.attach(accelerator, flat, wire_dtype=torch.float64)
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """Accelerate keeps one AcceleratorState per process and refuses another mixed precision
+    once it is set: cleared before and after (what accelerate's own test cases do; nothing
+    public does it)."""
+    accelerate.state.AcceleratorState._reset_state()
+    yield
+    accelerate.state.AcceleratorState._reset_state()
+
+
+@pytest.mark.usefixtures("fresh_accelerator_state")
+def test_mixed_precision_rewraps_and_unwraps_the_wrappers_forward_as_a_plain_modules():
+    """Accelerate's mixed precision wraps ``model.forward.__func__`` in autocast and binds it
+    to the model; ``unwrap_model(..., keep_fp32_wrapper=False)`` binds the innermost function
+    again. The wrapper's forward (a partial holding the model's signature) takes part as a
+    bound method would: the outputs equal the plain model's under each."""
+    torch.manual_seed(0)
+    plain = TiedLM().double()
+    flat = flatgrad.FlatGrad(TiedLM().double())
+    flat.module.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, 13, (2, 6))
+    ours = accelerate.Accelerator(cpu=True, mixed_precision="bf16").prepare(flat)
+    stock_accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    stock = stock_accelerator.prepare(plain)
+    torch.testing.assert_close(ours(tokens), stock(tokens), rtol=0, atol=0)  # the same autocast
+    unwrapped = stock_accelerator.unwrap_model(ours, keep_fp32_wrapper=False)
+    assert unwrapped is flat
+    torch.testing.assert_close(
+        flat(tokens), stock_accelerator.unwrap_model(stock, keep_fp32_wrapper=False)(tokens)
+    )
