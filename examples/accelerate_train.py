@@ -1,19 +1,19 @@
 """FlatGrad under Hugging Face Accelerate: DDP with flatgrad's comm hook, 2 CPU processes.
 
-    torchrun --standalone --nproc_per_node=2 examples/accelerate_train.py
+    accelerate launch --config_file configs/accelerate_2cpu.yaml examples/accelerate_train.py
     torchrun --standalone --nproc_per_node=2 examples/accelerate_train.py --compare  # and stock
 
-Launch with torchrun: `Accelerator` reads torchrun's environment (RANK, WORLD_SIZE, ...) and
-joins a gloo group of 2 processes. `accelerate launch --cpu --num_processes 2` starts a
-single, non-distributed process (accelerate 1.x without a multi-CPU `accelerate config`).
+Either launcher starts 2 processes under torch.distributed.run, and ``Accelerator(cpu=True)``
+reads their environment (RANK, WORLD_SIZE, ...) and joins a gloo group (Accelerate's
+MULTI_CPU). The config file says ``distributed_type: MULTI_GPU`` for that reason: with
+``MULTI_CPU`` accelerate 1.x's launcher starts one process, not distributed, unless the config
+names an mpirun hostfile (it then runs mpirun, which this setup does not have); see
+docs/integrations.md.
 
-The recipe, three lines on top of a plain Accelerate loop:
-1. `flat.ddp_kwargs()` goes in through `DistributedDataParallelKwargs` (gradient_as_bucket_view
-   and a bucket cap above the flat buffer, never 25: Accelerate drops a value equal to DDP's
-   default);
-2. the FlatGrad, not the bare model, goes through `accelerator.prepare`;
-3. Accelerate has no option for a comm hook: register `flatgrad.allreduce_hook` on the
-   prepared DDP model before the first forward.
+The recipe, one call on top of a plain Accelerate loop: `flatgrad.accelerate.attach` after
+``Accelerator()`` and before ``accelerator.prepare(flat, ...)``. The DDP that prepare builds
+then gets `flat.ddp_kwargs()` (gradient_as_bucket_view and a bucket cap above the flat
+buffer) and `flatgrad.allreduce_hook`, registered by Accelerate's DDP handler itself.
 
 ``--compare`` trains again as plain Accelerate (``--stock``: only that) in the same processes
 and prints the largest parameter difference. With ``--report out.json`` rank 0 also writes
@@ -30,24 +30,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator, DistributedDataParallelKwargs
+from accelerate import Accelerator
 from recipe_probe import StepProbe, TinyLM, batch, run_and_summarise
 
 import flatgrad
+import flatgrad.accelerate
 
 
 def train(steps: int, stock: bool, probe_steps: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = TinyLM().double()  # float64: the test compares with the stock run to round-off
     flat = None if stock else flatgrad.FlatGrad(model, config={"linear_min_numel": 0})
-    handlers = [] if flat is None else [DistributedDataParallelKwargs(**flat.ddp_kwargs())]
-    accelerator = Accelerator(cpu=True, kwargs_handlers=handlers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    ddp, optimizer = accelerator.prepare(flat if flat is not None else model, optimizer)
+    accelerator = Accelerator(cpu=True)
     probe = StepProbe(model, flat)
     if flat is not None:
-        probe.state = flat.comm_state()
-        ddp.register_comm_hook(probe.state, flatgrad.allreduce_hook)
+        probe.state = flatgrad.accelerate.attach(accelerator, flat)  # the one call
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ddp, optimizer = accelerator.prepare(flat if flat is not None else model, optimizer)
 
     for step in range(steps):
         optimizer.zero_grad()

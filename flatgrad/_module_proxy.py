@@ -28,6 +28,9 @@ read back."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -239,10 +242,12 @@ def add_prefix(
 # (``m.reset_parameters()`` if ``hasattr(m, "reset_parameters")``, as torch's meta-device
 # materialisation does): through the wrapper they would reach the model twice.
 _NOT_FORWARDED = frozenset({"reset_parameters"})
-# Private attributes that libraries set on the model they are handed and read back from the
-# module they give DDP: `DDP._set_params_and_buffers_to_ignore_for_model(model, names)`
-# (names are the plain model's, which DDP(flat) walks).
-_FORWARDED_PRIVATE = frozenset({"_ddp_params_and_buffers_to_ignore"})
+# Private attributes that libraries read or set on the model they are handed: DDP reads
+# `_ddp_params_and_buffers_to_ignore` back from the module it is given
+# (`DDP._set_params_and_buffers_to_ignore_for_model(model, names)`, names that DDP(flat) walks
+# as the plain model's); transformers' `Trainer` reads `_keys_to_ignore_on_save` when a
+# checkpoint it resumes from lacks keys (a tied LM head, which `save_pretrained` leaves out).
+_FORWARDED_PRIVATE = frozenset({"_ddp_params_and_buffers_to_ignore", "_keys_to_ignore_on_save"})
 
 
 def _forwarded(wrapper: nn.Module, model: nn.Module, name: str) -> bool:
@@ -253,6 +258,52 @@ def _forwarded(wrapper: nn.Module, model: nn.Module, name: str) -> bool:
         and name not in _NOT_FORWARDED
         and not hasattr(type(wrapper), name)
         and hasattr(model, name)
+    )
+
+
+def sign_forward(wrapper: nn.Module) -> None:
+    """Make ``wrapper.forward`` report the wrapped model's forward signature to `inspect`.
+
+    ``wrapper.forward`` becomes a ``functools.partial`` in the instance ``__dict__`` (as a
+    routed layer's forward is) that calls the class's forward on `wrapper`, with
+    ``__signature__`` set to ``inspect.signature(model.forward)``, taken now (and again when
+    ``module`` is set or the wrapper is unpickled): callers that choose arguments by the
+    forward's signature (transformers' `Trainer` keeps only the dataset columns it names)
+    see the plain model's. Calls are unchanged: nn.Module's hooks around the wrapper's
+    forward; its ``__func__`` is the class's forward, as a bound method's. The partial
+    holds the wrapper by weak reference, so dropping the wrapper frees it at once, as
+    before. A model forward without a signature (a C function) leaves the class's
+    ``(*args, **kwargs)``. Code that rewraps ``forward.__func__`` (Accelerate's mixed
+    precision) gets the class's signature from then on; Trainer reads it before that.
+    """
+    wrapper.__dict__.pop("forward", None)
+    try:
+        signature = inspect.signature(wrapper.__dict__["_modules"]["module"].forward)
+    except (TypeError, ValueError):  # no signature to give
+        return
+    forward = functools.partial(_forward_of, weakref.ref(wrapper))
+    forward.__signature__ = signature  # type: ignore[attr-defined]
+    # As a bound method's: code that rewraps a module's forward takes ``forward.__func__``
+    # and binds its wrapper to the module again (Accelerate's mixed precision does, and
+    # `unwrap_model(..., keep_fp32_wrapper=False)` undoes it so); the function is the class's.
+    forward.__func__ = type(wrapper).forward  # type: ignore[attr-defined]
+    wrapper.__dict__["forward"] = forward
+
+
+# Skipped by Dynamo as the wrapper's own forward is (the frame only): under
+# torch.compile(wrapper) tracing starts where that forward hands the model to Dynamo.
+@torch.compiler.disable(recursive=False)
+def _forward_of(ref: weakref.ReferenceType[nn.Module], *args: Any, **kwargs: Any) -> Any:
+    wrapper = ref()
+    assert wrapper is not None  # called through the wrapper, which is alive
+    return type(wrapper).forward(wrapper, *args, **kwargs)
+
+
+def _is_signed_forward(wrapper: nn.Module, forward: object) -> bool:
+    return (
+        isinstance(forward, functools.partial)
+        and forward.func is _forward_of
+        and forward.args[0]() is wrapper
     )
 
 
@@ -300,9 +351,23 @@ class TransparentWrapper(PlainNames):
             # of the model (see `_forwarded`).
             return getattr(inner, name)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if _is_signed_forward(self, state.get("forward")):
+            del state["forward"]  # a partial of this wrapper: made again by `__setstate__`
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "forward" not in self.__dict__:
+            sign_forward(self)
+
     def __setattr__(self, name: str, value: Any) -> None:
         inner = self.__dict__.get("_modules", {}).get("module")
-        if (
+        if name == "module" and isinstance(value, nn.Module):
+            super().__setattr__(name, value)
+            sign_forward(self)
+        elif (
             inner is None
             or name in self.__dict__
             or name.startswith("_")

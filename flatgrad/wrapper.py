@@ -117,7 +117,7 @@ class FlatGrad(TransparentWrapper):
 
     def __getstate__(self) -> dict[str, Any]:
         # The engine (store, views, seater, watch) is rebuilt by `__setstate__`.
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         engine = state.pop("_engine")
         state["_slot_multiple"] = engine.slot_multiple
         return state

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
+import pickle
+import weakref
 from unittest import mock
 
 import pytest
@@ -899,6 +902,38 @@ def test_the_wrapped_models_config_and_public_attributes_are_reached_through_the
         plain.config = flatgrad.FlatGradConfig()
 
 
+def test_the_wrappers_forward_signature_is_the_models_and_calls_are_unchanged():
+    """`inspect.signature(flat.forward)` is the wrapped model's forward's (transformers'
+    `Trainer` keeps the dataset columns it names), also for a copy, an unpickled wrapper and
+    a model set later; calls still run nn.Module's hooks around the wrapper's forward,
+    the wrapper is freed as soon as it is dropped (the signed forward holds it weakly), and
+    the class's own forward keeps ``(*args, **kwargs)``."""
+    model = _tiny_llama()
+    flat = flatgrad.FlatGrad(model)
+    assert inspect.signature(flat.forward) == inspect.signature(model.forward)
+    assert "input_ids" in inspect.signature(flat.forward).parameters
+    assert list(inspect.signature(flatgrad.FlatGrad.forward).parameters) == ["self", "args", "kwargs"]
+    for twin in (copy.deepcopy(flat), pickle.loads(pickle.dumps(flat))):
+        assert inspect.signature(twin.forward) == inspect.signature(model.forward)
+        assert twin.forward.args[0]() is twin  # bound to the copy, not to `flat`
+    seen: list[str] = []
+    flat.register_forward_pre_hook(lambda module, args, kwargs: seen.append("pre"), with_kwargs=True)
+    flat.register_forward_hook(lambda module, args, output: seen.append("post"))
+    ids = torch.randint(0, 97, (2, 6))
+    flat(input_ids=ids, labels=ids).loss.backward()
+    assert seen == ["pre", "post"]
+    assert all(grad_in_buffers(flat, p.grad) for p in model.parameters())
+    linear = nn.Linear(3, 3)
+    other = flatgrad.FlatGrad(linear)
+    assert list(inspect.signature(other.forward).parameters) == ["input"]
+    other.module = nn.Bilinear(3, 3, 1)
+    assert list(inspect.signature(other.forward).parameters) == ["input1", "input2"]
+    dropped = weakref.ref(flat)
+    del flat, twin
+    assert dropped() is None  # no reference cycle: freed without the garbage collector
+    flatgrad.FlatGrad(model)  # so its parameters are free to wrap again
+
+
 class _Tokens(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 16
@@ -935,7 +970,6 @@ def test_transformers_trainer_trains_a_wrapped_model_as_stock(tmp_path, options)
             output_dir=str(tmp_path / name), per_device_train_batch_size=4, gradient_accumulation_steps=2,
             max_steps=3, learning_rate=1e-3, max_grad_norm=1.0, logging_steps=1, report_to=[],
             save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
-            remove_unused_columns=False,  # the wrapper's forward takes (*args, **kwargs)
             **options,
         )  # fmt: skip
         callbacks = [_InBuffers()] if model is flat else []

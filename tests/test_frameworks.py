@@ -1,6 +1,7 @@
-"""The framework recipes (examples/lightning_train.py, examples/accelerate_train.py) on 2 CPU
-processes under torchrun (gloo, 127.0.0.1); then, in one process, transformers' `Trainer`
-choosing the parameters it decays by name, on the wrapper as on the plain model.
+"""The framework recipes (examples/lightning_train.py, examples/accelerate_train.py,
+examples/trainer_train.py) on 2 CPU processes under torchrun or ``accelerate launch`` (gloo,
+127.0.0.1); then, in one process, transformers' `Trainer` choosing the parameters it decays
+by name, on the wrapper as on the plain model.
 
 Each recipe runs twice in the same 2 processes (``--compare``), with flatgrad and as the same
 framework's stock DDP run, and reports per step (examples/recipe_probe.py): the comm hook's
@@ -37,12 +38,19 @@ def _needs(package: str) -> None:
         pytest.skip(f"{package} is not installed: pip install -e '.[dev,frameworks]'")
 
 
-def _run(script: str, report: Path, *extra: str) -> tuple[dict[str, Any], str]:
-    """torchrun the example on 2 processes; returns rank 0's reports (by run) and the output."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        f"examples/{script}", "--steps", str(STEPS), "--report", str(report), *extra,
-    ]  # fmt: skip
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+# accelerate launch with the repository's 2-process config (which starts torch.distributed.run:
+# see the file's comment and docs/integrations.md)
+ACCELERATE_LAUNCH = (
+    sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate_2cpu.yaml",
+)  # fmt: skip
+
+
+def _run(
+    script: str, report: Path, *extra: str, launcher: tuple[str, ...] = TORCHRUN
+) -> tuple[dict[str, Any], str]:
+    """Launch the example on 2 processes; returns rank 0's reports (by run) and the output."""
+    command = [*launcher, f"examples/{script}", "--steps", str(STEPS), "--report", str(report), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -66,13 +74,17 @@ def _assert_params_equal(ours: dict[str, Any], stock: dict[str, Any]) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("script", "package"), [("accelerate_train.py", "accelerate"), ("lightning_train.py", "lightning")]
+    ("script", "package", "launcher"),
+    [("accelerate_train.py", "accelerate", ACCELERATE_LAUNCH), ("lightning_train.py", "lightning", TORCHRUN)],
+    ids=["accelerate_launch_attach", "lightning"],
 )
 def test_recipe_runs_the_hook_once_per_step_without_copies_and_matches_stock(
-    tmp_path: Path, script: str, package: str
+    tmp_path: Path, script: str, package: str, launcher: tuple[str, ...]
 ) -> None:
+    """Accelerate: `flatgrad.accelerate.attach`, the one call, under ``accelerate launch``
+    with configs/accelerate_2cpu.yaml."""
     _needs(package)
-    reports, output = _run(script, tmp_path / "report.json", "--compare")
+    reports, output = _run(script, tmp_path / "report.json", "--compare", launcher=launcher)
     ours, stock = reports["flatgrad"], reports["stock"]
     assert ours["world_size"] == stock["world_size"] == 2
     assert ours["hook_calls"] == list(range(1, STEPS + 1))  # one all-reduce of the one buffer per step
@@ -99,6 +111,35 @@ def test_lightning_hook_given_to_ddp_strategy_never_runs_on_cpu_and_flatgrad_say
     assert all(n > 0 for n in report["grad_copies"]), report["grad_copies"]
     assert output.count("allreduce_hook has not run in 2 steps") == 2, output[-6000:]
     assert "register it yourself on CPU" in output
+
+
+@pytest.mark.distributed
+def test_trainer_defaults_train_save_load_and_resume_a_tied_lm_as_stock(tmp_path: Path) -> None:
+    """examples/trainer_train.py on 2 processes: `FlatGradTrainer` over ``FlatGrad(llama)``
+    (tied embeddings, float64) with Trainer's defaults (``remove_unused_columns=True``: the
+    dataset has a column the model does not take; ``save_strategy="steps"``), against a
+    plain `transformers.Trainer` on the plain model. Equal losses and final parameters; the
+    last checkpoints load with ``from_pretrained`` to equal parameters, the LM head tied
+    again; resumed from the first checkpoint, the run ends where the uninterrupted stock run
+    does; the hook ran once per step (one bucket). 1e-12: float64, two ranks, the same sums."""
+    _needs("transformers")
+    _needs("accelerate")
+    report, output = _run("trainer_train.py", tmp_path / "report.json", "--out", str(tmp_path), "--compare")
+    runs, loaded = report["runs"], report["loaded"]
+    ours, stock, resumed = runs["flatgrad"], runs["stock"], runs["resumed"]
+    assert ours["world_size"] == stock["world_size"] == resumed["world_size"] == 2
+    assert ours["hook_calls"] == STEPS and stock["hook_calls"] == 0
+    assert resumed["hook_calls"] == STEPS - 2  # resumed after checkpoint-2
+    assert len(ours["losses"]) == STEPS and ours["losses"] == pytest.approx(stock["losses"], rel=1e-12, abs=0)
+    # the first two from checkpoint-2's trainer state, the last two trained after resuming
+    assert resumed["losses"] == pytest.approx(stock["losses"], rel=1e-12, abs=0)
+    _assert_params_equal(ours, stock)
+    _assert_params_equal(resumed, stock)
+    assert loaded["flatgrad"]["tied"] and loaded["stock"]["tied"] and loaded["resumed"]["tied"]
+    _assert_params_equal(loaded["flatgrad"], loaded["stock"])
+    _assert_params_equal(loaded["flatgrad"], ours)  # the last checkpoint holds the final weights
+    _assert_params_equal(loaded["resumed"], stock)
+    assert "allreduce_hook has not run" not in output
 
 
 # --- transformers' Trainer: weight decay chosen by name --------------------------------------
@@ -204,7 +245,6 @@ def test_trainer_with_weight_decay_trains_a_wrapped_model_as_stock(tmp_path):
         trainer = _trainer(
             model, tmp_path / name, _Tokens(), per_device_train_batch_size=4, gradient_accumulation_steps=2,
             max_steps=3, learning_rate=1e-2, max_grad_norm=1.0, logging_steps=1,
-            remove_unused_columns=False,  # the wrapper's forward takes (*args, **kwargs)
         )  # fmt: skip
         trainer.train()
         logs = trainer.state.log_history

@@ -1,0 +1,117 @@
+"""Hugging Face Accelerate with flatgrad's DDP comm hook, in one call after ``Accelerator()``.
+
+    accelerator = Accelerator()
+    flat = flatgrad.FlatGrad(model)
+    flatgrad.accelerate.attach(accelerator, flat)
+    ddp, optimizer = accelerator.prepare(flat, optimizer)
+
+Accelerate builds its DDP in ``accelerator.prepare`` from the accelerator's
+``ddp_handler`` (a `DistributedDataParallelKwargs`): ``ddp_handler.to_kwargs()`` gives the
+constructor arguments, and right after construction ``ddp_handler.register_comm_hook(ddp)``
+registers a comm hook, one of torch's named in `DDPCommunicationHookType` only. `attach`
+puts a `FlatGradDDPKwargs` there, a `DistributedDataParallelKwargs` that keeps the
+handler's settings (``find_unused_parameters``, ``broadcast_buffers``, ...), adds
+`FlatGrad.ddp_kwargs` and registers `flatgrad.allreduce_hook` on the DDP of ``flat``. This
+module is imported only by a user who asks for it (``import flatgrad`` never imports
+Accelerate).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+from torch.nn.parallel import DistributedDataParallel
+
+from flatgrad.comm import FlatGradCommState, allreduce_hook
+from flatgrad.wrapper import FlatGrad
+
+__all__ = ["FlatGradDDPKwargs", "attach"]
+
+_STATE = "flatgrad_comm_state"  # the handler's own attribute, not a DDP argument
+_NOT_DDP_ARGUMENTS = ("comm_hook", "comm_wrapper", "comm_state_option")  # as Accelerate's to_dict
+
+
+@dataclasses.dataclass
+class FlatGradDDPKwargs(DistributedDataParallelKwargs):
+    """Accelerate's DDP handler with flatgrad's hook: the DDP that ``accelerator.prepare``
+    builds around ``flatgrad_comm_state.wrapper`` gets `flatgrad.allreduce_hook` with that
+    state; any other DDP it builds gets Accelerate's own hook choice (``comm_hook``). Built
+    by `attach`."""
+
+    flatgrad_comm_state: FlatGradCommState | None = None
+
+    def to_dict(
+        self, ignore_keys: tuple[str, ...] = ("comm_hook", "comm_wrapper", "comm_state_option")
+    ) -> Any:
+        """Accelerate's DDP arguments, without the comm state (no DDP argument, and never
+        deep-copied: it holds the wrapper)."""
+        fields = {k: v for k, v in self.__dict__.items() if k != _STATE and k not in ignore_keys}
+        return copy.deepcopy(fields)
+
+    def register_comm_hook(self, model: Any) -> None:
+        """Called by ``accelerator.prepare`` on each DDP it builds.
+
+        Args:
+            model: The DDP just built.
+        """
+        state = self.flatgrad_comm_state
+        if state is not None and isinstance(model, DistributedDataParallel) and model.module is state.wrapper:
+            model.register_comm_hook(state, allreduce_hook)
+        else:
+            super().register_comm_hook(model)
+
+
+def attach(
+    accelerator: Accelerator, flat: FlatGrad, wire_dtype: torch.dtype | None = None
+) -> FlatGradCommState:
+    """Make ``accelerator.prepare(flat, ...)`` build ``DDP(flat, **flat.ddp_kwargs())`` with
+    `flatgrad.allreduce_hook` registered, as the hand-written recipe does. Call it after
+    ``Accelerator(...)`` and before ``accelerator.prepare``. On one process (no DDP) it
+    changes nothing.
+
+    The accelerator's DDP handler (the `DistributedDataParallelKwargs` given in
+    ``kwargs_handlers``, or the defaults) is replaced by a `FlatGradDDPKwargs` with the same
+    settings plus ``gradient_as_bucket_view=True`` and a ``bucket_cap_mb`` above the largest
+    flat buffer; a DDP this accelerator builds around another model gets those two as well
+    (harmless: one bucket) and the handler's own hook choice.
+
+    Args:
+        accelerator: The Accelerator that will prepare `flat`.
+        flat: The wrapped model, to be passed to ``accelerator.prepare`` as it is.
+        wire_dtype: As in `FlatGrad.comm_state`: ``torch.bfloat16`` or ``torch.float16``
+            all-reduces a compressed copy (in place of Accelerate's ``comm_hook="bf16"``).
+
+    Returns:
+        The hook's state (its ``num_calls`` counts the all-reduces).
+
+    Raises:
+        TypeError: `accelerator` is not an Accelerator or `flat` is not a FlatGrad.
+        ValueError: The handler already asks for one of Accelerate's comm hooks
+            (``comm_hook``/``comm_wrapper``), which flatgrad's replaces; or as
+            `FlatGrad.ddp_kwargs` and `FlatGrad.comm_state` raise (main grads).
+
+    Called after ``accelerator.prepare(flat)``, it is too late: that DDP was built without
+    the hook, and flatgrad warns after two steps that the hook has not run.
+    """
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+    if not isinstance(flat, FlatGrad):
+        raise TypeError(f"flat must be a flatgrad.FlatGrad, got {type(flat).__name__}")
+    handler = accelerator.ddp_handler or DistributedDataParallelKwargs()
+    hooks = (handler.comm_hook, handler.comm_wrapper)
+    if any(hook != DDPCommunicationHookType.NO for hook in hooks):
+        raise ValueError(
+            "DistributedDataParallelKwargs comm_hook and comm_wrapper must be 'no' with flatgrad's hook "
+            f"(compress with attach(..., wire_dtype=torch.bfloat16) instead), got {hooks[0]!s}, {hooks[1]!s}"
+        )
+    settings = {f.name: getattr(handler, f.name) for f in dataclasses.fields(DistributedDataParallelKwargs)}
+    state = flat.comm_state(wire_dtype=wire_dtype)
+    accelerator.ddp_handler = FlatGradDDPKwargs(
+        **{**settings, **flat.ddp_kwargs()}, flatgrad_comm_state=state
+    )
+    return state
