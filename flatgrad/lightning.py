@@ -5,16 +5,12 @@ imports Lightning, and this module is imported only by a user who asks for it):
     import flatgrad.lightning  # noqa: F401  (registers the names)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="flatgrad")
 
-====================================  ==============================  =====================================
-name                                  class                           what wraps the LightningModule
-====================================  ==============================  =====================================
-``"flatgrad"``                        `FlatGradDDPStrategy`           ``DDP(FlatGrad(module), **ddp_kwargs())``
-                                                                      with `flatgrad.allreduce_hook`
-``"flatgrad_data_parallel"``          `FlatGradDataParallelStrategy`  ``flatgrad.DataParallel(FlatGrad(module))``
-``"flatgrad_sharded"``                `FlatGradShardedStrategy`       the same, and the optimizer that
-                                                                      ``configure_optimizers`` returns rebuilt
-                                                                      as a `flatgrad.ShardedOptimizer`
-====================================  ==============================  =====================================
+- ``"flatgrad"``: `FlatGradDDPStrategy`, ``DDP(FlatGrad(module), **flat.ddp_kwargs())`` with
+  `flatgrad.allreduce_hook` registered;
+- ``"flatgrad_data_parallel"``: `FlatGradDataParallelStrategy`,
+  ``flatgrad.DataParallel(FlatGrad(module))``;
+- ``"flatgrad_sharded"``: `FlatGradShardedStrategy`, the same, with the optimizer that
+  ``configure_optimizers`` returns rebuilt as a `flatgrad.ShardedOptimizer` (ZeRO-1).
 
 The LightningModule stays unmodified: the strategy wraps it when ``fit`` sets up (after the
 precision plugin converted it and it moved to its device), and unwraps it at teardown, as
@@ -100,13 +96,14 @@ class FlatGradDDPStrategy(DDPStrategy):
         for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
             if name in kwargs:
                 raise TypeError(
-                    f"FlatGradDDPStrategy registers flatgrad.allreduce_hook itself: {name} must not be given, "
-                    f"got {kwargs[name]!r}"
+                    "FlatGradDDPStrategy registers flatgrad.allreduce_hook itself: "
+                    f"{name} must not be given, got {kwargs[name]!r}"
                 )
         for name in ("gradient_as_bucket_view", "bucket_cap_mb"):
             if name in kwargs:
                 raise ValueError(
-                    f"{name} must be left to FlatGrad.ddp_kwargs() (one bucket per buffer), got {kwargs[name]!r}"
+                    f"{name} must be left to FlatGrad.ddp_kwargs() (one bucket per buffer), "
+                    f"got {kwargs[name]!r}"
                 )
         super().__init__(**kwargs)
         self.flatgrad_config = config
@@ -120,7 +117,8 @@ class FlatGradDDPStrategy(DDPStrategy):
         # As DDPStrategy: build DDP on a side stream on CUDA (torch's CUDA semantics notes).
         context = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
         with context:
-            ddp = DistributedDataParallel(flat, device_ids=device_ids, **flat.ddp_kwargs(), **self._ddp_kwargs)
+            kwargs = {**flat.ddp_kwargs(), **self._ddp_kwargs}
+            ddp = DistributedDataParallel(flat, device_ids=device_ids, **kwargs)
         self.comm_state = flat.comm_state()
         ddp.register_comm_hook(self.comm_state, allreduce_hook)
         return ddp
@@ -182,12 +180,15 @@ class FlatGradDataParallelStrategy(DDPStrategy):
             )
         super().__init__(**kwargs)
         self.flatgrad_config = config
-        self.data_parallel_options = dict(
-            bucket_mb=bucket_mb, wire_dtype=wire_dtype, broadcast_buffers=broadcast_buffers, check_finite=check_finite
+        self.data_parallel_options: dict[str, Any] = dict(
+            bucket_mb=bucket_mb,
+            wire_dtype=wire_dtype,
+            broadcast_buffers=broadcast_buffers,
+            check_finite=check_finite,
         )
         self.flat: FlatGrad | None = None  # the wrapper, once fit has set up
 
-    def _setup_model(self, model: torch.nn.Module) -> DataParallel:
+    def _setup_model(self, model: torch.nn.Module) -> DataParallel:  # type: ignore[override]
         """``flatgrad.DataParallel(FlatGrad(model), ...)`` (its constructor broadcasts rank 0's
         parameters and buffers, as DDP's)."""
         self.flat = _wrapped(self.flat, model, self.flatgrad_config)
@@ -227,7 +228,9 @@ class FlatGradDataParallelStrategy(DDPStrategy):
             strategy_registry: Lightning's ``StrategyRegistry``.
         """
         strategy_registry.register(
-            "flatgrad_data_parallel", cls, description="flatgrad.DataParallel: overlapped buckets of the flat buffer"
+            "flatgrad_data_parallel",
+            cls,
+            description="flatgrad.DataParallel: overlapped buckets of the flat buffer",
         )
 
 
@@ -260,7 +263,9 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(config, **kwargs)
-        self.sharded_options: dict[str, Any] = dict(overlap_param_gather=overlap_param_gather, shard_by=shard_by)
+        self.sharded_options: dict[str, Any] = dict(
+            overlap_param_gather=overlap_param_gather, shard_by=shard_by
+        )
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Refuse value clipping before anything is set up, then DDPStrategy's setup.
@@ -277,7 +282,7 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         ShardedOptimizer over the wrapped module; schedulers are pointed at it."""
         super().setup_optimizers(trainer)
         assert isinstance(self.model, DataParallel)
-        sharded = [self._sharded(self.model, optimizer) for optimizer in self.optimizers]
+        sharded: list[torch.optim.Optimizer] = [self._sharded(self.model, opt) for opt in self.optimizers]
         for old, new in zip(self.optimizers, sharded):
             schedulers = [c.scheduler for c in self.lr_scheduler_configs if c.scheduler.optimizer is old]
             for scheduler in schedulers:
