@@ -318,7 +318,7 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         Returns:
             ``{"state": {name: {key: whole tensor or scalar}}, "param_groups": [...]}``.
         """
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        inner = _unwrapped(optimizer)
         if not isinstance(inner, ShardedOptimizer):
             return super().optimizer_state(optimizer)
         state = whole_optimizer_state(inner)
@@ -398,12 +398,11 @@ def _clip_through_flatgrad(plugin: Precision, flat_of: Callable[[], FlatGrad | N
     """Make `plugin` clip by norm with flatgrad's norm: a ShardedOptimizer's own
     `clip_grad_norm_`, `FlatGrad.clip_grad_norm_` where the optimizer holds every parameter
     with a slot, the plugin's own otherwise; value clipping of a ShardedOptimizer raises.
-    (An instance attribute: this strategy's plugin only, nothing process-wide.)"""
-    by_norm, by_value = plugin.clip_grad_by_norm, plugin.clip_grad_by_value
+    (Instance attributes: this strategy's plugin only, nothing process-wide.)"""
+    by_norm, by_value, clip = plugin.clip_grad_by_norm, plugin.clip_grad_by_value, plugin.clip_gradients
 
     def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        flat = flat_of()
+        inner, flat = _unwrapped(optimizer), flat_of()
         if isinstance(inner, ShardedOptimizer):
             inner.clip_grad_norm_(clip_val)
         elif flat is not None and _holds_every_slot(inner, flat):
@@ -412,13 +411,29 @@ def _clip_through_flatgrad(plugin: Precision, flat_of: Callable[[], FlatGrad | N
             by_norm(optimizer, clip_val)
 
     def clip_grad_by_value(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if isinstance(inner, ShardedOptimizer):
+        if isinstance(_unwrapped(optimizer), ShardedOptimizer):
             _refuse_value_clipping()
         by_value(optimizer, clip_val)
 
+    def clip_gradients(
+        optimizer: torch.optim.Optimizer, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm"
+    ) -> None:
+        # Lightning's mixed-precision plugin refuses to clip an optimizer that unscales inside
+        # its step (ShardedOptimizer declares that, for a GradScaler), also under "bf16-mixed",
+        # which has no scaler: there is nothing to unscale then, so it clips as Precision does.
+        if isinstance(_unwrapped(optimizer), ShardedOptimizer) and getattr(plugin, "scaler", None) is None:
+            Precision.clip_gradients(plugin, optimizer, clip_val, gradient_clip_algorithm)
+        else:
+            clip(optimizer, clip_val, gradient_clip_algorithm)
+
     plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
     plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+    plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
+
+
+def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer a LightningOptimizer stands for (or `optimizer` itself)."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _holds_every_slot(optimizer: torch.optim.Optimizer, flat: FlatGrad) -> bool:

@@ -76,9 +76,9 @@ def _loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=None)
 
 
-def _trainer(strategy: Any, epochs: int) -> Any:
+def _trainer(strategy: Any, epochs: int, precision: str = "64-true") -> Any:
     return L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, precision="64-true",
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, precision=precision,
         accumulate_grad_batches=2, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
@@ -178,6 +178,26 @@ def test_strategy_trains_resumes_tests_and_predicts_as_lightning_ddp(tmp_path: P
     values, optimizer state per parameter, schedules), test loss and predictions."""
     (tmp_path / "run").mkdir()
     run_ranks(_strategy_case, name, str(tmp_path / "run"), timeout=240.0)
+
+
+def _bf16_mixed_case(rank: int, world_size: int) -> None:
+    _as_torchrun(rank, world_size)
+    results = {}
+    for name in ("ddp", "flatgrad", "flatgrad_data_parallel", "flatgrad_sharded"):
+        module = LitLM()
+        _trainer(name, 1, precision="bf16-mixed").fit(module, _loader())
+        results[name] = _params(module)
+    for name in ("flatgrad", "flatgrad_data_parallel", "flatgrad_sharded"):
+        for p, q in zip(results[name], results["ddp"]):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.distributed
+def test_strategies_under_bf16_mixed_train_as_lightning_ddp() -> None:
+    """``precision="bf16-mixed"`` (float32 weights and gradients, bfloat16 autocast): an epoch
+    with accumulation and clipping equals "ddp"'s. Both sides run the same autocast ops and
+    add the same two halves; 1e-6 leaves room for float32 round-off in the norm (seen: equal)."""
+    run_ranks(_bf16_mixed_case, timeout=240.0)
 
 
 def _value_clipping_case(rank: int, world_size: int) -> None:
