@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -51,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 from flatgrad._zero import ShardBy
 from flatgrad._zero_state import whole_state
 from flatgrad.comm import FlatGradCommState, allreduce_hook
-from flatgrad.config import FlatGradConfig
+from flatgrad.config import FlatGradConfig, resolve_config
 from flatgrad.parallel import DataParallel
 from flatgrad.sharded import ShardedOptimizer
 from flatgrad.wrapper import FlatGrad
@@ -112,7 +113,7 @@ class FlatGradDDPStrategy(DDPStrategy):
 
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         """``DDP(FlatGrad(model), **flat.ddp_kwargs())`` with flatgrad's hook registered."""
-        flat = self.flat = _wrapped(self.flat, model, self.flatgrad_config)
+        flat = self.flat = _wrapped(model, self.flatgrad_config)
         device_ids = self.determine_ddp_device_ids()
         # As DDPStrategy: build DDP on a side stream on CUDA (torch's CUDA semantics notes).
         context = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
@@ -191,7 +192,7 @@ class FlatGradDataParallelStrategy(DDPStrategy):
     def _setup_model(self, model: torch.nn.Module) -> DataParallel:  # type: ignore[override]
         """``flatgrad.DataParallel(FlatGrad(model), ...)`` (its constructor broadcasts rank 0's
         parameters and buffers, as DDP's)."""
-        self.flat = _wrapped(self.flat, model, self.flatgrad_config)
+        self.flat = _wrapped(model, self.flatgrad_config)
         return DataParallel(self.flat, **self.data_parallel_options)
 
     def configure_ddp(self) -> None:
@@ -379,12 +380,25 @@ def _constructor_arguments(cls: type[torch.optim.Optimizer], defaults: dict[str,
     return {key: value for key, value in defaults.items() if key in parameters}
 
 
-def _wrapped(flat: FlatGrad | None, model: torch.nn.Module, config: Config) -> FlatGrad:
-    """`flat` again where it wraps `model` (another fit of the same module: a parameter lives
-    in one wrapper's buffer only), else ``FlatGrad(model, config)``."""
+# The wrapper of each module a strategy wrapped, while it lives (weakly: this holds nothing
+# alive). A parameter lives in one FlatGrad's buffer only, so another fit of the same module,
+# from the same Trainer or a new one whose strategy never saw it, reuses the wrapper.
+_WRAPPERS: weakref.WeakValueDictionary[int, FlatGrad] = weakref.WeakValueDictionary()
+
+
+def _wrapped(model: torch.nn.Module, config: Config) -> FlatGrad:
+    """The live FlatGrad of `model` if a strategy wrapped it before (its config then is the
+    first one's), else ``FlatGrad(model, config)``."""
+    flat = _WRAPPERS.get(id(model))
     if flat is not None and flat.module is model:
+        if config is not None and resolve_config(config) != flat.flatgrad_config:
+            logger.warning(
+                "flatgrad.lightning: this module was wrapped by an earlier fit; its FlatGrad keeps "
+                "that fit's config, not the one given now"
+            )
         return flat
-    return FlatGrad(model, config)
+    flat = _WRAPPERS[id(model)] = FlatGrad(model, config)
+    return flat
 
 
 def _refuse_value_clipping() -> None:

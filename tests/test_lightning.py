@@ -200,6 +200,27 @@ def test_strategies_under_bf16_mixed_train_as_lightning_ddp() -> None:
     run_ranks(_bf16_mixed_case, timeout=240.0)
 
 
+def _refit_case(rank: int, world_size: int) -> None:
+    _as_torchrun(rank, world_size)
+    results = {}
+    for name in ("ddp", "flatgrad", "flatgrad_data_parallel", "flatgrad_sharded"):
+        module = LitLM()
+        _trainer(name, 1).fit(module, _loader())
+        _trainer(name, 1).fit(module, _loader())  # a new Trainer (and strategy), the same module
+        results[name] = _params(module)
+    for name in ("flatgrad", "flatgrad_data_parallel", "flatgrad_sharded"):
+        for p, q in zip(results[name], results["ddp"]):
+            _assert_close(p, q, name)
+
+
+@pytest.mark.distributed
+def test_a_second_fit_of_the_same_module_reuses_its_wrapper() -> None:
+    """A module fit once and then again by a new Trainer: the second strategy finds the
+    live wrapper (a parameter lives in one FlatGrad's buffer) and trains on as "ddp" does
+    (the second fit's optimizer is new, as under "ddp")."""
+    run_ranks(_refit_case, timeout=240.0)
+
+
 def _value_clipping_case(rank: int, world_size: int) -> None:
     _as_torchrun(rank, world_size)
     trainer = L.Trainer(
