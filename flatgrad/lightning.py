@@ -17,7 +17,7 @@ precision plugin converted it and it moved to its device), and unwraps it at tea
 Lightning's own DDPStrategy does with DDP. Each is a `DDPStrategy` subclass, so the
 process launching, device placement (one device per process; NCCL on CUDA, gloo on CPU),
 ``trainer.test``/``predict`` (no wrapper, as DDPStrategy) and the checkpoint files are
-Lightning's. Three things differ from DDPStrategy:
+Lightning's. What differs from DDPStrategy:
 
 - The comm hook is registered on every device: DDPStrategy's ``ddp_comm_hook`` is
   registered on CUDA only (``DDPStrategy._register_ddp_hooks``), so on CPU it never runs.
@@ -26,6 +26,10 @@ Lightning's. Three things differ from DDPStrategy:
   flat buffers) where the optimizer holds every trainable parameter, with the
   ShardedOptimizer's `clip_grad_norm_` (the norm of the whole averaged gradient, from every
   rank's shards) under ``"flatgrad_sharded"``, and as Lightning does otherwise.
+- Under ``"flatgrad_sharded"`` with ``"16-mixed"`` the loss scaler is a `flatgrad.GradScaler`
+  (torch's would unscale the reduce-scattered `.grad`), and clipping unscales the shards
+  first (Lightning's mixed-precision plugin refuses to clip an optimizer that unscales in its
+  ``step``, as a ShardedOptimizer declares, even under ``"bf16-mixed"``, without a scaler).
 - Under ``"flatgrad_sharded"`` a checkpoint's optimizer state is the ShardedOptimizer's made
   whole (per plain parameter name, every rank's shards gathered: Lightning writes rank 0's
   dict only), which `ShardedOptimizer.load_state_dict` loads on any world size.
@@ -51,6 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flatgrad._zero import ShardBy
 from flatgrad._zero_state import whole_state
+from flatgrad.amp import GradScaler
 from flatgrad.comm import FlatGradCommState, allreduce_hook
 from flatgrad.config import FlatGradConfig, resolve_config
 from flatgrad.parallel import DataParallel
@@ -278,6 +283,24 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
             _refuse_value_clipping()
         super().setup(trainer)
 
+    def setup_precision_plugin(self) -> None:
+        """``"16-mixed"``: the plugin's ``torch.amp.GradScaler`` (which a ShardedOptimizer
+        refuses at `step`: it would unscale `.grad`, reduce-scattered) replaced by a
+        `flatgrad.GradScaler` with the same settings (it unscales this rank's gradient
+        shards and agrees on overflows over the ranks); then the DataParallel strategy's."""
+        plugin = self.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, GradScaler):
+            plugin.scaler = GradScaler(  # type: ignore[attr-defined]
+                self.root_device.type,
+                init_scale=scaler.get_scale(),
+                growth_factor=scaler.get_growth_factor(),
+                backoff_factor=scaler.get_backoff_factor(),
+                growth_interval=scaler.get_growth_interval(),
+                enabled=scaler.is_enabled(),
+            )
+        super().setup_precision_plugin()
+
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """``configure_optimizers``' optimizers (Lightning's), each rebuilt as a
         ShardedOptimizer over the wrapped module; schedulers are pointed at it."""
@@ -433,12 +456,18 @@ def _clip_through_flatgrad(plugin: Precision, flat_of: Callable[[], FlatGrad | N
         optimizer: torch.optim.Optimizer, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm"
     ) -> None:
         # Lightning's mixed-precision plugin refuses to clip an optimizer that unscales inside
-        # its step (ShardedOptimizer declares that, for a GradScaler), also under "bf16-mixed",
-        # which has no scaler: there is nothing to unscale then, so it clips as Precision does.
-        if isinstance(_unwrapped(optimizer), ShardedOptimizer) and getattr(plugin, "scaler", None) is None:
-            Precision.clip_gradients(plugin, optimizer, clip_val, gradient_clip_algorithm)
-        else:
+        # its step, as a ShardedOptimizer declares (for a GradScaler). Without a scaler
+        # ("bf16-mixed") there is nothing to unscale; with flatgrad.GradScaler ("16-mixed",
+        # the sharded strategy's) unscale the shards first, as torch's recipe does before
+        # clipping (the scaler's step then does not unscale again).
+        inner = _unwrapped(optimizer)
+        if not isinstance(inner, ShardedOptimizer):
             clip(optimizer, clip_val, gradient_clip_algorithm)
+            return
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None and clip_val > 0:
+            scaler.unscale_(inner)
+        Precision.clip_gradients(plugin, optimizer, clip_val, gradient_clip_algorithm)
 
     plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
     plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]

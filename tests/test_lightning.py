@@ -180,24 +180,38 @@ def test_strategy_trains_resumes_tests_and_predicts_as_lightning_ddp(tmp_path: P
     run_ranks(_strategy_case, name, str(tmp_path / "run"), timeout=240.0)
 
 
-def _bf16_mixed_case(rank: int, world_size: int) -> None:
+def _mixed_case(rank: int, world_size: int, precision: str) -> None:
     _as_torchrun(rank, world_size)
     results = {}
     for name in ("ddp", "flatgrad", "flatgrad_data_parallel", "flatgrad_sharded"):
         module = LitLM()
-        _trainer(name, 1, precision="bf16-mixed").fit(module, _loader())
+        plugins = []
+        if precision == "16-mixed":  # a small first scale: no step skipped for overflow
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=1)
+            plugins = [L.pytorch.plugins.MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=name, max_epochs=1, accumulate_grad_batches=2,
+            gradient_clip_val=CLIP, plugins=plugins, precision=None if plugins else precision, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(module, _loader())
         results[name] = _params(module)
+    for p, q in zip(results["ddp"], _params(LitLM())):
+        assert not torch.equal(p, q)  # every step stepped (none skipped for an overflow)
     for name in ("flatgrad", "flatgrad_data_parallel", "flatgrad_sharded"):
         for p, q in zip(results[name], results["ddp"]):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.distributed
-def test_strategies_under_bf16_mixed_train_as_lightning_ddp() -> None:
-    """``precision="bf16-mixed"`` (float32 weights and gradients, bfloat16 autocast): an epoch
-    with accumulation and clipping equals "ddp"'s. Both sides run the same autocast ops and
-    add the same two halves; 1e-6 leaves room for float32 round-off in the norm (seen: equal)."""
-    run_ranks(_bf16_mixed_case, timeout=240.0)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_strategies_under_mixed_precision_train_as_lightning_ddp(precision: str) -> None:
+    """Mixed precision (float32 weights and gradients, bfloat16/float16 autocast; "16-mixed"
+    with a loss scaler, which the sharded strategy makes a flatgrad.GradScaler and unscales
+    before clipping): an epoch with accumulation and clipping equals "ddp"'s. Both sides run
+    the same autocast ops and add the same two halves; 1e-6 leaves room for float32
+    round-off in the norm (seen: equal)."""
+    run_ranks(_mixed_case, precision, timeout=240.0)
 
 
 def _refit_case(rank: int, world_size: int) -> None:
