@@ -93,7 +93,8 @@ class FlatGradDDPStrategy(DDPStrategy):
 
     Raises:
         TypeError: A comm hook argument is given (``ddp_comm_hook``, ``ddp_comm_state``,
-            ``ddp_comm_wrapper``: the strategy registers flatgrad's).
+            ``ddp_comm_wrapper``: the strategy registers flatgrad's; ``model_averaging_period``,
+            which needs a post-local-SGD hook state).
         ValueError: ``gradient_as_bucket_view`` or ``bucket_cap_mb`` is given
             (`FlatGrad.ddp_kwargs` sets them).
     """
@@ -435,7 +436,11 @@ def _clip_through_flatgrad(plugin: Precision, flat_of: Callable[[], FlatGrad | N
     """Make `plugin` clip by norm with flatgrad's norm: a ShardedOptimizer's own
     `clip_grad_norm_`, `FlatGrad.clip_grad_norm_` where the optimizer holds every parameter
     with a slot, the plugin's own otherwise; value clipping of a ShardedOptimizer raises.
-    (Instance attributes: this strategy's plugin only, nothing process-wide.)"""
+    (Instance attributes: this strategy's plugin only, nothing process-wide; once per plugin,
+    though every fit's setup calls this.)"""
+    if getattr(plugin, "_flatgrad_clips", False):
+        return
+    plugin._flatgrad_clips = True  # type: ignore[attr-defined]
     by_norm, by_value, clip = plugin.clip_grad_by_norm, plugin.clip_grad_by_value, plugin.clip_gradients
 
     def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
