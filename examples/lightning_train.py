@@ -1,23 +1,23 @@
-"""FlatGrad under PyTorch Lightning: DDPStrategy with flatgrad's comm hook, 2 CPU processes.
+"""An unmodified LightningModule under flatgrad's Lightning strategies, 2 CPU processes.
 
     torchrun --standalone --nproc_per_node=2 examples/lightning_train.py
     torchrun --standalone --nproc_per_node=2 examples/lightning_train.py --compare  # and stock
+    torchrun --standalone --nproc_per_node=2 examples/lightning_train.py --strategy flatgrad_sharded
 
-Lightning's `DDPStrategy(ddp_comm_hook=...)` registers the hook on CUDA only
-(`DDPStrategy._register_ddp_hooks`), so on CPU (gloo) the hook passed to it never runs and
-DDP copies every gradient. The recipe:
-1. the LightningModule holds the `FlatGrad` as its one module with parameters, so DDP's one
-   bucket per (dtype, device) is exactly flatgrad's buffer;
-2. `FlatGradDDPStrategy` below passes `flat.ddp_kwargs()` to DDPStrategy and registers
-   `flatgrad.allreduce_hook` itself in `configure_ddp`, on every device (it gives DDPStrategy
-   no `ddp_comm_hook`, so on CUDA the hook is not registered twice).
+The recipe is two lines: ``import flatgrad.lightning`` (it registers the strategies in
+Lightning's StrategyRegistry), then ``L.Trainer(strategy="flatgrad")`` (DDP with flatgrad's
+comm hook), ``"flatgrad_data_parallel"`` (flatgrad.DataParallel) or ``"flatgrad_sharded"``
+(ZeRO-1: the optimizer from ``configure_optimizers`` rebuilt as a ShardedOptimizer). The
+LightningModule holds no flatgrad: the strategy wraps it at setup (docs/integrations.md).
 
-``--compare`` trains again with a plain DDPStrategy (``--stock``: only that) in the same
-processes and prints the largest parameter difference; ``--hook-via-lightning`` shows the
-CPU trap (the hook never runs; flatgrad warns). With ``--report out.json`` rank 0 also writes
-the final parameters and, per step, the hook's calls so far, gradient-sized copies in
-backward and whether every `.grad` was a view of the flat buffer (examples/recipe_probe.py;
-tests/test_frameworks.py checks them).
+``--compare`` trains again with Lightning's ``"ddp"`` (``--stock``: only that) in the same
+processes and prints the largest parameter difference. ``--hook-via-lightning`` shows the
+trap the strategy avoids: ``FlatGrad`` inside the module and the hook given to
+``DDPStrategy(ddp_comm_hook=...)``, which Lightning registers on CUDA only
+(`DDPStrategy._register_ddp_hooks`): on CPU the hook never runs and flatgrad warns. With
+``--report out.json`` rank 0 also writes the final parameters and, per step, the hook's calls
+so far, gradient-sized copies in backward and whether every `.grad` was a view of the flat
+buffer (examples/recipe_probe.py; tests/test_frameworks.py checks them).
 """
 
 from __future__ import annotations
@@ -30,31 +30,30 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from recipe_probe import StepProbe, TinyLM, batch, run_and_summarise
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 import flatgrad
+import flatgrad.lightning  # registers "flatgrad", "flatgrad_data_parallel", "flatgrad_sharded"
+from flatgrad.lightning import FlatGradDataParallelStrategy, FlatGradDDPStrategy, FlatGradShardedStrategy
 
-
-class FlatGradDDPStrategy(DDPStrategy):
-    """DDPStrategy with FlatGrad's zero-copy, one-all-reduce path on every device."""
-
-    def __init__(self, flat: flatgrad.FlatGrad, **kwargs: Any) -> None:
-        super().__init__(**flat.ddp_kwargs(), **kwargs)
-        self.comm_state = flat.comm_state()
-
-    def configure_ddp(self) -> None:
-        super().configure_ddp()  # wraps the LightningModule in DDP: self.model
-        assert isinstance(self.model, DistributedDataParallel)
-        self.model.register_comm_hook(self.comm_state, flatgrad.allreduce_hook)
+# TinyLM's Linears are small: route them too (the default routes from ~313x313 up), so that the
+# probe sees no gradient copy. With the default config, ``strategy="flatgrad"`` by name is enough.
+ROUTE_ALL = {"linear_min_numel": 0}
+STRATEGIES = {
+    "flatgrad": FlatGradDDPStrategy,
+    "flatgrad_data_parallel": FlatGradDataParallelStrategy,
+    "flatgrad_sharded": FlatGradShardedStrategy,
+}
 
 
 class LitLM(L.LightningModule):
-    def __init__(self, stock: bool) -> None:
+    """A plain LightningModule (``wrap``: FlatGrad inside it, for --hook-via-lightning only)."""
+
+    def __init__(self, wrap: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         model = TinyLM().double()  # float64: the test compares with the stock run to round-off
-        self.net = model if stock else flatgrad.FlatGrad(model, config={"linear_min_numel": 0})
+        self.net = flatgrad.FlatGrad(model, config=ROUTE_ALL) if wrap else model
 
     def training_step(self, step: int, _: int) -> torch.Tensor:
         return self.net(batch(step, self.global_rank))
@@ -64,10 +63,17 @@ class LitLM(L.LightningModule):
 
 
 class ProbeCallback(L.Callback):
-    """Runs `StepProbe` around each backward (only with --report)."""
+    """Runs `StepProbe` around each backward (only with --report); finds the strategy's
+    wrapper and hook state once it has set up."""
 
     def __init__(self, probe: StepProbe) -> None:
         self.probe = probe
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, (FlatGradDDPStrategy, FlatGradDataParallelStrategy)):
+            self.probe.flat = strategy.flat
+            self.probe.state = getattr(strategy, "comm_state", None)
 
     def on_before_backward(self, trainer: L.Trainer, module: L.LightningModule, loss: torch.Tensor) -> None:
         self.probe.start()
@@ -76,23 +82,20 @@ class ProbeCallback(L.Callback):
         self.probe.stop()
 
 
-def train(steps: int, stock: bool, probe_steps: bool, hook_via_lightning: bool = False) -> dict[str, Any]:
-    module = LitLM(stock)
+def train(steps: int, strategy: str, probe_steps: bool, hook_via_lightning: bool = False) -> dict[str, Any]:
+    module = LitLM(wrap=hook_via_lightning)
     flat = module.net if isinstance(module.net, flatgrad.FlatGrad) else None
     probe = StepProbe(flat.module if flat is not None else module.net, flat)
-    strategy = DDPStrategy()
-    if flat is not None and hook_via_lightning:  # the hook never runs on CPU: flatgrad warns
+    chosen: str | DDPStrategy = strategy if strategy == "ddp" else STRATEGIES[strategy](config=ROUTE_ALL)
+    if flat is not None:  # the hook never runs on CPU: flatgrad warns
         probe.state = flat.comm_state()
-        strategy = DDPStrategy(
+        chosen = DDPStrategy(
             **flat.ddp_kwargs(), ddp_comm_state=probe.state, ddp_comm_hook=flatgrad.allreduce_hook
         )
-    elif flat is not None:
-        strategy = FlatGradDDPStrategy(flat)
-        probe.state = strategy.comm_state
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=strategy,
+        strategy=chosen,
         max_steps=steps,
         callbacks=[ProbeCallback(probe)] if probe_steps else [],
         use_distributed_sampler=False,  # each rank draws its own batches (recipe_probe.batch)
@@ -110,7 +113,13 @@ def train(steps: int, stock: bool, probe_steps: bool, hook_via_lightning: bool =
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--stock", action="store_true", help="plain DDPStrategy, no flatgrad")
+    parser.add_argument(
+        "--strategy",
+        default="flatgrad",
+        choices=["flatgrad", "flatgrad_data_parallel", "flatgrad_sharded"],
+        help="flatgrad's strategy (flatgrad.lightning)",
+    )
+    parser.add_argument("--stock", action="store_true", help="Lightning's own 'ddp', no flatgrad")
     parser.add_argument("--compare", action="store_true", help="flatgrad's run, then the stock run")
     parser.add_argument(
         "--hook-via-lightning",
@@ -122,7 +131,12 @@ def main() -> None:
     run_and_summarise(
         args.stock,
         args.compare,
-        lambda stock: train(args.steps, stock, args.report is not None, args.hook_via_lightning),
+        lambda stock: train(
+            args.steps,
+            "ddp" if stock else args.strategy,
+            args.report is not None,
+            args.hook_via_lightning and not stock,
+        ),
         args.report,
     )
 

@@ -1,0 +1,502 @@
+"""PyTorch Lightning strategies for flatgrad's three paths, chosen by name once this module is
+imported (it registers them in Lightning's ``StrategyRegistry``; ``import flatgrad`` never
+imports Lightning, and this module is imported only by a user who asks for it):
+
+    import flatgrad.lightning  # noqa: F401  (registers the names)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="flatgrad")
+
+- ``"flatgrad"``: `FlatGradDDPStrategy`, ``DDP(FlatGrad(module), **flat.ddp_kwargs())`` with
+  `flatgrad.allreduce_hook` registered;
+- ``"flatgrad_data_parallel"``: `FlatGradDataParallelStrategy`,
+  ``flatgrad.DataParallel(FlatGrad(module))``;
+- ``"flatgrad_sharded"``: `FlatGradShardedStrategy`, the same, with the optimizer that
+  ``configure_optimizers`` returns rebuilt as a `flatgrad.ShardedOptimizer` (ZeRO-1).
+
+The LightningModule stays unmodified: the strategy wraps it when ``fit`` sets up (after the
+precision plugin converted it and it moved to its device), and unwraps it at teardown, as
+Lightning's own DDPStrategy does with DDP. Each is a `DDPStrategy` subclass, so the
+process launching, device placement (one device per process; NCCL on CUDA, gloo on CPU),
+``trainer.test``/``predict`` (no wrapper, as DDPStrategy) and the checkpoint files are
+Lightning's. What differs from DDPStrategy:
+
+- The comm hook is registered on every device: DDPStrategy's ``ddp_comm_hook`` is
+  registered on CUDA only (``DDPStrategy._register_ddp_hooks``), so on CPU it never runs.
+- Gradient clipping by norm (``gradient_clip_val``) goes through flatgrad: the precision
+  plugin's ``clip_grad_by_norm`` clips with `FlatGrad.clip_grad_norm_` (one norm over the
+  flat buffers) where the optimizer holds every trainable parameter, with the
+  ShardedOptimizer's `clip_grad_norm_` (the norm of the whole averaged gradient, from every
+  rank's shards) under ``"flatgrad_sharded"``, and as Lightning does otherwise.
+- Under ``"flatgrad_sharded"`` with ``"16-mixed"`` the loss scaler is a `flatgrad.GradScaler`
+  (torch's would unscale the reduce-scattered `.grad`), and clipping unscales the shards
+  first (Lightning's mixed-precision plugin refuses to clip an optimizer that unscales in its
+  ``step``, as a ShardedOptimizer declares, even under ``"bf16-mixed"``, without a scaler).
+- Under ``"flatgrad_sharded"`` a checkpoint's optimizer state is the ShardedOptimizer's made
+  whole (per plain parameter name, every rank's shards gathered: Lightning writes rank 0's
+  dict only), which `ShardedOptimizer.load_state_dict` loads on any world size.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from collections.abc import Callable, Generator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch.nn.parallel import DistributedDataParallel
+
+from flatgrad._zero import ShardBy
+from flatgrad._zero_state import whole_state
+from flatgrad.amp import GradScaler
+from flatgrad.comm import FlatGradCommState, allreduce_hook
+from flatgrad.config import FlatGradConfig, resolve_config
+from flatgrad.parallel import DataParallel
+from flatgrad.sharded import ShardedOptimizer
+from flatgrad.wrapper import FlatGrad
+
+logger = logging.getLogger(__name__)
+
+Config = FlatGradConfig | dict[str, Any] | str | Path | None
+
+# DDPStrategy's own arguments (everything else it takes goes to DDP's constructor).
+_STRATEGY_ARGUMENTS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+    "process_group_backend",
+    "timeout",
+    "start_method",
+)
+
+
+class FlatGradDDPStrategy(DDPStrategy):
+    """Lightning's DDPStrategy over ``FlatGrad(module)``: DDP with `FlatGrad.ddp_kwargs` (one
+    bucket per (dtype, device), which is flatgrad's buffer) and `flatgrad.allreduce_hook`
+    registered on every device. Registered as ``"flatgrad"``.
+
+    Args:
+        config: The `FlatGrad` config (a `FlatGradConfig`, a dict of its fields, a YAML/JSON
+            path, or None for the defaults).
+        **kwargs: DDPStrategy's arguments (``accelerator``, ``start_method``,
+            ``process_group_backend``, ...) and DDP's (``find_unused_parameters``,
+            ``static_graph``, ...), as ``DDPStrategy(**kwargs)`` takes them.
+
+    Raises:
+        TypeError: A comm hook argument is given (``ddp_comm_hook``, ``ddp_comm_state``,
+            ``ddp_comm_wrapper``: the strategy registers flatgrad's; ``model_averaging_period``,
+            which needs a post-local-SGD hook state).
+        ValueError: ``gradient_as_bucket_view`` or ``bucket_cap_mb`` is given
+            (`FlatGrad.ddp_kwargs` sets them).
+    """
+
+    def __init__(self, config: Config = None, **kwargs: Any) -> None:
+        for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
+            if name in kwargs:
+                raise TypeError(
+                    "FlatGradDDPStrategy registers flatgrad.allreduce_hook itself: "
+                    f"{name} must not be given, got {kwargs[name]!r}"
+                )
+        for name in ("gradient_as_bucket_view", "bucket_cap_mb"):
+            if name in kwargs:
+                raise ValueError(
+                    f"{name} must be left to FlatGrad.ddp_kwargs() (one bucket per buffer), "
+                    f"got {kwargs[name]!r}"
+                )
+        super().__init__(**kwargs)
+        self.flatgrad_config = config
+        self.flat: FlatGrad | None = None  # the wrapper, once fit has set up
+        self.comm_state: FlatGradCommState | None = None  # the hook's state, once registered
+
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        """``DDP(FlatGrad(model), **flat.ddp_kwargs())`` with flatgrad's hook registered."""
+        flat = self.flat = _wrapped(model, self.flatgrad_config)
+        device_ids = self.determine_ddp_device_ids()
+        # As DDPStrategy: build DDP on a side stream on CUDA (torch's CUDA semantics notes).
+        context = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
+        with context:
+            kwargs = {**flat.ddp_kwargs(), **self._ddp_kwargs}
+            ddp = DistributedDataParallel(flat, device_ids=device_ids, **kwargs)
+        self.comm_state = flat.comm_state()
+        ddp.register_comm_hook(self.comm_state, allreduce_hook)
+        return ddp
+
+    def setup_precision_plugin(self) -> None:
+        """Lightning's, then norm clipping through `flat` (see the module notes)."""
+        super().setup_precision_plugin()
+        _clip_through_flatgrad(self.precision_plugin, lambda: self.flat)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"flatgrad"`` (Lightning calls this for its own modules only: this
+        module calls it at import).
+
+        Args:
+            strategy_registry: Lightning's ``StrategyRegistry``.
+        """
+        strategy_registry.register(
+            "flatgrad", cls, description="DDP with flatgrad's one-bucket comm hook, on every device"
+        )
+
+
+class FlatGradDataParallelStrategy(DDPStrategy):
+    """Lightning's DDPStrategy environment (processes, devices, process group) with
+    ``flatgrad.DataParallel(FlatGrad(module))`` in place of DDP: buckets that are views of the
+    flat buffer, averaged during backward; ``accumulate_grad_batches`` runs the micro-batches
+    in `DataParallel.no_sync`. Registered as ``"flatgrad_data_parallel"``.
+
+    Args:
+        config: The `FlatGrad` config (as `FlatGradDDPStrategy`'s).
+        bucket_mb: `DataParallel`'s bucket size in MiB.
+        wire_dtype: `DataParallel`'s compressed wire (``torch.bfloat16``/``torch.float16``),
+            or None.
+        broadcast_buffers: `DataParallel`'s flag (rank 0's buffers before each forward that
+            follows a synchronised training forward).
+        check_finite: `DataParallel`'s flag (a non-finite gradient raises on every rank).
+        **kwargs: DDPStrategy's own arguments only (``accelerator``, ``parallel_devices``,
+            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``,
+            ``process_group_backend``, ``timeout``, ``start_method``).
+
+    Raises:
+        TypeError: Another keyword argument is given (DDP's arguments have no DDP here).
+    """
+
+    def __init__(
+        self,
+        config: Config = None,
+        bucket_mb: float = 25.0,
+        wire_dtype: torch.dtype | None = None,
+        broadcast_buffers: bool = True,
+        check_finite: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        unknown = sorted(set(kwargs) - set(_STRATEGY_ARGUMENTS))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}'s keyword arguments must be DDPStrategy's own "
+                f"({', '.join(_STRATEGY_ARGUMENTS)}), got {unknown}"
+            )
+        super().__init__(**kwargs)
+        self.flatgrad_config = config
+        self.data_parallel_options: dict[str, Any] = dict(
+            bucket_mb=bucket_mb,
+            wire_dtype=wire_dtype,
+            broadcast_buffers=broadcast_buffers,
+            check_finite=check_finite,
+        )
+        self.flat: FlatGrad | None = None  # the wrapper, once fit has set up
+
+    def _setup_model(self, model: torch.nn.Module) -> DataParallel:  # type: ignore[override]
+        """``flatgrad.DataParallel(FlatGrad(model), ...)`` (its constructor broadcasts rank 0's
+        parameters and buffers, as DDP's)."""
+        self.flat = _wrapped(model, self.flatgrad_config)
+        return DataParallel(self.flat, **self.data_parallel_options)
+
+    def configure_ddp(self) -> None:
+        """Wrap the LightningModule (DDPStrategy's also registers DDP comm hooks: none here)."""
+        assert isinstance(self.model, pl.LightningModule)
+        self.model = self._setup_model(self.model)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """`DataParallel.no_sync` while Lightning accumulates (``accumulate_grad_batches``)."""
+        if isinstance(self.model, DataParallel):
+            with self.model.no_sync():
+                yield None
+        else:
+            yield None
+
+    def setup_precision_plugin(self) -> None:
+        """Lightning's, then norm clipping through flatgrad (see the module notes)."""
+        super().setup_precision_plugin()
+        _clip_through_flatgrad(self.precision_plugin, lambda: self.flat)
+
+    def teardown(self) -> None:
+        """Unwrap the LightningModule (DDPStrategy's teardown unwraps DDP only), then
+        DDPStrategy's."""
+        if isinstance(self.model, DataParallel):
+            self.model = self.lightning_module
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"flatgrad_data_parallel"``.
+
+        Args:
+            strategy_registry: Lightning's ``StrategyRegistry``.
+        """
+        strategy_registry.register(
+            "flatgrad_data_parallel",
+            cls,
+            description="flatgrad.DataParallel: overlapped buckets of the flat buffer",
+        )
+
+
+class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
+    """`FlatGradDataParallelStrategy` with ZeRO-1: the optimizer ``configure_optimizers``
+    returns (a plain torch optimizer, with its schedulers) is rebuilt as
+    ``flatgrad.ShardedOptimizer(dp, type(optimizer), optimizer.param_groups,
+    **optimizer.defaults)``: the same class, groups and arguments, each rank keeping its
+    shards' state; its schedulers step the ShardedOptimizer. Registered as
+    ``"flatgrad_sharded"``.
+
+    Clipping is by norm only (the norm of the whole averaged gradient); a checkpoint holds
+    the whole optimizer state (see the module notes).
+
+    Args:
+        config: The `FlatGrad` config (as `FlatGradDDPStrategy`'s).
+        overlap_param_gather: `ShardedOptimizer`'s flag.
+        shard_by: `ShardedOptimizer`'s ``shard_by`` (None: the class's own way).
+        **kwargs: `FlatGradDataParallelStrategy`'s arguments.
+
+    Raises:
+        TypeError: As `FlatGradDataParallelStrategy`.
+    """
+
+    def __init__(
+        self,
+        config: Config = None,
+        overlap_param_gather: bool = False,
+        shard_by: ShardBy | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(config, **kwargs)
+        self.sharded_options: dict[str, Any] = dict(
+            overlap_param_gather=overlap_param_gather, shard_by=shard_by
+        )
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Refuse value clipping before anything is set up, then DDPStrategy's setup.
+
+        Raises:
+            ValueError: ``gradient_clip_algorithm="value"`` with a ``gradient_clip_val``.
+        """
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
+            _refuse_value_clipping()
+        super().setup(trainer)
+
+    def setup_precision_plugin(self) -> None:
+        """``"16-mixed"``: the plugin's ``torch.amp.GradScaler`` (which a ShardedOptimizer
+        refuses at `step`: it would unscale `.grad`, reduce-scattered) replaced by a
+        `flatgrad.GradScaler` with the same settings (it unscales this rank's gradient
+        shards and agrees on overflows over the ranks); then the DataParallel strategy's."""
+        plugin = self.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, GradScaler):
+            plugin.scaler = GradScaler(  # type: ignore[attr-defined]
+                self.root_device.type,
+                init_scale=scaler.get_scale(),
+                growth_factor=scaler.get_growth_factor(),
+                backoff_factor=scaler.get_backoff_factor(),
+                growth_interval=scaler.get_growth_interval(),
+                enabled=scaler.is_enabled(),
+            )
+        super().setup_precision_plugin()
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """``configure_optimizers``' optimizers (Lightning's), each rebuilt as a
+        ShardedOptimizer over the wrapped module; schedulers are pointed at it."""
+        super().setup_optimizers(trainer)
+        assert isinstance(self.model, DataParallel)
+        sharded: list[torch.optim.Optimizer] = [self._sharded(self.model, opt) for opt in self.optimizers]
+        for old, new in zip(self.optimizers, sharded):
+            schedulers = [c.scheduler for c in self.lr_scheduler_configs if c.scheduler.optimizer is old]
+            for scheduler in schedulers:
+                scheduler.optimizer = new  # (its lr writes reach the new groups)
+            if schedulers:
+                _track_scheduler_steps(new)
+        self.optimizers = sharded
+
+    def teardown(self) -> None:
+        """Drop the gradients (a reduce-scattered `.grad` refuses the move to the CPU that
+        Lightning's teardown makes, and holds no averaged value to read afterwards), then
+        `FlatGradDataParallelStrategy`'s."""
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, ShardedOptimizer):
+                optimizer.zero_grad(set_to_none=True)
+        super().teardown()
+
+    def _sharded(self, dp: DataParallel, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+        if isinstance(optimizer, ShardedOptimizer):
+            return optimizer
+        groups = [dict(group) for group in optimizer.param_groups]
+        defaults = _constructor_arguments(type(optimizer), optimizer.defaults)
+        return ShardedOptimizer(dp, type(optimizer), groups, **self.sharded_options, **defaults)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The ShardedOptimizer's state made whole (every rank's shards; a collective:
+        Lightning calls this on every rank), on rank 0; ``{}`` on the others, whose dict
+        Lightning does not write. Any other optimizer's as Lightning returns it.
+
+        Args:
+            optimizer: One of the trainer's optimizers.
+
+        Returns:
+            ``{"state": {name: {key: whole tensor or scalar}}, "param_groups": [...]}``.
+        """
+        inner = _unwrapped(optimizer)
+        if not isinstance(inner, ShardedOptimizer):
+            return super().optimizer_state(optimizer)
+        state = whole_optimizer_state(inner)
+        return state if self.is_global_zero else {}
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"flatgrad_sharded"``.
+
+        Args:
+            strategy_registry: Lightning's ``StrategyRegistry``.
+        """
+        strategy_registry.register(
+            "flatgrad_sharded", cls, description="flatgrad.DataParallel with ShardedOptimizer (ZeRO-1)"
+        )
+
+
+def whole_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
+    """`optimizer`'s state dict with every parameter's state whole on every rank (a
+    collective): by element, each per-element ShardedTensor summed from every rank's shards
+    (`flatgrad._zero_state.whole_state`); by tensor, every rank's owned parameters' entries
+    gathered. `ShardedOptimizer.load_state_dict` loads it on any world size.
+
+    Args:
+        optimizer: The ShardedOptimizer (every rank of its group calls this together).
+
+    Returns:
+        ``{"state": {name: {key: value}}, "param_groups": [...]}``, as `state_dict`'s.
+    """
+    saved = optimizer.state_dict()
+    group = optimizer.dp.process_group
+    if optimizer.shard_by == "element":
+        return {**saved, "state": whole_state(saved["state"], group)}
+    parts: list[Any] = [None] * optimizer.world_size
+    dist.all_gather_object(parts, saved["state"], group=group)
+    return {**saved, "state": {name: entry for part in parts for name, entry in part.items()}}
+
+
+def _track_scheduler_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Have `optimizer.step` tracked as a scheduler built on it tracks it (torch's schedulers
+    warn at their first step when the optimizer they were built on was not stepped through
+    that tracking), through torch's public API: a throwaway LambdaLR of factor 1, whose
+    initial step rewrites each group's ``lr`` from ``initial_lr``; the groups' ``lr`` the
+    user's schedulers set are put back."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+
+
+def _constructor_arguments(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The entries of an optimizer's `defaults` its constructor takes: `defaults` may hold
+    more (torch's AdamW keeps Adam's ``decoupled_weight_decay``, which AdamW's constructor
+    does not take); the groups carry every option either way."""
+    parameters = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(defaults)
+    return {key: value for key, value in defaults.items() if key in parameters}
+
+
+# The wrapper of each module a strategy wrapped, while it lives (weakly: this holds nothing
+# alive). A parameter lives in one FlatGrad's buffer only, so another fit of the same module,
+# from the same Trainer or a new one whose strategy never saw it, reuses the wrapper.
+_WRAPPERS: weakref.WeakValueDictionary[int, FlatGrad] = weakref.WeakValueDictionary()
+
+
+def _wrapped(model: torch.nn.Module, config: Config) -> FlatGrad:
+    """The live FlatGrad of `model` if a strategy wrapped it before (its config then is the
+    first one's), else ``FlatGrad(model, config)``."""
+    flat = _WRAPPERS.get(id(model))
+    if flat is not None and flat.module is model:
+        if config is not None and resolve_config(config) != flat.flatgrad_config:
+            logger.warning(
+                "flatgrad.lightning: this module was wrapped by an earlier fit; its FlatGrad keeps "
+                "that fit's config, not the one given now"
+            )
+        return flat
+    flat = _WRAPPERS[id(model)] = FlatGrad(model, config)
+    return flat
+
+
+def _refuse_value_clipping() -> None:
+    raise ValueError(
+        "gradient_clip_algorithm must be 'norm' under flatgrad_sharded (a rank holds its shards "
+        "of the averaged gradient only, and .grad refuses reads), got 'value'"
+    )
+
+
+def _clip_through_flatgrad(plugin: Precision, flat_of: Callable[[], FlatGrad | None]) -> None:
+    """Make `plugin` clip by norm with flatgrad's norm: a ShardedOptimizer's own
+    `clip_grad_norm_`, `FlatGrad.clip_grad_norm_` where the optimizer holds every parameter
+    with a slot, the plugin's own otherwise; value clipping of a ShardedOptimizer raises.
+    (Instance attributes: this strategy's plugin only, nothing process-wide; once per plugin,
+    though every fit's setup calls this.)"""
+    if getattr(plugin, "_flatgrad_clips", False):
+        return
+    plugin._flatgrad_clips = True  # type: ignore[attr-defined]
+    by_norm, by_value, clip = plugin.clip_grad_by_norm, plugin.clip_grad_by_value, plugin.clip_gradients
+
+    def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        inner, flat = _unwrapped(optimizer), flat_of()
+        if isinstance(inner, ShardedOptimizer):
+            inner.clip_grad_norm_(clip_val)
+        elif flat is not None and _holds_every_slot(inner, flat):
+            flat.clip_grad_norm_(clip_val)
+        else:
+            by_norm(optimizer, clip_val)
+
+    def clip_grad_by_value(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        if isinstance(_unwrapped(optimizer), ShardedOptimizer):
+            _refuse_value_clipping()
+        by_value(optimizer, clip_val)
+
+    def clip_gradients(
+        optimizer: torch.optim.Optimizer, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm"
+    ) -> None:
+        # Lightning's mixed-precision plugin refuses to clip an optimizer that unscales inside
+        # its step, as a ShardedOptimizer declares (for a GradScaler). Without a scaler
+        # ("bf16-mixed") there is nothing to unscale; with flatgrad.GradScaler ("16-mixed",
+        # the sharded strategy's) unscale the shards first, as torch's recipe does before
+        # clipping (the scaler's step then does not unscale again).
+        inner = _unwrapped(optimizer)
+        if not isinstance(inner, ShardedOptimizer):
+            clip(optimizer, clip_val, gradient_clip_algorithm)
+            return
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None and clip_val > 0:
+            scaler.unscale_(inner)
+        Precision.clip_gradients(plugin, optimizer, clip_val, gradient_clip_algorithm)
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+    plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+    plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
+
+
+def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer a LightningOptimizer stands for (or `optimizer` itself)."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _holds_every_slot(optimizer: torch.optim.Optimizer, flat: FlatGrad) -> bool:
+    """Whether `optimizer`'s parameters are exactly the trainable ones of `flat` (then the
+    norm over the flat buffers is the norm over the optimizer's gradients)."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return held == {id(p) for p in flat.parameters() if p.requires_grad}
+
+
+def _register(registry: Any) -> None:
+    for cls in (FlatGradDDPStrategy, FlatGradDataParallelStrategy, FlatGradShardedStrategy):
+        cls.register_strategies(registry)
+
+
+# Lightning finds strategies by name in StrategyRegistry only, filled from its own modules;
+# it has no entry point for strategies (its one entry-point group, callbacks_factory, is read
+# after the strategy name was resolved), so the names exist once this module is imported.
+_register(StrategyRegistry)

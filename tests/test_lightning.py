@@ -1,0 +1,309 @@
+"""flatgrad.lightning: `L.Trainer(strategy="flatgrad...")` on an unmodified LightningModule, on
+2 gloo ranks, against Lightning's own ``"ddp"`` strategy on the same module and data.
+
+Every case (one strategy) runs in this module's persistent ranks (tests/dist_utils.py: importing
+Lightning and spawning is most of a case's cost), which pose as a torchrun launch to Lightning
+(its TorchElasticEnvironment: Lightning starts no processes and reuses the process group). A
+case trains one epoch in float64 (``precision="64-true"``) with two accumulated micro-batches
+per step, norm clipping that clips every step, AdamW with weight decay and a StepLR
+schedule; saves a checkpoint with ``trainer.save_checkpoint``; resumes it in a second
+Trainer's ``fit(ckpt_path=...)`` on a fresh module for a second epoch; then runs
+``trainer.test`` and ``trainer.predict``. The oracle is the same sequence under ``"ddp"``
+(run once per rank process and kept). Tolerance 1e-12: float64, two ranks, both sides add the
+same two halves and differ only by round-off in the layer backwards and the norm. Then, in
+the same ranks: the three under "bf16-mixed" and "16-mixed", a second fit of the same module
+by a new Trainer, and the sharded strategy's refusal of value clipping.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from torch import nn
+
+L = pytest.importorskip("lightning", reason="pip install -e '.[dev,frameworks]'")
+
+import flatgrad.lightning  # noqa: E402  (after the skip: it imports Lightning)
+
+CLIP = 0.05  # below every step's gradient norm (checked on the stock run): every step clips
+TOL = 1e-12
+
+
+class LitLM(L.LightningModule):
+    """A plain LightningModule: an embedding, two Linears, a LayerNorm; no flatgrad inside."""
+
+    def __init__(self, record_norms: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.record_norms = record_norms
+        self.emb = nn.Embedding(50, 16)
+        self.fc = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 50)
+        self.norms: list[float] = []  # the stock run's gradient norms before clipping
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(torch.tanh(self.fc(self.emb(tokens)))))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
+
+    def training_step(self, tokens: torch.Tensor, _: int) -> torch.Tensor:
+        return self(tokens)
+
+    def test_step(self, tokens: torch.Tensor, _: int) -> None:
+        self.log("test_loss", self(tokens), sync_dist=True)
+
+    def predict_step(self, tokens: torch.Tensor, _: int) -> torch.Tensor:
+        return self(tokens)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.record_norms:  # (the stock run's: a reduce-scattered .grad refuses reads)
+            grads = [p.grad for p in self.parameters()]
+            self.norms.append(torch.nn.utils.get_total_norm(grads).item())
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    """8 batches: 4 per rank per epoch (Lightning's DistributedSampler), 2 steps of 2."""
+    data = torch.randint(0, 50, (8, 4, 12), generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.DataLoader(data, batch_size=None)
+
+
+def _trainer(strategy: Any, epochs: int, precision: str = "64-true") -> Any:
+    return L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, precision=precision,
+        accumulate_grad_batches=2, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+
+
+def _as_torchrun(rank: int, world_size: int) -> None:
+    """What torchrun sets (MASTER_ADDR/PORT are the pool's): Lightning then launches nothing."""
+    os.environ.update(
+        TORCHELASTIC_RUN_ID="flatgrad-tests", RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+    )  # fmt: skip
+
+
+def _params(module: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def _run(strategy: Any, directory: Path) -> dict[str, Any]:
+    """Fit an epoch, save, resume into a fresh module for a second epoch, test, predict."""
+    first = LitLM(record_norms=strategy == "ddp")
+    trainer = _trainer(strategy() if callable(strategy) else strategy, 1)
+    trainer.fit(first, _loader())
+    path = directory / "epoch1.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = LitLM(record_norms=strategy == "ddp")
+    trainer = _trainer(strategy() if callable(strategy) else strategy, 2)
+    trainer.fit(resumed, _loader(), ckpt_path=path)
+    tested = trainer.test(resumed, _loader(), verbose=False)
+    predicted = trainer.predict(resumed, _loader())
+    return {
+        "epoch1": _params(first),
+        "checkpoint": torch.load(path, weights_only=False),
+        "resumed": _params(resumed),
+        "test_loss": tested[0]["test_loss"],
+        "predicted": [p.item() for p in predicted],
+        "norms": first.norms + resumed.norms,
+        "names": [name for name, _ in resumed.named_parameters()],
+    }
+
+
+_STOCK: dict[str, Any] = {}  # per rank process: Lightning's "ddp" run, made once
+
+
+def _assert_close(ours: Any, stock: Any, what: str) -> None:
+    torch.testing.assert_close(ours, stock, rtol=TOL, atol=TOL, msg=lambda m: f"{what}: {m}")
+
+
+def _compare_checkpoints(
+    ours: dict[str, Any], stock: dict[str, Any], names: list[str], by_name: bool
+) -> None:
+    """The model state under the plain model's keys; the optimizer state per parameter:
+    Lightning's "ddp" saves a torch AdamW's, by index in ``self.parameters()`` order, as the
+    DDP and DataParallel strategies do (the same torch optimizer); a ShardedOptimizer's is
+    by plain name, each tensor whole (every rank's shards)."""
+    assert list(ours["state_dict"]) == list(stock["state_dict"])
+    for key, value in stock["state_dict"].items():
+        _assert_close(ours["state_dict"][key], value, key)
+    (opt,), (ref,) = ours["optimizer_states"], stock["optimizer_states"]
+    keys = names if by_name else list(range(len(names)))
+    assert sorted(opt["state"]) == sorted(keys)
+    for index, (name, key) in enumerate(zip(names, keys)):
+        for entry in ("exp_avg", "exp_avg_sq", "step"):
+            expected = ref["state"][index][entry]
+            _assert_close(opt["state"][key][entry].reshape(expected.shape), expected, f"{name} {entry}")
+    assert [g["lr"] for g in opt["param_groups"]] == [g["lr"] for g in ref["param_groups"]]
+    assert ours["lr_schedulers"] == stock["lr_schedulers"]
+
+
+def _strategy_case(rank: int, world_size: int, name: str, directory: str) -> None:
+    _as_torchrun(rank, world_size)
+    if not _STOCK:
+        stock_dir = Path(directory) / "stock"  # (the same on every rank: rank 0 writes the file)
+        stock_dir.mkdir(exist_ok=True)
+        _STOCK.update(_run("ddp", stock_dir))
+    stock = _STOCK
+    assert min(stock["norms"]) > CLIP and len(stock["norms"]) == 4  # 2 steps per epoch, each clipped
+    strategies = {
+        "sharded_by_tensor": lambda: flatgrad.lightning.FlatGradShardedStrategy(shard_by="tensor"),
+    }
+    ours = _run(strategies.get(name, name), Path(directory))
+    for key in ("epoch1", "resumed"):
+        for p, q, param in zip(ours[key], stock[key], stock["names"]):
+            _assert_close(p, q, f"{key} {param}")
+    if rank == 0:  # (the file Lightning wrote: rank 0's dicts)
+        _compare_checkpoints(ours["checkpoint"], stock["checkpoint"], stock["names"], "sharded" in name)
+    _assert_close(ours["test_loss"], stock["test_loss"], "test_loss")
+    _assert_close(torch.tensor(ours["predicted"]), torch.tensor(stock["predicted"]), "predict")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "name", ["flatgrad", "flatgrad_data_parallel", "flatgrad_sharded", "sharded_by_tensor"]
+)
+def test_strategy_trains_resumes_tests_and_predicts_as_lightning_ddp(tmp_path: Path, name: str) -> None:
+    """An unmodified LightningModule under each strategy equals Lightning's "ddp" run:
+    parameters after the first fit and after the resumed one, the checkpoint (model keys and
+    values, optimizer state per parameter, schedules), test loss and predictions."""
+    (tmp_path / "run").mkdir()
+    run_ranks(_strategy_case, name, str(tmp_path / "run"), timeout=240.0)
+
+
+def _mixed_case(rank: int, world_size: int, precision: str) -> None:
+    _as_torchrun(rank, world_size)
+    results = {}
+    for name in ("ddp", "flatgrad", "flatgrad_data_parallel", "flatgrad_sharded"):
+        module = LitLM()
+        plugins = []
+        if precision == "16-mixed":  # a small first scale: no step skipped for overflow
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=1)
+            plugins = [L.pytorch.plugins.MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=name, max_epochs=1, accumulate_grad_batches=2,
+            gradient_clip_val=CLIP, plugins=plugins, precision=None if plugins else precision, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(module, _loader())
+        results[name] = _params(module)
+    for p, q in zip(results["ddp"], _params(LitLM())):
+        assert not torch.equal(p, q)  # every step stepped (none skipped for an overflow)
+    for name in ("flatgrad", "flatgrad_data_parallel", "flatgrad_sharded"):
+        for p, q in zip(results[name], results["ddp"]):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_strategies_under_mixed_precision_train_as_lightning_ddp(precision: str) -> None:
+    """Mixed precision (float32 weights and gradients, bfloat16/float16 autocast; "16-mixed"
+    with a loss scaler, which the sharded strategy makes a flatgrad.GradScaler and unscales
+    before clipping): an epoch with accumulation and clipping equals "ddp"'s. Both sides run
+    the same autocast ops and add the same two halves; 1e-6 leaves room for float32
+    round-off in the norm (seen: equal)."""
+    run_ranks(_mixed_case, precision, timeout=240.0)
+
+
+def _refit_case(rank: int, world_size: int) -> None:
+    _as_torchrun(rank, world_size)
+    results = {}
+    for name in ("ddp", "flatgrad", "flatgrad_data_parallel", "flatgrad_sharded"):
+        module = LitLM()
+        _trainer(name, 1).fit(module, _loader())
+        _trainer(name, 1).fit(module, _loader())  # a new Trainer (and strategy), the same module
+        results[name] = _params(module)
+    for name in ("flatgrad", "flatgrad_data_parallel", "flatgrad_sharded"):
+        for p, q in zip(results[name], results["ddp"]):
+            _assert_close(p, q, name)
+
+
+@pytest.mark.distributed
+def test_a_second_fit_of_the_same_module_reuses_its_wrapper() -> None:
+    """A module fit once and then again by a new Trainer: the second strategy finds the
+    live wrapper (a parameter lives in one FlatGrad's buffer) and trains on as "ddp" does
+    (the second fit's optimizer is new, as under "ddp")."""
+    run_ranks(_refit_case, timeout=240.0)
+
+
+def _value_clipping_case(rank: int, world_size: int) -> None:
+    _as_torchrun(rank, world_size)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="flatgrad_sharded", max_epochs=1, gradient_clip_val=1.0,
+        gradient_clip_algorithm="value", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="gradient_clip_algorithm must be 'norm' under flatgrad_sharded"):
+        trainer.fit(LitLM(), _loader())
+
+
+@pytest.mark.distributed
+def test_sharded_strategy_refuses_value_clipping_before_setup() -> None:
+    run_ranks(_value_clipping_case, timeout=120.0)
+
+
+def test_the_strategies_are_registered_by_name() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["flatgrad"]["strategy"] is flatgrad.lightning.FlatGradDDPStrategy
+    assert (
+        StrategyRegistry["flatgrad_data_parallel"]["strategy"]
+        is flatgrad.lightning.FlatGradDataParallelStrategy
+    )
+    assert StrategyRegistry["flatgrad_sharded"]["strategy"] is flatgrad.lightning.FlatGradShardedStrategy
+
+
+FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate")
+
+
+def _imported(tree: ast.Module) -> set[str]:
+    """Every module `tree` imports, at the top or inside a function (absolute names)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_importing_flatgrad_imports_no_framework() -> None:
+    """The modules ``import flatgrad`` loads (its import closure, from the source: no
+    interpreter to start) import no framework, anywhere in them; flatgrad.lightning is not
+    among them, and it imports Lightning itself."""
+    package = Path(flatgrad.__file__).parent
+    imports = {path.stem: _imported(ast.parse(path.read_text())) for path in package.glob("*.py")}
+    loaded, todo = set(), ["__init__"]
+    while todo:
+        module = todo.pop()
+        loaded.add(module)
+        for name in imports[module]:
+            parts = name.split(".")
+            if parts[0] == "flatgrad" and len(parts) > 1 and parts[1] in imports and parts[1] not in loaded:
+                todo.append(parts[1])
+    assert "lightning" not in loaded and "lightning" in {n.split(".")[0] for n in imports["lightning"]}
+    for module in sorted(loaded):
+        assert not {n for n in imports[module] if n.split(".")[0] in FRAMEWORKS}, module
+
+
+def test_strategy_arguments_are_checked() -> None:
+    with pytest.raises(TypeError, match="ddp_comm_hook must not be given"):
+        flatgrad.lightning.FlatGradDDPStrategy(ddp_comm_hook=flatgrad.allreduce_hook)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be left to FlatGrad.ddp_kwargs()"):
+        flatgrad.lightning.FlatGradDDPStrategy(bucket_cap_mb=100)
+    with pytest.raises(
+        TypeError, match=r"keyword arguments must be DDPStrategy's own .*got \['static_graph'\]"
+    ):
+        flatgrad.lightning.FlatGradDataParallelStrategy(static_graph=True)
+    with pytest.raises(TypeError, match="FlatGradShardedStrategy's keyword arguments must be"):
+        flatgrad.lightning.FlatGradShardedStrategy(find_unused_parameters=True)
