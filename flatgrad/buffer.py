@@ -12,8 +12,9 @@
 - `Prescale`: a store's prescaling state, which `flatgrad._prescale` writes and reads;
   `Scattered`: its reduce-scatter state, which `flatgrad._scattered_grad` writes and reads.
 - Free functions over the buffers' tensors: allocating a buffer aligned (`aligned_zeros`),
-  staging host values for a device copy (`host_tensor`, `write_flags`), scaling in place
-  (`scale_`), reading on another CUDA stream (`read_here`)."""
+  filling seated slots (`negative_zero_`), staging host values for a device copy
+  (`host_tensor`, `write_flags`), scaling in place (`scale_`), reading on another CUDA
+  stream (`read_here`)."""
 
 from __future__ import annotations
 
@@ -209,9 +210,10 @@ class GradStore:
 
     def seat(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """Before a backward: point every one of `params` whose `.grad` is None at its slot,
-        zeroed, so that AccumulateGrad adds the incoming gradient into it in place (in C++:
+        filled with -0.0 (`negative_zero_`: the add then gives stock's bits, a -0.0 included),
+        so that AccumulateGrad adds the incoming gradient into it in place (in C++:
         no hook, no copy). Returns (param, slot, slot version) for `unseat`. When every
-        `.grad` was None the slots are zeroed in a few fills (`spans`). The (parameter, slot)
+        `.grad` was None the slots are filled in a few views (`spans`). The (parameter, slot)
         pairs and the spans are cut once per `params` tuple and kept while the slots stay
         where they are: this runs before every backward, once per parameter.
 
@@ -243,7 +245,7 @@ class GradStore:
         # span does not bump: `unseat` compares against the versions read after the fill.
         zeroed = spans if len(seated) == len(pairs) else [view for _, view in seated]
         if zeroed:  # none when every seated parameter has zero elements
-            torch._foreach_zero_(zeroed)
+            negative_zero_(zeroed)
         self.seated = [(param, view, view._version) for param, view in seated]
         return self.seated
 
@@ -274,10 +276,15 @@ class GradStore:
     @staticmethod
     def unseat(seated: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         """After that backward: a seated slot nothing wrote into goes back to None, as stock
-        leaves the `.grad` of a parameter that got no gradient."""
+        leaves the `.grad` of a parameter that got no gradient, and is zeroed (its -0.0
+        fill must not reach a sync that sends it as this rank's zeros: stock's are +0.0)."""
+        unwritten = []
         for param, view, version in seated:
             if view._version == version and param.grad is view:
                 param.grad = None
+                unwritten.append(view)
+        if unwritten:
+            torch._foreach_zero_(unwritten)
 
     def settle(self) -> None:
         """Make the buffers the truth: zero the slots of parameters whose `.grad` is None
@@ -566,6 +573,28 @@ def aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:
     raw = torch.zeros(numel + align_bytes // itemsize, dtype=dtype, device=device)
     start = (-raw.data_ptr() % align_bytes) // itemsize
     return raw.narrow(0, start, numel)
+
+
+def negative_zero_(tensors: Sequence[torch.Tensor]) -> None:
+    """Fill `tensors` with -0.0 (both parts of a complex element): how a seated slot starts.
+    AccumulateGrad's in-place add into it then leaves exactly the incoming gradient, as
+    stock's `.grad` is (``-0.0 + x`` is ``x`` bit for bit, ``-0.0`` included, where
+    ``+0.0 + -0.0`` is ``+0.0``). Every reader of a slot whose `.grad` is None zeroes it
+    first (`GradStore.settle`, `take_in` with `zero_empty`), so -0.0 stays inside a
+    backward. On the CPU one copy per tensor from a -0.0 scalar (as fast as a fill, a
+    third of a Python loop of fills: docs/performance.md); on accelerators two fused
+    passes, a zero and a negation, where such a copy would launch a kernel per tensor."""
+    on_cpu = [t for t in tensors if t.device.type == "cpu"]
+    if len(on_cpu) < len(tensors):
+        elsewhere = [t for t in tensors if t.device.type != "cpu"]
+        torch._foreach_zero_(elsewhere)
+        torch._foreach_neg_(elsewhere)
+    scalars: dict[torch.dtype, torch.Tensor] = {}
+    for tensor in on_cpu:
+        if tensor.dtype not in scalars:
+            scalars[tensor.dtype] = torch.zeros((), dtype=tensor.dtype).neg_()
+    if on_cpu:
+        torch._foreach_copy_(on_cpu, [scalars[t.dtype] for t in on_cpu])
 
 
 def host_tensor(values: Sequence[bool | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
