@@ -63,6 +63,7 @@ class GradStore:
         # What `seat` last seated, until that backward's final callback `unseat`s it (`flagged`
         # may ask before). A nested backward that seats nothing leaves it alone.
         self.seated: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._seated_ids: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # `seated` by id
         self.prescale = Prescale()  # (see `flatgrad._prescale`)
         self.scattered = Scattered()  # (see `flatgrad._scattered_grad`)
         for key, group in plan_layout(self.params, align_bytes, multiple, grad_dtype).items():
@@ -247,7 +248,18 @@ class GradStore:
         if zeroed:  # none when every seated parameter has zero elements
             negative_zero_(zeroed)
         self.seated = [(param, view, view._version) for param, view in seated]
+        self._seated_ids = {id(entry[0]): entry for entry in self.seated}
         return self.seated
+
+    def unseat_final(self, params: Sequence[torch.Tensor]) -> None:
+        """Inside a backward, for `params` whose gradients are all final (DataParallel
+        launching their bucket): `unseat` those seated now, so a slot nothing wrote into has
+        `.grad` None and holds +0.0 (not its -0.0 fill) when the bucket is sent, as the zeros
+        of DDP's bucket for a parameter without a gradient. One dict read per parameter."""
+        if not self.seated:
+            return
+        found = self._seated_ids
+        GradStore.unseat([found[id(p)] for p in params if id(p) in found])
 
     def check(self, params: Sequence[torch.Tensor]) -> None:
         """Mark the store stale if one of `params` (the main grads' among them) no longer fits
