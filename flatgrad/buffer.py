@@ -587,26 +587,36 @@ def aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:
     return raw.narrow(0, start, numel)
 
 
+_NEGATIVE_ZEROS: dict[torch.dtype, torch.Tensor] = {}  # a CPU -0.0 scalar of each dtype, made once
+
+
 def negative_zero_(tensors: Sequence[torch.Tensor]) -> None:
     """Fill `tensors` with -0.0 (both parts of a complex element): how a seated slot starts.
     AccumulateGrad's in-place add into it then leaves exactly the incoming gradient, as
     stock's `.grad` is (``-0.0 + x`` is ``x`` bit for bit, ``-0.0`` included, where
-    ``+0.0 + -0.0`` is ``+0.0``). Every reader of a slot whose `.grad` is None zeroes it
-    first (`GradStore.settle`, `take_in` with `zero_empty`), so -0.0 stays inside a
-    backward. On the CPU one copy per tensor from a -0.0 scalar (as fast as a fill, a
-    third of a Python loop of fills: docs/performance.md); on accelerators two fused
-    passes, a zero and a negation, where such a copy would launch a kernel per tensor."""
+    ``+0.0 + -0.0`` is ``+0.0``). A slot a backward leaves without a gradient is zeroed when
+    it is unseated (`GradStore.unseat`), and every reader of a slot whose `.grad` is None
+    zeroes it first (`settle`, `take_in` with `zero_empty`). On the CPU one foreach copy
+    from a -0.0 scalar kept per dtype (within a few microseconds of the zero fill it
+    replaces: docs/performance.md); on accelerators two fused passes, a zero and a
+    negation, where such a copy would launch a kernel per tensor."""
+    sources = []
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            break
+        scalar = _NEGATIVE_ZEROS.get(tensor.dtype)
+        if scalar is None:
+            scalar = _NEGATIVE_ZEROS[tensor.dtype] = torch.zeros((), dtype=tensor.dtype).neg_()
+        sources.append(scalar)
+    else:
+        torch._foreach_copy_(list(tensors), sources)
+        return
     on_cpu = [t for t in tensors if t.device.type == "cpu"]
-    if len(on_cpu) < len(tensors):
-        elsewhere = [t for t in tensors if t.device.type != "cpu"]
-        torch._foreach_zero_(elsewhere)
-        torch._foreach_neg_(elsewhere)
-    scalars: dict[torch.dtype, torch.Tensor] = {}
-    for tensor in on_cpu:
-        if tensor.dtype not in scalars:
-            scalars[tensor.dtype] = torch.zeros((), dtype=tensor.dtype).neg_()
     if on_cpu:
-        torch._foreach_copy_(on_cpu, [scalars[t.dtype] for t in on_cpu])
+        negative_zero_(on_cpu)
+    elsewhere = [t for t in tensors if t.device.type != "cpu"]
+    torch._foreach_zero_(elsewhere)
+    torch._foreach_neg_(elsewhere)
 
 
 def host_tensor(values: Sequence[bool | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -823,8 +823,8 @@ def _early_group_worker(rank: int, world_size: int) -> None:
             launched_inside = dp.launch_offsets_s[0] < dp.backward_s
             _assert_grads_match(model, ref.module, f"{bucket_mb} step {step}")
             if ref.module.s.grad is not None:  # -0.0 where DDP has it (+0.0 from a rank that sent zeros)
-                assert torch.equal(torch.signbit(model.s.grad), torch.signbit(ref.module.s.grad)), (
-                    step, bucket_mb, model.s.grad.tolist(), ref.module.s.grad.tolist())
+                signs = torch.signbit(model.s.grad), torch.signbit(ref.module.s.grad)
+                assert torch.equal(*signs), f"{bucket_mb} step {step}: {model.s.grad} vs {ref.module.s.grad}"
             assert all(grad_in_buffers(flat, p.grad) for p in model.parameters() if p.grad is not None)
             assert launched_inside, "the float32 group's bucket should launch inside the backward"
 
