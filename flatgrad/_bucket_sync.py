@@ -260,8 +260,10 @@ class Round:
             if bucket.buffer.is_cuda:
                 self._follow_backward(bucket.buffer.device)
             # Zero the slots of parameters without a `.grad` (unused, or whose AccumulateGrad
-            # ran with an undefined gradient): the slot may still hold an earlier step's
-            # values. Move in any `.grad` that lives outside its slot.
+            # ran with an undefined gradient: still seated, on their -0.0 fill, until now):
+            # the slot may still hold an earlier step's values. Move in any `.grad` that
+            # lives outside its slot.
+            self.store.unseat_final(bucket.params)  # type: ignore[union-attr]
             self.store.take_in(bucket.params, zero_empty=True)  # type: ignore[union-attr]
             self._launch(bucket)
             self.launched.append(bucket)

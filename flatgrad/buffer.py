@@ -12,8 +12,9 @@
 - `Prescale`: a store's prescaling state, which `flatgrad._prescale` writes and reads;
   `Scattered`: its reduce-scatter state, which `flatgrad._scattered_grad` writes and reads.
 - Free functions over the buffers' tensors: allocating a buffer aligned (`aligned_zeros`),
-  staging host values for a device copy (`host_tensor`, `write_flags`), scaling in place
-  (`scale_`), reading on another CUDA stream (`read_here`)."""
+  filling seated slots (`negative_zero_`), staging host values for a device copy
+  (`host_tensor`, `write_flags`), scaling in place (`scale_`), reading on another CUDA
+  stream (`read_here`)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ class GradStore:
         # What `seat` last seated, until that backward's final callback `unseat`s it (`flagged`
         # may ask before). A nested backward that seats nothing leaves it alone.
         self.seated: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._seated_ids: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # `seated` by id
         self.prescale = Prescale()  # (see `flatgrad._prescale`)
         self.scattered = Scattered()  # (see `flatgrad._scattered_grad`)
         shards = [_dtensor.local_of(param) for param in self.params]  # (a DTensor's local shard)
@@ -239,9 +241,10 @@ class GradStore:
 
     def seat(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """Before a backward: point every one of `params` whose `.grad` is None at its slot,
-        zeroed, so that AccumulateGrad adds the incoming gradient into it in place (in C++:
+        filled with -0.0 (`negative_zero_`: the add then gives stock's bits, a -0.0 included),
+        so that AccumulateGrad adds the incoming gradient into it in place (in C++:
         no hook, no copy). Returns (param, slot, slot version) for `unseat`. When every
-        `.grad` was None the slots are zeroed in a few fills (`spans`). The (parameter, slot)
+        `.grad` was None the slots are filled in a few views (`spans`). The (parameter, slot)
         pairs and the spans are cut once per `params` tuple and kept while the slots stay
         where they are: this runs before every backward, once per parameter.
 
@@ -274,9 +277,20 @@ class GradStore:
         slots = self._locals
         zeroed = spans if len(seated) == len(pairs) else [slots[id(param)] for param, _ in seated]
         if zeroed:  # none when every seated parameter has zero elements
-            torch._foreach_zero_(zeroed)
+            negative_zero_(zeroed)
         self.seated = [(param, view, view._version) for param, view in seated]
+        self._seated_ids = {id(entry[0]): entry for entry in self.seated}
         return self.seated
+
+    def unseat_final(self, params: Sequence[torch.Tensor]) -> None:
+        """Inside a backward, for `params` whose gradients are all final (DataParallel
+        launching their bucket): `unseat` those seated now, so a slot nothing wrote into has
+        `.grad` None and holds +0.0 (not its -0.0 fill) when the bucket is sent, as the zeros
+        of DDP's bucket for a parameter without a gradient. One dict read per parameter."""
+        if not self.seated:
+            return
+        found = self._seated_ids
+        GradStore.unseat([found[id(p)] for p in params if id(p) in found])
 
     def check(self, params: Sequence[torch.Tensor]) -> None:
         """Mark the store stale if one of `params` (the main grads' among them) no longer fits
@@ -305,10 +319,15 @@ class GradStore:
     @staticmethod
     def unseat(seated: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         """After that backward: a seated slot nothing wrote into goes back to None, as stock
-        leaves the `.grad` of a parameter that got no gradient."""
+        leaves the `.grad` of a parameter that got no gradient, and is zeroed (its -0.0
+        fill must not reach a sync that sends it as this rank's zeros: stock's are +0.0)."""
+        unwritten = []
         for param, view, version in seated:
             if view._version == version and param.grad is view:
                 param.grad = None
+                unwritten.append(view)
+        if unwritten:
+            torch._foreach_zero_(unwritten)
 
     def settle(self) -> None:
         """Make the buffers the truth: zero the slots of parameters whose `.grad` is None
@@ -605,6 +624,38 @@ def aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:
     raw = torch.zeros(numel + align_bytes // itemsize, dtype=dtype, device=device)
     start = (-raw.data_ptr() % align_bytes) // itemsize
     return raw.narrow(0, start, numel)
+
+
+_NEGATIVE_ZEROS: dict[torch.dtype, torch.Tensor] = {}  # a CPU -0.0 scalar of each dtype, made once
+
+
+def negative_zero_(tensors: Sequence[torch.Tensor]) -> None:
+    """Fill `tensors` with -0.0 (both parts of a complex element): how a seated slot starts.
+    AccumulateGrad's in-place add into it then leaves exactly the incoming gradient, as
+    stock's `.grad` is (``-0.0 + x`` is ``x`` bit for bit, ``-0.0`` included, where
+    ``+0.0 + -0.0`` is ``+0.0``). A slot a backward leaves without a gradient is zeroed when
+    it is unseated (`GradStore.unseat`), and every reader of a slot whose `.grad` is None
+    zeroes it first (`settle`, `take_in` with `zero_empty`). On the CPU one foreach copy
+    from a -0.0 scalar kept per dtype (within a few microseconds of the zero fill it
+    replaces: docs/performance.md); on accelerators two fused passes, a zero and a
+    negation, where such a copy would launch a kernel per tensor."""
+    sources = []
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            break
+        scalar = _NEGATIVE_ZEROS.get(tensor.dtype)
+        if scalar is None:
+            scalar = _NEGATIVE_ZEROS[tensor.dtype] = torch.zeros((), dtype=tensor.dtype).neg_()
+        sources.append(scalar)
+    else:
+        torch._foreach_copy_(list(tensors), sources)
+        return
+    on_cpu = [t for t in tensors if t.device.type == "cpu"]
+    if on_cpu:
+        negative_zero_(on_cpu)
+    elsewhere = [t for t in tensors if t.device.type != "cpu"]
+    torch._foreach_zero_(elsewhere)
+    torch._foreach_neg_(elsewhere)
 
 
 def host_tensor(values: Sequence[bool | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

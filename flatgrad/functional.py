@@ -43,7 +43,7 @@ from torch.autograd.graph import Node
 
 from flatgrad._prescale import write_scale
 from flatgrad._torch_compat import GATHER_TAKES_INT32, fast_apply, functorch_active, will_execute
-from flatgrad.buffer import find_slot
+from flatgrad.buffer import find_slot, negative_zero_
 
 
 def plain_torch() -> bool:
@@ -461,9 +461,10 @@ def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | N
     grad = param.grad  # type: ignore[union-attr]
     if param._backward_hooks:  # type: ignore[union-attr]
         # Tensor hooks must see the gradient: return it, and let AccumulateGrad add the
-        # hooked result into the slot (seated here when empty).
+        # hooked result into the slot (seated here when empty, -0.0 filled as `seat` does).
         if grad is None:
-            param.grad = view.zero_()  # type: ignore[union-attr]
+            negative_zero_([view])
+            param.grad = view  # type: ignore[union-attr]
         return "fresh", None, param
     if grad is None:
         return "out", view, param

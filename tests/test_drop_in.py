@@ -1049,3 +1049,51 @@ def test_routed_layers_whose_output_gets_no_gradient_keep_grad_none_as_stock(che
         loss(model, False).backward()
         loss(model, True).backward()
     assert_same_grads(flat, oracle)
+
+
+class _SignedZeros(nn.Module):
+    """Parameters whose gradient has -0.0 elements (``w * c`` with -0.0 in `c`): a seated
+    one, a placed one, a routed Linear's weight with a tensor hook (AccumulateGrad adds the
+    hooked gradient into its slot) and one this backward leaves without a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seated = nn.Parameter(torch.randn(6, dtype=torch.float64))
+        self.placed = nn.Parameter(torch.randn(SEAT_MAX_NUMEL, dtype=torch.float64))
+        self.lin = nn.Linear(6, 1, bias=False).double()
+        self.idle = nn.Parameter(torch.randn(3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        signs = torch.tensor([-0.0, 0.0, 1.0, -0.0, -1.0, -0.0], dtype=torch.float64)
+        lin = self.lin(x).sum()
+        return (self.seated * signs).sum() + (self.placed[:6] * signs).sum() * x.sum() + lin
+
+
+def test_a_minus_zero_gradient_keeps_its_sign_in_every_slot():
+    """Stock's `.grad` keeps a -0.0 that AccumulateGrad stole from the backward; a seated slot
+    starts at -0.0 (``-0.0 + x`` is ``x`` bit for bit), so it does too; a placed slot copies it.
+    A second backward adds as stock does. Slots without a gradient and
+    ``zero_grad(set_to_none=False)`` read +0.0, as stock's zeros. Oracle: stock on a deep copy,
+    compared bit for bit (`torch.signbit` and `torch.equal`)."""
+    flat, oracle = _pair(_SignedZeros())
+    for model in (flat.module.lin.weight, oracle.lin.weight):
+        model.register_hook(lambda grad: grad * -0.0)  # every element -0.0 or +0.0
+    x = torch.tensor([[1.0, -2.0, 0.5, 3.0, -1.0, 2.0]], dtype=torch.float64)
+    for step in range(2):
+        flat(x).backward()
+        oracle(x).backward()
+        for (name, ours), ref in zip(flat.module.named_parameters(), oracle.parameters()):
+            if ref.grad is None:
+                assert ours.grad is None, name
+                continue
+            assert torch.signbit(ref.grad).any() or name == "lin.weight", name  # (the sample has -0.0)
+            assert torch.equal(torch.signbit(ours.grad), torch.signbit(ref.grad)), f"{name}, backward {step}"
+            assert torch.equal(ours.grad, ref.grad), name
+    assert not any(torch.signbit(buf).any() for buf in flat.grad_buffers.values() if buf.numel() < 6)
+    flat.zero_grad(set_to_none=False)
+    oracle.zero_grad(set_to_none=False)
+    for ours, ref in zip(flat.module.parameters(), oracle.parameters()):
+        if ref.grad is not None:
+            assert torch.equal(torch.signbit(ours.grad), torch.signbit(ref.grad))
+    assert flat.module.idle.grad is None
+    assert not torch.signbit(flat.main_grad(flat.module.idle)).any()  # its slot reads +0.0

@@ -791,17 +791,19 @@ def test_parameters_swapped_in_unregistered_and_a_weight_given_no_gradient_match
 class _EarlyGroup(nn.Module):
     """A float32 group whose gradients are all final before the float64 group's (its last
     bucket launches inside the backward), holding a small seated parameter `s` whose
-    AccumulateGrad may run with no gradient."""
+    AccumulateGrad may run with no gradient, and whose gradient has -0.0 elements where it
+    has one (``s * signs``: ±0.0 entries, so some are -0.0 whichever sign the rest has)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(8, 8).double()
         self.b = nn.Linear(8, 8)
         self.s = nn.Parameter(torch.randn(8))
+        self.register_buffer("signs", torch.tensor([1.0, -0.0, 0.0, -0.0, -1.0, 0.0, -0.0, 0.25]))
 
     def forward(self, x: torch.Tensor, none_for_s: bool) -> torch.Tensor:
         h = self.b(self.a(x).float())
-        h = _NoneForWeight.apply(h, self.s) if none_for_s else h * self.s.mean()
+        h = _NoneForWeight.apply(h, self.s) if none_for_s else h * (self.s * self.signs).sum()
         return h.square().mean()
 
 
@@ -820,6 +822,9 @@ def _early_group_worker(rank: int, world_size: int) -> None:
             ref(x, none_for_s).backward()
             launched_inside = dp.launch_offsets_s[0] < dp.backward_s
             _assert_grads_match(model, ref.module, f"{bucket_mb} step {step}")
+            if ref.module.s.grad is not None:  # -0.0 where DDP has it (+0.0 from a rank that sent zeros)
+                signs = torch.signbit(model.s.grad), torch.signbit(ref.module.s.grad)
+                assert torch.equal(*signs), f"{bucket_mb} step {step}: {model.s.grad} vs {ref.module.s.grad}"
             assert all(grad_in_buffers(flat, p.grad) for p in model.parameters() if p.grad is not None)
             assert launched_inside, "the float32 group's bucket should launch inside the backward"
 
@@ -827,7 +832,9 @@ def _early_group_worker(rank: int, world_size: int) -> None:
 def test_a_seated_parameter_given_no_gradient_by_any_rank_keeps_none_in_an_early_bucket():
     """A small (seated) parameter whose AccumulateGrad runs with no gradient, in a group
     whose last bucket (with the used flags) launches inside the backward: None where no rank
-    gave it a gradient, the average where one did, as DDP(find_unused_parameters=True)."""
+    gave it a gradient, the average where one did, as DDP(find_unused_parameters=True), the
+    sign of its zeros included (the rank without a gradient sends +0.0, as DDP's zeroed
+    bucket)."""
     run_ranks(_early_group_worker)
 
 

@@ -1,7 +1,8 @@
 """torch's own optimizer database (``optim_db`` of ``torch.testing._internal.common_optimizers``)
 through `flatgrad.ShardedOptimizer`, on 2 and 3 gloo ranks.
 
-Every class in optim_db, every configuration it has for CPU (`_configs`): each of
+Every class in optim_db, every configuration it has for CPU (`_configs`, from
+`optim_db_harness.optim_db_configs`): each of
 ``optim_inputs_func(device="cpu")``, with each implementation flag the class supports
 (``foreach``, ``differentiable``, ``fused`` where torch fuses on CPU) on in turn, and each
 of ``optim_error_inputs_func(device="cpu")`` that brings no parameters of its own; the
@@ -9,12 +10,14 @@ CUDA-only ones (``capturable=True``, fused where torch says it is not supported)
 yielded for CPU. Element-wise classes run twice: by flat element shards (the default)
 and with ``shard_by="tensor"``; Muon and Adafactor by whole tensors (their default).
 
-The oracle is stock DDP + the same torch optimizer with the same arguments on a copy of
-the model (`_run_stock`), trained on the same batches (different on every rank), float64,
-a small model of parameters of several shapes (all 2-D for Muon); ours is a
-ShardedOptimizer over flatgrad.DataParallel of several small buckets (`_run_ours`), whose
-``state_dict()`` is loaded into a fresh ShardedOptimizer over a fresh DataParallel of a
-copy of the model before the third step. Parameters are compared after 2 and 4 steps.
+The configurations, the model, the batches and the comparison are `optim_db_harness`'s
+(shared with tests/test_optim_db_plain.py). The oracle is stock DDP + the same torch
+optimizer with the same arguments on a copy of the model (`_run_stock`), trained on the
+same batches (different on every rank), float64, a small model of parameters of several
+shapes (all 2-D for Muon); ours is a ShardedOptimizer over flatgrad.DataParallel of
+several small buckets (`_run_ours`), whose ``state_dict()`` is loaded into a fresh
+ShardedOptimizer over a fresh DataParallel of a copy of the model before the third step.
+Parameters are compared after 2 and 4 steps.
 What each configuration must do (`_verdict`):
 
 - stock steps: ours equals it within rtol = 1e-12 (atol = 0). Every parameter is updated
@@ -43,10 +46,7 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import traceback
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,22 @@ import pytest
 import torch
 from conftest import ROUTE_ALL
 from dist_utils import run_ranks
+from optim_db_harness import (
+    HALF,
+    STEPS,
+    Config,
+    batch,
+    check_unique,
+    distance,
+    error_text,
+    model,
+    optim_db_configs,
+    reset,
+    snapshot,
+    table,
+    train,
+    two_d,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -65,8 +81,7 @@ pytestmark = pytest.mark.distributed
 
 RTOL = 1e-12
 ATOL = 0.0
-STEPS = 4  # the state_dict round trip before step STEPS // 2
-HALF = STEPS // 2
+# (the state_dict round trip before step HALF)
 
 # torch's classes whose update of an element reads only that element's state: flat element
 # shards by default, and by whole tensors with shard_by="tensor".
@@ -89,103 +104,25 @@ PER_TENSOR = {"Muon", "Adafactor"}
 REFUSED = {"LBFGS": ("cannot shard LBFGS",), "SparseAdam": ("SparseAdam", "sparse gradients")}
 
 
-@dataclass(frozen=True)
-class Config:
-    """One configuration of one optim_db class under ShardedOptimizer.
-
-    Attributes:
-        cls: the torch optimizer class.
-        desc: optim_db's description of the configuration (with `` & foreach`` and the like
-            for the implementation flags).
-        kwargs: the constructor arguments (also ShardedOptimizer's ``**kwargs``).
-        shard_by: ShardedOptimizer's ``shard_by`` (None: its default).
-    """
-
-    cls: type[torch.optim.Optimizer]
-    desc: str
-    kwargs: dict[str, Any]
-    shard_by: str | None = None
-
-    @property
-    def key(self) -> str:
-        by = "" if self.shard_by is None else f" shard_by={self.shard_by!r}"
-        return f"{self.cls.__name__}[{self.desc}]{by}"
-
-
 def _configs() -> list[Config]:
-    """Every CPU configuration of every optim_db class: each of ``optim_inputs_func(device=
-    "cpu")`` with the implementation flags the class supports (``supported_impls``) all
-    False, then each True in turn (as torch's
-    ``_get_optim_inputs_including_global_cliquey_kwargs``, except that ``foreach=True`` is
-    kept: torch leaves it out on CPU because the fast foreach kernels are not there, but
-    plain torch runs it) and ``fused=True`` only where ``supports_fused_on`` has "cpu";
-    then each of ``optim_error_inputs_func(device="cpu")`` that takes no parameters of its
-    own (invalid arguments: stock raises, so must ours). Every element-wise class's
-    configuration comes twice: by default and by tensor."""
-    from torch.testing._internal.common_optimizers import optim_db  # (slow: only here, not on the ranks)
-
+    """Every CPU configuration of every optim_db class (`optim_db_harness.optim_db_configs`);
+    every element-wise class's configuration comes twice: by default and by tensor."""
     configs = []
-    for info in optim_db:
-        name = info.optim_cls.__name__
+    for config in optim_db_configs():
+        name = config.cls.__name__
         assert name in ELEMENTWISE | PER_TENSOR | REFUSED.keys(), (
             f"optim_db has {name}: say how it shards here"
         )
-        impls = [flag for flag in info.supported_impls if flag != "fused" or "cpu" in info.supports_fused_on]
-        variants = []
-        for entry in info.optim_inputs_func(device="cpu", dtype=torch.float64):
-            assert entry.params is None, (name, entry)  # the parameters are the model's
-            base = {**entry.kwargs, **dict.fromkeys(impls, False)}
-            variants += [(entry.desc, base)] + [
-                (f"{entry.desc} & {flag}", {**base, flag: True}) for flag in impls
-            ]
-        errors = info.optim_error_inputs_func(device="cpu", dtype=torch.float64)
-        for index, error in enumerate(errors):
-            entry = error.optimizer_error_input
-            if entry.params is None:
-                variants.append((f"error input {index}: {entry.desc}", entry.kwargs))
-        for desc, kwargs in variants:
-            configs.append(Config(info.optim_cls, desc, kwargs))
-            if name in ELEMENTWISE:
-                configs.append(Config(info.optim_cls, desc, kwargs, "tensor"))
-    keys = Counter(config.key for config in configs)
-    assert max(keys.values()) == 1, [key for key, count in keys.items() if count > 1]
+        configs.append(config)
+        if name in ELEMENTWISE:
+            configs.append(Config(config.cls, config.desc, config.kwargs, "tensor"))
+    check_unique(configs)
     return configs
-
-
-_INITIAL: dict[bool, nn.Module] = {}
-
-
-def _model(two_d: bool) -> nn.Module:
-    """A float64 model of parameters of several shapes (all 2-D, for Muon, with `two_d`);
-    the same values on every rank and in every configuration (copies of one)."""
-    if two_d not in _INITIAL:
-        torch.manual_seed(0)
-        bias = not two_d
-        _INITIAL[two_d] = nn.Sequential(
-            nn.Linear(5, 7, bias=bias),
-            nn.Tanh(),
-            nn.Linear(7, 6, bias=bias),
-            nn.Tanh(),
-            nn.Linear(6, 3, bias=bias),
-        ).double()
-    return copy.deepcopy(_INITIAL[two_d])
 
 
 def _ours(model: nn.Module) -> flatgrad.DataParallel:
     """flatgrad.DataParallel over `model` (every Linear routed), in several buckets."""
     return flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.0002)
-
-
-def _batch(rank: int, step: int) -> torch.Tensor:
-    return torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * rank + step))
-
-
-def _error(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}".splitlines()[0][:300]
-
-
-def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def _run_stock(rank: int, config: Config, refs: dict[bool, DDP], steps: int = STEPS) -> dict[str, Any]:
@@ -194,51 +131,18 @@ def _run_stock(rank: int, config: Config, refs: dict[bool, DDP], steps: int = ST
     <n>"); with ``steps=0`` only whether it builds. One DDP per model in `refs` serves
     every configuration (its parameters set back to the model's first: DDP's constructor is
     a good part of a configuration's time)."""
-    two_d = config.cls.__name__ == "Muon"
-    if two_d not in refs:
-        refs[two_d] = DDP(_model(two_d))
-    ref = refs[two_d]
-    with torch.no_grad():
-        for p, q in zip(ref.module.parameters(), _INITIAL[two_d].parameters()):
-            p.copy_(q)
-            p.grad = None
-    try:
-        ref_opt = config.cls(ref.parameters(), **copy.deepcopy(config.kwargs))
-    except Exception as error:  # noqa: BLE001  (stock's refusal: ours must refuse too)
-        return {"raised": "construction", "error": _error(error)}
-    points = {}
-    for step in range(steps):
-        try:
-            ref_opt.zero_grad()
-            ref(_batch(rank, step)).square().sum().backward()
-            ref_opt.step()
-        except Exception as error:  # noqa: BLE001
-            return {"raised": f"step {step}", "error": _error(error)}
-        if step + 1 in (HALF, STEPS):
-            points[step + 1] = _snapshot(ref.module)
-    return {"points": points}
-
-
-def _distance(ours: dict[str, torch.Tensor], points: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """How far our parameters (a `_snapshot`) are from stock's `points`: the largest
-    ``|ours - stock| / (ATOL + RTOL * |stock|)`` (at most 1 passes, as
-    `torch.testing.assert_close`), the largest relative difference and whether all are
-    bitwise equal."""
-
-    def worst(diff: torch.Tensor, scale: torch.Tensor) -> float:
-        # 0 where equal; inf where only stock's is 0, and for a NaN on either side
-        return torch.nan_to_num(torch.where(diff == 0, 0.0, diff / scale), nan=math.inf).max().item()
-
-    ratio = rel = 0.0
-    bitwise = True
-    assert ours.keys() == points.keys(), (list(ours), list(points))
-    for name, p in ours.items():
-        ref = points[name]
-        diff = (p - ref).abs()
-        bitwise = bitwise and torch.equal(p, ref)
-        ratio = max(ratio, worst(diff, ATOL + RTOL * ref.abs()))
-        rel = max(rel, worst(diff, ref.abs()))
-    return {"ratio": ratio, "rel": rel, "bitwise": bitwise}
+    flat_2d = two_d(config)
+    if flat_2d not in refs:
+        refs[flat_2d] = DDP(model(flat_2d))
+    ref = refs[flat_2d]
+    reset(ref.module, flat_2d)
+    return train(
+        ref.module,
+        ref,
+        lambda: config.cls(ref.parameters(), **copy.deepcopy(config.kwargs)),
+        rank,
+        steps=steps,
+    )
 
 
 def _run_ours(
@@ -255,23 +159,23 @@ def _run_ours(
     With `spares` (where ours must refuse at construction) the first DataParallel is the
     spare one of that model, which earlier refusals left as it was (as ShardedOptimizer
     promises: its checks come before anything moves); one that builds takes it away."""
-    two_d = config.cls.__name__ == "Muon"
+    flat_2d = two_d(config)
     if spares is None:
-        model = _model(two_d)
-        dp = _ours(model)
+        module = model(flat_2d)
+        dp = _ours(module)
     else:
-        if two_d not in spares:
-            spares[two_d] = _ours(_model(two_d))
-        dp = spares[two_d]
-        model = dp.module.module
+        if flat_2d not in spares:
+            spares[flat_2d] = _ours(model(flat_2d))
+        dp = spares[flat_2d]
+        module = dp.module.module
     try:
         opt = flatgrad.ShardedOptimizer(
             dp, config.cls, shard_by=config.shard_by, **copy.deepcopy(config.kwargs)
         )
     except Exception as error:  # noqa: BLE001
-        return {"raised": "construction", "error": _error(error)}
+        return {"raised": "construction", "error": error_text(error)}
     if spares is not None:
-        del spares[two_d]
+        del spares[flat_2d]
     record: dict[str, Any] = {"shard_by": opt.shard_by, "points": {}}
     snapshots = {}
     where = "step 0"
@@ -280,11 +184,9 @@ def _run_ours(
             if step == HALF:
                 where = "state_dict"
                 saved = opt.state_dict()
-                model2 = _model(two_d)
-                with torch.no_grad():
-                    for p, q in zip(model2.parameters(), model.parameters()):
-                        p.copy_(q)
-                model, dp = model2, _ours(model2)
+                module2 = model(flat_2d)
+                module2.load_state_dict(module.state_dict())
+                module, dp = module2, _ours(module2)
                 where = "load_state_dict"
                 opt = flatgrad.ShardedOptimizer(
                     dp, config.cls, shard_by=config.shard_by, **copy.deepcopy(config.kwargs)
@@ -292,15 +194,17 @@ def _run_ours(
                 opt.load_state_dict(saved)
             where = f"step {step}"
             opt.zero_grad()
-            dp(_batch(rank, step)).square().sum().backward()
+            dp(batch(rank, step)).square().sum().backward()
             opt.step()
             if step + 1 in (HALF, STEPS):
-                snapshots[step + 1] = _snapshot(model)
+                snapshots[step + 1] = snapshot(module)
     except Exception as error:  # noqa: BLE001
-        record.update(raised=where, error=_error(error), trace=traceback.format_exc()[-3000:])
+        record.update(raised=where, error=error_text(error), trace=traceback.format_exc()[-3000:])
         return record
     if stock_points is not None:
-        record["points"] = {point: _distance(snapshots[point], stock_points[point]) for point in snapshots}
+        record["points"] = {
+            point: distance(snapshots[point], stock_points[point], RTOL, ATOL) for point in snapshots
+        }
     return record
 
 
@@ -420,22 +324,6 @@ def _verdict(config: Config, records: list[dict[str, Any]]) -> tuple[str, str | 
 KNOWN_FAILURES: set[str] = set()
 
 
-def _table(configs: list[Config], verdicts: dict[str, tuple[str, str | None]]) -> str:
-    counts: dict[str, Counter[str]] = {}
-    for config in configs:
-        counts.setdefault(config.cls.__name__, Counter())[verdicts[config.key][0]] += 1
-    columns = ["bitwise", "close", "both raise", "refused"]
-    lines = [f"{'class':<10} {'configs':>7} " + " ".join(f"{c:>10}" for c in columns) + "  other"]
-    for name, count in counts.items():
-        other = {k: v for k, v in count.items() if k not in columns}
-        lines.append(
-            f"{name:<10} {sum(count.values()):>7} "
-            + " ".join(f"{count[c]:>10}" for c in columns)
-            + (f"  {other}" if other else "")
-        )
-    return "\n".join(lines)
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_optim_db_equals_stock_ddp(world_size, tmp_path):
     configs = _configs()
@@ -459,7 +347,7 @@ def test_optim_db_equals_stock_ddp(world_size, tmp_path):
         config.key: _verdict(config, [records.get(config.key, missing) for records in ranks])
         for config in configs
     }
-    print(f"\n{world_size} ranks:\n{_table(configs, verdicts)}")
+    print(f"\n{world_size} ranks:\n{table(configs, verdicts, ['bitwise', 'close', 'both raise', 'refused'])}")
     rels = {
         key: max(d["rel"] for records in ranks for d in records[key]["ours"]["points"].values())
         for key, (category, _) in verdicts.items()
