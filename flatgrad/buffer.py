@@ -325,7 +325,7 @@ class GradStore:
         for param, view, version in seated:
             if view._version == version and param.grad is view:
                 param.grad = None
-                unwritten.append(view)
+                unwritten.append(_dtensor.local_of(view))  # (a DTensor parameter's: its local slot)
         if unwritten:
             torch._foreach_zero_(unwritten)
 

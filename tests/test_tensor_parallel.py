@@ -302,6 +302,7 @@ def _torch_clip_reads_the_slots(rank: int, world_size: int) -> None:
     """torch's own clip_grad_norm_ over the DTensor `.grad` (a user's loop that never calls
     flatgrad's) clips the slots in place, and zero_grad(set_to_none=False) keeps them."""
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
     plain = MLP(norm=False).double()  # (every parameter a DTensor: torch's clipping mixes no plain one)
     flat = flatgrad.FlatGrad(_parallel(plain, mesh, MLP_PLAN))
     x = _batch(0, 0, 0, (4, 8))
@@ -399,3 +400,31 @@ def test_dcp_checkpoints_on_a_2d_mesh_resume_and_load_on_another_data_parallel_s
     path, out = str(tmp_path / "checkpoint"), str(tmp_path / "saved.pt")
     run_ranks(_save_2d, path, out, world_size=4, timeout=240.0)
     run_ranks(_load_on_one_dp_rank, path, out, world_size=2)
+
+
+def _unused_layer(rank: int, world_size: int) -> None:
+    """A tensor-parallel layer the forward never calls: `.grad` None as stock leaves it (also
+    after zero_grad(set_to_none=False)), the norm the used layers'."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)  # (the plain LayerNorm the same on both ranks, as parallelize_module expects)
+    model = MLP().double()
+    model.unused = nn.Linear(8, 8).double()
+    plan = {**MLP_PLAN, "unused": ColwiseParallel()}
+    flat = flatgrad.FlatGrad(_parallel(model, mesh, plan))
+    x = _batch(0, 0, 0, (4, 8))
+    flat(x).pow(2).sum().backward()
+    model(x).pow(2).sum().backward()
+    assert flat.module.unused.weight.grad is None and flat.module.unused.bias.grad is None
+    norm = torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
+    )
+    torch.testing.assert_close(float(flat.grad_norm()), float(norm), rtol=0, atol=TOL)
+    flat.zero_grad(set_to_none=False)  # zeroes what has a .grad, as stock's
+    _assert_in_buffers(flat)
+    assert flat.module.unused.weight.grad is None
+    assert all(float(p.grad.to_local().abs().sum()) == 0 for p in flat.module.up.parameters())
+
+
+@pytest.mark.distributed
+def test_an_unused_tensor_parallel_layer_keeps_no_grad():
+    run_ranks(_unused_layer, world_size=2)
