@@ -409,12 +409,13 @@ def _unused_layer(rank: int, world_size: int) -> None:
     torch.manual_seed(0)  # (the plain LayerNorm the same on both ranks, as parallelize_module expects)
     model = MLP().double()
     model.unused = nn.Linear(8, 8).double()
+    model.unused_plain = nn.LayerNorm(8).double()  # (unseated with the DTensor ones: one foreach)
     plan = {**MLP_PLAN, "unused": ColwiseParallel()}
     flat = flatgrad.FlatGrad(_parallel(model, mesh, plan))
     x = _batch(0, 0, 0, (4, 8))
     flat(x).pow(2).sum().backward()
     model(x).pow(2).sum().backward()
-    assert flat.module.unused.weight.grad is None and flat.module.unused.bias.grad is None
+    assert all(p.grad is None for name, p in flat.named_parameters() if name.startswith("unused"))
     norm = torch.linalg.vector_norm(
         torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
     )
