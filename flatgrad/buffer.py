@@ -626,9 +626,6 @@ def aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:
     return raw.narrow(0, start, numel)
 
 
-_NEGATIVE_ZEROS: dict[torch.dtype, torch.Tensor] = {}  # a CPU -0.0 scalar of each dtype, made once
-
-
 def negative_zero_(tensors: Sequence[torch.Tensor]) -> None:
     """Fill `tensors` with -0.0 (both parts of a complex element): how a seated slot starts.
     AccumulateGrad's in-place add into it then leaves exactly the incoming gradient, as
@@ -636,16 +633,18 @@ def negative_zero_(tensors: Sequence[torch.Tensor]) -> None:
     ``+0.0 + -0.0`` is ``+0.0``). A slot a backward leaves without a gradient is zeroed when
     it is unseated (`GradStore.unseat`), and every reader of a slot whose `.grad` is None
     zeroes it first (`settle`, `take_in` with `zero_empty`). On the CPU one foreach copy
-    from a -0.0 scalar kept per dtype (within a few microseconds of the zero fill it
+    from one -0.0 scalar per dtype, made per call: nothing is kept between calls (within a
+    few microseconds of the zero fill it
     replaces: docs/performance.md); on accelerators two fused passes, a zero and a
     negation, where such a copy would launch a kernel per tensor."""
-    sources = []
+    sources: list[torch.Tensor] = []
+    scalars: dict[torch.dtype, torch.Tensor] = {}
     for tensor in tensors:
         if tensor.device.type != "cpu":
             break
-        scalar = _NEGATIVE_ZEROS.get(tensor.dtype)
+        scalar = scalars.get(tensor.dtype)
         if scalar is None:
-            scalar = _NEGATIVE_ZEROS[tensor.dtype] = torch.zeros((), dtype=tensor.dtype).neg_()
+            scalar = scalars[tensor.dtype] = torch.zeros((), dtype=tensor.dtype).neg_()
         sources.append(scalar)
     else:
         torch._foreach_copy_(list(tensors), sources)

@@ -37,9 +37,9 @@ Lightning's. What differs from DDPStrategy:
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
-import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -57,7 +57,7 @@ from flatgrad._zero import ShardBy
 from flatgrad._zero_state import whole_state
 from flatgrad.amp import GradScaler
 from flatgrad.comm import FlatGradCommState, allreduce_hook
-from flatgrad.config import FlatGradConfig, resolve_config
+from flatgrad.config import FlatGradConfig
 from flatgrad.parallel import DataParallel
 from flatgrad.sharded import ShardedOptimizer
 from flatgrad.wrapper import FlatGrad
@@ -404,25 +404,20 @@ def _constructor_arguments(cls: type[torch.optim.Optimizer], defaults: dict[str,
     return {key: value for key, value in defaults.items() if key in parameters}
 
 
-# The wrapper of each module a strategy wrapped, while it lives (weakly: this holds nothing
-# alive). A parameter lives in one FlatGrad's buffer only, so another fit of the same module,
-# from the same Trainer or a new one whose strategy never saw it, reuses the wrapper.
-_WRAPPERS: weakref.WeakValueDictionary[int, FlatGrad] = weakref.WeakValueDictionary()
-
-
 def _wrapped(model: torch.nn.Module, config: Config) -> FlatGrad:
-    """The live FlatGrad of `model` if a strategy wrapped it before (its config then is the
-    first one's), else ``FlatGrad(model, config)``."""
-    flat = _WRAPPERS.get(id(model))
-    if flat is not None and flat.module is model:
-        if config is not None and resolve_config(config) != flat.flatgrad_config:
-            logger.warning(
-                "flatgrad.lightning: this module was wrapped by an earlier fit; its FlatGrad keeps "
-                "that fit's config, not the one given now"
-            )
-        return flat
-    flat = _WRAPPERS[id(model)] = FlatGrad(model, config)
-    return flat
+    """``FlatGrad(model, config)``. A parameter lives in one FlatGrad's buffer only: another
+    fit of the same module (from the same Trainer or a new one) finds the first fit's
+    wrapper still holding it when only reference cycles keep that wrapper (its Trainer,
+    strategy and DDP) alive; those are collected once and the module wrapped again. A
+    wrapper something still holds (an earlier Trainer the user keeps) is refused by
+    FlatGrad, naming the parameter. Nothing process-wide is kept to find it instead."""
+    try:
+        return FlatGrad(model, config)
+    except ValueError as error:
+        if "already wrapped" not in str(error):
+            raise
+    gc.collect()  # the earlier fit's wrapper, unreachable but in cycles
+    return FlatGrad(model, config)
 
 
 def _refuse_value_clipping() -> None:

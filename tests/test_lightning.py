@@ -229,10 +229,11 @@ def _refit_case(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.distributed
-def test_a_second_fit_of_the_same_module_reuses_its_wrapper() -> None:
-    """A module fit once and then again by a new Trainer: the second strategy finds the
-    live wrapper (a parameter lives in one FlatGrad's buffer) and trains on as "ddp" does
-    (the second fit's optimizer is new, as under "ddp")."""
+def test_a_second_fit_of_the_same_module_wraps_it_again() -> None:
+    """A module fit once and then again by a new Trainer: the second strategy wraps it again
+    (the first fit's wrapper, left in reference cycles, is collected first: a parameter lives
+    in one FlatGrad's buffer) and trains on as "ddp" does (the second fit's optimizer is
+    new, as under "ddp")."""
     run_ranks(_refit_case, timeout=240.0)
 
 
