@@ -38,6 +38,8 @@ def _weight_sized_ops(
 ) -> list[str]:
     found = []
     for event in prof.events():
+        if event.name == "aten::copy_" and len(event.input_shapes) > 1 and not event.input_shapes[1]:
+            continue  # a copy from a 0-d scalar is a fill (a seated slot's -0.0), not a gradient's copy
         if event.name in names and any(tuple(s) in shapes for s in event.input_shapes if s):
             found.append(f"{event.name}{event.input_shapes}")
     return found
