@@ -92,6 +92,18 @@ def assert_same_grads(
             assert grad_in_buffers(flat, param.grad), f"{name}: .grad is outside grad_buffers"
 
 
+def tiny_llama() -> nn.Module:
+    """A tiny Llama with tied embeddings, from a config (no download), in float64; skips the
+    test without transformers."""
+    transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).double()
+
+
 @pytest.fixture
 def tied_pair() -> tuple[flatgrad.FlatGrad, nn.Module]:
     torch.manual_seed(0)

@@ -7,10 +7,12 @@ are apart (`distance`)."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -205,3 +207,15 @@ def table(configs: list[Config], verdicts: dict[str, tuple[str, str | None]], co
             + (f"  {other}" if other else "")
         )
     return "\n".join(lines)
+
+
+def rank_records(folder: str, world_size: int) -> list[dict[str, dict[str, Any]]]:
+    """Each rank's records by configuration key, from the ``rank<r>.jsonl`` files the
+    multi-rank workers write into `folder` (one JSON line per configuration run)."""
+    return [
+        {
+            line["key"]: line
+            for line in map(json.loads, Path(folder, f"rank{rank}.jsonl").read_text().splitlines())
+        }
+        for rank in range(world_size)
+    ]

@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROUTE_ALL, CompileLM, TiedLM, assert_same_grads, grad_in_buffers, total_norm
+from conftest import ROUTE_ALL, CompileLM, TiedLM, assert_same_grads, grad_in_buffers, tiny_llama, total_norm
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils import parametrizations
@@ -783,7 +783,7 @@ def test_a_dataclass_output_is_watched_like_a_pytree():
 def _tiny_llama_with_lora(checkpointing: bool) -> nn.Module:
     peft = pytest.importorskip("peft", reason="pip install -e '.[dev,frameworks]'")
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
-    model = peft.get_peft_model(_tiny_llama(), lora)
+    model = peft.get_peft_model(tiny_llama(), lora)
     for name, param in model.named_parameters():
         if "lora_B" in name:  # zero at init: nonzero, so lora_A's gradient is too
             nn.init.normal_(param, std=0.02)
@@ -838,16 +838,6 @@ def test_peft_lora_on_a_transformers_llama_trains_as_stock(checkpointing):
     train(2)
 
 
-def _tiny_llama() -> nn.Module:
-    transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config).double()
-
-
 def test_the_wrapped_models_config_and_public_attributes_are_reached_through_the_wrapper():
     """``flat.config`` is a transformers model's own config (Trainer, accelerate and peft
     read and write it through the model they are handed); the wrapper's own is
@@ -856,7 +846,7 @@ def test_the_wrapped_models_config_and_public_attributes_are_reached_through_the
     the wrapper by one rule; ``reset_parameters`` is not (a walker over `flat.modules()`
     that calls it on every module that has one meets the model once), nor are private
     names, nor names the model lacks."""
-    model = _tiny_llama()
+    model = tiny_llama()
     flat = flatgrad.FlatGrad(model, config={"align_bytes": 512})
     assert flat.config is model.config
     flat.config.use_cache = False
@@ -908,7 +898,7 @@ def test_the_wrappers_forward_signature_is_the_models_and_calls_are_unchanged():
     a model set later; calls still run nn.Module's hooks around the wrapper's forward,
     the wrapper is freed as soon as it is dropped (the signed forward holds it weakly), and
     the class's own forward keeps ``(*args, **kwargs)``."""
-    model = _tiny_llama()
+    model = tiny_llama()
     flat = flatgrad.FlatGrad(model)
     assert inspect.signature(flat.forward) == inspect.signature(model.forward)
     assert "input_ids" in inspect.signature(flat.forward).parameters
@@ -957,7 +947,7 @@ def test_transformers_trainer_trains_a_wrapped_model_as_stock(tmp_path, options)
     model, and before every optimizer step every `.grad` lies in the buffers."""
     transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
     pytest.importorskip("accelerate", reason="pip install -e '.[dev,frameworks]'")
-    flat, oracle = _pair(_tiny_llama())
+    flat, oracle = _pair(tiny_llama())
     misplaced: list[str] = []
 
     class _InBuffers(transformers.TrainerCallback):

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import tiny_llama
 from torch import nn
 
 import flatgrad
@@ -145,17 +146,6 @@ def test_trainer_defaults_train_save_load_and_resume_a_tied_lm_as_stock(tmp_path
 # --- transformers' Trainer: weight decay chosen by name --------------------------------------
 
 
-def _llama() -> nn.Module:
-    """A tiny Llama with tied embeddings, from a config (no download), in float64."""
-    transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config).double()
-
-
 def _clip() -> nn.Module:
     """A tiny CLIP: a transformers model with a parameter at its root (``logit_scale``)."""
     transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
@@ -185,10 +175,18 @@ def _wrapped(case: str) -> tuple[nn.Module, nn.Module, dict[str, nn.Parameter]]:
     """The model given to Trainer, the plain model it stands for (the same weights), and the
     given model's parameters by plain name, read under the wrapper (not through it)."""
     if case == "flatgrad_then_peft":
-        flat = flatgrad.FlatGrad(_llama())
+        flat = flatgrad.FlatGrad(tiny_llama())
         given = _lora(flat)
-        return given, _lora(_llama()), {f"base_model.model.{n}": p for n, p in flat.module.named_parameters()}
-    builders = {"llama": _llama, "clip_root_parameter": _clip, "peft_then_flatgrad": lambda: _lora(_llama())}
+        return (
+            given,
+            _lora(tiny_llama()),
+            {f"base_model.model.{n}": p for n, p in flat.module.named_parameters()},
+        )
+    builders = {
+        "llama": tiny_llama,
+        "clip_root_parameter": _clip,
+        "peft_then_flatgrad": lambda: _lora(tiny_llama()),
+    }
     build = builders[case]
     flat = flatgrad.FlatGrad(build())
     return flat, build(), dict(flat.module.named_parameters())
@@ -239,7 +237,7 @@ def test_trainer_with_weight_decay_trains_a_wrapped_model_as_stock(tmp_path):
     two accumulated micro-batches per step, clipping, AdamW and a schedule): losses,
     gradient norms and parameters equal a Trainer on the plain model's, to float64
     round-off (the same sums; 1e-12), so the same parameters were decayed."""
-    flat, plain = flatgrad.FlatGrad(_llama()), _llama()
+    flat, plain = flatgrad.FlatGrad(tiny_llama()), tiny_llama()
 
     def train(model: nn.Module, name: str) -> list[dict[str, float]]:
         trainer = _trainer(

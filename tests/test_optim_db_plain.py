@@ -51,6 +51,7 @@ from optim_db_harness import (
     distance,
     model,
     optim_db_configs,
+    rank_records,
     reset,
     table,
     train,
@@ -202,13 +203,7 @@ def test_optim_db_data_parallel_equals_stock_ddp(tmp_path):
     configs = _configs()
     world_size = 2
     run_ranks(_configs_worker, configs, str(tmp_path), world_size=world_size, timeout=600)
-    ranks = [
-        {
-            line["key"]: line
-            for line in map(json.loads, Path(tmp_path, f"rank{r}.jsonl").read_text().splitlines())
-        }
-        for r in range(world_size)
-    ]
+    ranks = rank_records(str(tmp_path), world_size)
     missing = {"error": "not run"}
     verdicts = {
         config.key: _verdict([records.get(config.key, missing) for records in ranks], exact=False)

@@ -64,6 +64,7 @@ from optim_db_harness import (
     error_text,
     model,
     optim_db_configs,
+    rank_records,
     reset,
     snapshot,
     table,
@@ -335,13 +336,7 @@ def test_optim_db_equals_stock_ddp(world_size, tmp_path):
         hung = sorted({configs[n].key for n in done if n < len(configs)})
         print(f"configurations done per rank: {done}; in progress: {hung}")
         raise
-    ranks = [
-        {
-            line["key"]: line
-            for line in map(json.loads, Path(tmp_path, f"rank{rank}.jsonl").read_text().splitlines())
-        }
-        for rank in range(world_size)
-    ]
+    ranks = rank_records(str(tmp_path), world_size)
     missing = {"error": "not run: the ranks stopped after a collective timed out"}
     verdicts = {
         config.key: _verdict(config, [records.get(config.key, missing) for records in ranks])

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from conftest import tiny_llama
 
 import flatgrad
 
@@ -19,15 +19,6 @@ flatgrad_transformers = pytest.importorskip("flatgrad.transformers")
 flatgrad_accelerate = pytest.importorskip("flatgrad.accelerate")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-
-
-def _llama() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config).double()
 
 
 def _args(path: Path, **options: Any) -> Any:
@@ -40,16 +31,18 @@ def test_ddp_arguments_are_the_plain_models_with_the_wrappers_ddp_kwargs(tmp_pat
     `FlatGradTrainer` gives the wrapper the plain model's, and its accelerator's DDP handler
     is `attach`'s. Given a plain model it is a plain Trainer."""
     args = _args(tmp_path, gradient_checkpointing=True)
-    flat = flatgrad.FlatGrad(_llama())
-    plain = transformers.Trainer(model=_llama(), args=args).accelerator.ddp_handler
-    wrapper_alone = transformers.Trainer(model=flatgrad.FlatGrad(_llama()), args=args).accelerator.ddp_handler
+    flat = flatgrad.FlatGrad(tiny_llama())
+    plain = transformers.Trainer(model=tiny_llama(), args=args).accelerator.ddp_handler
+    wrapper_alone = transformers.Trainer(
+        model=flatgrad.FlatGrad(tiny_llama()), args=args
+    ).accelerator.ddp_handler
     ours = flatgrad_transformers.FlatGradTrainer(model=flat, args=args).accelerator.ddp_handler
     assert plain.find_unused_parameters is False and wrapper_alone.find_unused_parameters is True
     assert (
         isinstance(ours, flatgrad_accelerate.FlatGradDDPKwargs) and ours.flatgrad_comm_state.wrapper is flat
     )
     assert ours.to_kwargs() == {**plain.to_kwargs(), **flat.ddp_kwargs()}
-    unwrapped = flatgrad_transformers.FlatGradTrainer(model=_llama(), args=args).accelerator.ddp_handler
+    unwrapped = flatgrad_transformers.FlatGradTrainer(model=tiny_llama(), args=args).accelerator.ddp_handler
     assert type(unwrapped) is type(plain) and unwrapped.to_kwargs() == plain.to_kwargs()
 
 
@@ -58,13 +51,13 @@ def test_a_tied_lm_saves_as_the_plain_model_and_loads_with_from_pretrained(tmp_p
     tied head; `FlatGradTrainer` saves it through the plain model's ``save_pretrained``, the
     same files as a plain Trainer writes for the plain model, which ``from_pretrained``
     loads with the head tied again and the same (bit-equal) weights."""
-    model = _llama()
+    model = tiny_llama()
     with pytest.raises(RuntimeError, match="Some tensors share memory"):
-        transformers.Trainer(model=flatgrad.FlatGrad(_llama()), args=_args(tmp_path / "a")).save_model()
+        transformers.Trainer(model=flatgrad.FlatGrad(tiny_llama()), args=_args(tmp_path / "a")).save_model()
     flatgrad_transformers.FlatGradTrainer(
         model=flatgrad.FlatGrad(model), args=_args(tmp_path / "ours")
     ).save_model()
-    transformers.Trainer(model=_llama(), args=_args(tmp_path / "stock")).save_model()
+    transformers.Trainer(model=tiny_llama(), args=_args(tmp_path / "stock")).save_model()
     files = {p.name for p in (tmp_path / "stock").iterdir()}
     assert {p.name for p in (tmp_path / "ours").iterdir()} == files and "config.json" in files
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float64)
