@@ -15,6 +15,7 @@ check that a data-parallel group does not cross it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,6 +74,11 @@ class TensorParallel:
 
     mesh: DeviceMesh
 
+    @functools.cached_property
+    def first(self) -> bool:
+        """Whether this rank is the mesh's first (where replicated gradients are counted)."""
+        return self.mesh.get_local_rank() == 0
+
     @property
     def group(self) -> dist.ProcessGroup:
         """The mesh's process group (the norms' all-reduce)."""
@@ -84,10 +90,9 @@ class TensorParallel:
         parameter's (the same on every rank of the mesh, as a model outside the
         tensor-parallel layers computes it) on the mesh's first rank only, so the sum over
         the mesh counts each element of the whole gradient once."""
-        first = self.mesh.get_local_rank() == 0
         if not isinstance(param, DTensor):
-            return first
-        return first or all(placement.is_shard() for placement in param.placements)
+            return self.first
+        return self.first or all(placement.is_shard() for placement in param.placements)
 
     def combine(self, norms: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
         """The norm of the whole gradient from this rank's float64 per-piece norms of its

@@ -55,6 +55,7 @@ class GradStore:
         # The mesh of the DTensor parameters (a tensor-parallel model), None without any: their
         # slots hold local shards, their `.grad` are DTensors over them (`flatgrad._dtensor`).
         self.tensor_parallel = _dtensor.tensor_parallel_of(self.params)
+        self._counted_runs: list[torch.Tensor] | None = None  # (see `norm_pieces`)
         if self.tensor_parallel is not None and grad_dtype is not None:
             raise ValueError(
                 f"grad_dtype must be None for a model with DTensor parameters, got {grad_dtype!r}: "
@@ -73,7 +74,8 @@ class GradStore:
         # What `seat` last seated, until that backward's final callback `unseat`s it (`flagged`
         # may ask before). A nested backward that seats nothing leaves it alone.
         self.seated: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-        self._seated_ids: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # `seated` by id
+        # `seated` by id, for `unseat_final`: made from the list it was made of when first asked.
+        self._seated_ids: tuple[list[Any], dict[int, tuple[torch.Tensor, torch.Tensor, int]]] = ([], {})
         self.prescale = Prescale()  # (see `flatgrad._prescale`)
         self.scattered = Scattered()  # (see `flatgrad._scattered_grad`)
         shards = [_dtensor.local_of(param) for param in self.params]  # (a DTensor's local shard)
@@ -126,7 +128,10 @@ class GradStore:
         tensor_parallel = self.tensor_parallel
         if tensor_parallel is None:
             return list(self.buffers.values())
-        return self._table.runs([param for param in self.params if tensor_parallel.counts(param)])
+        if self._counted_runs is None:  # (the slots stay where they are while this store lives)
+            counted = [param for param in self.params if tensor_parallel.counts(param)]
+            self._counted_runs = self._table.runs(counted)
+        return self._counted_runs
 
     def is_main(self, param: torch.Tensor) -> bool:
         """Whether `param`'s slot is a main grad: a float32 slot of a bfloat16/float16
@@ -215,6 +220,7 @@ class GradStore:
                 param.grad = self._entries[param].view  # same memory, now our view object
         self.runs = self._table.runs()
         self._seat_cache = None
+        self._counted_runs = None
         return True
 
     def flagged(self, key: GroupKey) -> _Flagged | None:
@@ -279,7 +285,6 @@ class GradStore:
         if zeroed:  # none when every seated parameter has zero elements
             negative_zero_(zeroed)
         self.seated = [(param, view, view._version) for param, view in seated]
-        self._seated_ids = {id(entry[0]): entry for entry in self.seated}
         return self.seated
 
     def unseat_final(self, params: Sequence[torch.Tensor]) -> None:
@@ -287,9 +292,12 @@ class GradStore:
         launching their bucket): `unseat` those seated now, so a slot nothing wrote into has
         `.grad` None and holds +0.0 (not its -0.0 fill) when the bucket is sent, as the zeros
         of DDP's bucket for a parameter without a gradient. One dict read per parameter."""
-        if not self.seated:
+        seated = self.seated
+        if not seated:
             return
-        found = self._seated_ids
+        if self._seated_ids[0] is not seated:  # (a DataParallel backward only: not in `seat`)
+            self._seated_ids = (seated, {id(entry[0]): entry for entry in seated})
+        found = self._seated_ids[1]
         GradStore.unseat([found[id(p)] for p in params if id(p) in found])
 
     def check(self, params: Sequence[torch.Tensor]) -> None:
@@ -637,24 +645,14 @@ def negative_zero_(tensors: Sequence[torch.Tensor]) -> None:
     few microseconds of the zero fill it
     replaces: docs/performance.md); on accelerators two fused passes, a zero and a
     negation, where such a copy would launch a kernel per tensor."""
-    sources: list[torch.Tensor] = []
-    scalars: dict[torch.dtype, torch.Tensor] = {}
-    for tensor in tensors:
-        if tensor.device.type != "cpu":
-            break
-        scalar = scalars.get(tensor.dtype)
-        if scalar is None:
-            scalar = scalars[tensor.dtype] = torch.zeros((), dtype=tensor.dtype).neg_()
-        sources.append(scalar)
-    else:
-        torch._foreach_copy_(list(tensors), sources)
-        return
     on_cpu = [t for t in tensors if t.device.type == "cpu"]
     if on_cpu:
-        negative_zero_(on_cpu)
+        scalars = {dtype: torch.zeros((), dtype=dtype).neg_() for dtype in {t.dtype for t in on_cpu}}
+        torch._foreach_copy_(on_cpu, [scalars[t.dtype] for t in on_cpu])
     elsewhere = [t for t in tensors if t.device.type != "cpu"]
-    torch._foreach_zero_(elsewhere)
-    torch._foreach_neg_(elsewhere)
+    if elsewhere:
+        torch._foreach_zero_(elsewhere)
+        torch._foreach_neg_(elsewhere)
 
 
 def host_tensor(values: Sequence[bool | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
