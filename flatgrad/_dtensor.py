@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatgrad._torch_compat import DTensor
+from flatgrad._torch_compat import DTensor, local_shape_and_offset, set_local_tensor
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
@@ -39,6 +39,33 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     with torch.no_grad():
         return tensor.to_local()
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    """Whether `param` is a DTensor sharded over every dimension of its mesh (each rank of
+    the mesh holds other elements of it)."""
+    return isinstance(param, DTensor) and all(placement.is_shard() for placement in param.placements)
+
+
+def move_into(param: torch.Tensor, view: torch.Tensor) -> None:
+    """Make `view` (a plain tensor shaped, strided and typed as `param`'s local tensor: its
+    slot of a flat parameter buffer) `param`'s memory: a DTensor's local shard, any other
+    parameter's ``.data``. Under no_grad, with the values copied in already."""
+    if isinstance(param, DTensor):
+        set_local_tensor(param, view)
+    else:
+        param.data = view
+
+
+def shard_origin(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Where this rank's local shard of DTensor `param` lies in the whole tensor: its
+    offset per dimension and the whole tensor's shape (a per-element optimizer state saved
+    in the whole parameter's shape puts this rank's elements there); None for a plain
+    parameter (its state is its own shape)."""
+    if not isinstance(param, DTensor):
+        return None
+    _, offset = local_shape_and_offset(param)
+    return offset, tuple(param.shape)
 
 
 def grad_of_slot(slot: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -92,7 +119,7 @@ class TensorParallel:
         the mesh counts each element of the whole gradient once."""
         if not isinstance(param, DTensor):
             return self.first
-        return self.first or all(placement.is_shard() for placement in param.placements)
+        return self.first or is_sharded(param)
 
     def combine(self, norms: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
         """The norm of the whole gradient from this rank's float64 per-piece norms of its

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from flatgrad._torch_compat import DisableTorchFunctionSubclass
+from flatgrad._dtensor import is_dtensor, local_of
+from flatgrad._torch_compat import DisableTorchFunctionSubclass, DTensor, dtensor_over
 from flatgrad.buffer import GradStore, Scattered
 
 # What a ScatteredGrad lets through: metadata (no value is read), `requires_grad` (set to
@@ -71,6 +72,24 @@ def unguarded(*stores: GradStore | None) -> Iterator[None]:
             state.unguarded = was
 
 
+def _guarded(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+    """The ``__torch_function__`` of both kinds of reduce-scattered `.grad`: metadata and
+    zeroing through, anything else refused unless its store is `unguarded`."""
+    name, allowed = _op(func)
+    if name in ("__repr__", "__format__"):
+        return _describe(args[0])
+    if not (allowed or _unguarded(args, kwargs)):
+        raise RuntimeError(
+            f"{name} on a parameter's .grad under a ShardedOptimizer: after the synchronised "
+            "backward the gradients are reduce-scattered, so each rank holds the average over "
+            "the ranks only in its own shard and .grad elsewhere holds other values (this "
+            "rank's own, or sums); any value computed from .grad (torch.nn.utils.clip_grad_norm_, "
+            f"p.grad.norm() for logging) would be wrong and differ between ranks; {_ADVICE}"
+        )
+    with DisableTorchFunctionSubclass():
+        return func(*args, **(kwargs or {}))
+
+
 class ScatteredGrad(torch.Tensor):
     """A model parameter's `.grad` between a reduce-scattering backward and `zero_grad`: the
     slot's memory, readable for metadata only (see the module notes). Each knows its
@@ -86,26 +105,38 @@ class ScatteredGrad(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        name, allowed = _op(func)
-        if name in ("__repr__", "__format__"):
-            return _describe(args[0])
-        if not (allowed or _unguarded(args, kwargs)):
-            raise RuntimeError(
-                f"{name} on a parameter's .grad under a ShardedOptimizer: after the synchronised "
-                "backward the gradients are reduce-scattered, so each rank holds the average over "
-                "the ranks only in its own shard and .grad elsewhere holds other values (this "
-                "rank's own, or sums); any value computed from .grad (torch.nn.utils.clip_grad_norm_, "
-                f"p.grad.norm() for logging) would be wrong and differ between ranks; {_ADVICE}"
-            )
-        with DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+        return _guarded(func, args, kwargs)
+
+
+class ScatteredDTensorGrad(DTensor):  # type: ignore[misc]
+    """A DTensor parameter's `.grad` between a reduce-scattering backward and `zero_grad`:
+    the DTensor over its slot, guarded as `ScatteredGrad` at the DTensor's own calls
+    (``torch.nn.utils.clip_grad_norm_``, ``p.grad.norm()``), whose local tensor is its
+    slot's `ScatteredGrad` (``p.grad.to_local()`` is guarded too). DTensor's dispatch runs
+    the local tensor's ops below ``__torch_function__``: what the guard lets through
+    (zeroing) reaches the slot."""
+
+    scattered: Scattered
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return _guarded(func, args, kwargs)
+
+
+_ALIASES = (ScatteredGrad, ScatteredDTensorGrad)
 
 
 def _unguarded(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
     """Whether a ScatteredGrad the op is given belongs to a store inside `unguarded` (read
     only for an op that would be refused: the metadata reads never come here)."""
     values = (*args, *kwargs.values()) if kwargs else args
-    return any(isinstance(v, ScatteredGrad) and v.scattered.unguarded for v in values)
+    return any(isinstance(v, _ALIASES) and v.scattered.unguarded for v in values)
 
 
 def _op(func: object) -> tuple[str, bool]:
@@ -137,8 +168,13 @@ def _aliases(store: GradStore) -> tuple[torch.Tensor, ...]:
     if not state.aliases:
         aliases = []
         for param in store.params:
-            alias = store.view(param).as_subclass(ScatteredGrad)
-            alias.scattered = state
+            view = store.view(param)
+            local = local_of(view).as_subclass(ScatteredGrad)
+            local.scattered = state
+            alias: ScatteredGrad | ScatteredDTensorGrad = local
+            if is_dtensor(view):
+                alias = dtensor_over(ScatteredDTensorGrad, view, local)  # type: ignore[assignment]
+                alias.scattered = state
             aliases.append(alias)
         state.aliases = tuple(aliases)
     return state.aliases
@@ -175,14 +211,14 @@ def unmark_scattered(store: GradStore, to_none: bool = False) -> None:
     if to_none:
         return
     for param in store.params:
-        if type(param.grad) is ScatteredGrad:
+        if type(param.grad) in _ALIASES:
             param.grad = store.view(param)
 
 
 def refuse_scattered(store: GradStore | None, what: str) -> None:
     """Raise if a `.grad` of `store` is a ScatteredGrad: `what` (a norm of the local
     buffers) would read values that are averaged only inside this rank's shards."""
-    if is_scattered(store) and (store.mains or any(type(p.grad) is ScatteredGrad for p in store.params)):  # type: ignore[union-attr]
+    if is_scattered(store) and (store.mains or any(type(p.grad) in _ALIASES for p in store.params)):  # type: ignore[union-attr]
         raise RuntimeError(
             f"{what} after a ShardedOptimizer's synchronised backward: the gradient buffers are "
             "reduce-scattered (each rank holds the average over the ranks only in its own shard), "
@@ -194,7 +230,7 @@ def _holds_scattered(store: GradStore) -> bool:
     # Still held: a `.grad` the sync marked (a seated slot, set since by the seater for a
     # `.grad` that was None, does not count), or a main grad (zeroed by flatgrad's own
     # zero_grad only; `.grad` says nothing of it); and not zeroed since.
-    held = bool(store.mains) or any(type(p.grad) is ScatteredGrad for p in store.params)
+    held = bool(store.mains) or any(type(p.grad) in _ALIASES for p in store.params)
     return held and any(bool(b.any()) for b in store.buffers.values())
 
 

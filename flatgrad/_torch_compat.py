@@ -34,11 +34,13 @@ __all__ = [
     "broadcast_coalesced",
     "current_autograd_node",
     "divides_by_ranks_not_joined",
+    "dtensor_over",
     "fast_apply",
     "functorch_active",
     "graph_task_id",
     "in_compiled_autograd",
     "join_state",
+    "local_shape_and_offset",
     "non_finite_check_and_unscale",
     "POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT",
     "preserve_version_counter",
@@ -47,6 +49,7 @@ __all__ = [
     "register_state_dict_post_hook",
     "run_post_accumulate_hooks",
     "SAVED_SHARDS",
+    "set_local_tensor",
     "sharded_tensor",
     "swap_tensor_code",
     "tree_leaves",
@@ -60,6 +63,39 @@ try:  # public from torch 2.5
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch 2.4: the same class under its private module
     from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+
+
+def set_local_tensor(dtensor: torch.Tensor, local: torch.Tensor) -> None:
+    """Make `local` (a plain tensor of the same shape, strides and dtype) the memory of
+    DTensor `dtensor` (a parameter: a ShardedOptimizer moves it into a flat parameter
+    buffer). DTensor keeps its shard as the private attribute ``_local_tensor`` (torch
+    2.4-2.15) and has no public setter: ``to_local()`` of a parameter returns a fresh view,
+    and ``param.data = ...`` replaces the wrapper, not the shard."""
+    dtensor._local_tensor = local  # type: ignore[attr-defined]
+
+
+def dtensor_over(cls: type, dtensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A `cls` (a DTensor subclass) with `dtensor`'s mesh, placements, shape and strides over
+    `local` (its local tensor or an alias of it), without autograd: DTensor's constructor
+    (``DTensor(local, spec, requires_grad=...)``) and its ``_spec``, private in torch
+    2.4-2.15; ``DTensor.from_local`` always returns a DTensor over a fresh view."""
+    return cls(local, dtensor._spec, requires_grad=False)  # type: ignore[attr-defined]
+
+
+def local_shape_and_offset(dtensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's shard of DTensor `dtensor`: its shape and its offset in the whole tensor,
+    per dimension (torch's ``compute_local_shape_and_global_offset``, private in torch
+    2.4-2.15, under ``torch.distributed.tensor._utils`` from 2.5)."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor._utils import (  # type: ignore[no-redef]
+            compute_local_shape_and_global_offset,
+        )
+    mesh, placements = dtensor.device_mesh, dtensor.placements  # type: ignore[attr-defined]
+    shape, offset = compute_local_shape_and_global_offset(dtensor.shape, mesh, placements)
+    return tuple(shape), tuple(offset)
+
 
 # --- autograd engine ------------------------------------------------------------------------
 
@@ -303,14 +339,14 @@ def sharded_tensor(
     boxes: list[tuple[int, tuple[int, ...], tuple[int, ...]]],
     size: tuple[int, ...],
     dtype: torch.dtype,
-    global_ranks: tuple[int, ...],
     process_group: dist.ProcessGroup | None,
 ) -> Any:
-    """A ShardedTensor of shape `size` whose shards are `boxes` (each ``(rank, offsets,
-    sizes)``, a rectangle of the tensor), `local` (contiguous tensors: views where the
-    memory allows) this rank's, in the order of its boxes; built from metadata every rank
-    computes alike, with no communication. ``torch.distributed.checkpoint`` saves and loads
-    its shards in place and reshards it, into a plain tensor of that shape too (another
+    """A ShardedTensor of shape `size` over `process_group` (None: the default group) whose
+    shards are `boxes` (each ``(global rank, offsets, sizes)``, a rectangle of the tensor),
+    `local` (contiguous tensors: views where the memory allows) this rank's, in the order
+    of its boxes; built from metadata every rank knows, with no communication.
+    ``torch.distributed.checkpoint`` saves and loads its shards in place and reshards it,
+    into a plain tensor of that shape too (another
     optimizer's state); ``torch.save`` writes only this rank's shards, as plain tensors
     (`SAVED_SHARDS`). (Checked on torch 2.4-2.15; torch marks ShardedTensor deprecated in
     favour of DTensor, which cannot express uneven shards at arbitrary offsets, and warns
@@ -323,10 +359,9 @@ def sharded_tensor(
 
     device = local[0].device if local else torch.device("cpu")
     metadata = [
-        ShardMetadata(list(offsets), list(sizes), f"rank:{global_ranks[rank]}/{device}")
-        for rank, offsets, sizes in boxes
+        ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/{device}") for rank, offsets, sizes in boxes
     ]
-    rank = dist.get_rank(process_group)
+    rank = dist.get_rank()  # (global, as the boxes)
     mine = [meta for box, meta in zip(boxes, metadata) if box[0] == rank]
     properties = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False)
     with warnings.catch_warnings():

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatgrad import _norms
+from flatgrad._dtensor import TensorParallel, is_sharded, local_of, move_into, shard_origin
 from flatgrad._scattered_grad import is_scattered, unguarded
 from flatgrad._torch_compat import non_finite_check_and_unscale
 from flatgrad._zero_state import (
@@ -175,6 +176,13 @@ class ShardEngine(FlatParameters):
         self.bucket_views = bucket_views
         self.shards = self._cut_shards()
         self.grad_runs = runs_in_shards(store, [shard.grad for shard in self.shards])  # (clipping)
+        # With DTensor parameters: the mesh, and the runs of the shards a norm counts on this rank.
+        tensor_parallel = store.tensor_parallel
+        self.counted_runs = (
+            None
+            if tensor_parallel is None
+            else (tensor_parallel, runs_in_shards(store, [s.grad for s in self.shards], store.norm_pieces()))
+        )
         # The parameters' version counters when the masters last matched them: a write
         # since (load_state_dict, a copy under no_grad) makes `step` take the masters again.
         self._versions = self._param_versions()
@@ -255,11 +263,15 @@ class ShardEngine(FlatParameters):
         buckets: dict[Any, list[tuple[int, int]]] = {}
         for view, start in self.bucket_views:
             buckets.setdefault((view.dtype, view.device), []).append((start, view.numel()))
-        slots = {}
+        slots, origins = {}, {}
         for param in self.store.params:
             key, slot = self.store.slot(param)
             slots[id(param)] = (key, slot.offset, slot.numel)
-        return Layout(self.world_size, self.rank, self.global_ranks, buckets, slots)
+            origin = shard_origin(param)
+            if origin is not None:
+                origins[id(param)] = origin
+        layout = Layout(self.world_size, self.rank, self.global_ranks, buckets, slots, origins)
+        return dataclasses.replace(layout, peers=peer_boxes(layout, self.store))
 
     def pieces(self, params: list[torch.Tensor]) -> list[Piece]:
         """This rank's pieces of `params`: the runs of their slots (each slot with the
@@ -288,7 +300,7 @@ class ShardEngine(FlatParameters):
         """Scale the gradient shards to a global norm of at most `max_norm`; returns the
         global norm before (one scalar all-reduce)."""
         grads, group, runs = [s.grad for s in self.shards], self.process_group, self.grad_runs
-        return clip_shards(grads, max_norm, norm_type, group, runs, error_if_nonfinite)
+        return clip_shards(grads, max_norm, norm_type, group, runs, error_if_nonfinite, self.counted_runs)
 
     def unscale_(  # (FlatParameters')
         self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool
@@ -297,7 +309,9 @@ class ShardEngine(FlatParameters):
         `found_inf`, set it to 1.0 where any rank's shard holds an inf or NaN
         (`unscale_shards`)."""
         grads = [s.grad for s in self.shards]
-        unscale_shards(grads, inv_scale, found_inf, allow_fp16, self.process_group)
+        unscale_shards(
+            grads, inv_scale, found_inf, allow_fp16, self.process_group, self.store.tensor_parallel
+        )
 
     def launch_gather(self) -> None:
         """Start the all-gather of every bucket's parameters from the ranks' updated shards
@@ -344,6 +358,38 @@ class ShardEngine(FlatParameters):
         return tuple(sorted(found))
 
 
+def peer_boxes(
+    layout: Layout, store: GradStore
+) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
+    """For each parameter sharded over the tensor-parallel mesh (a DTensor with Shard
+    placements), the boxes of its state (global rank, offsets, sizes in the whole
+    parameter) that the pieces of the mesh's other ranks hold: what a ShardedTensor of the
+    whole parameter's state lists besides this rank's data-parallel group's. Each rank
+    knows only its own group's layout (slots follow each rank's local shapes), so the mesh's
+    ranks exchange theirs once per layout (one object all-gather over the mesh; every rank
+    builds its layout together with the others). Empty without DTensor parameters."""
+    tensor_parallel = store.tensor_parallel
+    if tensor_parallel is None:
+        return {}
+    sharded = [p for p in store.params if is_sharded(p)]
+    ranks = layout.global_ranks
+    mine = [
+        [
+            (ranks[c.rank], box.offsets, box.sizes)
+            for c in layout.chunks(param)
+            for box in layout.extent(param).boxes(c.offset, c.numel)
+        ]
+        for param in sharded
+    ]
+    gathered: list[Any] = [None] * dist.get_world_size(tensor_parallel.group)
+    dist.all_gather_object(gathered, mine, group=tensor_parallel.group)
+    me = tensor_parallel.mesh.get_local_rank()
+    return {
+        id(param): [box for peer, theirs in enumerate(gathered) if peer != me for box in theirs[index]]
+        for index, param in enumerate(sharded)
+    }
+
+
 def retake_master(master: torch.Tensor, param: torch.Tensor) -> None:
     """Each element of the float32 `master` that no longer rounds to `param`'s (written
     since: a model load, a copy under no_grad) takes the parameter's value, exactly (the
@@ -366,7 +412,10 @@ def _runs(store: GradStore, key: GroupKey, wanted: set[int]) -> list[tuple[int, 
     )
 
 
-_data_ptr = operator.methodcaller("data_ptr")
+def _data_ptr(param: torch.Tensor) -> int:
+    return local_of(param).data_ptr()  # (a DTensor's own data_ptr() is 0: its shard's)
+
+
 _version = operator.attrgetter("_version")
 
 
@@ -422,35 +471,39 @@ def flat_parameters(store: GradStore, reuse_only: bool = False) -> dict[Any, tor
             key, slot = store.slot(param)
             buffer = buffers[key]
             view = buffer.as_strided(slot.shape, slot.stride, buffer.storage_offset() + slot.offset)
-            view.copy_(param)
-            param.data = view
+            view.copy_(local_of(param))
+            move_into(param, view)
     return buffers
 
 
 def _buffer_under(store: GradStore, key: GroupKey) -> torch.Tensor | None:
-    """The flat parameter buffer of `key` that the parameters are views of already, each at
-    its slot; None where they are not."""
-    params = [p for p in store.params if store.slot(p)[0] == key]
-    if not params:
+    """The flat parameter buffer of `key` that the parameters (a DTensor's: its local
+    shard) are views of already, each at its slot; None where they are not."""
+    held = [(local_of(p), store.slot(p)[1]) for p in store.params if store.slot(p)[0] == key]
+    if not held:
         return None
-    storage = params[0].untyped_storage()
-    base = params[0].storage_offset() - store.slot(params[0])[1].offset
+    first, first_slot = held[0]
+    storage = first.untyped_storage()
+    base = first.storage_offset() - first_slot.offset
     numel = store.buffers[key].numel()
-    fits = base >= 0 and storage.nbytes() >= (base + numel) * params[0].element_size()
+    fits = base >= 0 and storage.nbytes() >= (base + numel) * first.element_size()
     if not fits or any(
         p.untyped_storage().data_ptr() != storage.data_ptr()
-        or p.storage_offset() - store.slot(p)[1].offset != base
-        or p.stride() != store.slot(p)[1].stride
-        for p in params
+        or p.storage_offset() - slot.offset != base
+        or p.stride() != slot.stride
+        for p, slot in held
     ):
         return None
-    return params[0].new_empty(0).set_(storage, base, (numel,), (1,))
+    return first.new_empty(0).set_(storage, base, (numel,), (1,))
 
 
-def runs_in_shards(store: GradStore, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def runs_in_shards(
+    store: GradStore, shards: Sequence[torch.Tensor], runs: Sequence[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """The gradient elements inside `shards` (this rank's gradient shards, views of the
-    store's buffers) without the alignment padding between slots: `GradStore.runs` cut at
-    the shards' edges. What a scale may touch: padding is zero by construction and nothing
+    store's buffers) without the alignment padding between slots: `GradStore.runs` (or
+    `runs`, 1-D views of the buffers: the runs a tensor-parallel norm counts) cut at the
+    shards' edges. What a scale may touch: padding is zero by construction and nothing
     zeroes it again, so a NaN clip coefficient multiplied into it would stay in every later
     norm."""
 
@@ -460,14 +513,14 @@ def runs_in_shards(store: GradStore, shards: Sequence[torch.Tensor]) -> list[tor
         return key, start, start + view.numel()
 
     edges = [span(shard) for shard in shards]
-    runs = []
-    for run in store.runs:
+    found = []
+    for run in store.runs if runs is None else runs:
         key, first, end = span(run)
         for shard_key, lo, hi in edges:
             inside = overlap(first, end, lo, hi) if shard_key == key else None
             if inside is not None:
-                runs.append(store.buffers[key].narrow(0, inside[0], inside[1] - inside[0]))
-    return runs
+                found.append(store.buffers[key].narrow(0, inside[0], inside[1] - inside[0]))
+    return found
 
 
 def clip_shards(
@@ -477,20 +530,29 @@ def clip_shards(
     process_group: dist.ProcessGroup | None,
     runs: Sequence[torch.Tensor],
     error_if_nonfinite: bool = False,
+    tensor_parallel: tuple[TensorParallel, Sequence[torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Scale the gradients of `grads` (every rank's shards together) to a global norm of at
     most `max_norm`, multiplying only their `runs` (`runs_in_shards`); returns the global
     norm before, in at least float32 (one scalar all-reduce). With `error_if_nonfinite` a
-    NaN or infinite global norm raises instead, on every rank alike (they share the norm)."""
+    NaN or infinite global norm raises instead, on every rank alike (they share the norm).
+    With `tensor_parallel` (the mesh of DTensor parameters and the runs of `grads` this rank
+    counts, `TensorParallel.counts`), the norm reads those runs only and a second scalar
+    all-reduce over the mesh makes it the whole gradient's."""
     device = grads[0].device
+    counted = grads if tensor_parallel is None else list(tensor_parallel[1])
     # float64 partial norms, accumulated in chunks (see flatgrad._norms)
-    norms = torch.stack([_norms.vector_norm(g, norm_type).to(device) for g in grads])
+    norms = [_norms.vector_norm(g, norm_type).to(device) for g in counted]
+    stacked = torch.stack(norms) if norms else torch.zeros(1, dtype=torch.float64, device=device)
+    groups = [process_group] + ([tensor_parallel[0].group] if tensor_parallel is not None else [])
     if math.isinf(norm_type):
-        total = norms.max()
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=process_group)
+        total = stacked.max()
+        for group in groups:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     else:
-        total = norms.pow(norm_type).sum()
-        dist.all_reduce(total, group=process_group)
+        total = stacked.pow(norm_type).sum()
+        for group in groups:
+            dist.all_reduce(total, group=group)
         total = total.pow(1.0 / norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
@@ -513,13 +575,15 @@ def unscale_shards(
     found_inf: torch.Tensor | None,
     allow_fp16: bool,
     process_group: dist.ProcessGroup | None,
+    tensor_parallel: TensorParallel | None = None,
 ) -> None:
-    """Multiply `shards` by `inv_scale` (a loss scaler's 1/scale); with `found_inf`, set it
-    to 1.0 where any rank's shard holds an inf or NaN (one scalar all-reduce, so every rank
-    skips the same steps)."""
+    """Multiply `shards` (DTensor gradients: their local tensors) by `inv_scale` (a loss
+    scaler's 1/scale); with `found_inf`, set it to 1.0 where any rank's shard holds an inf
+    or NaN (one scalar all-reduce, so every rank skips the same steps; with
+    `tensor_parallel`, a second one over its mesh, whose ranks hold other shards)."""
     grads: dict[torch.dtype, list[torch.Tensor]] = {}
     for grad in shards:
-        grads.setdefault(grad.dtype, []).append(grad)
+        grads.setdefault(grad.dtype, []).append(local_of(grad))
     if torch.float16 in grads and not allow_fp16:
         raise ValueError(
             "Attempting to unscale FP16 gradients (float16 parameters without main grads): "
@@ -537,6 +601,8 @@ def unscale_shards(
                 non_finite_check_and_unscale(same, found, inv)
     if found is not None:  # (so is found_inf)
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=process_group)
+        if tensor_parallel is not None:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=tensor_parallel.group)
         found_inf.copy_(found)  # type: ignore[union-attr]
 
 
@@ -903,7 +969,7 @@ def with_options(
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """The summed size of the tensors in `optimizer`'s state."""
     return sum(
-        t.numel() * t.element_size()
+        local_of(t).numel() * t.element_size()  # (a DTensor state: this rank's shard of it)
         for state in optimizer.state.values()
         for t in state.values()
         if isinstance(t, torch.Tensor)
@@ -963,7 +1029,9 @@ def relaid_state(
             entry = entries[name]
             if entry is None:
                 entry = _eager_state(recipe, view.options, param, MASTER in spec.per_element) or {
-                    key: param.new_zeros(param.shape, dtype=_state_dtype(template, key, param))
+                    key: torch.zeros(  # (plain, in the whole shape: a DTensor parameter's too)
+                        tuple(param.shape), dtype=_state_dtype(template, key, param), device=param.device
+                    )
                     for key in spec.per_element
                 }
                 if MASTER in spec.per_element:

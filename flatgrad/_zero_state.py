@@ -22,6 +22,7 @@ saves a step count of 0 and resumes fresh (`saved_stepped`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatgrad._dtensor import local_of
 from flatgrad._torch_compat import SAVED_SHARDS, sharded_tensor
 from flatgrad.layout import GroupKey, overlap
 
@@ -65,6 +67,22 @@ class Layout:
     global_ranks: tuple[int, ...]  # the process group's ranks as global ranks (placements)
     buckets: dict[GroupKey, list[tuple[int, int]]]  # (start, numel) of each bucket
     slots: dict[int, tuple[GroupKey, int, int]]  # id(param) -> (key, offset, numel)
+    # id(param) -> (offset, whole shape) of a DTensor parameter's local shard in the whole
+    # parameter (`flatgrad._dtensor.shard_origin`): its state is saved in the whole shape.
+    origins: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    # id(param) -> the boxes (global rank, offsets, sizes) of a sharded DTensor parameter's
+    # state that the other tensor-parallel ranks' pieces hold (`flatgrad._zero.peer_boxes`).
+    peers: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = dataclasses.field(
+        default_factory=dict
+    )
+
+    def extent(self, param: torch.Tensor) -> Extent:
+        """Where `param`'s slot lies in the tensor its per-element state is saved as."""
+        local = _sharded_shape(local_of(param))
+        origin, size = self.origins.get(id(param), ((0,) * local.dim(), tuple(local.shape)))
+        if not origin and not size:  # (a 0-d DTensor: one element, as `_sharded_shape`)
+            origin, size = (0,), (1,)
+        return Extent(local, origin, size)
 
     def chunks(self, param: torch.Tensor) -> list[Chunk]:
         key, offset, numel = self.slots[id(param)]
@@ -77,6 +95,25 @@ class Layout:
                     lo, hi = inside
                     found.append(Chunk(rank, lo - offset, hi - lo, lo))
         return found
+
+
+@dataclass(frozen=True)
+class Extent:
+    """One parameter's slot as its per-element state is saved: `local` shaped and strided
+    as the slot (what the pieces hold, in its memory order), lying at `origin` in a tensor
+    of shape `size` (the whole parameter's; for a plain parameter the slot's own shape at
+    the origin, for a DTensor one this rank's shard where it lies in the whole)."""
+
+    local: torch.Tensor
+    origin: tuple[int, ...]
+    size: tuple[int, ...]
+
+    def boxes(self, start: int, numel: int) -> list[Box]:
+        """`boxes` of the slot's run [start, start + numel), placed in the saved tensor."""
+        return [
+            Box(tuple(o + a for o, a in zip(box.offsets, self.origin)), box.sizes, box.start)
+            for box in boxes(self.local, start, numel)
+        ]
 
 
 @dataclass(frozen=True)
@@ -246,8 +283,8 @@ def parameter_state(
         chunks = layout.chunks(param)
         if not chunks:
             continue  # no elements (numel 0): no state
-        shaped = _sharded_shape(param)
-        placed = [(c, box) for c in chunks for box in boxes(shaped, c.offset, c.numel)]
+        extent = layout.extent(param)
+        placed = [(c, box) for c in chunks for box in extent.boxes(c.offset, c.numel)]
         mine = [(c, box) for c, box in placed if c.rank == layout.rank]
         # Every rank holds a shard of every parameter's state, an empty one where it has no
         # elements: torch.distributed.checkpoint drops a ShardedTensor without local shards
@@ -255,19 +292,21 @@ def parameter_state(
         # (Past the end of the first dimension: a shard is known by its offsets, and two at
         # the same offsets are one.)
         held = {c.rank for c in chunks}
-        end = Box((shaped.shape[0],) + (0,) * (shaped.dim() - 1), (0, *shaped.shape[1:]), 0)
-        extents = [(c.rank, box.offsets, box.sizes) for c, box in placed]
-        extents += [(r, end.offsets, end.sizes) for r in range(layout.world_size) if r not in held]
+        size = extent.size
+        end = Box((size[0],) + (0,) * (len(size) - 1), (0, *size[1:]), 0)
+        ranks = layout.global_ranks
+        extents = [(ranks[c.rank], box.offsets, box.sizes) for c, box in placed]
+        extents += [(ranks[r], end.offsets, end.sizes) for r in range(layout.world_size) if r not in held]
+        extents += layout.peers.get(id(param), [])
         # Scalars on every rank (every rank has a piece of the group, maybe an empty one, and
         # the same values): the same keys everywhere, as torch.distributed.checkpoint expects.
         entry: dict[str, Any] = {key: states[0][key] for key in spec.scalars}
         for key in spec.per_element:
             dtype = _dtype_of(states, key, param)
-            local = [_local_view(c, pieces, states, key, box, shaped).contiguous() for c, box in mine]
+            local = [_local_view(c, pieces, states, key, box, extent).contiguous() for c, box in mine]
             local = local or [torch.empty(end.sizes, dtype=dtype, device=param.device)]
-            entry[key] = sharded_tensor(
-                local, extents, tuple(shaped.shape), dtype, layout.global_ranks, process_group
-            )
+            group = process_group if id(param) not in layout.peers else None  # (the peers' ranks too)
+            entry[key] = sharded_tensor(local, extents, size, dtype, group)
         out[name] = entry
     return out
 
@@ -281,13 +320,13 @@ def _dtype_of(states: list[dict[str, Any]], key: str, param: torch.Tensor) -> to
 
 
 def _local_view(
-    chunk: Chunk, pieces: list[Piece], states: list[dict[str, Any]], key: str, box: Box, param: torch.Tensor
+    chunk: Chunk, pieces: list[Piece], states: list[dict[str, Any]], key: str, box: Box, extent: Extent
 ) -> torch.Tensor:
     """`box` (inside `chunk`) of the state `key` of the piece holding `chunk`: a view."""
     for piece, state in zip(pieces, states):
         if piece.start <= chunk.start and chunk.start + chunk.numel <= piece.start + piece.param.numel():
             flat = state[key].narrow(0, chunk.start - piece.start, chunk.numel)
-            return _box_view(flat, chunk.offset, box, param)
+            return _box_view(flat, chunk.offset, box, extent.local)
     raise AssertionError(f"no piece holds the chunk at {chunk.start} (+{chunk.numel})")
 
 
@@ -308,28 +347,28 @@ def missing_state(
         for key in (*spec.per_element, *spec.scalars):
             if key not in entry:
                 missing.append(f"{name}[{key!r}]")
-        shaped = _sharded_shape(param)
-        mine = [box for c in chunks if c.rank == layout.rank for box in boxes(shaped, c.offset, c.numel)]
+        extent = layout.extent(param)
+        mine = [box for c in chunks if c.rank == layout.rank for box in extent.boxes(c.offset, c.numel)]
         for key in spec.per_element:
-            if key in entry and not all(_covered(entry[key], box, shaped) for box in mine):
+            if key in entry and not all(_covered(entry[key], box, extent.size) for box in mine):
                 missing.append(f"{name}[{key!r}] (this rank's elements)")
     return missing
 
 
-def _saved_parts(value: Any, shaped: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+def _saved_parts(value: Any, size: tuple[int, ...]) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     """(offsets, data) of the parts of a saved per-element state this rank holds: a
     ShardedTensor's local shards, what one became in ``torch.save`` (`SAVED_SHARDS`), or a
-    whole tensor of the parameter's shape (a plain optimizer's). Parts of another shape
-    (another parameter) are left out."""
+    whole tensor of the parameter's shape `size` (a plain optimizer's). Parts of another
+    shape (another parameter) are left out."""
     if hasattr(value, "local_shards"):
         parts = [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
     elif isinstance(value, dict) and SAVED_SHARDS in value:
         parts = [(tuple(offsets), tensor) for offsets, tensor in value[SAVED_SHARDS]]
-    elif isinstance(value, torch.Tensor) and value.numel() == shaped.numel():
-        parts = [((0,) * shaped.dim(), value.view(shaped.shape))]
+    elif isinstance(value, torch.Tensor) and value.numel() == math.prod(size):
+        parts = [((0,) * len(size), value.view(size))]
     else:
         parts = []
-    return [(o, t) for o, t in parts if len(o) == shaped.dim() and t.dim() == shaped.dim()]
+    return [(o, t) for o, t in parts if len(o) == len(size) and t.dim() == len(size)]
 
 
 def _overlap(
@@ -346,9 +385,9 @@ def _overlap(
     return into_box, into_data
 
 
-def _covered(value: object, box: Box, shaped: torch.Tensor) -> bool:
+def _covered(value: object, box: Box, size: tuple[int, ...]) -> bool:
     covered = 0
-    for offsets, data in _saved_parts(value, shaped):
+    for offsets, data in _saved_parts(value, size):
         found = _overlap(box, offsets, data)
         if found is not None:
             covered += math.prod(s.stop - s.start for s in found[0])
@@ -366,19 +405,19 @@ def load_parameter_state(
     """Copy one group's saved per-parameter state into `states` (its pieces' state), once
     `missing_state` found nothing missing."""
     for name, param in params:
-        shaped = _sharded_shape(param)
+        extent = layout.extent(param)
         for chunk in (c for c in layout.chunks(param) if c.rank == layout.rank):
-            for box in boxes(shaped, chunk.offset, chunk.numel):
+            for box in extent.boxes(chunk.offset, chunk.numel):
                 for key in spec.per_element:
-                    target = _local_view(chunk, pieces, states, key, box, shaped)
-                    _copy_box(target, box, saved[name][key], shaped)
+                    target = _local_view(chunk, pieces, states, key, box, extent)
+                    _copy_box(target, box, saved[name][key], extent.size)
     scalars = next(saved[name] for name, param in params if layout.chunks(param))
     for state in states:
         state.update({key: _copy(scalars[key]) for key in spec.scalars})
 
 
-def _copy_box(target: torch.Tensor, box: Box, saved: object, shaped: torch.Tensor) -> None:
-    for offsets, data in _saved_parts(saved, shaped):
+def _copy_box(target: torch.Tensor, box: Box, saved: object, size: tuple[int, ...]) -> None:
+    for offsets, data in _saved_parts(saved, size):
         found = _overlap(box, offsets, data)
         if found is not None:
             part, source = target[found[0]], data[found[1]]

@@ -164,7 +164,8 @@ class TensorEngine(FlatParameters):
         `unscale_shards` only keeps the ranks in step)."""
         grads = [g for p in self.store.params if id(p) in self.owners and (g := self.grad_of(p)) is not None]
         if grads:
-            unscale_shards(grads, inv_scale, found_inf, allow_fp16, self.process_group)
+            tensor_parallel = self.store.tensor_parallel
+            unscale_shards(grads, inv_scale, found_inf, allow_fp16, self.process_group, tensor_parallel)
 
     def launch_gather(self) -> None:
         """Broadcast every rank's runs of the flat parameter buffers from it, in the

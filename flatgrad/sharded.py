@@ -168,12 +168,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         check_members(self._names, groups, "ShardedOptimizer's params must be parameters of dp (its model's)")
         # Checked before anything moves: a typo raises here and leaves dp and the model as they were.
         store = dp.module._engine.refresh()
-        if store.tensor_parallel is not None:
-            raise ValueError(
-                "ShardedOptimizer does not take a model with DTensor parameters (tensor-parallel) yet: "
-                "step it with a plain torch optimizer over flatgrad.DataParallel, which averages the "
-                "local shards over the data-parallel group"
-            )
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             given = getattr(optimizer_class, "__name__", optimizer_class)
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {given}")

@@ -274,9 +274,6 @@ def _refusals(rank: int, world_size: int) -> None:
     flat(torch.randn(4, 8, dtype=torch.float64)).sum().backward()
     with pytest.raises(ValueError, match="norm_type must be positive or inf"):
         flat.grad_norm(0)
-    dp = flatgrad.DataParallel(flat, device_mesh=mesh["dp"])
-    with pytest.raises(ValueError, match="ShardedOptimizer does not take a model with DTensor parameters"):
-        flatgrad.ShardedOptimizer(dp, torch.optim.AdamW)
     # Parameters on two meshes, on a 2-D mesh, and main grads: refused at wrap time.
     two = MLP().double()
     tp_api.parallelize_module(two.up, mesh["tp"], ColwiseParallel())

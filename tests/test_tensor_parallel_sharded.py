@@ -1,0 +1,253 @@
+"""ShardedOptimizer on tensor-parallel models: DTensor parameters (`parallelize_module` over
+"tp"), ZeRO-1 over "dp" of a 2 x 2 mesh (4 gloo ranks), by element and by tensor.
+
+Oracles, all float64:
+- the same model without tensor parallelism, trained with stock DDP over "dp" and torch's
+  AdamW on the same global batch: losses, clipped norms and parameters (`full_tensor()`)
+  within 1e-12 (not bitwise: a row-wise layer's output is a sum of partial products
+  all-reduced over "tp", in another order than the plain matmul's; see
+  tests/test_tensor_parallel.py);
+- for optimizers that read a whole tensor (Muon's bfloat16 Newton-Schulz iteration), the same
+  tensor-parallel model without flatgrad, its gradients averaged over "dp" by hand, stepped by
+  torch's optimizer over the DTensor parameters (the same DTensor ops on the same values);
+- for checkpoints, the uninterrupted run (bitwise) and a plain torch optimizer over the
+  tensor-parallel model loading the same DCP checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+from test_tensor_parallel import MLP, MLP_PLAN, TOL, Block, _batch, _block_plan, _full, _parallel
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import flatgrad
+
+pytest.importorskip("torch.distributed.tensor.parallel")
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+from flatgrad._torch_compat import DTensor  # noqa: E402
+
+STEPS, MICRO = 3, 2
+
+
+def _model(kind: str) -> tuple[nn.Module, dict[str, object], tuple[int, ...]]:
+    torch.manual_seed(0)  # (plain parameters the same on every rank, as parallelize_module expects)
+    if kind == "mlp":
+        return MLP().double(), MLP_PLAN, (4, 8)
+    return Block().double(), _block_plan(kind == "llama_block_sp"), (2, 6, 16)
+
+
+def _loss(dp: nn.Module, x: torch.Tensor, mesh, sequence_parallel: bool) -> torch.Tensor:
+    if not sequence_parallel:
+        return dp(x).pow(2).mean()
+    local = x.chunk(2, dim=1)[mesh["tp"].get_local_rank()]  # this rank's sequence shard in and out
+    return dp(local).pow(2).sum() / x.numel()
+
+
+def _refuses_reads(dp: nn.Module) -> None:
+    """After a reduce-scattering backward a DTensor parameter's `.grad` refuses value reads, at
+    the DTensor and at its local tensor, as a plain parameter's does."""
+    params = [p for p in dp.parameters() if isinstance(p, DTensor) and p.grad is not None]
+    assert params and all(isinstance(p.grad, DTensor) for p in params)
+    for read in (lambda g: g.norm(), lambda g: g.to_local().sum(), lambda g: g.full_tensor()):
+        with pytest.raises(RuntimeError, match="reduce-scattered"):
+            read(params[0].grad)
+    with pytest.raises(RuntimeError, match="reduce-scattered"):
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+
+
+def _against_ddp(mesh, kind: str, shard_by: str) -> None:
+    """ShardedOptimizer(AdamW) over DataParallel over "dp" of a tensor-parallel model against
+    stock DDP + AdamW of the plain model: micro-batches under no_sync, clipping every step."""
+    dp_rank = mesh["dp"].get_local_rank()
+    plain, plan, shape = _model(kind)
+    sequence_parallel = kind == "llama_block_sp"
+    flat = flatgrad.FlatGrad(_parallel(plain, mesh["tp"], plan))
+    dp = flatgrad.DataParallel(flat, device_mesh=mesh["dp"], bucket_mb=0.001)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, shard_by=shard_by)
+    ddp = DDP(copy.deepcopy(plain), process_group=mesh["dp"].get_group())
+    oracle = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.1)
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            x = _batch(step, micro, dp_rank, shape)
+            last = micro == MICRO - 1
+            with contextlib.nullcontext() if last else dp.no_sync():
+                loss = _loss(dp, x, mesh, sequence_parallel)
+                loss.backward()
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                ref_loss = ddp(x).pow(2).mean()
+                ref_loss.backward()
+            loss = loss.detach()
+            if sequence_parallel:
+                dist.all_reduce(loss, group=mesh["tp"].get_group())
+            assert abs(float(loss) - float(ref_loss.detach())) < TOL
+        if shard_by == "element":
+            _refuses_reads(dp)
+        else:  # (by tensor every rank holds every average: `.grad` is readable)
+            for param, ref in zip(dp.parameters(), ddp.parameters()):
+                torch.testing.assert_close(_full(param.grad), ref.grad, rtol=0, atol=TOL)
+        norm, ref_norm = opt.clip_grad_norm_(0.5), torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5)
+        assert abs(float(norm) - float(ref_norm)) < TOL, (float(norm), float(ref_norm))
+        opt.step()
+        oracle.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        oracle.zero_grad(set_to_none=step % 2 == 0)
+    for (name, param), ref in zip(dp.named_parameters(), ddp.parameters()):
+        torch.testing.assert_close(_full(param.detach()), ref.detach(), rtol=0, atol=TOL, msg=name)
+    assert opt.state_bytes() > 0
+
+
+def _average_grads(model: nn.Module, group) -> None:
+    """Stock data parallelism by hand for a tensor-parallel model: each local gradient
+    averaged over the data-parallel group (a sum of two float64 values halved: exact)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            dist.all_reduce(local, group=group)
+            local.div_(dist.get_world_size(group))
+
+
+def _muon(mesh, _kind: str, _shard_by: str) -> None:
+    """Muon (by tensor, the block's matrices) and AdamW (by tensor, its norms) as two
+    ShardedOptimizers over one DataParallel, against torch's Muon and AdamW over the same
+    tensor-parallel model without flatgrad: Muon orthogonalises each DTensor matrix with
+    DTensor's matmuls over "tp", which the ranks owning it run together."""
+    muon_class = getattr(torch.optim, "Muon", None)
+    if muon_class is None:
+        pytest.skip("torch.optim.Muon (torch 2.9 on)")
+    dp_rank = mesh["dp"].get_local_rank()
+    plain, plan, shape = _model("llama_block")
+    stock = _parallel(plain, mesh["tp"], plan)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(_parallel(plain, mesh["tp"], plan)), device_mesh=mesh["dp"])
+
+    def split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        params = list(model.parameters())
+        return [p for p in params if p.dim() == 2], [p for p in params if p.dim() != 2]
+
+    matrices, others = split(dp)
+    ours = [
+        flatgrad.ShardedOptimizer(dp, muon_class, matrices, lr=2e-2, shard_by="tensor"),
+        flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, others, lr=1e-3, shard_by="tensor"),
+    ]
+    stock_matrices, stock_others = split(stock)
+    theirs = [muon_class(stock_matrices, lr=2e-2), torch.optim.AdamW(stock_others, lr=1e-3)]
+    for step in range(STEPS):
+        x = _batch(step, 0, dp_rank, shape)
+        dp(x).pow(2).mean().backward()
+        stock(x).pow(2).mean().backward()
+        _average_grads(stock, mesh["dp"].get_group())
+        for optimizer in (*ours, *theirs):
+            optimizer.step()
+            optimizer.zero_grad()
+    owned = [o.optimizer.state for o in ours]
+    assert sum(len(state) for state in owned) < len(list(dp.parameters()))  # (each rank owns a part)
+    for (name, param), ref in zip(dp.named_parameters(), stock.parameters()):
+        torch.testing.assert_close(_full(param.detach()), _full(ref.detach()), rtol=0, atol=TOL, msg=name)
+
+
+def _mlp_2d(mesh, shard_by: str) -> tuple[nn.Module, flatgrad.ShardedOptimizer]:
+    dp = flatgrad.DataParallel(
+        flatgrad.FlatGrad(_parallel(_model("mlp")[0], mesh["tp"], MLP_PLAN)), device_mesh=mesh["dp"]
+    )
+    return dp, flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, shard_by=shard_by)
+
+
+def _global_batch(step: int, mesh) -> torch.Tensor:
+    """This data-parallel rank's part of step `step`'s global batch of 8 rows (the 2 x 2 run's
+    two data-parallel ranks' batches one after the other)."""
+    whole = torch.cat([_batch(step, 0, r, (4, 8)) for r in range(2)])
+    return whole.chunk(mesh["dp"].size())[mesh["dp"].get_local_rank()]
+
+
+def _steps(
+    dp: nn.Module, optimizer: torch.optim.Optimizer, steps: range, mesh, by_hand: bool = False
+) -> None:
+    for step in steps:
+        dp(_global_batch(step, mesh)).pow(2).mean().backward()
+        if by_hand:  # (a model without flatgrad: its gradients averaged over "dp" here)
+            _average_grads(dp, mesh["dp"].get_group())
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _dcp_2d(mesh, path: str, out: str) -> None:
+    """2 x 2: DCP saves {"model": dp, "optim": opt} (by element) after two steps; loaded into
+    a fresh ShardedOptimizer by tensor and into torch's AdamW over the tensor-parallel model
+    without flatgrad (get_state_dict / set_state_dict), both step on as the uninterrupted
+    run. `out` keeps its final parameters for the run on another data-parallel size."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    dp, opt = _mlp_2d(mesh, "element")
+    _steps(dp, opt, range(2), mesh)
+    dcp.save({"model": dp, "optim": opt}, checkpoint_id=path)
+    _steps(dp, opt, range(2, 4), mesh)
+    final = {name: _full(param.detach()) for name, param in dp.named_parameters()}
+    if dist.get_rank() == 0:
+        torch.save(final, out)
+    by_tensor, by_tensor_opt = _mlp_2d(mesh, "tensor")
+    dcp.load({"model": by_tensor, "optim": by_tensor_opt}, checkpoint_id=path)
+    _steps(by_tensor, by_tensor_opt, range(2, 4), mesh)
+    stock = _parallel(_model("mlp")[0], mesh["tp"], MLP_PLAN)
+    stock_opt = torch.optim.AdamW(stock.parameters(), lr=1e-3, weight_decay=0.1)
+    model_state, optim_state = get_state_dict(stock, stock_opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(stock, stock_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _steps(stock, stock_opt, range(2, 4), mesh, by_hand=True)
+    for model in (by_tensor, stock):
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(_full(param.detach()), final[name], rtol=0, atol=TOL, msg=name)
+
+
+def _dcp_1d(mesh, path: str, out: str) -> None:
+    """1 x 2 (one data-parallel rank): the 2 x 2 checkpoint loads into ShardedOptimizer by
+    element and steps on as the 2 x 2 run did on the same global batches."""
+    import torch.distributed.checkpoint as dcp
+
+    dp, opt = _mlp_2d(mesh, "element")
+    dcp.load({"model": dp, "optim": opt}, checkpoint_id=path)
+    _steps(dp, opt, range(2, 4), mesh)
+    final = torch.load(out)
+    for name, param in dp.named_parameters():
+        torch.testing.assert_close(_full(param.detach()), final[name], rtol=0, atol=TOL, msg=name)
+
+
+_CASES = {"against_ddp": _against_ddp, "muon": _muon, "dcp_2d": _dcp_2d, "dcp_1d": _dcp_1d}
+
+
+def _run(rank: int, world_size: int, cases: list[tuple[str, ...]]) -> None:
+    mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+    for name, *args in cases:
+        _CASES[name](mesh, *args)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "cases",
+    [
+        [("against_ddp", "mlp", "element"), ("against_ddp", "mlp", "tensor")],
+        [("against_ddp", "llama_block_sp", "element"), ("against_ddp", "llama_block", "tensor")],
+        [("muon", "llama_block", "tensor")],
+    ],
+    ids=["mlp", "llama_block", "muon"],
+)
+def test_sharded_optimizer_over_dp_of_a_tensor_parallel_model(cases):
+    run_ranks(_run, cases, world_size=4, timeout=300.0)
+
+
+@pytest.mark.distributed
+def test_dcp_checkpoints_of_a_sharded_optimizer_on_a_2d_mesh_load_by_tensor_into_torch_and_on_another_dp_size(
+    tmp_path,
+):
+    pytest.importorskip("numpy")  # (DCP's object collectives)
+    path, out = str(tmp_path / "checkpoint"), str(tmp_path / "final.pt")
+    run_ranks(_run, [("dcp_2d", path, out)], world_size=4, timeout=300.0)
+    run_ranks(_run, [("dcp_1d", path, out)], world_size=2, timeout=300.0)
