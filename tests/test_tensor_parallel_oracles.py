@@ -8,10 +8,10 @@ Oracles, all float64, 4 gloo ranks, AdamW with 2 accumulated micro-batches and c
   over the DTensor gradients): losses, gradients and grad norms before each step and the
   parameters after it (`full_tensor()`) within 1e-12 (float64; not bitwise: the two sides
   sum the grad norm in another order, 1 ulp apart, and clipping carries that into the
-  parameters). A DCP checkpoint of the flatgrad run loads into the
-  FSDP2 model and optimizer (`set_state_dict`), and the next step equals the uninterrupted
-  flatgrad run within 1e-12.
-- Another tensor-parallel size: the same checkpoint (saved on dp 2 x tp 2) loads into
+  parameters). A DCP checkpoint of each run loads into a fresh run of the other kind
+  (`get_state_dict` / `set_state_dict`: model and AdamW state), and the next step of both
+  equals the uninterrupted flatgrad run within 1e-12.
+- Another tensor-parallel size: flatgrad's checkpoint (saved on dp 2 x tp 2) loads into
   FlatGrad + DataParallel on dp 1 x tp 4 and into the plain model on dp 4 (no tensor
   parallelism); a step on the same global batch equals the uninterrupted 2 x 2 run's within
   1e-12 (a row-wise layer sums its partial products over 4 ranks instead of 2).
@@ -126,7 +126,15 @@ def _step(
     return total, norm, grads
 
 
-def _load(side: Side, path: str) -> None:
+def _save(side: Side, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(*side[:2])
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+
+def _load(side: Side, path: str) -> Side:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -135,6 +143,7 @@ def _load(side: Side, path: str) -> None:
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return side
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
@@ -148,32 +157,36 @@ def _assert_close(ours: list[torch.Tensor], theirs: list[torch.Tensor], what: st
 
 def _against_fsdp2(rank: int, world_size: int, kind: str, path: str, out: str) -> None:
     """2 x 2: FlatGrad + DataParallel over "dp" against FSDP2 over "dp", each of the model
-    tensor-parallel over "tp"; before the last step flatgrad's DCP checkpoint (saved to
-    `path`) loads into a fresh FSDP2 model and optimizer, which steps on as the flatgrad run.
-    `out` receives the last step's norm and parameters (whole) for `_resume`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
+    tensor-parallel over "tp". Before the last step each saves a DCP checkpoint (flatgrad's
+    to `path`) and a fresh run of the other kind loads it (the parameters bitwise); both step
+    on as the flatgrad run. `out` receives the last step's norm and parameters (whole) for
+    `_resume`."""
     mesh = init_device_mesh("cpu", (DP, world_size // DP), mesh_dim_names=("dp", "tp"))
     plain, plan = _model(kind)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(_parallel(plain, mesh["tp"], plan)), device_mesh=mesh["dp"])
-    sides = [_flatgrad_side(dp), _fsdp2_side(plain, mesh, plan)]
+
+    def data_parallel() -> flatgrad.DataParallel:
+        return flatgrad.DataParallel(
+            flatgrad.FlatGrad(_parallel(plain, mesh["tp"], plan)), device_mesh=mesh["dp"]
+        )
+
+    sides = [_flatgrad_side(data_parallel()), _fsdp2_side(plain, mesh, plan)]
     for step in range(STEPS):
         if step == STEPS - 1:
-            model_state, optim_state = get_state_dict(dp, sides[0][1])
-            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-            sides.append(_fsdp2_side(plain, mesh, plan))
-            _load(sides[-1], path)
-            for index, (ours, loaded) in enumerate(zip(_params(dp), _params(sides[-1][0]))):
-                assert torch.equal(ours, loaded), index
+            _save(sides[0], path)
+            _save(sides[1], f"{path}-fsdp2")
+            sides.append(_load(_fsdp2_side(plain, mesh, plan), path))
+            sides.append(_load(_flatgrad_side(data_parallel()), f"{path}-fsdp2"))
+            for (saved, *_), (loaded, *_) in zip(sides[:2], sides[2:]):
+                for index, (a, b) in enumerate(zip(_params(saved), _params(loaded))):
+                    assert torch.equal(a, b), (type(loaded).__name__, index)
         batches = _global_batch(step, mesh["dp"].get_local_rank(), DP, SHAPES[kind])
         (loss, norm, grads), *others = [_step(side, batches) for side in sides]
         for other_loss, other_norm, other_grads in others:
             assert abs(loss - other_loss) < TOL and abs(norm - other_norm) < TOL, (loss, other_loss, norm)
             _assert_close(grads, other_grads, f"step {step} gradient")
+        params = _params(sides[0][0])
         for other, *_ in sides[1:]:
-            _assert_close(_params(dp), _params(other), f"step {step} parameter")
-    params = _params(dp)  # (full_tensor: a collective)
+            _assert_close(params, _params(other), f"step {step} parameter")
     if rank == 0:
         torch.save({"norm": norm, "params": params}, out)
 
@@ -204,7 +217,7 @@ def _resume(rank: int, world_size: int, kind: str, path: str, out: str, dp_size:
 @pytest.mark.parametrize(
     ("kind", "dp_sizes"), [("mlp", ()), ("llama_block", (1, 4))], ids=["mlp", "llama_block-resume_tp4_tp1"]
 )
-def test_fsdp2_tp_equals_flatgrad_dp_and_loads_its_checkpoint_which_resumes_on_other_tp_sizes(
+def test_fsdp2_tp_equals_flatgrad_dp_their_checkpoints_interchange_and_resume_on_other_tp_sizes(
     tmp_path, kind, dp_sizes
 ):
     pytest.importorskip("numpy")  # (DCP's object collectives)
