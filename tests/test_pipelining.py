@@ -112,6 +112,77 @@ def _compare(
         assert dp._engine.last_round.launched_in_backward == len(dp.buckets) - 1, what
 
 
+def _manual_sharded(mesh: tuple[int, int, Any, Any]) -> None:
+    """The manual path with a ShardedOptimizer: torch's own stage over dp, ``dp.no_sync()``
+    around the step and ``flat.all_reduce_grads`` after it (no backward averages, so every
+    `.grad` stays plain for torch's scale_grads), then its clipping and step: as DDP stages."""
+    index, dp_rank, pp_group, dp_group = mesh
+    cpu = torch.device("cpu")
+    model = _stage_module(index)
+    ref_model = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    dp = flatgrad.DataParallel(flat, process_group=dp_group)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05)
+    ref = DDP(ref_model, process_group=dp_group)
+    ours = _schedule("ScheduleGPipe", [pipelining.PipelineStage(dp, index, 2, cpu, group=pp_group)])
+    ref_stage = pipelining.PipelineStage(ref, index, 2, cpu, group=pp_group, **_shapes(index, 2, True))
+    theirs = _schedule("ScheduleGPipe", [ref_stage])
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=0.05)
+    for step in range(STEPS):
+        batch = _batch(100 * dp_rank + step)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        with dp.no_sync():
+            _run_step(ours, index == 0, index == 1, batch)
+        flat.all_reduce_grads(dp_group)
+        _run_step(theirs, index == 0, index == 1, batch)
+        norm = opt.clip_grad_norm_(MAX_NORM)
+        torch.testing.assert_close(
+            norm.double(), torch.nn.utils.clip_grad_norm_(ref_model.parameters(), MAX_NORM), **TOL
+        )
+        opt.step()
+        ref_opt.step()
+        assert_params_like(model, ref_model, **TOL, what=f"manual ShardedOptimizer step {step}")
+    assert dp._engine.num_syncs == 0
+
+
+def _multi_stage(mesh: tuple[int, int, Any, Any], name: str) -> None:
+    """A multi-stage schedule with full backwards (4 virtual stages, 2 per "pp" rank): each
+    stage averages in its own last backward, against DDP stages."""
+    pp_rank, dp_rank, pp_group, dp_group = mesh
+    cpu = torch.device("cpu")
+    indices = [pp_rank, pp_rank + 2]
+    models = [_stage_module(index, 4) for index in indices]
+    refs = [copy.deepcopy(model) for model in models]
+    dps = [
+        flatgrad.DataParallel(flatgrad.FlatGrad(m, config=ROUTE_ALL), process_group=dp_group) for m in models
+    ]
+    ddps = [DDP(ref, process_group=dp_group) for ref in refs]
+    ours = _schedule(
+        name,
+        [
+            flatgrad.pipelining.PipelineStage(d, i, 4, cpu, group=pp_group, **_shapes(i, 4, True))
+            for d, i in zip(dps, indices)
+        ],
+    )
+    theirs = _schedule(
+        name,
+        [
+            pipelining.PipelineStage(d, i, 4, cpu, group=pp_group, **_shapes(i, 4, True))
+            for d, i in zip(ddps, indices)
+        ],
+    )
+    for step in range(2):
+        batch = _batch(100 * dp_rank + step)
+        for model in models + refs:
+            model.zero_grad()
+        _run_step(ours, pp_rank == 0, pp_rank == 1, batch)
+        _run_step(theirs, pp_rank == 0, pp_rank == 1, batch)
+        for model, ref in zip(models, refs):
+            assert_grads_like(model, ref, **TOL, what=f"{name} step {step}")
+    assert [dp._engine.num_syncs for dp in dps] == [2, 2], name
+
+
 def _check_whole_model_norm(norm: torch.Tensor, ref_norm: torch.Tensor, pp_group: Any) -> None:
     """The whole model's norm from the stages' (what clipping by it needs): one all-reduce
     of the squared stage norms over "pp", for flatgrad's and DDP's stages alike."""
@@ -209,6 +280,8 @@ def _worker(rank: int, world_size: int) -> None:
             _compare(name, path, {}, mesh, infer=name == "ScheduleGPipe")
     _compare("Schedule1F1B", "data_parallel", {"check_finite": True, "bucket_mb": 0.0003}, mesh, infer=False)
     _compare("Schedule1F1B", "sharded", {"wire_dtype": torch.bfloat16}, mesh, infer=False)
+    _manual_sharded(mesh)
+    _multi_stage(mesh, "ScheduleInterleaved1F1B")
     _split_backward(mesh, sharded=False, check_finite=True)
     _split_backward(mesh, sharded=True, check_finite=False)
     _refusals(mesh)
