@@ -96,6 +96,7 @@ class PipelineStage(pipelining.PipelineStage):
         super().__init__(submodule, *args, **kwargs)
         self.data_parallel = submodule
         self._split_this_step = False  # a split backward (input part) ran since the last average
+        self._averaged = False  # the step's last backward averaged since the last scale_grads
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
         """Every micro-batch's forward under ``dp.no_sync()``: its backward accumulates.
@@ -134,6 +135,7 @@ class PipelineStage(pipelining.PipelineStage):
             if not overlapped:
                 self._all_reduce()
             self._split_this_step = False
+            self._averaged = True
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         """torch's weight part of a split backward; the step's last is followed by one
@@ -147,6 +149,7 @@ class PipelineStage(pipelining.PipelineStage):
         if last_backward:
             self._all_reduce()
             self._split_this_step = False
+            self._averaged = True
 
     def _all_reduce(self) -> None:
         """The split-backward step's average: DataParallel's settings (`wire_dtype`, and
@@ -163,7 +166,18 @@ class PipelineStage(pipelining.PipelineStage):
 
         Args:
             grad_scale_factor: What the schedule divides by (1: nothing).
+
+        Raises:
+            RuntimeError: No backward since the last call was the step's last (a schedule
+                that passes no ``last_backward``): the gradients were not averaged.
         """
+        if not self._averaged:
+            raise RuntimeError(
+                "flatgrad.pipelining.PipelineStage: the schedule scaled the gradients before any "
+                "backward it called the step's last (last_backward=True), so they were not averaged "
+                "over the data-parallel group"
+            )
+        self._averaged = False
         if grad_scale_factor != 1:
             with torch.no_grad():
                 for buffer in self.data_parallel.module.grad_buffers.values():

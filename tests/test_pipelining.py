@@ -275,6 +275,13 @@ def _refusals(mesh: tuple[int, int, Any, Any]) -> None:
     dp = flatgrad.DataParallel(flat, process_group=dp_group)
     with pytest.raises(ValueError, match="dw_builder must be None for flatgrad.pipelining.PipelineStage"):
         flatgrad.pipelining.PipelineStage(dp, pp_rank, 2, cpu, group=pp_group, dw_builder=lambda: None)
+    # A schedule that scales with no backward marked the step's last (last_backward=True):
+    # the gradients were not averaged, and scale_grads says so.
+    stage = flatgrad.pipelining.PipelineStage(dp, pp_rank, 2, cpu, group=pp_group)
+    with pytest.raises(
+        RuntimeError, match="scaled the gradients before any backward it called the step's last"
+    ):
+        stage.scale_grads(NUM_MICROBATCHES)
 
 
 def _worker(rank: int, world_size: int) -> None:
