@@ -16,10 +16,11 @@ works), static parts apart from per-backward state:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -659,6 +660,8 @@ class BucketSync:
         # DDP's expect_autograd_hooks_: a synchronising training forward came since the last
         # averaged backward, so the next backward averages whichever graph it goes through.
         self._armed = False
+        # Inside `averaging()`: a backward that opens averages whatever its forward decided.
+        self._averaging = False
         self._deferrals = Deferrals()  # hooks that carry a nested backward's end outward
         self.policy = backend_policy(process_group)  # the gloo/CPU choices, read once
         # The optimizer steps a ShardedOptimizer took (None without one): each synchronised
@@ -811,6 +814,19 @@ class BucketSync:
         whichever graph it goes through (see `_open`)."""
         self._armed = self._armed or sync
 
+    @contextlib.contextmanager
+    def averaging(self) -> Iterator[None]:
+        """Backwards that open inside average, whatever the no_sync state of the forwards
+        whose outputs they go through: the last micro-batch of a pipeline stage
+        (`flatgrad.pipelining`), whose forwards the schedule ran under no_sync() before
+        saying which backward is the last. Where torch's stage prepares DDP's reducer for
+        that backward (``prepare_for_backward``), this opens DataParallel's round."""
+        previous, self._averaging = self._averaging, True
+        try:
+            yield
+        finally:
+            self._averaging = previous
+
     def pre_backward(self, sync: bool) -> Callable[[], None] | None:
         """When a backward reaches the output of a forward this DataParallel made (from the
         coordinator, `flatgrad._backward`, after the seater), before any gradient of the
@@ -821,6 +837,7 @@ class BucketSync:
         _refuse_compiled_autograd()
         if self._grads.store is not self._store:
             self.rebuild()  # the seater, just before, laid out again (a stale slot)
+        sync = sync or self._averaging
         if graph_task_id() != self._task:
             if self._hooks.will_accumulate() and self._begin(sync, queue=False):
                 return self._finish
@@ -913,7 +930,7 @@ class BucketSync:
         hooks on the parameters do. Its first final gradient is this hook's: FlatGrad seated
         no slot for it (no output pre hook ran), so the small parameters' gradients land in
         tensors of their own, which each bucket takes into its slots before it launches."""
-        if not self._armed:
+        if not (self._armed or self._averaging):
             return False
         _refuse_compiled_autograd()
         # From a hook, maybe of a nested backward (whose graph is not the one that ends the

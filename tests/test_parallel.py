@@ -676,6 +676,36 @@ def test_one_backward_through_synced_and_no_sync_outputs_averages_like_ddp():
     run_ranks(_mixed_outputs_worker)
 
 
+def _averaging_worker(rank: int, world_size: int) -> None:
+    """`dp._engine.averaging()` (what flatgrad.pipelining's stage opens its last backward
+    in): micro-batches whose forwards all ran under no_sync(), the last backward inside it
+    averages everything accumulated, overlapped (buckets launched inside the backward);
+    the oracle is DDP's no_sync accumulation with a synchronised last micro-batch."""
+    flat, dp, ref = _dp_and_ddp(0.002)
+    for step in range(2):
+        dp.zero_grad()
+        ref.zero_grad()
+        with dp.no_sync():
+            losses = [dp(_tokens(rank, step, micro)) for micro in range(3)]
+        for micro, loss in enumerate(losses):
+            if micro == 2:
+                with dp._engine.averaging():
+                    loss.backward()
+            else:
+                loss.backward()
+        with ref.no_sync():
+            for micro in range(2):
+                ref(_tokens(rank, step, micro)).backward()
+        ref(_tokens(rank, step, 2)).backward()
+        _assert_grads_match(flat.module, ref.module, f"step {step}")
+    assert dp._engine.num_syncs == 2
+    assert dp._engine.last_round.launched_in_backward > 0
+
+
+def test_a_backward_inside_averaging_averages_after_no_sync_forwards():
+    run_ranks(_averaging_worker)
+
+
 class _TwoDtypes(nn.Module):
     """A float64 and a float32 group (two flat buffers), each with a layer some ranks use
     on some steps only, and a layer no rank uses."""
