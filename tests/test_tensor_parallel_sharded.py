@@ -207,9 +207,10 @@ def _dcp_2d(mesh, path: str, out: str) -> None:
             torch.testing.assert_close(_full(param.detach()), final[name], rtol=0, atol=TOL, msg=name)
 
 
-def _dcp_1d(mesh, path: str, out: str) -> None:
-    """1 x 2 (one data-parallel rank): the 2 x 2 checkpoint loads into ShardedOptimizer by
-    element and steps on as the 2 x 2 run did on the same global batches."""
+def _dcp_elsewhere(mesh, path: str, out: str) -> None:
+    """1 x 2 (one data-parallel rank) or 1 x 4 (another tensor-parallel size): the 2 x 2
+    checkpoint loads into ShardedOptimizer by element and steps on as the 2 x 2 run did on
+    the same global batches (DCP reshards the whole-shape state)."""
     import torch.distributed.checkpoint as dcp
 
     dp, opt = _mlp_2d(mesh, "element")
@@ -220,11 +221,11 @@ def _dcp_1d(mesh, path: str, out: str) -> None:
         torch.testing.assert_close(_full(param.detach()), final[name], rtol=0, atol=TOL, msg=name)
 
 
-_CASES = {"against_ddp": _against_ddp, "muon": _muon, "dcp_2d": _dcp_2d, "dcp_1d": _dcp_1d}
+_CASES = {"against_ddp": _against_ddp, "muon": _muon, "dcp_2d": _dcp_2d, "dcp_elsewhere": _dcp_elsewhere}
 
 
-def _run(rank: int, world_size: int, cases: list[tuple[str, ...]]) -> None:
-    mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+def _run(rank: int, world_size: int, cases: list[tuple[str, ...]], tp: int = 2) -> None:
+    mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
     for name, *args in cases:
         _CASES[name](mesh, *args)
 
@@ -244,10 +245,11 @@ def test_sharded_optimizer_over_dp_of_a_tensor_parallel_model(cases):
 
 
 @pytest.mark.distributed
-def test_dcp_checkpoints_of_a_sharded_optimizer_on_a_2d_mesh_load_by_tensor_into_torch_and_on_another_dp_size(
+def test_dcp_checkpoints_of_a_sharded_optimizer_on_a_2d_mesh_load_by_tensor_into_torch_and_on_other_sizes(
     tmp_path,
 ):
     pytest.importorskip("numpy")  # (DCP's object collectives)
     path, out = str(tmp_path / "checkpoint"), str(tmp_path / "final.pt")
     run_ranks(_run, [("dcp_2d", path, out)], world_size=4, timeout=300.0)
-    run_ranks(_run, [("dcp_1d", path, out)], world_size=2, timeout=300.0)
+    run_ranks(_run, [("dcp_elsewhere", path, out)], 4, world_size=4, timeout=300.0)
+    run_ranks(_run, [("dcp_elsewhere", path, out)], world_size=2, timeout=300.0)
