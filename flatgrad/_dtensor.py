@@ -107,6 +107,11 @@ class TensorParallel:
         return self.mesh.get_local_rank() == 0
 
     @property
+    def ranks(self) -> list[int]:
+        """The mesh's global ranks."""
+        return self.mesh.mesh.flatten().tolist()
+
+    @property
     def group(self) -> dist.ProcessGroup:
         """The mesh's process group (the norms' all-reduce)."""
         return self.mesh.get_group()
@@ -123,23 +128,8 @@ class TensorParallel:
 
     def combine(self, norms: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
         """The norm of the whole gradient from this rank's float64 per-piece norms of its
-        counted slots: their `norm_type` norm, combined over the mesh (the max for inf, else
-        the sum of the `norm_type`-th powers), as one float64 piece, the same on every rank."""
-        device = norms[0].device if norms else torch.device("cpu")
-        if self.mesh.device_type != device.type:
-            device = torch.device(self.mesh.device_type)
-        stacked = torch.stack([n.to(device, torch.float64) for n in norms]) if norms else None
-        local = (
-            torch.linalg.vector_norm(stacked, norm_type)
-            if stacked is not None
-            else torch.zeros((), dtype=torch.float64, device=device)
-        )
-        if math.isinf(norm_type):
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
-            return [local]
-        powered = local.pow(norm_type)
-        dist.all_reduce(powered, group=self.group)
-        return [powered.pow(1.0 / norm_type)]
+        counted slots (`combine_norms` over the mesh)."""
+        return combine_norms(norms, norm_type, self.group, self.mesh.device_type)
 
     def check_data_parallel(self, process_group: dist.ProcessGroup | None, what: str) -> None:
         """Raise unless `process_group` (None: the default group) meets the mesh in this rank
@@ -148,7 +138,7 @@ class TensorParallel:
         group that crosses the mesh crosses it on every rank it holds."""
         group = process_group if process_group is not None else dist.group.WORLD
         data_parallel = set(dist.get_process_group_ranks(group))
-        tensor_parallel = set(self.mesh.mesh.flatten().tolist())
+        tensor_parallel = set(self.ranks)
         shared = sorted(data_parallel & tensor_parallel)
         if len(shared) != 1:
             raise ValueError(
@@ -157,6 +147,55 @@ class TensorParallel:
                 f"with ranks {sorted(data_parallel)}: pass the data-parallel dimension's group, e.g. "
                 'mesh["dp"].get_group() for init_device_mesh(..., mesh_dim_names=("dp", "tp"))'
             )
+
+
+def combine_norms(
+    norms: Sequence[torch.Tensor], norm_type: float, group: dist.ProcessGroup, device_type: str
+) -> list[torch.Tensor]:
+    """The norm over the ranks of `group` (a tensor-parallel mesh; a pipeline's stages) from
+    this rank's float64 per-piece norms: their `norm_type` norm, combined over the group
+    (the max for inf, else the sum of the `norm_type`-th powers; one float64 all-reduce on
+    `device_type`), as one float64 piece, the same on every rank of the group."""
+    device = norms[0].device if norms else torch.device("cpu")
+    if device_type != device.type:
+        device = torch.device(device_type)
+    stacked = torch.stack([n.to(device, torch.float64) for n in norms]) if norms else None
+    local = (
+        torch.linalg.vector_norm(stacked, norm_type)
+        if stacked is not None
+        else torch.zeros((), dtype=torch.float64, device=device)
+    )
+    if math.isinf(norm_type):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return [local]
+    powered = local.pow(norm_type)
+    dist.all_reduce(powered, group=group)
+    return [powered.pow(1.0 / norm_type)]
+
+
+def pipeline_group(pp_mesh: object, **groups: Sequence[int]) -> dist.ProcessGroup:
+    """The process group of `pp_mesh`, the 1-D mesh of a pipeline's stages over which a norm
+    sums each stage's (``mesh["pp"]``), checked against `groups` (by name: the ranks of the
+    model's tensor-parallel mesh, of a data-parallel group), which it must meet in this rank
+    alone, or a stage's gradient would be counted more than once. Every rank checks its own
+    groups: a mesh that crosses one crosses it on every rank it holds.
+
+    Raises:
+        TypeError: `pp_mesh` is not a DeviceMesh.
+        ValueError: It has more than one dimension, or crosses one of `groups`.
+    """
+    if not isinstance(pp_mesh, DeviceMesh):
+        raise TypeError(f"pp_mesh must be a DeviceMesh (mesh['pp']), got {type(pp_mesh).__name__}")
+    if pp_mesh.ndim != 1:
+        raise ValueError(f"pp_mesh must be 1-D (mesh['pp']), got a mesh of shape {tuple(pp_mesh.shape)}")
+    stages = set(pp_mesh.mesh.flatten().tolist())
+    for name, ranks in groups.items():
+        if len(stages & set(ranks)) != 1:
+            raise ValueError(
+                f"pp_mesh must hold one rank of each {name} group (ranks {sorted(ranks)} here), got "
+                f'ranks {sorted(stages)}: pass the pipeline dimension, mesh["pp"]'
+            )
+    return pp_mesh.get_group()
 
 
 def tensor_parallel_of(params: Sequence[torch.Tensor]) -> TensorParallel | None:

@@ -296,11 +296,20 @@ class ShardEngine(FlatParameters):
             pieces.append(Piece(nn.Parameter(empty), empty, (empty.dtype, empty.device), 0))
         return pieces
 
-    def clip(self, max_norm: float, norm_type: float, error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Scale the gradient shards to a global norm of at most `max_norm`; returns the
-        global norm before (one scalar all-reduce)."""
+    def clip(
+        self,
+        max_norm: float,
+        norm_type: float,
+        error_if_nonfinite: bool = False,
+        stages: dist.ProcessGroup | None = None,
+    ) -> torch.Tensor:
+        """Scale the gradient shards to a global norm of at most `max_norm` (with `stages`, a
+        pipeline's: over every stage); returns the global norm before (one scalar all-reduce
+        per group: dp's, the tensor-parallel mesh's, the stages')."""
         grads, group, runs = [s.grad for s in self.shards], self.process_group, self.grad_runs
-        return clip_shards(grads, max_norm, norm_type, group, runs, error_if_nonfinite, self.counted_runs)
+        return clip_shards(
+            grads, max_norm, norm_type, group, runs, error_if_nonfinite, self.counted_runs, stages
+        )
 
     def unscale_(  # (FlatParameters')
         self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool
@@ -531,6 +540,7 @@ def clip_shards(
     runs: Sequence[torch.Tensor],
     error_if_nonfinite: bool = False,
     tensor_parallel: tuple[TensorParallel, Sequence[torch.Tensor]] | None = None,
+    stages: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Scale the gradients of `grads` (every rank's shards together) to a global norm of at
     most `max_norm`, multiplying only their `runs` (`runs_in_shards`); returns the global
@@ -538,13 +548,15 @@ def clip_shards(
     NaN or infinite global norm raises instead, on every rank alike (they share the norm).
     With `tensor_parallel` (the mesh of DTensor parameters and the runs of `grads` this rank
     counts, `TensorParallel.counts`), the norm reads those runs only and a second scalar
-    all-reduce over the mesh makes it the whole gradient's."""
+    all-reduce over the mesh makes it the whole gradient's; with `stages` (a pipeline's), one
+    more over them makes it the whole pipeline's."""
     device = grads[0].device
     counted = grads if tensor_parallel is None else list(tensor_parallel[1])
     # float64 partial norms, accumulated in chunks (see flatgrad._norms)
     norms = [_norms.vector_norm(g, norm_type).to(device) for g in counted]
     stacked = torch.stack(norms) if norms else torch.zeros(1, dtype=torch.float64, device=device)
     groups = [process_group] + ([tensor_parallel[0].group] if tensor_parallel is not None else [])
+    groups += [stages] if stages is not None else []
     if math.isinf(norm_type):
         total = stacked.max()
         for group in groups:

@@ -39,7 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable, JoinHook
+from torch.distributed.device_mesh import DeviceMesh
 
+from flatgrad._dtensor import pipeline_group
 from flatgrad._gather_waits import ForwardWaits
 from flatgrad._scattered_grad import is_scattered, unguarded, unmark_scattered
 from flatgrad._torch_compat import join_state, leave_join
@@ -482,6 +484,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         norm_type: float = 2.0,
         error_if_nonfinite: bool = False,
         foreach: bool | None = None,
+        *,
+        pp_mesh: DeviceMesh | None = None,
     ) -> torch.Tensor:
         """Scale the gradient shards so that their global norm (the norm over every rank's
         shards: the norm of the averaged gradients, as stock clipping computes it) is at most
@@ -494,22 +498,37 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 infinite (on every rank: they share the norm), as torch's.
             foreach: Accepted for torch's signature; the shards are a few flat tensors, each
                 scaled in one kernel either way.
+            pp_mesh: The 1-D mesh of a pipeline's stages (``mesh["pp"]``), this model one
+                stage of it: clip by the norm of every stage's gradients together (one scalar
+                all-reduce more, over it; every stage must call it). None: by this model's.
 
         Returns:
             The global norm before clipping, as a 0-d tensor in at least float32.
 
         Raises:
+            TypeError: `pp_mesh` is not a DeviceMesh.
             ValueError: `norm_type` is NaN, zero or negative (``-inf`` included: the minimum
-                over shards would need another reduction, and nobody clips by it).
+                over shards would need another reduction, and nobody clips by it); `pp_mesh`
+                is not 1-D, or crosses dp's group or the tensor-parallel mesh.
             RuntimeError: The global norm is non-finite and `error_if_nonfinite` is True.
         """
         norm_type = float(norm_type)
         if not norm_type > 0:  # (False for NaN too)
             raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
+        stages = None if pp_mesh is None else self._stages(pp_mesh)
         self._follow_layout()
         if isinstance(self._engine, TensorEngine):  # (every rank holds every averaged gradient)
-            return self.dp.module.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
-        return self._engine.clip(max_norm, norm_type, error_if_nonfinite)
+            return self.dp.module.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, pp_mesh=pp_mesh)
+        return self._engine.clip(max_norm, norm_type, error_if_nonfinite, stages)
+
+    def _stages(self, pp_mesh: DeviceMesh) -> dist.ProcessGroup:
+        """`pp_mesh`'s group, checked against dp's group and the tensor-parallel mesh."""
+        group = self.dp.process_group if self.dp.process_group is not None else dist.group.WORLD
+        crossing = {"data-parallel": dist.get_process_group_ranks(group)}
+        tensor_parallel = self._engine.store.tensor_parallel
+        if tensor_parallel is not None:
+            crossing["tensor-parallel"] = tensor_parallel.ranks
+        return pipeline_group(pp_mesh, **crossing)
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state per parameter, keyed by the plain parameter names, in a form

@@ -19,10 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.parameter import is_lazy
 
-from flatgrad import _norms, comm
+from flatgrad import _dtensor, _norms, comm
 from flatgrad._engine import GradEngine, trainable_parameters
 from flatgrad._module_proxy import TransparentWrapper, add_prefix, strip_prefix
 from flatgrad._scattered_grad import is_scattered, refuse_scattered, scattered_main_grad, unmark_scattered
@@ -211,7 +212,7 @@ class FlatGrad(TransparentWrapper):
         """
         return _main_grad(self._engine, param)
 
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+    def grad_norm(self, norm_type: float = 2.0, *, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
         """The norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes
         it, but accumulated in float64 over chunks of each buffer: within about 1e-9
         (float32 gradients) or 1e-7 (bfloat16/float16) of the float64 norm at any size, and
@@ -221,19 +222,30 @@ class FlatGrad(TransparentWrapper):
 
         Args:
             norm_type: The order of the norm (``float("inf")`` for the max norm), as in torch.
+            pp_mesh: The 1-D mesh of a pipeline's stages (``mesh["pp"]``, torchtitan's name),
+                this model one stage of it: the norm of every stage's gradients together
+                (one float64 all-reduce over it; every stage must call it). None: this
+                model's own.
 
         Returns:
             The total norm as a 0-d tensor (0 when no parameter has a `.grad`).
 
         Raises:
-            ValueError: `norm_type` is NaN.
+            TypeError: `pp_mesh` is not a DeviceMesh.
+            ValueError: `norm_type` is NaN (or, with `pp_mesh` or DTensor parameters, not
+                positive), or `pp_mesh` is not 1-D or crosses the tensor-parallel mesh.
             RuntimeError: The gradients are reduce-scattered by a `ShardedOptimizer` (after
                 its synchronised backward, until ``zero_grad()``); use its `clip_grad_norm_`.
         """
-        return _grad_norm(self._engine, norm_type)
+        return _grad_norm(self._engine, norm_type, pp_mesh)
 
     def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        *,
+        pp_mesh: DeviceMesh | None = None,
     ) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on the flat buffers:
         scales every gradient in place by ``min(1, max_norm / (total_norm + 1e-6))``, with
@@ -245,17 +257,22 @@ class FlatGrad(TransparentWrapper):
             max_norm: The largest total norm the gradients keep.
             norm_type: The order of the norm (``float("inf")`` for the max norm), as in torch.
             error_if_nonfinite: Raise instead of clipping when the total norm is NaN or infinite.
+            pp_mesh: The 1-D mesh of a pipeline's stages (``mesh["pp"]``): clip by the norm
+                of every stage's gradients together, as `grad_norm` takes it (every stage
+                must call it). None: by this model's own.
 
         Returns:
             The total norm before clipping, as `grad_norm` returns it.
 
         Raises:
-            ValueError: `norm_type` is NaN.
+            TypeError: `pp_mesh` is not a DeviceMesh.
+            ValueError: `norm_type` is NaN (or, with `pp_mesh` or DTensor parameters, not
+                positive), or `pp_mesh` is not 1-D or crosses the tensor-parallel mesh.
             RuntimeError: The total norm is non-finite and `error_if_nonfinite` is True; or the
                 gradients are reduce-scattered by a `ShardedOptimizer` (after its synchronised
                 backward, until ``zero_grad()``): use its `clip_grad_norm_`.
         """
-        return _clip_grad_norm_(self._engine, max_norm, norm_type, error_if_nonfinite)
+        return _clip_grad_norm_(self._engine, max_norm, norm_type, error_if_nonfinite, pp_mesh)
 
     # --- synchronisation (the communication itself lives in flatgrad.comm) --------------
 
@@ -379,22 +396,26 @@ def _main_grad(engine: GradEngine, param: torch.Tensor) -> torch.Tensor:
     return store.view(param)
 
 
-def _grad_norm(engine: GradEngine, norm_type: float) -> torch.Tensor:
+def _grad_norm(engine: GradEngine, norm_type: float, pp_mesh: DeviceMesh | None) -> torch.Tensor:
     """`FlatGrad.grad_norm`: the total norm of every gradient, in float64 chunks."""
     norm_type = _check_norm_type(norm_type)
     refuse_scattered(engine.store, "flat.grad_norm()")
-    _, _, norms, dtype = _grads_and_norms(engine, norm_type)
+    _, _, norms, dtype = _grads_and_norms(engine, norm_type, pp_mesh)
     return _norms.total_norm(norms, norm_type, dtype)
 
 
 def _clip_grad_norm_(
-    engine: GradEngine, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    engine: GradEngine,
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    pp_mesh: DeviceMesh | None,
 ) -> torch.Tensor:
     """`FlatGrad.clip_grad_norm_`: scale the runs and the gradients outside the buffers in
     place by ``min(1, max_norm / (total + 1e-6))``; the total norm before clipping."""
     norm_type = _check_norm_type(norm_type)
     refuse_scattered(engine.store, "flat.clip_grad_norm_()")
-    store, others, norms, dtype = _grads_and_norms(engine, norm_type)
+    store, others, norms, dtype = _grads_and_norms(engine, norm_type, pp_mesh)
     total = _norms.total_norm(norms, norm_type, dtype)
     if not norms:
         return total
@@ -408,9 +429,10 @@ def _clip_grad_norm_(
 
 
 def _grads_and_norms(
-    engine: GradEngine, norm_type: float
+    engine: GradEngine, norm_type: float, pp_mesh: DeviceMesh | None = None
 ) -> tuple[GradStore, list[torch.Tensor], list[torch.Tensor], torch.dtype]:
-    """(store, gradients outside it, per-piece float64 norms, the total's dtype)."""
+    """(store, gradients outside it, per-piece float64 norms, the total's dtype); with
+    `pp_mesh`, one piece: the norm over every stage of the pipeline."""
     store = engine.refresh()
     tensor_parallel = store.tensor_parallel
     if tensor_parallel is not None and norm_type <= 0:
@@ -418,15 +440,31 @@ def _grads_and_norms(
             f"norm_type must be positive or inf for a model with DTensor parameters, got {norm_type}: "
             "orders 0 and below are defined per whole tensor, not over its shards"
         )
+    stages = None if pp_mesh is None else _stages(pp_mesh, tensor_parallel, norm_type)
     store.settle()
     others = [p.grad for p in engine.others if p.grad is not None]
     if tensor_parallel is None:
-        return (store, others, *_norms.piece_norms(store, others, norm_type))
-    # With DTensor parameters this rank counts its shards, and replicated gradients only on
-    # the mesh's first rank; one all-reduce over the mesh makes that the whole gradient's norm.
-    counted = [p.grad for p in engine.others if p.grad is not None and tensor_parallel.counts(p)]
-    norms, dtype = _norms.piece_norms(store, counted, norm_type)  # type: ignore[arg-type]
-    return store, others, tensor_parallel.combine(norms, norm_type), dtype
+        norms, dtype = _norms.piece_norms(store, others, norm_type)
+    else:
+        # With DTensor parameters this rank counts its shards, and replicated gradients only on
+        # the mesh's first rank; one all-reduce over the mesh makes that the whole gradient's norm.
+        counted = [p.grad for p in engine.others if p.grad is not None and tensor_parallel.counts(p)]
+        norms, dtype = _norms.piece_norms(store, counted, norm_type)  # type: ignore[arg-type]
+        norms = tensor_parallel.combine(norms, norm_type)
+    if stages is not None:
+        norms = _dtensor.combine_norms(norms, norm_type, stages, pp_mesh.device_type)  # type: ignore[union-attr]
+    return store, others, norms, dtype
+
+
+def _stages(pp_mesh: DeviceMesh, tensor_parallel: _dtensor.TensorParallel | None, norm_type: float) -> Any:
+    """`pp_mesh`'s group, checked (`_dtensor.pipeline_group`), for a norm of positive order."""
+    if norm_type <= 0:
+        raise ValueError(
+            f"norm_type must be positive or inf with pp_mesh, got {norm_type}: orders 0 and below "
+            "are defined per whole tensor, not summed over a pipeline's stages"
+        )
+    crossing = {"tensor-parallel": tensor_parallel.ranks} if tensor_parallel is not None else {}
+    return _dtensor.pipeline_group(pp_mesh, **crossing)
 
 
 def _check_norm_type(norm_type: float) -> float:

@@ -57,11 +57,18 @@ def _schedule(name: str, stages: list[Any]) -> Any:
 
 
 def _compare(
-    name: str, path: str, settings: dict[str, Any], mesh: tuple[int, int, Any, Any], infer: bool
+    name: str,
+    path: str,
+    settings: dict[str, Any],
+    mesh: tuple[int, int, Any, Any],
+    infer: bool,
+    meshes: tuple[Any, Any] | None = None,
 ) -> None:
     """`path` ("data_parallel": AdamW on the model and FlatGrad's clipping; "sharded":
     ShardedOptimizer(dp, AdamW) and its clipping) over flatgrad.pipelining.PipelineStage,
-    against DDP stages: losses, norms, gradients (where readable) and parameters."""
+    against DDP stages: losses, norms, gradients (where readable) and parameters. With
+    `meshes` (the "pp" and "dp" DeviceMeshes) both clip by the whole pipeline's norm: ours
+    with ``pp_mesh=``, DDP's by hand from the stage norms (`_whole_model_clip`)."""
     index, dp_rank, pp_group, dp_group = mesh
     cpu = torch.device("cpu")
     model = _stage_module(index)
@@ -98,11 +105,19 @@ def _compare(
             for param_name, param in model.named_parameters():
                 assert grad_in_buffers(flat, param.grad), f"{what} {param_name}: outside"
         clip = opt.clip_grad_norm_ if path == "sharded" else flat.clip_grad_norm_
-        norm = clip(MAX_NORM)
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), MAX_NORM)
+        if meshes is None:
+            norm = clip(MAX_NORM)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), MAX_NORM)
+            _check_whole_model_norm(norm, ref_norm, pp_group)
+        else:
+            norm, ref_norm = clip(MAX_NORM, pp_mesh=meshes[0]), _whole_model_clip(ref_model, pp_group)
+            if path == "sharded" and step == 0:
+                with pytest.raises(
+                    ValueError, match="pp_mesh must hold one rank of each data-parallel group"
+                ):
+                    opt.clip_grad_norm_(MAX_NORM, pp_mesh=meshes[1])
         assert ref_norm > MAX_NORM, "the step must clip"
         torch.testing.assert_close(norm.double(), ref_norm, **TOL)
-        _check_whole_model_norm(norm, ref_norm, pp_group)
         opt.step()
         ref_opt.step()
         assert_params_like(model, ref_model, **TOL, what=f"{what} step {step}")
@@ -182,6 +197,20 @@ def _multi_stage(mesh: tuple[int, int, Any, Any], name: str) -> None:
         for model, ref in zip(models, refs):
             assert_grads_like(model, ref, **TOL, what=f"{name} step {step}")
     assert [dp._engine.num_syncs for dp in dps] == [2, 2], name
+
+
+def _whole_model_clip(model: nn.Module, pp_group: Any) -> torch.Tensor:
+    """Clipping by the whole pipeline's norm, by hand, as torchtitan does for its pipelined
+    models: the stage's norm, its square summed over "pp", each gradient scaled by torch's
+    factor ``min(1, max_norm / (norm + 1e-6))``; returns that norm."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    square = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).square()
+    dist.all_reduce(square, group=pp_group)
+    total = square.sqrt()
+    coef = torch.clamp(MAX_NORM / (total + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coef)
+    return total
 
 
 def _check_whole_model_norm(norm: torch.Tensor, ref_norm: torch.Tensor, pp_group: Any) -> None:
@@ -295,6 +324,8 @@ def _worker(rank: int, world_size: int) -> None:
             _compare(name, path, {}, mesh, infer=name == "ScheduleGPipe")
     _compare("Schedule1F1B", "data_parallel", {"check_finite": True, "bucket_mb": 0.0003}, mesh, infer=False)
     _compare("Schedule1F1B", "sharded", {"wire_dtype": torch.bfloat16}, mesh, infer=False)
+    for path in ("data_parallel", "sharded"):  # clipped by the whole pipeline's norm
+        _compare("Schedule1F1B", path, {}, mesh, infer=False, meshes=(device_mesh["pp"], device_mesh["dp"]))
     _manual_sharded(mesh)
     _multi_stage(mesh, "ScheduleInterleaved1F1B")
     _split_backward(mesh, sharded=False, check_finite=True)

@@ -274,6 +274,15 @@ def _refusals(rank: int, world_size: int) -> None:
     flat(torch.randn(4, 8, dtype=torch.float64)).sum().backward()
     with pytest.raises(ValueError, match="norm_type must be positive or inf"):
         flat.grad_norm(0)
+    # A pipeline's stage mesh (pp_mesh: the norm over every stage) must not cross "tp".
+    with pytest.raises(ValueError, match="pp_mesh must hold one rank of each tensor-parallel group"):
+        flat.grad_norm(pp_mesh=mesh["tp"])
+    with pytest.raises(ValueError, match="pp_mesh must be 1-D"):
+        flat.clip_grad_norm_(1.0, pp_mesh=mesh)
+    with pytest.raises(TypeError, match="pp_mesh must be a DeviceMesh"):
+        flat.grad_norm(pp_mesh=mesh["dp"].get_group())
+    with pytest.raises(ValueError, match="norm_type must be positive or inf with pp_mesh"):
+        flatgrad.FlatGrad(MLP().double()).grad_norm(0, pp_mesh=mesh["dp"])
     # Parameters on two meshes, on a 2-D mesh, and main grads: refused at wrap time.
     two = MLP().double()
     tp_api.parallelize_module(two.up, mesh["tp"], ColwiseParallel())
