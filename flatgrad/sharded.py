@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatgrad._dtensor import pipeline_group
+from flatgrad._dtensor import local_of, move_into, pipeline_group
 from flatgrad._gather_waits import ForwardWaits
 from flatgrad._scattered_grad import is_scattered, unguarded, unmark_scattered
 from flatgrad._torch_compat import join_state, leave_join
@@ -267,7 +267,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._parked = parked
         with torch.no_grad():
             for param in frozen:  # (its memory its own again, not the old flat buffer's)
-                param.data = param.data.clone()
+                move_into(param, local_of(param).clone())
         self._lay_out(store)
         assert isinstance(self._groups, PieceGroups), "by element: its pieces"
         views = self._groups.views(self.param_groups)

@@ -224,7 +224,45 @@ def _dcp_elsewhere(mesh, path: str, out: str) -> None:
         torch.testing.assert_close(_full(param.detach()), final[name], rtol=0, atol=TOL, msg=name)
 
 
-_CASES = {"against_ddp": _against_ddp, "muon": _muon, "dcp_2d": _dcp_2d, "dcp_elsewhere": _dcp_elsewhere}
+def _freeze_and_overlap(mesh, shard_by: str) -> None:
+    """ShardedOptimizer with ``overlap_param_gather=True`` (by element), a tensor-parallel
+    weight frozen after two steps (its state parked, the layout sharded again), against the
+    plain model stepped on each step's whole global batch by torch's AdamW (the average over
+    "dp" of the 2 x 2 run's means, to rounding)."""
+    plain = _model("mlp")[0]
+    oracle = copy.deepcopy(plain)
+    dp = flatgrad.DataParallel(
+        flatgrad.FlatGrad(_parallel(plain, mesh["tp"], MLP_PLAN)), device_mesh=mesh["dp"]
+    )
+    overlap = shard_by == "element"
+    opt = flatgrad.ShardedOptimizer(
+        dp, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, shard_by=shard_by, overlap_param_gather=overlap
+    )
+    oracle_opt = torch.optim.AdamW(oracle.parameters(), lr=1e-3, weight_decay=0.1)
+    for step in range(4):
+        if step == 2 and shard_by == "element":  # (by tensor a change of layout is refused)
+            dp.module.module.down.weight.requires_grad_(False)
+            oracle.down.weight.requires_grad_(False)
+        dp(_global_batch(step, mesh)).pow(2).mean().backward()
+        oracle(torch.cat([_batch(step, 0, r, (4, 8)) for r in range(2)])).pow(2).mean().backward()
+        opt.clip_grad_norm_(0.5)
+        torch.nn.utils.clip_grad_norm_([p for p in oracle.parameters() if p.grad is not None], 0.5)
+        for optimizer in (opt, oracle_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    opt.wait_param_gather()
+    for name, param in dp.named_parameters():
+        ref = dict(oracle.named_parameters())[name]
+        torch.testing.assert_close(_full(param.detach()), ref.detach(), rtol=0, atol=TOL, msg=name)
+
+
+_CASES = {
+    "against_ddp": _against_ddp,
+    "muon": _muon,
+    "freeze_and_overlap": _freeze_and_overlap,
+    "dcp_2d": _dcp_2d,
+    "dcp_elsewhere": _dcp_elsewhere,
+}
 
 
 def _run(rank: int, world_size: int, cases: list[tuple[str, ...]], tp: int = 2) -> None:
@@ -240,8 +278,9 @@ def _run(rank: int, world_size: int, cases: list[tuple[str, ...]], tp: int = 2) 
         [("against_ddp", "mlp", "element"), ("against_ddp", "mlp", "tensor")],
         [("against_ddp", "llama_block_sp", "element"), ("against_ddp", "llama_block", "tensor")],
         [("muon", "llama_block", "tensor")],
+        [("freeze_and_overlap", "element"), ("freeze_and_overlap", "tensor")],
     ],
-    ids=["mlp", "llama_block", "muon"],
+    ids=["mlp", "llama_block", "muon", "freeze_and_overlap"],
 )
 def test_sharded_optimizer_over_dp_of_a_tensor_parallel_model(cases):
     run_ranks(_run, cases, world_size=4, timeout=300.0)
