@@ -5,14 +5,17 @@ parallel across ("dp"), with flatgrad's DataParallel averaging each rank's local
     torchrun --standalone --nproc_per_node=4 examples/train_gpt_2d.py --tp 2
     torchrun --standalone --nproc_per_node=2 examples/train_gpt_2d.py --tp 2      # pure TP
     torchrun --standalone --nproc_per_node=4 examples/train_gpt_2d.py --tp 2 --config configs/gpt_cpu.yaml
+    torchrun --standalone --nproc_per_node=4 examples/train_gpt_2d.py --tp 2 --zero  # ZeRO-1 over "dp"
 
 Each block's MLP is split with torch's `parallelize_module` (`ColwiseParallel` for the up
 projection, `RowwiseParallel` for the down one): those weights are DTensors, each rank holds
 half, and their gradients live in the rank's flat buffer as local shards (`.grad` a DTensor
 over the slot). Attention, the norms and the tied embedding stay plain (the same on every
 rank of a "tp" group). Ranks of one "tp" group read the same windows; each "dp" rank its own.
-`flat.clip_grad_norm_` clips by the norm of the whole, unsharded gradient. At the end every
-rank writes a DCP checkpoint (`<out_dir>/dcp_2d`) that loads on any "dp" size.
+`flat.clip_grad_norm_` clips by the norm of the whole, unsharded gradient. With `--zero`
+a `flatgrad.ShardedOptimizer` shards AdamW's state over "dp" (each rank steps its part of its
+local shards) and clips with its own `clip_grad_norm_`. At the end every rank writes a DCP
+checkpoint (`<out_dir>/dcp_2d`) that loads on any "dp" size.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def parallelize(model: GPT, tp_mesh) -> GPT:  # noqa: ANN001 (a DeviceMesh)
     return model
 
 
-def train(cfg: TrainConfig, tp: int) -> None:
+def train(cfg: TrainConfig, tp: int, sharded: bool) -> None:
     rank, world_size, device = init_distributed(cfg.device)
     if world_size % tp:
         raise ValueError(f"--tp must divide the number of processes ({world_size}), got {tp}")
@@ -54,13 +57,20 @@ def train(cfg: TrainConfig, tp: int) -> None:
     model = parallelize(GPT(data.vocab_size, **cfg.model.model_dump()).to(device), mesh["tp"])
     flat = flatgrad.FlatGrad(model, config=cfg.flatgrad)
     dp = flatgrad.DataParallel(flat, device_mesh=mesh["dp"], bucket_mb=cfg.bucket_mb)
-    optimizer = torch.optim.AdamW(dp.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    adamw = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    optimizer: torch.optim.Optimizer
+    if sharded:  # ZeRO-1 over "dp": AdamW's state of this rank's part of its local shards
+        optimizer = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, **adamw)
+        clip = optimizer.clip_grad_norm_
+    else:
+        optimizer = torch.optim.AdamW(dp.parameters(), **adamw)
+        clip = flat.clip_grad_norm_
     generator = torch.Generator().manual_seed(cfg.seed + dp_rank)  # one stream per "dp" rank
     logger.info(
-        "mesh dp=%d x tp=%d; %d parameters, %d of them DTensors; %s",
+        "mesh dp=%d x tp=%d; %d parameters, %d of them DTensors; %s; %s",
         world_size // tp, tp, sum(1 for _ in flat.parameters()),
         sum(1 for p in flat.parameters() if hasattr(p, "device_mesh")),
-        {str(k): b.numel() for k, b in flat.grad_buffers.items()},
+        {str(k): b.numel() for k, b in flat.grad_buffers.items()}, type(optimizer).__name__,
     )  # fmt: skip
     start, losses = time.perf_counter(), []
     for step in range(1, cfg.max_steps + 1):
@@ -73,7 +83,7 @@ def train(cfg: TrainConfig, tp: int) -> None:
                 loss = lm_loss(dp(inputs), targets) / cfg.grad_accum_steps
                 loss.backward()
             total += loss.detach()
-        norm = flat.clip_grad_norm_(cfg.grad_clip) if cfg.grad_clip is not None else None
+        norm = clip(cfg.grad_clip) if cfg.grad_clip is not None else None
         optimizer.step()
         dist.all_reduce(total, group=mesh["dp"].get_group())
         losses.append(float(total) / mesh["dp"].size())
@@ -92,13 +102,14 @@ def main() -> None:
     parser.add_argument("--config", default="configs/gpt_cpu.yaml", help="a TrainConfig YAML")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per data-parallel rank")
     parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--zero", action="store_true", help="ZeRO-1: a ShardedOptimizer over dp")
     parser.add_argument("--out-dir", default=None, help="where dcp_2d goes (the config's out_dir if unset)")
     args = parser.parse_args()
     if args.tp < 1:
         parser.error(f"--tp must be at least 1, got {args.tp}")
     overrides = {"max_steps": args.max_steps, "log_interval": 10, "out_dir": args.out_dir}
     cfg = load_config(TrainConfig, args.config, overrides)
-    launch(lambda: train(cfg, args.tp))
+    launch(lambda: train(cfg, args.tp, args.zero))
 
 
 if __name__ == "__main__":

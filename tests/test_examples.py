@@ -187,18 +187,20 @@ def test_train_gpt_under_torchrun_saves_a_plain_checkpoint(tmp_path: Path, engin
 
 
 @pytest.mark.distributed
-def test_train_gpt_2d_on_a_2x2_mesh_saves_what_the_plain_gpt_loads(tmp_path: Path) -> None:
-    """examples/train_gpt_2d.py on 4 processes (dp 2 x tp 2): it trains, and its DCP
-    checkpoint (DTensor shards of the MLPs) loads into the plain GPT in one process."""
+@pytest.mark.parametrize("optimizer", ["AdamW", "ShardedOptimizer"])
+def test_train_gpt_2d_on_a_2x2_mesh_saves_what_the_plain_gpt_loads(tmp_path: Path, optimizer: str) -> None:
+    """examples/train_gpt_2d.py on 4 processes (dp 2 x tp 2), with torch's AdamW or a
+    ShardedOptimizer: it trains, and its DCP checkpoint (DTensor shards of the MLPs) loads
+    into the plain GPT in one process."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
         "examples/train_gpt_2d.py", "--tp", "2", "--max-steps", "3", "--out-dir", str(tmp_path),
-    ]  # fmt: skip
+    ] + (["--zero"] if optimizer == "ShardedOptimizer" else [])  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
-    assert "mesh dp=2 x tp=2" in output and "16 of them DTensors" in output
+    assert "mesh dp=2 x tp=2" in output and "16 of them DTensors" in output and f"; {optimizer}" in output
     cfg = load_config(TrainConfig, ROOT / "configs" / "gpt_cpu.yaml")
     data = CharData(read_text(cfg.data.source, cfg.data.stdlib_modules, cfg.data.path))
     model = GPT(data.vocab_size, **cfg.model.model_dump())
