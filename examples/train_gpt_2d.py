@@ -46,7 +46,7 @@ def parallelize(model: GPT, tp_mesh) -> GPT:  # noqa: ANN001 (a DeviceMesh)
     return model
 
 
-def train(cfg: TrainConfig, tp: int, sharded: bool) -> None:
+def train(cfg: TrainConfig, tp: int) -> None:
     rank, world_size, device = init_distributed(cfg.device)
     if world_size % tp:
         raise ValueError(f"--tp must divide the number of processes ({world_size}), got {tp}")
@@ -59,7 +59,7 @@ def train(cfg: TrainConfig, tp: int, sharded: bool) -> None:
     dp = flatgrad.DataParallel(flat, device_mesh=mesh["dp"], bucket_mb=cfg.bucket_mb)
     adamw = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
     optimizer: torch.optim.Optimizer
-    if sharded:  # ZeRO-1 over "dp": AdamW's state of this rank's part of its local shards
+    if cfg.zero:  # ZeRO-1 over "dp": AdamW's state of this rank's part of its local shards
         optimizer = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, **adamw)
         clip = optimizer.clip_grad_norm_
     else:
@@ -102,14 +102,18 @@ def main() -> None:
     parser.add_argument("--config", default="configs/gpt_cpu.yaml", help="a TrainConfig YAML")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per data-parallel rank")
     parser.add_argument("--max-steps", type=int, default=30)
-    parser.add_argument("--zero", action="store_true", help="ZeRO-1: a ShardedOptimizer over dp")
+    parser.add_argument(
+        "--zero", action="store_true", default=None, help="ZeRO-1: a ShardedOptimizer over dp"
+    )
     parser.add_argument("--out-dir", default=None, help="where dcp_2d goes (the config's out_dir if unset)")
     args = parser.parse_args()
     if args.tp < 1:
         parser.error(f"--tp must be at least 1, got {args.tp}")
+    # (this example is always flatgrad's DataParallel; `zero` as train_gpt.py's config has it)
     overrides = {"max_steps": args.max_steps, "log_interval": 10, "out_dir": args.out_dir}
+    overrides.update({"engine": "flatgrad", "zero": args.zero})
     cfg = load_config(TrainConfig, args.config, overrides)
-    launch(lambda: train(cfg, args.tp, args.zero))
+    launch(lambda: train(cfg, args.tp))
 
 
 if __name__ == "__main__":
