@@ -90,10 +90,10 @@ def _guarded(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         return func(*args, **(kwargs or {}))
 
 
-class ScatteredGrad(torch.Tensor):
-    """A model parameter's `.grad` between a reduce-scattering backward and `zero_grad`: the
-    slot's memory, readable for metadata only (see the module notes). Each knows its
-    store's reduce-scatter state (`scattered`), which says when it acts as a plain tensor."""
+class _Guarded:
+    """The ``__torch_function__`` both kinds of reduce-scattered `.grad` share (`_guarded`);
+    each knows its store's reduce-scatter state (`scattered`), which says when it acts as a
+    plain tensor."""
 
     scattered: Scattered
 
@@ -108,25 +108,18 @@ class ScatteredGrad(torch.Tensor):
         return _guarded(func, args, kwargs)
 
 
-class ScatteredDTensorGrad(DTensor):  # type: ignore[misc]
+class ScatteredGrad(_Guarded, torch.Tensor):
+    """A model parameter's `.grad` between a reduce-scattering backward and `zero_grad`: the
+    slot's memory, readable for metadata only (see the module notes)."""
+
+
+class ScatteredDTensorGrad(_Guarded, DTensor):  # type: ignore[misc]
     """A DTensor parameter's `.grad` between a reduce-scattering backward and `zero_grad`:
     the DTensor over its slot, guarded as `ScatteredGrad` at the DTensor's own calls
     (``torch.nn.utils.clip_grad_norm_``, ``p.grad.norm()``), whose local tensor is its
     slot's `ScatteredGrad` (``p.grad.to_local()`` is guarded too). DTensor's dispatch runs
     the local tensor's ops below ``__torch_function__``: what the guard lets through
     (zeroing) reaches the slot."""
-
-    scattered: Scattered
-
-    @classmethod
-    def __torch_function__(
-        cls,
-        func: Callable[..., Any],
-        types: Collection[type],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        return _guarded(func, args, kwargs)
 
 
 _ALIASES = (ScatteredGrad, ScatteredDTensorGrad)

@@ -244,3 +244,19 @@ def _run_fresh(
             for process in context.processes:
                 process.kill()
             pytest.fail(f"ranks did not finish within {timeout} s")
+
+
+def average_grads(models: list[torch.nn.Module], group: Any) -> None:
+    """Data parallelism by hand, the oracle's for models no wrapper averages (pipeline
+    stages under a split backward, a tensor-parallel model): every `.grad` (a DTensor's
+    local tensor) summed over `group` and divided by its size (two float64 values halved:
+    exact)."""
+    with torch.no_grad():
+        for model in models:
+            for param in model.parameters():
+                if param.grad is None:
+                    continue
+                grad = param.grad
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                dist.all_reduce(local, group=group)
+                local.div_(dist.get_world_size(group))

@@ -24,9 +24,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import ROUTE_ALL, grad_in_buffers
-from dist_utils import run_ranks
+from dist_utils import average_grads, run_ranks
 from oracle import assert_grads_like, assert_params_like
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -212,10 +211,7 @@ def _split_backward_worker(rank: int, world_size: int) -> None:
         for flat in flats:
             flat.all_reduce_grads(dp_group)
         _run_step(theirs, pp_rank == 0, pp_rank == 1, batch)
-        for ref in refs:
-            for param in ref.parameters():
-                dist.all_reduce(param.grad, group=dp_group)
-                param.grad /= 2
+        average_grads(refs, dp_group)
         for flat, model, ref in zip(flats, models, refs):
             assert_grads_like(model, ref, **TOL, what=f"{name} step {step}")
             _assert_grads_in_buffers(flat, f"{name} step {step}")

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import ROUTE_ALL, grad_in_buffers
-from dist_utils import run_ranks
+from dist_utils import average_grads, run_ranks
 from oracle import assert_grads_like, assert_params_like
 from test_pipeline import NUM_MICROBATCHES, STEPS, TOL, _batch, _loss, _run_step, _shapes, _stage_module
 from torch import nn
@@ -265,10 +265,7 @@ def _split_backward(
             opt.zero_grad()
         _run_step(ours, first, last, batch)
         _run_step(theirs, first, last, batch)
-        for ref in refs:
-            for param in ref.parameters():
-                dist.all_reduce(param.grad, group=dp_group)
-                param.grad /= 2
+        average_grads(refs, dp_group)
         for flat, model, ref in zip(flats, models, refs):
             assert_grads_like(model, ref, **TOL, what=f"{name} step {step}")
             for param in model.parameters():

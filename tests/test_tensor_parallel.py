@@ -189,11 +189,51 @@ def test_flatgrad_on_a_tensor_parallel_model_equals_the_plain_model(kind):
     run_ranks(_train_alone, kind, world_size=2)
 
 
+def accumulate(
+    dp: nn.Module, ddp: nn.Module, mesh, step: int, shape: tuple[int, ...], sequence_parallel: bool
+) -> None:
+    """One step's MICRO micro-batches through `dp` (a data-parallel tensor-parallel model) and
+    `ddp` (stock DDP of the plain model), all but the last under no_sync; the losses equal."""
+    for micro in range(MICRO):
+        x = _batch(step, micro, mesh["dp"].get_local_rank(), shape)
+        last = micro == MICRO - 1
+        with contextlib.nullcontext() if last else dp.no_sync():
+            if sequence_parallel:  # this rank's sequence shard in, its shard out: its part of the mean
+                local = x.chunk(2, dim=1)[mesh["tp"].get_local_rank()]
+                loss = dp(local).pow(2).sum() / x.numel()
+            else:
+                loss = dp(x).pow(2).mean()
+            loss.backward()
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            ref_loss = ddp(x).pow(2).mean()
+            ref_loss.backward()
+        loss = loss.detach()
+        if sequence_parallel:
+            dist.all_reduce(loss, group=mesh["tp"].get_group())
+        assert abs(float(loss) - float(ref_loss.detach())) < TOL
+
+
+def clip_and_step(
+    clip,
+    optimizer: torch.optim.Optimizer,
+    ddp: nn.Module,
+    oracle: torch.optim.Optimizer,
+    step: int,
+    max_norm: float,
+) -> None:
+    """Clip both sides (`clip`: flatgrad's; torch's for `ddp`), the norms equal, then step both
+    and zero the gradients (to None every other step)."""
+    norm, ref_norm = clip(max_norm), torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)
+    assert abs(float(norm) - float(ref_norm)) < TOL, (float(norm), float(ref_norm))
+    for side in (optimizer, oracle):
+        side.step()
+        side.zero_grad(set_to_none=step % 2 == 0)
+
+
 def _train_2d(rank: int, world_size: int, kind: str, how: str, bucket_mb: float) -> None:
     """2 x 2: DataParallel over "dp" of FlatGrad over a model tensor-parallel over "tp",
     against stock DDP over "dp" of the plain model (no_sync accumulation, clipping)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_rank = mesh["dp"].get_local_rank()
     torch.manual_seed(0)
     if kind == "mlp":
         model, plan, shape = MLP(), MLP_PLAN, (4, 8)
@@ -208,34 +248,12 @@ def _train_2d(rank: int, world_size: int, kind: str, how: str, bucket_mb: float)
     ddp = DDP(copy.deepcopy(plain), process_group=mesh["dp"].get_group())
     optimizer = torch.optim.AdamW(dp.parameters(), lr=1e-3, weight_decay=0.1)
     oracle = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.1)
-    sequence_parallel = kind == "llama_block_sp"
     for step in range(STEPS):
-        for micro in range(MICRO):
-            x = _batch(step, micro, dp_rank, shape)
-            last = micro == MICRO - 1
-            with contextlib.nullcontext() if last else dp.no_sync():
-                if sequence_parallel:  # this rank's sequence shard in, its shard out: its part of the mean
-                    local = x.chunk(2, dim=1)[mesh["tp"].get_local_rank()]
-                    loss = dp(local).pow(2).sum() / x.numel()
-                else:
-                    loss = dp(x).pow(2).mean()
-                loss.backward()
-            with contextlib.nullcontext() if last else ddp.no_sync():
-                ref_loss = ddp(x).pow(2).mean()
-                ref_loss.backward()
-            loss = loss.detach()
-            if sequence_parallel:
-                dist.all_reduce(loss, group=mesh["tp"].get_group())
-            assert abs(float(loss) - float(ref_loss)) < TOL
+        accumulate(dp, ddp, mesh, step, shape, sequence_parallel=kind == "llama_block_sp")
         _assert_in_buffers(flat)
         for (name, param), ref in zip(dp.named_parameters(), ddp.parameters()):
             torch.testing.assert_close(_full(param.grad), ref.grad, rtol=0, atol=TOL, msg=_labelled(name))
-        norm, ref_norm = flat.clip_grad_norm_(1.0), torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-        assert abs(float(norm) - float(ref_norm)) < TOL, (float(norm), float(ref_norm))
-        optimizer.step()
-        oracle.step()
-        optimizer.zero_grad(set_to_none=step % 2 == 0)
-        oracle.zero_grad(set_to_none=step % 2 == 0)
+        clip_and_step(flat.clip_grad_norm_, optimizer, ddp, oracle, step, 1.0)
     for (name, param), ref in zip(dp.named_parameters(), ddp.parameters()):
         torch.testing.assert_close(_full(param.detach()), ref.detach(), rtol=0, atol=TOL, msg=_labelled(name))
 

@@ -17,14 +17,24 @@ Oracles, all float64:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
-from test_tensor_parallel import MLP, MLP_PLAN, TOL, Block, _batch, _block_plan, _full, _parallel
+from dist_utils import average_grads, run_ranks
+from test_tensor_parallel import (
+    MLP,
+    MLP_PLAN,
+    TOL,
+    Block,
+    _batch,
+    _block_plan,
+    _full,
+    _parallel,
+    accumulate,
+    clip_and_step,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -45,13 +55,6 @@ def _model(kind: str) -> tuple[nn.Module, dict[str, object], tuple[int, ...]]:
     return Block().double(), _block_plan(kind == "llama_block_sp"), (2, 6, 16)
 
 
-def _loss(dp: nn.Module, x: torch.Tensor, mesh, sequence_parallel: bool) -> torch.Tensor:
-    if not sequence_parallel:
-        return dp(x).pow(2).mean()
-    local = x.chunk(2, dim=1)[mesh["tp"].get_local_rank()]  # this rank's sequence shard in and out
-    return dp(local).pow(2).sum() / x.numel()
-
-
 def _refuses_reads(dp: nn.Module) -> None:
     """After a reduce-scattering backward a DTensor parameter's `.grad` refuses value reads, at
     the DTensor and at its local tensor, as a plain parameter's does."""
@@ -67,52 +70,23 @@ def _refuses_reads(dp: nn.Module) -> None:
 def _against_ddp(mesh, kind: str, shard_by: str) -> None:
     """ShardedOptimizer(AdamW) over DataParallel over "dp" of a tensor-parallel model against
     stock DDP + AdamW of the plain model: micro-batches under no_sync, clipping every step."""
-    dp_rank = mesh["dp"].get_local_rank()
     plain, plan, shape = _model(kind)
-    sequence_parallel = kind == "llama_block_sp"
     flat = flatgrad.FlatGrad(_parallel(plain, mesh["tp"], plan))
     dp = flatgrad.DataParallel(flat, device_mesh=mesh["dp"], bucket_mb=0.001)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, shard_by=shard_by)
     ddp = DDP(copy.deepcopy(plain), process_group=mesh["dp"].get_group())
     oracle = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.1)
     for step in range(STEPS):
-        for micro in range(MICRO):
-            x = _batch(step, micro, dp_rank, shape)
-            last = micro == MICRO - 1
-            with contextlib.nullcontext() if last else dp.no_sync():
-                loss = _loss(dp, x, mesh, sequence_parallel)
-                loss.backward()
-            with contextlib.nullcontext() if last else ddp.no_sync():
-                ref_loss = ddp(x).pow(2).mean()
-                ref_loss.backward()
-            loss = loss.detach()
-            if sequence_parallel:
-                dist.all_reduce(loss, group=mesh["tp"].get_group())
-            assert abs(float(loss) - float(ref_loss.detach())) < TOL
+        accumulate(dp, ddp, mesh, step, shape, kind == "llama_block_sp")
         if shard_by == "element":
             _refuses_reads(dp)
         else:  # (by tensor every rank holds every average: `.grad` is readable)
             for param, ref in zip(dp.parameters(), ddp.parameters()):
                 torch.testing.assert_close(_full(param.grad), ref.grad, rtol=0, atol=TOL)
-        norm, ref_norm = opt.clip_grad_norm_(0.5), torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5)
-        assert abs(float(norm) - float(ref_norm)) < TOL, (float(norm), float(ref_norm))
-        opt.step()
-        oracle.step()
-        opt.zero_grad(set_to_none=step % 2 == 0)
-        oracle.zero_grad(set_to_none=step % 2 == 0)
+        clip_and_step(opt.clip_grad_norm_, opt, ddp, oracle, step, 0.5)
     for (name, param), ref in zip(dp.named_parameters(), ddp.parameters()):
         torch.testing.assert_close(_full(param.detach()), ref.detach(), rtol=0, atol=TOL, msg=name)
     assert opt.state_bytes() > 0
-
-
-def _average_grads(model: nn.Module, group) -> None:
-    """Stock data parallelism by hand for a tensor-parallel model: each local gradient
-    averaged over the data-parallel group (a sum of two float64 values halved: exact)."""
-    with torch.no_grad():
-        for param in model.parameters():
-            local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            dist.all_reduce(local, group=group)
-            local.div_(dist.get_world_size(group))
 
 
 def _muon(mesh, _kind: str, _shard_by: str) -> None:
@@ -143,7 +117,7 @@ def _muon(mesh, _kind: str, _shard_by: str) -> None:
         x = _batch(step, 0, dp_rank, shape)
         dp(x).pow(2).mean().backward()
         stock(x).pow(2).mean().backward()
-        _average_grads(stock, mesh["dp"].get_group())
+        average_grads([stock], mesh["dp"].get_group())
         for optimizer in (*ours, *theirs):
             optimizer.step()
             optimizer.zero_grad()
@@ -175,7 +149,7 @@ def _steps(
     for step in steps:
         dp(_global_batch(step, mesh)).pow(2).mean().backward()
         if by_hand:  # (a model without flatgrad: its gradients averaged over "dp" here)
-            _average_grads(dp, mesh["dp"].get_group())
+            average_grads([dp], mesh["dp"].get_group())
         optimizer.step()
         optimizer.zero_grad()
 
