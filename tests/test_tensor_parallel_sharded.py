@@ -28,6 +28,7 @@ from test_tensor_parallel import (
     MLP_PLAN,
     TOL,
     Block,
+    _assert_in_buffers,
     _batch,
     _block_plan,
     _full,
@@ -80,7 +81,8 @@ def _against_ddp(mesh, kind: str, shard_by: str) -> None:
         accumulate(dp, ddp, mesh, step, shape, kind == "llama_block_sp")
         if shard_by == "element":
             _refuses_reads(dp)
-        else:  # (by tensor every rank holds every average: `.grad` is readable)
+        else:  # (by tensor every rank holds every average: `.grad` is readable, in the buffers)
+            _assert_in_buffers(dp.module)
             for param, ref in zip(dp.parameters(), ddp.parameters()):
                 torch.testing.assert_close(_full(param.grad), ref.grad, rtol=0, atol=TOL)
         clip_and_step(opt.clip_grad_norm_, opt, ddp, oracle, step, 0.5)
@@ -230,10 +232,35 @@ def _freeze_and_overlap(mesh, shard_by: str) -> None:
         torch.testing.assert_close(_full(param.detach()), ref.detach(), rtol=0, atol=TOL, msg=name)
 
 
+def _scaler_skips_together(mesh, shard_by: str) -> None:
+    """flatgrad.GradScaler over a ShardedOptimizer of a tensor-parallel model: an overflow in
+    one "tp" rank's shards only (its loss, and so only its local gradients, made infinite)
+    skips the step on every rank of the mesh and backs the scale off alike; the next step
+    steps everywhere. (A rank of another "tp" coordinate holds other shards: without the
+    agreement over "tp" it would step alone.)"""
+    dp, opt = _mlp_2d(mesh, shard_by)
+    scaler = flatgrad.GradScaler("cpu", init_scale=2.0**10)
+    overflow = mesh["tp"].get_local_rank() == 1 and mesh["dp"].get_local_rank() == 0
+    for step in range(2):
+        before = [
+            param.detach().to_local().clone() for param in dp.parameters() if isinstance(param, DTensor)
+        ]
+        loss = dp(_global_batch(step, mesh)).pow(2).mean()
+        scaler.scale(loss * (float("inf") if overflow and step == 0 else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        after = [param.detach().to_local() for param in dp.parameters() if isinstance(param, DTensor)]
+        moved = [not torch.equal(a, b) for a, b in zip(before, after)]
+        assert (not any(moved)) if step == 0 else all(moved), (step, moved)
+        assert scaler.get_scale() == 2.0**9, scaler.get_scale()  # (halved once, at the skip)
+
+
 _CASES = {
     "against_ddp": _against_ddp,
     "muon": _muon,
     "freeze_and_overlap": _freeze_and_overlap,
+    "scaler_skips_together": _scaler_skips_together,
     "dcp_2d": _dcp_2d,
     "dcp_elsewhere": _dcp_elsewhere,
 }
@@ -252,9 +279,14 @@ def _run(rank: int, world_size: int, cases: list[tuple[str, ...]], tp: int = 2) 
         [("against_ddp", "mlp", "element"), ("against_ddp", "mlp", "tensor")],
         [("against_ddp", "llama_block_sp", "element"), ("against_ddp", "llama_block", "tensor")],
         [("muon", "llama_block", "tensor")],
-        [("freeze_and_overlap", "element"), ("freeze_and_overlap", "tensor")],
+        [
+            ("freeze_and_overlap", "element"),
+            ("freeze_and_overlap", "tensor"),
+            ("scaler_skips_together", "element"),
+            ("scaler_skips_together", "tensor"),
+        ],
     ],
-    ids=["mlp", "llama_block", "muon", "freeze_and_overlap"],
+    ids=["mlp", "llama_block", "muon", "freeze_overlap_scaler"],
 )
 def test_sharded_optimizer_over_dp_of_a_tensor_parallel_model(cases):
     run_ranks(_run, cases, world_size=4, timeout=300.0)
