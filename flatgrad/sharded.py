@@ -95,6 +95,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     parameters and all-gathers in their dtype; they are saved with the state (key
     ``"master"``). See docs/mixed-precision.md.
 
+    A tensor-parallel model (DTensor parameters, `DataParallel` over "dp"): each rank shards
+    its local shards over "dp"; `clip_grad_norm_` adds the "tp" mesh's share, the state is
+    saved in the whole parameters' shapes (by element) or as DTensors (by tensor), and
+    Muon orthogonalises each DTensor matrix as torch's Muon does (docs/data-parallel.md).
+
     A `torch.distributed.algorithms.Joinable`, as ZeroRedundancyOptimizer: inside
     ``with Join([dp, opt]):`` (dp first) a rank that ran out of data steps its shards with
     the averages of the others' synchronised backwards (which dp's join hook brings it) and
