@@ -271,7 +271,7 @@ class ShardEngine(FlatParameters):
             if origin is not None:
                 origins[id(param)] = origin
         layout = Layout(self.world_size, self.rank, self.global_ranks, buckets, slots, origins)
-        return dataclasses.replace(layout, peers=peer_boxes(layout, self.store))
+        return tensor_parallel_layout(layout, self.store)
 
     def pieces(self, params: list[torch.Tensor]) -> list[Piece]:
         """This rank's pieces of `params`: the runs of their slots (each slot with the
@@ -367,36 +367,47 @@ class ShardEngine(FlatParameters):
         return tuple(sorted(found))
 
 
-def peer_boxes(
-    layout: Layout, store: GradStore
-) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
-    """For each parameter sharded over the tensor-parallel mesh (a DTensor with Shard
-    placements), the boxes of its state (global rank, offsets, sizes in the whole
-    parameter) that the pieces of the mesh's other ranks hold: what a ShardedTensor of the
-    whole parameter's state lists besides this rank's data-parallel group's. Each rank
-    knows only its own group's layout (slots follow each rank's local shapes), so the mesh's
-    ranks exchange theirs once per layout (one object all-gather over the mesh; every rank
-    builds its layout together with the others). Empty without DTensor parameters."""
+def tensor_parallel_layout(layout: Layout, store: GradStore) -> Layout:
+    """`layout` with what the ranks of the tensor-parallel mesh hold (nothing to add without
+    DTensor parameters), for a state that each rank saves in the whole parameters' shapes.
+    Each rank knows only its own layout, and the slots follow each rank's local shapes (a
+    dimension the mesh does not divide evenly shards unevenly, which moves every slot after
+    it), so the mesh's ranks exchange theirs once per layout (one object all-gather over the
+    mesh; every rank builds its layout together with the others):
+
+    - `Layout.peers`: for each parameter sharded over the mesh, the boxes of its state
+      (global rank, offsets, sizes in the whole parameter) the other ranks' pieces hold, which
+      a ShardedTensor of the whole parameter's state lists besides this rank's group's;
+    - `Layout.cuts`: for each replicated parameter (the same on every rank of the mesh),
+      where any rank's chunks start or end, so every rank cuts its chunks there and saves
+      the same boxes: ``torch.distributed.checkpoint`` writes one copy of boxes that are
+      equal (it drops duplicates) and refuses boxes that only overlap."""
     tensor_parallel = store.tensor_parallel
     if tensor_parallel is None:
-        return {}
-    sharded = [p for p in store.params if is_sharded(p)]
+        return layout
     ranks = layout.global_ranks
-    mine = [
-        [
-            (ranks[c.rank], box.offsets, box.sizes)
-            for c in layout.chunks(param)
-            for box in layout.extent(param).boxes(c.offset, c.numel)
-        ]
-        for param in sharded
-    ]
+    mine: list[Any] = []
+    for param in store.params:
+        if is_sharded(param):
+            extent = layout.extent(param)
+            chunks = layout.chunks(param)
+            mine.append(
+                [(ranks[c.rank], b.offsets, b.sizes) for c in chunks for b in extent.boxes(c.offset, c.numel)]
+            )
+        else:
+            mine.append(layout.bounds(param))
     gathered: list[Any] = [None] * dist.get_world_size(tensor_parallel.group)
     dist.all_gather_object(gathered, mine, group=tensor_parallel.group)
     me = tensor_parallel.mesh.get_local_rank()
-    return {
-        id(param): [box for peer, theirs in enumerate(gathered) if peer != me for box in theirs[index]]
-        for index, param in enumerate(sharded)
-    }
+    peers, cuts = {}, {}
+    for index, param in enumerate(store.params):
+        if is_sharded(param):
+            peers[id(param)] = [
+                box for peer, theirs in enumerate(gathered) if peer != me for box in theirs[index]
+            ]
+        else:
+            cuts[id(param)] = tuple(sorted({edge for theirs in gathered for edge in theirs[index]}))
+    return dataclasses.replace(layout, peers=peers, cuts=cuts)
 
 
 def retake_master(master: torch.Tensor, param: torch.Tensor) -> None:

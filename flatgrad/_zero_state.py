@@ -75,6 +75,10 @@ class Layout:
     peers: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = dataclasses.field(
         default_factory=dict
     )
+    # id(param) -> where every tensor-parallel rank's chunks of a replicated parameter (plain,
+    # or a replicated DTensor) start and end: its chunks are cut there too, so that each
+    # saved box is the same on every rank of the mesh (one copy of the state is written).
+    cuts: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def extent(self, param: torch.Tensor) -> Extent:
         """Where `param`'s slot lies in the tensor its per-element state is saved as."""
@@ -86,6 +90,7 @@ class Layout:
 
     def chunks(self, param: torch.Tensor) -> list[Chunk]:
         key, offset, numel = self.slots[id(param)]
+        cuts = self.cuts.get(id(param), ())
         found = []
         for start, size in self.buckets[key]:
             shard = size // self.world_size
@@ -93,8 +98,24 @@ class Layout:
                 inside = overlap(offset, offset + numel, start + rank * shard, start + (rank + 1) * shard)
                 if inside is not None:
                     lo, hi = inside
-                    found.append(Chunk(rank, lo - offset, hi - lo, lo))
+                    edges = [lo, *(offset + c for c in cuts if lo < offset + c < hi), hi]
+                    found += [Chunk(rank, a - offset, b - a, a) for a, b in zip(edges, edges[1:])]
         return found
+
+    def bounds(self, param: torch.Tensor) -> tuple[int, ...]:
+        """Where `param`'s chunks start and end, in its own elements (before any `cuts`)."""
+        key, offset, numel = self.slots[id(param)]
+        found = {0, numel}
+        for start, size in self.buckets[key]:
+            shard = size // self.world_size
+            for rank in range(1, self.world_size):
+                edge = start + rank * shard - offset
+                if 0 < edge < numel:
+                    found.add(edge)
+            for edge in (start - offset, start + size - offset):
+                if 0 < edge < numel:
+                    found.add(edge)
+        return tuple(sorted(found))
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,8 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from flatgrad._torch_compat import DTensor  # noqa: E402
 
+ColwiseParallel = pytest.importorskip("torch.distributed.tensor.parallel").ColwiseParallel
+
 STEPS, MICRO = 3, 2
 
 
@@ -53,6 +55,12 @@ def _model(kind: str) -> tuple[nn.Module, dict[str, object], tuple[int, ...]]:
     torch.manual_seed(0)  # (plain parameters the same on every rank, as parallelize_module expects)
     if kind == "mlp":
         return MLP().double(), MLP_PLAN, (4, 8)
+    if kind == "mlp_uneven":  # up's 33 rows in shards of 17 and 16: other slot layouts on each "tp" rank
+        from torch.distributed.tensor import Replicate
+
+        model = MLP()
+        model.up, model.down = nn.Linear(8, 33), nn.Linear(33, 8)
+        return model.double(), {"up": ColwiseParallel(output_layouts=Replicate())}, (4, 8)
     return Block().double(), _block_plan(kind == "llama_block_sp"), (2, 6, 16)
 
 
@@ -131,10 +139,9 @@ def _muon(mesh, _kind: str, _shard_by: str) -> None:
         assert torch.equal(_full(param.detach()), _full(ref.detach())), name
 
 
-def _mlp_2d(mesh, shard_by: str) -> tuple[nn.Module, flatgrad.ShardedOptimizer]:
-    dp = flatgrad.DataParallel(
-        flatgrad.FlatGrad(_parallel(_model("mlp")[0], mesh["tp"], MLP_PLAN)), device_mesh=mesh["dp"]
-    )
+def _mlp_2d(mesh, shard_by: str, kind: str = "mlp") -> tuple[nn.Module, flatgrad.ShardedOptimizer]:
+    model, plan, _ = _model(kind)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(_parallel(model, mesh["tp"], plan)), device_mesh=mesh["dp"])
     return dp, flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, shard_by=shard_by)
 
 
@@ -156,25 +163,29 @@ def _steps(
         optimizer.zero_grad()
 
 
-def _dcp_2d(mesh, path: str, out: str) -> None:
+def _dcp_2d(mesh, path: str, out: str, kind: str) -> None:
     """2 x 2: DCP saves {"model": dp, "optim": opt} (by element) after two steps; loaded into
     a fresh ShardedOptimizer by tensor and into torch's AdamW over the tensor-parallel model
     without flatgrad (get_state_dict / set_state_dict), both step on as the uninterrupted
-    run. `out` keeps its final parameters for the run on another data-parallel size."""
+    run. `out` keeps its final parameters for the run on another data-parallel size. With
+    `kind` "mlp_uneven" the "tp" ranks' slot layouts differ (shards of 17 and 16 rows): a
+    replicated parameter's chunks are cut where any rank's end, so every rank saves the same
+    boxes of it (DCP refuses boxes that only overlap)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    dp, opt = _mlp_2d(mesh, "element")
+    dp, opt = _mlp_2d(mesh, "element", kind)
     _steps(dp, opt, range(2), mesh)
     dcp.save({"model": dp, "optim": opt}, checkpoint_id=path)
     _steps(dp, opt, range(2, 4), mesh)
     final = {name: _full(param.detach()) for name, param in dp.named_parameters()}
     if dist.get_rank() == 0:
         torch.save(final, out)
-    by_tensor, by_tensor_opt = _mlp_2d(mesh, "tensor")
+    by_tensor, by_tensor_opt = _mlp_2d(mesh, "tensor", kind)
     dcp.load({"model": by_tensor, "optim": by_tensor_opt}, checkpoint_id=path)
     _steps(by_tensor, by_tensor_opt, range(2, 4), mesh)
-    stock = _parallel(_model("mlp")[0], mesh["tp"], MLP_PLAN)
+    model, plan, _ = _model(kind)
+    stock = _parallel(model, mesh["tp"], plan)
     stock_opt = torch.optim.AdamW(stock.parameters(), lr=1e-3, weight_decay=0.1)
     model_state, optim_state = get_state_dict(stock, stock_opt)
     state = {"model": model_state, "optim": optim_state}
@@ -186,13 +197,13 @@ def _dcp_2d(mesh, path: str, out: str) -> None:
             torch.testing.assert_close(_full(param.detach()), final[name], rtol=0, atol=TOL, msg=name)
 
 
-def _dcp_elsewhere(mesh, path: str, out: str) -> None:
+def _dcp_elsewhere(mesh, path: str, out: str, kind: str) -> None:
     """1 x 2 (one data-parallel rank) or 1 x 4 (another tensor-parallel size): the 2 x 2
     checkpoint loads into ShardedOptimizer by element and steps on as the 2 x 2 run did on
     the same global batches (DCP reshards the whole-shape state)."""
     import torch.distributed.checkpoint as dcp
 
-    dp, opt = _mlp_2d(mesh, "element")
+    dp, opt = _mlp_2d(mesh, "element", kind)
     dcp.load({"model": dp, "optim": opt}, checkpoint_id=path)
     _steps(dp, opt, range(2, 4), mesh)
     final = torch.load(out)
@@ -276,7 +287,11 @@ def _run(rank: int, world_size: int, cases: list[tuple[str, ...]], tp: int = 2) 
 @pytest.mark.parametrize(
     "cases",
     [
-        [("against_ddp", "mlp", "element"), ("against_ddp", "mlp", "tensor")],
+        [
+            ("against_ddp", "mlp", "element"),
+            ("against_ddp", "mlp", "tensor"),
+            ("against_ddp", "mlp_uneven", "element"),
+        ],
         [("against_ddp", "llama_block_sp", "element"), ("against_ddp", "llama_block", "tensor")],
         [("muon", "llama_block", "tensor")],
         [
@@ -298,6 +313,10 @@ def test_dcp_checkpoints_of_a_sharded_optimizer_on_a_2d_mesh_load_by_tensor_into
 ):
     pytest.importorskip("numpy")  # (DCP's object collectives)
     path, out = str(tmp_path / "checkpoint"), str(tmp_path / "final.pt")
-    run_ranks(_run, [("dcp_2d", path, out)], world_size=4, timeout=300.0)
-    run_ranks(_run, [("dcp_elsewhere", path, out)], 4, world_size=4, timeout=300.0)
-    run_ranks(_run, [("dcp_elsewhere", path, out)], world_size=2, timeout=300.0)
+    uneven, uneven_out = str(tmp_path / "uneven"), str(tmp_path / "uneven.pt")
+    run_ranks(
+        _run, [("dcp_2d", path, out, "mlp"), ("dcp_2d", uneven, uneven_out, "mlp_uneven")], world_size=4
+    )
+    cases = [("dcp_elsewhere", path, out, "mlp"), ("dcp_elsewhere", uneven, uneven_out, "mlp_uneven")]
+    run_ranks(_run, cases, 4, world_size=4, timeout=300.0)
+    run_ranks(_run, cases[:1], world_size=2, timeout=300.0)
