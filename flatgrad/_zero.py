@@ -176,12 +176,13 @@ class ShardEngine(FlatParameters):
         self.bucket_views = bucket_views
         self.shards = self._cut_shards()
         self.grad_runs = runs_in_shards(store, [shard.grad for shard in self.shards])  # (clipping)
-        # With DTensor parameters: the mesh, and the runs of the shards a norm counts on this rank.
+        # The groups a clip norm all-reduces over: dp's, and with DTensor parameters the mesh's,
+        # its norm then reading only the runs of the shards this rank counts (`norm_pieces`).
         tensor_parallel = store.tensor_parallel
+        self.norm_groups = [process_group] + ([tensor_parallel.group] if tensor_parallel is not None else [])
+        counted = store.norm_pieces() if tensor_parallel is not None else None
         self.counted_runs = (
-            None
-            if tensor_parallel is None
-            else (tensor_parallel, runs_in_shards(store, [s.grad for s in self.shards], store.norm_pieces()))
+            None if counted is None else runs_in_shards(store, [s.grad for s in self.shards], counted)
         )
         # The parameters' version counters when the masters last matched them: a write
         # since (load_state_dict, a copy under no_grad) makes `step` take the masters again.
@@ -306,9 +307,12 @@ class ShardEngine(FlatParameters):
         """Scale the gradient shards to a global norm of at most `max_norm` (with `stages`, a
         pipeline's: over every stage); returns the global norm before (one scalar all-reduce
         per group: dp's, the tensor-parallel mesh's, the stages')."""
-        grads, group, runs = [s.grad for s in self.shards], self.process_group, self.grad_runs
+        grads, groups = (
+            [s.grad for s in self.shards],
+            self.norm_groups + ([stages] if stages is not None else []),
+        )
         return clip_shards(
-            grads, max_norm, norm_type, group, runs, error_if_nonfinite, self.counted_runs, stages
+            grads, max_norm, norm_type, groups, self.grad_runs, error_if_nonfinite, self.counted_runs
         )
 
     def unscale_(  # (FlatParameters')
@@ -394,8 +398,8 @@ def tensor_parallel_layout(layout: Layout, store: GradStore) -> Layout:
             mine.append(
                 [(ranks[c.rank], b.offsets, b.sizes) for c in chunks for b in extent.boxes(c.offset, c.numel)]
             )
-        else:
-            mine.append(layout.bounds(param))
+        else:  # (where its chunks start and end: the layout has no cuts yet)
+            mine.append(sorted({e for c in layout.chunks(param) for e in (c.offset, c.offset + c.numel)}))
     gathered: list[Any] = [None] * dist.get_world_size(tensor_parallel.group)
     dist.all_gather_object(gathered, mine, group=tensor_parallel.group)
     me = tensor_parallel.mesh.get_local_rank()
@@ -547,27 +551,22 @@ def clip_shards(
     grads: list[torch.Tensor],
     max_norm: float,
     norm_type: float,
-    process_group: dist.ProcessGroup | None,
+    groups: Sequence[dist.ProcessGroup | None],
     runs: Sequence[torch.Tensor],
     error_if_nonfinite: bool = False,
-    tensor_parallel: tuple[TensorParallel, Sequence[torch.Tensor]] | None = None,
-    stages: dist.ProcessGroup | None = None,
+    counted: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Scale the gradients of `grads` (every rank's shards together) to a global norm of at
     most `max_norm`, multiplying only their `runs` (`runs_in_shards`); returns the global
-    norm before, in at least float32 (one scalar all-reduce). With `error_if_nonfinite` a
-    NaN or infinite global norm raises instead, on every rank alike (they share the norm).
-    With `tensor_parallel` (the mesh of DTensor parameters and the runs of `grads` this rank
-    counts, `TensorParallel.counts`), the norm reads those runs only and a second scalar
-    all-reduce over the mesh makes it the whole gradient's; with `stages` (a pipeline's), one
-    more over them makes it the whole pipeline's."""
+    norm before, in at least float32 (one scalar all-reduce per group of `groups`: the
+    data-parallel one, then a tensor-parallel mesh's and a pipeline's stages' where given).
+    The norm reads `grads`, or only `counted` (the runs of them this rank counts on a
+    tensor-parallel mesh, `TensorParallel.counts`). With `error_if_nonfinite` a NaN or
+    infinite global norm raises instead, on every rank alike (they share the norm)."""
     device = grads[0].device
-    counted = grads if tensor_parallel is None else list(tensor_parallel[1])
     # float64 partial norms, accumulated in chunks (see flatgrad._norms)
-    norms = [_norms.vector_norm(g, norm_type).to(device) for g in counted]
+    norms = [_norms.vector_norm(g, norm_type).to(device) for g in (grads if counted is None else counted)]
     stacked = torch.stack(norms) if norms else torch.zeros(1, dtype=torch.float64, device=device)
-    groups = [process_group] + ([tensor_parallel[0].group] if tensor_parallel is not None else [])
-    groups += [stages] if stages is not None else []
     if math.isinf(norm_type):
         total = stacked.max()
         for group in groups:

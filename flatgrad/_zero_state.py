@@ -102,21 +102,6 @@ class Layout:
                     found += [Chunk(rank, a - offset, b - a, a) for a, b in zip(edges, edges[1:])]
         return found
 
-    def bounds(self, param: torch.Tensor) -> tuple[int, ...]:
-        """Where `param`'s chunks start and end, in its own elements (before any `cuts`)."""
-        key, offset, numel = self.slots[id(param)]
-        found = {0, numel}
-        for start, size in self.buckets[key]:
-            shard = size // self.world_size
-            for rank in range(1, self.world_size):
-                edge = start + rank * shard - offset
-                if 0 < edge < numel:
-                    found.add(edge)
-            for edge in (start - offset, start + size - offset):
-                if 0 < edge < numel:
-                    found.add(edge)
-        return tuple(sorted(found))
-
 
 @dataclass(frozen=True)
 class Extent:
