@@ -32,6 +32,7 @@ __all__ = [
     "GradScalerBase",
     "active_ddp_getter",
     "broadcast_coalesced",
+    "collectives_run",
     "current_autograd_node",
     "divides_by_ranks_not_joined",
     "dtensor_over",
@@ -285,6 +286,24 @@ def broadcast_coalesced(
     C++ call hands it to the group as its root, as DDP passes ``process_group.rank()``."""
     group = process_group or dist.distributed_c10d._get_default_group()
     dist._broadcast_coalesced(group, tensors, bucket_bytes, src)  # type: ignore[attr-defined]
+
+
+# --- collectives ------------------------------------------------------------------------------
+
+
+def collectives_run() -> int:
+    """How many collectives this process has run on all of its process groups so far: the
+    sum of their sequence numbers (``ProcessGroup._get_sequence_number_for_group``, private
+    in every torch the range accepts; gloo and NCCL count every collective, object
+    collectives and functional ones included). 0 without a default group; a group whose
+    backend does not count adds nothing."""
+    if not dist.is_initialized():
+        return 0
+    total = 0
+    for group in list(dist.distributed_c10d._world.pg_map):
+        with contextlib.suppress(RuntimeError, AttributeError):
+            total += int(group._get_sequence_number_for_group())  # type: ignore[attr-defined]
+    return total
 
 
 # --- nn.Module ----------------------------------------------------------------------------

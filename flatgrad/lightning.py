@@ -53,7 +53,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.nn.parallel import DistributedDataParallel
 
-from flatgrad._zero import ShardBy
+from flatgrad._optim_kinds import ShardBy
 from flatgrad._zero_state import whole_state
 from flatgrad.amp import GradScaler
 from flatgrad.comm import FlatGradCommState, allreduce_hook

@@ -9,7 +9,7 @@ Backward reduce-scatters each bucket (asynchronously, as DataParallel all-reduce
 r ends up with the average of shard r of every bucket. `step()` runs the wrapped torch
 optimizer on this rank's shards only (1-D views of the flat parameter and gradient buffers,
 so its state is about 1/world_size of the unsharded state), then all-gathers every bucket's
-parameters. Only element-wise optimizers shard this way (`flatgrad._zero.shard_kind` says
+parameters. Only element-wise optimizers shard this way (`flatgrad._optim_kinds.shard_kind` says
 which way a class may go). On gloo, whose backward all-reduces
 every bucket (its reduce-scatter is slower), every rank holds all of the averages, and the
 shards split each whole buffer instead: the parameters come back in one broadcast per rank
@@ -43,19 +43,17 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from flatgrad._dtensor import local_of, move_into, pipeline_group
 from flatgrad._gather_waits import ForwardWaits
+from flatgrad._optim_kinds import ShardBy, agreed_kind, shard_kind
 from flatgrad._scattered_grad import is_scattered, unguarded, unmark_scattered
 from flatgrad._torch_compat import join_state, leave_join
 from flatgrad._zero import (
     PieceGroups,
-    ShardBy,
     ShardEngine,
-    agreed_kind,
     as_groups,
     check_members,
     checked_defaults,
     options,
     relaid_state,
-    shard_kind,
 )
 from flatgrad._zero_state import GroupView, OptimizerRecipe, whole_state
 from flatgrad._zero_tensor import TensorEngine, TensorGroups

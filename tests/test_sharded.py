@@ -1046,7 +1046,7 @@ def _torch_signatures_worker(rank: int, world_size: int) -> None:
     params = list(dp.parameters())
     with pytest.raises(TypeError, match="can only optimize Tensors, but one of the params is int"):
         flatgrad.ShardedOptimizer(dp, torch.optim.SGD, params + [42], lr=0.1)
-    opt = flatgrad.ShardedOptimizer(dp, _SGDWithExtras, lr=0.1)
+    opt = flatgrad.ShardedOptimizer(dp, _SGDWithExtras, lr=0.1, shard_by="element")
     ref_opt = _SGDWithExtras(ref.parameters(), lr=0.1)
     pair = Lockstep(model, dp, opt, DDP(ref), ref_opt, loss=_sum_of_squares)
     for step in range(2):

@@ -295,6 +295,24 @@ class _SignSGD(_ToySGD):
         return p.grad.sign()  # type: ignore[union-attr]
 
 
+class _NoisySGD(_ToySGD):
+    """SGD plus noise drawn per tensor from the global RNG (as Gravity and DASH draw): on
+    ranks holding other tensors the draws differ."""
+
+    def update(self, p: torch.Tensor, every: list[torch.Tensor]) -> torch.Tensor:
+        return p.grad + 0.01 * torch.randn_like(p)  # type: ignore[operator]
+
+
+class _AveragingSGD(_ToySGD):
+    """SGD that averages each gradient over the default group in its own step (as nanochat's
+    MuonAdamW does when a process group exists)."""
+
+    def update(self, p: torch.Tensor, every: list[torch.Tensor]) -> torch.Tensor:
+        grad = p.grad.clone()  # type: ignore[union-attr]
+        torch.distributed.all_reduce(grad)
+        return grad / torch.distributed.get_world_size()
+
+
 class _NeedsAnArgument(torch.optim.SGD):
     def step(self, closure: Any = None, *, scale: float) -> None:  # type: ignore[override]
         super().step(closure)
@@ -310,17 +328,22 @@ def _kinds_worker(rank: int, world_size: int) -> None:
 
     assert build(torch.optim.AdamW).shard_by == "element"
     assert build(torch.optim.AdamW, shard_by="tensor").shard_by == "tensor"
-    assert build(_SignSGD).shard_by == "tensor"  # (probed: a small probe cannot prove "element")
+    # A class flatgrad does not know is refused without shard_by; a declaration is checked by
+    # a probe that can only refuse it.
+    for cls in (_SignSGD, _TrustRatioSGD, _GlobalNormSGD, _NeedsAnArgument):
+        with pytest.raises(ValueError, match=f"does not know how {cls.__name__} may be sharded .* shard_by="):
+            build(cls)
     assert build(_SignSGD, shard_by="element").shard_by == "element"
-    assert build(_TrustRatioSGD).shard_by == "tensor"
-    with pytest.raises(ValueError, match="declared shard_by='element', but a probe step of a tensor in flat"):
+    assert build(_SignSGD, shard_by="tensor").shard_by == "tensor"
+    assert build(_TrustRatioSGD, shard_by="tensor").shard_by == "tensor"
+    with pytest.raises(ValueError, match="cannot shard _TrustRatioSGD by element: a probe compared a tensor"):
         build(_TrustRatioSGD, shard_by="element")
-    with pytest.raises(ValueError, match=r"cannot shard _GlobalNormSGD: .*\(a probe step on small tensors"):
-        build(_GlobalNormSGD)
-    with pytest.raises(ValueError, match="whatever shard_by='tensor' says"):
+    with pytest.raises(ValueError, match="cannot shard _GlobalNormSGD by tensor: .* reads other tensors"):
         build(_GlobalNormSGD, shard_by="tensor")
-    with pytest.raises(ValueError, match="cannot tell how _NeedsAnArgument may be sharded: .* shard_by="):
-        build(_NeedsAnArgument)
+    with pytest.raises(ValueError, match="cannot shard _NoisySGD by tensor: .*global RNG per tensor"):
+        build(_NoisySGD, shard_by="tensor")
+    with pytest.raises(ValueError, match="cannot step _AveragingSGD: its step runs collectives"):
+        build(_AveragingSGD, shard_by="tensor")  # (every rank refuses; none waits)
     assert build(_NeedsAnArgument, shard_by="element").shard_by == "element"  # (the user's word)
     with pytest.raises(ValueError, match="Muon updates each tensor as a whole"):
         flatgrad.ShardedOptimizer(
@@ -347,9 +370,11 @@ def _kinds_worker(rank: int, world_size: int) -> None:
 
 
 def test_each_class_gets_the_sharding_it_allows_or_a_clear_refusal():
-    """torch's element-wise classes by element, Muon and Adafactor by tensor; other classes
-    by what a probe shows (a trust ratio: by tensor; a global norm: refused) or what the user
-    says, where the probe agrees; what cannot hold refused with its reason."""
+    """torch's element-wise classes by element, Muon and Adafactor by tensor; a class flatgrad
+    does not know refused without shard_by, and by what the user declares where the probe
+    cannot refute it (a trust ratio: by tensor only; a global norm, per-tensor draws from the
+    global RNG, a collective in the step: refused; a step the probe cannot run: the user's
+    word); what cannot hold refused with its reason."""
     run_ranks(_kinds_worker)
 
 
@@ -657,7 +682,9 @@ def _no_trace_worker(rank: int, world_size: int) -> None:
     and the class's own error for a bad argument comes first."""
     model, _, dp = _small(rank)
     before = torch.get_rng_state()
-    flatgrad.ShardedOptimizer(dp, _SignSGD, lr=0.1)
+    flatgrad.ShardedOptimizer(dp, _SignSGD, lr=0.1, shard_by="element")
+    with pytest.raises(ValueError, match="global RNG per tensor"):  # (its probe draws)
+        flatgrad.ShardedOptimizer(dp, _NoisySGD, lr=0.1, shard_by="tensor")
     assert torch.equal(torch.get_rng_state(), before)
     with pytest.raises(TypeError, match="unexpected keyword argument 'lrr'"):
         flatgrad.ShardedOptimizer(

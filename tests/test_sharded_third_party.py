@@ -68,11 +68,10 @@ class Case:
 ADAN = {"lr": 0.01, "weight_decay": 0.02}
 SCHEDULE_FREE = {"lr": 0.01, "warmup_steps": 2, "weight_decay": 0.01}
 CASES = {
-    # element-wise: the probe cannot prove "element" on small tensors, so it takes "tensor"
-    "lion": Case("lion_pytorch", "Lion", {"lr": 0.01, "weight_decay": 0.1}),
-    "lion-element": Case("lion_pytorch", "Lion", {"lr": 0.01, "weight_decay": 0.1}, "element", "element"),
-    "adan": Case("pytorch_optimizer", "Adan", ADAN),
-    "adan-element": Case("pytorch_optimizer", "Adan", ADAN, "element", "element"),
+    # element-wise (flatgrad's registry), also by tensor when asked
+    "lion": Case("lion_pytorch", "Lion", {"lr": 0.01, "weight_decay": 0.1}, None, "element"),
+    "lion-tensor": Case("lion_pytorch", "Lion", {"lr": 0.01, "weight_decay": 0.1}, "tensor", "tensor"),
+    "adan": Case("pytorch_optimizer", "Adan", ADAN, None, "element"),
     # per tensor: a trust ratio ||p|| / ||update|| per parameter
     "lamb": Case("pytorch_optimizer", "Lamb", {"lr": 0.01, "weight_decay": 0.01}),
     "lamb-element": Case(
@@ -80,21 +79,24 @@ CASES = {
         "Lamb",
         {"lr": 0.01},
         "element",
-        "ValueError: Lamb was declared shard_by='element', but a probe step of a tensor in flat pieces",
+        "ValueError: Lamb updates each tensor as a whole (shard_by='tensor')",
     ),
     "lars": Case("pytorch_optimizer", "LARS", {"lr": 0.01, "weight_decay": 0.01}),
-    # cross-tensor: pre_norm scales every gradient by max_grad_norm / the global gradient norm
+    # registered per tensor, refuted by the probe for these options: pre_norm scales every
+    # gradient by max_grad_norm / the global gradient norm
     "lamb-pre_norm": Case(
         "pytorch_optimizer",
         "Lamb",
         {"lr": 0.01, "pre_norm": True, "max_grad_norm": 1.0},
         None,
-        "ValueError: ShardedOptimizer cannot shard Lamb: its update of a parameter reads other parameters",
+        "ValueError: ShardedOptimizer cannot shard Lamb by tensor: a probe compared",
     ),
     # element-wise, with train()/eval() of its own
-    "schedulefree": Case("schedulefree", "AdamWScheduleFree", SCHEDULE_FREE, schedule_free=True),
-    "schedulefree-element": Case(
-        "schedulefree", "AdamWScheduleFree", SCHEDULE_FREE, "element", "element", schedule_free=True
+    "schedulefree": Case(
+        "schedulefree", "AdamWScheduleFree", SCHEDULE_FREE, None, "element", schedule_free=True
+    ),
+    "schedulefree-tensor": Case(
+        "schedulefree", "AdamWScheduleFree", SCHEDULE_FREE, "tensor", "tensor", schedule_free=True
     ),
 }
 
