@@ -738,18 +738,80 @@ def group_signature(
     return [(id(group["params"]), len(group["params"])) for group in groups]
 
 
-def with_options(
-    inner: torch.optim.Optimizer, param_groups: list[dict[str, Any]], run: Callable[[], Any]
-) -> None:
-    """`run()` (a step, schedule-free's ``train``/``eval``) on the inner optimizer with the
-    options `param_groups` hold now (live: what a scheduler or the loop wrote); what it
-    writes into its groups (an optimizer that adapts an option, or adds one) shows in
-    `param_groups` afterwards, as it would in a plain optimizer's."""
-    for group, own in zip(param_groups, inner.param_groups):
-        own.update(options(group))
-    run()
-    for group, own in zip(param_groups, inner.param_groups):
+_MISSING = object()
+
+
+def _same(a: object, b: object) -> bool:
+    """Whether two option values are the same setting: one tensor (an lr tensor is changed
+    in place, ``fill_``), or equal plain values."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001  (values that do not compare: different settings)
+        return False
+
+
+class SyncedOptions:
+    """The options of a ShardedOptimizer's `param_groups` and of its inner optimizer's groups
+    (one inner group per group), kept one setting: whichever side was changed since the last
+    sync (a scheduler on ``opt`` or on ``opt.optimizer``, a loop writing either's
+    ``group["lr"]``, the inner step adapting an option) carries to the other, and an option
+    changed on both sides to different values is refused. At construction the groups take
+    the inner optimizer's values, as a plain optimizer's groups would show them (an lr the
+    class keeps as a tensor, as torchao's do, is that tensor in both)."""
+
+    def __init__(self, param_groups: list[dict[str, Any]], inner: torch.optim.Optimizer) -> None:
+        for group, own in zip(param_groups, inner.param_groups):
+            group.update(options(own))
+        self.seen = [options(group) for group in param_groups]
+
+    def added(self, group: dict[str, Any], own: dict[str, Any]) -> None:
+        """A group just added to both sides: it takes the inner group's values."""
         group.update(options(own))
+        self.seen.append(options(group))
+
+    def loaded(self, param_groups: list[dict[str, Any]], inner: torch.optim.Optimizer) -> None:
+        """After a load wrote the saved options into both sides: they are the last sync."""
+        self.seen = [options(group) for group in param_groups]
+        for group, own in zip(param_groups, inner.param_groups):
+            own.update(options(group))
+
+    def run(
+        self, inner: torch.optim.Optimizer, param_groups: list[dict[str, Any]], call: Callable[[], Any]
+    ) -> Any:
+        """`call()` (a step, schedule-free's ``train``/``eval``) on the inner optimizer with
+        the options both sides agree on now; what it writes into its groups shows in
+        `param_groups` afterwards, as it would in a plain optimizer's.
+
+        Raises:
+            ValueError: An option was set on both sides since the last sync, to different
+                values (every rank alike: schedulers and loops run on every rank).
+        """
+        for index, (group, own, seen) in enumerate(zip(param_groups, inner.param_groups, self.seen)):
+            for key in {*group, *own} - {"params"}:
+                mine, theirs = group.get(key, _MISSING), own.get(key, _MISSING)
+                before = seen.get(key, _MISSING)
+                if mine is _MISSING and _same(theirs, before):
+                    own.pop(key, None)  # (deleted from the group)
+                elif _same(theirs, before) or _same(mine, theirs):
+                    own[key] = mine  # (unchanged inside, or both alike)
+                elif _same(mine, before):
+                    group[key] = theirs  # (a scheduler on the inner optimizer, a hand edit of it)
+                else:
+                    raise ValueError(
+                        f"ShardedOptimizer: option {key!r} of param group {index} was set both on "
+                        f"opt.param_groups ({mine!r}) and on opt.optimizer.param_groups "
+                        f"({theirs!r}) since the last step; set it in one place (build an LR "
+                        "scheduler on opt or on opt.optimizer, not both)"
+                    )
+        result = call()
+        for group, own in zip(param_groups, inner.param_groups):
+            group.update(options(own))
+        self.seen = [options(group) for group in param_groups]
+        return result
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -880,6 +942,7 @@ class PieceGroups:
             add_piece_group, self.inner.add_param_group, self.piece_ids
         )
         self.held = group_signature(param_groups, self.inner)
+        self.options = SyncedOptions(param_groups, self.inner)
 
     def piece_ids(self) -> set[int]:
         return {id(piece.param) for pieces in self.pieces for piece in pieces}
@@ -896,6 +959,7 @@ class PieceGroups:
         self.pieces.append(pieces)
         torch.optim.Optimizer.add_param_group(self.inner, self.inner_group(group, pieces))
         self.held = group_signature(param_groups, self.inner)
+        self.options.added(group, self.inner.param_groups[-1])
 
     def check(self, param_groups: list[dict[str, Any]]) -> None:
         """Raise RuntimeError where the groups (or the inner ones) were changed by hand: a
@@ -918,7 +982,7 @@ class PieceGroups:
             for piece in pieces:
                 piece.param.grad = piece.grad
         self.engine.take_masters()
-        with_options(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
+        self.options.run(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
         self.engine.write_back()
 
     def call(self, name: str, param_groups: list[dict[str, Any]]) -> None:
@@ -926,7 +990,7 @@ class PieceGroups:
         move the parameters), with the options `param_groups` hold now; what it writes into
         its groups shows in `param_groups` afterwards."""
         self.engine.take_masters()
-        with_options(self.inner, param_groups, getattr(self.inner, name))
+        self.options.run(self.inner, param_groups, getattr(self.inner, name))
         self.engine.write_back()
 
     def drop_grads(self) -> None:
@@ -964,6 +1028,7 @@ class PieceGroups:
         for group, view, saved, flag in zip(param_groups, views, state_dict["param_groups"], stepped):
             group.update(options(saved))
             load_group(self.inner, self.recipe, view, layout, state_dict["state"], flag)
+        self.options.loaded(param_groups, self.inner)
 
     def state_bytes(self) -> int:
         """The summed size of the tensors in the inner optimizer's state."""

@@ -35,13 +35,13 @@ from torch import nn
 from flatgrad._torch_compat import broadcast_coalesced
 from flatgrad._zero import (
     FlatParameters,
+    SyncedOptions,
     add_piece_group,
     group_signature,
     options,
     retake_master,
     state_bytes,
     unscale_shards,
-    with_options,
 )
 from flatgrad._zero_state import MASTER, STEP, OptimizerRecipe, refuse_misfits
 from flatgrad.buffer import GradStore
@@ -233,6 +233,7 @@ class TensorGroups:
             add_piece_group, self.inner.add_param_group, self.stand_in_ids
         )
         self.held = group_signature(param_groups, self.inner)
+        self.options = SyncedOptions(param_groups, self.inner)
 
     def _inner_group(self, group: dict[str, Any]) -> dict[str, Any]:
         owned = [p for p in group["params"] if p in self.engine.store and self.engine.owns(p)]
@@ -255,6 +256,7 @@ class TensorGroups:
         self.engine.add_members({id(p) for p in group["params"]})
         torch.optim.Optimizer.add_param_group(self.inner, self._inner_group(group))
         self.held = group_signature(param_groups, self.inner)
+        self.options.added(group, self.inner.param_groups[-1])
 
     def check(self, param_groups: list[dict[str, Any]]) -> None:
         """Raise RuntimeError where the groups (or the inner ones) were changed by hand."""
@@ -273,7 +275,7 @@ class TensorGroups:
             for param in owned:
                 self.stand_ins[id(param)].grad = self.engine.grad_of(param)
         self.take_masters()
-        with_options(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
+        self.options.run(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
         self.write_back()
 
     def take_masters(self) -> None:
@@ -300,7 +302,7 @@ class TensorGroups:
         move the parameters), with the options `param_groups` hold now; what it writes into
         its groups shows in `param_groups` afterwards."""
         self.take_masters()
-        with_options(self.inner, param_groups, getattr(self.inner, name))
+        self.options.run(self.inner, param_groups, getattr(self.inner, name))
         self.write_back()
 
     def drop_grads(self) -> None:
@@ -367,6 +369,7 @@ class TensorGroups:
                     self.inner.state[stand_in] = {
                         key: _placed(key, value, stand_in, inner) for key, value in entry.items()
                     }
+        self.options.loaded(param_groups, self.inner)
 
     def _misfit(self, param_groups: list[dict[str, Any]], saved: object) -> str | None:
         """What keeps `saved` from loading on this rank; None when it fits."""

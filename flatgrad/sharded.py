@@ -608,3 +608,9 @@ class _ShardedJoinHook(JoinHook):
         """Step when dp's hook shadowed an averaging backward in this iteration."""
         if self.opt.dp._engine.shadowed_sync:
             self.opt.step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """The Join is over: the optimizer is in none (torch's `Join` leaves the config it set
+        on each joinable, so that a Join whose body never stepped, ``with Join([opt]):
+        pass``, would leave the next `step` outside any Join refused)."""
+        leave_join(self.opt)

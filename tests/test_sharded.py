@@ -1302,6 +1302,8 @@ def _join_refusal_worker(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="needs its DataParallel first in the same Join"), Join([opt]):
         pair.train_step(_batch(rank, 0))
     ref_opt.zero_grad()
+    with Join([opt]):  # (torch's test_zero_join form: a body that never steps leaves nothing behind)
+        pass
     for step in range(1, 3):
         pair.train_step(_batch(rank, step))
     with Join([dp, opt]), Join([ddp]):
@@ -1312,3 +1314,35 @@ def _join_refusal_worker(rank: int, world_size: int) -> None:
 
 def test_a_join_that_refused_leaves_the_optimizer_usable():
     run_ranks(_join_refusal_worker)
+
+
+def _inner_scheduler_worker(rank: int, world_size: int) -> None:
+    """An LR scheduler built on ``opt.optimizer`` (where users of other ZeRO wrappers put
+    it) takes effect as on the plain optimizer, by element and by tensor; so does a hand
+    edit of the inner groups; an option set on both sides to different values is refused on
+    every rank. Oracle: DDP + AdamW with the same scheduler, float64, TOL (only the
+    gradient average's summation order differs)."""
+    for shard_by in ("element", "tensor"):
+        model, ref, dp = _small(rank)
+        opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.1, shard_by=shard_by)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+        schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (step + 1)) for o in (opt.optimizer, ref_opt)
+        ]
+        pair = Lockstep(model, dp, opt, DDP(ref), ref_opt, loss=_sum_of_squares)
+        for step in range(4):
+            pair.train_step(_batch(rank, step))
+            for scheduler in schedulers:
+                scheduler.step()
+            if step == 1:
+                for o in (opt.optimizer, ref_opt):
+                    o.param_groups[0]["weight_decay"] = 0.3
+        pair.assert_params(**TOL)
+        assert opt.optimizer.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+        opt.param_groups[0]["lr"], opt.optimizer.param_groups[0]["lr"] = 0.5, 0.25
+        with pytest.raises(ValueError, match="option 'lr' of param group 0 was set both on opt.param_groups"):
+            pair.train_step(_batch(rank, 9))
+
+
+def test_a_scheduler_on_the_inner_optimizer_takes_effect_or_is_refused():
+    run_ranks(_inner_scheduler_worker)
