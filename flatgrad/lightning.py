@@ -307,7 +307,10 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         ShardedOptimizer over the wrapped module; schedulers are pointed at it."""
         super().setup_optimizers(trainer)
         assert isinstance(self.model, DataParallel)
-        sharded: list[torch.optim.Optimizer] = [self._sharded(self.model, opt) for opt in self.optimizers]
+        shard_by = _shard_by(self.sharded_options["shard_by"], len(self.optimizers))
+        sharded: list[torch.optim.Optimizer] = [
+            self._sharded(self.model, opt, shard_by) for opt in self.optimizers
+        ]
         for old, new in zip(self.optimizers, sharded):
             schedulers = [c.scheduler for c in self.lr_scheduler_configs if c.scheduler.optimizer is old]
             for scheduler in schedulers:
@@ -325,12 +328,15 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
                 optimizer.zero_grad(set_to_none=True)
         super().teardown()
 
-    def _sharded(self, dp: DataParallel, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+    def _sharded(
+        self, dp: DataParallel, optimizer: torch.optim.Optimizer, shard_by: ShardBy | None
+    ) -> ShardedOptimizer:
         if isinstance(optimizer, ShardedOptimizer):
             return optimizer
         groups = [dict(group) for group in optimizer.param_groups]
         defaults = _constructor_arguments(type(optimizer), optimizer.defaults)
-        return ShardedOptimizer(dp, type(optimizer), groups, **self.sharded_options, **defaults)
+        options = {**self.sharded_options, "shard_by": shard_by}
+        return ShardedOptimizer(dp, type(optimizer), groups, **options, **defaults)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The ShardedOptimizer's state made whole (every rank's shards; a collective:
@@ -380,6 +386,22 @@ def whole_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
     parts: list[Any] = [None] * optimizer.world_size
     dist.all_gather_object(parts, saved["state"], group=group)
     return {**saved, "state": {name: entry for part in parts for name, entry in part.items()}}
+
+
+def _shard_by(shard_by: ShardBy | None, num_optimizers: int) -> ShardBy | None:
+    """How each of `num_optimizers` ShardedOptimizers shards: several share the one
+    DataParallel only by tensor (by element, dp's buckets reduce-scatter for one optimizer's
+    shards), so by tensor unless asked otherwise (a GAN's two optimizers)."""
+    if num_optimizers < 2:
+        return shard_by
+    if shard_by == "element":
+        raise ValueError(
+            f"shard_by must be 'tensor' or None under flatgrad_sharded with {num_optimizers} "
+            "optimizers (by element, the DataParallel's buckets reduce-scatter for one "
+            "optimizer's shards), got 'element'"
+        )
+    logger.info("flatgrad_sharded: %d optimizers, each sharded by tensor", num_optimizers)
+    return "tensor"
 
 
 def _track_scheduler_steps(optimizer: torch.optim.Optimizer) -> None:

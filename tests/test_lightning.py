@@ -18,6 +18,7 @@ by a new Trainer, and the sharded strategy's refusal of value clipping.
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,124 @@ def test_a_second_fit_of_the_same_module_wraps_it_again() -> None:
     in one FlatGrad's buffer) and trains on as "ddp" does (the second fit's optimizer is
     new, as under "ddp")."""
     run_ranks(_refit_case, timeout=240.0)
+
+
+class LitGAN(L.LightningModule):
+    """A GAN-like LightningModule in manual optimization: two optimizers (Adam, SGD with
+    momentum), ``toggle_optimizer`` / ``manual_backward`` / ``untoggle_optimizer``, and the
+    generator's loss accumulated over two halves of the batch, the first inside
+    ``trainer.strategy.block_backward_sync()`` (local), the second averaging. Without
+    `toggle`, each phase zeroes every gradient first instead of freezing the other
+    network (the form ``"flatgrad_sharded"`` takes: a ShardedOptimizer refuses parameters
+    frozen after it was built)."""
+
+    def __init__(self, toggle: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.toggle = toggle
+        self.generator = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.discriminator = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch: torch.Tensor, _: int) -> None:
+        opt_g, opt_d = self.optimizers()  # type: ignore[misc]
+        noise, real = batch[:, :8], batch[:, 8:]
+        toggle = self.toggle_optimizer if self.toggle else lambda opt: (opt_g.zero_grad(), opt_d.zero_grad())
+        untoggle = self.untoggle_optimizer if self.toggle else lambda opt: None
+        toggle(opt_g)
+        for i, half in enumerate(noise.chunk(2)):
+            local = self.trainer.strategy.block_backward_sync() if i == 0 else contextlib.nullcontext()
+            with local:
+                fake = self.generator(half)
+                self.manual_backward(nn.functional.softplus(-self.discriminator(fake)).mean() / 2)
+        opt_g.step()
+        opt_g.zero_grad()
+        untoggle(opt_g)
+        toggle(opt_d)
+        fake = self.generator(noise).detach()
+        loss_real = nn.functional.softplus(-self.discriminator(real)).mean()
+        self.manual_backward(loss_real + nn.functional.softplus(self.discriminator(fake)).mean())
+        opt_d.step()
+        opt_d.zero_grad()
+        untoggle(opt_d)
+
+    def configure_optimizers(self) -> Any:
+        return [
+            torch.optim.Adam(self.generator.parameters(), lr=1e-2),
+            torch.optim.SGD(self.discriminator.parameters(), lr=1e-1, momentum=0.9),
+        ]
+
+
+def _manual_fit(strategy: Any, model: str) -> list[torch.Tensor]:
+    """One epoch of Lightning's own ManualOptimBoringModel (SGD, one manual_backward per
+    step), or of `LitGAN`, in float64; the parameters after it."""
+    from lightning.pytorch.demos.boring_classes import ManualOptimBoringModel, RandomDataset
+
+    torch.manual_seed(0)
+    if model == "boring":
+        module: L.LightningModule = ManualOptimBoringModel()
+        data = torch.utils.data.DataLoader(RandomDataset(32, 16), batch_size=2)
+    else:
+        module = LitGAN(toggle=model == "gan")
+        data = torch.utils.data.DataLoader(torch.randn(16, 16), batch_size=4)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, precision="64-true", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, data)
+    return _params(module)
+
+
+# The oracle per model: the GAN leaves each optimizer's parameters without gradients in the
+# other's backwards (toggle_optimizer), which DDP allows with find_unused_parameters=True only.
+_MANUAL_ORACLE = {
+    "boring": "ddp",
+    "gan": "ddp_find_unused_parameters_true",
+    "gan_untoggled": "ddp_find_unused_parameters_true",
+}
+_MANUAL_STOCK: dict[str, list[torch.Tensor]] = {}  # per rank process, per model
+
+
+def _manual_case(rank: int, world_size: int, name: str, model: str) -> None:
+    _as_torchrun(rank, world_size)
+    if model not in _MANUAL_STOCK:
+        _MANUAL_STOCK[model] = _manual_fit(_MANUAL_ORACLE[model], model)
+    stock = _MANUAL_STOCK[model]
+    strategies: dict[str, Any] = {
+        "flatgrad": lambda: flatgrad.lightning.FlatGradDDPStrategy(find_unused_parameters=model == "gan"),
+    }
+    ours = _manual_fit(strategies.get(name, lambda: name)(), model)
+    for p, q in zip(ours, stock):
+        torch.testing.assert_close(p, q, rtol=MANUAL_TOL, atol=MANUAL_TOL)
+    peer = [p.clone() for p in ours]  # (the same on every rank: rank 0's)
+    for tensor in peer:
+        torch.distributed.broadcast(tensor, src=0)
+    for p, q in zip(ours, peer):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=lambda m: f"the ranks diverged: {m}")
+
+
+MANUAL_TOL = 1e-10
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("name", "model"),
+    [
+        *((name, model) for name in ("flatgrad", "flatgrad_data_parallel") for model in ("boring", "gan")),
+        ("flatgrad_sharded", "boring"),
+        ("flatgrad_sharded", "gan_untoggled"),
+    ],
+)
+def test_manual_optimization_trains_as_lightning_ddp(name: str, model: str) -> None:
+    """Manual optimization (``manual_backward`` runs inside the wrapper's forward, where
+    Lightning calls training_step): Lightning's ManualOptimBoringModel and a GAN-like module
+    (two optimizers, toggle_optimizer, a half accumulated in block_backward_sync()) equal
+    Lightning's DDP after an epoch, and the ranks agree exactly. Oracle: "ddp" (the GAN:
+    "ddp_find_unused_parameters_true"). Tolerance 1e-10: float64, both sides average the same
+    local gradients; they differ in round-off only (the accumulated half is averaged with
+    the rest once here, by itself and again under DDP, whose stale preparation from the
+    previous forward averages it)."""
+    run_ranks(_manual_case, name, model, timeout=240.0)
 
 
 def _value_clipping_case(rank: int, world_size: int) -> None:
