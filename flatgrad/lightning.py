@@ -31,8 +31,15 @@ Lightning's. What differs from DDPStrategy:
   first (Lightning's mixed-precision plugin refuses to clip an optimizer that unscales in its
   ``step``, as a ShardedOptimizer declares, even under ``"bf16-mixed"``, without a scaler).
 - Under ``"flatgrad_sharded"`` a checkpoint's optimizer state is the ShardedOptimizer's made
-  whole (per plain parameter name, every rank's shards gathered: Lightning writes rank 0's
-  dict only), which `ShardedOptimizer.load_state_dict` loads on any world size.
+  whole (every rank's shards gathered: Lightning writes rank 0's dict only) in the form a
+  plain torch optimizer of the same class and groups saves (`plain_optimizer_state`), so
+  ``"ddp"`` and the other strategies resume from it; it resumes from that form (any of
+  theirs) and from its own by-name one.
+- Manual optimization: ``manual_backward`` runs inside the wrapper's forward (Lightning calls
+  training_step there); DataParallel averages such a backward unless it runs inside
+  ``block_backward_sync()`` (`DataParallel.no_sync`), as DDPStrategy's ``pre_backward``
+  prepares DDP's reducer for it. Several optimizers (a GAN) are sharded by tensor under
+  ``"flatgrad_sharded"``.
 """
 
 from __future__ import annotations
@@ -250,16 +257,19 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
     ``"flatgrad_sharded"``.
 
     Clipping is by norm only (the norm of the whole averaged gradient); a checkpoint holds
-    the whole optimizer state (see the module notes).
+    the whole optimizer state, in torch's form (see the module notes). Several optimizers
+    are sharded by tensor (they share the one DataParallel so).
 
     Args:
         config: The `FlatGrad` config (as `FlatGradDDPStrategy`'s).
         overlap_param_gather: `ShardedOptimizer`'s flag.
-        shard_by: `ShardedOptimizer`'s ``shard_by`` (None: the class's own way).
+        shard_by: `ShardedOptimizer`'s ``shard_by`` (None: the class's own way, or
+            ``"tensor"`` where ``configure_optimizers`` returns several optimizers).
         **kwargs: `FlatGradDataParallelStrategy`'s arguments.
 
     Raises:
         TypeError: As `FlatGradDataParallelStrategy`.
+        ValueError: At setup, ``shard_by="element"`` with several optimizers.
     """
 
     def __init__(

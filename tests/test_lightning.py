@@ -379,8 +379,8 @@ def _manual_fit(strategy: Any, model: str) -> list[torch.Tensor]:
     return _params(module)
 
 
-# The oracle per model: the GAN leaves each optimizer's parameters without gradients in the
-# other's backwards (toggle_optimizer), which DDP allows with find_unused_parameters=True only.
+# The oracle per model: the GANs leave each network's parameters without gradients in the
+# other's backwards, which DDP allows with find_unused_parameters=True only.
 _MANUAL_ORACLE = {
     "boring": "ddp",
     "gan": "ddp_find_unused_parameters_true",
@@ -422,12 +422,13 @@ MANUAL_TOL = 1e-10
 def test_manual_optimization_trains_as_lightning_ddp(name: str, model: str) -> None:
     """Manual optimization (``manual_backward`` runs inside the wrapper's forward, where
     Lightning calls training_step): Lightning's ManualOptimBoringModel and a GAN-like module
-    (two optimizers, toggle_optimizer, a half accumulated in block_backward_sync()) equal
-    Lightning's DDP after an epoch, and the ranks agree exactly. Oracle: "ddp" (the GAN:
-    "ddp_find_unused_parameters_true"). Tolerance 1e-10: float64, both sides average the same
-    local gradients; they differ in round-off only (the accumulated half is averaged with
-    the rest once here, by itself and again under DDP, whose stale preparation from the
-    previous forward averages it)."""
+    (two optimizers, toggle_optimizer, a half accumulated in block_backward_sync(); under
+    "flatgrad_sharded" zeroing instead of toggling, which a ShardedOptimizer refuses) equal
+    Lightning's DDP after an epoch, and the ranks agree exactly. Oracle: "ddp" (the GANs:
+    "ddp_find_unused_parameters_true", which lets each network go without gradients in the
+    other's backward). Tolerance 1e-10: float64, both sides average the same local
+    gradients, and may differ in round-off only where the half accumulated locally here is
+    averaged by itself there (averaging is linear); seen: equal."""
     run_ranks(_manual_case, name, model, timeout=240.0)
 
 
@@ -439,10 +440,17 @@ def _value_clipping_case(rank: int, world_size: int) -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="gradient_clip_algorithm must be 'norm' under flatgrad_sharded"):
         trainer.fit(LitLM(), _loader())
+    strategy = flatgrad.lightning.FlatGradShardedStrategy(shard_by="element")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="shard_by must be 'tensor' or None under flatgrad_sharded with 2"):
+        trainer.fit(LitGAN(), torch.utils.data.DataLoader(torch.randn(8, 16), batch_size=4))
 
 
 @pytest.mark.distributed
-def test_sharded_strategy_refuses_value_clipping_before_setup() -> None:
+def test_sharded_strategy_refuses_value_clipping_and_several_optimizers_by_element() -> None:
     run_ranks(_value_clipping_case, timeout=120.0)
 
 
