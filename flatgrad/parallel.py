@@ -38,6 +38,10 @@ look into (a plain object, a dict subclass); the first AccumulateGrad hook it re
 it (and counts no parameter ready before its AccumulateGrad runs). A backward after a
 forward that did not synchronise (``dp.module(x)`` called directly, a forward under
 no_sync()) that goes through no synchronising output stays local.
+A backward that opens while a training forward of dp runs (inside it: a LightningModule's
+``manual_backward`` in the training_step that dp's forward runs) averages unless no_sync()
+holds as it opens, whatever earlier forwards armed, as Lightning's DDPStrategy prepares
+DDP's reducer in ``pre_backward`` (`BucketSync.begin_forward`).
 A nested backward (reentrant activation checkpointing) counts toward the backward it runs
 in; a parameter only it reaches is not counted ready early unless it was unused in an
 earlier step (then a gradient that comes after its bucket launched raises).
