@@ -662,6 +662,14 @@ class BucketSync:
         self._armed = False
         # Inside `averaging()`: a backward that opens averages whatever its forward decided.
         self._averaging = False
+        # DDP's require_backward_grad_sync, which `DataParallel.no_sync()` clears: whether a
+        # training forward synchronises, and (read when it opens) whether a backward inside
+        # one averages (`_open`).
+        self.sync = True
+        # The training forwards of the model running now: a backward that opens inside one (a
+        # LightningModule's `manual_backward` in the training_step that DataParallel's
+        # forward runs) is decided by `sync` as it opens (see `_open`).
+        self._forwards = 0
         self._deferrals = Deferrals()  # hooks that carry a nested backward's end outward
         self.policy = backend_policy(process_group)  # the gloo/CPU choices, read once
         # The optimizer steps a ShardedOptimizer took (None without one): each synchronised
@@ -809,10 +817,17 @@ class BucketSync:
 
     # --- backward -----------------------------------------------------------------------
 
-    def arm(self, sync: bool) -> None:
-        """After a training forward: a synchronising one makes the next backward average,
-        whichever graph it goes through (see `_open`)."""
-        self._armed = self._armed or sync
+    def begin_forward(self) -> None:
+        """A training forward of the model starts (grad enabled): until `end_forward`, a
+        backward that opens inside it averages as `sync` says then (see `_open`)."""
+        self._forwards += 1
+
+    def end_forward(self, finished: bool = True) -> None:
+        """The training forward `begin_forward` announced ended; one that `finished` (did
+        not raise) and synchronised (`sync`) makes the next backward average, whichever
+        graph it goes through (see `_open`)."""
+        self._forwards -= 1
+        self._armed = self._armed or (finished and self.sync)
 
     @contextlib.contextmanager
     def averaging(self) -> Iterator[None]:
@@ -927,10 +942,16 @@ class BucketSync:
     def _open(self) -> bool:
         """From an AccumulateGrad hook, when no backward is open (this one reached none of
         dp's outputs): open it, averaging, when a synchronising forward armed it, as DDP's
-        hooks on the parameters do. Its first final gradient is this hook's: FlatGrad seated
-        no slot for it (no output pre hook ran), so the small parameters' gradients land in
-        tensors of their own, which each bucket takes into its slots before it launches."""
-        if not (self._armed or self._averaging):
+        hooks on the parameters do; inside a training forward (a LightningModule's
+        `manual_backward`, which runs in the training_step that forward runs), when `sync`
+        holds now, as Lightning's DDPStrategy.pre_backward prepares DDP's reducer for that
+        backward unless inside `no_sync()` (the arming of an earlier forward does not
+        count there: `block_backward_sync()` around it keeps it local). Its first final
+        gradient is this hook's: FlatGrad seated no slot for it (no output pre hook ran), so
+        the small parameters' gradients land in tensors of their own, which each bucket
+        takes into its slots before it launches."""
+        armed = self.sync if self._forwards else self._armed
+        if not (armed or self._averaging):
             return False
         _refuse_compiled_autograd()
         # From a hook, maybe of a nested backward (whose graph is not the one that ends the

@@ -31,8 +31,15 @@ Lightning's. What differs from DDPStrategy:
   first (Lightning's mixed-precision plugin refuses to clip an optimizer that unscales in its
   ``step``, as a ShardedOptimizer declares, even under ``"bf16-mixed"``, without a scaler).
 - Under ``"flatgrad_sharded"`` a checkpoint's optimizer state is the ShardedOptimizer's made
-  whole (per plain parameter name, every rank's shards gathered: Lightning writes rank 0's
-  dict only), which `ShardedOptimizer.load_state_dict` loads on any world size.
+  whole (every rank's shards gathered: Lightning writes rank 0's dict only) in the form a
+  plain torch optimizer of the same class and groups saves (`plain_optimizer_state`), so
+  ``"ddp"`` and the other strategies resume from it; it resumes from that form (any of
+  theirs) and from its own by-name one.
+- Manual optimization: ``manual_backward`` runs inside the wrapper's forward (Lightning calls
+  training_step there); DataParallel averages such a backward unless it runs inside
+  ``block_backward_sync()`` (`DataParallel.no_sync`), as DDPStrategy's ``pre_backward``
+  prepares DDP's reducer for it. Several optimizers (a GAN) are sharded by tensor under
+  ``"flatgrad_sharded"``.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from __future__ import annotations
 import gc
 import inspect
 import logging
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -54,7 +61,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.nn.parallel import DistributedDataParallel
 
 from flatgrad._optim_kinds import ShardBy
-from flatgrad._zero_state import whole_state
+from flatgrad._zero_state import MASTER, whole_state
 from flatgrad.amp import GradScaler
 from flatgrad.comm import FlatGradCommState, allreduce_hook
 from flatgrad.config import FlatGradConfig
@@ -250,16 +257,19 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
     ``"flatgrad_sharded"``.
 
     Clipping is by norm only (the norm of the whole averaged gradient); a checkpoint holds
-    the whole optimizer state (see the module notes).
+    the whole optimizer state, in torch's form (see the module notes). Several optimizers
+    are sharded by tensor (they share the one DataParallel so).
 
     Args:
         config: The `FlatGrad` config (as `FlatGradDDPStrategy`'s).
         overlap_param_gather: `ShardedOptimizer`'s flag.
-        shard_by: `ShardedOptimizer`'s ``shard_by`` (None: the class's own way).
+        shard_by: `ShardedOptimizer`'s ``shard_by`` (None: the class's own way, or
+            ``"tensor"`` where ``configure_optimizers`` returns several optimizers).
         **kwargs: `FlatGradDataParallelStrategy`'s arguments.
 
     Raises:
         TypeError: As `FlatGradDataParallelStrategy`.
+        ValueError: At setup, ``shard_by="element"`` with several optimizers.
     """
 
     def __init__(
@@ -307,7 +317,10 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         ShardedOptimizer over the wrapped module; schedulers are pointed at it."""
         super().setup_optimizers(trainer)
         assert isinstance(self.model, DataParallel)
-        sharded: list[torch.optim.Optimizer] = [self._sharded(self.model, opt) for opt in self.optimizers]
+        shard_by = _shard_by(self.sharded_options["shard_by"], len(self.optimizers))
+        sharded: list[torch.optim.Optimizer] = [
+            self._sharded(self.model, opt, shard_by) for opt in self.optimizers
+        ]
         for old, new in zip(self.optimizers, sharded):
             schedulers = [c.scheduler for c in self.lr_scheduler_configs if c.scheduler.optimizer is old]
             for scheduler in schedulers:
@@ -325,29 +338,49 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
                 optimizer.zero_grad(set_to_none=True)
         super().teardown()
 
-    def _sharded(self, dp: DataParallel, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+    def _sharded(
+        self, dp: DataParallel, optimizer: torch.optim.Optimizer, shard_by: ShardBy | None
+    ) -> ShardedOptimizer:
         if isinstance(optimizer, ShardedOptimizer):
             return optimizer
         groups = [dict(group) for group in optimizer.param_groups]
         defaults = _constructor_arguments(type(optimizer), optimizer.defaults)
-        return ShardedOptimizer(dp, type(optimizer), groups, **self.sharded_options, **defaults)
+        options = {**self.sharded_options, "shard_by": shard_by}
+        return ShardedOptimizer(dp, type(optimizer), groups, **options, **defaults)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The ShardedOptimizer's state made whole (every rank's shards; a collective:
-        Lightning calls this on every rank), on rank 0; ``{}`` on the others, whose dict
-        Lightning does not write. Any other optimizer's as Lightning returns it.
+        Lightning calls this on every rank) in the form a plain torch optimizer of the same
+        class and groups saves (`plain_optimizer_state`), on rank 0; ``{}`` on the others,
+        whose dict Lightning does not write. Any other optimizer's as Lightning returns it.
 
         Args:
             optimizer: One of the trainer's optimizers.
 
         Returns:
-            ``{"state": {name: {key: whole tensor or scalar}}, "param_groups": [...]}``.
+            ``{"state": {index: {key: tensor}}, "param_groups": [{..., "params": [index]}]}``.
         """
         inner = _unwrapped(optimizer)
         if not isinstance(inner, ShardedOptimizer):
             return super().optimizer_state(optimizer)
-        state = whole_optimizer_state(inner)
+        state = plain_optimizer_state(inner)
         return state if self.is_global_zero else {}
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Lightning's, with each plain torch optimizer state (by index: what this strategy,
+        "ddp" and the other flatgrad strategies save) given to a ShardedOptimizer by
+        parameter name (`named_optimizer_state`); a ShardedOptimizer's own (by name) as it is.
+
+        Args:
+            checkpoint: The checkpoint Lightning resumes from.
+        """
+        states = [
+            named_optimizer_state(inner, saved)
+            if isinstance(inner := _unwrapped(optimizer), ShardedOptimizer) and _by_index(saved)
+            else saved
+            for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"])
+        ]
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -380,6 +413,129 @@ def whole_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
     parts: list[Any] = [None] * optimizer.world_size
     dist.all_gather_object(parts, saved["state"], group=group)
     return {**saved, "state": {name: entry for part in parts for name, entry in part.items()}}
+
+
+def plain_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
+    """What a plain torch optimizer of `optimizer`'s class and groups would save (a
+    collective: `whole_optimizer_state`), so that ``torch.optim.<Class>.load_state_dict``,
+    Lightning's "ddp" and every flatgrad strategy resume from it: parameters numbered in
+    group order, as torch numbers them; state keyed by those numbers, only for parameters
+    that stepped (torch keeps none before the first step: a saved step of 0); every tensor
+    its own (the ShardedOptimizer shares one step count per group, which ``step += 1``
+    would then advance once per parameter); per-element state in the parameter's shape and
+    dtype. Float32 master weights (bfloat16/float16 parameters with main grads) have no
+    place there: they are left out (warned), and resuming starts from the parameters.
+
+    Args:
+        optimizer: The ShardedOptimizer (every rank of its group calls this together).
+
+    Returns:
+        ``{"state": {index: {key: tensor}}, "param_groups": [{**options, "params":
+        [index]}]}``, as `torch.optim.Optimizer.state_dict` returns it.
+    """
+    saved = whole_optimizer_state(optimizer)
+    state: dict[int, dict[str, Any]] = {}
+    param_groups = []
+    index = 0
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        indices = []
+        for param, name in zip(group["params"], saved_group["params"]):
+            entry = saved["state"].get(name)
+            if entry and _stepped(entry):
+                if MASTER in entry:
+                    logger.warning(
+                        "flatgrad_sharded: the float32 master weights are not saved in the plain "
+                        "optimizer state; a resumed run starts from the %s parameters",
+                        param.dtype,
+                    )
+                state[index] = {
+                    key: _plain_value(value, param) for key, value in entry.items() if key != MASTER
+                }
+            indices.append(index)
+            index += 1
+        param_groups.append({**_options(saved_group), "params": indices})
+    return {"state": state, "param_groups": param_groups}
+
+
+def named_optimizer_state(optimizer: ShardedOptimizer, plain: dict[str, Any]) -> dict[str, Any]:
+    """`plain` (a torch optimizer's state dict, by index: `plain_optimizer_state`'s, or a
+    plain optimizer's of the same class and groups) keyed by `optimizer`'s parameter names,
+    which `ShardedOptimizer.load_state_dict` loads (whole tensors, shaped as the parameters).
+
+    Args:
+        optimizer: The ShardedOptimizer to load into.
+        plain: The torch optimizer state dict.
+
+    Returns:
+        ``{"state": {name: {key: value}}, "param_groups": [{**options, "params": [names]}]}``.
+
+    Raises:
+        ValueError: `plain`'s groups do not hold as many parameters as `optimizer`'s.
+    """
+    names = [list(group["params"]) for group in optimizer.state_dict()["param_groups"]]
+    counts = [len(group["params"]) for group in plain["param_groups"]]
+    if counts != [len(group) for group in names]:
+        raise ValueError(
+            f"the checkpoint's optimizer groups must hold as many parameters as the optimizer's "
+            f"(configure_optimizers: the same model and grouping), got {counts} for "
+            f"{[len(group) for group in names]}"
+        )
+    name_of = {
+        index: name
+        for group, group_names in zip(plain["param_groups"], names)
+        for index, name in zip(group["params"], group_names)
+    }
+    state = {name_of[int(index)]: dict(entry) for index, entry in plain["state"].items()}
+    param_groups = [
+        {**_options(group), "params": group_names} for group, group_names in zip(plain["param_groups"], names)
+    ]
+    return {"state": state, "param_groups": param_groups}
+
+
+def _by_index(saved: Any) -> bool:
+    """Whether `saved` is a plain torch optimizer state dict (parameters by index)."""
+    groups = saved.get("param_groups", []) if isinstance(saved, dict) else []
+    return any(isinstance(p, int) for group in groups for p in group.get("params", ()))
+
+
+def _options(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _stepped(entry: dict[str, Any]) -> bool:
+    """Whether a parameter's saved state is that of a step taken (a ShardedOptimizer saves a
+    step count of 0 for a group that has not stepped; torch keeps no state then)."""
+    step = entry.get("step")
+    return step is None or float(step) != 0
+
+
+def _plain_value(value: Any, param: torch.Tensor) -> Any:
+    """A saved state value as a torch optimizer keeps it: a tensor of its own (a step count
+    cloned out of the group's shared one), per-element state shaped and typed as `param`."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach().clone()
+    if value.numel() == param.numel() and value.dim() > 0:  # per element (a step count is 0-d)
+        value = value.reshape(param.shape)
+        if value.is_floating_point() and param.is_floating_point():
+            value = value.to(param.dtype)
+    return value
+
+
+def _shard_by(shard_by: ShardBy | None, num_optimizers: int) -> ShardBy | None:
+    """How each of `num_optimizers` ShardedOptimizers shards: several share the one
+    DataParallel only by tensor (by element, dp's buckets reduce-scatter for one optimizer's
+    shards), so by tensor unless asked otherwise (a GAN's two optimizers)."""
+    if num_optimizers < 2:
+        return shard_by
+    if shard_by == "element":
+        raise ValueError(
+            f"shard_by must be 'tensor' or None under flatgrad_sharded with {num_optimizers} "
+            "optimizers (by element, the DataParallel's buckets reduce-scatter for one "
+            "optimizer's shards), got 'element'"
+        )
+    logger.info("flatgrad_sharded: %d optimizers, each sharded by tensor", num_optimizers)
+    return "tensor"
 
 
 def _track_scheduler_steps(optimizer: torch.optim.Optimizer) -> None:

@@ -38,6 +38,10 @@ look into (a plain object, a dict subclass); the first AccumulateGrad hook it re
 it (and counts no parameter ready before its AccumulateGrad runs). A backward after a
 forward that did not synchronise (``dp.module(x)`` called directly, a forward under
 no_sync()) that goes through no synchronising output stays local.
+A backward that opens while a training forward of dp runs (inside it: a LightningModule's
+``manual_backward`` in the training_step that dp's forward runs) averages unless no_sync()
+holds as it opens, whatever earlier forwards armed, as Lightning's DDPStrategy prepares
+DDP's reducer in ``pre_backward`` (`BucketSync.begin_forward`).
 A nested backward (reentrant activation checkpointing) counts toward the backward it runs
 in; a parameter only it reaches is not counted ready early unless it was unused in an
 earlier step (then a gradient that comes after its bucket launched raises).
@@ -165,7 +169,6 @@ class DataParallel(PlainNames, Joinable):
         # DDP's require_forward_param_sync: whether the last forward trained and synchronised
         # (True before the first), which is when the next forward broadcasts the buffers.
         self._sync_buffers_next = True
-        self._sync = True
         self._divide_by_initial_world_size = True  # (the running Join's, as DDP's)
         _check_same_model(flat, process_group)
         _check_same_settings(
@@ -196,18 +199,23 @@ class DataParallel(PlainNames, Joinable):
             ValueError: A sparse embedding (``sparse=True``) was added to the model since
                 construction.
         """
-        self._before_forward()
+        training = self._before_forward()
         learning = self._engine.forward_context  # (ShardedOptimizer's `ForwardWaits.learning`)
-        if learning is None:
-            output = self.module(*args, **kwargs)
-        else:
-            with learning():
+        finished = False
+        try:
+            if learning is None:
                 output = self.module(*args, **kwargs)
-        self._after_forward()
+            else:
+                with learning():
+                    output = self.module(*args, **kwargs)
+            finished = True
+        finally:  # (a forward that raised ends too: a later backward is outside it)
+            self._after_forward(training, finished)
         return output
 
     @torch.compiler.disable
-    def _before_forward(self) -> None:
+    def _before_forward(self) -> bool:
+        """Before the wrapped model's forward; whether it trains (grad enabled)."""
         engine = self._engine
         if engine.in_backward:
             engine.drain()  # a backward that raised never finished
@@ -221,13 +229,17 @@ class DataParallel(PlainNames, Joinable):
         # The backward through the output of the forward about to run is this one's too
         # (bound into that forward's plan: see flatgrad._backward).
         self.module._engine.expect_sync(engine, self._sync)
+        training = torch.is_grad_enabled()
+        if training:  # a backward inside it (Lightning's manual_backward) averages unless no_sync
+            engine.begin_forward()
+        return training
 
     @torch.compiler.disable
-    def _after_forward(self) -> None:
-        training = torch.is_grad_enabled()
-        self._sync_buffers_next = training and self._sync
+    def _after_forward(self, training: bool, finished: bool) -> None:
+        if finished:
+            self._sync_buffers_next = training and self._sync
         if training:
-            self._engine.arm(self._sync)
+            self._engine.end_forward(finished)
 
     def _broadcast_buffers(self, source: int = 0) -> None:
         """The buffers of rank `source` (of the group) to every rank, as DDP's forward does:
@@ -322,6 +334,15 @@ class DataParallel(PlainNames, Joinable):
             yield
         finally:
             self._sync = previous
+
+    @property
+    def _sync(self) -> bool:
+        # The flag lives in the engine: a backward that opens inside a forward reads it then.
+        return self._engine.sync
+
+    @_sync.setter
+    def _sync(self, value: bool) -> None:
+        self._engine.sync = value
 
     @property
     def require_backward_grad_sync(self) -> bool:

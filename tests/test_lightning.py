@@ -18,6 +18,7 @@ by a new Trainer, and the sharded strategy's refusal of value clipping.
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,16 @@ def _loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=None)
 
 
+def _unshuffled_loader() -> torch.utils.data.DataLoader:
+    """`_loader`'s batches, each rank's in the same order every epoch: Lightning's own
+    DistributedSampler shuffles, and a fit resumed from a checkpoint written at the end of
+    an epoch runs the next epoch in another order than an uninterrupted fit does (seen under
+    "ddp" alone), which a resumed run's oracle cannot have."""
+    data = torch.randint(0, 50, (8, 4, 12), generator=torch.Generator().manual_seed(0))
+    sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=False)  # (kept by Lightning)
+    return torch.utils.data.DataLoader(data, batch_size=None, sampler=sampler)
+
+
 def _trainer(strategy: Any, epochs: int, precision: str = "64-true") -> Any:
     return L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, precision=precision,
@@ -127,25 +138,34 @@ def _assert_close(ours: Any, stock: Any, what: str) -> None:
     torch.testing.assert_close(ours, stock, rtol=TOL, atol=TOL, msg=lambda m: f"{what}: {m}")
 
 
-def _compare_checkpoints(
-    ours: dict[str, Any], stock: dict[str, Any], names: list[str], by_name: bool
-) -> None:
-    """The model state under the plain model's keys; the optimizer state per parameter:
-    Lightning's "ddp" saves a torch AdamW's, by index in ``self.parameters()`` order, as the
-    DDP and DataParallel strategies do (the same torch optimizer); a ShardedOptimizer's is
-    by plain name, each tensor whole (every rank's shards)."""
+def _compare_checkpoints(ours: dict[str, Any], stock: dict[str, Any]) -> None:
+    """The model state under the plain model's keys; the optimizer state exactly as "ddp"
+    saves its torch AdamW's (every strategy's: the sharded one converts its own to that
+    form); the schedules."""
     assert list(ours["state_dict"]) == list(stock["state_dict"])
     for key, value in stock["state_dict"].items():
         _assert_close(ours["state_dict"][key], value, key)
     (opt,), (ref,) = ours["optimizer_states"], stock["optimizer_states"]
-    keys = names if by_name else list(range(len(names)))
-    assert sorted(opt["state"]) == sorted(keys)
-    for index, (name, key) in enumerate(zip(names, keys)):
-        for entry in ("exp_avg", "exp_avg_sq", "step"):
-            expected = ref["state"][index][entry]
-            _assert_close(opt["state"][key][entry].reshape(expected.shape), expected, f"{name} {entry}")
-    assert [g["lr"] for g in opt["param_groups"]] == [g["lr"] for g in ref["param_groups"]]
+    _assert_torch_optimizer_state(opt, ref)
     assert ours["lr_schedulers"] == stock["lr_schedulers"]
+
+
+def _assert_torch_optimizer_state(ours: dict[str, Any], stock: dict[str, Any]) -> None:
+    """`ours` in the form of `stock`, a torch optimizer's state dict: the same groups
+    (options and parameter indices), the same indices in the state with the same keys,
+    every tensor of the same dtype and shape and close at TOL, and each its own storage
+    (torch.save keeps shared tensors shared, and every parameter's ``step += 1`` would then
+    advance one counter)."""
+    assert ours["param_groups"] == stock["param_groups"]
+    assert sorted(ours["state"]) == sorted(stock["state"])
+    storages = set()
+    for index, entry in stock["state"].items():
+        assert sorted(ours["state"][index]) == sorted(entry), index
+        for key, value in entry.items():
+            mine = ours["state"][index][key]
+            _assert_close(mine, value, f"state {index} {key}")  # (dtype and shape included)
+            storages.add(mine.untyped_storage().data_ptr())
+    assert len(storages) == sum(len(entry) for entry in stock["state"].values()), "shared tensors"
 
 
 def _strategy_case(rank: int, world_size: int, name: str, directory: str) -> None:
@@ -164,7 +184,7 @@ def _strategy_case(rank: int, world_size: int, name: str, directory: str) -> Non
         for p, q, param in zip(ours[key], stock[key], stock["names"]):
             _assert_close(p, q, f"{key} {param}")
     if rank == 0:  # (the file Lightning wrote: rank 0's dicts)
-        _compare_checkpoints(ours["checkpoint"], stock["checkpoint"], stock["names"], "sharded" in name)
+        _compare_checkpoints(ours["checkpoint"], stock["checkpoint"])
     _assert_close(ours["test_loss"], stock["test_loss"], "test_loss")
     _assert_close(torch.tensor(ours["predicted"]), torch.tensor(stock["predicted"]), "predict")
 
@@ -179,6 +199,62 @@ def test_strategy_trains_resumes_tests_and_predicts_as_lightning_ddp(tmp_path: P
     values, optimizer state per parameter, schedules), test loss and predictions."""
     (tmp_path / "run").mkdir()
     run_ranks(_strategy_case, name, str(tmp_path / "run"), timeout=240.0)
+
+
+_UNINTERRUPTED: list[torch.Tensor] = []  # per rank process: "ddp" fit for two epochs at once
+
+
+def _cross_case(rank: int, world_size: int, sharded: str, directory: str) -> None:
+    _as_torchrun(rank, world_size)
+    if not _UNINTERRUPTED:
+        module = LitLM().double()
+        _trainer("ddp", 2).fit(module, _unshuffled_loader())
+        _UNINTERRUPTED.extend(_params(module))
+    strategy = {"sharded_by_tensor": lambda: flatgrad.lightning.FlatGradShardedStrategy(shard_by="tensor")}
+    make = strategy.get(sharded, lambda: sharded)
+
+    def fit(name: Any, epochs: int, ckpt_path: Path | None = None) -> Any:
+        # Built in float64: Lightning loads a checkpoint's weights into the module before the
+        # precision plugin converts it (float32 weights would round them: 6e-8 off under "ddp").
+        module = LitLM().double()
+        trainer = _trainer(name, epochs)
+        trainer.fit(module, _unshuffled_loader(), ckpt_path=ckpt_path)
+        return module, trainer
+
+    def save(trainer: Any, name: str) -> Path:
+        path = Path(directory) / name  # (rank 0 writes it; save_checkpoint ends in a barrier)
+        trainer.save_checkpoint(path)
+        return path
+
+    # An epoch under "ddp" and under the sharded strategy: the sharded one's optimizer state
+    # is "ddp"'s, and loads into a plain torch AdamW, which then saves it as "ddp" did.
+    module, trainer = fit("ddp", 1)
+    stock = save(trainer, "ddp.ckpt")
+    ours = save(fit(make(), 1)[1], "sharded.ckpt")
+    (saved,) = torch.load(ours, weights_only=False)["optimizer_states"]
+    (expected,) = torch.load(stock, weights_only=False)["optimizer_states"]
+    _assert_torch_optimizer_state(saved, expected)
+    plain = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
+    plain.load_state_dict(saved)
+    _assert_torch_optimizer_state(plain.state_dict(), expected)
+    # The sharded checkpoint resumed for the second epoch under each other strategy, and the
+    # "ddp" one under the sharded strategy.
+    runs = [(name, ours) for name in ("ddp", "flatgrad", "flatgrad_data_parallel")] + [(make(), stock)]
+    for name, path in runs:
+        resumed, _ = fit(name, 2, path)
+        for p, q, (param, _) in zip(_params(resumed), _UNINTERRUPTED, resumed.named_parameters()):
+            _assert_close(p, q, f"{path.name} resumed under {name}: {param}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sharded", ["flatgrad_sharded", "sharded_by_tensor"])
+def test_checkpoints_resume_across_strategies(tmp_path: Path, sharded: str) -> None:
+    """A checkpoint of the sharded strategy (AdamW, an epoch) resumed for a second epoch under
+    "ddp", "flatgrad" and "flatgrad_data_parallel"; its optimizer state loaded into a plain
+    torch AdamW; a "ddp" checkpoint resumed under the sharded strategy. Oracle: "ddp" fit for
+    the two epochs at once (and its checkpoint after one, for the optimizer state's form).
+    Tolerance 1e-12, as the other cases: float64, the same local gradients on both sides."""
+    run_ranks(_cross_case, sharded, str(tmp_path), timeout=240.0)
 
 
 def _mixed_case(rank: int, world_size: int, precision: str) -> None:
@@ -237,6 +313,125 @@ def test_a_second_fit_of_the_same_module_wraps_it_again() -> None:
     run_ranks(_refit_case, timeout=240.0)
 
 
+class LitGAN(L.LightningModule):
+    """A GAN-like LightningModule in manual optimization: two optimizers (Adam, SGD with
+    momentum), ``toggle_optimizer`` / ``manual_backward`` / ``untoggle_optimizer``, and the
+    generator's loss accumulated over two halves of the batch, the first inside
+    ``trainer.strategy.block_backward_sync()`` (local), the second averaging. Without
+    `toggle`, each phase zeroes every gradient first instead of freezing the other
+    network (the form ``"flatgrad_sharded"`` takes: a ShardedOptimizer refuses parameters
+    frozen after it was built)."""
+
+    def __init__(self, toggle: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.toggle = toggle
+        self.generator = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.discriminator = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch: torch.Tensor, _: int) -> None:
+        opt_g, opt_d = self.optimizers()  # type: ignore[misc]
+        noise, real = batch[:, :8], batch[:, 8:]
+        toggle = self.toggle_optimizer if self.toggle else lambda opt: (opt_g.zero_grad(), opt_d.zero_grad())
+        untoggle = self.untoggle_optimizer if self.toggle else lambda opt: None
+        toggle(opt_g)
+        for i, half in enumerate(noise.chunk(2)):
+            local = self.trainer.strategy.block_backward_sync() if i == 0 else contextlib.nullcontext()
+            with local:
+                fake = self.generator(half)
+                self.manual_backward(nn.functional.softplus(-self.discriminator(fake)).mean() / 2)
+        opt_g.step()
+        opt_g.zero_grad()
+        untoggle(opt_g)
+        toggle(opt_d)
+        fake = self.generator(noise).detach()
+        loss_real = nn.functional.softplus(-self.discriminator(real)).mean()
+        self.manual_backward(loss_real + nn.functional.softplus(self.discriminator(fake)).mean())
+        opt_d.step()
+        opt_d.zero_grad()
+        untoggle(opt_d)
+
+    def configure_optimizers(self) -> Any:
+        return [
+            torch.optim.Adam(self.generator.parameters(), lr=1e-2),
+            torch.optim.SGD(self.discriminator.parameters(), lr=1e-1, momentum=0.9),
+        ]
+
+
+def _manual_fit(strategy: Any, model: str) -> list[torch.Tensor]:
+    """One epoch of Lightning's own ManualOptimBoringModel (SGD, one manual_backward per
+    step), or of `LitGAN`, in float64; the parameters after it."""
+    from lightning.pytorch.demos.boring_classes import ManualOptimBoringModel, RandomDataset
+
+    torch.manual_seed(0)
+    if model == "boring":
+        module: L.LightningModule = ManualOptimBoringModel()
+        data = torch.utils.data.DataLoader(RandomDataset(32, 16), batch_size=2)
+    else:
+        module = LitGAN(toggle=model == "gan")
+        data = torch.utils.data.DataLoader(torch.randn(16, 16), batch_size=4)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, precision="64-true", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, data)
+    return _params(module)
+
+
+# The oracle per model: the GANs leave each network's parameters without gradients in the
+# other's backwards, which DDP allows with find_unused_parameters=True only.
+_MANUAL_ORACLE = {
+    "boring": "ddp",
+    "gan": "ddp_find_unused_parameters_true",
+    "gan_untoggled": "ddp_find_unused_parameters_true",
+}
+_MANUAL_STOCK: dict[str, list[torch.Tensor]] = {}  # per rank process, per model
+
+
+def _manual_case(rank: int, world_size: int, name: str, model: str) -> None:
+    _as_torchrun(rank, world_size)
+    if model not in _MANUAL_STOCK:
+        _MANUAL_STOCK[model] = _manual_fit(_MANUAL_ORACLE[model], model)
+    stock = _MANUAL_STOCK[model]
+    strategies: dict[str, Any] = {
+        "flatgrad": lambda: flatgrad.lightning.FlatGradDDPStrategy(find_unused_parameters=model == "gan"),
+    }
+    ours = _manual_fit(strategies.get(name, lambda: name)(), model)
+    for p, q in zip(ours, stock):
+        torch.testing.assert_close(p, q, rtol=MANUAL_TOL, atol=MANUAL_TOL)
+    peer = [p.clone() for p in ours]  # (the same on every rank: rank 0's)
+    for tensor in peer:
+        torch.distributed.broadcast(tensor, src=0)
+    for p, q in zip(ours, peer):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=lambda m: f"the ranks diverged: {m}")
+
+
+MANUAL_TOL = 1e-10
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("name", "model"),
+    [
+        *((name, model) for name in ("flatgrad", "flatgrad_data_parallel") for model in ("boring", "gan")),
+        ("flatgrad_sharded", "boring"),
+        ("flatgrad_sharded", "gan_untoggled"),
+    ],
+)
+def test_manual_optimization_trains_as_lightning_ddp(name: str, model: str) -> None:
+    """Manual optimization (``manual_backward`` runs inside the wrapper's forward, where
+    Lightning calls training_step): Lightning's ManualOptimBoringModel and a GAN-like module
+    (two optimizers, toggle_optimizer, a half accumulated in block_backward_sync(); under
+    "flatgrad_sharded" zeroing instead of toggling, which a ShardedOptimizer refuses) equal
+    Lightning's DDP after an epoch, and the ranks agree exactly. Oracle: "ddp" (the GANs:
+    "ddp_find_unused_parameters_true", which lets each network go without gradients in the
+    other's backward). Tolerance 1e-10: float64, both sides average the same local
+    gradients, and may differ in round-off only where the half accumulated locally here is
+    averaged by itself there (averaging is linear); seen: equal."""
+    run_ranks(_manual_case, name, model, timeout=240.0)
+
+
 def _value_clipping_case(rank: int, world_size: int) -> None:
     _as_torchrun(rank, world_size)
     trainer = L.Trainer(
@@ -245,10 +440,17 @@ def _value_clipping_case(rank: int, world_size: int) -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="gradient_clip_algorithm must be 'norm' under flatgrad_sharded"):
         trainer.fit(LitLM(), _loader())
+    strategy = flatgrad.lightning.FlatGradShardedStrategy(shard_by="element")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="shard_by must be 'tensor' or None under flatgrad_sharded with 2"):
+        trainer.fit(LitGAN(), torch.utils.data.DataLoader(torch.randn(8, 16), batch_size=4))
 
 
 @pytest.mark.distributed
-def test_sharded_strategy_refuses_value_clipping_before_setup() -> None:
+def test_sharded_strategy_refuses_value_clipping_and_several_optimizers_by_element() -> None:
     run_ranks(_value_clipping_case, timeout=120.0)
 
 

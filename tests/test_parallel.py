@@ -8,6 +8,7 @@ several optimizer steps).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from conftest import ROUTE_ALL, grad_in_buffers
-from dist_utils import rank_profile, run_ranks
+from dist_utils import average_grads, rank_profile, run_ranks
 from oracle import Lockstep, assert_grads_like, assert_params_like, stock
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -704,6 +705,52 @@ def _averaging_worker(rank: int, world_size: int) -> None:
 
 def test_a_backward_inside_averaging_averages_after_no_sync_forwards():
     run_ranks(_averaging_worker)
+
+
+class _BackwardInForward(nn.Module):
+    """A model whose forward runs the step's backwards itself, as a LightningModule's
+    training_step with ``manual_backward`` does inside the wrapper's forward: two
+    micro-batches, the first inside `local` (the DataParallel's no_sync, set once wrapped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _Net()
+        self.local: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+
+    def forward(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        with self.local():
+            self.net(first).backward()
+        self.net(second).backward()
+        return torch.zeros(())
+
+
+def _backward_in_forward_worker(rank: int, world_size: int) -> None:
+    """Backwards inside dp's forward: the one under no_sync() stays local (one averaged
+    backward per forward), the other averages everything accumulated; the oracle is the
+    same backwards on a copy, averaged by hand (`average_grads`)."""
+    torch.manual_seed(0)
+    model = _BackwardInForward()
+    ref = copy.deepcopy(model.net)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL))
+    model.local = dp.no_sync
+    for step in range(3):
+        syncs = dp._engine.num_syncs
+        dp.zero_grad()
+        ref.zero_grad()
+        dp(_tokens(rank, step, 0), _tokens(rank, step, 1))
+        for micro in range(2):
+            ref(_tokens(rank, step, micro)).backward()
+        average_grads([ref], None)
+        _assert_grads_match(model.net, ref, f"step {step}")
+        assert dp._engine.num_syncs == syncs + 1, f"step {step}: the no_sync backward averaged"
+
+
+def test_backwards_inside_the_forward_average_unless_under_no_sync():
+    """Lightning's manual optimization (`manual_backward` in training_step, which the
+    wrapper's forward runs; `block_backward_sync()` is no_sync): the engine decides a
+    backward that opens inside a training forward by no_sync as it opens, not by the
+    arming of an earlier forward."""
+    run_ranks(_backward_in_forward_worker)
 
 
 class _TwoDtypes(nn.Module):

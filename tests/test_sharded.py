@@ -1327,7 +1327,8 @@ def _inner_scheduler_worker(rank: int, world_size: int) -> None:
         opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.1, shard_by=shard_by)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
         schedulers = [
-            torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (step + 1)) for o in (opt.optimizer, ref_opt)
+            torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (step + 1))
+            for o in (opt.optimizer, ref_opt)
         ]
         pair = Lockstep(model, dp, opt, DDP(ref), ref_opt, loss=_sum_of_squares)
         for step in range(4):
