@@ -492,7 +492,7 @@ def named_optimizer_state(optimizer: ShardedOptimizer, plain: dict[str, Any]) ->
     return {"state": state, "param_groups": param_groups}
 
 
-def _by_index(saved: Any) -> bool:
+def _by_index(saved: object) -> bool:
     """Whether `saved` is a plain torch optimizer state dict (parameters by index)."""
     groups = saved.get("param_groups", []) if isinstance(saved, dict) else []
     return any(isinstance(p, int) for group in groups for p in group.get("params", ()))
@@ -509,7 +509,7 @@ def _stepped(entry: dict[str, Any]) -> bool:
     return step is None or float(step) != 0
 
 
-def _plain_value(value: Any, param: torch.Tensor) -> Any:
+def _plain_value(value: object, param: torch.Tensor) -> object:
     """A saved state value as a torch optimizer keeps it: a tensor of its own (a step count
     cloned out of the group's shared one), per-element state shaped and typed as `param`."""
     if not isinstance(value, torch.Tensor):
