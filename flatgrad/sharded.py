@@ -249,7 +249,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 (`flatgrad._zero.relaid_state`).
         """
         engine, grads = self._engine, self.dp.module._engine
-        if isinstance(engine, TensorEngine):  # (by tensor: a change is refused)
+        if isinstance(engine, TensorEngine):  # (by tensor: (un)freezing moves nothing, `follow`)
             engine.check_layout(grads)
             return
         if not engine.params_in_place() or is_scattered(engine.store):
@@ -464,7 +464,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """
         if isinstance(self._engine, TensorEngine):
             torch.optim.Optimizer.zero_grad(self, set_to_none=set_to_none)
-            store = self._engine.store
+            store = self.dp.module._engine.refresh()  # (the model's now: (un)freezing lays it out again)
             with torch.no_grad():  # (main grads: zeroed, never None, as FlatGrad.zero_grad does)
                 for param in [p for group in self.param_groups for p in group["params"]]:
                     if param in store and store.is_main(param):
