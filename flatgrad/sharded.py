@@ -464,7 +464,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """
         if isinstance(self._engine, TensorEngine):
             torch.optim.Optimizer.zero_grad(self, set_to_none=set_to_none)
-            store = self.dp.module._engine.refresh()  # (the model's now: (un)freezing lays it out again)
+            # (the model's gradient store now, not the layout's: DataParallel lays the
+            # gradients out again when parameters are frozen or unfrozen)
+            store = self.dp.module._engine.current()
             with torch.no_grad():  # (main grads: zeroed, never None, as FlatGrad.zero_grad does)
                 for param in [p for group in self.param_groups for p in group["params"]]:
                     if param in store and store.is_main(param):
