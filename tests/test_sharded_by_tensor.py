@@ -878,3 +878,20 @@ def test_a_gan_toggling_requires_grad_between_two_optimizers_by_tensor_equals_dd
     Tolerance 1e-10: float64, the same averaged gradients, each parameter stepped by the
     same torch code on its owner rank; only the all-reduce's summation order may differ."""
     run_ranks(_gan_worker)
+
+
+def _unfrozen_without_a_slot_worker(rank: int, world_size: int) -> None:
+    """A layer frozen when the optimizer was built (in its group: stock would step it once
+    unfrozen) has no slot in its flat parameter buffers and no owner: unfrozen, it is
+    refused at the step, on every rank, rather than left unstepped."""
+    model, _, dp = _small(rank)
+    model[0].requires_grad_(False)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, model.parameters(), lr=0.1, shard_by="tensor")
+    model[0].requires_grad_(True)
+    dp(_batch(rank, 0)).square().sum().backward()
+    with pytest.raises(RuntimeError, match="unfrozen where they were frozen when the ShardedOptimizer was"):
+        opt.step()
+
+
+def test_a_parameter_frozen_at_construction_and_unfrozen_since_is_refused_by_tensor():
+    run_ranks(_unfrozen_without_a_slot_worker)
