@@ -131,10 +131,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             and any element-wise one), or None (the default): torch's classes their own
             way; another class by tensor where a probe on small tensors shows that exact,
             refused where it shows a statistic over several tensors. A declared value the
-            probe contradicts is refused. By tensor, ``overlap_param_gather`` and
-            following parameters frozen after construction are not supported yet
-            (refused); float32 masters (``grad_dtype="float32"``) are this rank's owned
-            parameters'.
+            probe contradicts is refused. By tensor, parameters frozen and unfrozen
+            after construction (a GAN's ``toggle_optimizer``) are followed with nothing
+            moved: a frozen parameter keeps its state and steps only with a `.grad`, as
+            stock; a parameter frozen at construction and unfrozen later, and
+            ``overlap_param_gather``, are not supported yet (refused); float32 masters
+            (``grad_dtype="float32"``) are this rank's owned parameters'.
         **defaults: The optimizer's arguments (``lr``, ``weight_decay``, ...), checked by
             `optimizer_class` before anything moves: its error for an invalid one (a
             ValueError for a negative ``lr``, a TypeError for an unknown name) leaves `dp`
@@ -241,7 +243,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         parameter without a gradient and keeps its state; one collective per dtype gathers
         the state whole on every rank for the move. Any other change (a parameter added or
         replaced, a conversion, a freeze between a synchronised backward and its step)
-        raises RuntimeError on every rank.
+        raises RuntimeError on every rank. By tensor nothing moves and nothing is
+        communicated: the flat parameter buffers, owners and states stay as they are
+        (`flatgrad._zero_tensor.TensorEngine.follow`).
 
         Raises:
             RuntimeError: The model's parameters changed otherwise.
