@@ -58,6 +58,7 @@ class StoreSource(Protocol):
     cheaply when nothing changed (`steady`) or after a full check (`refresh`)."""
 
     store: GradStore | None
+    others: tuple[nn.Parameter, ...]  # the model's parameters without a slot (frozen, sparse)
 
     def steady(self) -> GradStore: ...
 
@@ -108,21 +109,18 @@ class FlatParameters:
         return list(map(_data_ptr, self.store.params)) == self._addresses
 
     def check_layout(self, stores: StoreSource) -> None:
-        """Raise RuntimeError where the model's parameters changed since construction;
-        `stores` is the model's gradient engine. A conversion between backward and step must
-        raise here: the parameters are views of the flat parameter buffer the gather
-        refills. Every parameter still at its slot (one data pointer each: a conversion or a
-        `.data` assignment moves it) and the engine's O(1) checks (a parameter registered,
-        frozen or unfrozen) stand for its full walk over every parameter."""
+        """Raise RuntimeError where the model's parameters changed since construction in a
+        way `follow` does not take; `stores` is the model's gradient engine. A conversion
+        between backward and step must raise here: the parameters are views of the flat
+        parameter buffer the gather refills. Every parameter still at its slot (one data
+        pointer each: a conversion or a `.data` assignment moves it) and the engine's O(1)
+        checks (a parameter registered, frozen or unfrozen) stand for its full walk over
+        every parameter."""
         # A change moves the reduce-scattered .grads (and is refused just below).
         in_place = self.params_in_place()
         with unguarded(self.store, stores.store):
             store = stores.steady() if in_place else stores.refresh()
-        if store is not self.store:
-            raise RuntimeError(
-                "the model's parameters changed (added, replaced, frozen, converted) after the "
-                "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"
-            )
+        self.follow(store, stores)
         if not in_place:  # (the same layout, but a parameter's memory is not its slot's any more)
             raise RuntimeError(
                 "a parameter's memory was replaced (param.data = ...) after the ShardedOptimizer "
@@ -130,6 +128,16 @@ class FlatParameters:
                 "slot is in, so the parameter would not move; write into it instead "
                 "(with torch.no_grad(): param.copy_(value)), or build DataParallel and "
                 "ShardedOptimizer again"
+            )
+
+    def follow(self, store: GradStore, stores: StoreSource) -> None:
+        """Take `store`, the model's gradient store now (`stores`'s), or raise RuntimeError:
+        here any other store than the one of the layout (by element, the caller lays out
+        again where parameters were only frozen or unfrozen)."""
+        if store is not self.store:
+            raise RuntimeError(
+                "the model's parameters changed (added, replaced, frozen, converted) after the "
+                "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"
             )
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:

@@ -35,6 +35,7 @@ from torch import nn
 from flatgrad._torch_compat import broadcast_coalesced
 from flatgrad._zero import (
     FlatParameters,
+    StoreSource,
     SyncedOptions,
     add_piece_group,
     group_signature,
@@ -112,6 +113,10 @@ class TensorEngine(FlatParameters):
         num_syncs: Callable[[], int],
     ) -> None:
         super().__init__(store, process_group, companion)
+        # The model's gradient store now: `store` (the layout of the flat parameter buffers)
+        # until parameters are frozen or unfrozen, then the one DataParallel laid out for
+        # them (`follow`); the flat parameter buffers, owners and runs stay as they are.
+        self.grads = store
         # DataParallel's count of synchronised backwards, and its value at this optimizer's
         # last zero_grad: main grads (no `.grad` says they hold anything) hold an average to
         # step from once it has grown since.
@@ -132,6 +137,29 @@ class TensorEngine(FlatParameters):
             buffer = self.param_buffers[run.key]
             self.runs_by_rank[run.rank].append(buffer.narrow(0, run.start, run.end - run.start))
 
+    def follow(self, store: GradStore, stores: StoreSource) -> None:
+        """Take `store`, the model's gradient store now, where it differs from the layout's
+        only by parameters frozen or unfrozen since (GAN-style toggling, progressive
+        freezing): a frozen parameter keeps its slot of the flat parameter buffers, its
+        owner and its optimizer state, and is stepped only where it has a `.grad`, as a
+        plain optimizer skips a parameter without one; unfrozen, it steps on from that
+        state. Nothing moves: O(parameters) once per new store. A parameter added or
+        replaced since, or unfrozen where it was frozen at construction (it has no slot in
+        the flat parameter buffers), raises RuntimeError."""
+        if store is self.grads:
+            return
+        laid_out = {id(p) for p in self.store.params}
+        now = {id(p) for p in store.params}
+        in_model = now | {id(p) for p in stores.others}
+        if not now <= laid_out or not laid_out <= in_model:
+            raise RuntimeError(
+                "the model's parameters changed (added, replaced, or unfrozen where they were "
+                "frozen when the ShardedOptimizer was built) after it was built: they have no "
+                "place in its flat parameter buffers; build DataParallel and ShardedOptimizer "
+                "again (parameters frozen or unfrozen after construction are followed)"
+            )
+        self.grads = store
+
     def owns(self, param: torch.Tensor) -> bool:
         """Whether this rank steps `param` (a parameter of the store)."""
         return self.owners.get(id(param)) == self.rank
@@ -142,11 +170,12 @@ class TensorEngine(FlatParameters):
         self._cleared_at = self._num_syncs()
 
     def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
-        """What `param` steps from: its `.grad`; for a bfloat16/float16 parameter with a main
+        """What `param` steps from: its `.grad` (a frozen parameter's too: torch's
+        optimizers step any parameter with one); for a bfloat16/float16 parameter with a main
         grad, that float32 slot, once a synchronised backward wrote it since `cleared`."""
-        if not self.store.is_main(param):
+        if param not in self.grads or not self.grads.is_main(param):
             return param.grad
-        return self.store.view(param) if self._num_syncs() > self._cleared_at else None
+        return self.grads.view(param) if self._num_syncs() > self._cleared_at else None
 
     def has_grads(self) -> bool:
         """Whether a step has gradients to use: a parameter of this optimizer has one
@@ -273,7 +302,10 @@ class TensorGroups:
         hold now; what the step writes into its groups shows in `param_groups` afterwards."""
         for owned in self.owned:
             for param in owned:
-                self.stand_ins[id(param)].grad = self.engine.grad_of(param)
+                stand_in, grad = self.stand_ins[id(param)], self.engine.grad_of(param)
+                # (a float32 master steps from a float32 gradient: a main grad, or the .grad
+                # in the parameter's dtype that freezing left a parameter with one)
+                stand_in.grad = grad if grad is None else grad.to(stand_in.dtype)
         self.take_masters()
         self.options.run(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
         self.write_back()

@@ -131,10 +131,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             and any element-wise one), or None (the default): torch's classes their own
             way; another class by tensor where a probe on small tensors shows that exact,
             refused where it shows a statistic over several tensors. A declared value the
-            probe contradicts is refused. By tensor, ``overlap_param_gather`` and
-            following parameters frozen after construction are not supported yet
-            (refused); float32 masters (``grad_dtype="float32"``) are this rank's owned
-            parameters'.
+            probe contradicts is refused. By tensor, parameters frozen and unfrozen
+            after construction (a GAN's ``toggle_optimizer``) are followed with nothing
+            moved: a frozen parameter keeps its state and steps only with a `.grad`, as
+            stock; a parameter frozen at construction and unfrozen later, and
+            ``overlap_param_gather``, are not supported yet (refused); float32 masters
+            (``grad_dtype="float32"``) are this rank's owned parameters'.
         **defaults: The optimizer's arguments (``lr``, ``weight_decay``, ...), checked by
             `optimizer_class` before anything moves: its error for an invalid one (a
             ValueError for a negative ``lr``, a TypeError for an unknown name) leaves `dp`
@@ -241,7 +243,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         parameter without a gradient and keeps its state; one collective per dtype gathers
         the state whole on every rank for the move. Any other change (a parameter added or
         replaced, a conversion, a freeze between a synchronised backward and its step)
-        raises RuntimeError on every rank.
+        raises RuntimeError on every rank. By tensor nothing moves and nothing is
+        communicated: the flat parameter buffers, owners and states stay as they are
+        (`flatgrad._zero_tensor.TensorEngine.follow`).
 
         Raises:
             RuntimeError: The model's parameters changed otherwise.
@@ -249,7 +253,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 (`flatgrad._zero.relaid_state`).
         """
         engine, grads = self._engine, self.dp.module._engine
-        if isinstance(engine, TensorEngine):  # (by tensor: a change is refused)
+        if isinstance(engine, TensorEngine):  # (by tensor: (un)freezing moves nothing, `follow`)
             engine.check_layout(grads)
             return
         if not engine.params_in_place() or is_scattered(engine.store):
@@ -464,7 +468,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """
         if isinstance(self._engine, TensorEngine):
             torch.optim.Optimizer.zero_grad(self, set_to_none=set_to_none)
-            store = self._engine.store
+            # (the model's gradient store now, not the layout's: DataParallel lays the
+            # gradients out again when parameters are frozen or unfrozen)
+            store = self.dp.module._engine.current()
             with torch.no_grad():  # (main grads: zeroed, never None, as FlatGrad.zero_grad does)
                 for param in [p for group in self.param_groups for p in group["params"]]:
                     if param in store and store.is_main(param):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
-from oracle import Lockstep, assert_params_like
+from oracle import Lockstep, assert_grads_like, assert_params_like
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -772,3 +772,126 @@ def _masters_worker(rank: int, world_size: int) -> None:
 
 def test_bfloat16_with_float32_masters_by_tensor_equals_the_written_out_reference():
     run_ranks(_masters_worker)
+
+
+# --- parameters frozen and unfrozen between steps (a GAN's toggle_optimizer) ------------------
+
+
+class _GAN(nn.Module):
+    """A generator and a discriminator; the forward returns the loss of the phase it is told
+    (the generator's, or the discriminator's on real data and detached fakes), as a
+    LightningModule's training step runs both networks through one wrapper."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.generator = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4)).double()
+        self.discriminator = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)).double()
+
+    def forward(self, noise: torch.Tensor, real: torch.Tensor, phase: str) -> torch.Tensor:
+        if phase == "generator":
+            return nn.functional.softplus(-self.discriminator(self.generator(noise))).mean()
+        fake = self.generator(noise).detach()
+        return (
+            nn.functional.softplus(-self.discriminator(real)).mean()
+            + nn.functional.softplus(self.discriminator(fake)).mean()
+        )
+
+
+def _toggled(opts: list[torch.optim.Optimizer], opt: torch.optim.Optimizer) -> dict[nn.Parameter, bool]:
+    """Lightning's ``toggle_optimizer(opt)``: every parameter of the other optimizers that
+    `opt` does not hold is frozen; returns their flags, which `_untoggled` restores."""
+    mine = {p for group in opt.param_groups for p in group["params"]}
+    flags = {}
+    for other in opts:
+        for group in other.param_groups:
+            for param in group["params"]:
+                if param not in mine:
+                    flags[param] = param.requires_grad
+                    param.requires_grad_(False)
+    return flags
+
+
+def _untoggled(flags: dict[nn.Parameter, bool]) -> None:
+    for param, requires_grad in flags.items():
+        param.requires_grad_(requires_grad)
+
+
+def _gan_batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    noise, real = torch.randn(2, 3, 4, dtype=torch.float64, generator=generator)
+    return noise, real
+
+
+def _gan_worker(rank: int, world_size: int) -> None:
+    """Each step: the generator's phase (the discriminator frozen; a micro-batch under
+    no_sync, then one averaging), then the discriminator's (the generator frozen), each
+    optimizer stepped and zeroed inside its phase, as a LightningModule with
+    ``toggle_optimizer``/``untoggle_optimizer`` does. The discriminator's phase also calls
+    the generator's step, which has no gradients there (skipped, its state kept)."""
+    model = _GAN()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0002)
+    generator, discriminator = model.generator.parameters(), model.discriminator.parameters()
+    ours = [
+        flatgrad.ShardedOptimizer(dp, torch.optim.Adam, generator, shard_by="tensor", lr=1e-2),
+        flatgrad.ShardedOptimizer(dp, torch.optim.SGD, discriminator, shard_by="tensor", **_SGD_MOMENTUM),
+    ]
+    stock = [
+        torch.optim.Adam(ref.module.generator.parameters(), lr=1e-2),
+        torch.optim.SGD(ref.module.discriminator.parameters(), **_SGD_MOMENTUM),
+    ]
+    sides = ((dp, ours), (ref, stock))
+    for step in range(4):
+        for phase, index in (("generator", 0), ("discriminator", 1)):
+            flags = [_toggled(opts, opts[index]) for _, opts in sides]
+            for wrapper, _ in sides:
+                if phase == "generator":
+                    with wrapper.no_sync():
+                        wrapper(*_gan_batch(rank, step, 0), phase).backward()
+                wrapper(*_gan_batch(rank, step, 1), phase).backward()
+            assert_grads_like(model, ref.module, rtol=GAN_TOL, atol=GAN_TOL, what=f"step {step}, {phase}")
+            for _, opts in sides:
+                for opt in opts[: index + 1]:  # (the discriminator's phase: the generator's step skips)
+                    opt.step()
+                opts[index].zero_grad()
+            for side_flags in flags:
+                _untoggled(side_flags)
+            assert_params_like(model, ref.module, rtol=GAN_TOL, atol=GAN_TOL, what=f"step {step}, {phase}")
+    assert all(p.requires_grad for p in model.parameters())
+    # every parameter's state on exactly one rank, kept while it was frozen
+    held = torch.tensor([sum(len(opt.optimizer.state) for opt in ours)])
+    dist.all_reduce(held)
+    assert int(held) == len(list(model.parameters()))
+
+
+GAN_TOL = 1e-10
+_SGD_MOMENTUM = {"lr": 0.1, "momentum": 0.9}
+
+
+def test_a_gan_toggling_requires_grad_between_two_optimizers_by_tensor_equals_ddp():
+    """Two ShardedOptimizers by tensor over one DataParallel (Adam for the generator, SGD
+    with momentum for the discriminator), each network frozen while the other steps, as
+    Lightning's ``toggle_optimizer`` does: each optimizer keeps its state while its
+    parameters are frozen and resumes with it. Oracle: DDP(find_unused_parameters=True) (each
+    network goes without gradients in the other's backward) + the same torch optimizers.
+    Tolerance 1e-10: float64, the same averaged gradients, each parameter stepped by the
+    same torch code on its owner rank; only the all-reduce's summation order may differ."""
+    run_ranks(_gan_worker)
+
+
+def _unfrozen_without_a_slot_worker(rank: int, world_size: int) -> None:
+    """A layer frozen when the optimizer was built (in its group: stock would step it once
+    unfrozen) has no slot in its flat parameter buffers and no owner: unfrozen, it is
+    refused at the step, on every rank, rather than left unstepped."""
+    model, _, dp = _small(rank)
+    model[0].requires_grad_(False)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, model.parameters(), lr=0.1, shard_by="tensor")
+    model[0].requires_grad_(True)
+    dp(_batch(rank, 0)).square().sum().backward()
+    with pytest.raises(RuntimeError, match="unfrozen where they were frozen when the ShardedOptimizer was"):
+        opt.step()
+
+
+def test_a_parameter_frozen_at_construction_and_unfrozen_since_is_refused_by_tensor():
+    run_ranks(_unfrozen_without_a_slot_worker)
