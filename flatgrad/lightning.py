@@ -61,6 +61,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.nn.parallel import DistributedDataParallel
 
 from flatgrad._optim_kinds import ShardBy
+from flatgrad._zero import options
 from flatgrad._zero_state import MASTER, whole_state
 from flatgrad.amp import GradScaler
 from flatgrad.comm import FlatGradCommState, allreduce_hook
@@ -453,7 +454,7 @@ def plain_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
                 }
             indices.append(index)
             index += 1
-        param_groups.append({**_options(saved_group), "params": indices})
+        param_groups.append({**options(saved_group), "params": indices})
     return {"state": state, "param_groups": param_groups}
 
 
@@ -487,7 +488,7 @@ def named_optimizer_state(optimizer: ShardedOptimizer, plain: dict[str, Any]) ->
     }
     state = {name_of[int(index)]: dict(entry) for index, entry in plain["state"].items()}
     param_groups = [
-        {**_options(group), "params": group_names} for group, group_names in zip(plain["param_groups"], names)
+        {**options(group), "params": group_names} for group, group_names in zip(plain["param_groups"], names)
     ]
     return {"state": state, "param_groups": param_groups}
 
@@ -496,10 +497,6 @@ def _by_index(saved: object) -> bool:
     """Whether `saved` is a plain torch optimizer state dict (parameters by index)."""
     groups = saved.get("param_groups", []) if isinstance(saved, dict) else []
     return any(isinstance(p, int) for group in groups for p in group.get("params", ()))
-
-
-def _options(group: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in group.items() if key != "params"}
 
 
 def _stepped(entry: dict[str, Any]) -> bool:
