@@ -35,6 +35,7 @@ from flatgrad._dtensor import TensorParallel, is_sharded, local_of, move_into, s
 from flatgrad._scattered_grad import is_scattered, unguarded
 from flatgrad._torch_compat import non_finite_check_and_unscale
 from flatgrad._zero_state import (
+    CLASS_STATE,
     MASTER,
     STEP,
     GroupView,
@@ -43,8 +44,10 @@ from flatgrad._zero_state import (
     Piece,
     group_spec,
     load_group,
+    load_own_state,
     misfit,
     optimizer_state,
+    own_state,
     refuse_misfits,
     saved_stepped,
 )
@@ -782,10 +785,11 @@ class SyncedOptions:
         self.seen.append(options(group))
 
     def loaded(self, param_groups: list[dict[str, Any]], inner: torch.optim.Optimizer) -> None:
-        """After a load wrote the saved options into both sides: they are the last sync."""
-        self.seen = [options(group) for group in param_groups]
+        """After the inner optimizer loaded the saved options (its class's own
+        ``load_state_dict``): the groups take them, and they are the last sync."""
         for group, own in zip(param_groups, inner.param_groups):
-            own.update(options(group))
+            group.update(options(own))
+        self.seen = [options(group) for group in param_groups]
 
     def run(
         self, inner: torch.optim.Optimizer, param_groups: list[dict[str, Any]], call: Callable[[], Any]
@@ -1026,16 +1030,19 @@ class PieceGroups:
         return optimizer_state(self.inner, self.recipe, views, self.engine.layout, self.engine.process_group)
 
     def load_state_dict(self, param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
-        """Load `state_dict` into the inner optimizer and the groups' options, after every
-        rank found it fits (`flatgrad._zero_state.refuse_misfits`)."""
+        """Load `state_dict` into the inner optimizer, through its class's own
+        ``load_state_dict`` (`flatgrad._zero_state.load_own_state`), and the groups' options,
+        after every rank found it fits (`flatgrad._zero_state.refuse_misfits`)."""
         views = _with_saved_options(self.views(param_groups), state_dict)
         layout = self.engine.layout
         problem = misfit(self.recipe, views, layout, state_dict)
         refuse_misfits(problem, self.engine.shards[0].param.device, self.engine.process_group)
-        stepped = saved_stepped(views, state_dict)
-        for group, view, saved, flag in zip(param_groups, views, state_dict["param_groups"], stepped):
-            group.update(options(saved))
-            load_group(self.inner, self.recipe, view, layout, state_dict["state"], flag)
+        entries, _ = own_state(self.inner)
+        live = {p.param: entries[id(p.param)] for v in views for p in v.pieces if id(p.param) in entries}
+        states: dict[int, dict[str, Any]] = {}
+        for view, flag in zip(views, saved_stepped(views, state_dict)):
+            states.update(load_group(self.recipe, view, layout, state_dict["state"], flag, live))
+        load_own_state(self.inner, states, state_dict.get(CLASS_STATE), state_dict["param_groups"])
         self.options.loaded(param_groups, self.inner)
 
     def state_bytes(self) -> int:

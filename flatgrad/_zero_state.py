@@ -431,6 +431,78 @@ def _copy_box(target: torch.Tensor, box: Box, saved: object, size: tuple[int, ..
                 part.copy_(source)  # (loaded in place, it is the same memory)
 
 
+# --- the class's own state form --------------------------------------------------------------
+
+CLASS_STATE = "class_state"  # a ShardedOptimizer state's key for the state not of a parameter
+
+
+def own_state(optimizer: torch.optim.Optimizer) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+    """`optimizer`'s state as its class saves it (its own ``state_dict()``: the class's
+    override and its hooks run), unpacked: each parameter's entry by id(param), and the rest
+    (state kept under a key that is not a parameter, MADGRAD's ``k``; keys beside
+    ``"state"`` and ``"param_groups"``), which a ShardedOptimizer saves under `CLASS_STATE`.
+
+    Raises:
+        ValueError: The class's ``state_dict()`` is not torch's form (groups numbering
+            their parameters as the optimizer holds them).
+    """
+    packed = optimizer.state_dict()
+    ids = _packed_ids(optimizer, packed)
+    entries = {ids[index]: entry for index, entry in packed["state"].items() if index in ids}
+    rest: dict[str, Any] = {"state": {k: v for k, v in packed["state"].items() if k not in ids}}
+    rest.update({key: value for key, value in packed.items() if key not in ("state", "param_groups")})
+    return entries, rest
+
+
+def _packed_ids(optimizer: torch.optim.Optimizer, packed: object) -> dict[object, int]:
+    """index -> id(param) of `packed` (`optimizer`'s ``state_dict()``)."""
+    groups = packed.get("param_groups") if isinstance(packed, dict) else None
+    if (
+        not isinstance(groups, list)
+        or not isinstance(packed.get("state"), dict)  # type: ignore[union-attr]
+        or len(groups) != len(optimizer.param_groups)
+        or any(len(g.get("params", ())) != len(o["params"]) for g, o in zip(groups, optimizer.param_groups))
+    ):
+        raise ValueError(
+            f"ShardedOptimizer cannot save or load {type(optimizer).__name__}'s state: its "
+            "state_dict() is not torch's form ({'state': {index: ...}, 'param_groups': [{..., "
+            "'params': [index, ...]}]}, one group per param group)"
+        )
+    return {
+        index: id(param)
+        for group, own in zip(groups, optimizer.param_groups)
+        for index, param in zip(group["params"], own["params"])
+    }
+
+
+def load_own_state(
+    optimizer: torch.optim.Optimizer,
+    entries: Mapping[int, dict[str, Any]],
+    rest: object,
+    saved_groups: list[dict[str, Any]],
+) -> None:
+    """Load `entries` (each parameter's state, by id(param)) and `rest` (`own_state`'s, or
+    None) through `optimizer`'s own ``load_state_dict`` (the class's override and its
+    hooks: it casts and places every value as it does for any checkpoint), with the options
+    of `saved_groups` (one per group) over its groups' own."""
+    state: dict[object, Any] = {}
+    param_groups = []
+    index = 0
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        chosen = {key: value for key, value in {**group, **saved}.items() if key != "params"}
+        indices = []
+        for param in group["params"]:
+            if id(param) in entries:
+                state[index] = entries[id(param)]
+            indices.append(index)
+            index += 1
+        param_groups.append({**chosen, "params": indices})
+    rest = rest if isinstance(rest, dict) else {}
+    state.update(rest.get("state") or {})
+    extra = {key: value for key, value in rest.items() if key != "state"}
+    optimizer.load_state_dict({**extra, "state": state, "param_groups": param_groups})
+
+
 # --- one optimizer's groups ----------------------------------------------------------------
 
 
@@ -467,15 +539,19 @@ def optimizer_state(
     process_group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
     """The per-parameter form of `optimizer`'s state (built from `recipe`) over `groups`
-    (see the module notes)."""
+    (see the module notes), from the class's own ``state_dict()`` (`own_state`); the state
+    not of a parameter under `CLASS_STATE`."""
+    entries, rest = own_state(optimizer)
+    pieces = [piece.param for group in groups for piece in group.pieces]
+    live = {piece: entries[id(piece)] for piece in pieces if id(piece) in entries}
     state: dict[str, Any] = {}
     for group in groups:
         if group.params:
             spec = group_spec(recipe, group)
-            states = piece_states(group.pieces, optimizer.state, spec)
+            states = piece_states(group.pieces, live, spec)
             state.update(parameter_state(layout, group.params, group.pieces, states, spec, process_group))
     param_groups = [{**group.options, "params": [name for name, _ in group.params]} for group in groups]
-    return {"state": state, "param_groups": param_groups}
+    return {"state": state, "param_groups": param_groups, CLASS_STATE: rest}
 
 
 def whole_state(
@@ -562,28 +638,26 @@ def refuse_misfits(
 
 
 def load_group(
-    optimizer: torch.optim.Optimizer,
     recipe: OptimizerRecipe,
     group: GroupView,
     layout: Layout,
     saved: dict[str, Any],
     stepped: bool,
-) -> None:
-    """Give `group`'s pieces their state from `saved` (which `misfit` accepted); a group
-    saved before it stepped gets a fresh optimizer's state (`recipe`'s: Adagrad's holds its
-    initial accumulator)."""
+    live: Mapping[torch.Tensor, dict[str, Any]],
+) -> dict[int, dict[str, Any]]:
+    """`group`'s pieces' states from `saved` (which `misfit` accepted), by id(piece), for
+    the class's own ``load_state_dict`` (`load_own_state`): written into the state the
+    pieces hold now (`live`, the class's own form of it) or into zeros; a group saved
+    before it stepped gets a fresh optimizer's state (`recipe`'s: Adagrad's holds its
+    initial accumulator). The masters are loaded into the pieces themselves."""
     if not group.params or not group.pieces:
-        return
+        return {}
     if not stepped:
         fresh = recipe.build([dict(group.options, params=[p.param for p in group.pieces])])
-        for piece in group.pieces:
-            optimizer.state.pop(piece.param, None)
-            if fresh.state.get(piece.param):
-                optimizer.state[piece.param] = fresh.state[piece.param]
-        return
+        return {id(p.param): fresh.state[p.param] for p in group.pieces if fresh.state.get(p.param)}
     spec = group_spec(recipe, group)
-    states = piece_states(group.pieces, optimizer.state, spec)
+    states = piece_states(group.pieces, live, spec)
     load_parameter_state(layout, group.params, saved, group.pieces, states, spec)
-    for piece, state in zip(group.pieces, states):
+    for state in states:
         state.pop(MASTER, None)  # (loaded into the piece itself)
-        optimizer.state[piece.param] = state
+    return {id(piece.param): state for piece, state in zip(group.pieces, states)}

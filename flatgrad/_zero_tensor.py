@@ -44,7 +44,15 @@ from flatgrad._zero import (
     state_bytes,
     unscale_shards,
 )
-from flatgrad._zero_state import MASTER, STEP, OptimizerRecipe, refuse_misfits
+from flatgrad._zero_state import (
+    CLASS_STATE,
+    MASTER,
+    STEP,
+    OptimizerRecipe,
+    load_own_state,
+    own_state,
+    refuse_misfits,
+)
 from flatgrad.buffer import GradStore
 from flatgrad.layout import GroupKey, merge_touching
 
@@ -343,17 +351,18 @@ class TensorGroups:
             stand_in.grad = None
 
     def state_dict(self, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
-        """This rank's parameters' state, whole, by name (a parameter not stepped yet: the
-        state one step would make, zeros, with a step count of 0, so that
-        ``torch.distributed.checkpoint`` has a tensor to load into), and every group's
-        options with the names of all of its parameters (the same on every rank)."""
+        """This rank's parameters' state, whole, by name, as the class's own
+        ``state_dict()`` gives it (`own_state`; a parameter not stepped yet: the state one
+        step would make, zeros, with a step count of 0, so that
+        ``torch.distributed.checkpoint`` has a tensor to load into); every group's options
+        with the names of all of its parameters (the same on every rank); the class's state
+        not of a parameter under `CLASS_STATE`."""
+        entries, rest = own_state(self.inner)
         state: dict[str, Any] = {}
         for group, owned in zip(self.inner.param_groups, self.owned):
             for param in owned:
                 stand_in = self.stand_ins[id(param)]
-                entry = self.inner.state.get(stand_in) or _unstepped_state(
-                    self.recipe, options(group), stand_in
-                )
+                entry = entries.get(id(stand_in)) or _unstepped_state(self.recipe, options(group), stand_in)
                 state[self.names[id(param)]] = dict(entry)
                 if stand_in.dtype != param.dtype:  # (a float32 master: saved and loaded in place)
                     state[self.names[id(param)]][MASTER] = stand_in.detach()
@@ -361,13 +370,14 @@ class TensorGroups:
             {**options(group), "params": [self.names[id(p)] for p in group["params"]]}
             for group in param_groups
         ]
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": groups, CLASS_STATE: rest}
 
     def load_state_dict(self, param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
         """Load `state_dict` (a ShardedOptimizer's of the same groups, on any world size
-        through torch.distributed.checkpoint, or this rank's own) into the inner optimizer
-        and the groups' options, after every rank found it fits (`refuse_misfits`). A
-        saved step count of 0 (never stepped) loads as a fresh optimizer's state."""
+        through torch.distributed.checkpoint, or this rank's own) into the inner optimizer,
+        through its class's own ``load_state_dict`` (`load_own_state`), and the groups'
+        options, after every rank found it fits (`refuse_misfits`). A saved step count of 0
+        (never stepped) loads as a fresh optimizer's state."""
         try:
             problem = self._misfit(param_groups, state_dict)
         except (
@@ -379,28 +389,22 @@ class TensorGroups:
             problem = f"not a ShardedOptimizer state ({type(error).__name__}: {error})"
         device = next(iter(self.engine.param_buffers.values())).device
         refuse_misfits(problem, device, self.engine.process_group)
-        for group, inner, saved, owned in zip(
-            param_groups, self.inner.param_groups, state_dict["param_groups"], self.owned
-        ):
-            group.update(options(saved))
-            inner.update(options(saved))
+        entries: dict[int, dict[str, Any]] = {}
+        for inner, saved, owned in zip(self.inner.param_groups, state_dict["param_groups"], self.owned):
             for param in owned:
                 stand_in = self.stand_ins[id(param)]
                 entry = state_dict["state"].get(self.names[id(param)])
-                self.inner.state.pop(stand_in, None)
                 if isinstance(entry, dict) and MASTER in entry and stand_in.dtype != param.dtype:
                     with torch.no_grad():
                         stand_in.copy_(entry[MASTER])
                     self._versions[id(param)] = param._version
                     entry = {key: value for key, value in entry.items() if key != MASTER}
                 if entry is None or _never_stepped(entry):
-                    fresh = self.recipe.build([{**options(inner), "params": [stand_in]}]).state.get(stand_in)
-                    if fresh:  # (Adagrad's initial accumulator)
-                        self.inner.state[stand_in] = fresh
-                else:
-                    self.inner.state[stand_in] = {
-                        key: _placed(key, value, stand_in, inner) for key, value in entry.items()
-                    }
+                    fresh = self.recipe.build([{**options(inner), **options(saved), "params": [stand_in]}])
+                    entry = fresh.state.get(stand_in)  # (Adagrad's initial accumulator)
+                if entry:
+                    entries[id(stand_in)] = dict(entry)
+        load_own_state(self.inner, entries, state_dict.get(CLASS_STATE), state_dict["param_groups"])
         self.options.loaded(param_groups, self.inner)
 
     def _misfit(self, param_groups: list[dict[str, Any]], saved: object) -> str | None:
@@ -427,24 +431,6 @@ class TensorGroups:
 def _never_stepped(entry: object) -> bool:
     step = entry.get(STEP) if isinstance(entry, dict) else None
     return step is not None and float(step) == 0
-
-
-def _placed(key: str, value: object, stand_in: torch.Tensor, group: dict[str, Any]) -> object:
-    """A loaded state value where the optimizer keeps it, so that a resume is bitwise the
-    uninterrupted run: a tensor shaped as the parameter in its dtype and on its device; a
-    scalar (the step count, NAdam's ``mu_product``) in its own dtype, on the parameter's
-    device for a fused or capturable group and where it was saved otherwise, as torch's
-    optimizers make them (torch's own `load_state_dict` casts ``mu_product`` to the
-    parameter's dtype: a resumed float64 NAdam differs in the 9th digit)."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    if value.dim() == 0:  # (a 0-d parameter's own state is made in its dtype: kept as well)
-        if group.get("fused") or group.get("capturable"):
-            return value.to(device=stand_in.device)
-        return value
-    if value.is_floating_point():
-        return value.to(dtype=stand_in.dtype, device=stand_in.device)
-    return value.to(device=stand_in.device)
 
 
 def _unstepped_state(

@@ -62,7 +62,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flatgrad._optim_kinds import ShardBy
 from flatgrad._zero import options
-from flatgrad._zero_state import MASTER, whole_state
+from flatgrad._zero_state import CLASS_STATE, MASTER, whole_state
 from flatgrad.amp import GradScaler
 from flatgrad.comm import FlatGradCommState, allreduce_hook
 from flatgrad.config import FlatGradConfig
@@ -455,7 +455,9 @@ def plain_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
             indices.append(index)
             index += 1
         param_groups.append({**options(saved_group), "params": indices})
-    return {"state": state, "param_groups": param_groups}
+    rest = saved.get(CLASS_STATE) or {}  # (the class's state not of a parameter, as it saves it)
+    state.update(rest.get("state") or {})
+    return {**{k: v for k, v in rest.items() if k != "state"}, "state": state, "param_groups": param_groups}
 
 
 def named_optimizer_state(optimizer: ShardedOptimizer, plain: dict[str, Any]) -> dict[str, Any]:
@@ -486,11 +488,13 @@ def named_optimizer_state(optimizer: ShardedOptimizer, plain: dict[str, Any]) ->
         for group, group_names in zip(plain["param_groups"], names)
         for index, name in zip(group["params"], group_names)
     }
-    state = {name_of[int(index)]: dict(entry) for index, entry in plain["state"].items()}
+    state = {name_of[index]: dict(entry) for index, entry in plain["state"].items() if index in name_of}
     param_groups = [
         {**options(group), "params": group_names} for group, group_names in zip(plain["param_groups"], names)
     ]
-    return {"state": state, "param_groups": param_groups}
+    rest = {key: value for key, value in plain.items() if key not in ("state", "param_groups")}
+    rest["state"] = {key: value for key, value in plain["state"].items() if key not in name_of}
+    return {"state": state, "param_groups": param_groups, CLASS_STATE: rest}
 
 
 def _by_index(saved: object) -> bool:

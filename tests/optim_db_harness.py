@@ -133,13 +133,16 @@ def train(
     rank: int,
     closure_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
     steps: int = STEPS,
+    round_trip: bool = False,
 ) -> dict[str, Any]:
     """Build the optimizer and take `steps` steps (zero_grad, ``forward(batch).square().sum()``
     backward, step) on `rank`'s batches: `module`'s parameters after HALF and STEPS steps
     (``"points"``), or where it raised (``"raised"``: "construction" or "step <n>", and
     ``"error"``). With `closure_loss` every step is ``step(closure)`` (LBFGS needs one), the
     closure returning ``closure_loss(loss)`` (on several ranks: the loss averaged over them, so
-    that LBFGS decides alike on every rank)."""
+    that LBFGS decides alike on every rank). With `round_trip`, before step HALF a fresh
+    optimizer loads a deep copy of its ``state_dict()`` (as a resume from a file does: the
+    class's own load casts and places the values) and carries on."""
     try:
         optimizer = make_optimizer()
     except Exception as error:  # noqa: BLE001  (a refusal, compared by the caller)
@@ -156,6 +159,10 @@ def train(
             return closure_loss(loss.detach())
 
         try:
+            if round_trip and step == HALF:
+                saved = copy.deepcopy(optimizer.state_dict())
+                optimizer = make_optimizer()
+                optimizer.load_state_dict(saved)
             if closure_loss is not None:
                 optimizer.step(closure)
             else:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import faulthandler
 import json
 import os
 import platform
@@ -319,10 +320,16 @@ RANK_CHECKS: list[tuple[str, Callable[..., None]]] = [
 ]
 
 
+RANK_DEADLINE_S = 120  # a rank still running then is hung: its stacks are dumped and it ends
+
+
 def _rank_entry(rank: int, world_size: int, port: int, tmp: str) -> None:
     """Run the distributed checks in order; a check's outcome goes to ``<tmp>/rank<rank>``
     as it ends. The first failure ends the rank (its peer's collectives then fail too, so
-    the later checks would say nothing)."""
+    the later checks would say nothing). A rank that hangs prints every thread's stack and
+    exits after `RANK_DEADLINE_S`; one that finished leaves with ``os._exit``, so nothing
+    at interpreter exit (a backend's threads, atexit handlers) can keep it alive."""
+    faulthandler.dump_traceback_later(RANK_DEADLINE_S, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
@@ -338,6 +345,9 @@ def _rank_entry(rank: int, world_size: int, port: int, tmp: str) -> None:
             _record(tmp, rank, name, time.perf_counter() - start, "")
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _record(tmp: str, rank: int, name: str, seconds: float, error: str) -> None:
@@ -351,8 +361,15 @@ def run_rank_checks() -> list[tuple[str, float, str]]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
+        context = mp.start_processes(_rank_entry, args=(2, port, tmp), nprocs=2, join=False)
+        deadline = time.monotonic() + RANK_DEADLINE_S + 30
         try:
-            mp.spawn(_rank_entry, args=(2, port, tmp), nprocs=2, join=True)
+            while not context.join(timeout=5):
+                if time.monotonic() > deadline:  # (each rank's own deadline should have ended it)
+                    print("(the ranks did not end: killed)", flush=True)
+                    for process in context.processes:
+                        process.kill()
+                    break
         except Exception as exc:  # the rank's own traceback is in its record
             print(f"(a rank ended with {type(exc).__name__})", flush=True)
         records: dict[str, list[dict[str, object]]] = {name: [] for name, _ in RANK_CHECKS}

@@ -143,6 +143,7 @@ def _run_stock(rank: int, config: Config, refs: dict[bool, DDP], steps: int = ST
         lambda: config.cls(ref.parameters(), **copy.deepcopy(config.kwargs)),
         rank,
         steps=steps,
+        round_trip=True,  # (as ours takes one: `distance`)
     )
 
 
