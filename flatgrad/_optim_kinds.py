@@ -109,15 +109,15 @@ REGISTRY: dict[tuple[str, str], Registered] = {
     **_same_kind(
         "pytorch_optimizer",
         "element",
-        "AdaBelief AdaBound Adan AdamP SGDP RAdam Lion Tiger Yogi DiffGrad ADOPT AdEMAMix "
+        "AdaBelief AdaBound Adan RAdam Lion Tiger Yogi DiffGrad ADOPT AdEMAMix "
         "LaProp Kate AggMo SPAM ScheduleFreeAdamW ScheduleFreeSGD ScheduleFreeRAdam AdaMax QHM "
         "PAdam AccSGD SGDW SignSGD AdaDelta MSVAG PNM AdaPNM Grams EXAdam AdaMod",
     ),
     **_same_kind(
         "pytorch_optimizer",
         "tensor",
-        "Lamb LARS CAME StableAdamW AdaNorm QHAdam SWATS NovoGrad Ranger SOAP Shampoo "
-        "ScalableShampoo Nero Fromage MARS SM3 MADGRAD StableSPAM A2Grad",
+        "Lamb LARS AdamP SGDP CAME StableAdamW AdaNorm QHAdam SWATS NovoGrad Ranger SOAP Shampoo "
+        "Nero Fromage MARS SM3 MADGRAD StableSPAM A2Grad",
     ),
     **_same_kind(
         "bitsandbytes",
