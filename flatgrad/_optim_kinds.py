@@ -83,27 +83,76 @@ _GLOBAL_RNG = (
     "tensors it holds: ranks holding other tensors draw other numbers"
 )
 
-# Third-party classes by (top-level package, class name), their kind verified against DDP +
-# the same class by tests/test_sharded_third_party.py (with a state_dict round trip). A
-# subclass that keeps the registered class's `step` is known too; one with its own is not.
+
+def _same_kind(package: str, kind: ShardBy, names: str) -> dict[tuple[str, str], Registered]:
+    return {(package, name): Registered(kind) for name in names.split()}
+
+
+# Third-party classes by (top-level package, class __qualname__), their kind verified against
+# DDP + the same class by tests/test_sharded_third_party.py (with a state_dict round trip;
+# docs/data-parallel.md has the table). A subclass that keeps the registered class's `step`
+# is known too; one with its own is not. Element-wise classes: each element's update reads
+# that element's gradient, state and value only (and scalars: the step count, the options).
+# Per-tensor classes: a norm, a trust ratio, a factored or Kronecker-factored second moment
+# of the whole tensor; bitsandbytes' block-quantised state (tensors above 4096 elements) and
+# torchao's low-bit state (blocks of 256) are quantised over blocks of the whole tensor.
 REGISTRY: dict[tuple[str, str], Registered] = {
     ("lion_pytorch", "Lion"): Registered("element"),
-    ("schedulefree", "AdamWScheduleFree"): Registered("element"),
-    ("schedulefree", "SGDScheduleFree"): Registered("element"),
-    ("schedulefree", "RAdamScheduleFree"): Registered("element"),
-    ("pytorch_optimizer", "Adan"): Registered("element"),
-    ("pytorch_optimizer", "Lamb"): Registered("tensor"),
-    ("pytorch_optimizer", "LARS"): Registered("tensor"),
+    # (the *Closure variants take a closure that ShardedOptimizer.step passes on)
+    **_same_kind(
+        "schedulefree",
+        "element",
+        "AdamWScheduleFree SGDScheduleFree RAdamScheduleFree "
+        "AdamWScheduleFreeClosure SGDScheduleFreeClosure RAdamScheduleFreeClosure",
+    ),
     ("came_pytorch", "CAME"): Registered("tensor"),
+    **_same_kind(
+        "pytorch_optimizer",
+        "element",
+        "AdaBelief AdaBound Adan RAdam Lion Tiger Yogi DiffGrad ADOPT AdEMAMix "
+        "LaProp Kate AggMo SPAM ScheduleFreeAdamW ScheduleFreeSGD ScheduleFreeRAdam AdaMax QHM "
+        "PAdam AccSGD SGDW SignSGD AdaDelta MSVAG PNM AdaPNM Grams EXAdam AdaMod",
+    ),
+    **_same_kind(
+        "pytorch_optimizer",
+        "tensor",
+        "Lamb LARS AdamP SGDP CAME StableAdamW AdaNorm QHAdam SWATS NovoGrad Ranger SOAP Shampoo "
+        "Nero Fromage MARS SM3 MADGRAD StableSPAM A2Grad",
+    ),
+    **_same_kind(
+        "bitsandbytes",
+        "tensor",
+        "Adam Adam32bit Adam8bit AdamW AdamW32bit AdamW8bit PagedAdam PagedAdam32bit PagedAdam8bit "
+        "PagedAdamW PagedAdamW32bit PagedAdamW8bit Lion Lion32bit Lion8bit PagedLion PagedLion32bit "
+        "PagedLion8bit LAMB LAMB32bit LAMB8bit LARS LARS32bit LARS8bit PytorchLARS RMSprop "
+        "RMSprop32bit RMSprop8bit SGD SGD32bit SGD8bit Adagrad Adagrad32bit Adagrad8bit AdEMAMix "
+        "AdEMAMix8bit PagedAdEMAMix PagedAdEMAMix8bit",
+    ),
+    **_same_kind("torchao", "tensor", "AdamW8bit AdamW4bit AdamWFp8"),
     ("prodigyopt", "Prodigy"): Registered(None, _ONE_STEP_SIZE),
-    ("dadaptation", "DAdaptAdam"): Registered(None, _ONE_STEP_SIZE),
-    ("dadaptation", "DAdaptSGD"): Registered(None, _ONE_STEP_SIZE),
-    ("dadaptation", "DAdaptAdaGrad"): Registered(None, _ONE_STEP_SIZE),
-    ("dadaptation", "DAdaptAdan"): Registered(None, _ONE_STEP_SIZE),
-    ("dadaptation", "DAdaptAdanIP"): Registered(None, _ONE_STEP_SIZE),
-    ("dadaptation", "DAdaptLion"): Registered(None, _ONE_STEP_SIZE),
+    **{
+        (package, name): Registered(None, _ONE_STEP_SIZE)
+        for package in ("dadaptation", "pytorch_optimizer")
+        for name in ("DAdaptAdam", "DAdaptSGD", "DAdaptAdaGrad", "DAdaptAdan", "DAdaptLion")
+    },
+    ("pytorch_optimizer", "Prodigy"): Registered(None, _ONE_STEP_SIZE),
     ("pytorch_optimizer", "Gravity"): Registered(None, _GLOBAL_RNG),
-    ("pytorch_optimizer", "Dash"): Registered(None, _GLOBAL_RNG),
+    ("pytorch_optimizer", "Kron"): Registered(None, _GLOBAL_RNG),
+    ("pytorch_optimizer", "Ranger21"): Registered(
+        None, "its stable weight decay divides by a sum of second moments over every parameter"
+    ),
+    ("pytorch_optimizer", "AdaGC"): Registered(
+        None, "it scales every gradient by the gradient norm over every parameter"
+    ),
+    ("pytorch_optimizer", "Adai"): Registered(
+        None, "its momentum of each element reads the mean second moment over every parameter"
+    ),
+    ("pytorch_optimizer", "AdamS"): Registered(
+        None, "its weight decay divides by the mean second moment over every parameter"
+    ),
+    ("pytorch_optimizer", "AvaGrad"): Registered(
+        None, "its step size is a norm over every parameter's adaptive learning rates"
+    ),
 }
 
 HOW_TO_DECLARE = (

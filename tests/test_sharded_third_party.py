@@ -1,29 +1,45 @@
-"""`flatgrad.ShardedOptimizer` with third-party optimizers (the ``optimizers`` extra):
-lion-pytorch's Lion, pytorch-optimizer's Lamb, LARS and Adan, schedule-free AdamW.
+"""`flatgrad.ShardedOptimizer` with every third-party class in flatgrad's registry
+(`flatgrad._optim_kinds.REGISTRY`) whose package is installed (the ``optimizers`` extra).
 
 The oracle is stock DDP + the same optimizer class on a deep copy (`oracle.stock`), stepped
-in lockstep on the same per-rank batches; 2 and 3 gloo ranks, float64. Each case checks
-which kind the probe gave (``opt.shard_by``) or that the class is refused, and compares
-the parameters after several steps, through a state_dict round trip into a fresh
-ShardedOptimizer (and a fresh model) half-way; schedule-free AdamW goes through its
-``train()``/``eval()`` calls as its README prescribes (``train()`` before training steps,
-``eval()`` before evaluation and the checkpoint) and is compared at both points. Every
-parameter is updated by the same optimizer code from the same averaged gradient, so the
-only difference from stock is the gradient average's summation order: rtol = atol = 1e-12.
+in lockstep on the same per-rank batches on 2 gloo ranks, and taking the same state_dict
+round trip into a fresh optimizer as ours. Each registered class is built
+with its registry kind left to ShardedOptimizer (``shard_by=None``): an element or tensor
+class must report that kind and its parameters must equal stock's after every step, through
+a state_dict -> ``torch.save`` -> ``torch.load`` -> fresh ShardedOptimizer (and fresh model)
+round trip after step 3 of 6; a refused class must raise its registry reason at
+construction, on every rank. Each class runs in one group and in two groups (the second
+holding the last bias alone: by tensor, one rank's inner group is empty). Schedule-free
+classes go through ``train()``/``eval()`` as their README prescribes and are compared at
+both points; the *Closure variants step with a closure.
 
-All cases of a world size run in one call on the ranks (`_cases_worker`), which records
-each case's outcome in a file; the tests read those. ``time python -m pytest -q
-tests/test_sharded_third_party.py``: 26 to 46 s on 2 cores shared with other jobs (load 4 to
-5.5), about 35 s of CPU, most of it the five ranks' start (importing torch) and closing.
-A library that is not installed skips its cases (`pytest.importorskip`).
+The model's first weight has 5120 elements (20 blocks of 256, above 4096): bitsandbytes'
+8-bit classes quantise it blockwise and torchao's low-bit ones do too, so the quantised
+path is the one compared, not the 32-bit fallback for small tensors.
+
+Tolerances: on 2 ranks the averaged gradient is (a + b) / 2 on both sides, the same bits,
+and every parameter is updated by the same optimizer code from it, so float64 classes are
+held to rtol = atol = 1e-12 (round-off of another summation order, which 2 ranks do not
+even have). Classes that refuse float64 (FAdam, torchao's) run in float32 at rtol = atol =
+1e-6, about 8 float32 ulps: the same updates, but a class may take a fused (foreach) path
+over its group's tensor list on one side and a per-tensor one over the shard's on the
+other, whose float32 results may differ in the last bits.
+
+Every case runs in one call on the ranks (`_cases_worker`), which records each case's
+outcome (and its seconds) in a file; the tests read those. ``time python -m pytest -q
+tests/test_sharded_third_party.py``, 2 idle cores, all packages installed: 66 s (51 s of
+cases per rank; bitsandbytes 16 s, pytorch-optimizer 24 s, torchao 9 s of it), 122 s the
+first time on a machine (torchao's torch.compile with an empty inductor cache).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import io
 import json
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,101 +53,139 @@ from oracle import Lockstep, stock
 from torch import nn
 
 import flatgrad
+from flatgrad._optim_kinds import REGISTRY, Registered
 
 pytestmark = pytest.mark.distributed
 
-RTOL = ATOL = 1e-12
+CLOSE = {torch.float64: 1e-12, torch.float32: 1e-6}  # rtol = atol (the module docstring)
 STEPS = 6  # the state_dict round trip after STEPS // 2
+Setup = Literal["one", "two"]
+
+# Where each package exports its classes.
+MODULES = {"bitsandbytes": "bitsandbytes.optim", "torchao": "torchao.optim"}
+# Classes that refuse float64 parameters.
+FLOAT32_ONLY = {("pytorch_optimizer", "FAdam"), ("torchao", "AdamW8bit"), ("torchao", "AdamW4bit")}
+FLOAT32_ONLY |= {("torchao", "AdamWFp8"), ("bitsandbytes", "PytorchLARS")}
+# Options beyond lr=0.01 and weight_decay=0.01 (where the constructor takes them): momentum
+# where a class refuses none; preconditioners that start within the 6 steps compared.
+EXTRA: dict[tuple[str, str], dict[str, Any]] = {
+    **{("bitsandbytes", n): {"momentum": 0.9} for n in ("SGD", "SGD32bit", "SGD8bit")},
+    **{("bitsandbytes", n): {"momentum": 0.9} for n in ("LARS", "LARS32bit", "LARS8bit", "PytorchLARS")},
+    ("pytorch_optimizer", "Ranger21"): {"num_iterations": 100},
+    ("pytorch_optimizer", "SOAP"): {"precondition_frequency": 2},
+    ("schedulefree", "AdamWScheduleFree"): {"warmup_steps": 2},
+}
 
 
 @dataclass(frozen=True)
 class Case:
-    """One optimizer under ShardedOptimizer.
+    """One optimizer class under ShardedOptimizer, in one setup.
 
     Attributes:
-        module, name: where the class is (``importlib.import_module(module).<name>``).
-        options: its constructor arguments (ShardedOptimizer's ``**kwargs``).
+        package, name: the registry key (top-level package, class ``__qualname__``).
+        setup: "one" group, or "two" (the last bias alone in the second).
+        options: ShardedOptimizer's ``**kwargs`` beyond the generic ones.
         shard_by: ShardedOptimizer's ``shard_by``.
         expect: the kind ``opt.shard_by`` must be, or the start of the message a refused
             class raises (``"ValueError: ..."``).
-        schedule_free: whether it needs ``train()``/``eval()`` calls.
     """
 
-    module: str
+    package: str
     name: str
+    setup: Setup = "one"
     options: dict[str, Any] = field(default_factory=dict)
     shard_by: Literal["element", "tensor"] | None = None
     expect: str = "tensor"
-    schedule_free: bool = False
 
 
-ADAN = {"lr": 0.01, "weight_decay": 0.02}
-SCHEDULE_FREE = {"lr": 0.01, "warmup_steps": 2, "weight_decay": 0.01}
-CASES = {
-    # element-wise (flatgrad's registry), also by tensor when asked
-    "lion": Case("lion_pytorch", "Lion", {"lr": 0.01, "weight_decay": 0.1}, None, "element"),
-    "lion-tensor": Case("lion_pytorch", "Lion", {"lr": 0.01, "weight_decay": 0.1}, "tensor", "tensor"),
-    "adan": Case("pytorch_optimizer", "Adan", ADAN, None, "element"),
-    # per tensor: a trust ratio ||p|| / ||update|| per parameter
-    "lamb": Case("pytorch_optimizer", "Lamb", {"lr": 0.01, "weight_decay": 0.01}),
+def _refusal(name: str, entry: Registered) -> str:
+    return f"ValueError: ShardedOptimizer cannot shard {name}: {entry.reason}"
+
+
+CASES: dict[str, Case] = {
+    f"{package}.{name}-{setup}": Case(
+        package,
+        name,
+        setup,
+        EXTRA.get((package, name), {}),
+        None,
+        entry.kind if entry.kind is not None else _refusal(name, entry),
+    )
+    for (package, name), entry in sorted(REGISTRY.items())
+    for setup in ("one", "two")
+}
+CASES |= {
+    # registered per tensor: finer shards are refused
     "lamb-element": Case(
         "pytorch_optimizer",
         "Lamb",
-        {"lr": 0.01},
-        "element",
-        "ValueError: Lamb updates each tensor as a whole (shard_by='tensor')",
+        shard_by="element",
+        expect="ValueError: Lamb updates each tensor as a whole (shard_by='tensor')",
     ),
-    "lars": Case("pytorch_optimizer", "LARS", {"lr": 0.01, "weight_decay": 0.01}),
     # registered per tensor, refuted by the probe for these options: pre_norm scales every
     # gradient by max_grad_norm / the global gradient norm
     "lamb-pre_norm": Case(
         "pytorch_optimizer",
         "Lamb",
-        {"lr": 0.01, "pre_norm": True, "max_grad_norm": 1.0},
-        None,
-        "ValueError: ShardedOptimizer cannot shard Lamb by tensor: a probe compared",
+        options={"pre_norm": True, "max_grad_norm": 1.0},
+        expect="ValueError: ShardedOptimizer cannot shard Lamb by tensor: a probe compared",
     ),
-    # element-wise, with train()/eval() of its own
-    "schedulefree": Case(
-        "schedulefree", "AdamWScheduleFree", SCHEDULE_FREE, None, "element", schedule_free=True
-    ),
-    "schedulefree-tensor": Case(
-        "schedulefree", "AdamWScheduleFree", SCHEDULE_FREE, "tensor", "tensor", schedule_free=True
-    ),
+    # element-wise: by tensor when asked
+    "lion-tensor": Case("lion_pytorch", "Lion", shard_by="tensor", expect="tensor"),
 }
 
 
 def _installed(case: Case) -> bool:
-    return importlib.util.find_spec(case.module) is not None
+    return importlib.util.find_spec(case.package) is not None
 
 
-def _small() -> tuple[nn.Module, flatgrad.DataParallel]:
-    """A float64 model of several slots (tests/test_sharded.py's `_small`) and DataParallel
-    over it (several buckets)."""
+def _class(case: Case) -> type[torch.optim.Optimizer]:
+    """The registered class (its registry key checked against what the class says it is)."""
+    cls = getattr(importlib.import_module(MODULES.get(case.package, case.package)), case.name)
+    assert (cls.__module__.split(".")[0], cls.__qualname__) == (case.package, case.name), cls
+    return cls
+
+
+def _options(case: Case, cls: type) -> dict[str, Any]:
+    taken = inspect.signature(cls.__init__).parameters
+    generic = {k: v for k, v in (("lr", 0.01), ("weight_decay", 0.01)) if k in taken}
+    return generic | case.options
+
+
+def _dtype(case: Case) -> torch.dtype:
+    return torch.float32 if (case.package, case.name) in FLOAT32_ONLY else torch.float64
+
+
+def _model(dtype: torch.dtype) -> tuple[nn.Module, flatgrad.DataParallel]:
+    """A model whose first weight is 80 x 64 (5120 elements, above the block-quantisation
+    size) and DataParallel over it (several buckets)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
-    return model, flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.0002)
+    model = nn.Sequential(nn.Linear(64, 80), nn.Tanh(), nn.Linear(80, 3)).to(dtype)
+    return model, flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.02)
 
 
-def _batch(rank: int, step: int) -> torch.Tensor:
-    return torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * rank + step))
+def _groups(params: list[nn.Parameter], setup: Setup) -> Any:
+    return params if setup == "one" else [{"params": params[:-1]}, {"params": params[-1:]}]
+
+
+def _batch(rank: int, step: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(4, 64, dtype=torch.float64, generator=generator).to(dtype)
 
 
 def _sum_of_squares(output: torch.Tensor) -> torch.Tensor:
     return output.square().sum()
 
 
-def _worst(pair: Lockstep) -> dict[str, float]:
+def _worst(pair: Lockstep, tol: float) -> float:
     """How far our parameters are from stock's: the largest ``|ours - stock|`` over
-    ``atol + rtol * |stock|`` (at most 1 passes, as `torch.testing.assert_close`), and the
-    largest relative difference."""
+    ``tol + tol * |stock|`` (at most 1 passes, as `torch.testing.assert_close`)."""
     ours = dict(pair.model.named_parameters())
-    ratio = rel = 0.0
+    ratio = 0.0
     for name, ref in pair.ref.module.named_parameters():
         diff = (ours[name].detach() - ref.detach()).abs()
-        ratio = max(ratio, (diff / (ATOL + RTOL * ref.detach().abs())).max().item())
-        rel = max(rel, (diff / ref.detach().abs().clamp_min(1e-300)).max().item())
-    return {"ratio": ratio, "rel": rel}
+        ratio = max(ratio, (diff / (tol + tol * ref.detach().abs())).max().item())
+    return ratio
 
 
 def _saved_and_loaded(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -143,59 +197,102 @@ def _saved_and_loaded(state_dict: dict[str, Any]) -> dict[str, Any]:
     return torch.load(buffer, weights_only=True)
 
 
+def _step(pair: Lockstep, batch: torch.Tensor, closure: bool) -> None:
+    """One training step on both sides: plain, or through a closure that zeroes, runs
+    forward and backward (the *Closure classes call it inside their step)."""
+    if not closure:
+        pair.train_step(batch)
+        return
+
+    def ours() -> torch.Tensor:
+        pair.opt.zero_grad()
+        loss = _sum_of_squares(pair.wrapper(batch))
+        loss.backward()
+        return loss
+
+    def theirs() -> torch.Tensor:
+        pair.ref_opt.zero_grad()
+        loss = _sum_of_squares(pair.ref(batch))
+        loss.backward()
+        return loss
+
+    pair.opt.step(ours)
+    pair.ref_opt.step(theirs)
+
+
+def _call(pair: Lockstep, method: str) -> None:
+    getattr(pair.opt, method)()
+    getattr(pair.ref_opt, method)()
+
+
 def _run_case(rank: int, case: Case) -> dict[str, Any]:
     """Build ours (or find it refused), step it in lockstep with stock, round-trip its
     state_dict into a fresh ShardedOptimizer half-way: `_worst` at each compared point."""
-    cls = getattr(importlib.import_module(case.module), case.name)
-    model, dp = _small()
-    ref, ref_opt = stock(model, cls, **case.options)
+    cls = _class(case)
+    options, dtype = _options(case, cls), _dtype(case)
+    tol = CLOSE[dtype]
+    schedule_free = hasattr(cls, "train") and hasattr(cls, "eval")
+    closure = "closure" in inspect.signature(cls.step).parameters and (
+        inspect.signature(cls.step).parameters["closure"].default is inspect.Parameter.empty
+    )
+    model, dp = _model(dtype)
+    ref, ref_opt = stock(model, lambda params: cls(_groups(list(params), case.setup), **options))
     try:
-        opt = flatgrad.ShardedOptimizer(dp, cls, shard_by=case.shard_by, **case.options)
+        opt = flatgrad.ShardedOptimizer(
+            dp, cls, _groups(list(model.parameters()), case.setup), shard_by=case.shard_by, **options
+        )
     except ValueError as error:
         return {"raised": f"ValueError: {error}"}
     record: dict[str, Any] = {"shard_by": opt.shard_by, "points": {}}
     pair = Lockstep(model, dp, opt, ref, ref_opt, loss=_sum_of_squares)
-    if case.schedule_free:
-        pair.opt.train()  # type: ignore[attr-defined]
-        pair.ref_opt.train()  # type: ignore[attr-defined]
+    if schedule_free:
+        _call(pair, "train")
     for step in range(STEPS):
         if step == STEPS // 2:
-            if case.schedule_free:  # checkpoints are taken at the evaluation point
-                record["points"][f"train {step}"] = _worst(pair)
-                pair.opt.eval()  # type: ignore[attr-defined]
-                pair.ref_opt.eval()  # type: ignore[attr-defined]
-                record["points"][f"eval {step}"] = _worst(pair)
+            record["points"][f"train {step}"] = _worst(pair, tol)
+            if schedule_free:  # checkpoints are taken at the evaluation point
+                _call(pair, "eval")
+                record["points"][f"eval {step}"] = _worst(pair, tol)
             saved = _saved_and_loaded(pair.opt.state_dict())
-            model2, dp2 = _small()
+            model2, dp2 = _model(dtype)
             with torch.no_grad():
                 for p, q in zip(model2.parameters(), model.parameters()):
                     p.copy_(q)
-            opt2 = flatgrad.ShardedOptimizer(dp2, cls, shard_by=case.shard_by, **case.options)
+            opt2 = flatgrad.ShardedOptimizer(
+                dp2, cls, _groups(list(model2.parameters()), case.setup), shard_by=case.shard_by, **options
+            )
             opt2.load_state_dict(saved)
+            # (stock takes the same round trip: a class whose own state_dict is not exact,
+            # QHAdam's float32 state, is so on both sides)
+            ref_saved = _saved_and_loaded(ref_opt.state_dict())
+            ref_opt = cls(_groups(list(ref.parameters()), case.setup), **options)
+            ref_opt.load_state_dict(ref_saved)
             pair = Lockstep(model2, dp2, opt2, ref, ref_opt, loss=_sum_of_squares)
-            if case.schedule_free:
-                pair.opt.train()  # type: ignore[attr-defined]
-                pair.ref_opt.train()  # type: ignore[attr-defined]
-        pair.train_step(_batch(rank, step))
-    record["points"][f"train {STEPS}"] = _worst(pair)
-    if case.schedule_free:
-        pair.opt.eval()  # type: ignore[attr-defined]
-        pair.ref_opt.eval()  # type: ignore[attr-defined]
-        record["points"][f"eval {STEPS}"] = _worst(pair)
+            if schedule_free:
+                _call(pair, "train")
+        _step(pair, _batch(rank, step, dtype), closure)
+        if step > STEPS // 2:
+            record["points"][f"train {step + 1} (after the round trip)"] = _worst(pair, tol)
+    if schedule_free:
+        _call(pair, "eval")
+        record["points"][f"eval {STEPS} (after the round trip)"] = _worst(pair, tol)
     return record
 
 
 def _cases_worker(rank: int, world_size: int, names: list[str], out: str) -> None:
-    """Every case in `names`, in turn; each one's record (or the traceback it raised) goes
-    to `out`/rank<rank>.json. Ranks raise alike (the same classes, probes and data), so a
-    case that raises leaves the ranks in step for the next one (one that raised on some
-    ranks only leaves the others in a collective: gloo's timeout or run_ranks' ends it)."""
+    """Every case in `names`, in turn; each one's record (or the traceback it raised) and
+    its seconds go to `out`/rank<rank>.json. Ranks raise alike (the same classes, probes and
+    data), so a case that raises leaves the ranks in step for the next one (one that raised
+    on some ranks only leaves the others in a collective: gloo's timeout or run_ranks' ends
+    it)."""
     records = {}
     for name in names:
+        start = time.perf_counter()
         try:
             records[name] = _run_case(rank, CASES[name])
         except Exception:  # noqa: BLE001  (recorded: the case's test fails with it)
             records[name] = {"error": traceback.format_exc()}
+        records[name]["seconds"] = time.perf_counter() - start
     Path(out, f"rank{rank}.json").write_text(json.dumps(records))
 
 
@@ -203,14 +300,14 @@ _RESULTS: dict[int, list[dict[str, Any]] | str] = {}
 
 
 def _results(world_size: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """The records of every rank for `world_size`: one call on the ranks runs every
-    installed library's cases, the first time a test asks (a call that failed as a whole
-    fails every test of its world size, without running again)."""
+    """The records of every rank: one call on the ranks runs every installed package's
+    cases, the first time a test asks (a call that failed as a whole fails every test,
+    without running again)."""
     if world_size not in _RESULTS:
         names = [name for name, case in CASES.items() if _installed(case)]
         out = tmp_path_factory.mktemp(f"third_party_{world_size}")
         try:
-            run_ranks(_cases_worker, names, str(out), world_size=world_size)
+            run_ranks(_cases_worker, names, str(out), world_size=world_size, timeout=300.0)
         except BaseException as error:
             _RESULTS[world_size] = f"the ranks' call failed: {error}"
             raise
@@ -223,12 +320,12 @@ def _results(world_size: int, tmp_path_factory: pytest.TempPathFactory) -> list[
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("name", list(CASES))
-def test_third_party_optimizer_equals_stock_ddp(name, world_size, tmp_path_factory):
+def test_registered_optimizer_equals_stock_ddp(name, tmp_path_factory):
     case = CASES[name]
-    pytest.importorskip(case.module)
-    for rank, records in enumerate(_results(world_size, tmp_path_factory)):
+    pytest.importorskip(case.package)
+    tol = CLOSE[_dtype(case)]
+    for rank, records in enumerate(_results(2, tmp_path_factory)):
         record = records[name]
         assert "error" not in record, f"rank {rank} raised:\n{record['error']}"
         if case.expect.startswith("ValueError"):
@@ -236,6 +333,6 @@ def test_third_party_optimizer_equals_stock_ddp(name, world_size, tmp_path_facto
             assert record["raised"].startswith(case.expect), f"rank {rank}: {record['raised']}"
             continue
         assert "raised" not in record, f"rank {rank}: {record['raised']}"
-        assert record["shard_by"] == case.expect, f"rank {rank}: probed {record['shard_by']!r}"
-        for point, worst in record["points"].items():
-            assert worst["ratio"] <= 1.0, f"rank {rank} at {point}: {worst} (rtol = atol = {RTOL})"
+        assert record["shard_by"] == case.expect, f"rank {rank}: shard_by {record['shard_by']!r}"
+        for point, ratio in record["points"].items():
+            assert ratio <= 1.0, f"rank {rank} at {point}: {ratio:.3g} x (rtol = atol = {tol})"
