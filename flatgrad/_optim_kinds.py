@@ -422,7 +422,7 @@ class _ProbeCase:
                         grad = step_grads[i].reshape(-1)[lo:hi].view(leaf.shape)
                         leaf.grad = grad.to(self.device, copy=True)
                     _set_rng_state(rngs[k], cuda)
-                    optimizer.step()
+                    self.recipe.step(optimizer)
                     rngs[k] = _rng_state(cuda)
 
 

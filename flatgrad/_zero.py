@@ -985,17 +985,22 @@ class PieceGroups:
                 "take model parameters (each is already stepped through its shard)"
             )
 
-    def step(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> None:
+    def step(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> Any:
         """The inner optimizer's step over the pieces (through the float32 masters, if any),
         with the options `param_groups` hold now (live: what a scheduler or the loop wrote);
         what the step writes into its groups (an optimizer that adapts an option, or adds
         one) shows in `param_groups` afterwards, as it would in a plain optimizer's."""
+        self.point_grads()
+        self.engine.take_masters()
+        result = self.options.run(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
+        self.engine.write_back()
+        return result
+
+    def point_grads(self) -> None:
+        """Each piece's `.grad`: its part of the gradient shard."""
         for pieces in self.pieces:
             for piece in pieces:
                 piece.param.grad = piece.grad
-        self.engine.take_masters()
-        self.options.run(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
-        self.engine.write_back()
 
     def call(self, name: str, param_groups: list[dict[str, Any]]) -> None:
         """The inner optimizer's method `name` (schedule-free's ``train``/``eval``, which

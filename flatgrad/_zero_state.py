@@ -23,6 +23,7 @@ saves a step count of 0 and resumes fresh (`saved_stepped`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -143,6 +144,25 @@ class OptimizerRecipe:
         """``optimizer_class(groups, **kwargs)``: the groups' options override the arguments."""
         return self.optimizer_class(groups, **self.kwargs)
 
+    @property
+    def steps_with_closure(self) -> bool:
+        """Whether the class's ``step`` requires its closure (schedule-free's ``*Closure``
+        classes: they move the parameters, run the closure there, and move them back before
+        updating), rather than taking one it may run first, as torch's classes do."""
+        try:
+            closure = inspect.signature(self.optimizer_class.step).parameters.get("closure")
+        except (TypeError, ValueError):  # (no signature to read)
+            return False
+        return closure is not None and closure.default is inspect.Parameter.empty
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """One step of a throwaway optimizer whose gradients are set, with a closure that
+        leaves them as they are where the class requires one."""
+        if self.steps_with_closure:
+            optimizer.step(lambda: None)
+        else:
+            optimizer.step()
+
     def build_to_step(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """`build`, for a throwaway optimizer about to step: in training mode where the class
         has one (schedule-free optimizers step only after ``train()``, and a group saved at
@@ -169,7 +189,7 @@ def state_spec(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Ten
     dummy = nn.Parameter(like.new_zeros(1))
     dummy.grad = torch.zeros_like(dummy)
     probe = recipe.build_to_step([dict(options, params=[dummy])])
-    probe.step()
+    recipe.step(probe)
     state = probe.state[dummy]
     per_element = tuple(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1)
     return StateSpec(per_element, {k: v for k, v in state.items() if k not in per_element})

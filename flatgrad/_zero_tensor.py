@@ -304,19 +304,24 @@ class TensorGroups:
                 "rank; the inner optimizer holds this rank's parameters only"
             )
 
-    def step(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> None:
+    def step(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> Any:
         """The inner optimizer's step over this rank's parameters, each with its own `.grad`
         (None: skipped, as a plain optimizer skips it), with the options `param_groups`
         hold now; what the step writes into its groups shows in `param_groups` afterwards."""
+        self.point_grads()
+        self.take_masters()
+        result = self.options.run(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
+        self.write_back()
+        return result
+
+    def point_grads(self) -> None:
+        """Each stand-in's `.grad`: its parameter's (`TensorEngine.grad_of`)."""
         for owned in self.owned:
             for param in owned:
                 stand_in, grad = self.stand_ins[id(param)], self.engine.grad_of(param)
                 # (a float32 master steps from a float32 gradient: a main grad, or the .grad
                 # in the parameter's dtype that freezing left a parameter with one)
                 stand_in.grad = grad if grad is None else grad.to(stand_in.dtype)
-        self.take_masters()
-        self.options.run(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
-        self.write_back()
 
     def take_masters(self) -> None:
         """Before a step: a master whose parameter was written since (a model
@@ -444,7 +449,7 @@ def _unstepped_state(
     dummy = nn.Parameter(stand_in.detach().clone())
     dummy.grad = torch.zeros_like(dummy)
     probe = recipe.build_to_step([{**group_options, "params": [dummy]}])
-    probe.step()
+    recipe.step(probe)
     state = probe.state.get(dummy, {})
     if STEP not in state:
         return dict(state)

@@ -350,6 +350,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """
         self._engine.wait_gather()  # (overlap_param_gather: a step with no forward since)
         self._check_join()
+        if closure is not None and self._recipe.steps_with_closure:
+            return self._step_around(closure, **kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -362,6 +364,37 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if self._engine.skip_or_unscale(found_inf, grad_scale) or not self._engine.has_grads():
             return loss
         self._groups.step(self.param_groups, **kwargs)
+        self._engine.launch_gather()
+        if not self.overlap_param_gather:
+            self._engine.wait_gather()
+        return loss
+
+    def _step_around(self, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """A step of a class that runs the closure inside its step (`OptimizerRecipe.steps_with_closure`):
+        the closure it gets first sends every rank's moved shards to the others (the forward
+        runs at the point the class chose, on every rank), then runs the user's closure
+        (its backward averages as any does) and points the shards at the new gradients."""
+        if self._engine.store.mains:
+            raise NotImplementedError(
+                f"ShardedOptimizer cannot step {self._recipe.name} with float32 masters (main "
+                "grads of bfloat16/float16 parameters): its step runs the closure between "
+                "moving the parameters and updating them; use its variant without a closure, "
+                "or float32 parameters"
+            )
+        self._follow_layout()
+        self._groups.check(self.param_groups)
+
+        def inner_closure() -> Any:
+            self._engine.launch_gather()
+            self._engine.wait_gather()
+            with torch.enable_grad():
+                loss = closure()
+            self._engine.take_assigned_grads()
+            self._groups.point_grads()
+            return loss
+
+        self.dp._engine.stepped()
+        loss = self._groups.step(self.param_groups, closure=inner_closure, **kwargs)
         self._engine.launch_gather()
         if not self.overlap_param_gather:
             self._engine.wait_gather()

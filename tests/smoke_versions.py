@@ -320,31 +320,29 @@ RANK_CHECKS: list[tuple[str, Callable[..., None]]] = [
 ]
 
 
-RANK_DEADLINE_S = 120  # a rank still running then is hung: its stacks are dumped and it ends
+RANK_DEADLINE_S = 180  # a rank still running then is hung: its stacks are dumped and it ends
 
 
 def _rank_entry(rank: int, world_size: int, port: int, tmp: str) -> None:
     """Run the distributed checks in order; a check's outcome goes to ``<tmp>/rank<rank>``
     as it ends. The first failure ends the rank (its peer's collectives then fail too, so
-    the later checks would say nothing). A rank that hangs prints every thread's stack and
-    exits after `RANK_DEADLINE_S`; one that finished leaves with ``os._exit``, so nothing
-    at interpreter exit (a backend's threads, atexit handlers) can keep it alive."""
+    the later checks would say nothing). A rank that finished leaves with ``os._exit``,
+    without ``destroy_process_group``: on torch 2.4 gloo's teardown can wait forever for a
+    peer that already left (seen here: 1 run in 12, the CI run that timed out). A rank that
+    hangs anyway prints every thread's stack and exits after `RANK_DEADLINE_S`."""
     faulthandler.dump_traceback_later(RANK_DEADLINE_S, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
-    try:
-        for name, check in RANK_CHECKS:
-            start = time.perf_counter()
-            try:
-                check(*((rank, tmp) if check is check_checkpoint else (rank,)))
-                dist.barrier()
-            except Exception:
-                _record(tmp, rank, name, time.perf_counter() - start, traceback.format_exc())
-                raise
-            _record(tmp, rank, name, time.perf_counter() - start, "")
-    finally:
-        dist.destroy_process_group()
+    for name, check in RANK_CHECKS:
+        start = time.perf_counter()
+        try:
+            check(*((rank, tmp) if check is check_checkpoint else (rank,)))
+            dist.barrier()
+        except Exception:
+            _record(tmp, rank, name, time.perf_counter() - start, traceback.format_exc())
+            raise
+        _record(tmp, rank, name, time.perf_counter() - start, "")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
