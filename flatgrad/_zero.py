@@ -826,6 +826,35 @@ class SyncedOptions:
         return result
 
 
+def on_every_rank(
+    call: Callable[[], Any], what: str, device: torch.device, process_group: dist.ProcessGroup | None
+) -> Any:
+    """`call()`, its outcome agreed by every rank of `process_group` (one small all-reduce):
+    where it raised on any rank, every rank raises (that rank its own error, the others a
+    RuntimeError naming it), so that no rank goes on to a collective the others never
+    reach (an inner optimizer that cannot take an empty group, a step that fails on one
+    rank's shard)."""
+    error: Exception | None = None
+    result = None
+    try:
+        result = call()
+    except Exception as caught:  # noqa: BLE001  (raised below, once every rank knows)
+        error = caught
+    world_size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    flags = torch.zeros(world_size, dtype=torch.int32, device=device)
+    flags[rank] = int(error is not None)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=process_group)
+    if error is not None:
+        raise error
+    failed = [r for r, flag in enumerate(flags.tolist()) if flag]
+    if failed:
+        raise RuntimeError(
+            f"ShardedOptimizer: {what} raised on rank(s) {failed} (their error says why); "
+            "every rank stops here rather than wait for them"
+        )
+    return result
+
+
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """The summed size of the tensors in `optimizer`'s state."""
     return sum(

@@ -32,6 +32,7 @@ any rank is exact.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -52,6 +53,7 @@ from flatgrad._zero import (
     as_groups,
     check_members,
     checked_defaults,
+    on_every_rank,
     options,
     relaid_state,
 )
@@ -199,12 +201,30 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._waits: weakref.finalize | None = None
         self._engine: ShardEngine | TensorEngine
         self._groups: PieceGroups | TensorGroups
+        # The inner optimizer is built on every rank's own pieces (by tensor: maybe none of a
+        # group's): a class that refuses them on one rank is raised on every rank.
+        device = next(iter(store.buffers.values())).device
+        build = functools.partial(self._lay_out_first, store)
+        on_every_rank(build, "building the inner optimizer", device, dp.process_group)
+        self._stepped_once = False  # (the first inner step is agreed as well)
+        self._ready = True
+        dp._engine.count_steps(0)  # each synchronised backward checks the ranks agree on it
+
+    def _lay_out_first(self, store: GradStore) -> None:
         if self.shard_by == "tensor":
             self._lay_out_by_tensor(store)
         else:  # slots on multiples of the world size: equal shards per bucket (and per buffer)
-            self._lay_out(dp.module._engine.use_slot_multiple(self.world_size))
-        self._ready = True
-        dp._engine.count_steps(0)  # each synchronised backward checks the ranks agree on it
+            self._lay_out(self.dp.module._engine.use_slot_multiple(self.world_size))
+
+    def _inner_step(self, **kwargs: Any) -> Any:
+        """The inner step; the first one's outcome agreed by every rank (`on_every_rank`):
+        a class that fails on one rank's shard raises on every rank, not a hang."""
+        if self._stepped_once:
+            return self._groups.step(self.param_groups, **kwargs)
+        step = functools.partial(self._groups.step, self.param_groups, **kwargs)
+        loss = on_every_rank(step, f"{self._recipe.name}.step", self.join_device, self.dp.process_group)
+        self._stepped_once = True
+        return loss
 
     def _lay_out(self, store: GradStore) -> None:
         """Shard `store` (the model's gradient store, slots on multiples of the world size):
@@ -363,7 +383,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.dp._engine.stepped()  # (a step without gradients too)
         if self._engine.skip_or_unscale(found_inf, grad_scale) or not self._engine.has_grads():
             return loss
-        self._groups.step(self.param_groups, **kwargs)
+        self._inner_step(**kwargs)
         self._engine.launch_gather()
         if not self.overlap_param_gather:
             self._engine.wait_gather()
@@ -394,7 +414,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             return loss
 
         self.dp._engine.stepped()
-        loss = self._groups.step(self.param_groups, closure=inner_closure, **kwargs)
+        loss = self._inner_step(closure=inner_closure, **kwargs)
         self._engine.launch_gather()
         if not self.overlap_param_gather:
             self._engine.wait_gather()

@@ -152,7 +152,7 @@ def train(
         data = batch(rank, step)
 
         def closure(data: torch.Tensor = data) -> torch.Tensor:
-            optimizer.zero_grad()
+            optimizer.zero_grad()  # noqa: B023  (called in this iteration)
             loss = forward(data).square().sum()
             loss.backward()
             assert closure_loss is not None

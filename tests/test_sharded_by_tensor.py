@@ -378,6 +378,51 @@ def test_each_class_gets_the_sharding_it_allows_or_a_clear_refusal():
     run_ranks(_kinds_worker)
 
 
+class _NoEmptyGroups(torch.optim.SGD):
+    """Refuses a group without parameters, as pytorch-optimizer's AvaGrad's step fails on one."""
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        if any(not group["params"] for group in self.param_groups):
+            raise ValueError("_NoEmptyGroups got an empty group")
+
+
+class _FailsOnRankOne(torch.optim.SGD):
+    """Fails at its first step on rank 1 only (a shard's bad value, memory, a kernel)."""
+
+    def step(self, closure: Any = None) -> Any:
+        if dist.get_rank() == 1 and not self.state:
+            raise RuntimeError("_FailsOnRankOne failed on rank 1")
+        return super().step(closure)
+
+
+def _one_rank_fails_worker(rank: int, world_size: int) -> None:
+    model, _, dp = _small(rank)
+    assert dp is not None
+    layers = list(model.children())
+    groups = [{"params": [p for m in layers[:-1] for p in m.parameters()]}, {"params": [layers[-1].bias]}]
+    # By tensor the second group (one bias) is empty on one rank: its inner optimizer refuses
+    # there; the other rank raises too.
+    either = r"_NoEmptyGroups got an empty group|building the inner optimizer raised on rank\(s\) \[\d\]"
+    with pytest.raises((ValueError, RuntimeError), match=either):
+        flatgrad.ShardedOptimizer(dp, _NoEmptyGroups, groups, lr=0.1, shard_by="tensor")
+    for shard_by in ("element", "tensor"):
+        model, _, dp = _small(rank)
+        assert dp is not None
+        opt = flatgrad.ShardedOptimizer(dp, _FailsOnRankOne, lr=0.1, shard_by=shard_by)
+        dp(_batch(rank, 0)).square().sum().backward()
+        theirs = r"_FailsOnRankOne.step raised on rank\(s\) \[1\]"
+        error = "_FailsOnRankOne failed on rank 1" if rank == 1 else theirs
+        with pytest.raises(RuntimeError, match=error):
+            opt.step()
+
+
+def test_an_error_on_one_rank_is_raised_on_every_rank():
+    """An inner optimizer that refuses one rank's (empty) group at construction, or whose first
+    step fails on one rank: every rank raises, none waits for the others."""
+    run_ranks(_one_rank_fails_worker)
+
+
 # --- the optimizer contracts by tensor ---------------------------------------------------
 
 
