@@ -1072,7 +1072,8 @@ class PieceGroups:
         problem = misfit(self.recipe, views, layout, state_dict)
         refuse_misfits(problem, self.engine.shards[0].param.device, self.engine.process_group)
         entries, _ = own_state(self.inner)
-        live = {p.param: entries[id(p.param)] for v in views for p in v.pieces if id(p.param) in entries}
+        pieces = [piece.param for view in views for piece in view.pieces]
+        live: dict[torch.Tensor, dict[str, Any]] = {p: entries[id(p)] for p in pieces if id(p) in entries}
         states: dict[int, dict[str, Any]] = {}
         for view, flag in zip(views, saved_stepped(views, state_dict)):
             states.update(load_group(self.recipe, view, layout, state_dict["state"], flag, live))

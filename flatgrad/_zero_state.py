@@ -159,7 +159,7 @@ class OptimizerRecipe:
         """One step of a throwaway optimizer whose gradients are set, with a closure that
         leaves them as they are where the class requires one."""
         if self.steps_with_closure:
-            optimizer.step(lambda: None)
+            optimizer.step(lambda: 0.0)
         else:
             optimizer.step()
 
@@ -476,10 +476,11 @@ def own_state(optimizer: torch.optim.Optimizer) -> tuple[dict[int, dict[str, Any
 
 def _packed_ids(optimizer: torch.optim.Optimizer, packed: object) -> dict[object, int]:
     """index -> id(param) of `packed` (`optimizer`'s ``state_dict()``)."""
-    groups = packed.get("param_groups") if isinstance(packed, dict) else None
+    packed = packed if isinstance(packed, dict) else {}
+    groups = packed.get("param_groups")
     if (
         not isinstance(groups, list)
-        or not isinstance(packed.get("state"), dict)  # type: ignore[union-attr]
+        or not isinstance(packed.get("state"), dict)
         or len(groups) != len(optimizer.param_groups)
         or any(len(g.get("params", ())) != len(o["params"]) for g, o in zip(groups, optimizer.param_groups))
     ):
@@ -563,7 +564,7 @@ def optimizer_state(
     not of a parameter under `CLASS_STATE`."""
     entries, rest = own_state(optimizer)
     pieces = [piece.param for group in groups for piece in group.pieces]
-    live = {piece: entries[id(piece)] for piece in pieces if id(piece) in entries}
+    live: dict[torch.Tensor, dict[str, Any]] = {p: entries[id(p)] for p in pieces if id(p) in entries}
     state: dict[str, Any] = {}
     for group in groups:
         if group.params:
