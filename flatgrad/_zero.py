@@ -42,6 +42,7 @@ from flatgrad._zero_state import (
     Layout,
     OptimizerRecipe,
     Piece,
+    flagged_ranks,
     group_spec,
     load_group,
     load_own_state,
@@ -840,13 +841,9 @@ def on_every_rank(
         result = call()
     except Exception as caught:  # noqa: BLE001  (raised below, once every rank knows)
         error = caught
-    world_size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-    flags = torch.zeros(world_size, dtype=torch.int32, device=device)
-    flags[rank] = int(error is not None)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=process_group)
+    failed = flagged_ranks(error is not None, device, process_group)
     if error is not None:
         raise error
-    failed = [r for r, flag in enumerate(flags.tolist()) if flag]
     if failed:
         raise RuntimeError(
             f"ShardedOptimizer: {what} raised on rank(s) {failed} (their error says why); "

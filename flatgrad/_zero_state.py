@@ -638,17 +638,24 @@ def misfit(recipe: OptimizerRecipe, groups: list[GroupView], layout: Layout, sav
     return None
 
 
+def flagged_ranks(flag: bool, device: torch.device, process_group: dist.ProcessGroup | None) -> list[int]:
+    """The ranks of `process_group` whose `flag` is set (one small all-reduce, every rank
+    calls it together)."""
+    world_size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    flags = torch.zeros(world_size, dtype=torch.int32, device=device)
+    flags[rank] = int(flag)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=process_group)
+    return [r for r, flagged in enumerate(flags.tolist()) if flagged]
+
+
 def refuse_misfits(
     problem: str | None, device: torch.device, process_group: dist.ProcessGroup | None
 ) -> None:
     """Raise the same ValueError on every rank when `problem` (this rank's `misfit`) or any
     other rank's is not None (one small all-reduce): no rank loads a state that does not fit
     on every rank."""
-    world_size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-    flags = torch.zeros(world_size, dtype=torch.int32, device=device)
-    flags[rank] = int(problem is not None)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=process_group)
-    wrong = [r for r, flag in enumerate(flags.tolist()) if flag]
+    rank = dist.get_rank(process_group)
+    wrong = flagged_ranks(problem is not None, device, process_group)
     if wrong:
         mine = f" (this rank {rank}: {problem})" if problem is not None else ""
         raise ValueError(
