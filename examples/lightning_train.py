@@ -85,7 +85,7 @@ class ProbeCallback(L.Callback):
 def train(steps: int, strategy: str, probe_steps: bool, hook_via_lightning: bool = False) -> dict[str, Any]:
     module = LitLM(wrap=hook_via_lightning)
     flat = module.net if isinstance(module.net, flatgrad.FlatGrad) else None
-    probe = StepProbe(flat.module if flat is not None else module.net, flat)
+    probe = StepProbe(flat if flat is not None else module.net, flat)
     chosen: str | DDPStrategy = strategy if strategy == "ddp" else STRATEGIES[strategy](config=ROUTE_ALL)
     if flat is not None:  # the hook never runs on CPU: flatgrad warns
         probe.state = flat.comm_state()

@@ -3,12 +3,14 @@
     torchrun --standalone --nproc_per_node=2 examples/trainer_train.py --out /tmp/trainer_run
     torchrun --standalone --nproc_per_node=2 examples/trainer_train.py --out /tmp/trainer_run --compare
 
-A tiny Llama with tied embeddings, built from a config (no download), in float64, trained by
-`flatgrad.transformers.FlatGradTrainer` with Trainer's default arguments except the run's
-length and learning rate: ``remove_unused_columns=True`` (the dataset has a column the model
-does not take), ``save_strategy="steps"`` (a checkpoint every 2 steps). Trainer reads
-torchrun's environment and joins a gloo group of 2 processes; its DDP gets
-`FlatGrad.ddp_kwargs` and `flatgrad.allreduce_hook` (`flatgrad.accelerate.attach`).
+A tiny Llama with tied embeddings, built from a config (no download), in float64, with
+FlatGrad applied (the model stays a ``LlamaForCausalLM``), trained by a plain
+`transformers.Trainer` with its default arguments except the run's length and learning rate:
+``remove_unused_columns=True`` (the dataset has a column the model does not take),
+``save_strategy="steps"`` (a checkpoint every 2 steps). Trainer reads torchrun's environment
+and joins a gloo group of 2 processes; one call, ``flatgrad.accelerate.attach(
+trainer.accelerator, model)`` before ``train()``, gives its DDP `FlatGrad.ddp_kwargs` and
+`flatgrad.allreduce_hook`.
 
 ``--compare`` also trains the plain model with a plain `transformers.Trainer` (the oracle),
 and resumes flatgrad's run from its first checkpoint to the end. Rank 0 prints the largest
@@ -30,7 +32,7 @@ import torch.distributed as dist
 import transformers
 
 import flatgrad
-import flatgrad.transformers
+import flatgrad.accelerate
 
 SAVE_STEPS = 2
 
@@ -63,12 +65,10 @@ def train(out: Path, steps: int, stock: bool, resume: Path | None = None) -> dic
         output_dir=str(out), max_steps=steps, save_steps=SAVE_STEPS, per_device_train_batch_size=4,
         learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
     )  # fmt: skip
-    if stock:
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
-    else:
-        flat = flatgrad.FlatGrad(model)
-        trainer = flatgrad.transformers.FlatGradTrainer(model=flat, args=args, train_dataset=Tokens())
-    state = getattr(trainer.accelerator.ddp_handler, "flatgrad_comm_state", None)
+    if not stock:
+        flatgrad.FlatGrad(model)  # (in place: `model` itself)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    state = None if stock else flatgrad.accelerate.attach(trainer.accelerator, model)
     trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
     return {
         "world_size": trainer.accelerator.num_processes,

@@ -70,6 +70,8 @@ class Layouts(Protocol):
 
     def rebuilt_seater(self) -> Seater: ...
 
+    def check_layout(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class ForwardPlan:
@@ -196,6 +198,8 @@ class Seater:
             return None  # another output of the same backward
         self._task = task
         engine = self._owner()
+        if engine is not None:
+            engine.check_layout()  # (a parameter replaced since: refused before anything moves)
         if engine is not None and engine.ddp.take_pending():
             # A forward under a DDP came since the last backward (this one may also run through
             # an output of the plain wrapper, called directly): DDP's reducer places this

@@ -1,9 +1,16 @@
-"""`GradEngine`: one wrapper's gradient store, seater and layout watch, built and rebuilt
-together, and what each forward does about them (lay out again, seat or not under DDP).
+"""`GradEngine`: one model's gradient store and seater, built together, and what each
+forward does about them (lay out again, seat or not under DDP).
 
-`FlatGrad` owns one (its `_engine`); `DataParallel`, `ShardedOptimizer` and the DDP hook's
-state reach the store through it. The engine holds its wrapper weakly, to read the model
-it holds (``flat.module`` can be reassigned) and to watch the wrapper's own dicts.
+`FlatGrad(model)` gives the model one (``engine_of(model)``); `DataParallel`,
+`ShardedOptimizer` and the DDP hook's state reach the store through it. The engine holds
+the model weakly (the model holds the engine).
+
+The layout is fixed when the model is wrapped, as DDP, FSDP2 and Megatron-Core fix theirs:
+conversions (``.to()``, ``.double()``, also of a submodule) and ``requires_grad`` toggles lay
+the buffers out again; a parameter added, replaced, removed or re-pointed at a tensor of
+another shape since is refused (a RuntimeError naming it) at the next norm or sync, or as
+the next backward starts, before anything moves, until ``model.relayout()`` lays the
+buffers out for the model as it is now.
 """
 
 from __future__ import annotations
@@ -18,10 +25,8 @@ from torch import nn
 
 from flatgrad import comm
 from flatgrad._backward import ForwardPlan, Participant, Seater, watch
-from flatgrad._module_proxy import share_root
-from flatgrad._routing import route_layers, unroute
+from flatgrad._routing import route_layers
 from flatgrad._torch_compat import graph_task_id
-from flatgrad._watch import LayoutWatch
 from flatgrad.buffer import GradStore
 from flatgrad.config import FlatGradConfig
 
@@ -36,48 +41,36 @@ _SPARSE_LAYERS = (nn.Embedding, nn.EmbeddingBag)
 class GradEngine:
     """Builds, checks and rebuilds the gradient layout of the model its wrapper holds."""
 
-    def __init__(self, root: nn.Module, config: FlatGradConfig, slot_multiple: int = 1) -> None:
-        self._root = weakref.ref(root)
+    def __init__(self, model: nn.Module, config: FlatGradConfig, slot_multiple: int = 1) -> None:
+        self._model = weakref.ref(model)
         self.config = config
         self.slot_multiple = slot_multiple  # slots start on multiples of this many elements (ZeRO)
         self.store: GradStore | None = None
         self.seater: Seater | None = None
         self._watched: tuple[_Watched, ...] = ()
+        # Every module with what it held at the last build, for the per-forward check.
+        self._held: tuple[tuple[nn.Module, tuple[Any, ...], tuple[Any, ...]], ...] = ()
         self.others: tuple[nn.Parameter, ...] = ()  # the model's parameters without a slot
         self.frozen: tuple[nn.Parameter, ...] = ()
         # Of those, the ones of layers that make sparse gradients (`sparse_ids`): stock's
         # sparse `.grad`, outside the buffers; the rest of `others` is frozen.
         self.sparse: tuple[nn.Parameter, ...] = ()
-        self.generation = -1
         self.ddp = comm.DDPEdge()  # whether a DDP runs the forwards, its hook, its Join
         # A DataParallel's bucket sync and sync flag for the next forward (`expect_sync`),
         # and the running forward's, taken by `before_forward`.
         self._next_sync: tuple[Participant, bool] | None = None
         self._forward_sync: tuple[Participant, bool] | None = None
-        # Watch the model's registrations while the wrapper lives; when it is collected the
-        # model is as it was before wrapping (plain dicts, torch's forwards).
-        self.watch = LayoutWatch()
-        weakref.finalize(root, self.watch.close, unroute).atexit = False
-        # ... and the parameters hold no hook of the seater's (the main grads' hooks live on
-        # the parameters themselves); `_hooks` is the current seater's list.
+        # The parameters hold no hook of the seater's once the model is collected (the main
+        # grads' hooks live on the parameters themselves); `_hooks` is the current seater's list.
         self._hooks: list[Any] = []
-        weakref.finalize(root, _remove_all, self._hooks).atexit = False
-        self.build()  # (covers the wrapper and the model)
+        weakref.finalize(model, _remove_all, self._hooks).atexit = False
+        self.build()
 
     @property
     def model(self) -> nn.Module:
-        root = self._root()
-        assert root is not None, "the wrapper is gone"
-        model: nn.Module = root._modules["module"]  # type: ignore[assignment]
+        model = self._model()
+        assert model is not None, "the model is gone"
         return model
-
-    def cover(self) -> None:
-        """Watch the wrapper and every module of the model not watched yet; the root dicts
-        the wrapper shares with the model are then the watched ones (`share_root`)."""
-        root = self._root()
-        if root is not None:
-            self.watch.cover(root)
-            share_root(root)
 
     def use_slot_multiple(self, multiple: int) -> GradStore:
         """Lay out again with every slot starting on a multiple of `multiple` elements
@@ -102,7 +95,8 @@ class GradEngine:
 
     @torch.compiler.disable
     def before_forward(self) -> None:
-        self.current()
+        if torch.is_grad_enabled():
+            self.current()
         self._forward_sync, self._next_sync = self._next_sync, None  # this forward's (or None)
         self.ddp.before_forward()
 
@@ -135,14 +129,15 @@ class GradEngine:
     def build(self) -> None:
         """Lay out the buffers for the current trainable parameters; route new layers."""
         with torch.inference_mode(False), torch.no_grad():  # buffers must be normal tensors
-            params = trainable_parameters(self.model)
+            model = self.model
+            params = trainable_parameters(model)
             old = self.store
             if self.seater is not None:
                 self.seater.retire()  # a graph still alive must not seat into old buffers
             if old is not None:
                 _detach_leaving(old, params)
                 old.release()
-            routed = route_layers(self.model, self.config)
+            routed = route_layers(model, self.config)
             self.store = store = GradStore(
                 params, self.config.align_bytes, self.slot_multiple, self.config.grad_dtype
             )
@@ -150,50 +145,49 @@ class GradEngine:
                 _carry_mains(old, store)
             self.seater = Seater(store, params, routed, self)
             self._hooks[:] = self.seater.hooks
-            self._watched = _watch_list(self.model) or ()
+            self._watched = _watch_list(model) or ()
+            self._held = _held_by_module(model)
             held = {id(p) for p in params}
             # by id, once each: a tied parameter is held by two modules
             self.others = tuple({id(e[2]): e[2] for e in self._watched if id(e[2]) not in held}.values())
-            sparse = sparse_ids(self.model)
+            sparse = sparse_ids(model)
             self.sparse = tuple(p for p in self.others if id(p) in sparse)
             self.frozen = tuple(p for p in self.others if id(p) not in sparse)
-            self.cover()
-            self.generation = self.watch.generation
             store.settle()  # move gradients that already exist into the buffers
 
     def refresh(self) -> GradStore:
-        """The store, laid out again first if the model's parameters changed: replaced,
-        added, removed, (un)frozen, converted or reshaped. O(parameters); forward calls it
-        only when something was registered since, norms and syncs always (as stock
-        `clip_grad_norm_(model.parameters())` walks the model too)."""
+        """The store, laid out again first if a parameter was converted, reshaped through
+        its ``.grad``, or (un)frozen; raises `LayoutChanged` if one was added, replaced,
+        removed or re-pointed at another shape (see the module doc). O(parameters): norms
+        and syncs call it (as stock ``clip_grad_norm_(model.parameters())`` walks the model)."""
         store = self.store
-        if store is None or store.stale or not store.intact() or self._layout_changed():
-            logger.info("flatgrad: parameters changed after wrapping; laying out the buffers again")
+        current = _watch_list(self.model)
+        if current is not None:  # (None: torch.func.functional_call's temporaries: keep)
+            _refuse_moved(self.model, self._watched, current)
+        if store is None or store.stale or not store.intact() or (current is not None and self._converted()):
+            logger.info("flatgrad: parameters converted or (un)frozen; laying out the buffers again")
             self.build()
-        self.generation = self.watch.generation
+        elif current is not None:  # (modules without parameters, or parameters that moved)
+            self._watched, self._held = current, _held_by_module(self.model)
         assert self.store is not None, "the engine is not built"
         return self.store
 
-    def _layout_changed(self) -> bool:
-        if self.watch.changed(self.generation):
-            self.cover()  # a module added since is watched from now on
-            current = _watch_list(self.model)
-            if current is None:
-                return False  # reparametrized for a moment (torch.func.functional_call): keep
-            if len(current) != len(self._watched) or any(
-                a[:2] != b[:2] or a[2] is not b[2] for a, b in zip(current, self._watched)
-            ):
-                return True
-        for module, name, param, requires_grad, dtype, device, shape in self._watched:
-            current_param = module._parameters.get(name)
-            if current_param is not param:
-                # a plain tensor there is functional_call's temporary: keep the layout
-                return isinstance(current_param, nn.Parameter) or current_param is None
+    def _converted(self) -> bool:
+        return any(
+            param.requires_grad != requires_grad or param.dtype != dtype or param.device != device
+            for _, _, param, requires_grad, dtype, device, _ in self._watched
+        )
+
+    def _moved(self) -> bool:
+        """Whether a module holds other parameters or children than at the last build (one
+        identity test each: what `check_layout` asks first)."""
+        for module, params, children in self._held:
+            held, below = module._parameters, module._modules
             if (
-                param.requires_grad != requires_grad
-                or param.dtype != dtype
-                or param.device != device
-                or param.shape != shape
+                len(held) != len(params)
+                or len(below) != len(children)
+                or not all(map(operator.is_, held.values(), params))
+                or not all(map(operator.is_, below.values(), children))
             ):
                 return True
         return False
@@ -204,20 +198,29 @@ class GradEngine:
         return self.seater
 
     def current(self) -> GradStore:
-        """The store, laid out again first only on what the per-step paths (every forward,
-        DataParallel's forward, the DDP hook) can see in O(1): a parameter registered since,
-        a slot found stale during a backward, a parameter without a slot unfrozen. The rest
-        (a held parameter frozen, converted or re-pointed in place) is found by the full walk
-        of `refresh` at the next norm or sync, or as staleness by the next backward."""
+        """The store, after what every training forward (and DataParallel's forward, the DDP
+        hook) checks in O(1): a slot found stale during a backward, a parameter without a
+        slot unfrozen; then `refresh`. The rest (a held parameter frozen or converted in
+        place) is found by the walk of `refresh` at the next norm or sync, or as staleness by
+        the next backward; a parameter added or replaced, by `check_layout` as the next
+        backward starts."""
         store = self.store
-        if (
-            store is None
-            or self.watch.changed(self.generation)
-            or store.stale
-            or any(p.requires_grad for p in self.frozen)  # unfrozen: nothing else tells
-        ):
+        if store is None or store.stale or any(p.requires_grad for p in self.frozen):  # (unfrozen)
             return self.refresh()
         return store
+
+    def check_layout(self) -> None:
+        """Raise if a parameter was added, replaced, removed or re-pointed since the layout
+        was made (`refresh`'s refusal), after one identity test per parameter and child
+        (`_moved`); a backward that accumulates calls it as it starts. Parameters that only
+        moved to other modules are followed; `torch.func.functional_call`'s temporaries are
+        gone by then (or plain tensors, as under `torch.func.grad`: kept)."""
+        if not self._moved():
+            return
+        current = _watch_list(self.model)
+        if current is not None:
+            _refuse_moved(self.model, self._watched, current)
+            self._watched, self._held = current, _held_by_module(self.model)
 
     def steady(self) -> GradStore:
         """`current`, and the full walk of `refresh` when a held parameter was frozen
@@ -284,6 +287,52 @@ def _watch_list(model: nn.Module) -> tuple[_Watched, ...] | None:
                 return None
             entries.append((module, name, param, param.requires_grad, param.dtype, param.device, param.shape))
     return tuple(entries)
+
+
+def _held_by_module(model: nn.Module) -> tuple[tuple[nn.Module, tuple[Any, ...], tuple[Any, ...]], ...]:
+    return tuple((m, tuple(m._parameters.values()), tuple(m._modules.values())) for m in model.modules())
+
+
+def _refuse_moved(model: nn.Module, before: tuple[_Watched, ...], now: tuple[_Watched, ...]) -> None:
+    """Raise RuntimeError, naming the parameters, if one was added, replaced, removed or
+    re-pointed at a tensor of another shape since the layout was made (`before`). A
+    parameter that moved to another module (``convert_sync_batchnorm`` rebuilds layers around
+    their parameters) keeps its slot."""
+    if len(before) == len(now) and all(
+        a[0] is b[0] and a[1] == b[1] and a[2] is b[2] and a[2].shape == a[6] for a, b in zip(before, now)
+    ):
+        return
+    was = {id(e[2]): e for e in before}
+    staying = {id(e[2]) for e in now}
+    keys = {(id(e[0]), e[1]) for e in before}
+    prefixes = {id(m): prefix for prefix, m in model.named_modules(remove_duplicate=False)}
+
+    def name(entry: _Watched) -> str:
+        prefix = prefixes.get(id(entry[0]))
+        return entry[1] if not prefix else f"{prefix}.{entry[1]}"
+
+    changes = []
+    for entry in now:
+        old = was.get(id(entry[2]))
+        if old is None:
+            changes.append(f"{name(entry)} ({'replaced' if (id(entry[0]), entry[1]) in keys else 'added'})")
+        elif entry[2].shape != old[6]:
+            changes.append(f"{name(entry)} (re-pointed: shape {tuple(old[6])} -> {tuple(entry[2].shape)})")
+    now_keys = {(id(e[0]), e[1]) for e in now}
+    changes += [
+        f"{e[1]} of a {type(e[0]).__name__} (removed)"
+        for e in before
+        if id(e[2]) not in staying and (id(e[0]), e[1]) not in now_keys
+    ]
+    if changes:
+        raise RuntimeError(
+            "the model's parameters changed after FlatGrad laid out its gradient buffers: "
+            + ", ".join(dict.fromkeys(changes[:6]))
+            + (f" and {len(changes) - 6} more" if len(changes) > 6 else "")
+            + "; the layout is fixed when FlatGrad is applied (as DDP's and FSDP's): call "
+            "model.relayout() after changing its parameters (before building DataParallel and the "
+            "optimizer over them), or apply FlatGrad to the model once it has its final parameters"
+        )
 
 
 def _detach_leaving(store: GradStore, staying: list[nn.Parameter]) -> None:

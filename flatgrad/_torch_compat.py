@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch.autograd import Variable, forward_ad
 from torch.distributed.algorithms.join import Joinable, _JoinConfig
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.nn.utils import _named_member_accessor
 from torch.utils._pytree import tree_leaves
 
 __all__ = [
@@ -52,7 +51,6 @@ __all__ = [
     "SAVED_SHARDS",
     "set_local_tensor",
     "sharded_tensor",
-    "swap_tensor_code",
     "tree_leaves",
     "unwrap_if_dead",
     "will_execute",
@@ -231,13 +229,6 @@ def _gather_takes_int32() -> bool:
 GATHER_TAKES_INT32 = _gather_takes_int32()
 """Whether ``torch.gather`` and ``scatter_add_`` take an int32 index (False on torch 2.4:
 int64 only; probed once on a one-element tensor)."""
-
-# --- torch.func ---------------------------------------------------------------------------
-
-# `torch.func.functional_call` swaps its temporaries into a module's `_parameters` through
-# this function (`torch.nn.utils.stateless._reparametrize_module`); None if it is missing.
-_SWAP_TENSOR = getattr(_named_member_accessor, "swap_tensor", None)
-swap_tensor_code = frozenset([_SWAP_TENSOR.__code__] if _SWAP_TENSOR is not None else [])
 
 # --- DDP --------------------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ _NOT_DDP_ARGUMENTS = ("comm_hook", "comm_wrapper", "comm_state_option")  # as Ac
 @dataclasses.dataclass
 class FlatGradDDPKwargs(DistributedDataParallelKwargs):
     """Accelerate's DDP handler with flatgrad's hook: the DDP that ``accelerator.prepare``
-    builds around ``flatgrad_comm_state.wrapper`` gets `flatgrad.allreduce_hook` with that
+    builds around ``flatgrad_comm_state.model`` gets `flatgrad.allreduce_hook` with that
     state; any other DDP it builds gets Accelerate's own hook choice (``comm_hook``). Built
     by `attach`."""
 
@@ -60,7 +60,7 @@ class FlatGradDDPKwargs(DistributedDataParallelKwargs):
             model: The DDP just built.
         """
         state = self.flatgrad_comm_state
-        if state is not None and isinstance(model, DistributedDataParallel) and model.module is state.wrapper:
+        if state is not None and isinstance(model, DistributedDataParallel) and model.module is state.model:
             model.register_comm_hook(state, allreduce_hook)
         else:
             super().register_comm_hook(model)

@@ -481,8 +481,9 @@ def _check_free(params: Sequence[torch.Tensor]) -> None:
     for param in params:
         if find_slot(param) is not None:
             raise ValueError(
-                f"a parameter of shape {tuple(param.shape)} is already wrapped by another "
-                "FlatGrad; a parameter's gradient can live in one flat buffer only"
+                f"a parameter of shape {tuple(param.shape)} already has its gradient in the flat "
+                "buffer of another module FlatGrad was applied to (a parameter's gradient can live "
+                "in one flat buffer only): apply FlatGrad once, to the outermost model"
             )
 
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flatgrad._torch_compat import (
@@ -40,22 +41,17 @@ class HookEngine(Protocol):
     def current(self) -> GradStore: ...
 
 
-class HookedWrapper(Protocol):
-    """What the DDP hook's state asks of its wrapper (a `flatgrad.FlatGrad`): its engine."""
-
-    @property
-    def _engine(self) -> HookEngine: ...
-
-
 @dataclass
 class FlatGradCommState:
     """The settings of `allreduce_hook` and its call count; build it with
     `FlatGrad.comm_state()`. What the hook does to the wrapper's buffers (adopting DDP's
     buckets, a `Join`'s count) belongs to the wrapper's DDP edge (`DDPEdge`), which the hook
-    reaches through `wrapper`.
+    reaches through `engine`.
 
     Args:
-        wrapper: The `FlatGrad` whose buffers the hook keeps pointing at DDP's buckets.
+        model: The model with `flatgrad.FlatGrad` applied whose buffers the hook keeps
+            pointing at DDP's buckets.
+        engine: That model's engine.
         process_group: The group to average over, None for the default group: the hook
             does not see the group DDP was given (torch's own hooks take theirs the same
             way), so a DDP on a sub-group needs the same group here.
@@ -71,7 +67,8 @@ class FlatGradCommState:
         ValueError: `wire_dtype` is not torch.bfloat16, torch.float16 or None.
     """
 
-    wrapper: HookedWrapper
+    model: nn.Module
+    engine: HookEngine
     process_group: dist.ProcessGroup | None = None
     wire_dtype: torch.dtype | None = None
     num_calls: int = field(default=0, init=False)
@@ -279,7 +276,7 @@ def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.f
     if isinstance(bucket, tuple):  # DDP's Python reducer: see `_python_reducer_mean`
         _python_reducer_mean(state, *bucket)
         return None  # type: ignore[return-value]  # (that reducer ignores what hooks return)
-    engine = state.wrapper._engine
+    engine = state.engine
     engine.ddp.adopt(bucket, engine.current)
     ranks = engine.ddp.ranks_not_joined(bucket.buffer().device, state.process_group)
     return _all_reduce_mean(bucket.buffer(), state.process_group, state.wire_dtype, ranks)
@@ -294,7 +291,7 @@ def _python_reducer_mean(state: FlatGradCommState, grad: torch.Tensor, param: to
     outside the buffer anyway (see README, "Compiled autograd")."""
     import torch.distributed._functional_collectives as fcol
 
-    edge = state.wrapper._engine.ddp
+    edge = state.engine.ddp
     edge.hook_ran()
     if not edge.warned:
         edge.warned = True

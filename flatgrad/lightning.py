@@ -12,9 +12,10 @@ imports Lightning, and this module is imported only by a user who asks for it):
 - ``"flatgrad_sharded"``: `FlatGradShardedStrategy`, the same, with the optimizer that
   ``configure_optimizers`` returns rebuilt as a `flatgrad.ShardedOptimizer` (ZeRO-1).
 
-The LightningModule stays unmodified: the strategy wraps it when ``fit`` sets up (after the
-precision plugin converted it and it moved to its device), and unwraps it at teardown, as
-Lightning's own DDPStrategy does with DDP. Each is a `DDPStrategy` subclass, so the
+The strategy applies FlatGrad to the LightningModule in place when ``fit`` sets up (after the
+precision plugin converted it and it moved to its device): it stays a LightningModule of its
+own class, with its hooks, names and checkpoints; DataParallel around it is taken off at
+teardown, as Lightning's own DDPStrategy does with DDP. Each is a `DDPStrategy` subclass, so the
 process launching, device placement (one device per process; NCCL on CUDA, gloo on CPU),
 ``trainer.test``/``predict`` (no wrapper, as DDPStrategy) and the checkpoint files are
 Lightning's. What differs from DDPStrategy:
@@ -44,7 +45,6 @@ Lightning's. What differs from DDPStrategy:
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
 from collections.abc import Callable, Generator, Mapping
@@ -127,7 +127,7 @@ class FlatGradDDPStrategy(DDPStrategy):
 
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         """``DDP(FlatGrad(model), **flat.ddp_kwargs())`` with flatgrad's hook registered."""
-        flat = self.flat = _wrapped(model, self.flatgrad_config)
+        flat = self.flat = FlatGrad(model, self.flatgrad_config)
         device_ids = self.determine_ddp_device_ids()
         # As DDPStrategy: build DDP on a side stream on CUDA (torch's CUDA semantics notes).
         context = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
@@ -206,7 +206,7 @@ class FlatGradDataParallelStrategy(DDPStrategy):
     def _setup_model(self, model: torch.nn.Module) -> DataParallel:  # type: ignore[override]
         """``flatgrad.DataParallel(FlatGrad(model), ...)`` (its constructor broadcasts rank 0's
         parameters and buffers, as DDP's)."""
-        self.flat = _wrapped(model, self.flatgrad_config)
+        self.flat = FlatGrad(model, self.flatgrad_config)
         return DataParallel(self.flat, **self.data_parallel_options)
 
     def configure_ddp(self) -> None:
@@ -559,22 +559,6 @@ def _constructor_arguments(cls: type[torch.optim.Optimizer], defaults: dict[str,
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         return dict(defaults)
     return {key: value for key, value in defaults.items() if key in parameters}
-
-
-def _wrapped(model: torch.nn.Module, config: Config) -> FlatGrad:
-    """``FlatGrad(model, config)``. A parameter lives in one FlatGrad's buffer only: another
-    fit of the same module (from the same Trainer or a new one) finds the first fit's
-    wrapper still holding it when only reference cycles keep that wrapper (its Trainer,
-    strategy and DDP) alive; those are collected once and the module wrapped again. A
-    wrapper something still holds (an earlier Trainer the user keeps) is refused by
-    FlatGrad, naming the parameter. Nothing process-wide is kept to find it instead."""
-    try:
-        return FlatGrad(model, config)
-    except ValueError as error:
-        if "already wrapped" not in str(error):
-            raise
-    gc.collect()  # the earlier fit's wrapper, unreachable but in cycles
-    return FlatGrad(model, config)
 
 
 def _refuse_value_clipping() -> None:

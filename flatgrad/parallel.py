@@ -77,7 +77,7 @@ from flatgrad._dtensor import local_of
 from flatgrad._module_proxy import PlainNames, add_prefix
 from flatgrad._torch_compat import broadcast_coalesced, join_state, preserve_version_counter
 from flatgrad.comm import check_wire_dtype
-from flatgrad.wrapper import FlatGrad
+from flatgrad.wrapper import FlatGrad, engine_of
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +152,9 @@ class DataParallel(PlainNames, Joinable):
         check_wire_dtype(wire_dtype)
         if not isinstance(check_finite, bool):
             raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
-        flat._engine.refuse_sparse("DataParallel")
+        engine_of(flat).refuse_sparse("DataParallel")
         process_group = _mesh_group(device_mesh, process_group)
-        tensor_parallel = flat._engine.refresh().tensor_parallel
+        tensor_parallel = engine_of(flat).refresh().tensor_parallel
         if tensor_parallel is not None:
             tensor_parallel.check_data_parallel(process_group, "DataParallel")
         super().__init__()
@@ -175,7 +175,7 @@ class DataParallel(PlainNames, Joinable):
             flat, self.bucket_mb, wire_dtype, check_finite, self.broadcast_buffers, process_group
         )
         _broadcast_from_rank0(flat, process_group)
-        self._engine = BucketSync(flat._engine, process_group, self.bucket_mb, wire_dtype, check_finite)
+        self._engine = BucketSync(engine_of(flat), process_group, self.bucket_mb, wire_dtype, check_finite)
 
     # --- public -------------------------------------------------------------------------
 
@@ -219,7 +219,7 @@ class DataParallel(PlainNames, Joinable):
         engine = self._engine
         if engine.in_backward:
             engine.drain()  # a backward that raised never finished
-        if self.module._engine.steady() is not engine.store:
+        if engine_of(self.module).steady() is not engine.store:
             engine.rebuild()
         joined, first = join_state(self)
         if joined:
@@ -228,7 +228,7 @@ class DataParallel(PlainNames, Joinable):
             self._broadcast_buffers()
         # The backward through the output of the forward about to run is this one's too
         # (bound into that forward's plan: see flatgrad._backward).
-        self.module._engine.expect_sync(engine, self._sync)
+        engine_of(self.module).expect_sync(engine, self._sync)
         training = torch.is_grad_enabled()
         if training:  # a backward inside it (Lightning's manual_backward) averages unless no_sync
             engine.begin_forward()

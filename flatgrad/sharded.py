@@ -61,6 +61,7 @@ from flatgrad._zero_state import GroupView, OptimizerRecipe, whole_state
 from flatgrad._zero_tensor import TensorEngine, TensorGroups
 from flatgrad.buffer import GradStore
 from flatgrad.parallel import DataParallel
+from flatgrad.wrapper import engine_of
 
 
 class ShardedOptimizer(torch.optim.Optimizer, Joinable):
@@ -176,7 +177,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._names = {id(p): name for name, p in dp.named_parameters()}
         check_members(self._names, groups, "ShardedOptimizer's params must be parameters of dp (its model's)")
         # Checked before anything moves: a typo raises here and leaves dp and the model as they were.
-        store = dp.module._engine.refresh()
+        store = engine_of(dp.module).refresh()
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             given = getattr(optimizer_class, "__name__", optimizer_class)
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {given}")
@@ -214,7 +215,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if self.shard_by == "tensor":
             self._lay_out_by_tensor(store)
         else:  # slots on multiples of the world size: equal shards per bucket (and per buffer)
-            self._lay_out(self.dp.module._engine.use_slot_multiple(self.world_size))
+            self._lay_out(engine_of(self.dp.module).use_slot_multiple(self.world_size))
 
     def _inner_step(self, **kwargs: Any) -> Any:
         """The inner step; the first one's outcome agreed by every rank (`on_every_rank`):
@@ -240,7 +241,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if self._waits is not None:
             self._waits()  # (the hooks that waited for the old buckets' gathers)
         if self.overlap_param_gather:
-            waits = ForwardWaits(engine, dp.module.module, dp._engine)
+            waits = ForwardWaits(engine, dp.module, dp._engine)
             self._waits = weakref.finalize(self, waits.remove)
 
     def _lay_out_by_tensor(self, store: GradStore) -> None:
@@ -272,7 +273,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             ValueError: A group would hold parameters with different step counts
                 (`flatgrad._zero.relaid_state`).
         """
-        engine, grads = self._engine, self.dp.module._engine
+        engine, grads = self._engine, engine_of(self.dp.module)
         if isinstance(engine, TensorEngine):  # (by tensor: (un)freezing moves nothing, `follow`)
             engine.check_layout(grads)
             return
@@ -523,7 +524,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             torch.optim.Optimizer.zero_grad(self, set_to_none=set_to_none)
             # (the model's gradient store now, not the layout's: DataParallel lays the
             # gradients out again when parameters are frozen or unfrozen)
-            store = self.dp.module._engine.current()
+            store = engine_of(self.dp.module).current()
             with torch.no_grad():  # (main grads: zeroed, never None, as FlatGrad.zero_grad does)
                 for param in [p for group in self.param_groups for p in group["params"]]:
                     if param in store and store.is_main(param):
@@ -533,7 +534,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             return
         # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s
         # (a clone each) before they are dropped or zeroed.
-        with unguarded(self._engine.store, self.dp.module._engine.store):
+        with unguarded(self._engine.store, engine_of(self.dp.module).store):
             self.dp.module.zero_grad(set_to_none=set_to_none)  # (plain .grad again: it unmarks)
         # (and the store of the last layout, where (un)freezing laid the model out again since)
         unmark_scattered(self._engine.store, to_none=True)

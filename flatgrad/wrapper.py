@@ -1,11 +1,14 @@
-"""`FlatGrad`: wraps a model so that all its gradients live in flat per-(dtype, device) buffers.
+"""`FlatGrad`: applied to a model in place, it keeps all the model's gradients in flat
+per-(dtype, device) buffers.
 
-Its operations on those gradients (zeroing, main grads, norms, clipping and the all-reduce
-without DDP) are the functions after the class. Each takes the wrapper's `GradEngine`
-(``flat._engine``) and first takes its store from `GradEngine.refresh`, which lays the
-buffers out again if the model changed, as stock's ``clip_grad_norm_(model.parameters())``
-walks the model (`zero_grad` setting None: from `GradEngine.current`, O(1)). The norm
-arithmetic is `flatgrad._norms`', the collectives are `flatgrad.comm`'s.
+``FlatGrad(model)`` returns `model` itself, its class swapped for a subclass of its own class
+and of `FlatGrad` (as FSDP2's ``fully_shard`` does with `FSDPModule`): the model keeps its
+names, state_dict keys, forward and signature, and attributes; the engine attaches by a
+forward pre hook and a forward hook, and its operations (zeroing, main grads, norms,
+clipping, the all-reduce without DDP) are the methods `FlatGrad` adds. Each takes the
+model's `GradEngine` (`engine_of`) and first takes its store from `GradEngine.refresh`
+(`zero_grad` setting None: from `GradEngine.current`). The norm arithmetic is
+`flatgrad._norms`', the collectives are `flatgrad.comm`'s.
 """
 
 from __future__ import annotations
@@ -25,20 +28,12 @@ from torch.nn.parameter import is_lazy
 
 from flatgrad import _dtensor, _norms, comm
 from flatgrad._engine import GradEngine, trainable_parameters
-from flatgrad._module_proxy import TransparentWrapper, add_prefix, strip_prefix
 from flatgrad._scattered_grad import is_scattered, refuse_scattered, scattered_main_grad, unmark_scattered
-from flatgrad._torch_compat import register_load_pre_hook, register_state_dict_post_hook
 from flatgrad.buffer import GradStore, scale_
 from flatgrad.config import FlatGradConfig, resolve_config
 from flatgrad.layout import GroupKey
 
 logger = logging.getLogger(__name__)
-
-# Keys of wrappers pickled before the engine held the layout: rebuilt, not restored.
-_PICKLED_BEFORE_THE_ENGINE = (
-    "_store", "_seater", "_watched", "_others", "_sparse", "_frozen", "_generation", "_watch",
-    "_ddp_state", "_adopted", "_ddp_forwards",
-)  # fmt: skip
 
 
 def _refuse_lazy(model: nn.Module) -> None:
@@ -69,96 +64,152 @@ def _refuse_inner_ddp(model: nn.Module) -> None:
             )
 
 
-class FlatGrad(TransparentWrapper):
-    """Wraps `model`; every trainable parameter's `.grad` lives in `grad_buffers`.
+# What FlatGrad adds to a model: a model whose class (or instance) already has one of these
+# names would have it hidden, so it is refused (`_refuse_collisions`). ``zero_grad`` is
+# nn.Module's, which FlatGrad's extends.
+_ADDED = (
+    "flatgrad_config", "grad_buffers", "main_grad", "grad_norm", "clip_grad_norm_",
+    "all_reduce_grads", "ddp_kwargs", "comm_state", "relayout",
+)  # fmt: skip
+_ENGINE = "_flatgrad_engine"  # the model's `__dict__` key of its engine
 
-    Linear and Embedding layers (those that keep torch's own `forward`) run their backward
-    through Functions that write weight gradients straight into the buffer. Every other
-    parameter's `.grad` is pointed at its zeroed slot when a backward through the wrapper's
-    output starts, so AccumulateGrad adds into the buffer in place (no hook per parameter);
-    under a DDP its reducer copies those gradients into its bucket instead, which with
-    `ddp_kwargs()` is the buffer.
+
+def engine_of(model: nn.Module) -> GradEngine:
+    """The `GradEngine` of a model `FlatGrad` was applied to."""
+    engine: GradEngine = model.__dict__[_ENGINE]
+    return engine
+
+
+class FlatGrad(nn.Module):
+    """``FlatGrad(model)`` keeps every trainable parameter's `.grad` in `grad_buffers` and
+    returns `model` itself, now also an instance of `FlatGrad`.
+
+    The model's class becomes a subclass of `FlatGrad` and of its own class (under its own
+    class's name), as FSDP2's ``fully_shard`` makes it one of `FSDPModule`'s: ``isinstance(model,
+    Original)`` holds, and the model's names, ``state_dict`` keys, forward (and its
+    signature) and attributes are its own. Linear and Embedding layers (those that keep
+    torch's own `forward`) run their backward through Functions that write weight gradients
+    straight into the buffer. Every other parameter's `.grad` is pointed at its zeroed slot
+    when a backward through the model's output starts (the call marks the output), so
+    AccumulateGrad adds into the buffer in place; under a DDP its reducer copies those
+    gradients into its bucket instead, which with `ddp_kwargs()` is the buffer. That is
+    when the model is called (``model(x)``), as for module hooks: code that calls
+    ``model.forward(x)`` gets its gradients moved into the buffers at the next norm or sync.
+
+    The layout is fixed now: ``.to()``, dtype casts and ``requires_grad`` toggles keep
+    working; a parameter added, replaced, removed or re-pointed at another shape afterwards
+    raises as the next backward starts, or at the next norm or sync, naming it, until `relayout`.
+
+    ``torch.save`` of the model and ``copy.deepcopy`` give a model with FlatGrad applied (its
+    own buffers, gradients not copied, as torch's deep copy of a parameter leaves `.grad`).
 
     Args:
-        model: The module to wrap.
+        model: The module to apply FlatGrad to.
         config: A `FlatGradConfig`, a dict of its fields, a path to a YAML/JSON file
             (`FlatGradConfig.from_file`), or None for the defaults.
 
+    Returns:
+        `model`.
+
     Raises:
         TypeError: `model` is not an `nn.Module`, or `config` is none of the above.
-        ValueError: `model` is or holds a DistributedDataParallel (FlatGrad goes inside
-            it: ``DDP(FlatGrad(model), **flat.ddp_kwargs())``), has no trainable parameter
-            with a dense gradient, or `config` holds an invalid value (a
-            `pydantic.ValidationError`). A config file raises as `FlatGradConfig.from_file`
-            does.
+        ValueError: `model` already has FlatGrad applied with another config (with the
+            same, or None, it is returned as it is); `model` is or holds a
+            DistributedDataParallel (FlatGrad goes inside it); has an attribute named as one
+            FlatGrad adds (`grad_buffers`, `clip_grad_norm_`, ...); has no trainable parameter
+            with a dense gradient; or `config` holds an invalid value (a
+            `pydantic.ValidationError`). A config file raises as `FlatGradConfig.from_file` does.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        config: FlatGradConfig | dict[str, Any] | str | Path | None = None,
-    ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        _refuse_inner_ddp(model)
-        _refuse_lazy(model)
-        super().__init__()
-        self.flatgrad_config = resolve_config(config)
-        self.module = model
-        if not trainable_parameters(model):
-            raise ValueError(
-                "model must have at least one parameter with requires_grad=True (and a dense "
-                "gradient: sparse embeddings keep theirs outside the flat buffers), got none"
-            )
-        self._engine = GradEngine(self, self.flatgrad_config)
-        register_state_dict_post_hook(self, strip_prefix)
-        register_load_pre_hook(self, add_prefix)
-        for line in self._engine.summary_lines():
-            logger.info("flatgrad: %s", line)
+    flatgrad_config: FlatGradConfig
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is FlatGrad:
+            return _apply_flatgrad(*args, **kwargs)
+        # ``type(model)(...)`` of a model FlatGrad was applied to (``nn.Sequential``'s slicing
+        # builds its class anew): a plain instance of the model's own class, as FSDP2's.
+        return _original_class(cls)(*args, **kwargs)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass  # (``FlatGrad(model)``: `__new__` did the work; Python calls this on the model)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickled and deep-copied as the model's own class, with FlatGrad applied again by
+        # `__setstate__` (the engine's buffers are rebuilt, not saved).
+        return (_new_flat_instance, (_original_class(type(self)),), self.__getstate__())
+
+    def __copy__(self) -> Any:
+        raise TypeError(
+            "copy.copy of a model with FlatGrad applied would share its parameters, whose .grad "
+            "live in this model's buffers, with a second engine: use copy.deepcopy(model)"
+        )
 
     def __getstate__(self) -> dict[str, Any]:
-        # The engine (store, views, seater, watch) is rebuilt by `__setstate__`.
-        state = super().__getstate__()
-        engine = state.pop("_engine")
-        state["_slot_multiple"] = engine.slot_multiple
+        state = self.__dict__.copy()
+        engine = state.pop(_ENGINE)
+        state["_flatgrad_slot_multiple"] = engine.slot_multiple
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if "config" in state:  # pickled before the wrapper's own config became flatgrad_config
-            state["flatgrad_config"] = state.pop("config")
-        for key in _PICKLED_BEFORE_THE_ENGINE:
-            state.pop(key, None)
-        multiple = state.pop("_slot_multiple", 1)
+        multiple = state.pop("_flatgrad_slot_multiple", 1)
         super().__setstate__(state)
-        self._engine = GradEngine(self, self.flatgrad_config, multiple)
+        self.__dict__[_ENGINE] = GradEngine(self, self.flatgrad_config, multiple)
 
-    # Eager under torch.compile(flat) (the frame only: what it calls is compiled unless
-    # disabled itself). The bookkeeping around the model is disabled as a whole, so Dynamo
-    # sees none of it; `_call_module` is where it starts tracing the model.
+    # Eager under torch.compile(model) (the frame only: what it calls is compiled unless
+    # disabled itself): the bookkeeping around the model is disabled as a whole, so Dynamo
+    # sees none of it, and `_flatgrad_call`, a frame of flatgrad's, is where it starts tracing
+    # the model (as one graph even when its class is a torch container, nn.Sequential,
+    # whose own frames Dynamo would skip). Not forward hooks: Dynamo traces those.
     @torch.compiler.disable(recursive=False)
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped model; a backward through the output accumulates into the buffers.
-
-        Args:
-            *args: Positional arguments, passed to the wrapped model unchanged.
-            **kwargs: Keyword arguments, passed to the wrapped model unchanged.
-
-        Returns:
-            The wrapped model's output, unchanged.
-        """
-        engine = self._engine
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        engine = engine_of(self)
         engine.before_forward()
-        output = self._call_module(*args, **kwargs)
-        if torch.is_grad_enabled():
+        output = self._flatgrad_call(*args, **kwargs)
+        if torch.is_grad_enabled():  # a backward through the output seats the unrouted slots
             engine.after_forward(output)
         return output
 
-    def _call_module(self, *args: Any, **kwargs: Any) -> Any:
-        # Under torch.compile(flat) the (disabled) forward frame runs eagerly and this frame
-        # is where Dynamo starts tracing: a frame of flatgrad's, so the wrapped model is
-        # traced as one graph even when its root is a torch container (nn.Sequential), whose
-        # own frames Dynamo would skip, compiling each child apart.
-        return self.module(*args, **kwargs)
+    def _flatgrad_call(self, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*args, **kwargs)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        # .to(), .double(), .half(), .cuda() ... convert parameters and their .grad out of
+        # the buffers; lay the buffers out again for the new dtypes/devices.
+        super()._apply(fn, recurse)
+        engine = self.__dict__.get(_ENGINE)
+        if engine is not None:
+            engine.build()
+        return self
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """`nn.Module.load_state_dict`; with ``assign=True``, which replaces the parameters,
+        the buffers are laid out again for the new ones (`relayout`).
+
+        Args:
+            state_dict: As torch's.
+            strict: As torch's.
+            assign: As torch's.
+
+        Returns:
+            torch's ``(missing_keys, unexpected_keys)``.
+        """
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:
+            self.relayout()
+        return result
+
+    def relayout(self) -> None:
+        """Lay the gradient buffers out again for the model's parameters as they are now:
+        after adding, replacing or removing a parameter (or re-pointing one at a tensor of
+        another shape), which FlatGrad otherwise refuses. Call it before building
+        DataParallel and the optimizer over the new parameters.
+
+        Raises:
+            ValueError: A parameter is not initialised (a lazy module), or none is trainable.
+        """
+        _refuse_lazy(self)
+        _refuse_untrainable(self)
+        engine_of(self).build()
 
     @property
     def grad_buffers(self) -> dict[GroupKey, torch.Tensor]:
@@ -168,16 +219,7 @@ class FlatGrad(TransparentWrapper):
             A new dict from ``(dtype, device)`` to that group's flat buffer (the live
             tensor, not a copy), laid out again first if the parameters changed.
         """
-        return _settled_buffers(self._engine)
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FlatGrad:
-        # .to(), .double(), .half(), .cuda() ... convert parameters and their .grad out of
-        # the buffers; lay the buffers out again for the new dtypes/devices.
-        super()._apply(fn, recurse)
-        engine = self.__dict__.get("_engine")
-        if engine is not None:
-            engine.build()
-        return self
+        return _settled_buffers(engine_of(self))
 
     # --- flat-buffer operations -----------------------------------------------------------
 
@@ -190,7 +232,7 @@ class FlatGrad(TransparentWrapper):
                 pointed back at it). Main grads (``grad_dtype="float32"``) are zeroed either
                 way, and their parameters' `.grad` stays None.
         """
-        _zero_grad(self._engine, set_to_none)
+        _zero_grad(engine_of(self), set_to_none)
 
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
         """The gradient slot of `param`, shaped like it: with ``grad_dtype="float32"`` the
@@ -210,7 +252,7 @@ class FlatGrad(TransparentWrapper):
             ValueError: `param` is not a trainable parameter of the wrapped model with a slot
                 (frozen, a sparse embedding's, another model's, or a plain tensor).
         """
-        return _main_grad(self._engine, param)
+        return _main_grad(engine_of(self), param)
 
     def grad_norm(self, norm_type: float = 2.0, *, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
         """The norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes
@@ -237,7 +279,7 @@ class FlatGrad(TransparentWrapper):
             RuntimeError: The gradients are reduce-scattered by a `ShardedOptimizer` (after
                 its synchronised backward, until ``zero_grad()``); use its `clip_grad_norm_`.
         """
-        return _grad_norm(self._engine, norm_type, pp_mesh)
+        return _grad_norm(engine_of(self), norm_type, pp_mesh)
 
     def clip_grad_norm_(
         self,
@@ -272,7 +314,7 @@ class FlatGrad(TransparentWrapper):
                 gradients are reduce-scattered by a `ShardedOptimizer` (after its synchronised
                 backward, until ``zero_grad()``): use its `clip_grad_norm_`.
         """
-        return _clip_grad_norm_(self._engine, max_norm, norm_type, error_if_nonfinite, pp_mesh)
+        return _clip_grad_norm_(engine_of(self), max_norm, norm_type, error_if_nonfinite, pp_mesh)
 
     # --- synchronisation (the communication itself lives in flatgrad.comm) --------------
 
@@ -295,7 +337,7 @@ class FlatGrad(TransparentWrapper):
                 live outside the flat buffers, or `wire_dtype` is not one of the above.
             RuntimeError: No default process group is initialised (``dist.init_process_group``).
         """
-        _all_reduce_grads(self._engine, process_group, wire_dtype)
+        _all_reduce_grads(engine_of(self), process_group, wire_dtype)
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Constructor arguments for ``DDP(flat, **flat.ddp_kwargs())``: the zero-copy,
@@ -310,9 +352,9 @@ class FlatGrad(TransparentWrapper):
             ValueError: The wrapper keeps main grads (``grad_dtype`` set), which DDP cannot carry.
         """
         comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP (flat.ddp_kwargs())")
-        _refuse_ddp(self._engine, "flat.ddp_kwargs()")
-        self._engine.ddp.expect_hook()
-        return comm.ddp_kwargs(self._engine.refresh())
+        _refuse_ddp(engine_of(self), "flat.ddp_kwargs()")
+        engine_of(self).ddp.expect_hook()
+        return comm.ddp_kwargs(engine_of(self).refresh())
 
     def comm_state(
         self, process_group: dist.ProcessGroup | None = None, wire_dtype: torch.dtype | None = None
@@ -334,8 +376,84 @@ class FlatGrad(TransparentWrapper):
                 wrapper keeps main grads (``grad_dtype`` set), which DDP cannot carry.
         """
         comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP's allreduce_hook (flat.comm_state())")
-        _refuse_ddp(self._engine, "flat.comm_state()")
-        return comm.FlatGradCommState(self, process_group, wire_dtype)
+        _refuse_ddp(engine_of(self), "flat.comm_state()")
+        return comm.FlatGradCommState(self, engine_of(self), process_group, wire_dtype)
+
+
+_FLAT_CLASSES: dict[type[nn.Module], type[FlatGrad]] = {}
+
+
+def _flat_class(original: type[nn.Module]) -> type[FlatGrad]:
+    """The subclass of `FlatGrad` and `original` a model becomes (one per class), under the
+    original's name (libraries write ``type(model).__name__`` into what they save:
+    transformers' ``config.json`` ``architectures``)."""
+    cls = _FLAT_CLASSES.get(original)
+    if cls is None:
+        names = {"__module__": original.__module__, "__qualname__": original.__qualname__}
+        cls = type(original.__name__, (FlatGrad, original), names)
+        _FLAT_CLASSES[original] = cls
+    return cls
+
+
+def _original_class(cls: type) -> type[nn.Module]:
+    """The model's own class of a class `_flat_class` made (the one after `FlatGrad`)."""
+    mro = cls.__mro__
+    original: type[nn.Module] = mro[mro.index(FlatGrad) + 1]
+    return original
+
+
+def _new_flat_instance(original: type[nn.Module]) -> FlatGrad:
+    """An empty instance of ``_flat_class(original)`` for unpickling (`FlatGrad.__setstate__` fills it)."""
+    instance: FlatGrad = object.__new__(_flat_class(original))
+    return instance
+
+
+def _apply_flatgrad(
+    model: nn.Module, config: FlatGradConfig | dict[str, Any] | str | Path | None = None
+) -> nn.Module:
+    """``FlatGrad(model, config)``: check, swap the class, build the engine, hook the forward."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    flatgrad_config = resolve_config(config)
+    if isinstance(model, FlatGrad):  # (a deep copy of one, a second fit of a LightningModule)
+        if config is not None and flatgrad_config != model.flatgrad_config:
+            raise ValueError(
+                "FlatGrad is already applied to this model, with another config "
+                f"({model.flatgrad_config}); its layout is fixed when it is applied: apply it once "
+                "(model.relayout() lays the buffers out again for new parameters)"
+            )
+        return model
+    _refuse_inner_ddp(model)
+    _refuse_lazy(model)
+    _refuse_collisions(model)
+    _refuse_untrainable(model)
+    model.__class__ = _flat_class(type(model))
+    flat: FlatGrad = model  # type: ignore[assignment]
+    flat.flatgrad_config = flatgrad_config
+    engine = GradEngine(flat, flatgrad_config)
+    flat.__dict__[_ENGINE] = engine
+    for line in engine.summary_lines():
+        logger.info("flatgrad: %s", line)
+    return flat
+
+
+def _refuse_collisions(model: nn.Module) -> None:
+    clashes = [name for name in _ADDED if hasattr(model, name)]
+    if type(model).zero_grad is not nn.Module.zero_grad:
+        clashes.append("zero_grad")
+    if clashes:
+        raise ValueError(
+            f"the model's class {type(model).__name__} has attributes named as those FlatGrad adds "
+            f"({', '.join(clashes)}), which FlatGrad would hide: rename them in the model"
+        )
+
+
+def _refuse_untrainable(model: nn.Module) -> None:
+    if not trainable_parameters(model):
+        raise ValueError(
+            "model must have at least one parameter with requires_grad=True (and a dense "
+            "gradient: sparse embeddings keep theirs outside the flat buffers), got none"
+        )
 
 
 def _settled_buffers(engine: GradEngine) -> dict[GroupKey, torch.Tensor]:

@@ -84,8 +84,8 @@ def assert_same_grads(
 
     Default tolerance is float64 round-off: the same sums, possibly in another order.
     """
-    assert_grads_like(flat.module, oracle, rtol, atol)
-    ours = dict(flat.module.named_parameters())
+    assert_grads_like(flat, oracle, rtol, atol)
+    ours = dict(flat.named_parameters())
     for name, ref in oracle.named_parameters():
         param = ours[name]
         if ref.grad is not None and param.requires_grad:

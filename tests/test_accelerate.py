@@ -29,7 +29,7 @@ def test_attach_keeps_the_handlers_settings_and_adds_the_wrappers_ddp_kwargs():
     assert handler.to_kwargs() == expected == {
         "find_unused_parameters": True, "broadcast_buffers": False, **flat.ddp_kwargs()
     }  # fmt: skip
-    assert handler.flatgrad_comm_state is state and state.wrapper is flat and state.num_calls == 0
+    assert handler.flatgrad_comm_state is state and state.model is flat and state.num_calls == 0
     plain = accelerate.Accelerator(cpu=True)  # no handler given: Accelerate's defaults
     flatgrad_accelerate.attach(plain, flat, wire_dtype=torch.bfloat16)
     assert plain.ddp_handler.to_kwargs() == flat.ddp_kwargs()
@@ -39,10 +39,10 @@ def test_attach_keeps_the_handlers_settings_and_adds_the_wrappers_ddp_kwargs():
 def test_attach_errors():
     flat = flatgrad.FlatGrad(TiedLM().double())
     accelerator = accelerate.Accelerator(cpu=True)
-    with pytest.raises(TypeError, match="accelerator must be an accelerate.Accelerator, got FlatGrad"):
+    with pytest.raises(TypeError, match="accelerator must be an accelerate.Accelerator, got TiedLM"):
         flatgrad_accelerate.attach(flat, flat)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="flat must be a flatgrad.FlatGrad, got TiedLM"):
-        flatgrad_accelerate.attach(accelerator, flat.module)  # type: ignore[arg-type]
+        flatgrad_accelerate.attach(accelerator, TiedLM())  # type: ignore[arg-type]
     hook = accelerate.utils.DDPCommunicationHookType.BF16
     compressing = accelerate.Accelerator(
         cpu=True, kwargs_handlers=[accelerate.DistributedDataParallelKwargs(comm_hook=hook)]
@@ -72,7 +72,7 @@ def test_mixed_precision_rewraps_and_unwraps_the_wrappers_forward_as_a_plain_mod
     torch.manual_seed(0)
     plain = TiedLM().double()
     flat = flatgrad.FlatGrad(TiedLM().double())
-    flat.module.load_state_dict(plain.state_dict())
+    flat.load_state_dict(plain.state_dict())
     tokens = torch.randint(0, 13, (2, 6))
     ours = accelerate.Accelerator(cpu=True, mixed_precision="bf16").prepare(flat)
     stock_accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")

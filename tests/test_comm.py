@@ -110,7 +110,7 @@ def _fast_path_worker(rank: int, world_size: int, two_dtypes: bool) -> None:
             assert all(ref() is None for ref in first_buffers)
         pair.step()
         pair.assert_params(**TOL, what=f"step {step}")
-    _assert_ranks_agree(flat.module)
+    _assert_ranks_agree(flat)
 
 
 @pytest.mark.parametrize("two_dtypes", [False, True])
@@ -145,7 +145,7 @@ def _variant_worker(rank: int, world_size: int, variant: str) -> None:
         pair.step()
         pair.zero_grad()
         pair.assert_params(**TOL, what=f"step {step}")
-    _assert_ranks_agree(flat.module)
+    _assert_ranks_agree(flat)
 
 
 @pytest.mark.parametrize("variant", ["default_flags", "find_unused", "static_graph", "no_sync"])
@@ -176,7 +176,7 @@ def _python_reducer_worker(rank: int, world_size: int, compiled: bool) -> None:
         pair.step()
         pair.zero_grad()
     pair.assert_params(**TOL)
-    _assert_ranks_agree(flat.module)
+    _assert_ranks_agree(flat)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_autograd"])
@@ -426,7 +426,7 @@ def _globally_unused_worker(rank: int, world_size: int) -> None:
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert not warnings, warnings
     storages = {buf.untyped_storage().data_ptr() for buf in flat.grad_buffers.values()}
-    for name, p in flat.module.named_parameters():
+    for name, p in flat.named_parameters():
         if p.requires_grad and p.grad is not None:
             assert p.grad.untyped_storage().data_ptr() in storages, name
 
@@ -657,13 +657,13 @@ def _checkpoint_names_worker(rank: int, world_size: int, tmp: str) -> None:
     # parameters_to_ignore by the plain model's names: that gradient is not averaged
     torch.manual_seed(0)
     flat = flatgrad.FlatGrad(_Net())
-    local = flatgrad.FlatGrad(copy.deepcopy(flat.module))
+    local = copy.deepcopy(flat)  # (a model with FlatGrad applied, its own buffers)
     DDP._set_params_and_buffers_to_ignore_for_model(flat, ["head.weight"])
     ddp = DDP(flat)
     for module in (ddp, local):
         module(_tokens(rank, 0)).backward()
-    torch.testing.assert_close(flat.module.head.weight.grad, local.module.head.weight.grad, rtol=0, atol=0)
-    assert not torch.equal(flat.module.fc.weight.grad, local.module.fc.weight.grad)
+    torch.testing.assert_close(flat.head.weight.grad, local.head.weight.grad, rtol=0, atol=0)
+    assert not torch.equal(flat.fc.weight.grad, local.fc.weight.grad)
 
 
 def test_distributed_checkpoints_and_ignored_parameters_use_the_plain_names(tmp_path):

@@ -22,6 +22,7 @@ from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+from flatgrad.wrapper import engine_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -138,7 +139,7 @@ def test_fullgraph_compile_of_the_wrapper_equals_stock_and_lives_in_the_buffer(b
             else:
                 flat.zero_grad()
                 run(_tokens(step)).backward()
-                (buffer,) = flat._engine.store.buffers.values()  # as backward left them
+                (buffer,) = engine_of(flat).store.buffers.values()  # as backward left them
                 assert {p.grad.untyped_storage().data_ptr() for p in model.parameters()} == {
                     buffer.untyped_storage().data_ptr()
                 }

@@ -140,20 +140,20 @@ def test_from_file_unknown_key(tmp_path: Path) -> None:
 
 def test_flatgrad_config_none() -> None:
     flat = flatgrad.FlatGrad(_model())
-    assert flat.config == FlatGradConfig()
+    assert flat.flatgrad_config == FlatGradConfig()
 
 
 def test_flatgrad_config_instance() -> None:
     config = FlatGradConfig(align_bytes=1024)
     flat = flatgrad.FlatGrad(_model(), config=config)
-    assert flat.config is config
+    assert flat.flatgrad_config is config
     for buffer in flat.grad_buffers.values():
         assert buffer.data_ptr() % 1024 == 0
 
 
 def test_flatgrad_config_dict() -> None:
     flat = flatgrad.FlatGrad(_model(), config={"align_bytes": 512, "layers": ["linear"]})
-    assert flat.config == FlatGradConfig(align_bytes=512, layers=("linear",))
+    assert flat.flatgrad_config == FlatGradConfig(align_bytes=512, layers=("linear",))
 
 
 def test_flatgrad_config_dict_unknown_key() -> None:
@@ -166,12 +166,12 @@ def test_flatgrad_config_path(tmp_path: Path, as_str: bool) -> None:
     path = tmp_path / "config.yaml"
     path.write_text("align_bytes: 2048\n")
     flat = flatgrad.FlatGrad(_model(), config=str(path) if as_str else path)
-    assert flat.config == FlatGradConfig(align_bytes=2048)
+    assert flat.flatgrad_config == FlatGradConfig(align_bytes=2048)
 
 
 def test_flatgrad_config_default_yaml_path() -> None:
     flat = flatgrad.FlatGrad(_model(), config=DEFAULT_YAML)
-    assert flat.config == FlatGradConfig()
+    assert flat.flatgrad_config == FlatGradConfig()
 
 
 def test_flatgrad_config_missing_path(tmp_path: Path) -> None:

@@ -60,7 +60,7 @@ def test_backward_is_zero_copy_empty_and_accumulating(tied):
         names = {e.name for e in prof.events()}
         assert names.isdisjoint(_SORT_OPS), names & _SORT_OPS
         assert "aten::index_add_" in names
-        for name, param in flat.module.named_parameters():
+        for name, param in flat.named_parameters():
             assert grad_in_buffers(flat, param.grad), name
 
 
@@ -201,14 +201,14 @@ def test_deterministic_mode_takes_the_deterministic_path():
     try:
         with torch.profiler.profile() as prof:
             flat(tokens).backward()
-        first = flat.module.emb.weight.grad.clone()
+        first = flat.emb.weight.grad.clone()
         flat.zero_grad()
         flat(tokens).backward()
     finally:
         torch.use_deterministic_algorithms(False)
     names = {e.name for e in prof.events()}
     assert "aten::index_put_" in names and "aten::index_add_" not in names
-    torch.testing.assert_close(flat.module.emb.weight.grad, first, rtol=0, atol=0)  # run to run
+    torch.testing.assert_close(flat.emb.weight.grad, first, rtol=0, atol=0)  # run to run
     oracle(tokens).backward()
     assert_same_grads(flat, oracle)
 
@@ -239,7 +239,7 @@ def test_layer_used_twice_with_unrouted_use_of_same_weight():
         return (mod(mod(x)) + x @ mod.weight).square().sum()
 
     for _ in range(2):
-        run(flat.module).backward()
+        run(flat).backward()
         run(oracle).backward()
         assert_same_grads(flat, oracle)
         flat.zero_grad()

@@ -91,20 +91,20 @@ def test_wrapped_parameter_gradient_lands_in_the_buffer_and_accumulates():
         flat(_index(step)).backward()
         _reference(oracle, _index(step)).backward()
         assert_same_grads(flat, oracle)
-    assert grad_in_buffers(flat, flat.module.table.grad)
+    assert grad_in_buffers(flat, flat.table.grad)
 
 
 def test_autograd_grad_leaves_dot_grad_untouched():
     flat, oracle = _pair()
-    (ours,) = torch.autograd.grad(flat(_index(0)), [flat.module.table])
+    (ours,) = torch.autograd.grad(flat(_index(0)), [flat.table])
     (ref,) = torch.autograd.grad(_reference(oracle, _index(0)), [oracle.table])
     torch.testing.assert_close(ours, ref, **TOL)
-    assert flat.module.table.grad is None
+    assert flat.table.grad is None
 
 
 def test_double_backward_equals_stock():
     flat, oracle = _pair()
-    for model, loss in ((flat.module, flat(_index(1))), (oracle, _reference(oracle, _index(1)))):
+    for model, loss in ((flat, flat(_index(1))), (oracle, _reference(oracle, _index(1)))):
         (g,) = torch.autograd.grad(loss, [model.table], create_graph=True)
         g.square().sum().backward()
     assert_same_grads(flat, oracle, rtol=1e-10, atol=1e-12)
@@ -241,16 +241,16 @@ def test_table_read_twice_and_directly_in_one_backward_equals_stock():
 
 def test_backward_with_inputs_leaves_the_table_without_a_gradient():
     flat, oracle = _pair()
-    flat(_index(0)).backward(inputs=[flat.module.proj.weight])
+    flat(_index(0)).backward(inputs=[flat.proj.weight])
     _reference(oracle, _index(0)).backward(inputs=[oracle.proj.weight])
-    assert flat.module.table.grad is None
+    assert flat.table.grad is None
     assert_same_grads(flat, oracle)
 
 
 def test_tensor_hook_sees_the_gradient_and_the_result_lands_in_the_buffer():
     flat, oracle = _pair()
     seen: list[torch.Tensor] = []
-    for model in (flat.module, oracle):
+    for model in (flat, oracle):
         model.table.register_hook(lambda g: seen.append(g.clone()) or g * 3)
     for step in range(2):
         flat(_index(step)).backward()
@@ -265,7 +265,7 @@ def test_an_optimizer_stepping_inside_backward_matches_stock():
     which then skips the hook, flatgrad runs it), once per backward, as stock's sees its own."""
     flat, oracle = _pair()
     seen: dict[str, list[torch.Tensor]] = {"flat": [], "stock": []}
-    for key, model in (("flat", flat.module), ("stock", oracle)):
+    for key, model in (("flat", flat), ("stock", oracle)):
         steppers = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in model.parameters()}
 
         def step(param: torch.Tensor, steppers=steppers, model=model, log=seen[key]) -> None:
@@ -282,18 +282,18 @@ def test_an_optimizer_stepping_inside_backward_matches_stock():
     assert len(seen["flat"]) == len(seen["stock"]) == 3
     for ours, ref in zip(seen["flat"], seen["stock"]):
         torch.testing.assert_close(ours, ref, **TOL)
-    for ours, ref in zip(flat.module.parameters(), oracle.parameters()):
+    for ours, ref in zip(flat.parameters(), oracle.parameters()):
         torch.testing.assert_close(ours, ref, **TOL)
     assert all(p.grad is None for p in flat.parameters())
 
 
 def test_grad_assigned_by_the_user_accumulates_like_stock():
     flat, oracle = _pair()
-    for model in (flat.module, oracle):
+    for model in (flat, oracle):
         model.table.grad = torch.full_like(model.table, 0.5)
     flat(_index(0)).backward()
     _reference(oracle, _index(0)).backward()
-    torch.testing.assert_close(flat.module.table.grad, oracle.table.grad, **TOL)
+    torch.testing.assert_close(flat.table.grad, oracle.table.grad, **TOL)
 
 
 @pytest.mark.parametrize(

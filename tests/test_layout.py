@@ -245,9 +245,9 @@ def test_store_contains() -> None:
 def test_store_second_store_over_same_params_raises() -> None:
     params = _store_params()
     first = GradStore(params, 256)
-    with pytest.raises(ValueError, match="already wrapped"):
+    with pytest.raises(ValueError, match="already has its gradient in the flat buffer"):
         GradStore(params, 256)
-    with pytest.raises(ValueError, match=r"shape \(1,\) is already wrapped"):
+    with pytest.raises(ValueError, match=r"shape \(1,\) already has its gradient in the flat buffer"):
         GradStore([params[3]], 256)
     assert owner_of(params[0]) is first
     first.release()
@@ -274,7 +274,7 @@ def test_store_release_leaves_other_owner_alone() -> None:
     second = GradStore(params, 256)
     first.release()  # releasing a stale store must not drop the live owner
     assert owner_of(params[0]) is second
-    with pytest.raises(ValueError, match="already wrapped"):
+    with pytest.raises(ValueError, match="already has its gradient in the flat buffer"):
         GradStore(params, 256)
     second.release()
 

@@ -55,6 +55,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 import flatgrad
+from flatgrad.wrapper import engine_of
 
 pytest.importorskip("expecttest")  # torch.testing._internal.common_modules imports it
 from torch.testing._internal.common_modules import module_db  # noqa: E402
@@ -154,10 +155,10 @@ class _Side:
 
 
 def _routed(flat: flatgrad.FlatGrad) -> set[str]:
-    seater = flat._engine.seater
+    seater = engine_of(flat).seater
     assert seater is not None
     ids = {id(p) for p in seater.routed}
-    return {name for name, p in flat.module.named_parameters() if id(p) in ids}
+    return {name for name, p in flat.named_parameters() if id(p) in ids}
 
 
 def _compare(
@@ -174,7 +175,7 @@ def _compare(
     problems = []
     routed = _routed(flat)
     refs = dict(stock.model.named_parameters())
-    for name, param in flat.module.named_parameters():
+    for name, param in flat.named_parameters():
         ref = refs[name]
         if not _same_bits(param, ref):
             problems.append(f"{what}: parameter {name} differs")
@@ -218,7 +219,7 @@ def _zeroings(flat: flatgrad.FlatGrad, ours: _Side, stock: _Side) -> list[Callab
             side.optimizer.zero_grad(set_to_none=True)
 
     def module_zero() -> None:
-        flat.module.zero_grad()
+        flat.zero_grad()
         stock.model.zero_grad()
 
     def zero_fill() -> None:

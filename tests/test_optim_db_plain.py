@@ -98,7 +98,7 @@ def _one_process(config: Config) -> dict[str, Any]:
     flat = flatgrad.FlatGrad(model(flat_2d), config=ROUTE_ALL)
     loss = _closure_loss(config, 1)
     stock = train(ref, ref, _optimizer(config, ref), 0, loss)
-    ours = train(flat.module, flat, _optimizer(config, flat), 0, loss)
+    ours = train(flat, flat, _optimizer(config, flat), 0, loss)
     return {"stock": stock, "ours": ours}
 
 
@@ -181,7 +181,7 @@ def _run_ranks_config(rank: int, world_size: int, config: Config, refs: dict[boo
     loss = _closure_loss(config, world_size)
     stock = train(ref.module, ref, _optimizer(config, ref), rank, loss)
     dp = flatgrad.DataParallel(flatgrad.FlatGrad(model(flat_2d), config=ROUTE_ALL), bucket_mb=0.0002)
-    ours = train(dp.module.module, dp, _optimizer(config, dp), rank, loss)
+    ours = train(dp.module, dp, _optimizer(config, dp), rank, loss)
     return _compared({"stock": stock, "ours": ours}, RTOL_RANKS)
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+from flatgrad.wrapper import engine_of
 
 pytestmark = pytest.mark.distributed
 
@@ -98,7 +99,7 @@ def _assert_grads_match(ours: nn.Module, ref: nn.Module, what: str) -> None:
 
 def _equal_to_ddp_worker(rank: int, world_size: int, bucket_mb: float) -> None:
     flat, dp, ref = _dp_and_ddp(bucket_mb)
-    model = flat.module
+    model = flat
     assert len(dp.buckets) >= (2 if bucket_mb < 0.01 else 1)
     opt = torch.optim.AdamW(dp.parameters(), lr=0.05, weight_decay=0.1)
     pair = Lockstep(model, dp, opt, ref, torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1))
@@ -109,16 +110,16 @@ def _equal_to_ddp_worker(rank: int, world_size: int, bucket_mb: float) -> None:
         with pair.no_sync():  # gradient accumulation: the first micro-batch does not sync
             pair.backward(_tokens(rank, step, 0), use_branch, checkpoint)
         pair.backward(_tokens(rank, step, 1), use_branch, checkpoint)
-        _assert_close(flat.module, ref.module, f"step {step} before update")
+        _assert_close(flat, ref.module, f"step {step} before update")
         pair.step()
-    _assert_close(flat.module, ref.module, "final")
+    _assert_close(flat, ref.module, "final")
     assert dp.state_dict().keys() == model.state_dict().keys()
     # As under DDP, a backward whose graph bypasses the wrapper's output is not averaged
     # after an averaged one (no synchronising forward since).
     pair.zero_grad()
     flat(_tokens(rank, 9), True, False).backward()
     ref.module(_tokens(rank, 9), True, False).backward()
-    _assert_close(flat.module, ref.module, "bypassed")
+    _assert_close(flat, ref.module, "bypassed")
 
 
 @pytest.mark.parametrize(("world_size", "bucket_mb"), [(2, 25.0), (2, 0.001), (3, 0.001)])
@@ -224,7 +225,7 @@ def _wire_and_rebuild_worker(rank: int, world_size: int) -> None:
         dp(_tokens(rank, step)).backward()
         ref(_tokens(rank, step)).backward()
         # bfloat16 on the wire: exactly what DDP's bf16 hook computes, element by element
-        _assert_close(flat.module, ref.module, f"step {step}")
+        _assert_close(flat, ref.module, f"step {step}")
         for p in flat.parameters():
             assert p.grad is None or grad_in_buffers(flat, p.grad)
         with torch.no_grad():  # a plain SGD step on both
@@ -240,7 +241,7 @@ def test_wire_dtype_equals_ddp_bf16_hook_and_buckets_follow_a_rebuild():
 
 
 def _converted_worker(rank: int, world_size: int) -> None:
-    """The model converted behind the wrapper (``flat.module.float()`` / ``.double()`` on
+    """The model converted behind the wrapper (``flat.float()`` / ``.double()`` on
     the plain model, not on the wrapper) and a layer frozen behind it, between steps. The
     forward's per-step check is O(1) and does not look at dtypes; the slots are found stale
     when the backward starts, FlatGrad lays out again there, and DataParallel cuts its
@@ -266,7 +267,7 @@ def _converted_worker(rank: int, world_size: int) -> None:
                 dist.all_reduce(q.grad)
                 q.grad.div_(world_size)
         tol = TOL if model.fc.bias.dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
-        for (name, p), q in zip(flat.module.named_parameters(), ref.parameters()):
+        for (name, p), q in zip(flat.named_parameters(), ref.parameters()):
             assert p.dtype == q.dtype, name
             assert (p.grad is None) == (q.grad is None), f"step {step} {name}"
             if q.grad is not None:
@@ -357,9 +358,9 @@ class _UsedTwice(nn.Module):
 
 def _used_twice_worker(rank: int, world_size: int) -> None:
     flat, dp, ref = _dp_and_ddp(25.0, _UsedTwice)
-    store = flat._engine.store
+    store = engine_of(flat).store
     opt = torch.optim.SGD(dp.parameters(), lr=0.1)
-    pair = Lockstep(flat.module, dp, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.1))
+    pair = Lockstep(flat, dp, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.1))
     for step in range(3):
         pair.zero_grad()
         accumulate = step == 2
@@ -367,11 +368,11 @@ def _used_twice_worker(rank: int, world_size: int) -> None:
             with pair.no_sync():
                 pair.backward(_tokens(rank, step, 0))
         pair.backward(_tokens(rank, step, 1 if accumulate else 0))
-        routed = {id(flat.module.fc.weight), id(flat.module.emb.weight)}
+        routed = {id(flat.fc.weight), id(flat.emb.weight)}
         assert (store.prescale.written == routed) == (world_size == 2 and not accumulate)
-        _assert_close(flat.module, ref.module, f"step {step}")
+        _assert_close(flat, ref.module, f"step {step}")
         pair.backward(_tokens(rank, step, 5))  # a second synchronised backward adds on top
-        _assert_close(flat.module, ref.module, f"step {step}, added")
+        _assert_close(flat, ref.module, f"step {step}, added")
         pair.step()
 
 
@@ -403,14 +404,14 @@ def _clip_in_place(param: torch.Tensor) -> None:
 
 def _read_otherwise_worker(rank: int, world_size: int) -> None:
     flat, dp, ref = _dp_and_ddp(25.0, _ReadOtherwise)
-    for model in (flat.module, ref.module):
+    for model in (flat, ref.module):
         model.out.weight.register_post_accumulate_grad_hook(_clip_in_place)
     for step in range(2):
         dp.zero_grad()
         ref.zero_grad()
         dp(_tokens(rank, step)).backward()
         ref(_tokens(rank, step)).backward()
-        _assert_close(flat.module, ref.module, f"step {step}")
+        _assert_close(flat, ref.module, f"step {step}")
 
 
 def test_routed_weights_read_otherwise_get_ddp_averages():
@@ -449,12 +450,10 @@ def _compiled_worker(rank: int, world_size: int, bucket_mb: float) -> None:
     flat, dp, ref = _dp_and_ddp(bucket_mb)
     compiled = torch.compile(dp, backend="aot_eager")
     opt = torch.optim.AdamW(dp.parameters(), lr=0.05, weight_decay=0.1)
-    pair = Lockstep(
-        flat.module, compiled, opt, ref, torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
-    )
+    pair = Lockstep(flat, compiled, opt, ref, torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1))
     for step in range(3):
         pair.backward(_tokens(rank, step))
-        _assert_close(flat.module, ref.module, f"step {step}")
+        _assert_close(flat, ref.module, f"step {step}")
         assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters() if p.grad is not None)
         pair.step()
         pair.zero_grad()
@@ -470,13 +469,13 @@ def test_torch_compile_of_dataparallel_averages_from_the_first_step(bucket_mb):
 
 def _assigned_grad_worker(rank: int, world_size: int, bucket_mb: float) -> None:
     flat, dp, ref = _dp_and_ddp(bucket_mb)
-    for module in (flat.module, ref.module):
+    for module in (flat, ref.module):
         for param in module.parameters():
             if param.requires_grad:  # a .grad of one's own, outside the buffer
                 param.grad = torch.full_like(param, float(rank + 1))
     dp(_tokens(rank, 0)).backward()
     ref(_tokens(rank, 0)).backward()
-    _assert_close(flat.module, ref.module, "assigned")
+    _assert_close(flat, ref.module, "assigned")
 
 
 @pytest.mark.parametrize("bucket_mb", [25.0, 0.001], ids=["one_bucket", "buckets"])
@@ -558,7 +557,7 @@ def _cuda_worker(rank: int, world_size: int, zero: bool) -> None:
         opt.step()
         ref_opt.step()
     torch.cuda.synchronize()
-    for p, q in zip(flat.module.parameters(), ref.module.parameters()):
+    for p, q in zip(flat.parameters(), ref.module.parameters()):
         torch.testing.assert_close(p, q, **TOL)
 
 
@@ -698,7 +697,7 @@ def _averaging_worker(rank: int, world_size: int) -> None:
             for micro in range(2):
                 ref(_tokens(rank, step, micro)).backward()
         ref(_tokens(rank, step, 2)).backward()
-        _assert_grads_match(flat.module, ref.module, f"step {step}")
+        _assert_grads_match(flat, ref.module, f"step {step}")
     assert dp._engine.num_syncs == 2
     assert dp._engine.last_round.launched_in_backward > 0
 
@@ -790,7 +789,7 @@ def _two_dtypes_worker(rank: int, world_size: int) -> None:
             x = torch.randn(4, 8, dtype=torch.float64, generator=gen)
             dp(x, use_a, use_b).backward()
             ref(x, use_a, use_b).backward()
-            _assert_grads_match(flat.module, ref.module, f"{bucket_mb} step {step}")
+            _assert_grads_match(flat, ref.module, f"{bucket_mb} step {step}")
             assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters() if p.grad is not None)
 
 
@@ -830,7 +829,7 @@ class _Holder(nn.Module):
 def _replaced_and_none_worker(rank: int, world_size: int) -> None:
     for bucket_mb in (25.0, 1e-6):
         flat, dp, ref = _dp_and_ddp(bucket_mb, _Holder, None)
-        model = flat.module
+        model = flat
         x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
         for step in range(3):
             if step == 1:  # parameter objects swapped in without registering them, on both
@@ -841,6 +840,9 @@ def _replaced_and_none_worker(rank: int, world_size: int) -> None:
                     ref.module.b.float().double()
                 finally:
                     torch.__future__.set_overwrite_module_params_on_conversion(previous)
+                with pytest.raises(RuntimeError, match=r"b.weight \(replaced\)"):
+                    flat.grad_norm()  # the layout is fixed: refused, the same on every rank
+                flat.relayout()
             none_for_w = step == 2 and rank == 1  # AccumulateGrad runs with no gradient
             dp.zero_grad()
             ref.zero_grad()
@@ -856,8 +858,8 @@ def _replaced_and_none_worker(rank: int, world_size: int) -> None:
 def test_parameters_swapped_in_unregistered_and_a_weight_given_no_gradient_match_ddp():
     """A parameter object put in place without `register_parameter` (a conversion under
     ``set_overwrite_module_params_on_conversion(True)``, as accelerate's
-    `set_module_tensor_to_device` does) is averaged from the next forward on: the wrapper
-    watches the model's parameter dicts. (Stock DDP's reducer keeps following the old
+    `set_module_tensor_to_device` does) is refused, then averaged from the next forward on
+    after ``relayout()``. (Stock DDP's reducer keeps following the old
     object, so the new one's gradient would stay local on every rank; the oracle averages
     it by hand.) A large unrouted weight whose
     AccumulateGrad runs with no gradient on one rank contributes zeros there, not the
@@ -887,7 +889,7 @@ class _EarlyGroup(nn.Module):
 def _early_group_worker(rank: int, world_size: int) -> None:
     for bucket_mb in (25.0, 1e-6):
         flat, dp, ref = _dp_and_ddp(bucket_mb, _EarlyGroup, None)
-        model = flat.module
+        model = flat
         for step in range(3):
             # step 0: no rank gives `s` a gradient; 1: rank 0 only; 2: every rank
             none_for_s = step == 0 or (step == 1 and rank == 1)
@@ -922,7 +924,7 @@ def _functional_call_worker(rank: int, world_size: int) -> None:
     flat = flatgrad.FlatGrad(model)
     dp = flatgrad.DataParallel(flat)
     x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
-    store = flat._engine.store
+    store = engine_of(flat).store
     for wrapper, inner in ((dp, model), (ref, ref.module)):
         temp = {"module." + n: nn.Parameter(p.detach().clone()) for n, p in inner.named_parameters()}
         torch.func.functional_call(wrapper, temp, (x,)).sum().backward()
@@ -931,11 +933,11 @@ def _functional_call_worker(rank: int, world_size: int) -> None:
         dist.all_gather(gathered, grad)
         assert not torch.equal(gathered[0], gathered[1]), "temporary parameters are not averaged (DDP)"
         assert all(p.grad is None for p in inner.parameters())
-    assert flat._engine.store is store  # not laid out onto the temporary parameters
+    assert engine_of(flat).store is store  # not laid out onto the temporary parameters
     for module in (dp, ref):
         module(x).sum().backward()
     assert_grads_like(model, ref.module, **TOL)
-    assert flat._engine.store is store
+    assert engine_of(flat).store is store
 
 
 def test_functional_call_through_dataparallel_leaves_the_temporary_parameters_local_as_ddp():
@@ -1017,10 +1019,10 @@ def _skipped_forward_worker(rank: int, world_size: int) -> None:
             for model in (dp, ref, ddp):
                 model(x).backward()
             for ours in (flat, hooked):
-                _assert_grads_match(ours.module, ref.module, f"{bucket_mb} step {step}")
+                _assert_grads_match(ours, ref.module, f"{bucket_mb} step {step}")
                 storages = {p.grad.untyped_storage().data_ptr() for p in ours.parameters()}
                 assert storages == {
-                    b.untyped_storage().data_ptr() for b in ours._engine.store.buffers.values()
+                    b.untyped_storage().data_ptr() for b in engine_of(ours).store.buffers.values()
                 }
 
 
@@ -1091,7 +1093,7 @@ def _main_loss(output: Any) -> torch.Tensor:
 def _step(module: nn.Module, tokens: torch.Tensor, wrap: str, which: str) -> None:
     """One forward of `module` (dp or the DDP oracle) and the backward of `which` loss."""
     output = module(tokens, wrap)
-    inner = module.module.module if isinstance(module, flatgrad.DataParallel) else module.module
+    inner = module.module
     if which == "aux":
         inner.aux.backward()
     elif which == "sum":
@@ -1104,7 +1106,7 @@ def _bypass_worker(rank: int, world_size: int, bucket_mb: float, cases: list[tup
     """Each case is (wrap, rank 0's loss, rank 1's loss); a plain SGD step after each, so the
     later cases start from parameters that only agree if every earlier one averaged."""
     flat, dp, ref = _dp_and_default_ddp(bucket_mb)
-    model = flat.module
+    model = flat
     for step, (wrap, *losses) in enumerate(cases):
         for module in (dp, ref):
             module.zero_grad()
@@ -1148,7 +1150,7 @@ def _armed_worker(rank: int, world_size: int) -> None:
     hooks on the parameters are armed by its forward), whatever graph it goes through, and
     disarms; one with no such forward since does not."""
     flat, dp, ref = _dp_and_default_ddp(25.0)
-    model = flat.module
+    model = flat
     params = list(model.parameters())
 
     def both(step: Callable[[nn.Module, nn.Module], None], what: str, zero: bool = True) -> None:
@@ -1243,7 +1245,7 @@ def _sharded_bypass_worker(rank: int, world_size: int) -> None:
                 _step(module, _tokens(rank, step), wrap, losses[rank])
                 optimizer.step()
                 optimizer.zero_grad()
-            assert_params_like(flat.module, ref.module, **TOL, what=f"{bucket_mb} step {step}")
+            assert_params_like(flat, ref.module, **TOL, what=f"{bucket_mb} step {step}")
 
 
 def test_a_loss_that_bypasses_the_output_is_reduce_scattered_for_a_sharded_optimizer():
@@ -1271,7 +1273,7 @@ def _require_backward_grad_sync_worker(rank: int, world_size: int) -> None:
                 if micro < 2:
                     assert not calls, "a micro-batch with the flag off communicated"
             assert calls and dp.require_backward_grad_sync
-            _assert_grads_match(flat.module, ref.module, f"step {step}")
+            _assert_grads_match(flat, ref.module, f"step {step}")
             calls.clear()
             for model in (dp, ref):
                 model.zero_grad()
@@ -1444,7 +1446,7 @@ def _join_worker(rank: int, world_size: int, divide_initial: bool, check_finite:
     ref.zero_grad()
     dp(_tokens(rank, 7)).backward()
     ref(_tokens(rank, 7)).backward()
-    _assert_grads_match(flat.module, ref.module, "after the Join")
+    _assert_grads_match(flat, ref.module, "after the Join")
 
 
 @pytest.mark.parametrize(

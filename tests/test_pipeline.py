@@ -107,7 +107,7 @@ def _run_step(schedule: Any, first: bool, last: bool, batch: tuple[torch.Tensor,
 
 
 def _assert_grads_in_buffers(flat: flatgrad.FlatGrad, what: str) -> None:
-    for name, param in flat.module.named_parameters():
+    for name, param in flat.named_parameters():
         assert param.grad is not None and grad_in_buffers(flat, param.grad), f"{what} {name}: outside"
 
 

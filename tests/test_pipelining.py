@@ -296,7 +296,7 @@ def _refusals(mesh: tuple[int, int, Any, Any]) -> None:
     pp_rank, _, pp_group, dp_group = mesh
     cpu = torch.device("cpu")
     flat = flatgrad.FlatGrad(_stage_module(pp_rank), config=ROUTE_ALL)
-    with pytest.raises(TypeError, match="submodule must be a flatgrad.DataParallel .*, got FlatGrad"):
+    with pytest.raises(TypeError, match="submodule must be a flatgrad.DataParallel .*, got Sequential"):
         flatgrad.pipelining.PipelineStage(flat, pp_rank, 2, cpu, group=pp_group)
     dp = flatgrad.DataParallel(flat, process_group=dp_group)
     with pytest.raises(ValueError, match="dw_builder must be None for flatgrad.pipelining.PipelineStage"):

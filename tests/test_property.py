@@ -149,7 +149,7 @@ def _inside_a_buffer(grad: torch.Tensor, buffers: dict) -> bool:
 def _check_grads(flat: flatgrad.FlatGrad, oracle: nn.Module, frozen: set[str], step: int) -> None:
     buffers = flat.grad_buffers
     expected = dict(oracle.named_parameters())
-    for name, param in flat.module.named_parameters():
+    for name, param in flat.named_parameters():
         want = expected[name].grad
         got = param.grad
         where = f"{name} after micro-batch {step}"
@@ -344,6 +344,8 @@ def _apply(event: Event, side: _Side) -> None:
             layer.requires_grad_(True)
         return
     new = _grow(side.model, name, int(arg))
+    if new and side.flat is not None:
+        side.flat.relayout()  # (FlatGrad's layout is fixed until then)
     if new:
         side.opt.add_param_group({"params": new})
 
@@ -421,7 +423,7 @@ def _check_side(ours: _Side, ref: _Side, where: str, tolerance: dict[str, float]
 def _check_in_buffers(flat: flatgrad.FlatGrad, where: str) -> None:
     """After clipping (which settles them): every trainable parameter's grad is in a buffer."""
     buffers = flat.grad_buffers
-    for name, param in flat.module.named_parameters():
+    for name, param in flat.named_parameters():
         if param.requires_grad and param.grad is not None:
             assert _inside_a_buffer(param.grad, buffers), f"{where}: {name}.grad is outside the buffers"
 

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+from flatgrad.wrapper import engine_of
 
 pytestmark = pytest.mark.distributed
 
@@ -151,7 +152,7 @@ def _division_worker(rank: int, world_size: int) -> None:
             math.prod(e.input_shapes[0]) for e in events if e.name == "aten::div_" and e.input_shapes[0]
         )
         assert divided <= sum(b.numel() for b in dp.buckets) // world_size, divided
-        for p, q in zip(flat.module.parameters(), ref.module.parameters()):
+        for p, q in zip(flat.parameters(), ref.module.parameters()):
             if p not in engine.store:
                 continue
             _, slot = engine.store.slot(p)
@@ -198,15 +199,15 @@ def _refuse_worker(rank: int, world_size: int) -> None:
     dp = flatgrad.DataParallel(flat)
     with pytest.raises(ValueError, match="cannot shard LBFGS: its update of a parameter reads other"):
         flatgrad.ShardedOptimizer(dp, torch.optim.LBFGS, lr=1.0)
-    with pytest.raises(TypeError, match="dp must be a flatgrad.DataParallel, got FlatGrad"):
+    with pytest.raises(TypeError, match="dp must be a flatgrad.DataParallel, got Linear"):
         flatgrad.ShardedOptimizer(flat, torch.optim.SGD, lr=1.0)  # type: ignore[arg-type]
     # Bad optimizer arguments raise before anything moves: dp stays a plain DataParallel.
-    weight = flat.module.weight
+    weight = flat.weight
     with pytest.raises(TypeError, match="weight_deacy"):
         flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=1.0, weight_deacy=0.1)
     with pytest.raises(ValueError, match="Invalid learning rate"):
         flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=-1.0)
-    assert flat.module.weight is weight and weight.data_ptr() != 0
+    assert flat.weight is weight and weight.data_ptr() != 0
     assert weight.untyped_storage().size() == weight.numel() * weight.element_size()  # not moved
     dp(torch.full((2, 4), float(rank + 1))).sum().backward()
     grads = [torch.empty_like(weight.grad) for _ in range(world_size)]
@@ -677,7 +678,7 @@ def _nan_step_worker(rank: int, world_size: int) -> None:
     model, flat, dp, opt = _build(rank)
     pair = _with_stock(model, dp, opt)
     ref = pair.ref
-    store = flat._engine.store
+    store = engine_of(flat).store
     padded = sum(b.numel() for b in store.buffers.values()) > sum(p.numel() for p in store.params)
     assert padded, "the model must leave alignment padding in its buffers"
     for step in range(4):

@@ -169,7 +169,7 @@ def _run_ours(
         if flat_2d not in spares:
             spares[flat_2d] = _ours(model(flat_2d))
         dp = spares[flat_2d]
-        module = dp.module.module
+        module = dp.module
     try:
         opt = flatgrad.ShardedOptimizer(
             dp, config.cls, shard_by=config.shard_by, **copy.deepcopy(config.kwargs)

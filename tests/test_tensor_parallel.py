@@ -446,8 +446,8 @@ def _unused_layer(rank: int, world_size: int) -> None:
     torch.testing.assert_close(float(flat.grad_norm()), float(norm), rtol=0, atol=TOL)
     flat.zero_grad(set_to_none=False)  # zeroes what has a .grad, as stock's
     _assert_in_buffers(flat)
-    assert flat.module.unused.weight.grad is None
-    assert all(float(p.grad.to_local().abs().sum()) == 0 for p in flat.module.up.parameters())
+    assert flat.unused.weight.grad is None
+    assert all(float(p.grad.to_local().abs().sum()) == 0 for p in flat.up.parameters())
 
 
 @pytest.mark.distributed

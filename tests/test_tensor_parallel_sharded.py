@@ -228,7 +228,7 @@ def _freeze_and_overlap(mesh, shard_by: str) -> None:
     oracle_opt = torch.optim.AdamW(oracle.parameters(), lr=1e-3, weight_decay=0.1)
     for step in range(4):
         if step == 2 and shard_by == "element":  # (by tensor a change of layout is refused)
-            dp.module.module.down.weight.requires_grad_(False)
+            dp.module.down.weight.requires_grad_(False)
             oracle.down.weight.requires_grad_(False)
         dp(_global_batch(step, mesh)).pow(2).mean().backward()
         oracle(torch.cat([_batch(step, 0, r, (4, 8)) for r in range(2)])).pow(2).mean().backward()

@@ -1,9 +1,12 @@
-"""`flatgrad.transformers.FlatGradTrainer` in one process: the decisions Trainer takes by the
-class of its model, made as for the plain model. Training, saving, loading and resuming on 2
-processes against a plain Trainer are tests/test_frameworks.py's."""
+"""A plain `transformers.Trainer` over a model with FlatGrad applied, in one process: the
+decisions Trainer takes by the class of its model are the plain model's, because the model
+is still of its class. Training, saving, loading and resuming on 2 processes against a
+plain Trainer are tests/test_frameworks.py's."""
 
 from __future__ import annotations
 
+import inspect
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,6 @@ import flatgrad
 
 transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
 pytest.importorskip("accelerate", reason="pip install -e '.[dev,frameworks]'")
-flatgrad_transformers = pytest.importorskip("flatgrad.transformers")
 flatgrad_accelerate = pytest.importorskip("flatgrad.accelerate")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -25,41 +27,47 @@ def _args(path: Path, **options: Any) -> Any:
     return transformers.TrainingArguments(output_dir=str(path), report_to=[], use_cpu=True, **options)
 
 
-def test_ddp_arguments_are_the_plain_models_with_the_wrappers_ddp_kwargs(tmp_path):
-    """With activation checkpointing a plain Trainer gives the plain model's DDP
-    ``find_unused_parameters=False`` and a wrapper True (it is no PreTrainedModel);
-    `FlatGradTrainer` gives the wrapper the plain model's, and its accelerator's DDP handler
-    is `attach`'s. Given a plain model it is a plain Trainer."""
+def test_the_model_stays_a_llama_with_its_own_names_and_signature():
+    """``FlatGrad(llama) is llama``: still a `LlamaForCausalLM` (and a `FlatGrad`), with
+    the same state_dict keys, parameter names and forward signature as a plain one."""
+    plain, model = tiny_llama(), tiny_llama()
+    assert flatgrad.FlatGrad(model) is model
+    assert isinstance(model, transformers.LlamaForCausalLM) and isinstance(model, flatgrad.FlatGrad)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert inspect.signature(model.forward) == inspect.signature(plain.forward)
+
+
+def test_ddp_arguments_are_the_plain_models_and_attach_adds_the_hook(tmp_path):
+    """With activation checkpointing a plain Trainer gives a llama with FlatGrad applied the
+    plain model's DDP ``find_unused_parameters=False`` (it is a PreTrainedModel still);
+    ``attach(trainer.accelerator, model)``, the one call flatgrad needs, makes the
+    accelerator's DDP handler `FlatGradDDPKwargs` with the plain settings plus `ddp_kwargs`."""
     args = _args(tmp_path, gradient_checkpointing=True)
-    flat = flatgrad.FlatGrad(tiny_llama())
     plain = transformers.Trainer(model=tiny_llama(), args=args).accelerator.ddp_handler
-    wrapper_alone = transformers.Trainer(
-        model=flatgrad.FlatGrad(tiny_llama()), args=args
-    ).accelerator.ddp_handler
-    ours = flatgrad_transformers.FlatGradTrainer(model=flat, args=args).accelerator.ddp_handler
-    assert plain.find_unused_parameters is False and wrapper_alone.find_unused_parameters is True
-    assert (
-        isinstance(ours, flatgrad_accelerate.FlatGradDDPKwargs) and ours.flatgrad_comm_state.wrapper is flat
-    )
-    assert ours.to_kwargs() == {**plain.to_kwargs(), **flat.ddp_kwargs()}
-    unwrapped = flatgrad_transformers.FlatGradTrainer(model=tiny_llama(), args=args).accelerator.ddp_handler
-    assert type(unwrapped) is type(plain) and unwrapped.to_kwargs() == plain.to_kwargs()
+    model = flatgrad.FlatGrad(tiny_llama())
+    trainer = transformers.Trainer(model=model, args=args)
+    assert trainer.accelerator.ddp_handler.to_kwargs() == plain.to_kwargs()
+    state = flatgrad_accelerate.attach(trainer.accelerator, model)
+    ours = trainer.accelerator.ddp_handler
+    assert isinstance(ours, flatgrad_accelerate.FlatGradDDPKwargs) and ours.flatgrad_comm_state is state
+    assert state.model is model
+    assert ours.to_kwargs() == {**plain.to_kwargs(), **model.ddp_kwargs()}
 
 
 def test_a_tied_lm_saves_as_the_plain_model_and_loads_with_from_pretrained(tmp_path):
-    """A plain Trainer saves a wrapper with `safetensors.torch.save_file`, which refuses the
-    tied head; `FlatGradTrainer` saves it through the plain model's ``save_pretrained``, the
-    same files as a plain Trainer writes for the plain model, which ``from_pretrained``
-    loads with the head tied again and the same (bit-equal) weights."""
+    """A plain Trainer saves a tied llama with FlatGrad applied through its own
+    ``save_pretrained``: the same files as for the plain model (``config.json`` naming
+    ``LlamaForCausalLM``), which ``from_pretrained`` loads with the head tied again and the
+    same (bit-equal) weights."""
     model = tiny_llama()
-    with pytest.raises(RuntimeError, match="Some tensors share memory"):
-        transformers.Trainer(model=flatgrad.FlatGrad(tiny_llama()), args=_args(tmp_path / "a")).save_model()
-    flatgrad_transformers.FlatGradTrainer(
-        model=flatgrad.FlatGrad(model), args=_args(tmp_path / "ours")
-    ).save_model()
+    transformers.Trainer(model=flatgrad.FlatGrad(model), args=_args(tmp_path / "ours")).save_model()
     transformers.Trainer(model=tiny_llama(), args=_args(tmp_path / "stock")).save_model()
     files = {p.name for p in (tmp_path / "stock").iterdir()}
     assert {p.name for p in (tmp_path / "ours").iterdir()} == files and "config.json" in files
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float64)
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     for (name, p), q in zip(loaded.named_parameters(), model.parameters()):

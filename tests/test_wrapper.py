@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import pickle
 from unittest import mock
@@ -14,11 +13,11 @@ import torch.utils.checkpoint
 from conftest import ROUTE_ALL, TiedLM, assert_same_grads, grad_in_buffers, total_norm
 from dist_utils import run_ranks
 from torch import nn
-from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flatgrad
 from flatgrad.buffer import owner_of
+from flatgrad.wrapper import engine_of
 
 
 def _tokens(seed: int, shape: tuple[int, int] = (4, 6), vocab: int = 13) -> torch.Tensor:
@@ -28,7 +27,8 @@ def _tokens(seed: int, shape: tuple[int, int] = (4, 6), vocab: int = 13) -> torc
 def test_forward_and_module(tied_pair):
     flat, oracle = tied_pair
     tokens = _tokens(0)
-    assert flat.module is not oracle
+    assert flat is not oracle and isinstance(flat, type(oracle)) and isinstance(flat, flatgrad.FlatGrad)
+    assert type(flat).__name__ == type(oracle).__name__
     torch.testing.assert_close(flat(tokens), oracle(tokens), rtol=0, atol=0)
 
 
@@ -42,8 +42,8 @@ def test_accumulation_with_different_inputs(tied_pair):
 
 def test_tied_weight_is_one_slot(tied_pair):
     flat, oracle = tied_pair
-    assert flat.module.head.weight is flat.module.emb.weight
-    num_elements = sum(p.numel() for p in flat.module.parameters())
+    assert flat.head.weight is flat.emb.weight
+    num_elements = sum(p.numel() for p in flat.parameters())
     (buffer,) = flat.grad_buffers.values()
     assert buffer.numel() < num_elements + 5 * 64  # one slot per distinct parameter, plus padding
     flat(_tokens(1)).backward()
@@ -64,7 +64,7 @@ def test_optimizer_zero_grad_behind_the_wrappers_back(tied_pair):
         assert_same_grads(flat, oracle)
         opt.step()
         ref_opt.step()
-    for p, q in zip(flat.module.parameters(), oracle.parameters()):
+    for p, q in zip(flat.parameters(), oracle.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
 
 
@@ -110,7 +110,7 @@ def test_unused_branch_and_frozen_parameters():
     model = _Branchy().double()
     oracle = copy.deepcopy(model)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    assert all(p not in flat._engine.store for p in model.frozen.parameters())
+    assert all(p not in engine_of(flat).store for p in model.frozen.parameters())
     x = torch.randn(3, 5, dtype=torch.float64)
     flat(x, False).backward()
     oracle(x, False).backward()
@@ -124,14 +124,14 @@ def test_autograd_grad_leaves_dot_grad_untouched(tied_pair):
     flat, oracle = tied_pair
     flat(_tokens(0)).backward()
     oracle(_tokens(0)).backward()
-    before = {n: p.grad.clone() for n, p in flat.module.named_parameters()}
-    params = list(flat.module.parameters())
+    before = {n: p.grad.clone() for n, p in flat.named_parameters()}
+    params = list(flat.parameters())
     ours = torch.autograd.grad(flat(_tokens(1)), params)
     ref = torch.autograd.grad(oracle(_tokens(1)), list(oracle.parameters()))
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
         assert not grad_in_buffers(flat, a), "a captured gradient must not alias the buffer"
-    for n, p in flat.module.named_parameters():
+    for n, p in flat.named_parameters():
         torch.testing.assert_close(p.grad, before[n], rtol=0, atol=0)
     assert_same_grads(flat, oracle)
 
@@ -139,18 +139,18 @@ def test_autograd_grad_leaves_dot_grad_untouched(tied_pair):
 def test_autograd_grad_with_respect_to_input_only(tied_pair):
     flat, _ = tied_pair
     flat.zero_grad()
-    hidden = flat.module.emb(_tokens(0)).detach().requires_grad_()
-    (g,) = torch.autograd.grad(flat.module.head(flat.module.proj(hidden)).sum(), [hidden])
+    hidden = flat.emb(_tokens(0)).detach().requires_grad_()
+    (g,) = torch.autograd.grad(flat.head(flat.proj(hidden)).sum(), [hidden])
     assert g.shape == hidden.shape
     assert all(p.grad is None for p in flat.parameters())
 
 
 def test_backward_with_inputs(tied_pair):
     flat, oracle = tied_pair
-    flat(_tokens(0)).backward(inputs=[flat.module.proj.weight])
+    flat(_tokens(0)).backward(inputs=[flat.proj.weight])
     oracle(_tokens(0)).backward(inputs=[oracle.proj.weight])
     assert_same_grads(flat, oracle)
-    assert flat.module.emb.weight.grad is None
+    assert flat.emb.weight.grad is None
 
 
 def test_activation_checkpointing(tied_pair):
@@ -163,7 +163,7 @@ def test_activation_checkpointing(tied_pair):
         return model.head(hidden).pow(2).mean()
 
     for seed in range(2):
-        run(flat.module, _tokens(seed)).backward()
+        run(flat, _tokens(seed)).backward()
         run(oracle, _tokens(seed)).backward()
     assert_same_grads(flat, oracle)
 
@@ -193,9 +193,9 @@ def test_double_backward_create_graph(tied_pair):
         grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
         return loss + sum(g.pow(2).sum() for g in grads)
 
-    grad_penalty(flat.module).backward()
+    grad_penalty(flat).backward()
     grad_penalty(oracle).backward()
-    for p, q in zip(flat.module.parameters(), oracle.parameters()):
+    for p, q in zip(flat.parameters(), oracle.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
     # create_graph leaves differentiable grads outside the buffer; norms settle them back.
     torch.testing.assert_close(flat.grad_norm(), total_norm([q.grad for q in oracle.parameters()]))
@@ -265,7 +265,7 @@ def test_clip_under_max_norm_skips_the_scale_on_cpu(tied_pair, max_norm):
     flat, oracle = tied_pair
     flat(_tokens(0)).backward()
     oracle(_tokens(0)).backward()
-    before = {name: p.grad.clone() for name, p in flat.module.named_parameters()}
+    before = {name: p.grad.clone() for name, p in flat.named_parameters()}
     with _OpNames() as ops:
         total = flat.clip_grad_norm_(max_norm)
     ref_total = torch.nn.utils.clip_grad_norm_(oracle.parameters(), max_norm)
@@ -274,7 +274,7 @@ def test_clip_under_max_norm_skips_the_scale_on_cpu(tied_pair, max_norm):
     scales = [op for op in ops.names if "mul_" in op]  # the in-place scale, not max_norm / total
     if max_norm > total:
         assert scales == [], ops.names
-        for name, p in flat.module.named_parameters():
+        for name, p in flat.named_parameters():
             assert torch.equal(p.grad, before[name]), name
     else:
         assert scales, ops.names
@@ -296,18 +296,18 @@ def test_stale_slots_do_not_leak_into_norms(tied_pair):
     flat, oracle = tied_pair
     flat(_tokens(0)).backward()
     oracle(_tokens(0)).backward()
-    for model in (flat.module, oracle):
+    for model in (flat, oracle):
         for p in model.proj.parameters():  # flatgrad's slots still hold the old values
             p.grad = None
     ref = total_norm([p.grad for p in oracle.parameters() if p.grad is not None])
     torch.testing.assert_close(flat.grad_norm(), ref, rtol=1e-12, atol=0)
-    assert all(p.grad is None for p in flat.module.proj.parameters())
+    assert all(p.grad is None for p in flat.proj.parameters())
 
 
 def test_clip_error_if_nonfinite(tied_pair):
     flat, _ = tied_pair
     flat(_tokens(0)).backward()
-    flat.module.proj.weight.grad[0, 0] = float("nan")
+    flat.proj.weight.grad[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="non-finite"):
         flat.clip_grad_norm_(1.0, error_if_nonfinite=True)
 
@@ -323,7 +323,7 @@ def test_state_dict_keys_both_directions(tied_pair):
     assert list(flat.state_dict()) == list(oracle.state_dict())
     fresh = TiedLM().double()
     flat.load_state_dict(fresh.state_dict())
-    for (n, p), q in zip(flat.module.named_parameters(), fresh.parameters()):
+    for (n, p), q in zip(flat.named_parameters(), fresh.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
     oracle.load_state_dict(flat.state_dict())
     flat(_tokens(0)).backward()
@@ -414,7 +414,7 @@ def test_sparse_embeddings_keep_stock_sparse_gradients_outside_the_buffers():
         ref.zero_grad(set_to_none=step % 2 == 0)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
-    assert flat.module.emb.forward.__func__ is nn.Embedding.forward  # not routed
+    assert flat.emb.forward.__func__ is nn.Embedding.forward  # not routed
 
 
 def test_a_model_of_sparse_embeddings_only_is_refused():
@@ -447,12 +447,25 @@ def test_a_frozen_tied_parameter_that_holds_a_grad_counts_once_in_the_norm():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15)
 
 
-def test_wrapping_twice_refused():
+def test_applying_twice_returns_the_model_and_another_config_or_an_outer_model_is_refused():
     model = nn.Linear(2, 2)
-    first = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    with pytest.raises(ValueError, match="already wrapped by another FlatGrad"):
-        flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    del first
+    assert flatgrad.FlatGrad(model, config=ROUTE_ALL) is model
+    buffers = model.grad_buffers
+    assert flatgrad.FlatGrad(model) is model and flatgrad.FlatGrad(model, config=ROUTE_ALL) is model
+    assert model.grad_buffers == buffers  # (the same layout: nothing applied again)
+    with pytest.raises(ValueError, match=r"already applied to this model, with another config"):
+        flatgrad.FlatGrad(model, config={"align_bytes": 512})
+    with pytest.raises(ValueError, match="flat buffer of another module FlatGrad was applied to"):
+        flatgrad.FlatGrad(nn.Sequential(model), config=ROUTE_ALL)
+
+
+def test_a_model_with_an_attribute_named_as_flatgrads_is_refused():
+    class Clashing(nn.Linear):
+        def grad_norm(self) -> float:
+            return 0.0
+
+    with pytest.raises(ValueError, match=r"Clashing has attributes named as .* \(grad_norm\)"):
+        flatgrad.FlatGrad(Clashing(2, 2))
 
 
 @pytest.mark.gpu
@@ -501,7 +514,6 @@ def _changed_model_cases():
         model.double()
 
     return {
-        "replace": replace_param,
         "load_assign": load_assign,
         "unfreeze": unfreeze,
         "double": inner_double,
@@ -517,7 +529,7 @@ def test_parameters_changed_after_wrapping_are_picked_up(case):
     if case == "unfreeze":
         model.norm.weight.requires_grad_(False)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    _changed_model_cases()[case](model)  # on the inner model, not through the wrapper
+    _changed_model_cases()[case](model)
     oracle = copy.deepcopy(model)
     flat(_tokens(0)).backward()
     oracle(_tokens(0)).backward()
@@ -526,6 +538,42 @@ def test_parameters_changed_after_wrapping_are_picked_up(case):
         flat.grad_norm(),
         total_norm([p.grad for p in oracle.parameters() if p.grad is not None]),
     )
+
+
+@pytest.mark.parametrize("where", ["backward", "grad_norm", "all_reduce_grads"])
+def test_a_parameter_replaced_after_wrapping_is_refused_naming_it_until_relayout(where):
+    """A parameter replaced (or added) behind the layout's back would leave a stale slot: the
+    next backward (as it starts), norm or sync raises, naming it and the fix; forwards are
+    left alone; after ``relayout()`` the model trains as its copy does, into the buffers."""
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    model.proj.weight = nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
+    actions = {
+        "backward": lambda: flat(_tokens(0)).backward(),
+        "grad_norm": flat.grad_norm,
+        "all_reduce_grads": flat.all_reduce_grads,
+    }
+    with pytest.raises(RuntimeError, match=r"proj.weight \(replaced\).*model.relayout\(\)"):
+        actions[where]()
+    with torch.no_grad():
+        flat(_tokens(0))
+    flat.relayout()
+    oracle = copy.deepcopy(model)
+    flat(_tokens(0)).backward()
+    oracle(_tokens(0)).backward()
+    assert_same_grads(flat, oracle)
+    assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters())
+
+
+def test_a_layer_converted_around_its_parameters_keeps_its_slots():
+    """`convert_sync_batchnorm` rebuilds BatchNorm layers around the same parameters: no
+    parameter changed, so nothing is refused and nothing laid out again."""
+    flat = flatgrad.FlatGrad(_Rooted().double(), config=ROUTE_ALL)
+    before = list(flat.grad_buffers.values())
+    assert nn.SyncBatchNorm.convert_sync_batchnorm(flat) is flat
+    assert isinstance(flat.body[2], nn.SyncBatchNorm)
+    assert [b is a for a, b in zip(before, flat.grad_buffers.values())] == [True] * len(before)
 
 
 def test_rebuild_while_a_graph_is_alive_uses_the_new_buffers():
@@ -592,10 +640,12 @@ def test_copies_and_pickles_of_the_wrapped_model_own_no_slot(tmp_path):
     loaded = torch.load(path)  # (weights_only=True: the default)
     assert all(owner_of(p) is None for p in loaded.values())
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        assert all(owner_of(p) is None for p in clone.parameters())
-        other = flatgrad.FlatGrad(clone, config=ROUTE_ALL)
-        other(_tokens(0)).backward()
-        assert all(grad_in_buffers(other, p.grad) for p in clone.parameters())
+        assert isinstance(clone, flatgrad.FlatGrad) and isinstance(clone, TiedLM)
+        assert all(owner_of(p) is not owner_of(q) for p, q in zip(clone.parameters(), model.parameters()))
+        clone(_tokens(0)).backward()  # its own buffers
+        assert all(grad_in_buffers(clone, p.grad) for p in clone.parameters())
+    with pytest.raises(TypeError, match="use copy.deepcopy"):
+        copy.copy(model)
     shallow = copy.copy(next(model.parameters()))  # (another object: not held)
     assert owner_of(shallow) is None and owner_of(next(model.parameters())) is not None
     flat(_tokens(0)).backward()
@@ -716,7 +766,7 @@ def assert_walks_name_the_plain_model(wrapped: nn.Module, plain: nn.Module, wrap
     modules = [(n, m) for n, m in wrapped.named_modules() if m not in wrappers]
     assert names(modules) == names(plain.named_modules())
     for (name, module), (_, ref) in zip(modules, plain.named_modules()):
-        assert type(module) is type(ref)
+        assert isinstance(module, type(ref)) and type(module).__name__ == type(ref).__name__
         found = wrapped.get_submodule(name)  # a holder's child is the wrapper, standing for the model
         assert found is module or (found in wrappers and found._plain_model is module), name
     for recurse in (True, False):
@@ -733,39 +783,30 @@ def assert_walks_name_the_plain_model(wrapped: nn.Module, plain: nn.Module, wrap
 
 
 @pytest.mark.parametrize("model", [TiedLM, _Rooted])
-def test_every_walk_names_the_wrapped_model_as_the_plain_one(model):
+def test_every_walk_names_the_model_as_the_plain_one(model):
     """`named_children` (which transformers' Trainer recurses to choose the parameters it
-    decays, reading each module's own ``_parameters``), `children`, `named_modules` (after
-    the wrapper itself), `get_submodule`, `named_parameters`, `named_buffers` (recursing or
-    not), ``state_dict`` and torch.distributed.checkpoint keys, and minGPT's weight-decay
-    grouping: the plain model's names, on the wrapper and on a module holding it."""
+    decays), `children`, `named_modules`, `get_submodule`, `named_parameters`,
+    `named_buffers` (recursing or not), ``state_dict`` and torch.distributed.checkpoint keys,
+    and minGPT's weight-decay grouping: the plain model's names, on the model FlatGrad was
+    applied to and on a module holding it (nothing is between them)."""
     torch.manual_seed(0)
     plain = model().double()
     flat = flatgrad.FlatGrad(copy.deepcopy(plain), config=ROUTE_ALL)
-    assert_walks_name_the_plain_model(flat, plain, {flat})
-    assert_walks_name_the_plain_model(nn.ModuleDict({"net": flat}), nn.ModuleDict({"net": plain}), {flat})
-    assert flat.get_submodule("") is flat
-    assert flat.get_submodule("module.emb") is flat.module.emb  # the wrapper's own path still resolves
+    assert_walks_name_the_plain_model(flat, plain, set())
+    assert_walks_name_the_plain_model(nn.ModuleDict({"net": flat}), nn.ModuleDict({"net": plain}), set())
 
 
-# torch.distributed.checkpoint.state_dict asks a module for `_fqn_modifiers` (how the wrapper
-# resolves a plain-model name that is also its own attribute, ``module``) only in newer
-# releases: torch 2.4 has none, and walks ``module.<child>`` into the wrapper's attribute.
-_DCP_FQN_MODIFIERS = "dsd_fqn_modifiers" in inspect.signature(_get_fqns).parameters
-
-
-@pytest.mark.skipif(not _DCP_FQN_MODIFIERS, reason="this torch's DCP state_dict has no _fqn_modifiers")
-def test_a_child_called_module_is_found_under_its_plain_name():
-    """A model whose child is called ``module``, as the wrapper's attribute is: the wrapper's
-    walks, `get_submodule` and torch.distributed.checkpoint still name and find the model's
-    child (a checkpoint of the plain model loads through the wrapper)."""
+def test_a_child_called_module_is_its_own():
+    """A model whose child is called ``module``: walks, `get_submodule` and
+    torch.distributed.checkpoint name and find the model's child (a checkpoint of the plain
+    model loads into it)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     torch.manual_seed(0)
     plain = _Rooted(body="module").double()
     flat = flatgrad.FlatGrad(copy.deepcopy(plain), config=ROUTE_ALL)
-    assert_walks_name_the_plain_model(flat, plain, {flat})
-    assert flat.get_submodule("module") is flat.module.module
+    assert_walks_name_the_plain_model(flat, plain, set())
+    assert flat.get_submodule("module") is flat.module
     opts = [torch.optim.Adam(m.parameters()) for m in (flat, plain)]
     for model, opt in zip((flat, plain), opts):
         model(_tokens(0, (3, 5), vocab=11)).backward()
@@ -777,60 +818,46 @@ def test_a_child_called_module_is_found_under_its_plain_name():
     set_state_dict(flat, opts[0], model_state_dict=ref_model_sd, optim_state_dict=ref_optim_sd)
 
 
-def test_nn_module_recursion_reaches_the_wrapped_model_once():
-    """nn.Module's own walks through `children()`, which are now the model's: `train`/`eval`
-    reach the model's root, `apply` calls its function once on each module (the model's root
-    included, the wrapper last), a conversion converts each tensor once and lays the buffers
-    out again; the root's parameters and buffers are the model's own, also after a copy,
-    and one registered on the root after wrapping is seen through the wrapper;
-    `convert_sync_batchnorm`, which rebuilds a model from `named_children`, converts the
-    model's layers in place; state_dict round-trips, nested too."""
+def test_nn_module_recursion_is_the_models_own():
+    """`train`/`eval`, `apply` (each module once) and a conversion (each tensor once, through
+    the model's own `_apply`, then the buffers laid out again) as on the plain model; the
+    root's parameters are the model's own after a copy; state_dict round-trips, nested too."""
     torch.manual_seed(0)
     flat = flatgrad.FlatGrad(_Rooted().double(), config=ROUTE_ALL)
-    model = flat.module
+    plain = _Rooted().double()
     flat.eval()
-    assert not flat.training and not model.training and not model.body[2].training
+    assert not flat.training and not flat.body[2].training
     flat.train()
-    assert flat.training and model.training and model.body[2].training
-    with pytest.raises(ValueError, match="training mode must be a bool, got int"):
-        flat.train(1)  # type: ignore[arg-type]
+    assert flat.training and flat.body[2].training
     calls: list[nn.Module] = []
     flat.apply(calls.append)
     plain_calls: list[nn.Module] = []
-    model.apply(plain_calls.append)
-    assert calls == [*plain_calls, flat]  # each module once, the model's root included
+    plain.apply(plain_calls.append)
+    assert [type(m).__name__ for m in calls] == [type(m).__name__ for m in plain_calls]
+    assert len({id(m) for m in calls}) == len(calls) and calls[-1] is flat
     converted: list[int] = []
 
     def convert(tensor: torch.Tensor) -> torch.Tensor:
         converted.append(id(tensor))
         return tensor.float()
 
-    copy.deepcopy(model)._apply(convert)  # stock: each module converts its own (a tied one twice)
+    copy.deepcopy(plain)._apply(convert)  # stock: each module converts its own (a tied one twice)
     num_stock = len(converted)
     converted.clear()
-    tensors = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    tensors = {id(t) for t in [*flat.parameters(), *flat.buffers()]}
     with mock.patch.object(_Rooted, "_apply", autospec=True, side_effect=nn.Module._apply) as root_apply:
-        flat._apply(convert)  # through the model's root, whose own `_apply` may do more (RNNs do)
+        flat._apply(convert)  # the model's own `_apply` (RNNs' does more), then the layout
     assert root_apply.call_count == 1
     assert len(converted) == num_stock and set(converted) == tensors
-    assert model.scale.dtype == torch.float32 and {key[0] for key in flat.grad_buffers} == {torch.float32}
-    assert flat.scale is model.scale and flat.shift is model.shift
+    assert flat.scale.dtype == torch.float32 and {key[0] for key in flat.grad_buffers} == {torch.float32}
     for clone in (copy.deepcopy(flat), pickle.loads(pickle.dumps(flat))):
-        assert clone.get_parameter("scale") is clone.module.scale
         assert [n for n, _ in clone.named_parameters(recurse=False)] == ["scale"]
-    model.register_parameter("late", nn.Parameter(torch.ones(4)))
-    assert [n for n, _ in flat.named_parameters(recurse=False)] == ["scale", "late"]
-    assert flat.late is model.late
-    before = {name: type(m) for name, m in model.named_modules()}
-    assert nn.SyncBatchNorm.convert_sync_batchnorm(flat) is flat
-    assert isinstance(model.body[2], nn.SyncBatchNorm)
-    assert [n for n, _ in flat.named_modules()][1:] == list(before)
-    assert list(flat._modules) == ["module"]
+        assert {key[0] for key in clone.grad_buffers} == {torch.float32}
     holder = nn.ModuleDict({"net": flat})
     state = holder.state_dict()
-    assert list(state) == ["net." + key for key in model.state_dict()]
+    assert list(state) == ["net." + key for key in flat.state_dict()]
     holder.load_state_dict(state)
-    flat.load_state_dict(model.state_dict())
+    flat.load_state_dict(plain.float().state_dict())
 
 
 def _dataparallel_names_worker(rank: int, world_size: int) -> None:
@@ -838,24 +865,23 @@ def _dataparallel_names_worker(rank: int, world_size: int) -> None:
     plain = _Rooted().double()
     flat = flatgrad.FlatGrad(copy.deepcopy(plain), config=ROUTE_ALL)
     dp = flatgrad.DataParallel(flat)
-    model = flat.module
-    assert_walks_name_the_plain_model(dp, plain, {dp, flat})
+    assert_walks_name_the_plain_model(dp, plain, {dp})
     holder, plain_holder = nn.ModuleDict({"net": dp}), nn.ModuleDict({"net": plain})
-    assert_walks_name_the_plain_model(holder, plain_holder, {dp, flat})
+    assert_walks_name_the_plain_model(holder, plain_holder, {dp})
     holder.load_state_dict(plain_holder.state_dict())  # nested: the plain keys, both directions
     dp.eval()
-    assert not dp.training and not flat.training and not model.training and not model.body[2].training
+    assert not dp.training and not flat.training and not flat.body[2].training
     dp.train()
-    assert model.training and model.body[2].training
+    assert flat.training and flat.body[2].training
     calls: list[nn.Module] = []
     dp.apply(calls.append)
     plain_calls: list[nn.Module] = []
-    model.apply(plain_calls.append)
-    assert calls == [*plain_calls, flat, dp]
-    dp.float()  # through the FlatGrad, which lays its buffers out again
+    flat.apply(plain_calls.append)
+    assert calls == [*plain_calls, dp]
+    dp.float()  # through the model, which lays its buffers out again
     assert {key[0] for key in flat.grad_buffers} == {torch.float32}
     dp(_tokens(rank, (3, 5), vocab=11)).backward()
-    assert all(grad_in_buffers(flat, p.grad) for p in model.parameters())
+    assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters())
 
 
 @pytest.mark.distributed
@@ -863,7 +889,7 @@ def test_dataparallel_walks_name_the_plain_model():
     """`flatgrad.DataParallel(flat)`, and a module holding it, are walked (children,
     modules, submodules, parameters and buffers, state_dict and torch.distributed.checkpoint
     keys, Trainer's and minGPT's weight-decay grouping) under the plain model's names;
-    `train`, `apply` and a conversion reach the model through the FlatGrad (2 gloo ranks)."""
+    `train`, `apply` and a conversion reach the model (2 gloo ranks)."""
     run_ranks(_dataparallel_names_worker)
 
 

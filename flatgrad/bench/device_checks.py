@@ -45,7 +45,7 @@ def _grad_problems(flat: flatgrad.FlatGrad, stock: nn.Module, rtol: float) -> tu
     """Where FlatGrad's gradients differ from stock's by more than `rtol` (relative to each
     gradient's largest element), lie outside `grad_buffers`, or exist where stock has none;
     and the largest relative difference seen."""
-    ours = dict(flat.module.named_parameters())
+    ours = dict(flat.named_parameters())
     problems, worst = [], 0.0
     for name, ref in stock.named_parameters():
         grad = ours[name].grad

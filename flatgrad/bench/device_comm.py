@@ -107,7 +107,7 @@ def flat_hook(model: nn.Module, device: torch.device, config: flatgrad.FlatGradC
     flat = flatgrad.FlatGrad(copy.deepcopy(model), config=config)
     ddp = DDP(flat, device_ids=_ids(device), **flat.ddp_kwargs())
     ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
-    params = list(flat.module.parameters())
+    params = list(flat.parameters())
     trainer = Trainer("DDP + allreduce_hook", ddp, adamw(params), params, flat.clip_grad_norm_, ddp.no_sync)
     trainer.buffers = len(flat.grad_buffers)
     return trainer
@@ -125,7 +125,7 @@ def flat_dp(
     with a ShardedOptimizer when `sharded` (by `shard_by`)."""
     flat = flatgrad.FlatGrad(copy.deepcopy(model), config=config)
     dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
-    params = list(flat.module.parameters())
+    params = list(flat.parameters())
     if sharded:
         opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=LR, weight_decay=0.1, shard_by=shard_by)
         name = "ShardedOptimizer" + (" by tensor" if shard_by == "tensor" else "")
@@ -135,7 +135,7 @@ def flat_dp(
 
 def flat_all_reduce(model: nn.Module, device: torch.device) -> Trainer:
     flat = flatgrad.FlatGrad(copy.deepcopy(model), config=ROUTE_ALL)
-    params = list(flat.module.parameters())
+    params = list(flat.parameters())
     return Trainer(
         "all_reduce_grads",
         flat,

@@ -95,7 +95,7 @@ def under_autocast(build: Builder) -> Builder:
 def flat_one_process(model: nn.Module, device: torch.device) -> Trainer:
     """`FlatGrad` with its default config and AdamW, no process group."""
     flat = flatgrad.FlatGrad(copy.deepcopy(model), config=DEFAULTS)
-    params = list(flat.module.parameters())
+    params = list(flat.parameters())
     return Trainer("flatgrad", flat, adamw(params), params, flat.clip_grad_norm_)
 
 

@@ -46,7 +46,7 @@ def reference_step(
     for tokens in batches:
         flat.zero_grad()
         flat(tokens).backward()
-        for total, param in zip(sums, flat.module.parameters()):
+        for total, param in zip(sums, flat.parameters()):
             total += flat.main_grad(param)
     for master, total in zip(masters, sums):
         total /= dist.get_world_size()
@@ -55,7 +55,7 @@ def reference_step(
     (_clip if clip is None else clip)(masters)
     optimizer.step()
     with torch.no_grad():
-        for param, master in zip(flat.module.parameters(), masters):
+        for param, master in zip(flat.parameters(), masters):
             param.copy_(master)
 
 

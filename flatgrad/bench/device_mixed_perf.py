@@ -37,7 +37,7 @@ def flat_mixed(model: nn.Module, device: torch.device) -> Trainer:
     flat = flatgrad.FlatGrad(copy.deepcopy(model), config={"grad_dtype": "float32"})
     dp = flatgrad.DataParallel(flat)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=LR, weight_decay=0.1)  # as stock_plain
-    return Trainer(FLATGRAD, dp, opt, list(flat.module.parameters()), opt.clip_grad_norm_, dp.no_sync)
+    return Trainer(FLATGRAD, dp, opt, list(flat.parameters()), opt.clip_grad_norm_, dp.no_sync)
 
 
 def stock_autocast(model: nn.Module, device: torch.device) -> Trainer:

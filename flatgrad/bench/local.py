@@ -168,7 +168,7 @@ def _explained(variant: str, model: nn.Module) -> nn.Module:
         return module
     if variant == "compile_flat":
         return flatgrad.FlatGrad(module)
-    inner = flatgrad.FlatGrad(_compile(module)).module._orig_mod
+    inner = flatgrad.FlatGrad(_compile(module))._orig_mod
     assert isinstance(inner, nn.Module)
     return inner
 
