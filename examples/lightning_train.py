@@ -6,7 +6,7 @@
 
 The recipe is two lines: ``import flatgrad.lightning`` (it registers the strategies in
 Lightning's StrategyRegistry), then ``L.Trainer(strategy="flatgrad")`` (DDP with flatgrad's
-comm hook), ``"flatgrad_data_parallel"`` (flatgrad.DataParallel) or ``"flatgrad_sharded"``
+comm hook), ``"flatgrad_data_parallel"`` (flatgrad.ReplicateModule) or ``"flatgrad_sharded"``
 (ZeRO-1: the optimizer from ``configure_optimizers`` rebuilt as a ShardedOptimizer). The
 LightningModule holds no flatgrad: the strategy wraps it at setup (docs/integrations.md).
 

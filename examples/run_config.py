@@ -159,14 +159,14 @@ class TrainConfig(_RunConfig):
 
     engine: Literal["ddp", "flatgrad"] = "ddp"
     """"ddp": torch's DDP with flatgrad's comm hook (one all-reduce of the whole buffer after
-    backward); "flatgrad": `flatgrad.DataParallel`, buckets of the flat buffer all-reduced
+    backward); "flatgrad": `flatgrad.ReplicateModule`, buckets of the flat buffer all-reduced
     while backward runs."""
 
     zero: StrictBool = False
     """With engine "flatgrad": `flatgrad.ShardedOptimizer` (ZeRO-1, each rank keeps 1/N of
     AdamW's state)."""
 
-    bucket_mb: _Real = Field(default=25.0, gt=0.0)
+    bucket_cap_mb: _Real = Field(default=25.0, gt=0.0)
     """Bucket size of engine "flatgrad"."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -183,7 +183,7 @@ class TrainConfig(_RunConfig):
         if self.zero and self.engine != "flatgrad":
             raise ValueError(
                 'zero must be false unless engine is "flatgrad": ZeRO-1 shards the buckets of '
-                f"flatgrad.DataParallel, got engine={self.engine!r}"
+                f"flatgrad.ReplicateModule, got engine={self.engine!r}"
             )
         return self
 

@@ -147,7 +147,7 @@ def build_engine(cfg: TrainConfig, flat: flatgrad.FlatGrad, device: torch.device
         ddp = DDP(flat, device_ids=[device.index] if device.type == "cuda" else None, **flat.ddp_kwargs())
         ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
         return ddp, torch.optim.AdamW(groups, lr=cfg.lr)
-    dp = flatgrad.DataParallel(flat, bucket_mb=cfg.bucket_mb)
+    dp = flatgrad.replicate(flat, bucket_cap_mb=cfg.bucket_cap_mb)
     if cfg.zero:
         return dp, flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, groups, lr=cfg.lr)
     return dp, torch.optim.AdamW(groups, lr=cfg.lr)

@@ -56,7 +56,7 @@ def train(cfg: TrainConfig, tp: int) -> None:
     torch.manual_seed(cfg.seed)  # the same init on every rank
     model = parallelize(GPT(data.vocab_size, **cfg.model.model_dump()).to(device), mesh["tp"])
     flat = flatgrad.FlatGrad(model, config=cfg.flatgrad)
-    dp = flatgrad.DataParallel(flat, device_mesh=mesh["dp"], bucket_mb=cfg.bucket_mb)
+    dp = flatgrad.replicate(flat, device_mesh=mesh["dp"], bucket_cap_mb=cfg.bucket_cap_mb)
     adamw = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
     optimizer: torch.optim.Optimizer
     if cfg.zero:  # ZeRO-1 over "dp": AdamW's state of this rank's part of its local shards

@@ -7,19 +7,22 @@ from flatgrad.amp import GradScaler
 from flatgrad.comm import FlatGradCommState, allreduce_hook
 from flatgrad.config import FlatGradConfig
 from flatgrad.functional import gather, gather_with_index_add
-from flatgrad.parallel import DataParallel
+from flatgrad.parallel import ReplicateModule, ReplicateState, replicate, replicate_state
 from flatgrad.sharded import ShardedOptimizer
 from flatgrad.wrapper import FlatGrad
 
 __all__ = [
-    "DataParallel",
     "FlatGrad",
     "FlatGradCommState",
     "FlatGradConfig",
     "GradScaler",
+    "ReplicateModule",
+    "ReplicateState",
     "ShardedOptimizer",
     "allreduce_hook",
     "gather",
     "gather_with_index_add",
+    "replicate",
+    "replicate_state",
 ]
 __version__ = "0.1.0"

@@ -6,7 +6,7 @@ final callback per backward that calls its participants in a fixed order.
 A training forward through `FlatGrad` ends with `watch(output, plan)`. The `ForwardPlan`
 binds what that forward decided: the seater of the layout it ran on, whether a DDP
 reducer places that backward's gradients (then nothing is seated), and,
-when a `DataParallel` made the forward, its bucket sync and whether the forward
+when a `replicate` made the forward, its bucket sync and whether the forward
 synchronised. When a backward first reaches one of the output's nodes the prehook asks
 each participant, in this order, to open it: the seater (`Seater.pre_backward`), then
 the bucket sync (`BucketSync.pre_backward`). Each answers with what to run at the end of
@@ -79,7 +79,7 @@ class ForwardPlan:
 
     seater: Seater | None  # the seater of the layout the forward ran on (None before any)
     alone: bool  # no DDP reducer places this backward's gradients: seat the unrouted slots
-    bucket_sync: Participant | None = None  # the `BucketSync` of the DataParallel that made the forward
+    bucket_sync: Participant | None = None  # the `BucketSync` of the replicate that made the forward
     sync: bool = False  # whether that forward synchronised (outside no_sync)
 
 

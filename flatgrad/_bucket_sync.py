@@ -1,4 +1,4 @@
-"""The overlapped bucket averaging of one `DataParallel` (see `flatgrad.parallel` for how it
+"""The overlapped bucket averaging of one `replicate` (see `flatgrad.parallel` for how it
 works), static parts apart from per-backward state:
 
 - `BucketPlan`: the static side, the same on every rank: the buckets cut from a store's
@@ -151,7 +151,7 @@ class Round:
         store: GradStore | None,
         process_group: dist.ProcessGroup | None,
         policy: BackendPolicy,
-        wire_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
         scatter: bool,
         check_finite: Callable[[], dict[int, str]] | None = None,
         shards: Sequence[torch.Tensor] = (),
@@ -159,7 +159,7 @@ class Round:
         step_count: int | None = None,
     ) -> None:
         self.plan, self.store = plan, store
-        self.process_group, self.wire_dtype, self.scatter = process_group, wire_dtype, scatter
+        self.process_group, self.reduce_dtype, self.scatter = process_group, reduce_dtype, scatter
         # The ranks a `Join` averages over when not the world size (its joined ranks send
         # zeros: `BucketSync.shadow`), and the steps a ShardedOptimizer took before this
         # backward, which every rank checks against the others' (`_check_round`).
@@ -245,7 +245,7 @@ class Round:
         self.unreached.discard(key)
         if self.sent[bucket.index] is not None:
             raise RuntimeError(
-                "DataParallel: a parameter unused in an earlier step got its gradient from a "
+                "replicate: a parameter unused in an earlier step got its gradient from a "
                 "nested backward (a reentrant activation checkpoint) after its bucket was "
                 "averaged; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
             )
@@ -275,7 +275,7 @@ class Round:
         """Make the current stream wait for the backward's on `device`; whether it had to.
         A routed layer writes its slot on the stream of its forward and hands AccumulateGrad
         no gradient, so the engine orders nothing after that write; the AccumulateGrad hooks
-        that launch most buckets run on the stream their nodes were made on (DataParallel
+        that launch most buckets run on the stream their nodes were made on (replicate
         keeps them from its construction). Trained on another stream than it was built on, a
         launch would otherwise read slots still being written."""
         stream = self.streams.get(device)
@@ -302,8 +302,8 @@ class Round:
         i, divide = bucket.index, not (self.divide_after and sent.dtype in _SUMMED)
         if divide_unscaled(bucket, self.store, self.world_size):  # type: ignore[arg-type]
             divide = False  # (the routed slots were written divided: `flatgrad._prescale`)
-        group, wire_dtype, scatter = self.process_group, self.wire_dtype, self.reduce_scatters
-        self.work[i], self.wire[i] = launch_average(sent, group, wire_dtype, scatter, divide, self.divisor)
+        group, reduce_dtype, scatter = self.process_group, self.reduce_dtype, self.reduce_scatters
+        self.work[i], self.wire[i] = launch_average(sent, group, reduce_dtype, scatter, divide, self.divisor)
         self.sent[i] = sent
 
     def wait_launched(self) -> None:
@@ -315,7 +315,7 @@ class Round:
         """Launch the rest, wait, and settle `.grad` like stock DDP with
         find_unused_parameters=True (a parameter no rank used keeps `.grad` None)."""
         store = self.store
-        assert store is not None, "DataParallel is not built"
+        assert store is not None, "replicate is not built"
         compute_done = time.perf_counter()
         self.backward_s = compute_done - self.started
         self.launched_in_backward = self.next
@@ -365,7 +365,7 @@ class Round:
             return
         rank = dist.get_rank(self.process_group)
         raise RuntimeError(
-            f"DataParallel: the ranks disagree on the round: rank {rank} runs the backward after "
+            f"replicate: the ranks disagree on the round: rank {rank} runs the backward after "
             f"{step_count % 256} optimizer steps, while the ranks' counts range from {255 - low} "
             f"to {high} (modulo 256): a rank stepped without the forward and backward of the others "
             "(an empty batch?). Every rank must run the same synchronised backwards and steps; for "
@@ -403,7 +403,7 @@ class Round:
                 f", and rank(s) {bad}" if len(bad) > 1 else ""
             )
         raise RuntimeError(
-            f"DataParallel(check_finite=True): a non-finite gradient (NaN or inf) before averaging on "
+            f"replicate(check_finite=True): a non-finite gradient (NaN or inf) before averaging on "
             f"{where}; this step's gradients are not usable: skip it (zero_grad) or stop"
         )
 
@@ -419,7 +419,7 @@ def _sums_then_divides(round_: Round, no_finite_check: bool) -> bool:
     exact = world_size > 1 and world_size & (world_size - 1) == 0  # (1: no division)
     exact = exact and round_.divisor in (None, world_size)
     all_reduced = round_.scatter and not round_.reduce_scatters  # (gloo: `BackendPolicy.reduce_scatter`)
-    return all_reduced and round_.wire_dtype is None and exact and no_finite_check
+    return all_reduced and round_.reduce_dtype is None and exact and no_finite_check
 
 
 def _round_bytes(count: int) -> list[int]:
@@ -456,21 +456,21 @@ def divide_unscaled(bucket: Bucket, store: GradStore, world_size: int) -> bool:
 
 
 def prescale_factor(
-    store: GradStore, process_group: dist.ProcessGroup | None, scatter: bool, wire_dtype: torch.dtype | None
+    store: GradStore, process_group: dist.ProcessGroup | None, scatter: bool, reduce_dtype: torch.dtype | None
 ) -> float | None:
     """1 / world size where `store`'s buckets are averaged by a sum the routed layers may
     divide for (`flatgrad._prescale`): every buffer summed (gloo), a power-of-two world size
     (exact), no wire dtype, all-reduced (not a ShardedOptimizer's); None elsewhere."""
     world = dist.get_world_size(process_group)
-    if scatter or wire_dtype is not None or world < 2 or world & (world - 1):
+    if scatter or reduce_dtype is not None or world < 2 or world & (world - 1):
         return None
     return 1 / world if all(average_op(b, process_group)[1] for b in store.buffers.values()) else None
 
 
-def plan_buckets(store: GradStore, bucket_mb: float, small_first_on_cpu: bool = True) -> BucketPlan:
+def plan_buckets(store: GradStore, bucket_cap_mb: float, small_first_on_cpu: bool = True) -> BucketPlan:
     """The bucket plan of `store`, launched in buffer order (not learned): buckets per
     buffer, cut at slot boundaries in buffer order, the first about `_FIRST_BUCKET_MB`, the
-    others about `bucket_mb`.
+    others about `bucket_cap_mb`.
 
     A CPU buffer is averaged by gloo on a thread of its own, which competes with the
     backward for the cores when none is free (`small_first_on_cpu` False: see
@@ -486,8 +486,8 @@ def plan_buckets(store: GradStore, bucket_mb: float, small_first_on_cpu: bool = 
             key=lambda item: item[0],
         )
         busy_cpu = not small_first_on_cpu and buffer.device.type == "cpu"
-        first_mb = max(_FIRST_BUCKET_MB, bucket_mb / 2) if busy_cpu else _FIRST_BUCKET_MB
-        cap = int(min(first_mb, bucket_mb) * 2**20) // buffer.element_size()
+        first_mb = max(_FIRST_BUCKET_MB, bucket_cap_mb / 2) if busy_cpu else _FIRST_BUCKET_MB
+        cap = int(min(first_mb, bucket_cap_mb) * 2**20) // buffer.element_size()
         start, members = 0, []
         for i, (_, param) in enumerate(slots):
             members.append(param)
@@ -498,7 +498,7 @@ def plan_buckets(store: GradStore, bucket_mb: float, small_first_on_cpu: bool = 
                     Bucket(len(buckets), view, tuple(members), key, ends_buffer=i + 1 == len(slots))
                 )
                 start, members = end, []
-                cap = int(bucket_mb * 2**20) // buffer.element_size()
+                cap = int(bucket_cap_mb * 2**20) // buffer.element_size()
     return _ordered(tuple(buckets), tuple(range(len(buckets))), learned=False)
 
 
@@ -632,15 +632,15 @@ class BucketSync:
         self,
         grads: GradEngine,
         process_group: dist.ProcessGroup | None,
-        bucket_mb: float,
-        wire_dtype: torch.dtype | None,
+        bucket_cap_mb: float,
+        reduce_dtype: torch.dtype | None,
         check_finite: bool = False,
     ) -> None:
         self._grads = grads  # the FlatGrad's GradEngine
         self.check_finite = check_finite
         self.process_group = process_group
-        self.bucket_mb = bucket_mb
-        self.wire_dtype = wire_dtype
+        self.bucket_cap_mb = bucket_cap_mb
+        self.reduce_dtype = reduce_dtype
         self.has_buffers = False  # whether the model had buffers at the last (re)build
         self.reduce_scatter = False  # ShardedOptimizer switches the buckets to reduce-scatter
         # The gradient shards that ShardedOptimizer reads, of this store (see `Round`).
@@ -662,12 +662,12 @@ class BucketSync:
         self._armed = False
         # Inside `averaging()`: a backward that opens averages whatever its forward decided.
         self._averaging = False
-        # DDP's require_backward_grad_sync, which `DataParallel.no_sync()` clears: whether a
+        # DDP's require_backward_grad_sync, which `replicate.no_sync()` clears: whether a
         # training forward synchronises, and (read when it opens) whether a backward inside
         # one averages (`_open`).
         self.sync = True
         # The training forwards of the model running now: a backward that opens inside one (a
-        # LightningModule's `manual_backward` in the training_step that DataParallel's
+        # LightningModule's `manual_backward` in the training_step that replicate's
         # forward runs) is decided by `sync` as it opens (see `_open`).
         self._forwards = 0
         self._deferrals = Deferrals()  # hooks that carry a nested backward's end outward
@@ -676,7 +676,7 @@ class BucketSync:
         # backward checks that every rank took as many (`Round._check_round`).
         self.step_count: int | None = None
         # Under a `Join` that divides by the ranks not joined yet: the last forward's count
-        # of them, in flight (its work and tensor: `DataParallel._notify_join`), read when
+        # of them, in flight (its work and tensor: `replicate._notify_join`), read when
         # the backward opens; None otherwise.
         self.joined_count: tuple[Any, torch.Tensor] | None = None
         # On a joined rank: whether its last shadowed iteration averaged (`shadow`), which a
@@ -695,7 +695,7 @@ class BucketSync:
             self._store,
             self.process_group,
             self.policy,
-            self.wire_dtype,
+            self.reduce_dtype,
             self.reduce_scatter,
             names,
             self.shards,
@@ -709,7 +709,7 @@ class BucketSync:
     @property
     def last_round(self) -> Round:
         """The running or last synchronised backward's round (its timings)."""
-        assert self._round is not None, "DataParallel is not built"
+        assert self._round is not None, "replicate is not built"
         return self._round
 
     @property
@@ -760,7 +760,7 @@ class BucketSync:
     def run_forwards_in(
         self, context: Callable[[], AbstractContextManager[None]] | None, replacing: object = None
     ) -> None:
-        """Run DataParallel's forwards of the model inside `context` from now on (a
+        """Run replicate's forwards of the model inside `context` from now on (a
         ShardedOptimizer's `ForwardWaits.learning`, until a forward has taught its waits);
         None: plainly. With `replacing`, only while the context is still that one."""
         if replacing is None or self.forward_context == replacing:
@@ -780,6 +780,10 @@ class BucketSync:
         """The reduce-scattered gradients were zeroed: the next backward may add again."""
         self._scattered = False
         self._carried = None
+
+    def release(self) -> None:
+        """Remove every hook this bucket sync holds on the model's parameters (`unreplicate`)."""
+        self._hooks.remove()
 
     def drain(self) -> None:
         """Wait for the collectives a backward that raised had launched, before this step
@@ -803,16 +807,16 @@ class BucketSync:
         of them while the order is learned, then all but the last bucket's (`_learn`)."""
         self._hooks.remove()
         store = self._grads.refresh()
-        self._grads.refuse_sparse("DataParallel")  # (a sparse embedding added since)
+        self._grads.refuse_sparse("replicate")  # (a sparse embedding added since)
         if store is not self._store:
             self.shards = []  # of the old buffers
             self._carried = None
         self._store = store
         self.has_buffers = any(True for _ in self._grads.model.buffers())
-        self._plan = plan_buckets(store, self.bucket_mb, self.policy.spare_core)
+        self._plan = plan_buckets(store, self.bucket_cap_mb, self.policy.spare_core)
         self._hooks.hook(store.params, self._plan.bucket_of(), self._on_ready)
         self._hooks.scale_incoming(store, self._grads.seater)
-        self._prescale = prescale_factor(store, self.process_group, self.reduce_scatter, self.wire_dtype)
+        self._prescale = prescale_factor(store, self.process_group, self.reduce_scatter, self.reduce_dtype)
         self._round = self._new_round()
 
     # --- backward -----------------------------------------------------------------------
@@ -835,7 +839,7 @@ class BucketSync:
         whose outputs they go through: the last micro-batch of a pipeline stage
         (`flatgrad.pipelining`), whose forwards the schedule ran under no_sync() before
         saying which backward is the last. Where torch's stage prepares DDP's reducer for
-        that backward (``prepare_for_backward``), this opens DataParallel's round."""
+        that backward (``prepare_for_backward``), this opens replicate's round."""
         previous, self._averaging = self._averaging, True
         try:
             yield
@@ -843,7 +847,7 @@ class BucketSync:
             self._averaging = previous
 
     def pre_backward(self, sync: bool) -> Callable[[], None] | None:
-        """When a backward reaches the output of a forward this DataParallel made (from the
+        """When a backward reaches the output of a forward this replicate made (from the
         coordinator, `flatgrad._backward`, after the seater), before any gradient of the
         model is final: open it, averaging when that forward synchronised (`sync`), and
         return the end of it (`_finish`, which the coordinator runs after the seater's);
@@ -879,7 +883,7 @@ class BucketSync:
         if torch.is_grad_enabled():  # create_graph=True: the gradients must stay differentiable
             if sync:
                 raise RuntimeError(
-                    "DataParallel cannot average the gradients of a backward with "
+                    "replicate cannot average the gradients of a backward with "
                     "create_graph=True (they must stay differentiable); run that forward and "
                     "backward under dp.no_sync()"
                 )
@@ -925,7 +929,7 @@ class BucketSync:
         Unlike DDP's zero buckets, the buffers are this rank's own: it ends with the others'
         averages in `.grad` (and its shards), which a ShardedOptimizer's join hook steps."""
         store = self._store
-        assert store is not None, "DataParallel is not built"
+        assert store is not None, "replicate is not built"
         self._scattered = False
         unmark_scattered(store, to_none=True)
         for param in store.params:
@@ -1021,7 +1025,7 @@ class BucketSync:
 def _refuse_compiled_autograd() -> None:
     if in_compiled_autograd():
         raise RuntimeError(
-            "DataParallel cannot run its bucket hooks under compiled autograd (it refuses "
+            "replicate cannot run its bucket hooks under compiled autograd (it refuses "
             "the final callback that launches the last bucket); under compiled autograd use "
             "DDP with torch._dynamo.config.optimize_ddp = 'python_reducer' and "
             "flatgrad.allreduce_hook, or run this backward without compiled autograd"

@@ -215,7 +215,7 @@ def tensor_parallel_of(params: Sequence[torch.Tensor]) -> TensorParallel | None:
                 f"a DTensor parameter's mesh must have one dimension (the tensor-parallel one), got "
                 f"a parameter of shape {tuple(param.shape)} on a mesh of shape {tuple(mesh.shape)}: "
                 'parallelize the model over mesh["tp"], and give the data-parallel dimension to '
-                "flatgrad.DataParallel"
+                "flatgrad.replicate"
             )
         if any(placement.is_partial() for placement in param.placements):
             raise ValueError(

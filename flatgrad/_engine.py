@@ -1,7 +1,7 @@
 """`GradEngine`: one model's gradient store and seater, built together, and what each
 forward does about them (lay out again, seat or not under DDP).
 
-`FlatGrad(model)` gives the model one (``engine_of(model)``); `DataParallel`,
+`FlatGrad(model)` gives the model one (``engine_of(model)``); `replicate`,
 `ShardedOptimizer` and the DDP hook's state reach the store through it. The engine holds
 the model weakly (the model holds the engine).
 
@@ -56,7 +56,7 @@ class GradEngine:
         # sparse `.grad`, outside the buffers; the rest of `others` is frozen.
         self.sparse: tuple[nn.Parameter, ...] = ()
         self.ddp = comm.DDPEdge()  # whether a DDP runs the forwards, its hook, its Join
-        # A DataParallel's bucket sync and sync flag for the next forward (`expect_sync`),
+        # A replicated model's bucket sync and sync flag for the next forward (`expect_sync`),
         # and the running forward's, taken by `before_forward`.
         self._next_sync: tuple[Participant, bool] | None = None
         self._forward_sync: tuple[Participant, bool] | None = None
@@ -113,7 +113,7 @@ class GradEngine:
         # None (or, after a `no_sync()` backward, make the reducer raise). Routed layers
         # still write into their slots, and placed parameters are copied in by their hooks.
         alone = self.ddp.after_forward()
-        # A DataParallel's forward (`expect_sync`, just before) binds its bucket sync too.
+        # A replicated model's forward (`expect_sync`, just before) binds its bucket sync too.
         bucket_sync, sync = self._forward_sync if self._forward_sync is not None else (None, False)
         self._forward_sync = None
         if seater is not None or bucket_sync is not None:
@@ -122,7 +122,7 @@ class GradEngine:
             seater.store.prescale.factor = None  # a backward that raised left it on: see `_prescale`
 
     def expect_sync(self, bucket_sync: Participant, sync: bool) -> None:
-        """From a DataParallel's forward, before it runs this wrapper's: the backward through
+        """From a replicated model's forward, before it runs this wrapper's: the backward through
         this forward's output is `bucket_sync`'s too, averaging when `sync`."""
         self._next_sync = (bucket_sync, sync)
 
@@ -198,7 +198,7 @@ class GradEngine:
         return self.seater
 
     def current(self) -> GradStore:
-        """The store, after what every training forward (and DataParallel's forward, the DDP
+        """The store, after what every training forward (and a replicated model's forward, the DDP
         hook) checks in O(1): a slot found stale during a backward, a parameter without a
         slot unfrozen; then `refresh`. The rest (a held parameter frozen or converted in
         place) is found by the walk of `refresh` at the next norm or sync, or as staleness by
@@ -224,7 +224,7 @@ class GradEngine:
 
     def steady(self) -> GradStore:
         """`current`, and the full walk of `refresh` when a held parameter was frozen
-        since (one `requires_grad` read per parameter): for DataParallel's forward, whose
+        since (one `requires_grad` read per parameter): for a replicated model's forward, whose
         buckets must not keep communicating a frozen slot. `torch.func.functional_call`'s
         temporaries (plain tensors) keep the layout: their gradients stay local, as DDP's."""
         store = self.current()
@@ -330,7 +330,7 @@ def _refuse_moved(model: nn.Module, before: tuple[_Watched, ...], now: tuple[_Wa
             + ", ".join(dict.fromkeys(changes[:6]))
             + (f" and {len(changes) - 6} more" if len(changes) > 6 else "")
             + "; the layout is fixed when FlatGrad is applied (as DDP's and FSDP's): call "
-            "model.relayout() after changing its parameters (before building DataParallel and the "
+            "model.relayout() after changing its parameters (before building replicate and the "
             "optimizer over them), or apply FlatGrad to the model once it has its final parameters"
         )
 

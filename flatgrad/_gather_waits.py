@@ -6,7 +6,7 @@ it runs. Parameters may be read elsewhere first: by an ancestor, when the module
 forward never runs (``F.linear(h, self.head.weight)`` in its parent's forward,
 `nn.MultiheadAttention` reading its `out_proj`) or runs only after that read
 (``self.proj.weight.norm()`` before ``self.proj(x)``). So the first forward through
-DataParallel with grad enabled after the optimizer is built learns, under a
+replicate with grad enabled after the optimizer is built learns, under a
 `TorchFunctionMode`, which running module first reads each bucket's parameters (every
 module hooked for it, every gather waited for at its start); from then on that module's pre
 hook waits for the bucket too. A module that never runs, one of whose parameters that
@@ -53,7 +53,7 @@ _METADATA_ATTRS = frozenset(
 
 class ForwardWaits:
     """The hooks of one ShardedOptimizer with `overlap_param_gather` on its model; `engine`
-    is its `ShardEngine` (`bucket_indices`, `wait_gather`), `sync` its DataParallel's
+    is its `ShardEngine` (`bucket_indices`, `wait_gather`), `sync` its replicate's
     `BucketSync`, whose forward runs the model inside `learning` (`BucketSync.run_forwards_in`)
     until a forward has taught the waits."""
 
@@ -91,7 +91,7 @@ class ForwardWaits:
 
     @contextlib.contextmanager
     def learning(self) -> Iterator[None]:
-        """Around the model's forward in DataParallel's: a forward with grad enabled runs
+        """Around the model's forward in replicate's: a forward with grad enabled runs
         under `_FirstReads` (left however the forward ends, an interrupt included; one that
         raises teaches nothing). Not under no_grad: a mode disables torch's inference fast
         paths (`nn.TransformerEncoderLayer`'s), which would change that forward's output."""
@@ -124,7 +124,7 @@ class ForwardWaits:
         read by both), whose pre hooks wait for them from now on."""
         reads = self._reads
         if reads is None:
-            return  # a forward that does not learn (no_grad, or not through DataParallel)
+            return  # a forward that does not learn (no_grad, or not through replicate)
         parents: dict[int, list[nn.Module]] = {}
         for module in self._hooked:
             for child in module.children():
@@ -177,7 +177,7 @@ class ForwardWaits:
 class _FirstReads(TorchFunctionMode):
     """The learning forward's reads: for each bucket (`buckets_of`: a parameter's id to its
     buckets), the id of the innermost module of the model running when a torch function
-    first took one of its parameters (reads while none runs, DataParallel's and FlatGrad's
+    first took one of its parameters (reads while none runs, replicate's and FlatGrad's
     own, do not count), and the ids of the parameters read."""
 
     def __init__(self, buckets_of: dict[int, tuple[int, ...]]) -> None:

@@ -218,7 +218,7 @@ def shard_kind(recipe: OptimizerRecipe, shard_by: object, like: torch.Tensor) ->
 
 def _cross(name: str, why: str) -> str:
     return (
-        f"ShardedOptimizer cannot shard {name}: {why}; use flatgrad.DataParallel with a plain "
+        f"ShardedOptimizer cannot shard {name}: {why}; use flatgrad.replicate with a plain "
         f"{name} over the model's parameters"
     )
 
@@ -326,7 +326,7 @@ def _communicates(name: str, count: int) -> str:
         f"ShardedOptimizer cannot step {name}: its step runs collectives ({count} in a probe's "
         "steps on every rank alike), "
         "which inside a sharded step would average across the wrong parameters or hang "
-        "(each rank's instance holds other tensors); use flatgrad.DataParallel with a plain "
+        "(each rank's instance holds other tensors); use flatgrad.replicate with a plain "
         f"{name}, or turn its own communication off"
     )
 
@@ -342,7 +342,7 @@ def _refuted(name: str, kind: ShardBy, what: str) -> str:
         )
         fix = (
             "its update of a tensor reads other tensors (a statistic over several of them, "
-            "or draws from the global RNG per tensor); use flatgrad.DataParallel with a "
+            "or draws from the global RNG per tensor); use flatgrad.replicate with a "
             f"plain {name}"
         )
     return f"ShardedOptimizer cannot shard {name} by {kind}: a probe compared {how}, and {what}: {fix}"

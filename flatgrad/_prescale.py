@@ -1,4 +1,4 @@
-"""Prescaling: inside a `DataParallel` backward that averages by a sum (gloo, a power-of-two
+"""Prescaling: inside a `replicate` backward that averages by a sum (gloo, a power-of-two
 world size, no wire dtype), the routed layers write their weight gradients already divided
 by the world size, so that the buckets need not divide those slots afterwards: a pass over
 them, where DDP folds its division into the copy into its bucket. Dividing by a power of two

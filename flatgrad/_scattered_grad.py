@@ -1,6 +1,6 @@
 """`.grad` after a reduce-scattering backward (ZeRO-1): a view of its slot that refuses math.
 
-After DataParallel reduce-scatters the buckets for a ShardedOptimizer, a rank holds the
+After replicate reduce-scatters the buckets for a ShardedOptimizer, a rank holds the
 average over the ranks only in its own shards; the rest of its buffer holds its local
 gradients divided by the world size (reduce-scatter, NCCL), or the sums over the ranks
 (gloo, which all-reduces and divides only the shards). A model parameter's `.grad` is a

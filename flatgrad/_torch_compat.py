@@ -20,7 +20,7 @@ from typing import Any, SupportsIndex
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable, forward_ad
-from torch.distributed.algorithms.join import Joinable, _JoinConfig
+from torch.distributed.algorithms.join import _JoinConfig
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_leaves
 
@@ -250,7 +250,7 @@ def divides_by_ranks_not_joined(ddp: DDP) -> bool:
     )
 
 
-def join_state(joinable: Joinable) -> tuple[bool, bool]:
+def join_state(joinable: Any) -> tuple[bool, bool]:
     """(whether `joinable` runs inside an enabled `torch.distributed.algorithms.Join`,
     whether it is that Join's first joinable, the one whose per-iteration all-reduce tells
     the joined ranks that it has not joined), from the config `Join` sets on it (private in
@@ -261,7 +261,7 @@ def join_state(joinable: Joinable) -> tuple[bool, bool]:
     return bool(config.enable), bool(config.is_first_joinable)
 
 
-def leave_join(joinable: Joinable) -> None:
+def leave_join(joinable: Any) -> None:
     """Take `joinable` out of the `Join` it was configured for (the disabled config its
     constructor set): torch's `Join` never resets the configs it sets, and an exception out
     of the block skips even its post hooks, so a Join that raised would keep the joinable

@@ -1,7 +1,7 @@
 """ZeRO-1 for a `ShardedOptimizer` (see `flatgrad.sharded`): this rank's engine, the
 collectives over its gradient shards, and its parameter groups.
 
-`ShardEngine`: this rank's part of ZeRO-1 over DataParallel's buckets: the flat parameter
+`ShardEngine`: this rank's part of ZeRO-1 over replicate's buckets: the flat parameter
 buffers, this rank's shards, the pieces the inner optimizer steps, the clip over shards and
 the parameter all-gather; and the hooks that wait for the all-gathers
 (``overlap_param_gather``).
@@ -130,7 +130,7 @@ class FlatParameters:
                 "a parameter's memory was replaced (param.data = ...) after the ShardedOptimizer "
                 "was built: the optimizer steps, and gathers into, the flat parameter buffer its "
                 "slot is in, so the parameter would not move; write into it instead "
-                "(with torch.no_grad(): param.copy_(value)), or build DataParallel and "
+                "(with torch.no_grad(): param.copy_(value)), or build replicate and "
                 "ShardedOptimizer again"
             )
 
@@ -141,7 +141,7 @@ class FlatParameters:
         if store is not self.store:
             raise RuntimeError(
                 "the model's parameters changed (added, replaced, frozen, converted) after the "
-                "ShardedOptimizer was built; build DataParallel and ShardedOptimizer again"
+                "ShardedOptimizer was built; build replicate and ShardedOptimizer again"
             )
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:
@@ -478,7 +478,7 @@ def flat_parameters(store: GradStore, reuse_only: bool = False) -> dict[Any, tor
     """Flat parameter buffers with the gradient buffers' layout, in the parameters' dtype
     (bfloat16 for a float32 buffer of main grads); every parameter becomes a view of its
     slot (same shape, strides and values). Where the parameters are views of such buffers
-    already (a second ShardedOptimizer by tensor over the same DataParallel: Muon's and
+    already (a second ShardedOptimizer by tensor over the same replicate: Muon's and
     AdamW's), those buffers themselves, so both optimizers gather into the same memory.
 
     Raises:

@@ -3,7 +3,7 @@
 and no other one (Muon's orthogonalisation, Adafactor's factored second moments, a trust
 ratio per tensor), and for any element-wise one.
 
-The backward all-reduces every bucket, as DataParallel does alone, so every rank holds every
+The backward all-reduces every bucket, as replicate does alone, so every rank holds every
 averaged gradient (each `.grad` a plain, readable view of its slot). Each rank owns whole
 parameters: a contiguous run of slots of each flat parameter buffer, cut so that a rank's
 share of the elements is within one parameter of 1/world_size (`own_runs`). A rank steps
@@ -122,10 +122,10 @@ class TensorEngine(FlatParameters):
     ) -> None:
         super().__init__(store, process_group, companion)
         # The model's gradient store now: `store` (the layout of the flat parameter buffers)
-        # until parameters are frozen or unfrozen, then the one DataParallel laid out for
+        # until parameters are frozen or unfrozen, then the one replicate laid out for
         # them (`follow`); the flat parameter buffers, owners and runs stay as they are.
         self.grads = store
-        # DataParallel's count of synchronised backwards, and its value at this optimizer's
+        # replicate's count of synchronised backwards, and its value at this optimizer's
         # last zero_grad: main grads (no `.grad` says they hold anything) hold an average to
         # step from once it has grown since.
         self._num_syncs = num_syncs
@@ -163,7 +163,7 @@ class TensorEngine(FlatParameters):
             raise RuntimeError(
                 "the model's parameters changed (added, replaced, or unfrozen where they were "
                 "frozen when the ShardedOptimizer was built) after it was built: they have no "
-                "place in its flat parameter buffers; build DataParallel and ShardedOptimizer "
+                "place in its flat parameter buffers; build replicate and ShardedOptimizer "
                 "again (parameters frozen or unfrozen after construction are followed)"
             )
         self.grads = store

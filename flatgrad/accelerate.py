@@ -67,7 +67,7 @@ class FlatGradDDPKwargs(DistributedDataParallelKwargs):
 
 
 def attach(
-    accelerator: Accelerator, flat: FlatGrad, wire_dtype: torch.dtype | None = None
+    accelerator: Accelerator, flat: FlatGrad, reduce_dtype: torch.dtype | None = None
 ) -> FlatGradCommState:
     """Make ``accelerator.prepare(flat, ...)`` build ``DDP(flat, **flat.ddp_kwargs())`` with
     `flatgrad.allreduce_hook` registered, as the hand-written recipe does. Call it after
@@ -83,7 +83,7 @@ def attach(
     Args:
         accelerator: The Accelerator that will prepare `flat`.
         flat: The wrapped model, to be passed to ``accelerator.prepare`` as it is.
-        wire_dtype: As in `FlatGrad.comm_state`: ``torch.bfloat16`` or ``torch.float16``
+        reduce_dtype: As in `FlatGrad.comm_state`: ``torch.bfloat16`` or ``torch.float16``
             all-reduces a compressed copy (in place of Accelerate's ``comm_hook="bf16"``).
 
     Returns:
@@ -107,10 +107,11 @@ def attach(
     if any(hook != DDPCommunicationHookType.NO for hook in hooks):
         raise ValueError(
             "DistributedDataParallelKwargs comm_hook and comm_wrapper must be 'no' with flatgrad's hook "
-            f"(compress with attach(..., wire_dtype=torch.bfloat16) instead), got {hooks[0]!s}, {hooks[1]!s}"
+            f"(compress with attach(..., reduce_dtype=torch.bfloat16) instead), got {hooks[0]!s}, "
+            f"{hooks[1]!s}"
         )
     settings = {f.name: getattr(handler, f.name) for f in dataclasses.fields(DistributedDataParallelKwargs)}
-    state = flat.comm_state(wire_dtype=wire_dtype)
+    state = flat.comm_state(reduce_dtype=reduce_dtype)
     accelerator.ddp_handler = FlatGradDDPKwargs(
         **{**settings, **flat.ddp_kwargs()}, flatgrad_comm_state=state
     )

@@ -235,7 +235,7 @@ class GradStore:
             return None
         _, flags, members = found
         if self.seated:
-            # Asked inside the backward (DataParallel launching a group's last bucket, when
+            # Asked inside the backward (replicate launching a group's last bucket, when
             # every gradient of the group is final): a seated slot nothing wrote into is
             # unused, as the final callback's `unseat` will find, and as DDP counts a
             # parameter whose AccumulateGrad ran with no gradient.
@@ -288,14 +288,14 @@ class GradStore:
         return self.seated
 
     def unseat_final(self, params: Sequence[torch.Tensor]) -> None:
-        """Inside a backward, for `params` whose gradients are all final (DataParallel
+        """Inside a backward, for `params` whose gradients are all final (replicate
         launching their bucket): `unseat` those seated now, so a slot nothing wrote into has
         `.grad` None and holds +0.0 (not its -0.0 fill) when the bucket is sent, as the zeros
         of DDP's bucket for a parameter without a gradient. One dict read per parameter."""
         seated = self.seated
         if not seated:
             return
-        if self._seated_ids[0] is not seated:  # (a DataParallel backward only: not in `seat`)
+        if self._seated_ids[0] is not seated:  # (a replicate backward only: not in `seat`)
             self._seated_ids = (seated, {id(entry[0]): entry for entry in seated})
         found = self._seated_ids[1]
         GradStore.unseat([found[id(p)] for p in params if id(p) in found])
@@ -696,7 +696,7 @@ def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
 def read_here(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`, marked as read by the current CUDA stream (`Tensor.record_stream`), where it
     may have been made on another: an AccumulateGrad hook runs on the stream its node was
-    made on (DataParallel keeps the nodes from its construction), a final callback on the
+    made on (replicate keeps the nodes from its construction), a final callback on the
     caller's. Torch's caching allocator then does not hand its memory out again, once it is
     freed, before that read has run. Elsewhere a no-op."""
     if tensor.is_cuda:

@@ -1,5 +1,5 @@
 """Synchronising the flat buffers across ranks: the DDP comm hook, the no-DDP sync, and the
-collectives over tensors that DataParallel's buckets launch (`launch_average`).
+collectives over tensors that replicate's buckets launch (`launch_average`).
 
 No postponed annotations here: DDP checks the hook's annotations at registration
 (`dist.GradBucket`, `Future[Tensor]`).
@@ -55,7 +55,7 @@ class FlatGradCommState:
         process_group: The group to average over, None for the default group: the hook
             does not see the group DDP was given (torch's own hooks take theirs the same
             way), so a DDP on a sub-group needs the same group here.
-        wire_dtype: ``torch.bfloat16`` or ``torch.float16`` compresses floating-point buckets
+        reduce_dtype: ``torch.bfloat16`` or ``torch.float16`` compresses floating-point buckets
             on the wire; None sends them as they are.
 
     Attributes:
@@ -64,17 +64,17 @@ class FlatGradCommState:
             reducer, one per parameter and step).
 
     Raises:
-        ValueError: `wire_dtype` is not torch.bfloat16, torch.float16 or None.
+        ValueError: `reduce_dtype` is not torch.bfloat16, torch.float16 or None.
     """
 
     model: nn.Module
     engine: HookEngine
     process_group: dist.ProcessGroup | None = None
-    wire_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
     num_calls: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        check_wire_dtype(self.wire_dtype)
+        check_wire_dtype(self.reduce_dtype)
 
 
 _SYNCED_FORWARDS_BEFORE_WARNING = 3
@@ -245,15 +245,15 @@ def active_ddp() -> Any:
     return active() if active is not None else None
 
 
-def check_wire_dtype(wire_dtype: torch.dtype | None) -> None:
-    if wire_dtype is not None and wire_dtype not in _WIRE_DTYPES:
-        raise ValueError(f"wire_dtype must be torch.bfloat16, torch.float16 or None, got {wire_dtype}")
+def check_wire_dtype(reduce_dtype: torch.dtype | None) -> None:
+    if reduce_dtype is not None and reduce_dtype not in _WIRE_DTYPES:
+        raise ValueError(f"reduce_dtype must be torch.bfloat16, torch.float16 or None, got {reduce_dtype}")
 
 
-def to_wire(tensor: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.Tensor:
-    """`tensor` as sent: cast to `wire_dtype` when one is set and `tensor` is floating point."""
-    if wire_dtype is not None and tensor.is_floating_point() and tensor.dtype != wire_dtype:
-        return tensor.to(wire_dtype)
+def to_wire(tensor: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` as sent: cast to `reduce_dtype` when one is set and `tensor` is floating point."""
+    if reduce_dtype is not None and tensor.is_floating_point() and tensor.dtype != reduce_dtype:
+        return tensor.to(reduce_dtype)
     return tensor
 
 
@@ -279,7 +279,7 @@ def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.f
     engine = state.engine
     engine.ddp.adopt(bucket, engine.current)
     ranks = engine.ddp.ranks_not_joined(bucket.buffer().device, state.process_group)
-    return _all_reduce_mean(bucket.buffer(), state.process_group, state.wire_dtype, ranks)
+    return _all_reduce_mean(bucket.buffer(), state.process_group, state.reduce_dtype, ranks)
 
 
 def _python_reducer_mean(state: FlatGradCommState, grad: torch.Tensor, param: torch.Tensor) -> None:
@@ -299,7 +299,7 @@ def _python_reducer_mean(state: FlatGradCommState, grad: torch.Tensor, param: to
             "flatgrad: DDP's python reducer (optimize_ddp='python_reducer') calls allreduce_hook "
             "once per parameter: gradients are averaged one all-reduce each, as DDP does there"
         )
-    wire = to_wire(grad, state.wire_dtype) / dist.get_world_size(state.process_group)
+    wire = to_wire(grad, state.reduce_dtype) / dist.get_world_size(state.process_group)
     group = state.process_group or dist.group.WORLD
     assert group is not None  # the hook runs inside DDP: a process group exists
     grad.copy_(fcol.all_reduce(wire, "sum", group))
@@ -324,12 +324,12 @@ def average_op(tensor: torch.Tensor, process_group: dist.ProcessGroup | None) ->
 def _all_reduce_mean(
     buffer: torch.Tensor,
     process_group: dist.ProcessGroup | None,
-    wire_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
     ranks: int | None = None,
 ) -> torch.futures.Future[torch.Tensor]:
     """All-reduce `buffer` in place to the group mean (over `ranks` of them: under a `Join`
     that counts only the ranks not joined yet); the future's value is `buffer`."""
-    wire = to_wire(buffer, wire_dtype)
+    wire = to_wire(buffer, reduce_dtype)
     if ranks is None:
         op, divide = average_op(wire, process_group)
         ranks = dist.get_world_size(process_group)
@@ -348,7 +348,7 @@ def _all_reduce_mean(
 
 
 def all_reduce_grads(
-    store: GradStore, process_group: dist.ProcessGroup | None = None, wire_dtype: torch.dtype | None = None
+    store: GradStore, process_group: dist.ProcessGroup | None = None, reduce_dtype: torch.dtype | None = None
 ) -> None:
     """Average every buffer over the group: one all-reduce per (dtype, device) buffer.
 
@@ -362,17 +362,17 @@ def all_reduce_grads(
         raise RuntimeError(
             "all_reduce_grads needs an initialised default process group (dist.init_process_group)"
         )
-    check_wire_dtype(wire_dtype)
+    check_wire_dtype(reduce_dtype)
     store.settle()
     futures, flagged, unflagged = [], [], []
     for key, buffer in store.buffers.items():
         found = store.flagged(key)
         if found is None:
-            futures.append(_all_reduce_mean(buffer, process_group, wire_dtype))
+            futures.append(_all_reduce_mean(buffer, process_group, reduce_dtype))
             unflagged += [p for p in store.params if store.slot(p)[0] == key]
         else:
             raw, flags, members = found
-            futures.append(_all_reduce_mean(raw, process_group, wire_dtype))
+            futures.append(_all_reduce_mean(raw, process_group, reduce_dtype))
             flagged.append((flags, members))
     if unflagged:
         used = host_tensor([p.grad is not None for p in unflagged], torch.uint8, unflagged[0].device)
@@ -402,7 +402,7 @@ def refuse_main_grads(grad_dtype: str | None, what: str) -> None:
     if grad_dtype is not None:
         raise ValueError(
             f"{what} cannot carry main grads (grad_dtype={grad_dtype!r}): DDP keeps each "
-            "gradient in its parameter's dtype; synchronise this model with flatgrad.DataParallel "
+            "gradient in its parameter's dtype; synchronise this model with flatgrad.replicate "
             "instead (float32 buckets; with flatgrad.ShardedOptimizer for float32 master "
             "shards), or wrap it without grad_dtype"
         )
@@ -476,7 +476,7 @@ def cores_to_spare(process_group: dist.ProcessGroup | None) -> bool:
 def launch_average(
     sent: torch.Tensor,
     process_group: dist.ProcessGroup | None,
-    wire_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
     scatter: bool,
     divide: bool = True,
     divisor: int | None = None,
@@ -485,13 +485,13 @@ def launch_average(
     or (`scatter`) a reduce-scatter whose result is this rank's piece of `sent` (the caller
     asks for it only where `BackendPolicy.reduce_scatter` says so: gloo all-reduces, which
     leaves that piece averaged too). Returns the
-    work and the wire tensor when it is not `sent` itself (a `wire_dtype` copy, which the
+    work and the wire tensor when it is not `sent` itself (a `reduce_dtype` copy, which the
     caller copies back once the work is done). `divide` False where the reduction sums:
     the sum is left for the caller to divide (the shards a ShardedOptimizer reads).
     `divisor`: the ranks to average over when not the world size (under a `Join` that
     divides by the ranks not joined yet, whose joined ranks send zeros): a sum of the
     ranks' gradients divided first, on every backend."""
-    wire = to_wire(sent, wire_dtype)
+    wire = to_wire(sent, reduce_dtype)
     op, must_divide = average_op(wire, process_group)
     world_size = dist.get_world_size(process_group)
     ranks = world_size

@@ -39,7 +39,7 @@ class FlatGradConfig(BaseModel):
     bfloat16 and float16 parameters live in the float32 buffer of their device, as "main
     grads" (`FlatGrad.main_grad`): micro-batch sums, norms, clipping and all-reduces then
     run in float32, and those parameters' `.grad` stays None (see docs/mixed-precision.md).
-    Float32 and float64 parameters are unaffected. `DataParallel` averages them in float32,
+    Float32 and float64 parameters are unaffected. `replicate` averages them in float32,
     `ShardedOptimizer` steps them through float32 master shards; the DDP hook path refuses
     them (DDP keeps each gradient in its parameter's dtype)."""
 

@@ -105,7 +105,7 @@ class _Linear(torch.autograd.Function):
                 elif compute != dtype:  # in the autocast dtype, cast on write; divided into a divided slot
                     w = rows_t.mm(xs)
                     slot.copy_(w) if mode == "out" else slot.add_(w, alpha=write_scale(param, mode))  # type: ignore[union-attr,arg-type]
-                else:  # (scaled in the GEMM inside a DataParallel backward: see `write_scale`)
+                else:  # (scaled in the GEMM inside a replicate backward: see `write_scale`)
                     scale = write_scale(param, mode)  # type: ignore[arg-type]
                     if mode == "add":
                         slot.addmm_(rows_t, xs, alpha=scale)  # type: ignore[union-attr]

@@ -8,14 +8,15 @@ imports Lightning, and this module is imported only by a user who asks for it):
 - ``"flatgrad"``: `FlatGradDDPStrategy`, ``DDP(FlatGrad(module), **flat.ddp_kwargs())`` with
   `flatgrad.allreduce_hook` registered;
 - ``"flatgrad_data_parallel"``: `FlatGradDataParallelStrategy`,
-  ``flatgrad.DataParallel(FlatGrad(module))``;
+  ``flatgrad.replicate(FlatGrad(module))``;
 - ``"flatgrad_sharded"``: `FlatGradShardedStrategy`, the same, with the optimizer that
   ``configure_optimizers`` returns rebuilt as a `flatgrad.ShardedOptimizer` (ZeRO-1).
 
 The strategy applies FlatGrad to the LightningModule in place when ``fit`` sets up (after the
 precision plugin converted it and it moved to its device): it stays a LightningModule of its
-own class, with its hooks, names and checkpoints; DataParallel around it is taken off at
-teardown, as Lightning's own DDPStrategy does with DDP. Each is a `DDPStrategy` subclass, so the
+own class, with its hooks, names and checkpoints (``flatgrad.replicate`` too, under the
+DataParallel strategies; DDP around it is taken off at teardown, as Lightning's own
+DDPStrategy does). Each is a `DDPStrategy` subclass, so the
 process launching, device placement (one device per process; NCCL on CUDA, gloo on CPU),
 ``trainer.test``/``predict`` (no wrapper, as DDPStrategy) and the checkpoint files are
 Lightning's. What differs from DDPStrategy:
@@ -37,8 +38,8 @@ Lightning's. What differs from DDPStrategy:
   ``"ddp"`` and the other strategies resume from it; it resumes from that form (any of
   theirs) and from its own by-name one.
 - Manual optimization: ``manual_backward`` runs inside the wrapper's forward (Lightning calls
-  training_step there); DataParallel averages such a backward unless it runs inside
-  ``block_backward_sync()`` (`DataParallel.no_sync`), as DDPStrategy's ``pre_backward``
+  training_step there); a replicated module averages such a backward unless it runs inside
+  ``block_backward_sync()`` (its `no_sync`), as DDPStrategy's ``pre_backward``
   prepares DDP's reducer for it. Several optimizers (a GAN) are sharded by tensor under
   ``"flatgrad_sharded"``.
 """
@@ -66,7 +67,7 @@ from flatgrad._zero_state import CLASS_STATE, MASTER, whole_state
 from flatgrad.amp import GradScaler
 from flatgrad.comm import FlatGradCommState, allreduce_hook
 from flatgrad.config import FlatGradConfig
-from flatgrad.parallel import DataParallel
+from flatgrad.parallel import ReplicateModule, replicate, unreplicate
 from flatgrad.sharded import ShardedOptimizer
 from flatgrad.wrapper import FlatGrad
 
@@ -158,18 +159,18 @@ class FlatGradDDPStrategy(DDPStrategy):
 
 class FlatGradDataParallelStrategy(DDPStrategy):
     """Lightning's DDPStrategy environment (processes, devices, process group) with
-    ``flatgrad.DataParallel(FlatGrad(module))`` in place of DDP: buckets that are views of the
+    ``flatgrad.replicate(FlatGrad(module))`` in place of DDP: buckets that are views of the
     flat buffer, averaged during backward; ``accumulate_grad_batches`` runs the micro-batches
-    in `DataParallel.no_sync`. Registered as ``"flatgrad_data_parallel"``.
+    in the module's `no_sync`. Registered as ``"flatgrad_data_parallel"``.
 
     Args:
         config: The `FlatGrad` config (as `FlatGradDDPStrategy`'s).
-        bucket_mb: `DataParallel`'s bucket size in MiB.
-        wire_dtype: `DataParallel`'s compressed wire (``torch.bfloat16``/``torch.float16``),
+        bucket_cap_mb: `replicate`'s bucket size in MiB.
+        reduce_dtype: `replicate`'s compressed wire (``torch.bfloat16``/``torch.float16``),
             or None.
-        broadcast_buffers: `DataParallel`'s flag (rank 0's buffers before each forward that
+        broadcast_buffers: `replicate`'s flag (rank 0's buffers before each forward that
             follows a synchronised training forward).
-        check_finite: `DataParallel`'s flag (a non-finite gradient raises on every rank).
+        check_finite: `replicate`'s flag (a non-finite gradient raises on every rank).
         **kwargs: DDPStrategy's own arguments only (``accelerator``, ``parallel_devices``,
             ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``,
             ``process_group_backend``, ``timeout``, ``start_method``).
@@ -181,8 +182,8 @@ class FlatGradDataParallelStrategy(DDPStrategy):
     def __init__(
         self,
         config: Config = None,
-        bucket_mb: float = 25.0,
-        wire_dtype: torch.dtype | None = None,
+        bucket_cap_mb: float = 25.0,
+        reduce_dtype: torch.dtype | None = None,
         broadcast_buffers: bool = True,
         check_finite: bool = False,
         **kwargs: Any,
@@ -196,18 +197,31 @@ class FlatGradDataParallelStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.flatgrad_config = config
         self.data_parallel_options: dict[str, Any] = dict(
-            bucket_mb=bucket_mb,
-            wire_dtype=wire_dtype,
+            bucket_cap_mb=bucket_cap_mb,
+            reduce_dtype=reduce_dtype,
             broadcast_buffers=broadcast_buffers,
             check_finite=check_finite,
         )
         self.flat: FlatGrad | None = None  # the wrapper, once fit has set up
 
-    def _setup_model(self, model: torch.nn.Module) -> DataParallel:  # type: ignore[override]
-        """``flatgrad.DataParallel(FlatGrad(model), ...)`` (its constructor broadcasts rank 0's
-        parameters and buffers, as DDP's)."""
+    def _setup_model(self, model: torch.nn.Module) -> ReplicateModule:  # type: ignore[override]
+        """``flatgrad.replicate(FlatGrad(model), ...)``, in place (it broadcasts rank 0's
+        parameters and buffers, as DDP's constructor); a module an earlier fit replicated is
+        replicated afresh (`unreplicate` first)."""
+        if isinstance(model, ReplicateModule):  # (an earlier fit's: its process group may be gone)
+            unreplicate(model)
         self.flat = FlatGrad(model, self.flatgrad_config)
-        return DataParallel(self.flat, **self.data_parallel_options)
+        return replicate(self.flat, **self.data_parallel_options)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's, always through the module's call (Lightning calls ``training_step``
+        directly where the strategy's model is the LightningModule itself, which skips the
+        bookkeeping of the replicated module's call that decides the averaging)."""
+        assert self.lightning_module is not None and self.model is not None
+        with self.precision_plugin.train_step_context():
+            return self._forward_redirection(
+                self.model, self.lightning_module, "training_step", *args, **kwargs
+            )
 
     def configure_ddp(self) -> None:
         """Wrap the LightningModule (DDPStrategy's also registers DDP comm hooks: none here)."""
@@ -216,8 +230,8 @@ class FlatGradDataParallelStrategy(DDPStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """`DataParallel.no_sync` while Lightning accumulates (``accumulate_grad_batches``)."""
-        if isinstance(self.model, DataParallel):
+        """The model's `no_sync` while Lightning accumulates (``accumulate_grad_batches``)."""
+        if isinstance(self.model, ReplicateModule):
             with self.model.no_sync():
                 yield None
         else:
@@ -227,13 +241,6 @@ class FlatGradDataParallelStrategy(DDPStrategy):
         """Lightning's, then norm clipping through flatgrad (see the module notes)."""
         super().setup_precision_plugin()
         _clip_through_flatgrad(self.precision_plugin, lambda: self.flat)
-
-    def teardown(self) -> None:
-        """Unwrap the LightningModule (DDPStrategy's teardown unwraps DDP only), then
-        DDPStrategy's."""
-        if isinstance(self.model, DataParallel):
-            self.model = self.lightning_module
-        super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -245,7 +252,7 @@ class FlatGradDataParallelStrategy(DDPStrategy):
         strategy_registry.register(
             "flatgrad_data_parallel",
             cls,
-            description="flatgrad.DataParallel: overlapped buckets of the flat buffer",
+            description="flatgrad.replicate: overlapped buckets of the flat buffer",
         )
 
 
@@ -259,7 +266,7 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
 
     Clipping is by norm only (the norm of the whole averaged gradient); a checkpoint holds
     the whole optimizer state, in torch's form (see the module notes). Several optimizers
-    are sharded by tensor (they share the one DataParallel so).
+    are sharded by tensor (they share the one replicated module so).
 
     Args:
         config: The `FlatGrad` config (as `FlatGradDDPStrategy`'s).
@@ -299,7 +306,7 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         """``"16-mixed"``: the plugin's ``torch.amp.GradScaler`` (which a ShardedOptimizer
         refuses at `step`: it would unscale `.grad`, reduce-scattered) replaced by a
         `flatgrad.GradScaler` with the same settings (it unscales this rank's gradient
-        shards and agrees on overflows over the ranks); then the DataParallel strategy's."""
+        shards and agrees on overflows over the ranks); then the replicate strategy's."""
         plugin = self.precision_plugin
         scaler = getattr(plugin, "scaler", None)
         if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, GradScaler):
@@ -317,7 +324,7 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         """``configure_optimizers``' optimizers (Lightning's), each rebuilt as a
         ShardedOptimizer over the wrapped module; schedulers are pointed at it."""
         super().setup_optimizers(trainer)
-        assert isinstance(self.model, DataParallel)
+        assert isinstance(self.model, ReplicateModule)
         shard_by = _shard_by(self.sharded_options["shard_by"], len(self.optimizers))
         sharded: list[torch.optim.Optimizer] = [
             self._sharded(self.model, opt, shard_by) for opt in self.optimizers
@@ -340,14 +347,14 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         super().teardown()
 
     def _sharded(
-        self, dp: DataParallel, optimizer: torch.optim.Optimizer, shard_by: ShardBy | None
+        self, model: ReplicateModule, optimizer: torch.optim.Optimizer, shard_by: ShardBy | None
     ) -> ShardedOptimizer:
         if isinstance(optimizer, ShardedOptimizer):
             return optimizer
         groups = [dict(group) for group in optimizer.param_groups]
         defaults = _constructor_arguments(type(optimizer), optimizer.defaults)
         options = {**self.sharded_options, "shard_by": shard_by}
-        return ShardedOptimizer(dp, type(optimizer), groups, **options, **defaults)
+        return ShardedOptimizer(model, type(optimizer), groups, **options, **defaults)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The ShardedOptimizer's state made whole (every rank's shards; a collective:
@@ -391,7 +398,7 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
             strategy_registry: Lightning's ``StrategyRegistry``.
         """
         strategy_registry.register(
-            "flatgrad_sharded", cls, description="flatgrad.DataParallel with ShardedOptimizer (ZeRO-1)"
+            "flatgrad_sharded", cls, description="flatgrad.replicate with ShardedOptimizer (ZeRO-1)"
         )
 
 
@@ -525,14 +532,14 @@ def _plain_value(value: object, param: torch.Tensor) -> object:
 
 def _shard_by(shard_by: ShardBy | None, num_optimizers: int) -> ShardBy | None:
     """How each of `num_optimizers` ShardedOptimizers shards: several share the one
-    DataParallel only by tensor (by element, dp's buckets reduce-scatter for one optimizer's
+    one replicated module only by tensor (by element, its buckets reduce-scatter for one optimizer's
     shards), so by tensor unless asked otherwise (a GAN's two optimizers)."""
     if num_optimizers < 2:
         return shard_by
     if shard_by == "element":
         raise ValueError(
             f"shard_by must be 'tensor' or None under flatgrad_sharded with {num_optimizers} "
-            "optimizers (by element, the DataParallel's buckets reduce-scatter for one "
+            "optimizers (by element, the module's buckets reduce-scatter for one "
             "optimizer's shards), got 'element'"
         )
     logger.info("flatgrad_sharded: %d optimizers, each sharded by tensor", num_optimizers)

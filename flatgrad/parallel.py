@@ -1,8 +1,9 @@
-"""`DataParallel`: overlapped, bucketed gradient averaging on FlatGrad's one flat buffer.
+"""`replicate`: overlapped, bucketed gradient averaging on FlatGrad's one flat buffer, applied
+to the model in place (`ReplicateModule`, `ReplicateState`).
 
 Buckets are `narrow` views of the flat buffer, cut at slot boundaries in the buffer's order
 (the reverse of registration, roughly the order backward produces gradients), about
-`bucket_mb` each and a small first one (not on a CPU host whose cores the ranks' threads
+`bucket_cap_mb` each and a small first one (not on a CPU host whose cores the ranks' threads
 already fill: there gloo's thread overlaps nothing, see `flatgrad._bucket_sync.plan_buckets`).
 A post hook on the AccumulateGrad node of every parameter (it fires also for the routed
 layers, whose Functions hand AccumulateGrad None) counts the parameter ready; when every
@@ -33,13 +34,13 @@ coordinator, `flatgrad._backward`, which this forward's sync flag is bound into)
 before any gradient is final, after the seater, and runs that callback after the seater's.
 Any other backward that accumulates into a parameter averages
 when a synchronising forward came since the last averaged backward, whichever graph it goes
-through: a loss kept on the module during forward (an auxiliary loss), an output dp cannot
+through: a loss kept on the module during forward (an auxiliary loss), an output replicate cannot
 look into (a plain object, a dict subclass); the first AccumulateGrad hook it reaches opens
 it (and counts no parameter ready before its AccumulateGrad runs). A backward after a
-forward that did not synchronise (``dp.module(x)`` called directly, a forward under
-no_sync()) that goes through no synchronising output stays local.
-A backward that opens while a training forward of dp runs (inside it: a LightningModule's
-``manual_backward`` in the training_step that dp's forward runs) averages unless no_sync()
+forward that did not synchronise (a forward under no_sync()) that goes through no
+synchronising output stays local.
+A backward that opens while a training forward of the model runs (inside it: a LightningModule's
+``manual_backward`` in the training_step that its forward runs) averages unless no_sync()
 holds as it opens, whatever earlier forwards armed, as Lightning's DDPStrategy prepares
 DDP's reducer in ``pre_backward`` (`BucketSync.begin_forward`).
 A nested backward (reentrant activation checkpointing) counts toward the backward it runs
@@ -50,7 +51,7 @@ that should average is refused.
 
 On CUDA with NCCL the collectives run on the process group's own communication stream,
 which waits (through an event) for the stream current at the launch: an AccumulateGrad
-hook's (the stream its node was made on, which DataParallel keeps from its construction)
+hook's (the stream its node was made on, which replicate keeps from its application)
 or the final callback's. That stream first waits for the one the backward opened on (the
 forward's, where the routed layers write their slots) when they differ: a model trained on
 another stream than it was wrapped on. `Work.wait()` in the final callback makes the
@@ -63,181 +64,364 @@ from __future__ import annotations
 import contextlib
 import logging
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, JoinHook
 from torch.distributed.device_mesh import DeviceMesh
 
 from flatgrad._bucket_sync import BucketSync
 from flatgrad._dtensor import local_of
-from flatgrad._module_proxy import PlainNames, add_prefix
-from flatgrad._torch_compat import broadcast_coalesced, join_state, preserve_version_counter
+from flatgrad._torch_compat import broadcast_coalesced, join_state, leave_join, preserve_version_counter
 from flatgrad.comm import check_wire_dtype
-from flatgrad.wrapper import FlatGrad, engine_of
+from flatgrad.wrapper import FlatGrad, engine_of, flat_class, original_class
 
 logger = logging.getLogger(__name__)
 
 _BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
 
 
-class DataParallel(PlainNames, Joinable):
-    """Averages the gradients of `flat` over `process_group` during backward, bucket by
-    bucket, overlapping communication with the rest of the backward.
+class ReplicateModule(FlatGrad):
+    """What `replicate` adds to a model (besides `FlatGrad`'s): the calls that average, and
+    DDP's and FSDP2's control surface. `replicate_state` gives the rest (buckets, timings).
 
-    ``dp(*args)`` is ``flat(*args)``; after ``loss.backward()`` returns every `.grad` is
-    averaged over the ranks (as under DDP), also when the loss does not come out of dp's
-    output (an auxiliary loss kept on the module). ``with dp.no_sync():`` accumulates locally.
-    Rank 0's parameters and buffers are broadcast at construction, and with
-    `broadcast_buffers` (DDP's flag and default) its buffers (BatchNorm statistics) again
-    before each forward that follows a synchronised training forward, as DDP does.
+    ``model(*args)`` runs as before; after ``loss.backward()`` returns every `.grad` is
+    averaged over the ranks (as under DDP), also when the loss does not come out of the
+    model's output (an auxiliary loss kept on the module). ``with model.no_sync():`` (or
+    ``model.set_requires_gradient_sync(False)``) accumulates locally. With
+    ``broadcast_buffers`` (DDP's flag and default) rank 0's buffers (BatchNorm statistics)
+    are broadcast before each forward that follows a synchronised training forward.
 
-    A `torch.distributed.algorithms.Joinable`, as DDP: for uneven data per rank, train inside
-    ``with Join([dp, opt]):`` (dp first; `opt` a plain torch optimizer, which Join leaves
-    alone, or a `ShardedOptimizer`). A rank that ran out of data shadows each iteration of
-    the others: the buffer broadcast, and each synchronised backward's averaging with zeros
-    for its gradients (`join_hook`); gradients are divided by the world size, as DDP's by
-    default, or by the ranks not joined yet with ``Join(..., divide_by_initial_world_size=False)``.
-    When every rank has joined, the last to join broadcasts its parameters and buffers.
+    The model is a `torch.distributed.algorithms.Joinable`, as DDP: for uneven data per rank,
+    train inside ``with Join([model, opt]):`` (the model first; `opt` a plain torch
+    optimizer, which Join leaves alone, or a `ShardedOptimizer`). A rank that ran out of data
+    shadows each iteration of the others: the buffer broadcast, and each synchronised
+    backward's averaging with zeros for its gradients; gradients are divided by the world
+    size, as DDP's by default, or by the ranks not joined yet with
+    ``Join(..., divide_by_initial_world_size=False)``. When every rank has joined, the last to
+    join broadcasts its parameters and buffers. A deep copy or an unpickled model is
+    FlatGrad's alone: `replicate` it again to average."""
+
+    # Eager even under torch.compile(model), as FlatGrad.__call__ (the frame only): its
+    # bookkeeping must see the real output and is disabled as a whole; the model is still
+    # compiled (FlatGrad's `_flatgrad_call` hands it to Dynamo).
+    @torch.compiler.disable(recursive=False)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state = replicate_state(self)
+        training = state.before_forward()
+        learning = state._engine.forward_context  # (ShardedOptimizer's `ForwardWaits.learning`)
+        finished = False
+        try:
+            if learning is None:
+                output = super().__call__(*args, **kwargs)
+            else:
+                with learning():
+                    output = super().__call__(*args, **kwargs)
+            finished = True
+        finally:  # (a forward that raised ends too: a later backward is outside it)
+            state.after_forward(training, finished)
+        return output
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A deep copy or an unpickled model is FlatGrad's alone (the data-parallel state
+        # holds the process group and autograd hooks): `replicate` it again to average.
+        state = super().__getstate__()
+        state.pop(_STATE, None)
+        state.pop("_join_config", None)
+        return state
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forwards inside (and the backwards through their outputs) accumulate into the
+        flat buffer without communicating, as under DDP's ``no_sync()``; the first backward
+        of a forward outside averages everything accumulated.
+
+        Returns:
+            A context manager (``with model.no_sync():``), which binds nothing.
+        """
+        state = replicate_state(self)
+        previous, state.sync = state.sync, False
+        try:
+            yield
+        finally:
+            state.sync = previous
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's switch: whether the backwards of the next forwards average (False: they
+        accumulate locally, as inside `no_sync`, until it is set True again).
+
+        Args:
+            requires_gradient_sync: Whether to average.
+        """
+        replicate_state(self).sync = bool(requires_gradient_sync)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's flag, which `no_sync()` toggles: whether the next forward's backward
+        averages. nanoGPT's train.py sets it directly instead of entering `no_sync()`
+        (``model.require_backward_grad_sync = micro_step == last``); that works here too.
+
+        Returns:
+            True unless inside `no_sync()` or set to False.
+        """
+        return replicate_state(self).sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        replicate_state(self).sync = bool(value)
+
+    # --- Join (the model is the Joinable: ``with Join([model, opt]):``) ---------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook through which a rank that ran out of data shadows the others' iterations
+        inside ``with Join([model, ...]):`` (`torch.distributed.algorithms.Join` calls it).
+
+        Args:
+            **kwargs: The Join's keyword arguments: ``divide_by_initial_world_size`` (default
+                True, as DDP's) divides each average by the world size; False by the ranks
+                not joined yet. Others are for other joinables.
+
+        Returns:
+            The join hook.
+        """
+        state = replicate_state(self)
+        return _ReplicateJoinHook(state, bool(kwargs.get("divide_by_initial_world_size", True)))
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where the Join's own all-reduces run: the device of the model's gradients.
+
+        Returns:
+            The first flat buffer's device (CPU for a model without one).
+        """
+        return replicate_state(self).join_device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group the Join's all-reduces run over: the one `replicate` averages over.
+
+        Returns:
+            That process group (None: the default group).
+        """
+        return replicate_state(self).process_group
+
+
+# What ReplicateModule adds to FlatGrad's names, refused where the model has one already.
+_ADDED = (
+    "no_sync", "set_requires_gradient_sync", "require_backward_grad_sync", "join_hook", "join_device",
+    "join_process_group",
+)  # fmt: skip
+_STATE = "_flatgrad_replicate"  # the model's `__dict__` key of its `ReplicateState`
+
+
+def replicate_state(model: nn.Module) -> ReplicateState:
+    """The `ReplicateState` of a model `replicate` was applied to.
 
     Args:
-        flat: The `FlatGrad`-wrapped model; every rank must wrap the same model.
+        model: The model.
+
+    Returns:
+        Its state: the process group, the bucket views and the last backward's timings.
+
+    Raises:
+        TypeError: `replicate` was not applied to `model`.
+    """
+    state = model.__dict__.get(_STATE) if isinstance(model, nn.Module) else None
+    if state is None:
+        raise TypeError(
+            f"model must be one flatgrad.replicate was applied to, got a {type(model).__name__} "
+            "(model = flatgrad.replicate(model, ...) changes it in place)"
+        )
+    return state  # type: ignore[no-any-return]
+
+
+def replicate(
+    model: nn.Module,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    device_mesh: DeviceMesh | None = None,
+    bucket_cap_mb: float = 25.0,
+    reduce_dtype: torch.dtype | None = None,
+    broadcast_buffers: bool = True,
+    check_finite: bool = False,
+) -> ReplicateModule:
+    """Average `model`'s gradients over `process_group` during backward, bucket by bucket,
+    overlapped with the rest of the backward; in place, as torch's composable ``replicate``
+    and FSDP2's ``fully_shard``: returns `model`, now also a `ReplicateModule` (and a
+    `FlatGrad`, applied with the defaults first where it is not yet). Rank 0's parameters
+    and buffers are broadcast now. What the model does from then on: `ReplicateModule`.
+
+    Args:
+        model: The model; every rank must pass the same model.
         process_group: The group to average over; None for the default group. For a
-            tensor-parallel model (DTensor parameters), the data-parallel dimension's group,
-            which holds one rank of each tensor-parallel group (``mesh["dp"].get_group()``).
-        bucket_mb: The approximate size of a bucket in MiB (the first one is smaller, 1 MiB
-            as DDP's, but for CPU buffers on a host without a core to spare).
-        wire_dtype: ``torch.bfloat16`` or ``torch.float16`` to average a compressed copy of
-            each floating-point bucket (decompressed into it); None sends the buckets as they are.
+            tensor-parallel model, the data-parallel dimension's (``mesh["dp"].get_group()``).
+        device_mesh: A 1-D `DeviceMesh` to average over instead of `process_group`.
+        bucket_cap_mb: The approximate size of a bucket in MiB, DDP's argument (the first
+            is smaller, 1 MiB as DDP's, but for CPU buffers on a host without a core to spare).
+        reduce_dtype: ``torch.bfloat16`` or ``torch.float16`` to average a compressed copy of
+            each floating-point bucket (FSDP2's MixedPrecisionPolicy name); None: as it is.
         broadcast_buffers: Whether rank 0's buffers are broadcast again before a forward that
             follows a synchronised training forward, as DDP's flag of that name.
         check_finite: Whether a non-finite local gradient on any rank makes
-            ``loss.backward()`` raise `RuntimeError` on every rank, the rank that made it
-            naming itself and the parameters (one flag all-reduce and one host sync per
-            synchronised backward); off, a NaN is averaged into every rank, as under DDP.
-        device_mesh: A 1-D `DeviceMesh` to average over instead of `process_group` (DDP's
-            argument of that name; ``mesh["dp"]`` of a 2-D mesh).
+            ``loss.backward()`` raise on every rank, naming the rank and the parameters.
+
+    Returns:
+        `model`.
 
     Raises:
-        TypeError: `flat` is not a `FlatGrad`, or `check_finite` is not a bool.
+        TypeError: `model` is not an `nn.Module`, or `check_finite` is not a bool.
         RuntimeError: No process group is initialised (``dist.init_process_group``).
-        ValueError: `bucket_mb` is not positive; `wire_dtype` is not one of the above; the
-            model has sparse embeddings (``sparse=True``), whose gradients live outside the
-            flat buffers; or
-            the ranks' models differ in their parameters' and buffers'
-            shapes, dtypes, trainability or order (raised on every rank); `device_mesh` is
-            not 1-D or comes with a `process_group`; or the group crosses the mesh of the
-            model's DTensor parameters.
+        ValueError: `replicate` was applied already; a bad `bucket_cap_mb` or `reduce_dtype`;
+            sparse embeddings, or an attribute named as one `ReplicateModule` adds; the ranks'
+            models or settings differ (raised on every rank); a bad `device_mesh`; or the
+            group crosses the mesh of the model's DTensor parameters.
     """
+    _check_arguments(model, bucket_cap_mb, reduce_dtype, check_finite)
+    flat = model if isinstance(model, FlatGrad) else FlatGrad(model)
+    engine_of(flat).refuse_sparse("replicate")
+    process_group = _mesh_group(device_mesh, process_group)
+    tensor_parallel = engine_of(flat).refresh().tensor_parallel
+    if tensor_parallel is not None:
+        tensor_parallel.check_data_parallel(process_group, "replicate")
+    _check_same_model(flat, process_group)
+    _check_same_settings(
+        flat, float(bucket_cap_mb), reduce_dtype, check_finite, bool(broadcast_buffers), process_group
+    )
+    _broadcast_from_rank0(flat, process_group)
+    state = ReplicateState(
+        flat, process_group, float(bucket_cap_mb), reduce_dtype, bool(broadcast_buffers), check_finite
+    )
+    flat.__class__ = _replicate_class(type(flat))
+    flat.__dict__[_STATE] = state
+    leave_join(flat)  # (not joined: Join configures it)
+    return flat  # type: ignore[return-value]  # (its class is a ReplicateModule now)
+
+
+def unreplicate(model: ReplicateModule) -> FlatGrad:
+    """Take `replicate` off `model` (a second Lightning fit replicates it afresh): its
+    hooks removed, its class and state FlatGrad's alone, the same object returned.
+
+    Args:
+        model: A model `replicate` was applied to, with no backward running.
+
+    Returns:
+        `model`, a `FlatGrad` of its own class again.
+    """
+    state = replicate_state(model)
+    if state._engine.in_backward:
+        state._engine.drain()  # a backward that raised never finished
+    state._engine.release()
+    del model.__dict__[_STATE]
+    model.__class__ = flat_class(original_class(type(model)))  # type: ignore[assignment]
+    return model
+
+
+def _check_arguments(
+    model: nn.Module, bucket_cap_mb: float, reduce_dtype: torch.dtype | None, check_finite: bool
+) -> None:
+    """`replicate`'s refusals that need no collective (the same on every rank)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, ReplicateModule):
+        raise ValueError(
+            "flatgrad.replicate is already applied to this model: it changes the model in place, "
+            "once (its process group and buckets are fixed then)"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("replicate needs an initialised process group (dist.init_process_group)")
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+    check_wire_dtype(reduce_dtype)
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
+    clashes = [name for name in _ADDED if hasattr(model, name)]
+    if clashes:
+        raise ValueError(
+            f"the model's class {type(model).__name__} has attributes named as those replicate adds "
+            f"({', '.join(clashes)}), which it would hide: rename them in the model"
+        )
+
+
+_REPLICATE_CLASSES: dict[type[nn.Module], type[ReplicateModule]] = {}
+
+
+def _replicate_class(flat_class: type[nn.Module]) -> type[ReplicateModule]:
+    """The subclass of `ReplicateModule` and the model's own class (under its name) that a
+    model with FlatGrad applied becomes."""
+    original = original_class(flat_class)
+    cls = _REPLICATE_CLASSES.get(original)
+    if cls is None:
+        names = {"__module__": original.__module__, "__qualname__": original.__qualname__}
+        cls = type(original.__name__, (ReplicateModule, original), names)
+        _REPLICATE_CLASSES[original] = cls
+    return cls
+
+
+class ReplicateState:
+    """One replicated model's data-parallel state: its process group and settings, the
+    bucket sync (`_engine`, a `flatgrad._bucket_sync.BucketSync` over the model's
+    `GradEngine`), what forwards do around it (buffer broadcasts, Join), the buckets and
+    the last synchronised backward's timings. Built by `replicate`; `replicate_state(model)`."""
 
     def __init__(
         self,
-        flat: FlatGrad,
-        process_group: dist.ProcessGroup | None = None,
-        bucket_mb: float = 25.0,
-        wire_dtype: torch.dtype | None = None,
-        broadcast_buffers: bool = True,
-        check_finite: bool = False,
-        device_mesh: DeviceMesh | None = None,
+        model: FlatGrad,
+        process_group: dist.ProcessGroup | None,
+        bucket_cap_mb: float,
+        reduce_dtype: torch.dtype | None,
+        broadcast_buffers: bool,
+        check_finite: bool,
     ) -> None:
-        if not isinstance(flat, FlatGrad):
-            raise TypeError(f"flat must be a flatgrad.FlatGrad, got {type(flat).__name__}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("DataParallel needs an initialised process group (dist.init_process_group)")
-        if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
-        check_wire_dtype(wire_dtype)
-        if not isinstance(check_finite, bool):
-            raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
-        engine_of(flat).refuse_sparse("DataParallel")
-        process_group = _mesh_group(device_mesh, process_group)
-        tensor_parallel = engine_of(flat).refresh().tensor_parallel
-        if tensor_parallel is not None:
-            tensor_parallel.check_data_parallel(process_group, "DataParallel")
-        super().__init__()
-        Joinable.__init__(self)  # (not joined: Join configures it)
-        self.module = flat
-        self._share_root()
+        self.module = model
         self.process_group = process_group
-        self.bucket_mb = float(bucket_mb)
-        self.wire_dtype = wire_dtype
+        self.bucket_cap_mb = bucket_cap_mb
+        self.reduce_dtype = reduce_dtype
         self.world_size = dist.get_world_size(process_group)
-        self.broadcast_buffers = bool(broadcast_buffers)
+        self.broadcast_buffers = broadcast_buffers
         # DDP's require_forward_param_sync: whether the last forward trained and synchronised
         # (True before the first), which is when the next forward broadcasts the buffers.
         self._sync_buffers_next = True
         self._divide_by_initial_world_size = True  # (the running Join's, as DDP's)
-        _check_same_model(flat, process_group)
-        _check_same_settings(
-            flat, self.bucket_mb, wire_dtype, check_finite, self.broadcast_buffers, process_group
-        )
-        _broadcast_from_rank0(flat, process_group)
-        self._engine = BucketSync(engine_of(flat), process_group, self.bucket_mb, wire_dtype, check_finite)
+        self._engine = BucketSync(engine_of(model), process_group, bucket_cap_mb, reduce_dtype, check_finite)
 
-    # --- public -------------------------------------------------------------------------
+    @property
+    def sync(self) -> bool:
+        """DDP's require_backward_grad_sync (the flag lives in the bucket sync: a backward
+        that opens inside a forward reads it then)."""
+        return self._engine.sync
 
-    # Eager even under torch.compile(dp), as FlatGrad.forward (the frame only): its
-    # bookkeeping (the hooks on the output's nodes that open each backward) must see the
-    # real output, not a traced one, and is disabled as a whole so that Dynamo sees none of
-    # it; the wrapped model is still compiled (FlatGrad's forward hands it to Dynamo).
-    @torch.compiler.disable(recursive=False)
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """``flat(*args, **kwargs)``; a backward through the output averages when this
-        forward synchronises (grad enabled, outside `no_sync()`).
-
-        Args:
-            *args: Positional arguments, passed to the wrapped model unchanged.
-            **kwargs: Keyword arguments, passed to the wrapped model unchanged.
-
-        Returns:
-            The wrapped model's output, unchanged.
-
-        Raises:
-            ValueError: A sparse embedding (``sparse=True``) was added to the model since
-                construction.
-        """
-        training = self._before_forward()
-        learning = self._engine.forward_context  # (ShardedOptimizer's `ForwardWaits.learning`)
-        finished = False
-        try:
-            if learning is None:
-                output = self.module(*args, **kwargs)
-            else:
-                with learning():
-                    output = self.module(*args, **kwargs)
-            finished = True
-        finally:  # (a forward that raised ends too: a later backward is outside it)
-            self._after_forward(training, finished)
-        return output
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self._engine.sync = value
 
     @torch.compiler.disable
-    def _before_forward(self) -> bool:
-        """Before the wrapped model's forward; whether it trains (grad enabled)."""
+    def before_forward(self) -> bool:
+        """Before the model's forward; whether it trains (grad enabled)."""
         engine = self._engine
         if engine.in_backward:
             engine.drain()  # a backward that raised never finished
         if engine_of(self.module).steady() is not engine.store:
             engine.rebuild()
-        joined, first = join_state(self)
+        joined, first = join_state(self.module)
         if joined:
             self._notify_join(first)
         elif self._sync_buffers_next and self.broadcast_buffers and engine.has_buffers:
             self._broadcast_buffers()
         # The backward through the output of the forward about to run is this one's too
         # (bound into that forward's plan: see flatgrad._backward).
-        engine_of(self.module).expect_sync(engine, self._sync)
+        engine_of(self.module).expect_sync(engine, self.sync)
         training = torch.is_grad_enabled()
         if training:  # a backward inside it (Lightning's manual_backward) averages unless no_sync
             engine.begin_forward()
         return training
 
     @torch.compiler.disable
-    def _after_forward(self, training: bool, finished: bool) -> None:
+    def after_forward(self, training: bool, finished: bool) -> None:
         if finished:
-            self._sync_buffers_next = training and self._sync
+            self._sync_buffers_next = training and self.sync
         if training:
             self._engine.end_forward(finished)
 
@@ -255,26 +439,24 @@ class DataParallel(PlainNames, Joinable):
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.process_group, rank) if self.process_group is not None else rank
 
-    # --- Join -----------------------------------------------------------------------------
-
     def _notify_join(self, first: bool) -> None:
         """Before a forward inside a `Join`, what DDP's forward does there, in its order: tell
         the joined ranks that this one has not joined (`Join.notify_join_context`); broadcast
         the buffers from the highest rank not joined (rank 0 may have joined with stale
         ones); and all-reduce (sync, 1), which the joined ranks match with zeros
-        (`_DataParallelJoinHook`): whether this forward's backward averages, and the ranks
+        (`_ReplicateJoinHook`): whether this forward's backward averages, and the ranks
         not joined, which it divides by under ``divide_by_initial_world_size=False``. One
         small all-reduce per forward more than outside a Join, as DDP's."""
         if not first:
             raise ValueError(
-                "DataParallel must be the first joinable of its Join, as DDP is: "
-                "Join([dp, opt]) (its forward's all-reduce tells the joined ranks that this "
+                "the replicated model must be the first joinable of its Join, as DDP is: "
+                "Join([model, opt]) (its forward's all-reduce tells the joined ranks that this "
                 f"rank has not joined), got it at another place on rank {dist.get_rank(self.process_group)}"
             )
-        Join.notify_join_context(self)
+        Join.notify_join_context(self.module)  # type: ignore[arg-type]
         if self._sync_buffers_next and self.broadcast_buffers and self._engine.has_buffers:
             self._broadcast_buffers(self._common_rank(True))
-        sync = torch.is_grad_enabled() and self._sync
+        sync = torch.is_grad_enabled() and self.sync
         flags = torch.tensor([int(sync), 1], dtype=torch.int64, device=self.join_device)
         work = dist.all_reduce(flags, group=self.process_group, async_op=True)
         self._engine.joined_count = None if self._divide_by_initial_world_size else (work, flags)
@@ -287,111 +469,11 @@ class DataParallel(PlainNames, Joinable):
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
         return int(found.item())
 
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """The hook through which a rank that ran out of data shadows the others' iterations
-        inside ``with Join([dp, ...]):`` (`torch.distributed.algorithms.Join` calls it).
-
-        Args:
-            **kwargs: The Join's keyword arguments: ``divide_by_initial_world_size`` (default
-                True, as DDP's) divides each average by the world size; False by the ranks
-                not joined yet. Others are for other joinables.
-
-        Returns:
-            The join hook.
-        """
-        return _DataParallelJoinHook(self, bool(kwargs.get("divide_by_initial_world_size", True)))
-
     @property
     def join_device(self) -> torch.device:
-        """Where the Join's own all-reduces run: the device of the model's gradients.
-
-        Returns:
-            The first flat buffer's device (CPU for a model without one).
-        """
+        """The first flat buffer's device (CPU for a model without one)."""
         buffers = self.module.grad_buffers
         return next(iter(buffers.values())).device if buffers else torch.device("cpu")
-
-    @property
-    def join_process_group(self) -> Any:
-        """The group the Join's all-reduces run over: this DataParallel's.
-
-        Returns:
-            `process_group` (None: the default group).
-        """
-        return self.process_group
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Forwards inside (and the backwards through their outputs) accumulate into the
-        flat buffer without communicating, as under DDP; the first backward of a forward
-        outside averages everything accumulated.
-
-        Returns:
-            A context manager (``with dp.no_sync():``), which binds nothing.
-        """
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    @property
-    def _sync(self) -> bool:
-        # The flag lives in the engine: a backward that opens inside a forward reads it then.
-        return self._engine.sync
-
-    @_sync.setter
-    def _sync(self, value: bool) -> None:
-        self._engine.sync = value
-
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        """DDP's flag, which `no_sync()` toggles: whether the next forward's backward
-        averages. nanoGPT's train.py sets it directly instead of entering `no_sync()`
-        (``model.require_backward_grad_sync = micro_step == last``); that works here too.
-
-        Returns:
-            True unless inside `no_sync()` or set to False.
-        """
-        return self._sync
-
-    @require_backward_grad_sync.setter
-    def require_backward_grad_sync(self, value: bool) -> None:
-        self._sync = bool(value)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped model's state dict, under the plain model's keys (no ``module.`` prefix).
-
-        Args:
-            *args: Passed to `nn.Module.state_dict` unchanged.
-            **kwargs: Passed to `nn.Module.state_dict` unchanged (``destination``, ``prefix``,
-                ``keep_vars``).
-
-        Returns:
-            The plain model's state dict.
-        """
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        """`FlatGrad.load_state_dict` (the plain model's keys, no ``module.`` prefix).
-
-        Args:
-            state_dict: The plain model's state dict (or one with ``module.`` prefixes).
-            strict: As `nn.Module.load_state_dict`'s: every key must match.
-            assign: As `nn.Module.load_state_dict`'s: assign the tensors instead of copying.
-
-        Returns:
-            The missing and unexpected keys, as `nn.Module.load_state_dict` returns them.
-        """
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        # Nested in a module, whose `state_dict` gets the plain model's keys under `prefix`
-        # (`state_dict` above): the FlatGrad below takes them under ``prefix + "module."``.
-        add_prefix(self, state_dict, prefix, args[0])
-        super()._load_from_state_dict(state_dict, prefix, *args)
 
     @property
     def buckets(self) -> list[torch.Tensor]:
@@ -436,17 +518,17 @@ class DataParallel(PlainNames, Joinable):
         return self._engine.last_round.backward_s
 
 
-class _DataParallelJoinHook(JoinHook):
+class _ReplicateJoinHook(JoinHook):
     """What a rank that ran out of data does in place of each iteration of the ranks still
     training, as DDP's join hook (`_DDPJoinHook`) does for DDP."""
 
-    def __init__(self, dp: DataParallel, divide_by_initial_world_size: bool) -> None:
+    def __init__(self, dp: ReplicateState, divide_by_initial_world_size: bool) -> None:
         self.dp = dp
         dp._divide_by_initial_world_size = divide_by_initial_world_size
         super().__init__()
 
     def main_hook(self) -> None:
-        """Match one forward of the others (`DataParallel._notify_join`) and, when it
+        """Match one forward of the others (`ReplicateState._notify_join`) and, when it
         averages, its backward (`BucketSync.shadow`, with zeros for this rank's gradients)."""
         dp = self.dp
         engine = dp._engine
@@ -500,25 +582,25 @@ _WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
 def _check_same_settings(
     flat: FlatGrad,
-    bucket_mb: float,
-    wire_dtype: torch.dtype | None,
+    bucket_cap_mb: float,
+    reduce_dtype: torch.dtype | None,
     check_finite: bool,
     broadcast_buffers: bool,
     process_group: dist.ProcessGroup | None,
 ) -> None:
     """Raise on every rank, naming each setting and every rank's value, unless all ranks
-    agree on what shapes the collectives: ``bucket_mb`` (the buckets), ``wire_dtype`` (what
+    agree on what shapes the collectives: ``bucket_cap_mb`` (the buckets), ``reduce_dtype`` (what
     each all-reduce sends), ``check_finite`` (an all-reduce per backward more),
     ``broadcast_buffers`` (a broadcast per forward), and the layout of the gradient buffers
     (``align_bytes``, ``grad_dtype``: the elements every collective covers). A rank that differs would
     otherwise be killed inside the backend with no Python error, or hang. One small
     all-gather."""
     buffers = flat.grad_buffers
-    wire = _WIRE_DTYPES.index(wire_dtype) if wire_dtype in _WIRE_DTYPES else len(_WIRE_DTYPES)
+    wire = _WIRE_DTYPES.index(reduce_dtype) if reduce_dtype in _WIRE_DTYPES else len(_WIRE_DTYPES)
     config = flat.flatgrad_config
     mine = [
-        ("bucket_mb", bucket_mb),
-        ("wire_dtype", wire),
+        ("bucket_cap_mb", bucket_cap_mb),
+        ("reduce_dtype", wire),
         ("check_finite", int(check_finite)),
         ("broadcast_buffers", int(broadcast_buffers)),
         ("align_bytes", config.align_bytes),
@@ -531,7 +613,7 @@ def _check_same_settings(
     dist.all_gather(gathered, values, group=process_group)
     rows = [g.tolist() for g in gathered]
     named = {
-        "wire_dtype": [str(d) for d in _WIRE_DTYPES],
+        "reduce_dtype": [str(d) for d in _WIRE_DTYPES],
         "grad_dtype": ["None", "float32"],
         "check_finite": ["False", "True"],
         "broadcast_buffers": ["False", "True"],

@@ -1,14 +1,14 @@
-"""`PipelineStage`: torch's pipeline stage over a `flatgrad.DataParallel` submodule, averaging
+"""`PipelineStage`: torch's pipeline stage over a `flatgrad.replicate`d submodule, averaging
 in the last micro-batch's backward of each step, as torch's stage does for a DDP submodule.
 
 torch's stage (`torch.distributed.pipelining.PipelineStage`) tells only DDP and FSDP
 submodules, by `isinstance`, which backward of a step is the last. For DDP it runs every
 forward under ``no_sync()`` and prepares DDP's reducer before the last backward
 (``last_backward``, which the schedule passes to `backward_one_chunk` and
-`backward_weight_one_chunk`). This subclass does the same for DataParallel through those
-public methods alone: every forward under ``dp.no_sync()``, and the last full backward
+`backward_weight_one_chunk`). This subclass does the same for `replicate` through those
+public methods alone: every forward under ``model.no_sync()``, and the last full backward
 opened averaging (`flatgrad._bucket_sync.BucketSync.averaging`), so its buckets launch
-during that backward as DataParallel's do outside a pipeline, with a ShardedOptimizer's
+during that backward as `replicate`'s do outside a pipeline, with a ShardedOptimizer's
 reduce-scatter too. A step that ran a split backward (zero-bubble schedules: an input part
 and a weight part, whose weight gradients come from ``torch.autograd.grad`` and are
 assigned to `.grad` by the stage, so no AccumulateGrad hook sees them) averages instead with
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 
-from flatgrad.parallel import DataParallel
+from flatgrad.parallel import ReplicateModule, ReplicateState, replicate_state
 
 # The methods of torch's stage this subclass runs inside, and the parameter each must take.
 _STAGE_METHODS = {
@@ -52,40 +52,41 @@ def _check_torch_stage() -> None:
             raise RuntimeError(
                 f"flatgrad.pipelining.PipelineStage needs torch's PipelineStage.{name}"
                 + (f"({parameter}=...)" if parameter else "")
-                + f", which torch {torch.__version__} lacks: average with dp.no_sync() around "
+                + f", which torch {torch.__version__} lacks: average with model.no_sync() around "
                 "schedule.step(...) and flat.all_reduce_grads(dp_group) after it"
             )
 
 
 class PipelineStage(pipelining.PipelineStage):
-    """`torch.distributed.pipelining.PipelineStage` whose submodule is a `DataParallel`:
+    """`torch.distributed.pipelining.PipelineStage` whose submodule is replicated (`flatgrad.replicate`):
     the micro-batches accumulate locally, and the step's last backward averages,
     overlapped bucket by bucket (the step's one synchronisation). No ``no_sync()`` or
     ``all_reduce_grads`` around ``schedule.step(...)``.
 
-    Takes torch's arguments: ``PipelineStage(dp, stage_index, num_stages, device,
+    Takes torch's arguments: ``PipelineStage(model, stage_index, num_stages, device,
     input_args=..., output_args=..., group=..., dw_builder=None)``.
 
     Args:
-        submodule: The stage's `DataParallel` (over the stage's data-parallel group).
+        submodule: The stage's module, replicated (over the stage's data-parallel group).
         *args: torch's PipelineStage arguments after the submodule (stage index, number of
             stages, device, ...), unchanged.
         **kwargs: torch's keyword arguments (``input_args``, ``output_args``, ``group``),
             unchanged; ``dw_builder`` must be None.
 
     Raises:
-        TypeError: `submodule` is not a `flatgrad.DataParallel` (a FlatGrad alone, or DDP
+        TypeError: `submodule` is not replicated (a FlatGrad alone, or DDP
             over one, goes into torch's own PipelineStage).
         ValueError: A ``dw_builder`` is given (its weight gradients would come after the
             averaging backward).
         RuntimeError: torch's stage lacks the methods this one runs inside (an older torch).
     """
 
-    def __init__(self, submodule: DataParallel, *args: Any, **kwargs: Any) -> None:
-        if not isinstance(submodule, DataParallel):
+    def __init__(self, submodule: ReplicateModule, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(submodule, ReplicateModule):
             raise TypeError(
-                "submodule must be a flatgrad.DataParallel (a FlatGrad alone or DDP over one "
-                f"goes into torch.distributed.pipelining.PipelineStage), got {type(submodule).__name__}"
+                "submodule must be one flatgrad.replicate was applied to (a FlatGrad alone or DDP "
+                "over one goes into torch.distributed.pipelining.PipelineStage), got a "
+                f"{type(submodule).__name__}"
             )
         if kwargs.get("dw_builder") is not None:
             raise ValueError(
@@ -94,12 +95,13 @@ class PipelineStage(pipelining.PipelineStage):
             )
         _check_torch_stage()
         super().__init__(submodule, *args, **kwargs)
-        self.data_parallel = submodule
+        self.replicated = submodule
+        self.data_parallel = replicate_state(submodule)
         self._split_this_step = False  # a split backward (input part) ran since the last average
         self._averaged = False  # the step's last backward averaged since the last scale_grads
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
-        """Every micro-batch's forward under ``dp.no_sync()``: its backward accumulates.
+        """Every micro-batch's forward under ``model.no_sync()``: its backward accumulates.
 
         Args:
             *args: The micro-batch's positional inputs, for the submodule.
@@ -108,7 +110,7 @@ class PipelineStage(pipelining.PipelineStage):
         Returns:
             The submodule's output.
         """
-        with self.data_parallel.no_sync():
+        with self.replicated.no_sync():
             return super().forward_maybe_with_nosync(*args, **kwargs)
 
     def backward_one_chunk(
@@ -152,12 +154,12 @@ class PipelineStage(pipelining.PipelineStage):
             self._averaged = True
 
     def _all_reduce(self) -> None:
-        """The split-backward step's average: DataParallel's settings (`wire_dtype`, and
+        """The split-backward step's average: `replicate`'s settings (`reduce_dtype`, and
         with `check_finite` its check first, on every rank alike), one all-reduce per buffer."""
         dp = self.data_parallel
         if dp._engine.check_finite:
             _check_finite(dp)
-        dp.module.all_reduce_grads(dp.process_group, dp.wire_dtype)
+        dp.module.all_reduce_grads(dp.process_group, dp.reduce_dtype)
 
     def scale_grads(self, grad_scale_factor: int) -> None:
         """Divide every gradient by `grad_scale_factor` (the schedule's number of
@@ -184,8 +186,8 @@ class PipelineStage(pipelining.PipelineStage):
                     buffer.div_(grad_scale_factor)
 
 
-def _check_finite(dp: DataParallel) -> None:
-    """What ``check_finite=True`` does in a DataParallel backward, before a split-backward
+def _check_finite(dp: ReplicateState) -> None:
+    """What ``check_finite=True`` does in a replicated backward, before a split-backward
     step's all-reduce: raise `RuntimeError` on every rank when any rank holds a non-finite
     gradient, the rank that made it naming its parameters. One small all-reduce of a flag
     per rank (the split weight gradients may be `.grad` tensors outside the buffers yet)."""
@@ -201,6 +203,6 @@ def _check_finite(dp: DataParallel) -> None:
         rank = dist.get_rank(group)
         where = f"rank {rank} (this rank) in {local[:8]}" if local else f"rank(s) {bad}"
         raise RuntimeError(
-            f"DataParallel(check_finite=True): a non-finite gradient (NaN or inf) before averaging "
+            f"replicate(check_finite=True): a non-finite gradient (NaN or inf) before averaging "
             f"on {where}; this step's gradients are not usable: skip it (zero_grad) or stop"
         )

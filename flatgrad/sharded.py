@@ -1,11 +1,11 @@
-"""`ShardedOptimizer`: ZeRO-1 over DataParallel's buckets of the one flat buffer, by element
+"""`ShardedOptimizer`: ZeRO-1 over `replicate`'s buckets of the one flat buffer, by element
 (flat shards, below) or by tensor (``shard_by="tensor"``: whole parameters per rank, for
 optimizers that update each tensor as a whole, `flatgrad._zero_tensor`).
 
 The parameters move into flat parameter buffers laid out exactly like the gradient
 buffers (every parameter becomes a view of one; `state_dict` keys do not change), with every
 slot starting on a multiple of the world size, so each bucket splits into equal shards.
-Backward reduce-scatters each bucket (asynchronously, as DataParallel all-reduces it): rank
+Backward reduce-scatters each bucket (asynchronously, as `replicate` all-reduces it): rank
 r ends up with the average of shard r of every bucket. `step()` runs the wrapped torch
 optimizer on this rank's shards only (1-D views of the flat parameter and gradient buffers,
 so its state is about 1/world_size of the unsharded state), then all-gathers every bucket's
@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -60,19 +61,19 @@ from flatgrad._zero import (
 from flatgrad._zero_state import GroupView, OptimizerRecipe, whole_state
 from flatgrad._zero_tensor import TensorEngine, TensorGroups
 from flatgrad.buffer import GradStore
-from flatgrad.parallel import DataParallel
+from flatgrad.parallel import ReplicateModule, ReplicateState, replicate_state
 from flatgrad.wrapper import engine_of
 
 
 class ShardedOptimizer(torch.optim.Optimizer, Joinable):
-    """ZeRO-1 on top of `dp`: ``ShardedOptimizer(dp, torch.optim.AdamW, lr=..., ...)``, or
+    """ZeRO-1 on top of a replicated `model`: ``ShardedOptimizer(model, torch.optim.AdamW, lr=..., ...)``, or
     with parameter groups as a torch optimizer takes them:
-    ``ShardedOptimizer(dp, torch.optim.AdamW, [{"params": decay, "weight_decay": 0.1},
+    ``ShardedOptimizer(model, torch.optim.AdamW, [{"params": decay, "weight_decay": 0.1},
     {"params": no_decay, "weight_decay": 0.0}], lr=...)``.
 
     A `torch.optim.Optimizer`: `param_groups` hold the model's parameters and are live (an
     LR scheduler, ``LambdaLR(opt, ...)``, or a loop writing ``group["lr"]`` changes the next
-    step), `add_param_group` takes parameters of `dp` not in a group yet. Each group's
+    step), `add_param_group` takes parameters of `model` not in a group yet. Each group's
     hyper-parameters apply to exactly its parameters, also where parameters of several
     groups share a bucket. ``step(closure=None)``, ``zero_grad(set_to_none=...)``,
     ``clip_grad_norm_(max_norm)`` (the global norm from the shard norms, one small
@@ -96,31 +97,31 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     parameters and all-gathers in their dtype; they are saved with the state (key
     ``"master"``). See docs/mixed-precision.md.
 
-    A tensor-parallel model (DTensor parameters, `DataParallel` over "dp"): each rank shards
+    A tensor-parallel model (DTensor parameters, `replicate` over "dp"): each rank shards
     its local shards over "dp"; `clip_grad_norm_` adds the "tp" mesh's share, the state is
     saved in the whole parameters' shapes (by element) or as DTensors (by tensor), and
     Muon orthogonalises each DTensor matrix as torch's Muon does (docs/data-parallel.md).
 
     A `torch.distributed.algorithms.Joinable`, as ZeroRedundancyOptimizer: inside
-    ``with Join([dp, opt]):`` (dp first) a rank that ran out of data steps its shards with
-    the averages of the others' synchronised backwards (which dp's join hook brings it) and
+    ``with Join([model, opt]):`` (the model first) a rank that ran out of data steps its shards with
+    the averages of the others' synchronised backwards (which the model's join hook brings it) and
     gathers along, once per synchronised backward; `clip_grad_norm_` and a GradScaler's
     checks are not shadowed there (each is a collective the joined rank cannot foresee).
 
     Construction lays the model's parameters out again (flat parameter buffers, slots on
-    multiples of the world size) and switches `dp`'s buckets to reduce-scatter.
+    multiples of the world size) and switches the model's buckets to reduce-scatter.
 
     Args:
-        dp: The `DataParallel` whose buckets are sharded; one ShardedOptimizer per
-            DataParallel.
+        model: The model `flatgrad.replicate` was applied to, whose buckets are sharded; one
+            ShardedOptimizer by element per model.
         optimizer_class: A `torch.optim.Optimizer` subclass: torch's element-wise ones
             (SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop,
             ASGD) shard by element, Muon and Adafactor by tensor; any other class as
             `shard_by` says or a probe shows (docs/data-parallel.md). LBFGS and
             SparseAdam are refused.
-        params: Parameters of `dp` or parameter groups (dicts with ``"params"`` and
+        params: Parameters of `model` or parameter groups (dicts with ``"params"`` and
             per-group options), as a torch optimizer's first argument; None (the default)
-            puts every trainable parameter of `dp` in one group. A parameter in no group is
+            puts every trainable parameter of `model` in one group. A parameter in no group is
             not stepped (its gradient is still averaged).
         overlap_param_gather: Whether `step()` returns with the parameter all-gathers in
             flight: the next forward waits for each bucket's just before the first module
@@ -142,26 +143,26 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             (``grad_dtype="float32"``) are this rank's owned parameters'.
         **defaults: The optimizer's arguments (``lr``, ``weight_decay``, ...), checked by
             `optimizer_class` before anything moves: its error for an invalid one (a
-            ValueError for a negative ``lr``, a TypeError for an unknown name) leaves `dp`
+            ValueError for a negative ``lr``, a TypeError for an unknown name) leaves `model`
             and the model as they were. The inner optimizer is built with them too, as a
             plain one would be: what a class reads from its constructor rather than its
             groups (Adagrad's ``initial_accumulator_value``, ``fused``) holds.
             ``differentiable=True`` is refused (a ValueError).
 
     Raises:
-        TypeError: `dp` is not a `DataParallel`, `overlap_param_gather` is not a bool, or
+        TypeError: `model` is not replicated (`flatgrad.replicate`), `overlap_param_gather` is not a bool, or
             `optimizer_class` is not a `torch.optim.Optimizer` subclass.
         ValueError: `optimizer_class` cannot be sharded (cross-tensor, sparse) or not the
-            way `shard_by` says; `dp` already has a ShardedOptimizer it cannot share (by
-            element: one per DataParallel; several by tensor may share it); `params` holds
-            a tensor that is not a parameter of `dp` (or one twice); parameters of
+            way `shard_by` says; `model` already has a ShardedOptimizer it cannot share (by
+            element: one per model; several by tensor may share it); `params` holds
+            a tensor that is not a parameter of `model` (or one twice); parameters of
             different dtypes share a gradient buffer (float32 ones next to bfloat16 ones
             with main grads); or ``differentiable=True``.
     """
 
     def __init__(
         self,
-        dp: DataParallel,
+        model: nn.Module,
         optimizer_class: type[torch.optim.Optimizer],
         params: Iterable[Any] | None = None,
         *,
@@ -169,14 +170,17 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         shard_by: ShardBy | None = None,
         **defaults: Any,
     ) -> None:
-        if not isinstance(dp, DataParallel):
-            raise TypeError(f"dp must be a flatgrad.DataParallel, got {type(dp).__name__}")
+        if not isinstance(model, ReplicateModule):
+            raise TypeError(
+                f"model must be one flatgrad.replicate was applied to, got a {type(model).__name__}"
+            )
+        dp = replicate_state(model)
         if not isinstance(overlap_param_gather, bool):
             raise TypeError(f"overlap_param_gather must be a bool, got {type(overlap_param_gather).__name__}")
-        groups = as_groups([p for p in dp.parameters() if p.requires_grad] if params is None else params)
-        self._names = {id(p): name for name, p in dp.named_parameters()}
-        check_members(self._names, groups, "ShardedOptimizer's params must be parameters of dp (its model's)")
-        # Checked before anything moves: a typo raises here and leaves dp and the model as they were.
+        groups = as_groups([p for p in model.parameters() if p.requires_grad] if params is None else params)
+        self._names = {id(p): name for name, p in model.named_parameters()}
+        check_members(self._names, groups, "ShardedOptimizer's params must be parameters of its model")
+        # Checked before anything moves: a typo raises here and leaves the model as it was.
         store = engine_of(dp.module).refresh()
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             given = getattr(optimizer_class, "__name__", optimizer_class)
@@ -468,11 +472,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """Inside a `Join`, refuse an order the joined ranks could not follow: this optimizer
         steps after dp's shadowed backward, so dp must be in the same Join, before it."""
         joined, first = join_state(self)
-        if joined and (first or not join_state(self.dp)[0]):
+        if joined and (first or not join_state(self.dp.module)[0]):
             leave_join(self)  # (the refusal ends the block: it must not outlive it)
             raise ValueError(
-                "ShardedOptimizer inside a Join needs its DataParallel first in the same Join: "
-                "Join([dp, opt]) (a joined rank steps after dp's join hook shadowed a backward)"
+                "ShardedOptimizer inside a Join needs its model first in the same Join: "
+                "Join([model, opt]) (a joined rank steps after the model's join hook shadowed a backward)"
             )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -634,7 +638,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return self._groups.state_bytes()
 
 
-def _check_companions(dp: DataParallel, shard_by: ShardBy, overlap_param_gather: bool) -> None:
+def _check_companions(dp: ReplicateState, shard_by: ShardBy, overlap_param_gather: bool) -> None:
     """Raise ValueError where `dp` already has a ShardedOptimizer this one cannot share it
     with (by element, dp's buckets reduce-scatter for that one's shards; several by tensor
     share dp: Muon's and AdamW's), or where ``shard_by="tensor"`` meets what it does not
@@ -642,8 +646,8 @@ def _check_companions(dp: DataParallel, shard_by: ShardBy, overlap_param_gather:
     has_one, by_element = dp._engine.step_count is not None, dp._engine.reduce_scatter
     if by_element or (has_one and shard_by == "element"):
         raise ValueError(
-            "dp already has a ShardedOptimizer (its buckets are reduce-scattered for that "
-            "one's shards); build one ShardedOptimizer per DataParallel, or several with "
+            "the model already has a ShardedOptimizer (its buckets are reduce-scattered for that "
+            "one's shards); build one ShardedOptimizer per model, or several with "
             "shard_by='tensor' (Muon's and AdamW's: docs/data-parallel.md)"
         )
     if shard_by == "tensor" and overlap_param_gather:

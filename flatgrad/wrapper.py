@@ -128,7 +128,7 @@ class FlatGrad(nn.Module):
             return _apply_flatgrad(*args, **kwargs)
         # ``type(model)(...)`` of a model FlatGrad was applied to (``nn.Sequential``'s slicing
         # builds its class anew): a plain instance of the model's own class, as FSDP2's.
-        return _original_class(cls)(*args, **kwargs)
+        return original_class(cls)(*args, **kwargs)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass  # (``FlatGrad(model)``: `__new__` did the work; Python calls this on the model)
@@ -136,7 +136,7 @@ class FlatGrad(nn.Module):
     def __reduce_ex__(self, protocol: Any) -> Any:
         # Pickled and deep-copied as the model's own class, with FlatGrad applied again by
         # `__setstate__` (the engine's buffers are rebuilt, not saved).
-        return (_new_flat_instance, (_original_class(type(self)),), self.__getstate__())
+        return (_new_flat_instance, (original_class(type(self)),), self.__getstate__())
 
     def __copy__(self) -> Any:
         raise TypeError(
@@ -202,7 +202,7 @@ class FlatGrad(nn.Module):
         """Lay the gradient buffers out again for the model's parameters as they are now:
         after adding, replacing or removing a parameter (or re-pointing one at a tensor of
         another shape), which FlatGrad otherwise refuses. Call it before building
-        DataParallel and the optimizer over the new parameters.
+        replicate and the optimizer over the new parameters.
 
         Raises:
             ValueError: A parameter is not initialised (a lazy module), or none is trainable.
@@ -319,7 +319,7 @@ class FlatGrad(nn.Module):
     # --- synchronisation (the communication itself lives in flatgrad.comm) --------------
 
     def all_reduce_grads(
-        self, process_group: dist.ProcessGroup | None = None, wire_dtype: torch.dtype | None = None
+        self, process_group: dist.ProcessGroup | None = None, reduce_dtype: torch.dtype | None = None
     ) -> None:
         """Without DDP: average all gradients over `process_group` (default: the world),
         one all-reduce per buffer. Call it after backward, before the optimizer step.
@@ -328,16 +328,16 @@ class FlatGrad(nn.Module):
 
         Args:
             process_group: The group to average over; None for the default group.
-            wire_dtype: ``torch.bfloat16`` or ``torch.float16`` to all-reduce a compressed copy
+            reduce_dtype: ``torch.bfloat16`` or ``torch.float16`` to all-reduce a compressed copy
                 of the floating-point buffers (decompressed into them); None sends them as
                 they are.
 
         Raises:
             ValueError: The model has sparse embeddings (``sparse=True``), whose gradients
-                live outside the flat buffers, or `wire_dtype` is not one of the above.
+                live outside the flat buffers, or `reduce_dtype` is not one of the above.
             RuntimeError: No default process group is initialised (``dist.init_process_group``).
         """
-        _all_reduce_grads(engine_of(self), process_group, wire_dtype)
+        _all_reduce_grads(engine_of(self), process_group, reduce_dtype)
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Constructor arguments for ``DDP(flat, **flat.ddp_kwargs())``: the zero-copy,
@@ -357,14 +357,14 @@ class FlatGrad(nn.Module):
         return comm.ddp_kwargs(engine_of(self).refresh())
 
     def comm_state(
-        self, process_group: dist.ProcessGroup | None = None, wire_dtype: torch.dtype | None = None
+        self, process_group: dist.ProcessGroup | None = None, reduce_dtype: torch.dtype | None = None
     ) -> comm.FlatGradCommState:
         """State for ``ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)``.
 
         Args:
             process_group: The group to average over, None for the default group; a DDP on a
                 sub-group needs the same group here (the hook does not see DDP's).
-            wire_dtype: ``torch.bfloat16`` or ``torch.float16`` all-reduces a compressed copy and
+            reduce_dtype: ``torch.bfloat16`` or ``torch.float16`` all-reduces a compressed copy and
                 decompresses into the buffer, like torch's bf16/fp16 compress hooks; None
                 sends the buffer as it is.
 
@@ -372,18 +372,18 @@ class FlatGrad(nn.Module):
             A `FlatGradCommState` for this wrapper.
 
         Raises:
-            ValueError: `wire_dtype` is not torch.bfloat16, torch.float16 or None; or the
+            ValueError: `reduce_dtype` is not torch.bfloat16, torch.float16 or None; or the
                 wrapper keeps main grads (``grad_dtype`` set), which DDP cannot carry.
         """
         comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP's allreduce_hook (flat.comm_state())")
         _refuse_ddp(engine_of(self), "flat.comm_state()")
-        return comm.FlatGradCommState(self, engine_of(self), process_group, wire_dtype)
+        return comm.FlatGradCommState(self, engine_of(self), process_group, reduce_dtype)
 
 
 _FLAT_CLASSES: dict[type[nn.Module], type[FlatGrad]] = {}
 
 
-def _flat_class(original: type[nn.Module]) -> type[FlatGrad]:
+def flat_class(original: type[nn.Module]) -> type[FlatGrad]:
     """The subclass of `FlatGrad` and `original` a model becomes (one per class), under the
     original's name (libraries write ``type(model).__name__`` into what they save:
     transformers' ``config.json`` ``architectures``)."""
@@ -395,16 +395,16 @@ def _flat_class(original: type[nn.Module]) -> type[FlatGrad]:
     return cls
 
 
-def _original_class(cls: type) -> type[nn.Module]:
-    """The model's own class of a class `_flat_class` made (the one after `FlatGrad`)."""
+def original_class(cls: type) -> type[nn.Module]:
+    """The model's own class of a class `flat_class` made (the one after `FlatGrad`)."""
     mro = cls.__mro__
     original: type[nn.Module] = mro[mro.index(FlatGrad) + 1]
     return original
 
 
 def _new_flat_instance(original: type[nn.Module]) -> FlatGrad:
-    """An empty instance of ``_flat_class(original)`` for unpickling (`FlatGrad.__setstate__` fills it)."""
-    instance: FlatGrad = object.__new__(_flat_class(original))
+    """An empty instance of ``flat_class(original)`` for unpickling (`FlatGrad.__setstate__` fills it)."""
+    instance: FlatGrad = object.__new__(flat_class(original))
     return instance
 
 
@@ -427,7 +427,7 @@ def _apply_flatgrad(
     _refuse_lazy(model)
     _refuse_collisions(model)
     _refuse_untrainable(model)
-    model.__class__ = _flat_class(type(model))
+    model.__class__ = flat_class(type(model))
     flat: FlatGrad = model  # type: ignore[assignment]
     flat.flatgrad_config = flatgrad_config
     engine = GradEngine(flat, flatgrad_config)
@@ -593,7 +593,7 @@ def _check_norm_type(norm_type: float) -> float:
 
 
 def _all_reduce_grads(
-    engine: GradEngine, process_group: dist.ProcessGroup | None, wire_dtype: torch.dtype | None
+    engine: GradEngine, process_group: dist.ProcessGroup | None, reduce_dtype: torch.dtype | None
 ) -> None:
     """`FlatGrad.all_reduce_grads`: `comm.all_reduce_grads` over the refreshed store, which
     must hold every trainable parameter (no sparse embedding)."""
@@ -601,7 +601,7 @@ def _all_reduce_grads(
     engine.refuse_sparse("all_reduce_grads")
     if store.tensor_parallel is not None:
         store.tensor_parallel.check_data_parallel(process_group, "flat.all_reduce_grads()")
-    comm.all_reduce_grads(store, process_group, wire_dtype)
+    comm.all_reduce_grads(store, process_group, reduce_dtype)
 
 
 def _refuse_ddp(engine: GradEngine, what: str) -> None:
@@ -610,6 +610,6 @@ def _refuse_ddp(engine: GradEngine, what: str) -> None:
     if engine.refresh().tensor_parallel is not None:
         raise ValueError(
             f"{what}: the model has DTensor parameters (tensor-parallel), which DDP does not "
-            "take: use flatgrad.DataParallel(flat, process_group=mesh['dp'].get_group()), which "
+            "take: use flatgrad.replicate(model, process_group=mesh['dp'].get_group()), which "
             "averages the local shards over the data-parallel dimension only"
         )

@@ -75,7 +75,7 @@ class Lockstep:
 
     Attributes:
         model: our plain model, whose parameters are compared (by name) with `ref.module`'s.
-        wrapper: what runs our forward (a flatgrad.DataParallel, a DDP around a FlatGrad).
+        wrapper: what runs our forward (a flatgrad.ReplicateModule, a DDP around a FlatGrad).
         opt: our optimizer.
         ref: stock DDP on a deep copy of `model`.
         ref_opt: the stock optimizer over `ref`'s parameters.

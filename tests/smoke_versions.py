@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+from flatgrad import replicate_state
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 ROUTE_ALL = {"linear_min_numel": 0}  # every nn.Linear takes flatgrad's backward
@@ -246,8 +247,8 @@ def check_data_parallel(rank: int) -> None:
     """`DataParallel` (several buckets, a no_sync micro-batch) against stock DDP, AdamW."""
     model = model64()
     ref = DDP(copy.deepcopy(model))
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.0005)
-    assert len(dp.buckets) > 1, len(dp.buckets)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.0005)
+    assert len(replicate_state(dp).buckets) > 1, len(replicate_state(dp).buckets)
     opt = torch.optim.AdamW(dp.parameters(), lr=0.05)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     for step in range(3):
@@ -263,15 +264,15 @@ def check_data_parallel(rank: int) -> None:
 
 def _sharded(
     seed: int = 0, shard_by: str | None = None
-) -> tuple[SmokeLM, flatgrad.DataParallel, flatgrad.ShardedOptimizer]:
+) -> tuple[SmokeLM, flatgrad.ReplicateModule, flatgrad.ShardedOptimizer]:
     model = model64(seed)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.0005)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.0005)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1, shard_by=shard_by)  # type: ignore[arg-type]
     return model, dp, opt
 
 
 def _sharded_steps(
-    dp: flatgrad.DataParallel, opt: flatgrad.ShardedOptimizer, rank: int, steps: range
+    dp: flatgrad.ReplicateModule, opt: flatgrad.ShardedOptimizer, rank: int, steps: range
 ) -> None:
     for step in steps:
         opt.zero_grad()

@@ -31,9 +31,9 @@ def test_attach_keeps_the_handlers_settings_and_adds_the_wrappers_ddp_kwargs():
     }  # fmt: skip
     assert handler.flatgrad_comm_state is state and state.model is flat and state.num_calls == 0
     plain = accelerate.Accelerator(cpu=True)  # no handler given: Accelerate's defaults
-    flatgrad_accelerate.attach(plain, flat, wire_dtype=torch.bfloat16)
+    flatgrad_accelerate.attach(plain, flat, reduce_dtype=torch.bfloat16)
     assert plain.ddp_handler.to_kwargs() == flat.ddp_kwargs()
-    assert plain.ddp_handler.flatgrad_comm_state.wire_dtype is torch.bfloat16
+    assert plain.ddp_handler.flatgrad_comm_state.reduce_dtype is torch.bfloat16
 
 
 def test_attach_errors():
@@ -49,8 +49,8 @@ def test_attach_errors():
     )
     with pytest.raises(ValueError, match="comm_hook and comm_wrapper must be 'no' with flatgrad's hook"):
         flatgrad_accelerate.attach(compressing, flat)
-    with pytest.raises(ValueError, match="wire_dtype must be"):
-        flatgrad_accelerate.attach(accelerator, flat, wire_dtype=torch.float64)
+    with pytest.raises(ValueError, match="reduce_dtype must be"):
+        flatgrad_accelerate.attach(accelerator, flat, reduce_dtype=torch.float64)
 
 
 @pytest.fixture

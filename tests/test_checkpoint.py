@@ -50,7 +50,7 @@ def _groups(model: nn.Module) -> list[dict[str, Any]]:
 def _setup(zero: bool, overlap: bool = False) -> tuple[nn.Module, Any, torch.optim.Optimizer, Any]:
     torch.manual_seed(0)
     model = _Net()
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.002)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.002)
     if zero:
         opt: torch.optim.Optimizer = flatgrad.ShardedOptimizer(
             dp, torch.optim.AdamW, _groups(model), lr=0.05, overlap_param_gather=overlap

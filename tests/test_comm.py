@@ -323,13 +323,13 @@ def test_all_reduce_grads_without_ddp_matches_stock_ddp():
     run_ranks(_all_reduce_grads_worker)
 
 
-def _compression_worker(rank: int, world_size: int, wire_dtype: torch.dtype) -> None:
+def _compression_worker(rank: int, world_size: int, reduce_dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     model = _Net()
     ref = DDP(copy.deepcopy(model))
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     ddp = DDP(flat, **flat.ddp_kwargs())
-    ddp.register_comm_hook(flat.comm_state(wire_dtype=wire_dtype), flatgrad.allreduce_hook)
+    ddp.register_comm_hook(flat.comm_state(reduce_dtype=reduce_dtype), flatgrad.allreduce_hook)
     for step in range(3):
         ddp(_tokens(rank, step)).backward()
         ref(_tokens(rank, step)).backward()
@@ -345,17 +345,17 @@ def _compression_worker(rank: int, world_size: int, wire_dtype: torch.dtype) -> 
         ref.zero_grad()
 
 
-@pytest.mark.parametrize("wire_dtype", [torch.bfloat16, torch.float16])
-def test_wire_compression_close_to_stock(wire_dtype):
-    run_ranks(_compression_worker, wire_dtype)
+@pytest.mark.parametrize("reduce_dtype", [torch.bfloat16, torch.float16])
+def test_wire_compression_close_to_stock(reduce_dtype):
+    run_ranks(_compression_worker, reduce_dtype)
 
 
 def test_comm_state_rejects_bad_wire_dtype():
     flat = flatgrad.FlatGrad(nn.Linear(2, 2), config=ROUTE_ALL)
     with pytest.raises(
-        ValueError, match="wire_dtype must be torch.bfloat16, torch.float16 or None, got torch.int8"
+        ValueError, match="reduce_dtype must be torch.bfloat16, torch.float16 or None, got torch.int8"
     ):
-        flat.comm_state(wire_dtype=torch.int8)
+        flat.comm_state(reduce_dtype=torch.int8)
 
 
 def test_all_reduce_grads_needs_a_process_group():
@@ -607,7 +607,7 @@ def test_parameters_with_strides_of_their_own_get_their_gradients_under_the_ddp_
 
 
 def _checkpoint_names_worker(rank: int, world_size: int, tmp: str) -> None:
-    """torch.distributed.checkpoint under DDP(flat) and flatgrad.DataParallel keys model and
+    """torch.distributed.checkpoint under DDP(flat) and flatgrad.ReplicateModule keys model and
     optimizer state as for DDP(model), so a checkpoint saved by one loads into the other;
     DDP's parameters_to_ignore matches the plain model's names."""
     import torch.distributed.checkpoint as dcp
@@ -618,7 +618,7 @@ def _checkpoint_names_worker(rank: int, world_size: int, tmp: str) -> None:
         model: nn.Module = _Net()
         if wrap != "stock":
             flat = flatgrad.FlatGrad(model)
-            model = flatgrad.DataParallel(flat) if wrap == "dp" else DDP(flat, **flat.ddp_kwargs())
+            model = flatgrad.replicate(flat) if wrap == "dp" else DDP(flat, **flat.ddp_kwargs())
         else:
             model = DDP(model)
         opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
@@ -873,8 +873,8 @@ def _sparse_worker(rank: int, world_size: int, fast: bool) -> None:
                 opt.step()
             module.zero_grad()
     assert_params_like(model, ref.module, **TOL)
-    with pytest.raises(ValueError, match="DataParallel averages the flat buffers only.*sparse"):
-        flatgrad.DataParallel(flatgrad.FlatGrad(_Recommender()))
+    with pytest.raises(ValueError, match="replicate averages the flat buffers only.*sparse"):
+        flatgrad.replicate(flatgrad.FlatGrad(_Recommender()))
     with pytest.raises(ValueError, match="all_reduce_grads averages the flat buffers only.*DDP"):
         flat.all_reduce_grads()
 

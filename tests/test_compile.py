@@ -185,7 +185,7 @@ def _dataparallel_fullgraph_worker(rank: int, world_size: int) -> None:
     model = _fresh_model()
     oracle = DDP(copy.deepcopy(model))
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    run = torch.compile(flatgrad.DataParallel(flat), backend="aot_eager", fullgraph=True)
+    run = torch.compile(flatgrad.replicate(flat), backend="aot_eager", fullgraph=True)
     for step in range(3):
         flat.zero_grad()
         oracle.zero_grad()

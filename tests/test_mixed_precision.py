@@ -20,6 +20,7 @@ from test_main_grad import MAIN, _batches, _model
 from torch import nn
 
 import flatgrad
+from flatgrad import replicate_state
 from flatgrad.bench.device_mixed_comm import reference_step
 
 MICRO, STEPS, MAX_NORM = 4, 3, 0.5
@@ -43,7 +44,7 @@ def _sharded_worker(rank: int, world_size: int, name: str, device: str = "cpu") 
     masters = [p.detach().float().requires_grad_() for p in reference.parameters()]
     ref_opt = optimizer_class(masters, **options)
     ref_flat = flatgrad.FlatGrad(reference, config=MAIN)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=MAIN), bucket_mb=0.01)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=MAIN), bucket_cap_mb=0.01)
     # (3 ranks: with the parameter all-gathers left in flight until the next forward)
     opt = flatgrad.ShardedOptimizer(dp, optimizer_class, overlap_param_gather=world_size == 3, **options)
     batches = [tokens.to(device) for tokens in _batches(seed=10 + rank)]
@@ -88,14 +89,16 @@ def test_on_cuda_over_nccl_the_masters_step_like_the_reference(name):
 
 def _data_parallel_worker(rank: int, world_size: int) -> None:
     """DataParallel alone: the float32 main grads average in float32 buckets (several per
-    model: bucket_mb is tiny), micro-batches under no_sync, one branch unused on rank 1."""
+    model: bucket_cap_mb is tiny), micro-batches under no_sync, one branch unused on rank 1."""
     model = _model()
     reference = copy.deepcopy(model)
     flat = flatgrad.FlatGrad(model, config=MAIN)
-    dp = flatgrad.DataParallel(flat, bucket_mb=0.01, check_finite=True)
+    dp = flatgrad.replicate(flat, bucket_cap_mb=0.01, check_finite=True)
     ref_flat = flatgrad.FlatGrad(reference, config=MAIN)
     batches = _batches(seed=10 + rank)
-    assert len(dp.buckets) > 1 and {b.dtype for b in dp.buckets} == {torch.float32}
+    assert len(replicate_state(dp).buckets) > 1 and {b.dtype for b in replicate_state(dp).buckets} == {
+        torch.float32
+    }
     for step in range(2):
         flat.zero_grad()
         ref_flat.zero_grad()
@@ -116,10 +119,10 @@ def _check_finite_worker(rank: int, world_size: int) -> None:
     """check_finite with main grads: a NaN made on rank 1 only, in a main grad (whose
     `.grad` stays None), makes both ranks raise, rank 1 naming the parameter."""
     model = _model()
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=MAIN), check_finite=True)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=MAIN), check_finite=True)
     tokens = _batches(seed=10 + rank)[0]
     dp(tokens).backward()  # finite: averaged as usual
-    dp.module.zero_grad()
+    dp.zero_grad()
     expected = r"on rank 1 \(this rank\) in \['norm.bias'\]" if rank == 1 else r"on rank\(s\) \[1\]"
     poison = float("nan") if rank == 1 else 0.0
     with pytest.raises(RuntimeError, match=r"check_finite=True\): a non-finite gradient .* " + expected):
@@ -138,20 +141,20 @@ def test_data_parallel_averages_main_grads_in_float32():
 
 def _setup_sharded(
     overlap: bool = False, negate: bool = False
-) -> tuple[nn.Module, flatgrad.DataParallel, flatgrad.ShardedOptimizer]:
+) -> tuple[nn.Module, flatgrad.ReplicateModule, flatgrad.ShardedOptimizer]:
     model = _model()
     if negate:  # another starting point, far from every checkpoint of the usual one
         with torch.no_grad():
             for param in model.parameters():
                 param.neg_()
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=MAIN), bucket_mb=0.01)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=MAIN), bucket_cap_mb=0.01)
     opt = flatgrad.ShardedOptimizer(
         dp, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, overlap_param_gather=overlap
     )
     return model, dp, opt
 
 
-def _train(dp: flatgrad.DataParallel, opt: flatgrad.ShardedOptimizer, rank: int, steps: range) -> None:
+def _train(dp: flatgrad.ReplicateModule, opt: flatgrad.ShardedOptimizer, rank: int, steps: range) -> None:
     batches = _batches(seed=30 + rank)
     for step in steps:
         opt.zero_grad()
@@ -234,15 +237,15 @@ def _refusals_worker(rank: int, world_size: int) -> None:
     with pytest.raises(RuntimeError, match="reduce-scattered"):
         opt.dp.module.main_grad(model.up.weight).sum()  # averaged in this rank's shards only
     with pytest.raises(RuntimeError, match="reduce-scattered"):
-        dp.module.clip_grad_norm_(1.0)
+        dp.clip_grad_norm_(1.0)
     with pytest.raises(RuntimeError, match="cannot add to them locally"), dp.no_sync():
         dp(_batches()[1]).backward()
     opt.zero_grad()
-    assert float(dp.module.main_grad(model.up.weight).abs().sum()) == 0.0  # plain again
+    assert float(dp.main_grad(model.up.weight).abs().sum()) == 0.0  # plain again
 
     mixed = _model()
     mixed.norm.float()  # float32 parameters next to bfloat16 ones in the float32 buffer
-    mixed_dp = flatgrad.DataParallel(flatgrad.FlatGrad(mixed, config=MAIN))
+    mixed_dp = flatgrad.replicate(flatgrad.FlatGrad(mixed, config=MAIN))
     with pytest.raises(ValueError, match="share the torch.float32 gradient buffer"):
         flatgrad.ShardedOptimizer(mixed_dp, torch.optim.AdamW, lr=1e-3)
 
@@ -264,7 +267,7 @@ def _scaler_worker(rank: int, world_size: int) -> None:
     masters = [p.detach().float().requires_grad_() for p in reference.parameters()]
     ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
     ref_flat = flatgrad.FlatGrad(reference, config=MAIN)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=MAIN), bucket_mb=0.01)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=MAIN), bucket_cap_mb=0.01)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     scaler = flatgrad.GradScaler("cpu", init_scale=2.0**24, growth_interval=2)
     batches = _batches(seed=50 + rank)

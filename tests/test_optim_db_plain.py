@@ -1,6 +1,6 @@
 """torch's own optimizer database (``optim_db`` of ``torch.testing._internal.common_optimizers``)
 through the plain paths: `flatgrad.FlatGrad` + the torch optimizer in one process, and
-`flatgrad.DataParallel` + the torch optimizer on 2 gloo ranks.
+`flatgrad.ReplicateModule` + the torch optimizer on 2 gloo ranks.
 
 Every class in optim_db, every configuration it has for CPU (`optim_db_harness.
 optim_db_configs`: each ``optim_inputs_func(device="cpu")`` entry with each implementation
@@ -180,8 +180,8 @@ def _run_ranks_config(rank: int, world_size: int, config: Config, refs: dict[boo
     reset(ref.module, flat_2d)
     loss = _closure_loss(config, world_size)
     stock = train(ref.module, ref, _optimizer(config, ref), rank, loss)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model(flat_2d), config=ROUTE_ALL), bucket_mb=0.0002)
-    ours = train(dp.module, dp, _optimizer(config, dp), rank, loss)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model(flat_2d), config=ROUTE_ALL), bucket_cap_mb=0.0002)
+    ours = train(dp, dp, _optimizer(config, dp), rank, loss)
     return _compared({"stock": stock, "ours": ours}, RTOL_RANKS)
 
 

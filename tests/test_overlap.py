@@ -1,4 +1,4 @@
-"""`flatgrad.DataParallel`'s overlap when gradients become final in another order than the
+"""`flatgrad.ReplicateModule`'s overlap when gradients become final in another order than the
 buffer's, and when parameters go unused: the launch order learned in the first synchronised
 backward (rank 0's, on every rank) and the parameters a backward will not reach, counted
 ready at its start. On 2 gloo ranks.
@@ -26,6 +26,7 @@ from oracle import Lockstep, assert_grads_like, assert_params_like, stock
 from torch import nn
 
 import flatgrad
+from flatgrad import replicate_state
 from flatgrad._bucket_sync import plan_buckets
 from flatgrad.buffer import GradStore
 from flatgrad.comm import cores_to_spare
@@ -42,13 +43,13 @@ class _Probe:
     (every gradient but the embedding's final by then)."""
 
     def __init__(self) -> None:
-        self.dp: flatgrad.DataParallel | None = None
+        self.dp: flatgrad.ReplicateModule | None = None
         self.launched: list[int] = []
 
     def watch(self, h: torch.Tensor) -> None:
         if self.dp is not None and h.requires_grad:
             dp = self.dp
-            h.register_hook(lambda grad: self.launched.append(len(dp.launch_offsets_s)))
+            h.register_hook(lambda grad: self.launched.append(len(replicate_state(dp).launch_offsets_s)))
 
 
 class _Block(nn.Module):
@@ -150,15 +151,18 @@ def _assert_close(ours: nn.Module, ref: nn.Module, what: str) -> None:
     assert_grads_like(ours, ref, **TOL, what=f"{what} grad")
 
 
-def _assert_overlapped(dp: flatgrad.DataParallel, model: nn.Module, what: str) -> None:
+def _assert_overlapped(dp: flatgrad.ReplicateModule, model: nn.Module, what: str) -> None:
     """Half the buckets or more launched before the backward's last node, and the first one
     within the backward's first half: counted when the backward reaches the embedding's
     output and the middle block's (positions in the backward, not timings, which a loaded
     machine stretches)."""
-    num_buckets = len(dp.buckets)
+    num_buckets = len(replicate_state(dp).buckets)
     probe, mid = model.probe.launched[-1], model.mid.launched[-1]  # type: ignore[union-attr]
     assert probe >= num_buckets / 2, f"{what}: {probe} of {num_buckets} launched"
-    assert sum(t < dp.backward_s for t in dp.launch_offsets_s) >= num_buckets / 2, what
+    assert (
+        sum(t < replicate_state(dp).backward_s for t in replicate_state(dp).launch_offsets_s)
+        >= num_buckets / 2
+    ), what
     assert mid >= 1, f"{what}: no bucket launched in the backward's first half"
 
 
@@ -171,9 +175,9 @@ def _unused_and_reordered_worker(rank: int, world_size: int, build: type[nn.Modu
     torch.manual_seed(0)
     model = build()
     ref, ref_opt = stock(model, torch.optim.SGD, {"find_unused_parameters": True}, lr=0.1, momentum=0.9)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=BUCKET_MB)
     model.probe.dp = model.mid.dp = dp  # type: ignore[union-attr]
-    assert len(dp.buckets) >= 10
+    assert len(replicate_state(dp).buckets) >= 10
     pair = Lockstep(model, dp, torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9), ref, ref_opt)
     for step, used in enumerate(_BRANCH):
         pair.zero_grad()
@@ -194,17 +198,17 @@ def test_buckets_launch_during_backward_with_unused_or_reordered_parameters_as_d
     run_ranks(_unused_and_reordered_worker, build, timeout=240)
 
 
-def _launch_order(dp: flatgrad.DataParallel) -> list[int]:
+def _launch_order(dp: flatgrad.ReplicateModule) -> list[int]:
     """Where each bucket starts in its (one) flat buffer, in launch order."""
-    start = min(int(bucket.storage_offset()) for bucket in dp.buckets)
-    return [int(bucket.storage_offset()) - start for bucket in dp.buckets]
+    start = min(int(bucket.storage_offset()) for bucket in replicate_state(dp).buckets)
+    return [int(bucket.storage_offset()) - start for bucket in replicate_state(dp).buckets]
 
 
 def _swapped_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _Swapped()
     ref, ref_opt = stock(model, torch.optim.AdamW, {"find_unused_parameters": True}, lr=0.01)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=BUCKET_MB)
     pair = Lockstep(model, dp, torch.optim.AdamW(dp.parameters(), lr=0.01), ref, ref_opt)
     buffer_order = _launch_order(dp)
     for step in range(5):
@@ -249,7 +253,7 @@ def _rebuild_worker(rank: int, world_size: int) -> None:
     model = _Reordered()
     ref = copy.deepcopy(model)
     flat = flatgrad.FlatGrad(model)
-    dp = flatgrad.DataParallel(flat, bucket_mb=BUCKET_MB)
+    dp = flatgrad.replicate(flat, bucket_cap_mb=BUCKET_MB)
     model.probe.dp = dp
     learning = True  # the first backward, and the first after each rebuild
     for step, change in enumerate(["", "", "freeze", "", "float", "double", ""]):
@@ -267,7 +271,9 @@ def _rebuild_worker(rank: int, world_size: int) -> None:
         if learning or change:  # it launches in buffer order: nothing before the embedding's gradient
             assert model.probe.launched[-1] == 0, f"step {step}"
         else:
-            assert model.probe.launched[-1] >= len(dp.buckets) / 2, f"step {step}: not re-learned"
+            assert model.probe.launched[-1] >= len(replicate_state(dp).buckets) / 2, (
+                f"step {step}: not re-learned"
+            )
         learning = False
         with torch.no_grad():
             for p, q in zip(model.parameters(), ref.parameters()):
@@ -289,7 +295,7 @@ def _checkpointed_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _LM()
     ref = copy.deepcopy(model)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=BUCKET_MB)
     for step, use_branch in enumerate([True, False, True, False]):
         dp.zero_grad()
         ref.zero_grad()
@@ -311,7 +317,7 @@ def _aux_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _LM()
     ref, ref_opt = stock(model, torch.optim.SGD, {"find_unused_parameters": True}, lr=0.1, momentum=0.9)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=BUCKET_MB)
     pair = Lockstep(model, dp, torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9), ref, ref_opt)
     # (loss backwarded, whether each rank runs the branch): the branch unused on both ranks
     # first, then the auxiliary loss alone, which reaches none of dp's outputs.
@@ -342,7 +348,7 @@ def _sharded_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _Reordered()
     ref, ref_opt = stock(model, torch.optim.AdamW, {"find_unused_parameters": True}, lr=0.01)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=BUCKET_MB)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=BUCKET_MB)
     pair = Lockstep(model, dp, flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.01), ref, ref_opt)
     # A parameter no rank used is stepped with a zero gradient by a ShardedOptimizer (its
     # shard holds others), skipped under DDP: here some rank uses the branch in every step.
@@ -378,8 +384,8 @@ def test_a_cpu_buffer_without_a_spare_core_gets_a_first_bucket_of_half_a_bucket(
     one, DDP's 1 MiB. Buckets stay whole slots."""
     store = GradStore([nn.Parameter(torch.zeros(1 << 16)) for _ in range(12)], 256)  # 256 KiB each
 
-    def sizes(bucket_mb: float, small_first: bool) -> list[int]:
-        return [len(bucket.params) for bucket in plan_buckets(store, bucket_mb, small_first).buckets]
+    def sizes(bucket_cap_mb: float, small_first: bool) -> list[int]:
+        return [len(bucket.params) for bucket in plan_buckets(store, bucket_cap_mb, small_first).buckets]
 
     assert sizes(4.0, True) == [4, 8]  # 1 MiB first (as DDP), then up to 4 MiB
     assert sizes(4.0, False) == [8, 4]  # 2 MiB first

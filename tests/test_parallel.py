@@ -1,4 +1,4 @@
-"""`flatgrad.DataParallel` against stock DDP (the oracle), on 2 and 3 gloo ranks.
+"""`flatgrad.ReplicateModule` against stock DDP (the oracle), on 2 and 3 gloo ranks.
 
 Each rank feeds different data; the oracle is DDP(find_unused_parameters=True) on a deep
 copy in the same process, stepping the same optimizer. float64: both sides sum the same
@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+from flatgrad import replicate_state
 from flatgrad.wrapper import engine_of
 
 pytestmark = pytest.mark.distributed
@@ -77,15 +78,15 @@ def _assert_close(ours: nn.Module, ref: nn.Module, what: str) -> None:
 
 
 def _dp_and_ddp(
-    bucket_mb: float, build: Callable[[], nn.Module] = _Net, config: Any = ROUTE_ALL
-) -> tuple[flatgrad.FlatGrad, flatgrad.DataParallel, DDP]:
+    bucket_cap_mb: float, build: Callable[[], nn.Module] = _Net, config: Any = ROUTE_ALL
+) -> tuple[flatgrad.FlatGrad, flatgrad.ReplicateModule, DDP]:
     """One model (`_Net` unless `build` says) under FlatGrad + DataParallel, and a copy of
     it under stock DDP."""
     torch.manual_seed(0)
     model = build()
     ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
     flat = flatgrad.FlatGrad(model, config=config)
-    return flat, flatgrad.DataParallel(flat, bucket_mb=bucket_mb), ref
+    return flat, flatgrad.replicate(flat, bucket_cap_mb=bucket_cap_mb), ref
 
 
 def _assert_grads_match(ours: nn.Module, ref: nn.Module, what: str) -> None:
@@ -97,10 +98,10 @@ def _assert_grads_match(ours: nn.Module, ref: nn.Module, what: str) -> None:
             torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m, n=name: f"{what} {n}: {m}")
 
 
-def _equal_to_ddp_worker(rank: int, world_size: int, bucket_mb: float) -> None:
-    flat, dp, ref = _dp_and_ddp(bucket_mb)
+def _equal_to_ddp_worker(rank: int, world_size: int, bucket_cap_mb: float) -> None:
+    flat, dp, ref = _dp_and_ddp(bucket_cap_mb)
     model = flat
-    assert len(dp.buckets) >= (2 if bucket_mb < 0.01 else 1)
+    assert len(replicate_state(dp).buckets) >= (2 if bucket_cap_mb < 0.01 else 1)
     opt = torch.optim.AdamW(dp.parameters(), lr=0.05, weight_decay=0.1)
     pair = Lockstep(model, dp, opt, ref, torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1))
     for step in range(4):
@@ -114,17 +115,17 @@ def _equal_to_ddp_worker(rank: int, world_size: int, bucket_mb: float) -> None:
         pair.step()
     _assert_close(flat, ref.module, "final")
     assert dp.state_dict().keys() == model.state_dict().keys()
-    # As under DDP, a backward whose graph bypasses the wrapper's output is not averaged
-    # after an averaged one (no synchronising forward since).
+    # As under DDP, a backward whose graph bypasses the model's call (``model.forward``, as
+    # DDP's ``ref.module``) is not averaged after an averaged one (no synchronising forward since).
     pair.zero_grad()
-    flat(_tokens(rank, 9), True, False).backward()
+    flat.forward(_tokens(rank, 9), True, False).backward()
     ref.module(_tokens(rank, 9), True, False).backward()
     _assert_close(flat, ref.module, "bypassed")
 
 
-@pytest.mark.parametrize(("world_size", "bucket_mb"), [(2, 25.0), (2, 0.001), (3, 0.001)])
-def test_parameters_equal_stock_ddp(world_size, bucket_mb):
-    run_ranks(_equal_to_ddp_worker, bucket_mb, world_size=world_size)
+@pytest.mark.parametrize(("world_size", "bucket_cap_mb"), [(2, 25.0), (2, 0.001), (3, 0.001)])
+def test_parameters_equal_stock_ddp(world_size, bucket_cap_mb):
+    run_ranks(_equal_to_ddp_worker, bucket_cap_mb, world_size=world_size)
 
 
 class _Reentrant(nn.Module):
@@ -165,7 +166,7 @@ def _backward_kinds_worker(rank: int, world_size: int) -> None:
         torch.manual_seed(0)
         model = _Reentrant(where)
         ref = DDP(copy.deepcopy(model))  # DDP supports reentrant checkpoints without unused parameters
-        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.0001)
+        dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.0001)
         for _ in range(2):
             dp.zero_grad()
             ref.zero_grad()
@@ -213,9 +214,9 @@ def _wire_and_rebuild_worker(rank: int, world_size: int) -> None:
     model = _Net()
     ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, bucket_mb=0.002, wire_dtype=torch.bfloat16)
+    dp = flatgrad.replicate(flat, bucket_cap_mb=0.002, reduce_dtype=torch.bfloat16)
     ref.register_comm_hook(None, _bf16_hook)
-    buckets = dp.buckets
+    buckets = replicate_state(dp).buckets
     for step in range(3):
         if step == 2:  # freezing a layer lays the buffers out again; the buckets follow
             model.fc.requires_grad_(False)
@@ -233,7 +234,7 @@ def _wire_and_rebuild_worker(rank: int, world_size: int) -> None:
                 if p.grad is not None:
                     p.sub_(0.1 * p.grad)
                     q.sub_(0.1 * q.grad)
-    assert dp.buckets[0].data_ptr() != buckets[0].data_ptr()  # cut from the new buffer
+    assert replicate_state(dp).buckets[0].data_ptr() != buckets[0].data_ptr()  # cut from the new buffer
 
 
 def test_wire_dtype_equals_ddp_bf16_hook_and_buckets_follow_a_rebuild():
@@ -251,7 +252,7 @@ def _converted_worker(rank: int, world_size: int) -> None:
     model = _Net()
     ref = copy.deepcopy(model)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, bucket_mb=0.002)
+    dp = flatgrad.replicate(flat, bucket_cap_mb=0.002)
     for step, change in enumerate(["", "float", "double", "freeze"]):
         for module in (model, ref):
             if change == "freeze":
@@ -274,7 +275,7 @@ def _converted_worker(rank: int, world_size: int) -> None:
                 where = f"step {step} {name}"
                 torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m, w=where: f"{w}: {m}")
                 assert grad_in_buffers(flat, p.grad), f"step {step} {name}"
-        assert {b.dtype for b in dp.buckets} == {model.fc.bias.dtype}
+        assert {b.dtype for b in replicate_state(dp).buckets} == {model.fc.bias.dtype}
 
 
 def test_conversions_and_freezing_behind_the_wrapper_are_followed_by_the_buckets():
@@ -285,7 +286,7 @@ def _profile_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]).double()
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)  # routed: weight gradients written in place
-    dp = flatgrad.DataParallel(flat, bucket_mb=0.6)  # about one 256x256 float64 weight each
+    dp = flatgrad.replicate(flat, bucket_cap_mb=0.6)  # about one 256x256 float64 weight each
     x = torch.randn(8, 256, dtype=torch.float64)
     launched: list[float] = []
     original = dist.all_reduce
@@ -306,7 +307,7 @@ def _profile_worker(rank: int, world_size: int) -> None:
         else:
             loss.backward()
     events = [e for e in prof.events() if e.name.startswith("c10d::allreduce_")]
-    num_buckets = len(dp.buckets)
+    num_buckets = len(replicate_state(dp).buckets)
     assert num_buckets >= 3
     assert len(events) == num_buckets  # one per bucket: the used flags travel with the last
     copies = [
@@ -432,7 +433,7 @@ def test_routed_weights_written_divided_also_used_directly_or_tied_match_ddp(wor
 
 def _failing_worker(rank: int, world_size: int) -> None:
     flat = flatgrad.FlatGrad(nn.Linear(4, 4))
-    dp = flatgrad.DataParallel(flat)
+    dp = flatgrad.replicate(flat)
     if rank == 1:
         raise RuntimeError("rank 1 fails before its backward")
     dp(torch.randn(2, 4)).sum().backward()
@@ -445,9 +446,9 @@ def test_a_failing_rank_ends_the_run_quickly():
     assert time.monotonic() - start < 80
 
 
-def _compiled_worker(rank: int, world_size: int, bucket_mb: float) -> None:
+def _compiled_worker(rank: int, world_size: int, bucket_cap_mb: float) -> None:
     torch._dynamo.reset()
-    flat, dp, ref = _dp_and_ddp(bucket_mb)
+    flat, dp, ref = _dp_and_ddp(bucket_cap_mb)
     compiled = torch.compile(dp, backend="aot_eager")
     opt = torch.optim.AdamW(dp.parameters(), lr=0.05, weight_decay=0.1)
     pair = Lockstep(flat, compiled, opt, ref, torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1))
@@ -459,16 +460,16 @@ def _compiled_worker(rank: int, world_size: int, bucket_mb: float) -> None:
         pair.zero_grad()
 
 
-@pytest.mark.parametrize("bucket_mb", [25.0, 0.001], ids=["one_bucket", "buckets"])
-def test_torch_compile_of_dataparallel_averages_from_the_first_step(bucket_mb):
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.001], ids=["one_bucket", "buckets"])
+def test_torch_compile_of_dataparallel_averages_from_the_first_step(bucket_cap_mb):
     """torch.compile(dp): the compiled model's first backward hands the routed weights'
     gradients to AccumulateGrad outside the buffer (the layers run as plain torch); each
     bucket takes them in before its collective, so step 0 is averaged too (it was not)."""
-    run_ranks(_compiled_worker, bucket_mb, timeout=240)
+    run_ranks(_compiled_worker, bucket_cap_mb, timeout=240)
 
 
-def _assigned_grad_worker(rank: int, world_size: int, bucket_mb: float) -> None:
-    flat, dp, ref = _dp_and_ddp(bucket_mb)
+def _assigned_grad_worker(rank: int, world_size: int, bucket_cap_mb: float) -> None:
+    flat, dp, ref = _dp_and_ddp(bucket_cap_mb)
     for module in (flat, ref.module):
         for param in module.parameters():
             if param.requires_grad:  # a .grad of one's own, outside the buffer
@@ -478,17 +479,17 @@ def _assigned_grad_worker(rank: int, world_size: int, bucket_mb: float) -> None:
     _assert_close(flat, ref.module, "assigned")
 
 
-@pytest.mark.parametrize("bucket_mb", [25.0, 0.001], ids=["one_bucket", "buckets"])
-def test_a_grad_assigned_before_backward_is_averaged_like_ddp(bucket_mb):
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.001], ids=["one_bucket", "buckets"])
+def test_a_grad_assigned_before_backward_is_averaged_like_ddp(bucket_cap_mb):
     """Stock DDP averages whatever `.grad` holds after backward, a tensor assigned before
     it included (AccumulateGrad adds into it); DataParallel takes it into the slot first."""
-    run_ranks(_assigned_grad_worker, bucket_mb)
+    run_ranks(_assigned_grad_worker, bucket_cap_mb)
 
 
 def _compiled_autograd_worker(rank: int, world_size: int) -> None:
     from torch._dynamo import compiled_autograd
 
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(_Net(), config=ROUTE_ALL))
+    dp = flatgrad.replicate(flatgrad.FlatGrad(_Net(), config=ROUTE_ALL))
     compiled = compiled_autograd._enable(torch.compile(backend="aot_eager"))
     with pytest.raises(RuntimeError, match="cannot run its bucket hooks under compiled autograd"), compiled:
         dp(_tokens(rank, 0)).backward()
@@ -508,7 +509,7 @@ def _mismatch_worker(rank: int, world_size: int, how: str) -> None:
     else:  # same number of tensors, other shapes: a broadcast would not even complain
         model = nn.Sequential(nn.Linear(4, 4 + rank), nn.Linear(4 + rank, 4))
     with pytest.raises(ValueError, match=f"the model differs across ranks \\(rank {rank}: "):
-        flatgrad.DataParallel(flatgrad.FlatGrad(model))
+        flatgrad.replicate(flatgrad.FlatGrad(model))
 
 
 @pytest.mark.parametrize("how", ["extra layer", "other widths"])
@@ -520,10 +521,11 @@ def test_different_models_across_ranks_are_refused_on_every_rank(how):
 
 def test_bad_arguments_are_refused():
     flat = flatgrad.FlatGrad(nn.Linear(2, 2))
-    with pytest.raises(TypeError, match="flat must be a flatgrad.FlatGrad, got Linear"):
-        flatgrad.DataParallel(nn.Linear(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got Tensor"):
+        flatgrad.replicate(torch.zeros(2))  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="needs an initialised process group"):
-        flatgrad.DataParallel(flat)
+        flatgrad.replicate(flat)
+    assert not isinstance(flat, flatgrad.ReplicateModule)  # (refused: the model as it was)
 
 
 def _cuda_worker(rank: int, world_size: int, zero: bool) -> None:
@@ -538,7 +540,7 @@ def _cuda_worker(rank: int, world_size: int, zero: bool) -> None:
     model = _Net().to(device)
     ref = DDP(copy.deepcopy(model), device_ids=[device.index], find_unused_parameters=True)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, bucket_mb=0.001)
+    dp = flatgrad.replicate(flat, bucket_cap_mb=0.001)
     if zero:
         opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
     else:
@@ -583,7 +585,7 @@ def _no_sync_worker(rank: int, world_size: int) -> None:
     torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).to(device)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.3)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.3)
     x = torch.randn(16, 256, device=device)
     for step in range(3):
         dp.zero_grad()
@@ -621,7 +623,7 @@ def _buffers_worker(rank: int, world_size: int, broadcast_buffers: bool) -> None
     torch.manual_seed(0)
     model = _Normed()
     ref, ref_opt = stock(model, torch.optim.SGD, {"broadcast_buffers": broadcast_buffers}, lr=0.1)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), broadcast_buffers=broadcast_buffers)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), broadcast_buffers=broadcast_buffers)
     pair = Lockstep(model, dp, torch.optim.SGD(dp.parameters(), lr=0.1), ref, ref_opt)
     gen = torch.Generator().manual_seed(rank)
     for step in range(5):
@@ -657,7 +659,7 @@ def _mixed_outputs_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _Net()
     ref = DDP(copy.deepcopy(model))
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL))
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL))
     for quiet_reached_first in (True, False):
         # the engine reaches the output of the later forward first (larger sequence number)
         for module in (dp, ref):
@@ -677,7 +679,7 @@ def test_one_backward_through_synced_and_no_sync_outputs_averages_like_ddp():
 
 
 def _averaging_worker(rank: int, world_size: int) -> None:
-    """`dp._engine.averaging()` (what flatgrad.pipelining's stage opens its last backward
+    """`replicate_state(dp)._engine.averaging()` (what flatgrad.pipelining's stage opens its last backward
     in): micro-batches whose forwards all ran under no_sync(), the last backward inside it
     averages everything accumulated, overlapped (buckets launched inside the backward);
     the oracle is DDP's no_sync accumulation with a synchronised last micro-batch."""
@@ -689,7 +691,7 @@ def _averaging_worker(rank: int, world_size: int) -> None:
             losses = [dp(_tokens(rank, step, micro)) for micro in range(3)]
         for micro, loss in enumerate(losses):
             if micro == 2:
-                with dp._engine.averaging():
+                with replicate_state(dp)._engine.averaging():
                     loss.backward()
             else:
                 loss.backward()
@@ -698,8 +700,8 @@ def _averaging_worker(rank: int, world_size: int) -> None:
                 ref(_tokens(rank, step, micro)).backward()
         ref(_tokens(rank, step, 2)).backward()
         _assert_grads_match(flat, ref.module, f"step {step}")
-    assert dp._engine.num_syncs == 2
-    assert dp._engine.last_round.launched_in_backward > 0
+    assert replicate_state(dp)._engine.num_syncs == 2
+    assert replicate_state(dp)._engine.last_round.launched_in_backward > 0
 
 
 def test_a_backward_inside_averaging_averages_after_no_sync_forwards():
@@ -730,10 +732,10 @@ def _backward_in_forward_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _BackwardInForward()
     ref = copy.deepcopy(model.net)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL))
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL))
     model.local = dp.no_sync
     for step in range(3):
-        syncs = dp._engine.num_syncs
+        syncs = replicate_state(dp)._engine.num_syncs
         dp.zero_grad()
         ref.zero_grad()
         dp(_tokens(rank, step, 0), _tokens(rank, step, 1))
@@ -741,7 +743,9 @@ def _backward_in_forward_worker(rank: int, world_size: int) -> None:
             ref(_tokens(rank, step, micro)).backward()
         average_grads([ref], None)
         _assert_grads_match(model.net, ref, f"step {step}")
-        assert dp._engine.num_syncs == syncs + 1, f"step {step}: the no_sync backward averaged"
+        assert replicate_state(dp)._engine.num_syncs == syncs + 1, (
+            f"step {step}: the no_sync backward averaged"
+        )
 
 
 def test_backwards_inside_the_forward_average_unless_under_no_sync():
@@ -775,8 +779,8 @@ class _TwoDtypes(nn.Module):
 
 
 def _two_dtypes_worker(rank: int, world_size: int) -> None:
-    for bucket_mb in (25.0, 0.0005):  # one bucket per group; several
-        flat, dp, ref = _dp_and_ddp(bucket_mb, _TwoDtypes)
+    for bucket_cap_mb in (25.0, 0.0005):  # one bucket per group; several
+        flat, dp, ref = _dp_and_ddp(bucket_cap_mb, _TwoDtypes)
         assert len(flat.grad_buffers) == 2
         for step in range(4):
             # step 0: all ranks use both branches; 1: rank 0 only uses a_branch; 2: only
@@ -789,7 +793,7 @@ def _two_dtypes_worker(rank: int, world_size: int) -> None:
             x = torch.randn(4, 8, dtype=torch.float64, generator=gen)
             dp(x, use_a, use_b).backward()
             ref(x, use_a, use_b).backward()
-            _assert_grads_match(flat, ref.module, f"{bucket_mb} step {step}")
+            _assert_grads_match(flat, ref.module, f"{bucket_cap_mb} step {step}")
             assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters() if p.grad is not None)
 
 
@@ -827,8 +831,8 @@ class _Holder(nn.Module):
 
 
 def _replaced_and_none_worker(rank: int, world_size: int) -> None:
-    for bucket_mb in (25.0, 1e-6):
-        flat, dp, ref = _dp_and_ddp(bucket_mb, _Holder, None)
+    for bucket_cap_mb in (25.0, 1e-6):
+        flat, dp, ref = _dp_and_ddp(bucket_cap_mb, _Holder, None)
         model = flat
         x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
         for step in range(3):
@@ -852,7 +856,7 @@ def _replaced_and_none_worker(rank: int, world_size: int) -> None:
                 for param in ref.module.b.parameters():
                     dist.all_reduce(param.grad)
                     param.grad /= world_size
-            _assert_grads_match(model, ref.module, f"{bucket_mb} step {step}")
+            _assert_grads_match(model, ref.module, f"{bucket_cap_mb} step {step}")
 
 
 def test_parameters_swapped_in_unregistered_and_a_weight_given_no_gradient_match_ddp():
@@ -887,8 +891,8 @@ class _EarlyGroup(nn.Module):
 
 
 def _early_group_worker(rank: int, world_size: int) -> None:
-    for bucket_mb in (25.0, 1e-6):
-        flat, dp, ref = _dp_and_ddp(bucket_mb, _EarlyGroup, None)
+    for bucket_cap_mb in (25.0, 1e-6):
+        flat, dp, ref = _dp_and_ddp(bucket_cap_mb, _EarlyGroup, None)
         model = flat
         for step in range(3):
             # step 0: no rank gives `s` a gradient; 1: rank 0 only; 2: every rank
@@ -899,11 +903,13 @@ def _early_group_worker(rank: int, world_size: int) -> None:
             ref.zero_grad()
             dp(x, none_for_s).backward()
             ref(x, none_for_s).backward()
-            launched_inside = dp.launch_offsets_s[0] < dp.backward_s
-            _assert_grads_match(model, ref.module, f"{bucket_mb} step {step}")
+            launched_inside = replicate_state(dp).launch_offsets_s[0] < replicate_state(dp).backward_s
+            _assert_grads_match(model, ref.module, f"{bucket_cap_mb} step {step}")
             if ref.module.s.grad is not None:  # -0.0 where DDP has it (+0.0 from a rank that sent zeros)
                 signs = torch.signbit(model.s.grad), torch.signbit(ref.module.s.grad)
-                assert torch.equal(*signs), f"{bucket_mb} step {step}: {model.s.grad} vs {ref.module.s.grad}"
+                assert torch.equal(*signs), (
+                    f"{bucket_cap_mb} step {step}: {model.s.grad} vs {ref.module.s.grad}"
+                )
             assert all(grad_in_buffers(flat, p.grad) for p in model.parameters() if p.grad is not None)
             assert launched_inside, "the float32 group's bucket should launch inside the backward"
 
@@ -922,13 +928,14 @@ def _functional_call_worker(rank: int, world_size: int) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).double()
     ref = DDP(copy.deepcopy(model))
     flat = flatgrad.FlatGrad(model)
-    dp = flatgrad.DataParallel(flat)
+    dp = flatgrad.replicate(flat)
     x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
     store = engine_of(flat).store
     for wrapper, inner in ((dp, model), (ref, ref.module)):
-        temp = {"module." + n: nn.Parameter(p.detach().clone()) for n, p in inner.named_parameters()}
+        prefix = "module." if wrapper is ref else ""  # (DDP's names; the model's own are plain)
+        temp = {prefix + n: nn.Parameter(p.detach().clone()) for n, p in inner.named_parameters()}
         torch.func.functional_call(wrapper, temp, (x,)).sum().backward()
-        grad = temp["module.0.weight"].grad
+        grad = temp[prefix + "0.weight"].grad
         gathered = [torch.empty_like(grad) for _ in range(world_size)]
         dist.all_gather(gathered, grad)
         assert not torch.equal(gathered[0], gathered[1]), "temporary parameters are not averaged (DDP)"
@@ -958,17 +965,17 @@ class _Boom(torch.autograd.Function):
 
 
 def _raised_backward_worker(rank: int, world_size: int) -> None:
-    for bucket_mb in (25.0, 1e-6):
+    for bucket_cap_mb in (25.0, 1e-6):
         torch.manual_seed(0)
         model = _EarlyGroup()
         ref = copy.deepcopy(model)
-        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=bucket_mb)
+        dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=bucket_cap_mb)
         x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
         # raises after the float32 group's bucket launched, before the float64 group's
         with pytest.raises(RuntimeError, match="boom"):
             model_out = dp(_Boom.apply(x), False)
             model_out.backward()
-        assert dp._engine.last_round.work[0] is not None, "a bucket should be in flight"
+        assert replicate_state(dp)._engine.last_round.work[0] is not None, "a bucket should be in flight"
         for step in range(3):
             dp.zero_grad()
             ref.zero_grad()
@@ -979,7 +986,7 @@ def _raised_backward_worker(rank: int, world_size: int) -> None:
             for p in ref.parameters():  # the oracle: stock autograd, then an average
                 dist.all_reduce(p.grad)
                 p.grad /= world_size
-            _assert_grads_match(model, ref, f"{bucket_mb} step {step}")
+            _assert_grads_match(model, ref, f"{bucket_cap_mb} step {step}")
 
 
 def test_collectives_launched_by_a_backward_that_raised_do_not_land_on_the_next_step():
@@ -1005,8 +1012,8 @@ class _SkipsForward(nn.Module):
 
 
 def _skipped_forward_worker(rank: int, world_size: int) -> None:
-    for bucket_mb in (25.0, 1e-6):
-        flat, dp, ref = _dp_and_ddp(bucket_mb, _SkipsForward)
+    for bucket_cap_mb in (25.0, 1e-6):
+        flat, dp, ref = _dp_and_ddp(bucket_cap_mb, _SkipsForward)
         hooked = flatgrad.FlatGrad(copy.deepcopy(ref.module), config=ROUTE_ALL)
         ddp = DDP(hooked, **hooked.ddp_kwargs())
         ddp.register_comm_hook(hooked.comm_state(), flatgrad.allreduce_hook)
@@ -1019,7 +1026,7 @@ def _skipped_forward_worker(rank: int, world_size: int) -> None:
             for model in (dp, ref, ddp):
                 model(x).backward()
             for ours in (flat, hooked):
-                _assert_grads_match(ours, ref.module, f"{bucket_mb} step {step}")
+                _assert_grads_match(ours, ref.module, f"{bucket_cap_mb} step {step}")
                 storages = {p.grad.untyped_storage().data_ptr() for p in ours.parameters()}
                 assert storages == {
                     b.untyped_storage().data_ptr() for b in engine_of(ours).store.buffers.values()
@@ -1071,7 +1078,7 @@ class _Aux(nn.Module):
         return loss
 
 
-def _dp_and_default_ddp(bucket_mb: float) -> tuple[flatgrad.FlatGrad, flatgrad.DataParallel, DDP]:
+def _dp_and_default_ddp(bucket_cap_mb: float) -> tuple[flatgrad.FlatGrad, flatgrad.ReplicateModule, DDP]:
     """`_Aux` under FlatGrad + DataParallel and a copy under stock DDP with default flags
     (every parameter is used in every step: DDP's hooks on the parameters average any
     backward after its forward)."""
@@ -1079,8 +1086,8 @@ def _dp_and_default_ddp(bucket_mb: float) -> tuple[flatgrad.FlatGrad, flatgrad.D
     model = _Aux()
     ref = DDP(copy.deepcopy(model))
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
-    assert len(dp.buckets) >= (1 if bucket_mb > 1 else 3)
+    dp = flatgrad.replicate(flat, bucket_cap_mb=bucket_cap_mb)
+    assert len(replicate_state(dp).buckets) >= (1 if bucket_cap_mb > 1 else 3)
     return flat, dp, ref
 
 
@@ -1093,7 +1100,7 @@ def _main_loss(output: Any) -> torch.Tensor:
 def _step(module: nn.Module, tokens: torch.Tensor, wrap: str, which: str) -> None:
     """One forward of `module` (dp or the DDP oracle) and the backward of `which` loss."""
     output = module(tokens, wrap)
-    inner = module.module
+    inner = module.module if isinstance(module, DDP) else module
     if which == "aux":
         inner.aux.backward()
     elif which == "sum":
@@ -1102,16 +1109,18 @@ def _step(module: nn.Module, tokens: torch.Tensor, wrap: str, which: str) -> Non
         _main_loss(output).backward()
 
 
-def _bypass_worker(rank: int, world_size: int, bucket_mb: float, cases: list[tuple[str, str, str]]) -> None:
+def _bypass_worker(
+    rank: int, world_size: int, bucket_cap_mb: float, cases: list[tuple[str, str, str]]
+) -> None:
     """Each case is (wrap, rank 0's loss, rank 1's loss); a plain SGD step after each, so the
     later cases start from parameters that only agree if every earlier one averaged."""
-    flat, dp, ref = _dp_and_default_ddp(bucket_mb)
+    flat, dp, ref = _dp_and_default_ddp(bucket_cap_mb)
     model = flat
     for step, (wrap, *losses) in enumerate(cases):
         for module in (dp, ref):
             module.zero_grad()
             _step(module, _tokens(rank, step), wrap, losses[rank])
-        what = f"{bucket_mb} step {step} {wrap} {losses[rank]}"
+        what = f"{bucket_cap_mb} step {step} {wrap} {losses[rank]}"
         _assert_grads_match(model, ref.module, what)
         assert all(grad_in_buffers(flat, p.grad) for p in model.parameters()), what
         with torch.no_grad():
@@ -1133,15 +1142,15 @@ _BYPASS_CASES = {
 }
 
 
-@pytest.mark.parametrize("bucket_mb", [25.0, 0.0005], ids=["one_bucket", "buckets"])
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.0005], ids=["one_bucket", "buckets"])
 @pytest.mark.parametrize("case", list(_BYPASS_CASES))
-def test_a_loss_that_bypasses_the_output_is_averaged_like_ddp(case, bucket_mb):
+def test_a_loss_that_bypasses_the_output_is_averaged_like_ddp(case, bucket_cap_mb):
     """A loss that reaches the parameters around dp's output is averaged, as under stock
     DDP (whose hooks sit on the parameters, armed by the forward): an auxiliary loss kept on
     the module, backwarded alone or added to the output's loss ("aux"); the output returned
     in a plain object or a dict subclass, which dp cannot look into ("wrapped"); one rank's
     loss through the output and the other's around it ("split": both average, no hang)."""
-    run_ranks(_bypass_worker, bucket_mb, _BYPASS_CASES[case], timeout=100)
+    run_ranks(_bypass_worker, bucket_cap_mb, _BYPASS_CASES[case], timeout=100)
 
 
 def _armed_worker(rank: int, world_size: int) -> None:
@@ -1162,11 +1171,12 @@ def _armed_worker(rank: int, world_size: int) -> None:
 
     tokens = [_tokens(rank, step) for step in range(6)]
     # no forward through the wrapper yet: local
-    both(lambda w, m: m(tokens[0]).backward(), "before any dp forward")
+    # (``m.forward``: the model's forward without the call that arms, as DDP's ``ref.module``)
+    both(lambda w, m: m.forward(tokens[0]).backward(), "before any dp forward")
     # a synchronising forward whose output is dropped: the next backward averages...
-    both(lambda w, m: (w(tokens[1]), m(tokens[2]).backward()), "after a dropped output")
+    both(lambda w, m: (w(tokens[1]), m.forward(tokens[2]).backward()), "after a dropped output")
     # ...and only that one
-    both(lambda w, m: m(tokens[3]).backward(), "the next one", zero=False)
+    both(lambda w, m: m.forward(tokens[3]).backward(), "the next one", zero=False)
 
     def quiet(w: nn.Module, m: nn.Module) -> None:
         with w.no_sync():
@@ -1213,19 +1223,19 @@ class _CheckpointedAux(nn.Module):
 
 
 def _checkpointed_aux_worker(rank: int, world_size: int) -> None:
-    for bucket_mb in (25.0, 1e-6):
+    for bucket_cap_mb in (25.0, 1e-6):
         torch.manual_seed(0)
         model = _CheckpointedAux()
         ref = DDP(copy.deepcopy(model))  # DDP supports reentrant checkpoints without unused parameters
-        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=bucket_mb)
+        dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=bucket_cap_mb)
         for step in range(2):
             gen = torch.Generator().manual_seed(rank + 10 * step)
             x = torch.randn(4, 8, dtype=torch.float64, generator=gen)
             for wrapper in (dp, ref):
                 wrapper.zero_grad()
                 wrapper(x)
-                wrapper.module.aux.backward()
-            _assert_grads_match(model, ref.module, f"{bucket_mb} step {step}")
+                (wrapper.module if isinstance(wrapper, DDP) else wrapper).aux.backward()
+            _assert_grads_match(model, ref.module, f"{bucket_cap_mb} step {step}")
 
 
 def test_a_bypassing_backward_opened_inside_a_reentrant_checkpoint_averages_at_its_end():
@@ -1236,8 +1246,8 @@ def test_a_bypassing_backward_opened_inside_a_reentrant_checkpoint_averages_at_i
 
 
 def _sharded_bypass_worker(rank: int, world_size: int) -> None:
-    for bucket_mb in (25.0, 0.0005):
-        flat, dp, ref = _dp_and_default_ddp(bucket_mb)
+    for bucket_cap_mb in (25.0, 0.0005):
+        flat, dp, ref = _dp_and_default_ddp(bucket_cap_mb)
         opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.01)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
         for step, (wrap, *losses) in enumerate(_BYPASS_CASES["split"]):
@@ -1245,7 +1255,7 @@ def _sharded_bypass_worker(rank: int, world_size: int) -> None:
                 _step(module, _tokens(rank, step), wrap, losses[rank])
                 optimizer.step()
                 optimizer.zero_grad()
-            assert_params_like(flat, ref.module, **TOL, what=f"{bucket_mb} step {step}")
+            assert_params_like(flat, ref.module, **TOL, what=f"{bucket_cap_mb} step {step}")
 
 
 def test_a_loss_that_bypasses_the_output_is_reduce_scattered_for_a_sharded_optimizer():
@@ -1302,8 +1312,8 @@ def _check_finite_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     flat = flatgrad.FlatGrad(_Poisoned(), config=ROUTE_ALL)
     with pytest.raises(TypeError, match="check_finite must be a bool, got str"):
-        flatgrad.DataParallel(flat, check_finite="yes")  # type: ignore[arg-type]
-    dp = flatgrad.DataParallel(flat, check_finite=True)
+        flatgrad.replicate(flat, check_finite="yes")  # type: ignore[arg-type]
+    dp = flatgrad.replicate(flat, check_finite=True)
     x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
     dp(x, 0.0).backward()  # all finite: averaged as usual
     assert all(bool(torch.isfinite(p.grad).all()) for p in flat.parameters())
@@ -1341,7 +1351,7 @@ def test_one_rank_divides_nothing_and_equals_the_plain_model_to_the_bit():
         for path in ("DataParallel", "ShardedOptimizer", "all_reduce_grads"):
             torch.manual_seed(0)
             flat = flatgrad.FlatGrad(_Net())
-            dp = flatgrad.DataParallel(flat) if path != "all_reduce_grads" else None
+            dp = flatgrad.replicate(flat) if path != "all_reduce_grads" else None
             opt = None
             if path == "ShardedOptimizer":
                 opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1)
@@ -1395,7 +1405,7 @@ def _no_grad_worker(rank: int, world_size: int) -> None:
     ref, ref_opt = stock(
         model, torch.optim.AdamW, {"find_unused_parameters": True}, lr=0.05, weight_decay=0.1
     )
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0001)  # several buckets
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=0.0001)  # several buckets
     pair = Lockstep(model, dp, torch.optim.AdamW(dp.parameters(), lr=0.05, weight_decay=0.1), ref, ref_opt)
     for step in range(3):
         pair.zero_grad()
@@ -1435,8 +1445,8 @@ def _join_worker(rank: int, world_size: int, divide_initial: bool, check_finite:
     model = _Net()
     ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, bucket_mb=0.001, check_finite=check_finite)
-    assert len(dp.buckets) >= 2
+    dp = flatgrad.replicate(flat, bucket_cap_mb=0.001, check_finite=check_finite)
+    assert len(replicate_state(dp).buckets) >= 2
     _train_joined(dp, torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9), rank, divide_initial)
     _train_joined(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), rank, divide_initial)
     assert_params_like(model, ref.module, **TOL)
@@ -1465,11 +1475,11 @@ def _settings_worker(rank: int, world_size: int) -> None:
     naming the setting and each rank's value (before, gloo killed one rank silently)."""
     last = rank == world_size - 1
     cases = [
-        ({}, {"bucket_mb": 1.5 if last else 25.0}, r"bucket_mb: rank 0 25, rank 1 1.5"),
+        ({}, {"bucket_cap_mb": 1.5 if last else 25.0}, r"bucket_cap_mb: rank 0 25, rank 1 1.5"),
         (
             {},
-            {"wire_dtype": torch.bfloat16 if last else None},
-            r"wire_dtype: rank 0 None, rank 1 torch.bfloat16",
+            {"reduce_dtype": torch.bfloat16 if last else None},
+            r"reduce_dtype: rank 0 None, rank 1 torch.bfloat16",
         ),
         ({}, {"check_finite": last}, r"check_finite: rank 0 False, rank 1 True"),
         (
@@ -1482,7 +1492,7 @@ def _settings_worker(rank: int, world_size: int) -> None:
         torch.manual_seed(0)
         flat = flatgrad.FlatGrad(nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)), config=config)
         with pytest.raises(ValueError, match=message):
-            flatgrad.DataParallel(flat, **kwargs)
+            flatgrad.replicate(flat, **kwargs)
 
 
 def test_settings_that_differ_across_ranks_raise_on_every_rank():

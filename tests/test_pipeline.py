@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+from flatgrad import replicate_state
 
 pytestmark = pytest.mark.distributed
 
@@ -119,7 +120,7 @@ def _ours(path: str, model: nn.Module, dp_group: Any) -> tuple[flatgrad.FlatGrad
         state = flat.comm_state(dp_group)
         ddp.register_comm_hook(state, flatgrad.allreduce_hook)
         return flat, ddp, state
-    dp = flatgrad.DataParallel(flat, process_group=dp_group)
+    dp = flatgrad.replicate(flat, process_group=dp_group)
     return flat, dp, dp
 
 
@@ -170,7 +171,7 @@ def _compare_with_ddp_stages(
     # One synchronisation per step: the hook on DDP's one bucket, once per step (after the
     # last micro-batch's backward); DataParallel averaged no backward under no_sync (the
     # step's one all_reduce_grads did), or each micro-batch's without it.
-    syncs = counter.num_calls if path == "ddp_hook" else counter._engine.num_syncs
+    syncs = counter.num_calls if path == "ddp_hook" else replicate_state(counter)._engine.num_syncs
     assert syncs == {"ddp_hook": STEPS, "data_parallel": 0, "per_microbatch": STEPS * NUM_MICROBATCHES}[path]
 
 
@@ -198,7 +199,7 @@ def _split_backward_worker(rank: int, world_size: int) -> None:
     models = [_stage_module(index, 4) for index in indices]
     refs = [copy.deepcopy(model) for model in models]
     flats = [flatgrad.FlatGrad(model, config=ROUTE_ALL) for model in models]
-    dps = [flatgrad.DataParallel(flat, process_group=dp_group) for flat in flats]
+    dps = [flatgrad.replicate(flat, process_group=dp_group) for flat in flats]
     name = "ScheduleInterleavedZeroBubble"
     ours = _schedule(name, dps, indices, 4, pp_group, static=True)
     theirs = _schedule(name, refs, indices, 4, pp_group, static=True)

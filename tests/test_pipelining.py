@@ -10,9 +10,9 @@ the same micro-batch gradients and average the same two halves (dividing by 2 an
 exact), so they agree to round-off: 1e-12, as in test_pipeline (measured: gradients and
 losses equal to the bit). Our norms are flatgrad's chunked float64 norms, torch's one
 float64 norm: the same sum in another order (measured: within 2.2e-16, and the parameters
-after the clipped AdamW steps too). With ``wire_dtype=torch.bfloat16`` the oracle's DDP stages average through
-DDP's bf16 compress hook (cast, divide, sum, cast back), element for element what
-DataParallel sends, so the tolerance stays 1e-12.
+after the clipped AdamW steps too). With ``reduce_dtype=torch.bfloat16`` the oracle's DDP
+stages average through DDP's bf16 compress hook (cast, divide, sum, cast back), element for
+element what `replicate` sends, so the tolerance stays 1e-12.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+from flatgrad import replicate_state
 
 pytestmark = pytest.mark.distributed
 
@@ -74,9 +75,9 @@ def _compare(
     model = _stage_module(index)
     ref_model = copy.deepcopy(model)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, process_group=dp_group, **settings)
+    dp = flatgrad.replicate(flat, process_group=dp_group, **settings)
     ref = DDP(ref_model, process_group=dp_group)
-    if settings.get("wire_dtype") is not None:
+    if settings.get("reduce_dtype") is not None:
         ref.register_comm_hook(dp_group, _bf16_hook)
     shapes = _shapes(index, 2, not infer)
     stage = flatgrad.pipelining.PipelineStage(dp, index, 2, cpu, group=pp_group, **shapes)
@@ -122,10 +123,13 @@ def _compare(
         ref_opt.step()
         assert_params_like(model, ref_model, **TOL, what=f"{what} step {step}")
     # One synchronisation per step: the last backward's (averaging, overlapped), none other.
-    assert dp._engine.num_syncs == STEPS, what
-    if "bucket_mb" in settings:  # several buckets: all but the last launched inside that backward
-        assert len(dp.buckets) > 2, f"{what}: {len(dp.buckets)} buckets"
-        assert dp._engine.last_round.launched_in_backward == len(dp.buckets) - 1, what
+    assert replicate_state(dp)._engine.num_syncs == STEPS, what
+    if "bucket_cap_mb" in settings:  # several buckets: all but the last launched inside that backward
+        assert len(replicate_state(dp).buckets) > 2, f"{what}: {len(replicate_state(dp).buckets)} buckets"
+        assert (
+            replicate_state(dp)._engine.last_round.launched_in_backward
+            == len(replicate_state(dp).buckets) - 1
+        ), what
 
 
 def _manual_sharded(mesh: tuple[int, int, Any, Any]) -> None:
@@ -137,7 +141,7 @@ def _manual_sharded(mesh: tuple[int, int, Any, Any]) -> None:
     model = _stage_module(index)
     ref_model = copy.deepcopy(model)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, process_group=dp_group)
+    dp = flatgrad.replicate(flat, process_group=dp_group)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05)
     ref = DDP(ref_model, process_group=dp_group)
     ours = _schedule("ScheduleGPipe", [pipelining.PipelineStage(dp, index, 2, cpu, group=pp_group)])
@@ -159,7 +163,7 @@ def _manual_sharded(mesh: tuple[int, int, Any, Any]) -> None:
         opt.step()
         ref_opt.step()
         assert_params_like(model, ref_model, **TOL, what=f"manual ShardedOptimizer step {step}")
-    assert dp._engine.num_syncs == 0
+    assert replicate_state(dp)._engine.num_syncs == 0
 
 
 def _multi_stage(mesh: tuple[int, int, Any, Any], name: str) -> None:
@@ -170,9 +174,7 @@ def _multi_stage(mesh: tuple[int, int, Any, Any], name: str) -> None:
     indices = [pp_rank, pp_rank + 2]
     models = [_stage_module(index, 4) for index in indices]
     refs = [copy.deepcopy(model) for model in models]
-    dps = [
-        flatgrad.DataParallel(flatgrad.FlatGrad(m, config=ROUTE_ALL), process_group=dp_group) for m in models
-    ]
+    dps = [flatgrad.replicate(flatgrad.FlatGrad(m, config=ROUTE_ALL), process_group=dp_group) for m in models]
     ddps = [DDP(ref, process_group=dp_group) for ref in refs]
     ours = _schedule(
         name,
@@ -196,7 +198,7 @@ def _multi_stage(mesh: tuple[int, int, Any, Any], name: str) -> None:
         _run_step(theirs, pp_rank == 0, pp_rank == 1, batch)
         for model, ref in zip(models, refs):
             assert_grads_like(model, ref, **TOL, what=f"{name} step {step}")
-    assert [dp._engine.num_syncs for dp in dps] == [2, 2], name
+    assert [replicate_state(dp)._engine.num_syncs for dp in dps] == [2, 2], name
 
 
 def _whole_model_clip(model: nn.Module, pp_group: Any) -> torch.Tensor:
@@ -242,7 +244,7 @@ def _split_backward(
     models = [_stage_module(index, 4) for index in indices]
     refs = [copy.deepcopy(model) for model in models]
     flats = [flatgrad.FlatGrad(model, config=ROUTE_ALL) for model in models]
-    dps = [flatgrad.DataParallel(flat, process_group=dp_group, check_finite=check_finite) for flat in flats]
+    dps = [flatgrad.replicate(flat, process_group=dp_group, check_finite=check_finite) for flat in flats]
     calls = [0]
     for flat in flats:  # counts the stage's all-reduces
         flat.all_reduce_grads = _counting(flat.all_reduce_grads, calls)
@@ -275,7 +277,7 @@ def _split_backward(
         for model, ref in zip(models, refs):
             assert_params_like(model, ref, **TOL, what=f"{name} sharded={sharded} step {step}")
     assert calls[0] == 2 * len(flats), "one all_reduce_grads per stage and step"
-    assert all(dp._engine.num_syncs == 0 for dp in dps), "no backward averaged besides"
+    assert all(replicate_state(dp)._engine.num_syncs == 0 for dp in dps), "no backward averaged besides"
     if check_finite:
         if dp_rank == 1:
             next(models[0].parameters()).grad[0] = float("nan")
@@ -296,9 +298,9 @@ def _refusals(mesh: tuple[int, int, Any, Any]) -> None:
     pp_rank, _, pp_group, dp_group = mesh
     cpu = torch.device("cpu")
     flat = flatgrad.FlatGrad(_stage_module(pp_rank), config=ROUTE_ALL)
-    with pytest.raises(TypeError, match="submodule must be a flatgrad.DataParallel .*, got Sequential"):
+    with pytest.raises(TypeError, match="submodule must be one flatgrad.replicate .*, got a Sequential"):
         flatgrad.pipelining.PipelineStage(flat, pp_rank, 2, cpu, group=pp_group)
-    dp = flatgrad.DataParallel(flat, process_group=dp_group)
+    dp = flatgrad.replicate(flat, process_group=dp_group)
     with pytest.raises(ValueError, match="dw_builder must be None for flatgrad.pipelining.PipelineStage"):
         flatgrad.pipelining.PipelineStage(dp, pp_rank, 2, cpu, group=pp_group, dw_builder=lambda: None)
     # A schedule that scales with no backward marked the step's last (last_backward=True):
@@ -319,8 +321,10 @@ def _worker(rank: int, world_size: int) -> None:
     for name in ("ScheduleGPipe", "Schedule1F1B"):
         for path in ("data_parallel", "sharded"):
             _compare(name, path, {}, mesh, infer=name == "ScheduleGPipe")
-    _compare("Schedule1F1B", "data_parallel", {"check_finite": True, "bucket_mb": 0.0003}, mesh, infer=False)
-    _compare("Schedule1F1B", "sharded", {"wire_dtype": torch.bfloat16}, mesh, infer=False)
+    _compare(
+        "Schedule1F1B", "data_parallel", {"check_finite": True, "bucket_cap_mb": 0.0003}, mesh, infer=False
+    )
+    _compare("Schedule1F1B", "sharded", {"reduce_dtype": torch.bfloat16}, mesh, infer=False)
     for path in ("data_parallel", "sharded"):  # clipped by the whole pipeline's norm
         _compare("Schedule1F1B", path, {}, mesh, infer=False, meshes=(device_mesh["pp"], device_mesh["dp"]))
     _manual_sharded(mesh)

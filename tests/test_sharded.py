@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+from flatgrad import replicate_state
 from flatgrad.wrapper import engine_of
 
 pytestmark = pytest.mark.distributed
@@ -35,11 +36,11 @@ TOL = {"rtol": 1e-10, "atol": 1e-10}
 
 def _build(
     rank: int,
-) -> tuple[nn.Module, flatgrad.FlatGrad, flatgrad.DataParallel, flatgrad.ShardedOptimizer]:
+) -> tuple[nn.Module, flatgrad.FlatGrad, flatgrad.ReplicateModule, flatgrad.ShardedOptimizer]:
     torch.manual_seed(0)
     model = _Net()
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, bucket_mb=0.002)  # several buckets
+    dp = flatgrad.replicate(flat, bucket_cap_mb=0.002)  # several buckets
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
     return model, flat, dp, opt
 
@@ -63,7 +64,7 @@ def _stock(model: nn.Module) -> tuple[DDP, torch.optim.Optimizer]:
     return stock(model, torch.optim.AdamW, {"find_unused_parameters": True}, lr=0.05, weight_decay=0.1)
 
 
-def _with_stock(model: nn.Module, dp: flatgrad.DataParallel, opt: flatgrad.ShardedOptimizer) -> Lockstep:
+def _with_stock(model: nn.Module, dp: flatgrad.ReplicateModule, opt: flatgrad.ShardedOptimizer) -> Lockstep:
     """Ours (from `_build`) in lockstep with `_stock(model)`."""
     return Lockstep(model, dp, opt, *_stock(model))
 
@@ -98,7 +99,7 @@ def test_parameters_equal_stock_ddp_adamw_with_clipping(world_size):
 
 def _profile_worker(rank: int, world_size: int, overlap: bool) -> None:
     torch.manual_seed(0)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(_Net(), config=ROUTE_ALL), bucket_mb=0.002)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(_Net(), config=ROUTE_ALL), bucket_cap_mb=0.002)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05, overlap_param_gather=overlap)
     _train(dp, opt, rank, range(2))
     opt.zero_grad()
@@ -107,7 +108,7 @@ def _profile_worker(rank: int, world_size: int, overlap: bool) -> None:
         opt.step()
         opt.wait_param_gather()
     names = [e.name for e in prof.events()]
-    num_buckets = len(dp.buckets)
+    num_buckets = len(replicate_state(dp).buckets)
     assert num_buckets > 2
     # gloo averages the buckets by all-reduce and gathers by broadcasts of each rank's shard
     # (both faster there: see flatgrad.comm.launch_average, flatgrad._zero); NCCL by
@@ -115,7 +116,7 @@ def _profile_worker(rank: int, world_size: int, overlap: bool) -> None:
     assert names.count("c10d::_reduce_scatter_base_") == 0, sorted(set(names))
     # the used-parameter flags go with the optimizer's step count (checked on every rank:
     # see flatgrad._bucket_sync.Round._check_round) in one small all-reduce of bytes
-    assert not dp._engine.last_round.carries_flags
+    assert not replicate_state(dp)._engine.last_round.carries_flags
     assert names.count("c10d::allreduce_") == num_buckets + 1
     # every rank holds all averaged gradients after gloo's all-reduce: one shard of the
     # whole buffer per rank, one broadcast each; a bucket's shard per rank where the next
@@ -133,7 +134,7 @@ def test_one_average_per_bucket_and_one_gather_per_shard(overlap):
 def _division_worker(rank: int, world_size: int) -> None:
     model, flat, dp, opt = _build(rank)
     torch.manual_seed(0)
-    ref = flatgrad.DataParallel(flatgrad.FlatGrad(_Net(), config=ROUTE_ALL), bucket_mb=0.002)
+    ref = flatgrad.replicate(flatgrad.FlatGrad(_Net(), config=ROUTE_ALL), bucket_cap_mb=0.002)
     for step in range(2):
         opt.zero_grad()
         with rank_profile(record_shapes=True) as prof:
@@ -151,8 +152,8 @@ def _division_worker(rank: int, world_size: int) -> None:
         divided = sum(
             math.prod(e.input_shapes[0]) for e in events if e.name == "aten::div_" and e.input_shapes[0]
         )
-        assert divided <= sum(b.numel() for b in dp.buckets) // world_size, divided
-        for p, q in zip(flat.parameters(), ref.module.parameters()):
+        assert divided <= sum(b.numel() for b in replicate_state(dp).buckets) // world_size, divided
+        for p, q in zip(flat.parameters(), ref.parameters()):
             if p not in engine.store:
                 continue
             _, slot = engine.store.slot(p)
@@ -196,12 +197,12 @@ def test_resume_from_state_dict_is_bit_identical(tmp_path):
 
 def _refuse_worker(rank: int, world_size: int) -> None:
     flat = flatgrad.FlatGrad(nn.Linear(4, 4))
-    dp = flatgrad.DataParallel(flat)
+    dp = flatgrad.replicate(flat)
     with pytest.raises(ValueError, match="cannot shard LBFGS: its update of a parameter reads other"):
         flatgrad.ShardedOptimizer(dp, torch.optim.LBFGS, lr=1.0)
-    with pytest.raises(TypeError, match="dp must be a flatgrad.DataParallel, got Linear"):
-        flatgrad.ShardedOptimizer(flat, torch.optim.SGD, lr=1.0)  # type: ignore[arg-type]
-    # Bad optimizer arguments raise before anything moves: dp stays a plain DataParallel.
+    with pytest.raises(TypeError, match="model must be one flatgrad.replicate was applied to, got a Linear"):
+        flatgrad.ShardedOptimizer(flatgrad.FlatGrad(nn.Linear(4, 4)), torch.optim.SGD, lr=1.0)
+    # Bad optimizer arguments raise before anything moves: dp stays as replicate left it.
     weight = flat.weight
     with pytest.raises(TypeError, match="weight_deacy"):
         flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=1.0, weight_deacy=0.1)
@@ -215,7 +216,7 @@ def _refuse_worker(rank: int, world_size: int) -> None:
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)  # all-reduced, not scattered
     torch.testing.assert_close(weight.grad, torch.full((4, 4), 3.0))  # (2 + 4) / 2
     flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=1.0)
-    with pytest.raises(ValueError, match="dp already has a ShardedOptimizer"):
+    with pytest.raises(ValueError, match="the model already has a ShardedOptimizer"):
         flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=1.0)
 
 
@@ -227,7 +228,7 @@ def _accumulate_synced_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 2).double()
     ref = copy.deepcopy(model)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model))
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model))
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1)
     ddp = DDP(ref)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -271,8 +272,8 @@ def _gan_worker(rank: int, world_size: int) -> None:
     gen = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 5)).double()
     disc = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1)).double()
     ref_gen, ref_disc = DDP(copy.deepcopy(gen)), DDP(copy.deepcopy(disc))
-    g_dp = flatgrad.DataParallel(flatgrad.FlatGrad(gen, config=ROUTE_ALL), bucket_mb=0.0002)
-    d_dp = flatgrad.DataParallel(flatgrad.FlatGrad(disc, config=ROUTE_ALL), bucket_mb=0.0002)
+    g_dp = flatgrad.replicate(flatgrad.FlatGrad(gen, config=ROUTE_ALL), bucket_cap_mb=0.0002)
+    d_dp = flatgrad.replicate(flatgrad.FlatGrad(disc, config=ROUTE_ALL), bucket_cap_mb=0.0002)
     g_opt = flatgrad.ShardedOptimizer(g_dp, torch.optim.Adam, lr=0.01)
     d_opt = flatgrad.ShardedOptimizer(d_dp, torch.optim.SGD, lr=0.05, momentum=0.9)
     ref_g_opt = torch.optim.Adam(ref_gen.parameters(), lr=0.01)
@@ -447,7 +448,7 @@ def _groups_worker(rank: int, world_size: int) -> None:
     model = _Net()
     ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, bucket_mb=0.002)  # buckets hold parameters of both groups
+    dp = flatgrad.replicate(flat, bucket_cap_mb=0.002)  # buckets hold parameters of both groups
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, _decay_groups(model), lr=0.05, betas=(0.8, 0.9))
     ref_opt = torch.optim.AdamW(_decay_groups(ref.module), lr=0.05, betas=(0.8, 0.9))
     pair = Lockstep(model, dp, opt, ref, ref_opt)
@@ -455,7 +456,7 @@ def _groups_worker(rank: int, world_size: int) -> None:
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert [g["lr"] for g in opt.param_groups] == [0.05, 0.02]
     assert opt.param_groups[0]["betas"] == (0.8, 0.9)  # the defaults fill every group
-    kinds = [{p.dim() >= 2 for p in bucket.params} for bucket in dp._engine._plan.buckets]
+    kinds = [{p.dim() >= 2 for p in bucket.params} for bucket in replicate_state(dp)._engine._plan.buckets]
     assert {True, False} in kinds, "a bucket should hold parameters of both groups"
     schedules = []
     for optimizer in (opt, ref_opt):
@@ -494,7 +495,7 @@ def _add_group_worker(rank: int, world_size: int) -> None:
     model = _Net()
     ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, bucket_mb=0.002)
+    dp = flatgrad.replicate(flat, bucket_cap_mb=0.002)
     first, second = _decay_groups(model)
     ref_first, ref_second = _decay_groups(ref.module)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, [first], lr=0.1, momentum=0.9)
@@ -593,7 +594,7 @@ def _overlap_gather_worker(rank: int, world_size: int) -> None:
     for overlap in (False, True):
         torch.manual_seed(0)
         model = _Net()
-        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.002)
+        dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.002)
         with mock.patch.object(flatgrad._bucket_sync.BucketSync, "shard_plan", _bucket_shards):
             # the synchronous path with the shards overlap_param_gather has (one per bucket;
             # on gloo it would split whole buffers): the same clip norm, summed over the
@@ -613,7 +614,7 @@ def _overlap_gather_worker(rank: int, world_size: int) -> None:
             d(_tokens(rank, step), step % 2 == 0).backward()
             o.clip_grad_norm_(0.5)
             o.step()
-        num_buckets = len(dp.buckets)
+        num_buckets = len(replicate_state(dp).buckets)
         assert len(engine.in_flight) == num_buckets  # step() returned with every gather in flight
         engine.waited.clear()
         order.clear()
@@ -641,7 +642,7 @@ def _overlap_gather_worker(rank: int, world_size: int) -> None:
     # summed over other shards, so equal to round-off
     torch.manual_seed(0)
     plain_model = _Net()
-    plain_dp = flatgrad.DataParallel(flatgrad.FlatGrad(plain_model, config=ROUTE_ALL), bucket_mb=0.002)
+    plain_dp = flatgrad.replicate(flatgrad.FlatGrad(plain_model, config=ROUTE_ALL), bucket_cap_mb=0.002)
     plain_opt = flatgrad.ShardedOptimizer(plain_dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
     assert len(plain_opt._engine.shards) == 1 < len(opt._engine.shards)
     for step in range(4):
@@ -710,7 +711,7 @@ def _model_zero_grad_worker(rank: int, world_size: int, who: str) -> None:
     model = nn.Sequential(nn.Embedding(10, 7), nn.Tanh(), nn.Linear(7, 3)).double()
     ref, ref_opt = _stock(model)
     flat = flatgrad.FlatGrad(model)  # (the default config routes the Embedding)
-    dp = flatgrad.DataParallel(flat)
+    dp = flatgrad.replicate(flat)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
     pair = Lockstep(model, dp, opt, ref, ref_opt, loss=lambda out: out.square().mean())
     zero = {"model": model.zero_grad, "flat": flat.zero_grad, "dp": dp.zero_grad}[who]
@@ -764,11 +765,11 @@ def _uncalled_worker(rank: int, world_size: int) -> None:
     model = _ReadsUncalled(probe)
     ref, ref_opt = stock(model, torch.optim.SGD, {"find_unused_parameters": True}, lr=0.1)
     ref.module.probe = lambda: None
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0001)  # a bucket or two per layer
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=0.0001)  # a bucket or two per layer
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=True)
     engine.append(opt._engine)
     pair = Lockstep(model, dp, opt, ref, ref_opt)
-    assert len(dp.buckets) > 2
+    assert len(replicate_state(dp).buckets) > 2
     for step in range(4):
         gen = torch.Generator().manual_seed(step * 2 + rank)
         pair.train_step(torch.randn(2, 3, 4, dtype=torch.float64, generator=gen))
@@ -794,7 +795,7 @@ class _Reader(nn.Module):
 def _in_flight_when_read(
     build: Callable[[Callable[[], None]], nn.Module],
     read: Callable[[nn.Module], nn.Parameter],
-    bucket_mb: float,
+    bucket_cap_mb: float,
 ) -> tuple[nn.Module, Any, list[list[int]]]:
     """Three steps of `build(probe)` with `overlap_param_gather` on one gloo rank; `probe`,
     called by the model just before it reads `read(model)`, notes which of that parameter's
@@ -812,10 +813,10 @@ def _in_flight_when_read(
 
     with single_rank_group("gloo", torch.device("cpu")):
         model = build(probe)
-        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=bucket_mb)
+        dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=bucket_cap_mb)
         opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=True)
         engine.append(opt._engine)
-        assert len(dp.buckets) > 1
+        assert len(replicate_state(dp).buckets) > 1
         for _ in range(3):
             opt.zero_grad()
             dp(torch.randn(2, 4)).square().mean().backward()
@@ -831,7 +832,7 @@ def test_overlap_param_gather_waits_for_a_module_never_called_in_each_parent_tha
     _, _, in_flight = _in_flight_when_read(
         lambda probe: nn.Sequential(_Reader(shared, probe), _Reader(shared, probe)),
         lambda model: shared.weight,
-        bucket_mb=0.00001,  # a bucket per layer
+        bucket_cap_mb=0.00001,  # a bucket per layer
     )
     assert len(in_flight) == 6 and not any(in_flight), in_flight
 
@@ -856,7 +857,7 @@ def test_overlap_param_gather_waits_before_an_ancestor_reads_a_module_that_runs_
     model, engine, in_flight = _in_flight_when_read(
         lambda probe: nn.Sequential(nn.Linear(4, 4), _ReadsFirst(probe)),
         lambda model: model[1].proj.weight,
-        bucket_mb=0.00001,  # a bucket per layer
+        bucket_cap_mb=0.00001,  # a bucket per layer
     )
     assert len(engine.bucket_indices([model[1].proj.weight])) == 1
     assert len(in_flight) == 3 and not any(in_flight), in_flight
@@ -887,7 +888,7 @@ def test_overlap_param_gather_learns_from_a_training_forward_that_completes():
 
     with single_rank_group("gloo", torch.device("cpu")):
         model = _Fails()
-        dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.00001)
+        dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=0.00001)
         opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, overlap_param_gather=True)
         modes, hooks = torch._C._len_torch_function_stack(), learning_hooks()
         for fail in (RuntimeError, KeyboardInterrupt):
@@ -935,7 +936,7 @@ def test_overlap_param_gather_waits_for_a_never_called_module_read_unseen_in_its
     model, engine, in_flight = _in_flight_when_read(
         lambda probe: nn.Sequential(nn.Linear(4, 4), _ReadsUnseen(probe)),
         lambda model: model[1].h.weight,
-        bucket_mb=0.0004,
+        bucket_cap_mb=0.0004,
     )
     buckets = [engine.bucket_indices([p]) for p in (model[0].weight, model[1].h.weight, model[1].b.weight)]
     assert buckets[1] == buckets[2] != buckets[0]  # h and b share a bucket, the first layer has its own
@@ -945,12 +946,12 @@ def test_overlap_param_gather_waits_for_a_never_called_module_read_unseen_in_its
 # --- torch's optimizer contracts (the lines of torch's ZeRO tests) -------------------------
 
 
-def _small(rank: int) -> tuple[nn.Module, nn.Module, flatgrad.DataParallel]:
+def _small(rank: int) -> tuple[nn.Module, nn.Module, flatgrad.ReplicateModule]:
     """A float64 model of several slots, its deep copy (the oracle's) and DataParallel."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
     ref = copy.deepcopy(model)
-    return model, ref, flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.0002)
+    return model, ref, flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.0002)
 
 
 def _batch(rank: int, step: int) -> torch.Tensor:
@@ -1097,7 +1098,7 @@ def _freeze_worker(rank: int, world_size: int, case: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     ref = copy.deepcopy(model)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.0002)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.0002)
     ddp = DDP(ref, find_unused_parameters=True)
     if case == "unfreeze_into_a_new_group":  # progressive unfreezing, the first layer last
         for m in (model, ref):
@@ -1162,7 +1163,7 @@ def _join_worker(rank: int, world_size: int, divide_initial: bool, overlap: bool
     model = _Net()
     ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, bucket_mb=0.002, check_finite=check_finite)  # several buckets
+    dp = flatgrad.replicate(flat, bucket_cap_mb=0.002, check_finite=check_finite)  # several buckets
     opt = flatgrad.ShardedOptimizer(
         dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1, overlap_param_gather=overlap
     )
@@ -1300,7 +1301,7 @@ def _join_refusal_worker(rank: int, world_size: int) -> None:
     ddp = DDP(ref)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     pair = Lockstep(model, dp, opt, ddp, ref_opt, loss=_sum_of_squares)
-    with pytest.raises(ValueError, match="needs its DataParallel first in the same Join"), Join([opt]):
+    with pytest.raises(ValueError, match="needs its model first in the same Join"), Join([opt]):
         pair.train_step(_batch(rank, 0))
     ref_opt.zero_grad()
     with Join([opt]):  # (torch's test_zero_join form: a body that never steps leaves nothing behind)

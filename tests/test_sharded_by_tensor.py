@@ -110,7 +110,7 @@ class _Pair:
 def _muon_adamw_worker(rank: int, world_size: int) -> None:
     model = _gpt()
     stock_model, zero_model = copy.deepcopy(model), copy.deepcopy(model)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.01)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=0.01)
     ours = _Pair(model, True, dp)
     stock = _Pair(stock_model, False, DDP(stock_model))
     zero = _Pair(zero_model, False, DDP(zero_model), zero=True)
@@ -151,7 +151,7 @@ ADAFACTOR = {"lr": 0.01, "eps": (1e-3, 1e-3)}
 def _adafactor_worker(rank: int, world_size: int) -> None:
     model = _gpt()
     ref = copy.deepcopy(model)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.01)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=0.01)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.Adafactor, **ADAFACTOR)
     assert opt.shard_by == "tensor"
     pair = Lockstep(model, dp, opt, DDP(ref), torch.optim.Adafactor(ref.parameters(), **ADAFACTOR))
@@ -162,7 +162,7 @@ def _adafactor_worker(rank: int, world_size: int) -> None:
     saved = opt.state_dict()
     assert all(name in saved["state"] for name in _owned_names(opt, dp))
     model2 = copy.deepcopy(model)
-    dp2 = flatgrad.DataParallel(flatgrad.FlatGrad(model2), bucket_mb=0.01)
+    dp2 = flatgrad.replicate(flatgrad.FlatGrad(model2), bucket_cap_mb=0.01)
     opt2 = flatgrad.ShardedOptimizer(dp2, torch.optim.Adafactor, **ADAFACTOR)
     opt2.load_state_dict(saved)
     pair2 = Lockstep(model2, dp2, opt2, pair.ref, pair.ref_opt)
@@ -171,7 +171,7 @@ def _adafactor_worker(rank: int, world_size: int) -> None:
         pair2.assert_params(**TOL, what=f"resumed, step {step}")
 
 
-def _owned_names(opt: flatgrad.ShardedOptimizer, dp: flatgrad.DataParallel) -> list[str]:
+def _owned_names(opt: flatgrad.ShardedOptimizer, dp: flatgrad.ReplicateModule) -> list[str]:
     return [name for name, p in dp.named_parameters() if opt._engine.owns(p)]  # type: ignore[union-attr]
 
 
@@ -192,9 +192,9 @@ def _share(rank: int, world_size: int, step: int) -> tuple[torch.Tensor, torch.T
     return inputs[rank * rows : (rank + 1) * rows], targets[rank * rows : (rank + 1) * rows]
 
 
-def _ckpt_setup() -> tuple[nn.Module, flatgrad.DataParallel, list[flatgrad.ShardedOptimizer], list[Any]]:
+def _ckpt_setup() -> tuple[nn.Module, flatgrad.ReplicateModule, list[flatgrad.ShardedOptimizer], list[Any]]:
     model = _gpt()
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.01)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=0.01)
     matrices, rest = _muon_split(model)
     opts = [
         flatgrad.ShardedOptimizer(dp, torch.optim.Muon, matrices, **MUON),
@@ -322,9 +322,7 @@ def _kinds_worker(rank: int, world_size: int) -> None:
     def build(cls: Any, **kwargs: Any) -> flatgrad.ShardedOptimizer:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
-        return flatgrad.ShardedOptimizer(
-            flatgrad.DataParallel(flatgrad.FlatGrad(model)), cls, lr=0.1, **kwargs
-        )
+        return flatgrad.ShardedOptimizer(flatgrad.replicate(flatgrad.FlatGrad(model)), cls, lr=0.1, **kwargs)
 
     assert build(torch.optim.AdamW).shard_by == "element"
     assert build(torch.optim.AdamW, shard_by="tensor").shard_by == "tensor"
@@ -347,7 +345,7 @@ def _kinds_worker(rank: int, world_size: int) -> None:
     assert build(_NeedsAnArgument, shard_by="element").shard_by == "element"  # (the user's word)
     with pytest.raises(ValueError, match="Muon updates each tensor as a whole"):
         flatgrad.ShardedOptimizer(
-            flatgrad.DataParallel(flatgrad.FlatGrad(nn.Linear(4, 4, bias=False))),
+            flatgrad.replicate(flatgrad.FlatGrad(nn.Linear(4, 4, bias=False))),
             torch.optim.Muon,
             shard_by="element",
         )
@@ -359,13 +357,13 @@ def _kinds_worker(rank: int, world_size: int) -> None:
         build(dict)
     # Muon refuses a vector (its own check), on every rank before anything moves
     model = nn.Linear(4, 4).double()
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model))
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model))
     with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
         flatgrad.ShardedOptimizer(dp, torch.optim.Muon, lr=0.1)
     with pytest.raises(ValueError, match="overlap_param_gather=True is not supported with shard_by='tensor'"):
         flatgrad.ShardedOptimizer(dp, torch.optim.Adam, shard_by="tensor", overlap_param_gather=True)
     flatgrad.ShardedOptimizer(dp, torch.optim.Muon, [model.weight], lr=0.1)
-    with pytest.raises(ValueError, match="dp already has a ShardedOptimizer"):
+    with pytest.raises(ValueError, match="the model already has a ShardedOptimizer"):
         flatgrad.ShardedOptimizer(dp, torch.optim.Adam, [model.bias])  # (by element: reduce-scatters)
 
 
@@ -428,13 +426,15 @@ def test_an_error_on_one_rank_is_raised_on_every_rank():
 
 def _small(
     rank: int, dtype: torch.dtype = torch.float64
-) -> tuple[nn.Module, nn.Module, flatgrad.DataParallel | None]:
+) -> tuple[nn.Module, nn.Module, flatgrad.ReplicateModule | None]:
     """A model of several slots, its deep copy (the oracle's), and DataParallel over it
     (float64; None for another dtype: the caller wraps it)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
     ref = copy.deepcopy(model)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0002) if dtype == torch.float64 else None
+    dp = (
+        flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=0.0002) if dtype == torch.float64 else None
+    )
     return model, ref, dp
 
 
@@ -520,7 +520,7 @@ def _scaler_worker(rank: int, world_size: int, ours_scaler: str) -> None:
     tensor, every `.grad` is a whole average, which torch's reads), against DDP + AdamW +
     torch's GradScaler: an inf on rank 1 at step 2 skips that step on every rank."""
     model, ref, _ = _small(rank, torch.float32)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0002)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=0.0002)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, shard_by="tensor", lr=0.05)
     ddp = DDP(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
@@ -555,7 +555,7 @@ def _plain_worker(rank: int, world_size: int, tmp: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7, bias=False), nn.Tanh(), nn.Linear(7, 3, bias=False)).double()
     ref = copy.deepcopy(model)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model))
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model))
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.Muon, **MUON)
     ddp = DDP(ref)
     ref_opt = torch.optim.Muon(ref.parameters(), **MUON)
@@ -573,7 +573,7 @@ def _plain_worker(rank: int, world_size: int, tmp: str) -> None:
     _, optim_sd = get_state_dict(ddp, ref_opt)
     dcp.save({"optim": optim_sd}, checkpoint_id=f"{tmp}/plain")
     opt2 = flatgrad.ShardedOptimizer(
-        flatgrad.DataParallel(flatgrad.FlatGrad(copy.deepcopy(model))), torch.optim.Muon, **MUON
+        flatgrad.replicate(flatgrad.FlatGrad(copy.deepcopy(model))), torch.optim.Muon, **MUON
     )
     dcp.load({"optim": opt2}, checkpoint_id=f"{tmp}/plain")
     for name, state in opt2.state_dict()["state"].items():
@@ -593,7 +593,7 @@ def _zero_between_worker(rank: int, world_size: int) -> None:
     zeroes its own optimizer's gradients only, as a torch optimizer's does."""
     model = _gpt()
     stock_model = copy.deepcopy(model)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.01)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=0.01)
     ours = _Pair(model, True, dp)
     stock = _Pair(stock_model, False, DDP(stock_model))
     for step in range(3):
@@ -615,7 +615,7 @@ def _nccl_worker(rank: int, world_size: int) -> None:
     torch.cuda.set_device(rank)
     model = _gpt().cuda()
     stock_model = copy.deepcopy(model)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.01)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=0.01)
     ours = _Pair(model, True, dp)
     stock = _Pair(stock_model, False, DDP(stock_model, device_ids=[rank]))
     for step in range(3):
@@ -659,7 +659,7 @@ def test_a_parameter_given_other_memory_after_construction_is_refused(shard_by):
 
 def _second_after_replace_worker(rank: int, world_size: int) -> None:
     model = _gpt()
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.01)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=0.01)
     matrices, rest = _muon_split(model)
     flatgrad.ShardedOptimizer(dp, torch.optim.Muon, matrices, **MUON)
     with torch.no_grad():
@@ -679,7 +679,7 @@ def _subgroup_worker(rank: int, world_size: int) -> None:
     groups = [dist.new_group([r]) for r in range(world_size)]
     model = _gpt()
     stock_model = copy.deepcopy(model)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), process_group=groups[rank], bucket_mb=0.01)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), process_group=groups[rank], bucket_cap_mb=0.01)
     ours = _Pair(model, True, dp)
     stock = _Pair(stock_model, False, DDP(stock_model, process_group=groups[rank]))
     for step in range(2):
@@ -699,7 +699,7 @@ def _two_scalers_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = TiedGPT(vocab=64, dim=16, depth=2, heads=2, block=8)  # float32, as a scaler takes
     stock_model = copy.deepcopy(model)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.01)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=0.01)
     ours, stock = _Pair(model, True, dp), _Pair(stock_model, False, DDP(stock_model))
     scalers = [
         flatgrad.GradScaler("cpu", init_scale=2.0**10),
@@ -732,9 +732,7 @@ def _no_trace_worker(rank: int, world_size: int) -> None:
         flatgrad.ShardedOptimizer(dp, _NoisySGD, lr=0.1, shard_by="tensor")
     assert torch.equal(torch.get_rng_state(), before)
     with pytest.raises(TypeError, match="unexpected keyword argument 'lrr'"):
-        flatgrad.ShardedOptimizer(
-            flatgrad.DataParallel(flatgrad.FlatGrad(_small(rank)[1])), _SignSGD, lrr=0.1
-        )
+        flatgrad.ShardedOptimizer(flatgrad.replicate(flatgrad.FlatGrad(_small(rank)[1])), _SignSGD, lrr=0.1)
 
 
 def test_the_probe_leaves_no_trace_and_bad_arguments_get_the_class_error():
@@ -770,7 +768,7 @@ def _masters_worker(rank: int, world_size: int) -> None:
     model = TiedGPT(vocab=64, dim=16, depth=2, heads=2, block=8).to(torch.bfloat16)
     reference = copy.deepcopy(model)
     config = {"grad_dtype": "float32"}
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=config), bucket_mb=0.01)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=config), bucket_cap_mb=0.01)
     matrices, rest = _muon_split(model)
 
     def ours() -> list[flatgrad.ShardedOptimizer]:
@@ -781,7 +779,7 @@ def _masters_worker(rank: int, world_size: int) -> None:
 
     opts = ours()
     ref_flat = flatgrad.FlatGrad(reference, config=config)
-    ref_dp = flatgrad.DataParallel(ref_flat, bucket_mb=0.01)
+    ref_dp = flatgrad.replicate(ref_flat, bucket_cap_mb=0.01)
     masters = {name: p.detach().float().requires_grad_() for name, p in reference.named_parameters()}
     names = {id(p): n for n, p in reference.named_parameters()}
     ref_matrices, ref_rest = _muon_split(reference)
@@ -876,7 +874,7 @@ def _gan_worker(rank: int, world_size: int) -> None:
     the generator's step, which has no gradients there (skipped, its state kept)."""
     model = _GAN()
     ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model), bucket_mb=0.0002)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=0.0002)
     generator, discriminator = model.generator.parameters(), model.discriminator.parameters()
     ours = [
         flatgrad.ShardedOptimizer(dp, torch.optim.Adam, generator, shard_by="tensor", lr=1e-2),

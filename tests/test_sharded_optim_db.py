@@ -14,7 +14,7 @@ The configurations, the model, the batches and the comparison are `optim_db_harn
 (shared with tests/test_optim_db_plain.py). The oracle is stock DDP + the same torch
 optimizer with the same arguments on a copy of the model (`_run_stock`), trained on the
 same batches (different on every rank), float64, a small model of parameters of several
-shapes (all 2-D for Muon); ours is a ShardedOptimizer over flatgrad.DataParallel of
+shapes (all 2-D for Muon); ours is a ShardedOptimizer over flatgrad.ReplicateModule of
 several small buckets (`_run_ours`), whose ``state_dict()`` is loaded into a fresh
 ShardedOptimizer over a fresh DataParallel of a copy of the model before the third step.
 Parameters are compared after 2 and 4 steps.
@@ -121,9 +121,9 @@ def _configs() -> list[Config]:
     return configs
 
 
-def _ours(model: nn.Module) -> flatgrad.DataParallel:
-    """flatgrad.DataParallel over `model` (every Linear routed), in several buckets."""
-    return flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.0002)
+def _ours(model: nn.Module) -> flatgrad.ReplicateModule:
+    """flatgrad.ReplicateModule over `model` (every Linear routed), in several buckets."""
+    return flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.0002)
 
 
 def _run_stock(rank: int, config: Config, refs: dict[bool, DDP], steps: int = STEPS) -> dict[str, Any]:
@@ -151,7 +151,7 @@ def _run_ours(
     rank: int,
     config: Config,
     stock_points: dict[int, dict[str, torch.Tensor]] | None,
-    spares: dict[bool, flatgrad.DataParallel] | None = None,
+    spares: dict[bool, flatgrad.ReplicateModule] | None = None,
 ) -> dict[str, Any]:
     """ShardedOptimizer over DataParallel of the same model, stepped on the same batches,
     its state_dict loaded into a fresh one (over a fresh DataParallel of a copy of the
@@ -169,7 +169,7 @@ def _run_ours(
         if flat_2d not in spares:
             spares[flat_2d] = _ours(model(flat_2d))
         dp = spares[flat_2d]
-        module = dp.module
+        module = dp
     try:
         opt = flatgrad.ShardedOptimizer(
             dp, config.cls, shard_by=config.shard_by, **copy.deepcopy(config.kwargs)
@@ -220,7 +220,7 @@ def _run_config(
     config: Config,
     stock_runs: dict[tuple[str, str], dict[str, Any]],
     refs: dict[bool, DDP],
-    spares: dict[bool, flatgrad.DataParallel],
+    spares: dict[bool, flatgrad.ReplicateModule],
 ) -> dict[str, Any]:
     """Stock's run (once per class and configuration: both shard_by share it) and ours."""
     if config.cls.__name__ in REFUSED:  # only built (LBFGS's step needs a closure, SparseAdam's sparse grads)
@@ -248,7 +248,7 @@ def _configs_worker(rank: int, world_size: int, configs: list[Config], out: str)
     recorded and the next one runs."""
     stock_runs: dict[tuple[str, str], dict[str, Any]] = {}
     refs: dict[bool, DDP] = {}
-    spares: dict[bool, flatgrad.DataParallel] = {}
+    spares: dict[bool, flatgrad.ReplicateModule] = {}
     with open(Path(out, f"rank{rank}.jsonl"), "w") as file:
         for config in configs:
             try:

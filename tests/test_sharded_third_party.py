@@ -156,12 +156,12 @@ def _dtype(case: Case) -> torch.dtype:
     return torch.float32 if (case.package, case.name) in FLOAT32_ONLY else torch.float64
 
 
-def _model(dtype: torch.dtype) -> tuple[nn.Module, flatgrad.DataParallel]:
+def _model(dtype: torch.dtype) -> tuple[nn.Module, flatgrad.ReplicateModule]:
     """A model whose first weight is 80 x 64 (5120 elements, above the block-quantisation
     size) and DataParallel over it (several buckets)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 80), nn.Tanh(), nn.Linear(80, 3)).to(dtype)
-    return model, flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.02)
+    return model, flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.02)
 
 
 def _groups(params: list[nn.Parameter], setup: Setup) -> Any:

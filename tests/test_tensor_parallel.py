@@ -230,7 +230,7 @@ def clip_and_step(
         side.zero_grad(set_to_none=step % 2 == 0)
 
 
-def _train_2d(rank: int, world_size: int, kind: str, how: str, bucket_mb: float) -> None:
+def _train_2d(rank: int, world_size: int, kind: str, how: str, bucket_cap_mb: float) -> None:
     """2 x 2: DataParallel over "dp" of FlatGrad over a model tensor-parallel over "tp",
     against stock DDP over "dp" of the plain model (no_sync accumulation, clipping)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -242,9 +242,9 @@ def _train_2d(rank: int, world_size: int, kind: str, how: str, bucket_mb: float)
     plain = model.double()
     flat = flatgrad.FlatGrad(_parallel(plain, mesh["tp"], plan))
     if how == "device_mesh":
-        dp = flatgrad.DataParallel(flat, device_mesh=mesh["dp"], bucket_mb=bucket_mb)
+        dp = flatgrad.replicate(flat, device_mesh=mesh["dp"], bucket_cap_mb=bucket_cap_mb)
     else:
-        dp = flatgrad.DataParallel(flat, process_group=mesh["dp"].get_group(), bucket_mb=bucket_mb)
+        dp = flatgrad.replicate(flat, process_group=mesh["dp"].get_group(), bucket_cap_mb=bucket_cap_mb)
     ddp = DDP(copy.deepcopy(plain), process_group=mesh["dp"].get_group())
     optimizer = torch.optim.AdamW(dp.parameters(), lr=1e-3, weight_decay=0.1)
     oracle = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.1)
@@ -260,7 +260,7 @@ def _train_2d(rank: int, world_size: int, kind: str, how: str, bucket_mb: float)
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("kind", "how", "bucket_mb"),
+    ("kind", "how", "bucket_cap_mb"),
     [
         ("mlp", "device_mesh", 25.0),
         ("mlp", "process_group", 0.0005),
@@ -268,21 +268,23 @@ def _train_2d(rank: int, world_size: int, kind: str, how: str, bucket_mb: float)
         ("llama_block_sp", "process_group", 0.001),
     ],
 )
-def test_data_parallel_over_dp_of_a_tensor_parallel_model_equals_ddp_of_the_plain_model(kind, how, bucket_mb):
-    run_ranks(_train_2d, kind, how, bucket_mb, world_size=4, timeout=240.0)
+def test_data_parallel_over_dp_of_a_tensor_parallel_model_equals_ddp_of_the_plain_model(
+    kind, how, bucket_cap_mb
+):
+    run_ranks(_train_2d, kind, how, bucket_cap_mb, world_size=4, timeout=240.0)
 
 
 def _refusals(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     flat = flatgrad.FlatGrad(_parallel(MLP().double(), mesh["tp"], MLP_PLAN))
     with pytest.raises(ValueError, match="process_group must hold one rank of each tensor-parallel group"):
-        flatgrad.DataParallel(flat)  # the default group crosses "tp"
+        flatgrad.replicate(flat)  # the default group crosses "tp"
     with pytest.raises(ValueError, match="process_group must hold one rank of each tensor-parallel group"):
-        flatgrad.DataParallel(flat, device_mesh=mesh["tp"])
+        flatgrad.replicate(flat, device_mesh=mesh["tp"])
     with pytest.raises(ValueError, match="device_mesh must be 1-D"):
-        flatgrad.DataParallel(flat, device_mesh=mesh)
+        flatgrad.replicate(flat, device_mesh=mesh)
     with pytest.raises(ValueError, match="process_group or device_mesh, not both"):
-        flatgrad.DataParallel(flat, process_group=mesh["dp"].get_group(), device_mesh=mesh["dp"])
+        flatgrad.replicate(flat, process_group=mesh["dp"].get_group(), device_mesh=mesh["dp"])
     with pytest.raises(ValueError, match="DTensor parameters .* which DDP does not take"):
         flat.ddp_kwargs()
     with pytest.raises(ValueError, match="DTensor parameters .* which DDP does not take"):
@@ -369,7 +371,7 @@ def _save_2d(rank: int, world_size: int, path: str, out: str) -> None:
     plain = MLP().double()
 
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:
-        dp = flatgrad.DataParallel(
+        dp = flatgrad.replicate(
             flatgrad.FlatGrad(_parallel(plain, mesh["tp"], MLP_PLAN)), device_mesh=mesh["dp"]
         )
         return dp, torch.optim.AdamW(dp.parameters(), lr=1e-3)

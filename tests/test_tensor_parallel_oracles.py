@@ -80,11 +80,11 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
 
 
-def _flatgrad_side(dp: flatgrad.DataParallel) -> Side:
+def _flatgrad_side(dp: flatgrad.ReplicateModule) -> Side:
     def sync(last: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if last else dp.no_sync()
 
-    return dp, _adamw(dp), sync, lambda: float(dp.module.clip_grad_norm_(MAX_NORM))
+    return dp, _adamw(dp), sync, lambda: float(dp.clip_grad_norm_(MAX_NORM))
 
 
 def _fsdp2_side(plain: nn.Module, mesh, plan: dict[str, object]) -> Side:
@@ -164,8 +164,8 @@ def _against_fsdp2(rank: int, world_size: int, kind: str, path: str, out: str) -
     mesh = init_device_mesh("cpu", (DP, world_size // DP), mesh_dim_names=("dp", "tp"))
     plain, plan = _model(kind)
 
-    def data_parallel() -> flatgrad.DataParallel:
-        return flatgrad.DataParallel(
+    def data_parallel() -> flatgrad.ReplicateModule:
+        return flatgrad.replicate(
             flatgrad.FlatGrad(_parallel(plain, mesh["tp"], plan)), device_mesh=mesh["dp"]
         )
 
@@ -199,11 +199,11 @@ def _resume(rank: int, world_size: int, kind: str, path: str, out: str, dp_size:
     plain, plan = _model(kind)
     tp_size = world_size // dp_size
     if tp_size == 1:
-        dp, dp_rank = flatgrad.DataParallel(flatgrad.FlatGrad(plain)), rank
+        dp, dp_rank = flatgrad.replicate(flatgrad.FlatGrad(plain)), rank
     else:
         mesh = init_device_mesh("cpu", (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
         flat = flatgrad.FlatGrad(_parallel(plain, mesh["tp"], plan))
-        dp, dp_rank = flatgrad.DataParallel(flat, device_mesh=mesh["dp"]), mesh["dp"].get_local_rank()
+        dp, dp_rank = flatgrad.replicate(flat, device_mesh=mesh["dp"]), mesh["dp"].get_local_rank()
     side = _flatgrad_side(dp)
     _load(side, path)
     _, norm, _ = _step(side, _global_batch(STEPS - 1, dp_rank, dp_size, SHAPES[kind]), scale=dp_size / DP)

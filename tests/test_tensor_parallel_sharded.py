@@ -81,7 +81,7 @@ def _against_ddp(mesh, kind: str, shard_by: str) -> None:
     stock DDP + AdamW of the plain model: micro-batches under no_sync, clipping every step."""
     plain, plan, shape = _model(kind)
     flat = flatgrad.FlatGrad(_parallel(plain, mesh["tp"], plan))
-    dp = flatgrad.DataParallel(flat, device_mesh=mesh["dp"], bucket_mb=0.001)
+    dp = flatgrad.replicate(flat, device_mesh=mesh["dp"], bucket_cap_mb=0.001)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, shard_by=shard_by)
     ddp = DDP(copy.deepcopy(plain), process_group=mesh["dp"].get_group())
     oracle = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.1)
@@ -90,7 +90,7 @@ def _against_ddp(mesh, kind: str, shard_by: str) -> None:
         if shard_by == "element":
             _refuses_reads(dp)
         else:  # (by tensor every rank holds every average: `.grad` is readable, in the buffers)
-            _assert_in_buffers(dp.module)
+            _assert_in_buffers(dp)
             for param, ref in zip(dp.parameters(), ddp.parameters()):
                 torch.testing.assert_close(_full(param.grad), ref.grad, rtol=0, atol=TOL)
         clip_and_step(opt.clip_grad_norm_, opt, ddp, oracle, step, 0.5)
@@ -110,7 +110,7 @@ def _muon(mesh, _kind: str, _shard_by: str) -> None:
     dp_rank = mesh["dp"].get_local_rank()
     plain, plan, shape = _model("llama_block")
     stock = _parallel(plain, mesh["tp"], plan)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(_parallel(plain, mesh["tp"], plan)), device_mesh=mesh["dp"])
+    dp = flatgrad.replicate(flatgrad.FlatGrad(_parallel(plain, mesh["tp"], plan)), device_mesh=mesh["dp"])
 
     def split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         params = list(model.parameters())
@@ -141,7 +141,7 @@ def _muon(mesh, _kind: str, _shard_by: str) -> None:
 
 def _mlp_2d(mesh, shard_by: str, kind: str = "mlp") -> tuple[nn.Module, flatgrad.ShardedOptimizer]:
     model, plan, _ = _model(kind)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(_parallel(model, mesh["tp"], plan)), device_mesh=mesh["dp"])
+    dp = flatgrad.replicate(flatgrad.FlatGrad(_parallel(model, mesh["tp"], plan)), device_mesh=mesh["dp"])
     return dp, flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, shard_by=shard_by)
 
 
@@ -218,9 +218,7 @@ def _freeze_and_overlap(mesh, shard_by: str) -> None:
     "dp" of the 2 x 2 run's means, to rounding)."""
     plain = _model("mlp")[0]
     oracle = copy.deepcopy(plain)
-    dp = flatgrad.DataParallel(
-        flatgrad.FlatGrad(_parallel(plain, mesh["tp"], MLP_PLAN)), device_mesh=mesh["dp"]
-    )
+    dp = flatgrad.replicate(flatgrad.FlatGrad(_parallel(plain, mesh["tp"], MLP_PLAN)), device_mesh=mesh["dp"])
     overlap = shard_by == "element"
     opt = flatgrad.ShardedOptimizer(
         dp, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, shard_by=shard_by, overlap_param_gather=overlap
@@ -228,7 +226,7 @@ def _freeze_and_overlap(mesh, shard_by: str) -> None:
     oracle_opt = torch.optim.AdamW(oracle.parameters(), lr=1e-3, weight_decay=0.1)
     for step in range(4):
         if step == 2 and shard_by == "element":  # (by tensor a change of layout is refused)
-            dp.module.down.weight.requires_grad_(False)
+            dp.down.weight.requires_grad_(False)
             oracle.down.weight.requires_grad_(False)
         dp(_global_batch(step, mesh)).pow(2).mean().backward()
         oracle(torch.cat([_batch(step, 0, r, (4, 8)) for r in range(2)])).pow(2).mean().backward()

@@ -860,37 +860,32 @@ def test_nn_module_recursion_is_the_models_own():
     flat.load_state_dict(plain.float().state_dict())
 
 
-def _dataparallel_names_worker(rank: int, world_size: int) -> None:
+def _replicate_names_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     plain = _Rooted().double()
-    flat = flatgrad.FlatGrad(copy.deepcopy(plain), config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat)
-    assert_walks_name_the_plain_model(dp, plain, {dp})
-    holder, plain_holder = nn.ModuleDict({"net": dp}), nn.ModuleDict({"net": plain})
-    assert_walks_name_the_plain_model(holder, plain_holder, {dp})
+    model = copy.deepcopy(plain)
+    assert flatgrad.replicate(model) is model
+    assert isinstance(model, _Rooted) and isinstance(model, flatgrad.FlatGrad)
+    assert isinstance(model, flatgrad.ReplicateModule) and type(model).__name__ == "_Rooted"
+    assert_walks_name_the_plain_model(model, plain, set())
+    holder, plain_holder = nn.ModuleDict({"net": model}), nn.ModuleDict({"net": plain})
+    assert_walks_name_the_plain_model(holder, plain_holder, set())
     holder.load_state_dict(plain_holder.state_dict())  # nested: the plain keys, both directions
-    dp.eval()
-    assert not dp.training and not flat.training and not flat.body[2].training
-    dp.train()
-    assert flat.training and flat.body[2].training
-    calls: list[nn.Module] = []
-    dp.apply(calls.append)
-    plain_calls: list[nn.Module] = []
-    flat.apply(plain_calls.append)
-    assert calls == [*plain_calls, dp]
-    dp.float()  # through the model, which lays its buffers out again
-    assert {key[0] for key in flat.grad_buffers} == {torch.float32}
-    dp(_tokens(rank, (3, 5), vocab=11)).backward()
-    assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters())
+    model.float()  # lays the buffers out again; the buckets follow at the next forward
+    assert {key[0] for key in model.grad_buffers} == {torch.float32}
+    model(_tokens(rank, (3, 5), vocab=11)).backward()
+    assert all(grad_in_buffers(model, p.grad) for p in model.parameters())
+    with pytest.raises(ValueError, match="already applied"):
+        flatgrad.replicate(model)
 
 
 @pytest.mark.distributed
-def test_dataparallel_walks_name_the_plain_model():
-    """`flatgrad.DataParallel(flat)`, and a module holding it, are walked (children,
-    modules, submodules, parameters and buffers, state_dict and torch.distributed.checkpoint
-    keys, Trainer's and minGPT's weight-decay grouping) under the plain model's names;
-    `train`, `apply` and a conversion reach the model (2 gloo ranks)."""
-    run_ranks(_dataparallel_names_worker)
+def test_replicate_keeps_the_models_class_and_names():
+    """``flatgrad.replicate(model) is model``: still of its class (a FlatGrad and a
+    ReplicateModule too), walked (children, modules, submodules, parameters and buffers,
+    state_dict and torch.distributed.checkpoint keys, Trainer's and minGPT's weight-decay
+    grouping) under its own names, alone and in a holder (2 gloo ranks)."""
+    run_ranks(_replicate_names_worker)
 
 
 @pytest.mark.parametrize(

@@ -117,14 +117,14 @@ def flat_dp(
     model: nn.Module,
     device: torch.device,
     sharded: bool = False,
-    bucket_mb: float = 0.002,
+    bucket_cap_mb: float = 0.002,
     config: flatgrad.FlatGradConfig = ROUTE_ALL,
     shard_by: Literal["element", "tensor"] | None = None,
 ) -> Trainer:
-    """DataParallel (several buckets at the default `bucket_mb`: launched during backward),
+    """DataParallel (several buckets at the default `bucket_cap_mb`: launched during backward),
     with a ShardedOptimizer when `sharded` (by `shard_by`)."""
     flat = flatgrad.FlatGrad(copy.deepcopy(model), config=config)
-    dp = flatgrad.DataParallel(flat, bucket_mb=bucket_mb)
+    dp = flatgrad.replicate(flat, bucket_cap_mb=bucket_cap_mb)
     params = list(flat.parameters())
     if sharded:
         opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=LR, weight_decay=0.1, shard_by=shard_by)

@@ -104,7 +104,7 @@ def _async_buckets(run: DeviceRun) -> str:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).double().to(run.device)
     stock = copy.deepcopy(model)
-    dp = flatgrad.DataParallel(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_mb=0.6)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.6)
     x = torch.randn(16, 256, device=run.device, dtype=torch.float64)
     for _ in range(2):  # the first steps set up (expected counts, buffers); the third must not sync
         dp(x).square().mean().backward()
@@ -114,7 +114,8 @@ def _async_buckets(run: DeviceRun) -> str:
     stock(x).square().mean().backward()
     for p, q in zip(model.parameters(), stock.parameters()):
         _same(p.grad, q.grad)
-    return f"{len(dp.buckets)} buckets launched asynchronously and waited on by stream, no host sync"
+    buckets = len(flatgrad.replicate_state(dp).buckets)
+    return f"{buckets} buckets launched asynchronously and waited on by stream, no host sync"
 
 
 def _clip_multiplies(run: DeviceRun) -> str:
@@ -218,7 +219,7 @@ def _wire_on_a_side_stream(run: DeviceRun) -> str:
     model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(3)]).to(run.device)
     stock = copy.deepcopy(model)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    dp = flatgrad.DataParallel(flat, bucket_mb=0.1, wire_dtype=torch.bfloat16, check_finite=True)
+    dp = flatgrad.replicate(flat, bucket_cap_mb=0.1, reduce_dtype=torch.bfloat16, check_finite=True)
     x = torch.randn(16, 128, device=run.device)
     marked: list[torch.Tensor] = []
     waited: list[bool] = []
@@ -245,7 +246,8 @@ def _wire_on_a_side_stream(run: DeviceRun) -> str:
     for p, q in zip(model.parameters(), stock.parameters()):  # (world size 1: bfloat16 wire only)
         torch.testing.assert_close(p.grad, q.grad, rtol=2**-7, atol=1e-6)
     wires = sum(t.dtype == torch.bfloat16 for t in marked)
-    assert wires >= 2 * len(dp.buckets), f"{wires} bfloat16 wire tensors marked for {len(dp.buckets)} buckets"
+    num_buckets = len(flatgrad.replicate_state(dp).buckets)
+    assert wires >= 2 * num_buckets, f"{wires} bfloat16 wire tensors marked for {num_buckets} buckets"
     flags, follows = len(marked) - wires, sum(waited)
     return (
         f"trained on a side stream: {follows} of {len(waited)} launches waited for it first; "

@@ -103,8 +103,8 @@ ONE_PROCESS: dict[str, Builder] = {"stock": stock_plain, "flatgrad": flat_one_pr
 DATA_PARALLEL: dict[str, Builder] = {  # stock first: every other side is compared with it
     STOCK_DDP: lambda m, d: stock_ddp(m, d, find_unused=False),
     "DDP(FlatGrad) + allreduce_hook": lambda m, d: flat_hook(m, d, config=DEFAULTS),
-    "DataParallel": lambda m, d: flat_dp(m, d, bucket_mb=25.0, config=DEFAULTS),
-    "ShardedOptimizer": lambda m, d: flat_dp(m, d, sharded=True, bucket_mb=25.0, config=DEFAULTS),
+    "DataParallel": lambda m, d: flat_dp(m, d, bucket_cap_mb=25.0, config=DEFAULTS),
+    "ShardedOptimizer": lambda m, d: flat_dp(m, d, sharded=True, bucket_cap_mb=25.0, config=DEFAULTS),
 }
 
 

@@ -62,7 +62,7 @@ def reference_step(
 def _train_sharded(model: nn.Module, batches: list[torch.Tensor]) -> list[float]:
     """`STEPS` steps of DataParallel + ShardedOptimizer(AdamW) on `model`, micro-batches
     under no_sync but the last; the norm before clipping at each step."""
-    dp = flatgrad.DataParallel(wrap_main_grads(model), bucket_mb=0.01)
+    dp = flatgrad.replicate(wrap_main_grads(model), bucket_cap_mb=0.01)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
     norms = []
     for step in range(STEPS):

@@ -35,7 +35,7 @@ def flat_mixed(model: nn.Module, device: torch.device) -> Trainer:
     """`model` (bfloat16) with main grads under DataParallel and ShardedOptimizer(AdamW),
     flatgrad's defaults otherwise (as a script would wrap it)."""
     flat = flatgrad.FlatGrad(copy.deepcopy(model), config={"grad_dtype": "float32"})
-    dp = flatgrad.DataParallel(flat)
+    dp = flatgrad.replicate(flat)
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=LR, weight_decay=0.1)  # as stock_plain
     return Trainer(FLATGRAD, dp, opt, list(flat.parameters()), opt.clip_grad_norm_, dp.no_sync)
 

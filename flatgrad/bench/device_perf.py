@@ -295,7 +295,7 @@ MEMORY_CONFIGS: dict[str, Builder] = {
     "stock DDP": lambda m, d: stock_ddp(m, d, find_unused=False),
     "stock DDP gradient_as_bucket_view": lambda m, d: stock_ddp(m, d, find_unused=False, bucket_view=True),
     "flatgrad DDP hook": flat_hook,
-    "flatgrad DataParallel": lambda m, d: flat_dp(m, d, bucket_mb=25.0),
+    "flatgrad DataParallel": lambda m, d: flat_dp(m, d, bucket_cap_mb=25.0),
 }
 MEMORY_PAIRS = (
     ("flatgrad DDP hook", "stock DDP"),

@@ -110,7 +110,7 @@ def build_mixed(
     module = copy.deepcopy(model).to(device)
     if name == "flatgrad_main_grads":
         flat = flatgrad.FlatGrad(module.to(torch.bfloat16), config={"grad_dtype": "float32"})
-        dp = flatgrad.DataParallel(flat)
+        dp = flatgrad.replicate(flat)
         sharded = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
         clip = lambda: sharded.clip_grad_norm_(MAX_NORM)  # noqa: E731
         return MixedRunner(name, dp, sharded, dp.no_sync, clip, autocast=False, dtype=torch.bfloat16)

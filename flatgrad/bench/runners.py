@@ -47,7 +47,7 @@ class Runner:
     optimizer: torch.optim.Optimizer | Optimizers
     sync: Callable[[], None] = _no_sync
     ddp: DDP | None = None
-    engine: flatgrad.DataParallel | None = None
+    engine: flatgrad.ReplicateState | None = None
     counts_grad_copies: bool = True
     """False where `counters.COPY_OPS` misses the configuration's gradient copies: FSDP2
     copies every gradient into its reduce-scatter input with ``fsdp::chunk_cat``."""
@@ -183,11 +183,16 @@ def build_runner(
         _broadcast_parameters(flat)
         wrapped, sync = flat, flat.all_reduce_grads
     elif name in ("flatgrad_dp", "flatgrad_zero"):
-        dp = flatgrad.DataParallel(flatgrad.FlatGrad(module))
+        dp = flatgrad.replicate(flatgrad.FlatGrad(module))
         if name == "flatgrad_zero":
             sharded = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=lr, momentum=0.9)
-            return Runner(name, dp, sharded, engine=dp)  # type: ignore[arg-type]
-        return Runner(name, dp, torch.optim.SGD(dp.parameters(), lr=lr, momentum=0.9), engine=dp)
+            return Runner(name, dp, sharded, engine=flatgrad.replicate_state(dp))  # type: ignore[arg-type]
+        return Runner(
+            name,
+            dp,
+            torch.optim.SGD(dp.parameters(), lr=lr, momentum=0.9),
+            engine=flatgrad.replicate_state(dp),
+        )
     elif name == "zero_stock":
         ddp = DDP(
             module, device_ids=ids, gradient_as_bucket_view=True, find_unused_parameters=unused_parameters
@@ -234,16 +239,16 @@ def _muon_runner(name: str, module: nn.Module, ids: list[int] | None, unused_par
             f"configuration {name} needs torch.optim.Muon (torch 2.9 on), not in torch {torch.__version__}"
         )
     if name in ("flatgrad_dp_muon", "flatgrad_zero_muon"):
-        dp = flatgrad.DataParallel(flatgrad.FlatGrad(module))
+        dp = flatgrad.replicate(flatgrad.FlatGrad(module))
         matrices, rest = muon_split(module)
         if name == "flatgrad_zero_muon":  # (one clip over the whole model: every rank holds every gradient)
             muon = flatgrad.ShardedOptimizer(dp, muon_class, matrices, **MUON)
             adamw = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, rest, shard_by="tensor", **MUON_ADAMW)
             clip = functools.partial(muon.clip_grad_norm_, MUON_MAX_NORM)
-            return Runner(name, dp, Optimizers([muon, adamw], clip), engine=dp)
+            return Runner(name, dp, Optimizers([muon, adamw], clip), engine=flatgrad.replicate_state(dp))
         plain = [muon_class(matrices, **MUON), torch.optim.AdamW(rest, **MUON_ADAMW)]
-        clip = functools.partial(dp.module.clip_grad_norm_, MUON_MAX_NORM)
-        return Runner(name, dp, Optimizers(plain, clip), engine=dp)
+        clip = functools.partial(dp.clip_grad_norm_, MUON_MAX_NORM)
+        return Runner(name, dp, Optimizers(plain, clip), engine=flatgrad.replicate_state(dp))
     ddp = DDP(module, device_ids=ids, gradient_as_bucket_view=True, find_unused_parameters=unused_parameters)
     matrices, rest = muon_split(module)
     parts: list[torch.optim.Optimizer]
