@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import operator
 import weakref
+from itertools import chain
 from typing import Any
 
 import torch
@@ -35,6 +36,9 @@ logger = logging.getLogger(__name__)
 # (module, name, parameter, requires_grad, dtype, device, shape) as they were at the last build
 _Watched = tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size]
 _trainable = operator.attrgetter("requires_grad")
+# (every module's ``_parameters`` dict, the parameters in them in order, every module's
+# ``_modules`` dict, the children in them in order)
+_Held = tuple[tuple[dict[str, Any], ...], tuple[Any, ...], tuple[dict[str, Any], ...], tuple[Any, ...]]
 _SPARSE_LAYERS = (nn.Embedding, nn.EmbeddingBag)
 
 
@@ -48,8 +52,8 @@ class GradEngine:
         self.store: GradStore | None = None
         self.seater: Seater | None = None
         self._watched: tuple[_Watched, ...] = ()
-        # Every module with what it held at the last build, for the per-forward check.
-        self._held: tuple[tuple[nn.Module, tuple[Any, ...], tuple[Any, ...]], ...] = ()
+        # Every module, and what they held at the last build (`_moved`).
+        self._held: _Held = ((), (), (), ())
         self.others: tuple[nn.Parameter, ...] = ()  # the model's parameters without a slot
         self.frozen: tuple[nn.Parameter, ...] = ()
         # Of those, the ones of layers that make sparse gradients (`sparse_ids`): stock's
@@ -179,18 +183,18 @@ class GradEngine:
         )
 
     def _moved(self) -> bool:
-        """Whether a module holds other parameters or children than at the last build (one
-        identity test each: what `check_layout` asks first)."""
-        for module, params, children in self._held:
-            held, below = module._parameters, module._modules
-            if (
-                len(held) != len(params)
-                or len(below) != len(children)
-                or not all(map(operator.is_, held.values(), params))
-                or not all(map(operator.is_, below.values(), children))
-            ):
-                return True
-        return False
+        """Whether a module holds other parameters or children than at the last build: one
+        identity test each, in C loops over the modules' own ``_parameters`` and ``_modules``
+        dicts as they were then (every registration, replacement and deletion writes those;
+        a container that renumbers itself after a deletion replaces its dict, after the
+        deletion was seen), what `check_layout` asks first."""
+        param_dicts, params, child_dicts, children = self._held
+        return (
+            sum(map(len, param_dicts)) != len(params)
+            or sum(map(len, child_dicts)) != len(children)
+            or not all(map(operator.is_, chain.from_iterable(map(dict.values, param_dicts)), params))
+            or not all(map(operator.is_, chain.from_iterable(map(dict.values, child_dicts)), children))
+        )
 
     def rebuilt_seater(self) -> Seater:
         self.refresh()
@@ -289,8 +293,12 @@ def _watch_list(model: nn.Module) -> tuple[_Watched, ...] | None:
     return tuple(entries)
 
 
-def _held_by_module(model: nn.Module) -> tuple[tuple[nn.Module, tuple[Any, ...], tuple[Any, ...]], ...]:
-    return tuple((m, tuple(m._parameters.values()), tuple(m._modules.values())) for m in model.modules())
+def _held_by_module(model: nn.Module) -> _Held:
+    modules = tuple(model.modules())
+    param_dicts = tuple(m._parameters for m in modules)
+    child_dicts = tuple(m._modules for m in modules)
+    params = tuple(chain.from_iterable(d.values() for d in param_dicts))
+    return param_dicts, params, child_dicts, tuple(chain.from_iterable(d.values() for d in child_dicts))
 
 
 def _refuse_moved(model: nn.Module, before: tuple[_Watched, ...], now: tuple[_Watched, ...]) -> None:
