@@ -161,26 +161,31 @@ class GradEngine:
 
     def refresh(self) -> GradStore:
         """The store, laid out again first if a parameter was converted, reshaped through
-        its ``.grad``, or (un)frozen; raises `LayoutChanged` if one was added, replaced,
+        its ``.grad``, or (un)frozen; raises RuntimeError if one was added, replaced,
         removed or re-pointed at another shape (see the module doc). O(parameters): norms
-        and syncs call it (as stock ``clip_grad_norm_(model.parameters())`` walks the model)."""
+        and syncs call it (as stock ``clip_grad_norm_(model.parameters())`` walks the model);
+        the walk over the modules only when `_moved` saw something."""
         store = self.store
-        current = _watch_list(self.model)
-        if current is not None:  # (None: torch.func.functional_call's temporaries: keep)
+        current = _watch_list(self.model) if self._moved() else self._watched
+        if current is not None and current is not self._watched:  # (None: functional_call's temporaries)
             _refuse_moved(self.model, self._watched, current)
-        if store is None or store.stale or not store.intact() or (current is not None and self._converted()):
+        if store is None or store.stale or not store.intact() or self._converted():
             logger.info("flatgrad: parameters converted or (un)frozen; laying out the buffers again")
             self.build()
-        elif current is not None:  # (modules without parameters, or parameters that moved)
+        elif current is not None and current is not self._watched:  # (children or parameters that moved)
             self._watched, self._held = current, _held_by_module(self.model)
         assert self.store is not None, "the engine is not built"
         return self.store
 
     def _converted(self) -> bool:
-        return any(
-            param.requires_grad != requires_grad or param.dtype != dtype or param.device != device
-            for _, _, param, requires_grad, dtype, device, _ in self._watched
-        )
+        """Whether a held parameter was converted or (un)frozen since the build; raises
+        (`_refuse_moved`) for one re-pointed at another shape."""
+        for _, _, param, requires_grad, dtype, device, shape in self._watched:
+            if param.shape != shape:
+                _refuse_moved(self.model, self._watched, _watch_list(self.model) or self._watched)
+            if param.requires_grad != requires_grad or param.dtype != dtype or param.device != device:
+                return True
+        return False
 
     def _moved(self) -> bool:
         """Whether a module holds other parameters or children than at the last build: one
