@@ -268,3 +268,54 @@ def test_trainer_with_weight_decay_trains_a_wrapped_model_as_stock(tmp_path):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-12, abs=0), key
     for (name, p), q in zip(flat.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class _TokensWithIndex(_Tokens):
+    """`_Tokens` and an ``index`` column the model does not take (Trainer drops it by the
+    forward's signature: for a PeftModel, the base model's)."""
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**super().__getitem__(index), "index": index}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_trainer_trains_saves_and_resumes_a_lora_model_with_flatgrad_applied_as_stock(tmp_path):
+    """A LoRA PeftModel of a tied Llama (float64) with FlatGrad applied, under a plain
+    `transformers.Trainer` with its defaults (``remove_unused_columns=True``: the dataset has a
+    column the model does not take; a checkpoint every 2 steps): losses and adapters equal a
+    plain Trainer's on the plain PeftModel (1e-12); the checkpoint holds the adapter, which
+    ``PeftModel.from_pretrained`` loads to the trained values; resumed from the first
+    checkpoint it ends where the uninterrupted stock run does."""
+    transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
+    peft = pytest.importorskip("peft", reason="pip install -e '.[dev,frameworks]'")
+
+    def run(model: nn.Module, out: Path, resume: str | None = None) -> list[float]:
+        args = transformers.TrainingArguments(
+            output_dir=str(out), max_steps=4, save_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
+            logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+        )  # fmt: skip
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_TokensWithIndex())
+        trainer.train(resume_from_checkpoint=resume)
+        return [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+    def adapters(model: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+    stock = _lora(tiny_llama())
+    ours = flatgrad.FlatGrad(_lora(tiny_llama()))
+    assert isinstance(ours, peft.PeftModel)
+    stock_losses, our_losses = run(stock, tmp_path / "stock"), run(ours, tmp_path / "ours")
+    assert len(our_losses) == 4 and our_losses == pytest.approx(stock_losses, rel=1e-12, abs=0)
+    want = adapters(stock)
+    for name, value in adapters(ours).items():
+        torch.testing.assert_close(value, want[name], rtol=1e-12, atol=1e-12, msg=name)
+    checkpoint = tmp_path / "ours" / "checkpoint-4"
+    assert (checkpoint / "adapter_model.safetensors").exists()
+    loaded = peft.PeftModel.from_pretrained(tiny_llama(), checkpoint)
+    for name, value in adapters(loaded).items():
+        torch.testing.assert_close(value, want[name], rtol=1e-12, atol=1e-12, msg=name)
+    resumed = flatgrad.FlatGrad(_lora(tiny_llama()))
+    resumed_losses = run(resumed, tmp_path / "ours", resume=str(tmp_path / "ours" / "checkpoint-2"))
+    assert resumed_losses[-2:] == pytest.approx(stock_losses[-2:], rel=1e-12, abs=0)
+    for name, value in adapters(resumed).items():
+        torch.testing.assert_close(value, want[name], rtol=1e-12, atol=1e-12, msg=name)
