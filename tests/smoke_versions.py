@@ -119,7 +119,8 @@ def check_wrapper() -> None:
     assert flat.state_dict().keys() == ref.state_dict().keys()
     fresh = flatgrad.FlatGrad(model64(seed=1))
     fresh.load_state_dict(flat.state_dict())
-    same_params(fresh.module, ref)
+    same_params(fresh, ref)
+    assert flatgrad.FlatGrad(model) is model and isinstance(model, type(ref))  # applied in place
 
 
 def check_gathers() -> None:
