@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from flatgrad import FlatGradConfig
-from flatgrad.config import load_mapping
+from flatgrad._config import load_mapping
 
 DEFAULT_MODULES = (
     "argparse", "collections", "textwrap", "difflib", "string", "json.decoder", "json.encoder",

@@ -3,13 +3,13 @@
 # First (it also sorts first): a torch older than the floor gets one ImportError naming the
 # floor before any module reads a torch name (flatgrad/_torch_version.py).
 from flatgrad import _torch_version  # noqa: F401
-from flatgrad.amp import GradScaler
-from flatgrad.comm import FlatGradCommState, allreduce_hook
-from flatgrad.config import FlatGradConfig
-from flatgrad.functional import gather, gather_with_index_add
-from flatgrad.parallel import ReplicateModule, ReplicateState, replicate, replicate_state
-from flatgrad.sharded import ShardedOptimizer
-from flatgrad.wrapper import FlatGrad
+from flatgrad._amp import GradScaler
+from flatgrad._comm import FlatGradCommState, allreduce_hook
+from flatgrad._config import FlatGradConfig
+from flatgrad._functional import gather, gather_with_index_add
+from flatgrad._parallel import ReplicateModule, ReplicateState, replicate, replicate_state
+from flatgrad._sharded import ShardedOptimizer
+from flatgrad._wrapper import FlatGrad
 
 __all__ = [
     "FlatGrad",

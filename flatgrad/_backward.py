@@ -38,6 +38,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from flatgrad._buffer import GradStore
+from flatgrad._comm import DDPEdge
 from flatgrad._torch_compat import (
     POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT,
     accumulate_grad_node,
@@ -46,8 +48,6 @@ from flatgrad._torch_compat import (
     run_post_accumulate_hooks,
     tree_leaves,
 )
-from flatgrad.buffer import GradStore
-from flatgrad.comm import DDPEdge
 
 # What an autograd node hook is given: gradients (its inputs', its outputs').
 Grads = tuple[torch.Tensor | None, ...]

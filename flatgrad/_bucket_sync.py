@@ -1,4 +1,4 @@
-"""The overlapped bucket averaging of one `replicate` (see `flatgrad.parallel` for how it
+"""The overlapped bucket averaging of one `replicate` (see `flatgrad._parallel` for how it
 works), static parts apart from per-backward state:
 
 - `BucketPlan`: the static side, the same on every rank: the buckets cut from a store's
@@ -31,7 +31,10 @@ from torch import nn
 from torch.autograd.graph import Node
 
 from flatgrad._backward import Grads, Seater
+from flatgrad._buffer import GradStore, host_tensor, read_here
+from flatgrad._comm import BackendPolicy, average_op, backend_policy, launch_average, settle_unused
 from flatgrad._engine import GradEngine
+from flatgrad._layout import GroupKey
 from flatgrad._prescale import scale_incoming
 from flatgrad._scattered_grad import (
     carry_scattered,
@@ -47,9 +50,6 @@ from flatgrad._torch_compat import (
     queue_callback,
     will_execute,
 )
-from flatgrad.buffer import GradStore, host_tensor, read_here
-from flatgrad.comm import BackendPolicy, average_op, backend_policy, launch_average, settle_unused
-from flatgrad.layout import GroupKey
 
 _FIRST_BUCKET_MB = 1.0  # a small first bucket starts communication early, as in DDP
 _SUMMED = (torch.float32, torch.float64)  # summed whole and divided after (see `Round`)

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatgrad import comm
+from flatgrad import _comm
 from flatgrad._backward import ForwardPlan, Participant, Seater, watch
+from flatgrad._buffer import GradStore
+from flatgrad._config import FlatGradConfig
 from flatgrad._routing import route_layers
 from flatgrad._torch_compat import graph_task_id
-from flatgrad.buffer import GradStore
-from flatgrad.config import FlatGradConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class GradEngine:
         # Of those, the ones of layers that make sparse gradients (`sparse_ids`): stock's
         # sparse `.grad`, outside the buffers; the rest of `others` is frozen.
         self.sparse: tuple[nn.Parameter, ...] = ()
-        self.ddp = comm.DDPEdge()  # whether a DDP runs the forwards, its hook, its Join
+        self.ddp = _comm.DDPEdge()  # whether a DDP runs the forwards, its hook, its Join
         # A replicated model's bucket sync and sync flag for the next forward (`expect_sync`),
         # and the running forward's, taken by `before_forward`.
         self._next_sync: tuple[Participant, bool] | None = None

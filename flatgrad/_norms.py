@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from flatgrad.buffer import GradStore
+from flatgrad._buffer import GradStore
 
 # The CPU's norm kernel accumulates each row in order, so its error grows with the row:
 # with gradients of mean 0.5, 8Ki-element rows are ~1e-6 off, 1Ki-element rows ~1e-9

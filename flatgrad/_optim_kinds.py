@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatgrad._buffer import GradStore
 from flatgrad._torch_compat import collectives_run
 from flatgrad._zero_state import OptimizerRecipe
-from flatgrad.buffer import GradStore
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ divides that slot as before. A gradient that reaches a noted weight through plai
 (the weight also read outside its layer) is scaled by a pre hook on its AccumulateGrad on
 its way into the slot.
 
-The state lives on the store (`flatgrad.buffer.Prescale`, which the layer backwards find
+The state lives on the store (`flatgrad._buffer.Prescale`, which the layer backwards find
 through `find_slot`); the factor is chosen and the rest of a bucket divided where the
 buckets are (`flatgrad._bucket_sync.prescale_factor`, `divide_unscaled`).
 """
@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from flatgrad.buffer import Prescale, find_slot
+from flatgrad._buffer import Prescale, find_slot
 
 
 def write_scale(param: torch.Tensor, mode: str) -> float:
     """The factor a routed layer writes `param`'s gradient with in mode "out" or "add" (see
-    `flatgrad.functional.weight_target`): 1 but inside such a backward; "out" notes the slot, "add" scales
+    `flatgrad._functional.weight_target`): 1 but inside such a backward; "out" notes the slot, "add" scales
     only into a slot so noted."""
     found = find_slot(param)
     state = found[0].prescale if found is not None else None

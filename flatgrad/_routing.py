@@ -12,25 +12,25 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from flatgrad import _dtensor, functional
+from flatgrad import _dtensor, _functional
+from flatgrad._config import FlatGradConfig
 from flatgrad._torch_compat import unwrap_if_dead
-from flatgrad.config import FlatGradConfig
 
 
 def _linear_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     weight = module.weight
-    if torch.is_grad_enabled() and not weight.is_complex() and not functional.plain_torch():
-        return functional.linear_into_slot(unwrap_if_dead(input), weight, module.bias)
+    if torch.is_grad_enabled() and not weight.is_complex() and not _functional.plain_torch():
+        return _functional.linear_into_slot(unwrap_if_dead(input), weight, module.bias)
     return F.linear(input, weight, module.bias)
 
 
 def _embedding_forward(module: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() and not module.sparse and not functional.plain_torch():
+    if torch.is_grad_enabled() and not module.sparse and not _functional.plain_torch():
         if module.max_norm is not None:
             with torch.no_grad():  # what F.embedding does: renormalise the looked-up rows in place
                 torch.embedding_renorm_(module.weight, input.reshape(-1), module.max_norm, module.norm_type)
         indices = unwrap_if_dead(input)
-        return functional.gather_rows_into_slot(
+        return _functional.gather_rows_into_slot(
             module.weight, indices, module.padding_idx, module.scale_grad_by_freq
         )
     return F.embedding(

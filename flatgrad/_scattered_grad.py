@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
+from flatgrad._buffer import GradStore, Scattered
 from flatgrad._dtensor import is_dtensor, local_of
 from flatgrad._torch_compat import DisableTorchFunctionSubclass, DTensor, dtensor_over
-from flatgrad.buffer import GradStore, Scattered
 
 # What a ScatteredGrad lets through: metadata (no value is read), `requires_grad` (set to
 # False by nn.Module.zero_grad), and zeroing (zero is the right average of zeros).

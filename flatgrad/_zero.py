@@ -1,4 +1,4 @@
-"""ZeRO-1 for a `ShardedOptimizer` (see `flatgrad.sharded`): this rank's engine, the
+"""ZeRO-1 for a `ShardedOptimizer` (see `flatgrad._sharded`): this rank's engine, the
 collectives over its gradient shards, and its parameter groups.
 
 `ShardEngine`: this rank's part of ZeRO-1 over replicate's buckets: the flat parameter
@@ -31,7 +31,10 @@ import torch.distributed as dist
 from torch import nn
 
 from flatgrad import _norms
+from flatgrad._buffer import GradStore, scale_
+from flatgrad._comm import BackendPolicy, all_gather_flat
 from flatgrad._dtensor import TensorParallel, is_sharded, local_of, move_into, shard_origin
+from flatgrad._layout import GroupKey, merge_touching, overlap
 from flatgrad._scattered_grad import is_scattered, unguarded
 from flatgrad._torch_compat import non_finite_check_and_unscale
 from flatgrad._zero_state import (
@@ -52,9 +55,6 @@ from flatgrad._zero_state import (
     refuse_misfits,
     saved_stepped,
 )
-from flatgrad.buffer import GradStore, scale_
-from flatgrad.comm import BackendPolicy, all_gather_flat
-from flatgrad.layout import GroupKey, merge_touching, overlap
 
 
 class StoreSource(Protocol):
@@ -229,7 +229,7 @@ class ShardEngine(FlatParameters):
         each `.grad` assigned by hand (``p.grad = g``: gradient surgery, gradients from
         ``torch.autograd.grad`` or another model) is copied into its slot, which the shards
         read, and the slot of a parameter without one is zeroed (stepped as an unused
-        parameter is; see `flatgrad.sharded`). Nothing is averaged: each rank steps its
+        parameter is; see `flatgrad._sharded`). Nothing is averaged: each rank steps its
         shards with its own gradients, as torch's ZeroRedundancyOptimizer steps its
         partition. After a synchronised backward the slots already hold the averages."""
         store = self.store

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from flatgrad._dtensor import local_of
+from flatgrad._layout import GroupKey, overlap
 from flatgrad._torch_compat import SAVED_SHARDS, sharded_tensor
-from flatgrad.layout import GroupKey, overlap
 
 
 @dataclass(frozen=True)

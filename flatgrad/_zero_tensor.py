@@ -1,5 +1,5 @@
 """ZeRO-1 by whole tensors, for a ShardedOptimizer with ``shard_by="tensor"`` (see
-`flatgrad.sharded`): for optimizers whose update of a parameter reads the whole parameter
+`flatgrad._sharded`): for optimizers whose update of a parameter reads the whole parameter
 and no other one (Muon's orthogonalisation, Adafactor's factored second moments, a trust
 ratio per tensor), and for any element-wise one.
 
@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatgrad._buffer import GradStore
+from flatgrad._layout import GroupKey, merge_touching
 from flatgrad._torch_compat import broadcast_coalesced
 from flatgrad._zero import (
     FlatParameters,
@@ -53,8 +55,6 @@ from flatgrad._zero_state import (
     own_state,
     refuse_misfits,
 )
-from flatgrad.buffer import GradStore
-from flatgrad.layout import GroupKey, merge_touching
 
 
 @dataclass(frozen=True)

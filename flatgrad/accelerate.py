@@ -27,8 +27,8 @@ from accelerate import Accelerator
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 from torch.nn.parallel import DistributedDataParallel
 
-from flatgrad.comm import FlatGradCommState, allreduce_hook
-from flatgrad.wrapper import FlatGrad
+from flatgrad._comm import FlatGradCommState, allreduce_hook
+from flatgrad._wrapper import FlatGrad
 
 __all__ = ["FlatGradDDPKwargs", "attach"]
 

@@ -61,15 +61,15 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.nn.parallel import DistributedDataParallel
 
+from flatgrad._amp import GradScaler
+from flatgrad._comm import FlatGradCommState, allreduce_hook
+from flatgrad._config import FlatGradConfig
 from flatgrad._optim_kinds import ShardBy
+from flatgrad._parallel import ReplicateModule, replicate, unreplicate
+from flatgrad._sharded import ShardedOptimizer
+from flatgrad._wrapper import FlatGrad
 from flatgrad._zero import options
 from flatgrad._zero_state import CLASS_STATE, MASTER, whole_state
-from flatgrad.amp import GradScaler
-from flatgrad.comm import FlatGradCommState, allreduce_hook
-from flatgrad.config import FlatGradConfig
-from flatgrad.parallel import ReplicateModule, replicate, unreplicate
-from flatgrad.sharded import ShardedOptimizer
-from flatgrad.wrapper import FlatGrad
 
 logger = logging.getLogger(__name__)
 

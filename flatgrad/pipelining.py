@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 
-from flatgrad.parallel import ReplicateModule, ReplicateState, replicate_state
+from flatgrad._parallel import ReplicateModule, ReplicateState, replicate_state
 
 # The methods of torch's stage this subclass runs inside, and the parameter each must take.
 _STAGE_METHODS = {

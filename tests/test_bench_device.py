@@ -299,7 +299,7 @@ def test_the_main_grad_checks_fail_on_a_bfloat16_product(monkeypatch):
     """The operand oracle sees the product's bfloat16 rounding (about 2^-9 of an element, far
     above float32 round-off), and the profile sees its weight-sized temporary."""
     assert device_mixed.check_linear_no_temporary(CPU).passed is True
-    monkeypatch.setattr(flatgrad.functional, "add_product", _bf16_product)
+    monkeypatch.setattr(flatgrad._functional, "add_product", _bf16_product)
     outcome = device_mixed.check_main_grad_exactness(CPU)
     assert outcome.passed is False and "from the operand oracle" in outcome.detail
     profile = device_mixed.profile_linear(CPU, main_grads=True)

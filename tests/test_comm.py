@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
-import flatgrad.comm
+import flatgrad._comm
 
 pytestmark = pytest.mark.distributed
 
@@ -275,7 +275,7 @@ def _count(
     count: int | None = num_forwards
     for _ in range(times):
         assert count is not None, "counting stopped early"
-        count = flatgrad.comm.note_forward_without_hook(count)
+        count = flatgrad._comm.note_forward_without_hook(count)
         counts.append(count)
     return counts
 

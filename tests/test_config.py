@@ -14,7 +14,7 @@ from torch import nn
 
 import flatgrad
 from flatgrad import FlatGradConfig
-from flatgrad.config import load_mapping
+from flatgrad._config import load_mapping
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = REPO_ROOT / "configs" / "default.yaml"

@@ -109,7 +109,7 @@ def test_private_torch_names_are_used_in_torch_compat_only():
 @pytest.mark.parametrize(
     "source, expected",
     [
-        ("from flatgrad.comm import _check\n", "from flatgrad.comm import _check"),
+        ("from flatgrad._comm import _check\n", "from flatgrad._comm import _check"),
         ("def f(flat):\n    return flat._store\n", "flat._store"),
     ],
 )

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from flatgrad.buffer import GradStore, owner_of
-from flatgrad.layout import align_elements, dense_stride, merge_touching, overlap, plan_layout
+from flatgrad._buffer import GradStore, owner_of
+from flatgrad._layout import align_elements, dense_stride, merge_touching, overlap, plan_layout
 
 CPU = torch.device("cpu")
 META = torch.device("meta")

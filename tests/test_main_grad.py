@@ -26,9 +26,9 @@ from dist_utils import run_ranks
 from torch import nn
 
 import flatgrad
+from flatgrad._functional import fused_accumulate
 from flatgrad.bench.device_mixed import BATCH, DIM, MICRO_BATCHES, SEQ, VOCAB
 from flatgrad.bench.device_mixed import MainGradLM as TiedLM
-from flatgrad.functional import fused_accumulate
 
 MAIN = {"grad_dtype": "float32", "linear_min_numel": 0}
 

@@ -28,8 +28,8 @@ from torch import nn
 import flatgrad
 from flatgrad import replicate_state
 from flatgrad._bucket_sync import plan_buckets
-from flatgrad.buffer import GradStore
-from flatgrad.comm import cores_to_spare
+from flatgrad._buffer import GradStore
+from flatgrad._comm import cores_to_spare
 
 pytestmark = pytest.mark.distributed
 

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
 from flatgrad import replicate_state
-from flatgrad.wrapper import engine_of
+from flatgrad._wrapper import engine_of
 
 pytestmark = pytest.mark.distributed
 
@@ -111,7 +111,7 @@ def _profile_worker(rank: int, world_size: int, overlap: bool) -> None:
     num_buckets = len(replicate_state(dp).buckets)
     assert num_buckets > 2
     # gloo averages the buckets by all-reduce and gathers by broadcasts of each rank's shard
-    # (both faster there: see flatgrad.comm.launch_average, flatgrad._zero); NCCL by
+    # (both faster there: see flatgrad._comm.launch_average, flatgrad._zero); NCCL by
     # reduce-scatter and all-gather
     assert names.count("c10d::_reduce_scatter_base_") == 0, sorted(set(names))
     # the used-parameter flags go with the optimizer's step count (checked on every rank:

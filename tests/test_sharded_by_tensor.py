@@ -747,7 +747,7 @@ def _disagree_worker(rank: int, world_size: int) -> None:
     _, _, dp = _small(rank)
     chosen = "tensor" if rank == world_size - 1 else "element"
     with (
-        mock.patch("flatgrad.sharded.shard_kind", return_value=chosen),
+        mock.patch("flatgrad._sharded.shard_kind", return_value=chosen),
         pytest.raises(ValueError, match="ranks chose different shard_by for the same optimizer"),
     ):
         flatgrad.ShardedOptimizer(dp, _SignSGD, lr=0.1)

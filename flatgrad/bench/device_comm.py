@@ -199,7 +199,7 @@ class SyncPath(NamedTuple):
     skip_branch: bool  # the last rank skips the branch in step 1
     # Whether the path matches stock when no rank uses the branch: ShardedOptimizer steps a
     # whole shard, so an unused parameter moves (zero gradient, momentum and weight decay
-    # still apply; documented in flatgrad.sharded) where stock skips it.
+    # still apply; documented in flatgrad._sharded) where stock skips it.
     none_used_ok: bool = True
     count_allreduces: bool = False  # per step: one per gradient buffer expected
 

@@ -15,6 +15,7 @@ from torch import nn
 
 import flatgrad
 from flatgrad import _bucket_sync
+from flatgrad._comm import average_op
 from flatgrad.bench.device_base import (
     ROUTE_ALL,
     DeviceRun,
@@ -24,7 +25,6 @@ from flatgrad.bench.device_base import (
     single_rank_group,
 )
 from flatgrad.bench.device_comm import CommNet, batch, flat_dp, paths_outcome, run_paths, stock_plain
-from flatgrad.comm import average_op
 
 
 def _same(ours: torch.Tensor | None, stock: torch.Tensor | None) -> None:

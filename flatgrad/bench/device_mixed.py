@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flatgrad
+from flatgrad._functional import fused_accumulate
 from flatgrad.bench.counters import COPY_OPS
 from flatgrad.bench.device_base import (
     DeviceRun,
@@ -31,7 +32,6 @@ from flatgrad.bench.device_base import (
     skipped,
 )
 from flatgrad.bench.device_checks import Profile
-from flatgrad.functional import fused_accumulate
 
 # Every Linear routed, however small: the checks are about the routed backwards.
 MAIN_GRADS = flatgrad.FlatGradConfig(grad_dtype="float32", linear_min_numel=0)

@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.graph import Node
 
+from flatgrad._buffer import find_slot, negative_zero_
 from flatgrad._prescale import write_scale
 from flatgrad._torch_compat import GATHER_TAKES_INT32, fast_apply, functorch_active, will_execute
-from flatgrad.buffer import find_slot, negative_zero_
 
 
 def plain_torch() -> bool:

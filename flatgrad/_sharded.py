@@ -43,11 +43,14 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.distributed.device_mesh import DeviceMesh
 
+from flatgrad._buffer import GradStore
 from flatgrad._dtensor import local_of, move_into, pipeline_group
 from flatgrad._gather_waits import ForwardWaits
 from flatgrad._optim_kinds import ShardBy, agreed_kind, shard_kind
+from flatgrad._parallel import ReplicateModule, ReplicateState, replicate_state
 from flatgrad._scattered_grad import is_scattered, unguarded, unmark_scattered
 from flatgrad._torch_compat import join_state, leave_join
+from flatgrad._wrapper import engine_of
 from flatgrad._zero import (
     PieceGroups,
     ShardEngine,
@@ -60,9 +63,6 @@ from flatgrad._zero import (
 )
 from flatgrad._zero_state import GroupView, OptimizerRecipe, whole_state
 from flatgrad._zero_tensor import TensorEngine, TensorGroups
-from flatgrad.buffer import GradStore
-from flatgrad.parallel import ReplicateModule, ReplicateState, replicate_state
-from flatgrad.wrapper import engine_of
 
 
 class ShardedOptimizer(torch.optim.Optimizer, Joinable):
@@ -315,7 +315,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             for group in self.param_groups
         ]
 
-    # Steps the model's main grads through its float32 masters (see flatgrad.buffer.MainGradGuard).
+    # Steps the model's main grads through its float32 masters (see flatgrad._buffer.MainGradGuard).
     steps_main_grads = True
     # torch.amp.GradScaler hands this step its scale and inf flag (`grad_scale`, `found_inf`
     # attributes) instead of unscaling `.grad`, which holds no averaged value here.

@@ -28,7 +28,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flatgrad import _dtensor
-from flatgrad.layout import GroupKey, SlotSpec, dense_stride, merge_touching, plan_layout
+from flatgrad._layout import GroupKey, SlotSpec, dense_stride, merge_touching, plan_layout
 
 _Flagged = tuple[torch.Tensor, torch.Tensor, tuple[torch.nn.Parameter, ...]]
 # The last parameter tuple `seat` was given, its (parameter, slot) pairs and `spans`.

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from flatgrad._sharded import ShardedOptimizer
 from flatgrad._torch_compat import GradScalerBase
-from flatgrad.sharded import ShardedOptimizer
 
 
 class GradScaler(GradScalerBase):

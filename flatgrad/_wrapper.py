@@ -8,7 +8,7 @@ forward pre hook and a forward hook, and its operations (zeroing, main grads, no
 clipping, the all-reduce without DDP) are the methods `FlatGrad` adds. Each takes the
 model's `GradEngine` (`engine_of`) and first takes its store from `GradEngine.refresh`
 (`zero_grad` setting None: from `GradEngine.current`). The norm arithmetic is
-`flatgrad._norms`', the collectives are `flatgrad.comm`'s.
+`flatgrad._norms`', the collectives are `flatgrad._comm`'s.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.parameter import is_lazy
 
-from flatgrad import _dtensor, _norms, comm
+from flatgrad import _comm, _dtensor, _norms
+from flatgrad._buffer import GradStore, scale_
+from flatgrad._config import FlatGradConfig, resolve_config
 from flatgrad._engine import GradEngine, trainable_parameters
+from flatgrad._layout import GroupKey
 from flatgrad._scattered_grad import is_scattered, refuse_scattered, scattered_main_grad, unmark_scattered
-from flatgrad.buffer import GradStore, scale_
-from flatgrad.config import FlatGradConfig, resolve_config
-from flatgrad.layout import GroupKey
 
 logger = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ class FlatGrad(nn.Module):
         scales every gradient in place by ``min(1, max_norm / (total_norm + 1e-6))``, with
         the total norm of `grad_norm` (more exact than stock's). Only gradient elements are
         scaled, never the alignment padding, which stays zero; on the CPU a factor of
-        exactly 1 skips the pass (see `flatgrad.buffer.scale_`).
+        exactly 1 skips the pass (see `flatgrad._buffer.scale_`).
 
         Args:
             max_norm: The largest total norm the gradients keep.
@@ -316,7 +316,7 @@ class FlatGrad(nn.Module):
         """
         return _clip_grad_norm_(engine_of(self), max_norm, norm_type, error_if_nonfinite, pp_mesh)
 
-    # --- synchronisation (the communication itself lives in flatgrad.comm) --------------
+    # --- synchronisation (the communication itself lives in flatgrad._comm) --------------
 
     def all_reduce_grads(
         self, process_group: dist.ProcessGroup | None = None, reduce_dtype: torch.dtype | None = None
@@ -351,14 +351,14 @@ class FlatGrad(nn.Module):
         Raises:
             ValueError: The wrapper keeps main grads (``grad_dtype`` set), which DDP cannot carry.
         """
-        comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP (flat.ddp_kwargs())")
+        _comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP (flat.ddp_kwargs())")
         _refuse_ddp(engine_of(self), "flat.ddp_kwargs()")
         engine_of(self).ddp.expect_hook()
-        return comm.ddp_kwargs(engine_of(self).refresh())
+        return _comm.ddp_kwargs(engine_of(self).refresh())
 
     def comm_state(
         self, process_group: dist.ProcessGroup | None = None, reduce_dtype: torch.dtype | None = None
-    ) -> comm.FlatGradCommState:
+    ) -> _comm.FlatGradCommState:
         """State for ``ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)``.
 
         Args:
@@ -375,9 +375,9 @@ class FlatGrad(nn.Module):
             ValueError: `reduce_dtype` is not torch.bfloat16, torch.float16 or None; or the
                 wrapper keeps main grads (``grad_dtype`` set), which DDP cannot carry.
         """
-        comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP's allreduce_hook (flat.comm_state())")
+        _comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP's allreduce_hook (flat.comm_state())")
         _refuse_ddp(engine_of(self), "flat.comm_state()")
-        return comm.FlatGradCommState(self, engine_of(self), process_group, reduce_dtype)
+        return _comm.FlatGradCommState(self, engine_of(self), process_group, reduce_dtype)
 
 
 _FLAT_CLASSES: dict[type[nn.Module], type[FlatGrad]] = {}
@@ -595,13 +595,13 @@ def _check_norm_type(norm_type: float) -> float:
 def _all_reduce_grads(
     engine: GradEngine, process_group: dist.ProcessGroup | None, reduce_dtype: torch.dtype | None
 ) -> None:
-    """`FlatGrad.all_reduce_grads`: `comm.all_reduce_grads` over the refreshed store, which
+    """`FlatGrad.all_reduce_grads`: `_comm.all_reduce_grads` over the refreshed store, which
     must hold every trainable parameter (no sparse embedding)."""
     store = engine.refresh()
     engine.refuse_sparse("all_reduce_grads")
     if store.tensor_parallel is not None:
         store.tensor_parallel.check_data_parallel(process_group, "flat.all_reduce_grads()")
-    comm.all_reduce_grads(store, process_group, reduce_dtype)
+    _comm.all_reduce_grads(store, process_group, reduce_dtype)
 
 
 def _refuse_ddp(engine: GradEngine, what: str) -> None:

@@ -18,13 +18,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from flatgrad._buffer import GradStore, host_tensor
 from flatgrad._torch_compat import (
     active_ddp_getter,
     divides_by_ranks_not_joined,
     graph_task_id,
     join_state,
 )
-from flatgrad.buffer import GradStore, host_tensor
 
 logger = logging.getLogger(__name__)
 
