@@ -294,7 +294,7 @@ def replicate(
     state = ReplicateState(
         flat, process_group, float(bucket_cap_mb), reduce_dtype, bool(broadcast_buffers), check_finite
     )
-    flat.__class__ = _replicate_class(type(flat))
+    flat.__class__ = flat_class(original_class(type(flat)), ReplicateModule)
     flat.__dict__[_STATE] = state
     leave_join(flat)  # (not joined: Join configures it)
     return flat  # type: ignore[return-value]  # (its class is a ReplicateModule now)
@@ -343,21 +343,6 @@ def _check_arguments(
             f"the model's class {type(model).__name__} has attributes named as those replicate adds "
             f"({', '.join(clashes)}), which it would hide: rename them in the model"
         )
-
-
-_REPLICATE_CLASSES: dict[type[nn.Module], type[ReplicateModule]] = {}
-
-
-def _replicate_class(flat_class: type[nn.Module]) -> type[ReplicateModule]:
-    """The subclass of `ReplicateModule` and the model's own class (under its name) that a
-    model with FlatGrad applied becomes."""
-    original = original_class(flat_class)
-    cls = _REPLICATE_CLASSES.get(original)
-    if cls is None:
-        names = {"__module__": original.__module__, "__qualname__": original.__qualname__}
-        cls = type(original.__name__, (ReplicateModule, original), names)
-        _REPLICATE_CLASSES[original] = cls
-    return cls
 
 
 class ReplicateState:

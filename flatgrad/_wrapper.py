@@ -380,19 +380,20 @@ class FlatGrad(nn.Module):
         return _comm.FlatGradCommState(self, engine_of(self), process_group, reduce_dtype)
 
 
-_FLAT_CLASSES: dict[type[nn.Module], type[FlatGrad]] = {}
+_CLASSES: dict[tuple[type[nn.Module], type[nn.Module]], type[nn.Module]] = {}
 
 
-def flat_class(original: type[nn.Module]) -> type[FlatGrad]:
-    """The subclass of `FlatGrad` and `original` a model becomes (one per class), under the
-    original's name (libraries write ``type(model).__name__`` into what they save:
-    transformers' ``config.json`` ``architectures``)."""
-    cls = _FLAT_CLASSES.get(original)
+def flat_class(original: type[nn.Module], mixin: type[FlatGrad] | None = None) -> type[FlatGrad]:
+    """The subclass of `mixin` (`FlatGrad`, or a subclass of it: `replicate`'s
+    `ReplicateModule`) and `original` a model becomes (one per pair), under the original's
+    name (libraries write ``type(model).__name__`` into what they save: transformers'
+    ``config.json`` ``architectures``)."""
+    mixin = FlatGrad if mixin is None else mixin
+    cls = _CLASSES.get((mixin, original))
     if cls is None:
         names = {"__module__": original.__module__, "__qualname__": original.__qualname__}
-        cls = type(original.__name__, (FlatGrad, original), names)
-        _FLAT_CLASSES[original] = cls
-    return cls
+        cls = _CLASSES[(mixin, original)] = type(original.__name__, (mixin, original), names)
+    return cls  # type: ignore[return-value]
 
 
 def original_class(cls: type) -> type[nn.Module]:
