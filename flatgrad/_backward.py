@@ -1,6 +1,6 @@
 """The backward coordinator, and seating.
 
-The coordinator: one prehook per output node of a wrapped forward, and one
+The coordinator: one prehook per output node of a forward of a model with FlatGrad applied, and one
 final callback per backward that calls its participants in a fixed order.
 
 A training forward through `FlatGrad` ends with `watch(output, plan)`. The `ForwardPlan`
@@ -16,7 +16,7 @@ they return is queued as one final callback, run in the same order: the seater s
 `.grad` first, then the bucket sync launches what is left, waits and settles the used
 flags.
 
-Seating: during one backward through a wrapper's output, the gradients of the
+Seating: during one backward through such a forward's output, the gradients of the
 parameters no routed Function writes land in their slots, with stock's `.grad` None-ness.
 
 Small unrouted parameters are *seated*: `.grad` points at the zeroed slot when the backward
@@ -64,7 +64,7 @@ class Participant(Protocol):
 class Layouts(Protocol):
     """What a `Seater` asks of the engine that made it (`flatgrad._engine.GradEngine`, which
     sits above this module): whether a DDP forward came since the last backward, and a
-    seater over a new layout when the model changed behind the wrapper."""
+    seater over a new layout when the model's parameters were converted."""
 
     ddp: DDPEdge
 
@@ -121,12 +121,12 @@ SEAT_MAX_NUMEL = 1 << 17
 
 class Seater:
     """Points `.grad` of the unrouted parameters at their zeroed slots when a backward
-    through the wrapper's output starts, and puts back None where that backward delivered
+    through the model's output starts, and puts back None where that backward delivered
     nothing (from an autograd final callback), so `.grad` is None exactly where stock has it.
 
     One prehook per output node per forward, whatever the number of parameters: that, a
     zero fill and a loop that sets `.grad` replace a Python hook per parameter per backward.
-    A parameter used outside the wrapper's output, or a backward that does not go through
+    A parameter used outside the model's output, or a backward that does not go through
     it, still gets a correct `.grad` (outside the buffer); the next norm or sync moves it in.
     """
 
@@ -149,7 +149,7 @@ class Seater:
         self._task: int | None = None  # the graph task of the last backward it opened
         self._retired = False
         self._accumulators: list[Any] = []  # a parameter holds its AccumulateGrad node weakly
-        self.hooks: list[Any] = []  # removed by `retire`, or with the wrapper (GradEngine)
+        self.hooks: list[Any] = []  # removed by `retire`, or with the model (GradEngine)
         if POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT:
             # torch 2.4 calls no post-accumulate-grad hook where no gradient reaches AccumulateGrad,
             # which is where a routed Function, a gather or `_place_incoming` wrote the slot
@@ -202,15 +202,15 @@ class Seater:
             engine.check_layout()  # (a parameter replaced since: refused before anything moves)
         if engine is not None and engine.ddp.take_pending():
             # A forward under a DDP came since the last backward (this one may also run through
-            # an output of the plain wrapper, called directly): DDP's reducer places this
+            # an output of the model called directly, past the DDP): DDP's reducer places this
             # backward's gradients, whichever output it reached first.
             alone = False
         store = self.store
         store.check(self._routed + self._placed + self._mains)  # the seated: by `seat`
         seated = [] if store.stale or not alone else store.seat(self.params)
         if store.stale and engine is not None:
-            # A parameter was converted or reshaped behind the wrapper (model.double() on the
-            # inner model, param.data = ...): lay out again now, before any gradient arrives.
+            # A parameter was converted or reshaped since the layout (model.double(),
+            # param.data = ...): lay out again now, before any gradient arrives.
             GradStore.unseat(seated)
             if store.seated is seated:
                 store.seated = []
@@ -257,7 +257,7 @@ def _place_incoming(
     if grad is None or param.grad is not None or torch.is_grad_enabled() or not param.requires_grad:
         return None  # (frozen since the forward: AccumulateGrad skips it, as stock's does)
     if store.view(param).shape != grad.shape:
-        store.stale = True  # reshaped behind the wrapper: AccumulateGrad takes it as stock does
+        store.stale = True  # reshaped since the layout: AccumulateGrad takes it as stock does
         return None
     store.place(param, grad)
     return (None,)
@@ -274,7 +274,7 @@ def _absorb_incoming(store: GradStore, main: torch.Tensor, param: torch.Tensor) 
     if grad is None or torch.is_grad_enabled() or store.stale:
         return
     if grad.shape != main.shape:
-        store.stale = True  # reshaped behind the wrapper: the next step lays out again
+        store.stale = True  # reshaped since the layout: the next step lays out again
         return
     main.add_(grad)  # (AccumulateGrad's own tensor: dense, no graph)
     param.grad = None

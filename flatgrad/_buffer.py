@@ -255,8 +255,8 @@ class GradStore:
         where they are: this runs before every backward, once per parameter.
 
         A parameter whose shape, dtype or device no longer matches its slot (``param.data``
-        replaced, a conversion behind the wrapper's back) is left alone and marks the store
-        stale, so the wrapper lays the buffers out again before the next forward.
+        replaced, a conversion since the layout) is left alone and marks the store
+        stale, so the engine lays the buffers out again before the next forward.
         """
         cached = self._seat_cache
         if cached is None or cached[0] is not params:
@@ -320,7 +320,7 @@ class GradStore:
         """Whether every slot view still points at its slot. ``param.grad.data = t`` (older
         training code, `nn.Module._apply` converting gradients) re-points the view object
         itself, which is the `.grad`, at other memory; the identity tests of the hot path
-        would then trust a tensor the buffers no longer hold, so the wrapper lays the
+        would then trust a tensor the buffers no longer hold, so the engine lays the
         buffers out again (and moves that `.grad`'s values in) when this is False."""
         return self._table.intact()
 
@@ -536,9 +536,9 @@ class MainGradGuard:
     attribute ``steps_main_grads`` (ShardedOptimizer). The hook goes when the last such
     store does.
 
-    The one process-wide hook flatgrad keeps: nothing per wrapper or per parameter sees a
+    The one process-wide hook flatgrad keeps: nothing per model or per parameter sees a
     torch optimizer's step (it skips a None `.grad` without a call flatgrad could watch),
-    and the optimizer is made after the wrapper. It costs an optimizer that holds no
+    and the optimizer is made after FlatGrad is applied. It costs an optimizer that holds no
     main-grad parameter one look at its groups per step: which of its parameters have a
     main grad is found once and kept (weakly, by optimizer) until its groups change or a
     store with main grads is built."""

@@ -33,7 +33,7 @@ _DDP_DEFAULT_BUCKET_MB = 25
 
 
 class HookEngine(Protocol):
-    """What the DDP hook's state asks of its wrapper's engine (`flatgrad._engine.GradEngine`,
+    """What the DDP hook's state asks of its model's engine (`flatgrad._engine.GradEngine`,
     which sits above this module and imports it)."""
 
     ddp: "DDPEdge"
@@ -44,8 +44,8 @@ class HookEngine(Protocol):
 @dataclass
 class FlatGradCommState:
     """The settings of `allreduce_hook` and its call count; build it with
-    `FlatGrad.comm_state()`. What the hook does to the wrapper's buffers (adopting DDP's
-    buckets, a `Join`'s count) belongs to the wrapper's DDP edge (`DDPEdge`), which the hook
+    `FlatGrad.comm_state()`. What the hook does to the model's buffers (adopting DDP's
+    buckets, a `Join`'s count) belongs to the engine's DDP edge (`DDPEdge`), which the hook
     reaches through `engine`.
 
     Args:
@@ -85,7 +85,7 @@ def note_forward_without_hook(num_forwards: int) -> int | None:
     yet; at the third (two synchronised backward passes done without it) warn once and stop
     counting (returns None).
 
-    Call site: `DDPEdge.before_forward`, before the wrapped model runs.
+    Call site: `DDPEdge.before_forward`, before the model's own forward runs.
     `FlatGrad.ddp_kwargs()` starts the count at 0 (`DDPEdge.expect_hook`), the hook sets
     it to None (`DDPEdge.hook_ran`: nothing to watch), so once the hook has run a forward
     costs one comparison.
@@ -122,10 +122,10 @@ def ddp_will_sync() -> bool:
 
 
 class DDPEdge:
-    """One wrapper's side of the DDP boundary, owned by its engine (`GradEngine.ddp`): whether
+    """One model's side of the DDP boundary, owned by its engine (`GradEngine.ddp`): whether
     a DDP runs its forwards (its reducer then places the gradients, and nothing is seated),
     the check that `allreduce_hook` runs after `ddp_kwargs()`, what the hook does to the
-    wrapper's buffers (`adopt`: DDP's bucket becomes the flat buffer), and the DDP whose last
+    model's buffers (`adopt`: DDP's bucket becomes the flat buffer), and the DDP whose last
     forward ran inside an enabled `Join` (`ranks_not_joined`)."""
 
     def __init__(self) -> None:
@@ -189,7 +189,7 @@ class DDPEdge:
         return int(count.item())
 
     def adopt(self, bucket: dist.GradBucket, store_now: Callable[[], GradStore]) -> None:
-        """Make DDP's bucket the wrapper's flat buffer, once per bucket allocation.
+        """Make DDP's bucket the model's flat buffer, once per bucket allocation.
 
         Only when `.grad` already lives in the bucket (gradient_as_bucket_view=True) and one
         bucket holds the whole (dtype, device) group; otherwise stay correct on DDP's copies
@@ -197,7 +197,7 @@ class DDPEdge:
 
         Args:
             bucket: The bucket DDP handed `allreduce_hook`.
-            store_now: The wrapper's store, laid out again first if the model changed
+            store_now: The model's store, laid out again first if the model changed
                 (`GradEngine.current`).
         """
         self.hook_ran()  # nothing to warn about
@@ -260,11 +260,11 @@ def to_wire(tensor: torch.Tensor, reduce_dtype: torch.dtype | None) -> torch.Ten
 def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket over the group with one all-reduce.
 
-    With the fast path (`FlatGrad.ddp_kwargs()`) the bucket is the wrapper's whole flat
+    With the fast path (`FlatGrad.ddp_kwargs()`) the bucket is the model's whole flat
     buffer. Register it with ``ddp.register_comm_hook(flat.comm_state(), allreduce_hook)``.
 
     Args:
-        state: The `FlatGradCommState` of the wrapped model (`FlatGrad.comm_state()`).
+        state: The `FlatGradCommState` of the model (`FlatGrad.comm_state()`).
         bucket: DDP's gradient bucket (under DDP's Python reducer, a ``(grad, param)`` pair,
             averaged in place).
 
@@ -404,7 +404,7 @@ def refuse_main_grads(grad_dtype: str | None, what: str) -> None:
             f"{what} cannot carry main grads (grad_dtype={grad_dtype!r}): DDP keeps each "
             "gradient in its parameter's dtype; synchronise this model with flatgrad.replicate "
             "instead (float32 buckets; with flatgrad.ShardedOptimizer for float32 master "
-            "shards), or wrap it without grad_dtype"
+            "shards), or apply FlatGrad without grad_dtype"
         )
 
 

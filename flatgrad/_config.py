@@ -1,4 +1,4 @@
-"""Configuration of the flatgrad wrapper: pydantic v2 models, loadable from YAML or JSON."""
+"""Configuration of `FlatGrad`: pydantic v2 models, loadable from YAML or JSON."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DTensor parameters: a model made tensor-parallel (`parallelize_module`) inside the wrapper.
+"""DTensor parameters: a model made tensor-parallel (`parallelize_module`) with FlatGrad applied.
 
 A DTensor parameter's slot holds its *local* shard, a plain tensor in the flat buffer like
 any other slot, so buffers, buckets and all-reduces over the data-parallel ranks stay plain

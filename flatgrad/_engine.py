@@ -5,7 +5,7 @@ forward does about them (lay out again, seat or not under DDP).
 `ShardedOptimizer` and the DDP hook's state reach the store through it. The engine holds
 the model weakly (the model holds the engine).
 
-The layout is fixed when the model is wrapped, as DDP, FSDP2 and Megatron-Core fix theirs:
+The layout is fixed when FlatGrad is applied, as DDP, FSDP2 and Megatron-Core fix theirs:
 conversions (``.to()``, ``.double()``, also of a submodule) and ``requires_grad`` toggles lay
 the buffers out again; a parameter added, replaced, removed or re-pointed at a tensor of
 another shape since is refused (a RuntimeError naming it) at the next norm or sync, or as
@@ -43,7 +43,7 @@ _SPARSE_LAYERS = (nn.Embedding, nn.EmbeddingBag)
 
 
 class GradEngine:
-    """Builds, checks and rebuilds the gradient layout of the model its wrapper holds."""
+    """Builds, checks and rebuilds the gradient layout of its model."""
 
     def __init__(self, model: nn.Module, config: FlatGradConfig, slot_multiple: int = 1) -> None:
         self._model = weakref.ref(model)
@@ -126,7 +126,7 @@ class GradEngine:
             seater.store.prescale.factor = None  # a backward that raised left it on: see `_prescale`
 
     def expect_sync(self, bucket_sync: Participant, sync: bool) -> None:
-        """From a replicated model's forward, before it runs this wrapper's: the backward through
+        """From a replicated model's forward, before it runs this engine's: the backward through
         this forward's output is `bucket_sync`'s too, averaging when `sync`."""
         self._next_sync = (bucket_sync, sync)
 
@@ -249,7 +249,7 @@ class GradEngine:
         return f"{len(buffers)} buffer(s) for {num_params} parameters ({'; '.join(parts)})"
 
     def summary_lines(self) -> list[str]:
-        """What the wrapper logs once at wrap time: `summary`, and a note on the main grads
+        """What `FlatGrad` logs once as it is applied: `summary`, and a note on the main grads
         when `grad_dtype` keeps some (a torch optimizer over their parameters raises at its
         step: see MainGradGuard)."""
         lines = [self.summary()]

@@ -242,7 +242,7 @@ def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.
 
     The default backward of ``buffer[indices]`` is ``index_put_(accumulate=True)``, which
     sorts the indices; the scatter computes the same sum without the sort. When `buffer`
-    is a parameter wrapped by `FlatGrad`, its gradient is written straight into its slot.
+    is a parameter of a model with `FlatGrad` applied, its gradient is written straight into its slot.
     Under torch.compile, torch.func transforms and forward-mode AD it is `index_select`
     (whose backward is the same `index_add_`), so compiled graphs do not break.
 
@@ -342,7 +342,7 @@ class _GatherDim(torch.autograd.Function):
 def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     """``torch.gather(input, dim, index)`` whose backward scatter-adds the output gradient
     (repeated positions summed), straight into `input`'s slot when `input` is a parameter
-    wrapped by `FlatGrad`: no input-sized temporary, copy or add.
+    of a model with `FlatGrad` applied: no input-sized temporary, copy or add.
 
     Same forward as `torch.gather`: `index` has `input`'s number of dimensions, is no
     larger than `input` along every dimension but `dim`, and holds values in
@@ -456,7 +456,7 @@ def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | N
         if view.shape == param.shape and store.is_main(param):  # type: ignore[union-attr,arg-type]
             # A main grad: hooked gradients are returned, and AccumulateGrad's hook adds them in.
             return ("fresh", None, param) if param._backward_hooks else ("main", view, param)  # type: ignore[union-attr]
-        store.stale = True  # param.data replaced or converted behind the wrapper: lay out again
+        store.stale = True  # param.data replaced or converted since the layout: lay out again
         return "fresh", None, param
     grad = param.grad  # type: ignore[union-attr]
     if param._backward_hooks:  # type: ignore[union-attr]

@@ -193,7 +193,7 @@ def shard_kind(recipe: OptimizerRecipe, shard_by: object, like: torch.Tensor) ->
     if issubclass(cls, torch.optim.SparseAdam):
         raise ValueError(
             f"ShardedOptimizer cannot step {name}: it takes sparse gradients, which flatgrad's "
-            "flat buffers never hold (nn.Embedding(sparse=True) is refused when wrapping)"
+            "flat buffers never hold (nn.Embedding(sparse=True) is refused by FlatGrad)"
         )
     known = _torch_kind(cls)
     if known is not None:

@@ -557,7 +557,7 @@ def _check_same_model(module: nn.Module, process_group: dist.ProcessGroup | None
     if high != low:
         raise ValueError(
             f"the model differs across ranks (rank {dist.get_rank(process_group)}: "
-            f"{len(described)} parameters and buffers): every rank must wrap the same model, "
+            f"{len(described)} parameters and buffers): every rank must replicate the same model, "
             "with the same parameter and buffer shapes, dtypes and requires_grad, in the same order"
         )
 

@@ -1,6 +1,6 @@
 """Routing: a supported layer that keeps torch's own forward (`nn.Linear`, `nn.Embedding`)
 gets an instance forward that runs flatgrad's Functions, which write the weight gradient
-straight into its slot; `unroute` gives torch's forward back when the wrapper is gone."""
+straight into its slot; `unroute` gives torch's forward back when the engine is gone."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def route_layers(model: nn.Module, config: FlatGradConfig) -> set[int]:
                 continue  # a sparse gradient stays outside the buffers (`_sparse_ids`)
             chosen.append((module, forward))
     routed: set[int] = set()
-    for module, forward in chosen:  # after every check: a refused wrap changes nothing
+    for module, forward in chosen:  # after every check: a refusal changes nothing
         # A partial of a module-level function (not a bound method) pickles and deep-copies.
         module.forward = functools.partial(forward, module)  # type: ignore[method-assign]
         routed.update(id(p) for p in module._parameters.values() if p is not None)
@@ -101,7 +101,7 @@ def route_layers(model: nn.Module, config: FlatGradConfig) -> set[int]:
 
 
 def unroute(module: nn.Module) -> None:
-    """Give a routed layer torch's own forward back (its wrapper is gone)."""
+    """Give a routed layer torch's own forward back (its engine is gone)."""
     own = module.__dict__.get("forward")
     if isinstance(own, functools.partial) and any(own.func is route for _, route in _ROUTES.values()):
         del module.__dict__["forward"]

@@ -6,7 +6,7 @@ The parameters move into flat parameter buffers laid out exactly like the gradie
 buffers (every parameter becomes a view of one; `state_dict` keys do not change), with every
 slot starting on a multiple of the world size, so each bucket splits into equal shards.
 Backward reduce-scatters each bucket (asynchronously, as `replicate` all-reduces it): rank
-r ends up with the average of shard r of every bucket. `step()` runs the wrapped torch
+r ends up with the average of shard r of every bucket. `step()` runs the inner torch
 optimizer on this rank's shards only (1-D views of the flat parameter and gradient buffers,
 so its state is about 1/world_size of the unsharded state), then all-gathers every bucket's
 parameters. Only element-wise optimizers shard this way (`flatgrad._optim_kinds.shard_kind` says

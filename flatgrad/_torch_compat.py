@@ -46,7 +46,6 @@ __all__ = [
     "preserve_version_counter",
     "queue_callback",
     "register_load_pre_hook",
-    "register_state_dict_post_hook",
     "run_post_accumulate_hooks",
     "SAVED_SHARDS",
     "set_local_tensor",
@@ -308,16 +307,6 @@ def register_load_pre_hook(module: torch.nn.Module, hook: Callable[..., None]) -
     register = getattr(module, "register_load_state_dict_pre_hook", None)
     if register is None:
         return module._register_load_state_dict_pre_hook(hook, with_module=True)
-    return register(hook)
-
-
-def register_state_dict_post_hook(module: torch.nn.Module, hook: Callable[..., None]) -> Any:
-    """`hook` runs after `module.state_dict` has filled its dict, called as
-    ``hook(module, state_dict, prefix, local_metadata)``: ``register_state_dict_post_hook``
-    from torch 2.5, the private ``_register_state_dict_hook`` (the same call) before."""
-    register = getattr(module, "register_state_dict_post_hook", None)
-    if register is None:
-        return module._register_state_dict_hook(hook)
     return register(hook)
 
 

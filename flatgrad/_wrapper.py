@@ -44,7 +44,7 @@ def _refuse_lazy(model: nn.Module) -> None:
         raise ValueError(
             f"model has parameters that are not initialised yet ({', '.join(lazy[:4])}: lazy "
             "modules such as nn.LazyLinear); a flat buffer needs every parameter's shape: run "
-            "one dummy forward pass to initialise them, then wrap the model"
+            "one dummy forward pass to initialise them, then apply FlatGrad"
         )
 
 
@@ -57,10 +57,10 @@ def _refuse_inner_ddp(model: nn.Module) -> None:
         if isinstance(module, DDP):
             where = "model" if not name else f"model's submodule {name!r}"
             raise ValueError(
-                f"FlatGrad must wrap the plain model and go inside DistributedDataParallel, got a "
+                f"FlatGrad must be applied to the plain model and go inside DistributedDataParallel, got a "
                 f"{where} that is a DistributedDataParallel; build "
-                "flat = flatgrad.FlatGrad(model); ddp = DDP(flat, **flat.ddp_kwargs()); "
-                "ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)"
+                "flatgrad.FlatGrad(model); ddp = DDP(model, **model.ddp_kwargs()); "
+                "ddp.register_comm_hook(model.comm_state(), flatgrad.allreduce_hook)"
             )
 
 
@@ -241,7 +241,7 @@ class FlatGrad(nn.Module):
         `zero_grad`), otherwise the slot `.grad` is seated on (a float32 parameter's).
 
         Args:
-            param: A trainable parameter of the wrapped model.
+            param: A trainable parameter of the model.
 
         Returns:
             The live view of the flat buffer (not a copy): read it, step from it, or
@@ -249,7 +249,7 @@ class FlatGrad(nn.Module):
 
         Raises:
             TypeError: `param` is not a tensor.
-            ValueError: `param` is not a trainable parameter of the wrapped model with a slot
+            ValueError: `param` is not a trainable parameter of the model with a slot
                 (frozen, a sparse embedding's, another model's, or a plain tensor).
         """
         return _main_grad(engine_of(self), param)
@@ -349,7 +349,7 @@ class FlatGrad(nn.Module):
             largest buffer, so that DDP keeps one bucket per (dtype, device).
 
         Raises:
-            ValueError: The wrapper keeps main grads (``grad_dtype`` set), which DDP cannot carry.
+            ValueError: The model keeps main grads (``grad_dtype`` set), which DDP cannot carry.
         """
         _comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP (flat.ddp_kwargs())")
         _refuse_ddp(engine_of(self), "flat.ddp_kwargs()")
@@ -369,11 +369,11 @@ class FlatGrad(nn.Module):
                 sends the buffer as it is.
 
         Returns:
-            A `FlatGradCommState` for this wrapper.
+            A `FlatGradCommState` for this model.
 
         Raises:
             ValueError: `reduce_dtype` is not torch.bfloat16, torch.float16 or None; or the
-                wrapper keeps main grads (``grad_dtype`` set), which DDP cannot carry.
+                model keeps main grads (``grad_dtype`` set), which DDP cannot carry.
         """
         _comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP's allreduce_hook (flat.comm_state())")
         _refuse_ddp(engine_of(self), "flat.comm_state()")
@@ -501,11 +501,11 @@ def _zero_stock(param: nn.Parameter) -> None:
 def _main_grad(engine: GradEngine, param: torch.Tensor) -> torch.Tensor:
     """`FlatGrad.main_grad`: `param`'s slot (its ScatteredGrad while reduce-scattered)."""
     if not isinstance(param, torch.Tensor):
-        raise TypeError(f"param must be a parameter of the wrapped model, got {type(param).__name__}")
+        raise TypeError(f"param must be a parameter of the model, got {type(param).__name__}")
     store = engine.refresh()
     if param not in store:
         raise ValueError(
-            f"param must be a trainable parameter of the wrapped model with a gradient slot, "
+            f"param must be a trainable parameter of the model with a gradient slot, "
             f"got a tensor of shape {tuple(param.shape)} that has none (frozen, sparse, "
             "another model's, or not a parameter)"
         )

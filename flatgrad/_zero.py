@@ -58,7 +58,7 @@ from flatgrad._zero_state import (
 
 
 class StoreSource(Protocol):
-    """What lays the model's gradient buffers out (a wrapper's engine): the current store,
+    """What lays the model's gradient buffers out (its `FlatGrad` engine): the current store,
     cheaply when nothing changed (`steady`) or after a full check (`refresh`)."""
 
     store: GradStore | None
@@ -469,7 +469,7 @@ def parameter_dtypes(store: GradStore) -> dict[Any, set[torch.dtype]]:
                 f"ShardedOptimizer: parameters of dtypes {names} share the {key[0]} gradient "
                 "buffer (main grads, grad_dtype='float32'), so no one flat parameter buffer "
                 "holds them all; convert the model to one dtype (model.to(torch.bfloat16)) "
-                "before wrapping, or keep every parameter in float32"
+                "before applying FlatGrad, or keep every parameter in float32"
             )
     return dtypes
 
@@ -621,7 +621,7 @@ def unscale_shards(
     if torch.float16 in grads and not allow_fp16:
         raise ValueError(
             "Attempting to unscale FP16 gradients (float16 parameters without main grads): "
-            "wrap the model with grad_dtype='float32', whose float32 main grads a loss "
+            "apply FlatGrad with grad_dtype='float32', whose float32 main grads a loss "
             "scaler can unscale"
         )
     device = shards[0].device

@@ -49,7 +49,7 @@ class FlatGradDDPKwargs(DistributedDataParallelKwargs):
         self, ignore_keys: tuple[str, ...] = ("comm_hook", "comm_wrapper", "comm_state_option")
     ) -> Any:
         """Accelerate's DDP arguments, without the comm state (no DDP argument, and never
-        deep-copied: it holds the wrapper)."""
+        deep-copied: it holds the model)."""
         fields = {k: v for k, v in self.__dict__.items() if k != _STATE and k not in ignore_keys}
         return copy.deepcopy(fields)
 
@@ -82,7 +82,7 @@ def attach(
 
     Args:
         accelerator: The Accelerator that will prepare `flat`.
-        flat: The wrapped model, to be passed to ``accelerator.prepare`` as it is.
+        flat: The model with FlatGrad applied, to be passed to ``accelerator.prepare`` as it is.
         reduce_dtype: As in `FlatGrad.comm_state`: ``torch.bfloat16`` or ``torch.float16``
             all-reduces a compressed copy (in place of Accelerate's ``comm_hook="bf16"``).
 

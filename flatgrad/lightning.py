@@ -18,7 +18,7 @@ own class, with its hooks, names and checkpoints (``flatgrad.replicate`` too, un
 DataParallel strategies; DDP around it is taken off at teardown, as Lightning's own
 DDPStrategy does). Each is a `DDPStrategy` subclass, so the
 process launching, device placement (one device per process; NCCL on CUDA, gloo on CPU),
-``trainer.test``/``predict`` (no wrapper, as DDPStrategy) and the checkpoint files are
+``trainer.test``/``predict`` (nothing applied, as DDPStrategy) and the checkpoint files are
 Lightning's. What differs from DDPStrategy:
 
 - The comm hook is registered on every device: DDPStrategy's ``ddp_comm_hook`` is
@@ -37,7 +37,7 @@ Lightning's. What differs from DDPStrategy:
   plain torch optimizer of the same class and groups saves (`plain_optimizer_state`), so
   ``"ddp"`` and the other strategies resume from it; it resumes from that form (any of
   theirs) and from its own by-name one.
-- Manual optimization: ``manual_backward`` runs inside the wrapper's forward (Lightning calls
+- Manual optimization: ``manual_backward`` runs inside the module's forward (Lightning calls
   training_step there); a replicated module averages such a backward unless it runs inside
   ``block_backward_sync()`` (its `no_sync`), as DDPStrategy's ``pre_backward``
   prepares DDP's reducer for it. Several optimizers (a GAN) are sharded by tensor under
@@ -123,7 +123,7 @@ class FlatGradDDPStrategy(DDPStrategy):
                 )
         super().__init__(**kwargs)
         self.flatgrad_config = config
-        self.flat: FlatGrad | None = None  # the wrapper, once fit has set up
+        self.flat: FlatGrad | None = None  # the LightningModule with FlatGrad applied, once fit has set up
         self.comm_state: FlatGradCommState | None = None  # the hook's state, once registered
 
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -202,7 +202,7 @@ class FlatGradDataParallelStrategy(DDPStrategy):
             broadcast_buffers=broadcast_buffers,
             check_finite=check_finite,
         )
-        self.flat: FlatGrad | None = None  # the wrapper, once fit has set up
+        self.flat: FlatGrad | None = None  # the LightningModule with FlatGrad applied, once fit has set up
 
     def _setup_model(self, model: torch.nn.Module) -> ReplicateModule:  # type: ignore[override]
         """``flatgrad.replicate(FlatGrad(model), ...)``, in place (it broadcasts rank 0's
@@ -224,7 +224,7 @@ class FlatGradDataParallelStrategy(DDPStrategy):
             )
 
     def configure_ddp(self) -> None:
-        """Wrap the LightningModule (DDPStrategy's also registers DDP comm hooks: none here)."""
+        """Apply flatgrad to the LightningModule (DDPStrategy's also registers DDP comm hooks: none here)."""
         assert isinstance(self.model, pl.LightningModule)
         self.model = self._setup_model(self.model)
 
@@ -322,7 +322,7 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """``configure_optimizers``' optimizers (Lightning's), each rebuilt as a
-        ShardedOptimizer over the wrapped module; schedulers are pointed at it."""
+        ShardedOptimizer over the module; schedulers are pointed at it."""
         super().setup_optimizers(trainer)
         assert isinstance(self.model, ReplicateModule)
         shard_by = _shard_by(self.sharded_options["shard_by"], len(self.optimizers))

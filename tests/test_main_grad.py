@@ -259,10 +259,10 @@ def test_main_grad_refuses_what_is_not_a_wrapped_parameter():
     model = _model()
     model.norm.bias.requires_grad_(False)
     flat = flatgrad.FlatGrad(model, config=MAIN)
-    with pytest.raises(TypeError, match="param must be a parameter of the wrapped model, got list"):
+    with pytest.raises(TypeError, match="param must be a parameter of the model, got list"):
         flat.main_grad([1.0])  # type: ignore[arg-type]
     for tensor in (model.norm.bias, torch.zeros(3), nn.Parameter(torch.zeros(3))):
-        with pytest.raises(ValueError, match="param must be a trainable parameter of the wrapped model"):
+        with pytest.raises(ValueError, match="param must be a trainable parameter of the model"):
             flat.main_grad(tensor)
 
 

@@ -1078,7 +1078,7 @@ def test_step_kwargs_group_keys_and_clip_arguments_as_torch():
 def _ddp_inside_worker(rank: int, world_size: int) -> None:
     model = nn.Sequential(nn.Linear(4, 4))
     ddp = DDP(model, gradient_as_bucket_view=True)
-    with pytest.raises(ValueError, match=r"FlatGrad must wrap the plain model and go inside .*ddp_kwargs"):
+    with pytest.raises(ValueError, match=r"FlatGrad must be applied to the plain model .*ddp_kwargs"):
         flatgrad.FlatGrad(ddp)
     with pytest.raises(ValueError, match=r"submodule 'inner' that is a DistributedDataParallel"):
         flatgrad.FlatGrad(nn.ModuleDict({"inner": ddp}))
