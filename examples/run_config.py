@@ -172,7 +172,7 @@ class TrainConfig(_RunConfig):
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The parameters' dtype. "bfloat16": the model in bfloat16 with float32 main grads
-    (the model is wrapped with ``grad_dtype="float32"``) and `flatgrad.ShardedOptimizer`'s float32
+    (FlatGrad applied with ``grad_dtype="float32"``) and `flatgrad.ShardedOptimizer`'s float32
     master shards (needs engine "flatgrad" and zero)."""
 
     resume: StrictBool = False
