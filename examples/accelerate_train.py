@@ -11,9 +11,10 @@ names an mpirun hostfile (it then runs mpirun, which this setup does not have); 
 docs/integrations.md.
 
 The recipe, one call on top of a plain Accelerate loop: `flatgrad.accelerate.attach` after
-``Accelerator()`` and before ``accelerator.prepare(flat, ...)``. The DDP that prepare builds
-then gets `flat.ddp_kwargs()` (gradient_as_bucket_view and a bucket cap above the flat
-buffer) and `flatgrad.allreduce_hook`, registered by Accelerate's DDP handler itself.
+``Accelerator()`` and before ``accelerator.prepare(model, ...)``, FlatGrad applied to the
+model in place. The DDP that prepare builds then gets `model.ddp_kwargs()`
+(gradient_as_bucket_view and a bucket cap above the flat buffer) and
+`flatgrad.allreduce_hook`, registered by Accelerate's DDP handler itself.
 
 ``--compare`` trains again as plain Accelerate (``--stock``: only that) in the same processes
 and prints the largest parameter difference. With ``--report out.json`` rank 0 also writes
@@ -39,14 +40,15 @@ import flatgrad.accelerate
 
 def train(steps: int, stock: bool, probe_steps: bool) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = TinyLM().double()  # float64: the test compares with the stock run to round-off
-    flat = None if stock else flatgrad.FlatGrad(model, config={"linear_min_numel": 0})
+    model: torch.nn.Module = TinyLM().double()  # float64: compared with the stock run to round-off
+    if not stock:
+        model = flatgrad.FlatGrad(model, config={"linear_min_numel": 0})  # in place
     accelerator = Accelerator(cpu=True)
-    probe = StepProbe(model, flat)
-    if flat is not None:
-        probe.state = flatgrad.accelerate.attach(accelerator, flat)  # the one call
+    probe = StepProbe(model)
+    if isinstance(model, flatgrad.FlatGrad):
+        probe.state = flatgrad.accelerate.attach(accelerator, model)  # the one call
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    ddp, optimizer = accelerator.prepare(flat if flat is not None else model, optimizer)
+    ddp, optimizer = accelerator.prepare(model, optimizer)
 
     for step in range(steps):
         optimizer.zero_grad()

@@ -1,7 +1,7 @@
 """Backward-pass benchmark: FlatGrad's layer backwards against stock PyTorch, one process.
 
-Stock and wrapped models run side by side, interleaved; it prints the median backward time
-of each and their ratio (flatgrad / stock; below 1.0 means flatgrad is faster):
+Stock PyTorch and flatgrad run each case side by side, interleaved; it prints the median
+backward time of each and their ratio (flatgrad / stock; below 1.0 means flatgrad is faster):
 
     python examples/bench_backward.py                       # all cases, 30 repeats each
     python examples/bench_backward.py --repeats 50 --cases embedding

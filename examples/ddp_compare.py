@@ -72,10 +72,10 @@ def build_runs(cfg: CompareConfig, model: nn.Module, device: torch.device) -> li
     def stock_clip(max_norm: float) -> torch.Tensor:
         return nn.utils.clip_grad_norm_(stock_model.parameters(), max_norm)
 
-    flat = flatgrad.FlatGrad(model, config=cfg.flatgrad)
-    ours = DDP(flat, device_ids=device_ids, **flat.ddp_kwargs())
-    ours.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
-    return [Run("stock DDP", stock, stock_clip, cfg), Run("flatgrad + DDP", ours, flat.clip_grad_norm_, cfg)]
+    model = flatgrad.FlatGrad(model, config=cfg.flatgrad)  # in place
+    ours = DDP(model, device_ids=device_ids, **model.ddp_kwargs())
+    ours.register_comm_hook(model.comm_state(), flatgrad.allreduce_hook)
+    return [Run("stock DDP", stock, stock_clip, cfg), Run("flatgrad + DDP", ours, model.clip_grad_norm_, cfg)]
 
 
 def compare(cfg: CompareConfig) -> None:

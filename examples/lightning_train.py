@@ -8,7 +8,8 @@ The recipe is two lines: ``import flatgrad.lightning`` (it registers the strateg
 Lightning's StrategyRegistry), then ``L.Trainer(strategy="flatgrad")`` (DDP with flatgrad's
 comm hook), ``"flatgrad_data_parallel"`` (flatgrad.ReplicateModule) or ``"flatgrad_sharded"``
 (ZeRO-1: the optimizer from ``configure_optimizers`` rebuilt as a ShardedOptimizer). The
-LightningModule holds no flatgrad: the strategy wraps it at setup (docs/integrations.md).
+LightningModule holds no flatgrad: the strategy applies FlatGrad to it in place at setup
+(docs/integrations.md).
 
 ``--compare`` trains again with Lightning's ``"ddp"`` (``--stock``: only that) in the same
 processes and prints the largest parameter difference. ``--hook-via-lightning`` shows the
@@ -47,13 +48,15 @@ STRATEGIES = {
 
 
 class LitLM(L.LightningModule):
-    """A plain LightningModule (``wrap``: FlatGrad inside it, for --hook-via-lightning only)."""
+    """A plain LightningModule (``flatgrad_inside``: FlatGrad applied to its `net`, for
+    --hook-via-lightning only)."""
 
-    def __init__(self, wrap: bool = False) -> None:
+    def __init__(self, flatgrad_inside: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        model = TinyLM().double()  # float64: the test compares with the stock run to round-off
-        self.net = flatgrad.FlatGrad(model, config=ROUTE_ALL) if wrap else model
+        self.net = TinyLM().double()  # float64: the test compares with the stock run to round-off
+        if flatgrad_inside:
+            flatgrad.FlatGrad(self.net, config=ROUTE_ALL)  # (in place: `self.net` itself)
 
     def training_step(self, step: int, _: int) -> torch.Tensor:
         return self.net(batch(step, self.global_rank))
@@ -63,17 +66,15 @@ class LitLM(L.LightningModule):
 
 
 class ProbeCallback(L.Callback):
-    """Runs `StepProbe` around each backward (only with --report); finds the strategy's
-    wrapper and hook state once it has set up."""
+    """Runs `StepProbe` around each backward (only with --report); takes the strategy's
+    hook state once it has set up."""
 
     def __init__(self, probe: StepProbe) -> None:
         self.probe = probe
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        strategy = trainer.strategy
-        if isinstance(strategy, (FlatGradDDPStrategy, FlatGradDataParallelStrategy)):
-            self.probe.flat = strategy.flat
-            self.probe.state = getattr(strategy, "comm_state", None)
+        if isinstance(trainer.strategy, FlatGradDDPStrategy):
+            self.probe.state = trainer.strategy.comm_state
 
     def on_before_backward(self, trainer: L.Trainer, module: L.LightningModule, loss: torch.Tensor) -> None:
         self.probe.start()
@@ -83,14 +84,13 @@ class ProbeCallback(L.Callback):
 
 
 def train(steps: int, strategy: str, probe_steps: bool, hook_via_lightning: bool = False) -> dict[str, Any]:
-    module = LitLM(wrap=hook_via_lightning)
-    flat = module.net if isinstance(module.net, flatgrad.FlatGrad) else None
-    probe = StepProbe(flat if flat is not None else module.net, flat)
+    module = LitLM(flatgrad_inside=hook_via_lightning)
+    probe = StepProbe(module)  # FlatGrad applied to `module` by the strategy, or to `module.net`
     chosen: str | DDPStrategy = strategy if strategy == "ddp" else STRATEGIES[strategy](config=ROUTE_ALL)
-    if flat is not None:  # the hook never runs on CPU: flatgrad warns
-        probe.state = flat.comm_state()
+    if isinstance(module.net, flatgrad.FlatGrad):  # --hook-via-lightning: on CPU flatgrad warns
+        probe.state = module.net.comm_state()
         chosen = DDPStrategy(
-            **flat.ddp_kwargs(), ddp_comm_state=probe.state, ddp_comm_hook=flatgrad.allreduce_hook
+            **module.net.ddp_kwargs(), ddp_comm_state=probe.state, ddp_comm_hook=flatgrad.allreduce_hook
         )
     trainer = L.Trainer(
         accelerator="cpu",

@@ -45,11 +45,12 @@ def batch(step: int, rank: int) -> torch.Tensor:
 
 class StepProbe:
     """Wrap each backward in `probe.backward()` (or call `start`/`stop` around it). Records the
-    comm hook's calls so far, gradient-sized copies seen by the profiler in backward, and
-    whether every `.grad` is a view of one of `flat.grad_buffers`."""
+    comm hook's calls so far, gradient-sized copies seen by the profiler in backward, and,
+    once FlatGrad is applied to `model` (or to a submodule of it), whether every `.grad` is a
+    view of one of its `grad_buffers`."""
 
-    def __init__(self, model: nn.Module, flat: flatgrad.FlatGrad | None) -> None:
-        self.model, self.flat = model, flat
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
         self.state: flatgrad.FlatGradCommState | None = None  # set once the hook is registered
         self._shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
         self._profile: torch.profiler.profile | None = None
@@ -77,8 +78,9 @@ class StepProbe:
             sum(e.name in _COPY_OPS and any(tuple(s) in self._shapes for s in e.input_shapes) for e in events)
         )
         self.hook_calls.append(self.state.num_calls if self.state is not None else 0)
-        if self.flat is not None:
-            self.grads_in_buffers.append(all(_in_buffers(p.grad, self.flat) for p in self.model.parameters()))
+        applied = next((m for m in self.model.modules() if isinstance(m, flatgrad.FlatGrad)), None)
+        if applied is not None:
+            self.grads_in_buffers.append(all(_in_buffers(p.grad, applied) for p in self.model.parameters()))
 
     def report(self, world_size: int) -> dict[str, Any]:
         return {
@@ -91,10 +93,10 @@ class StepProbe:
         }
 
 
-def _in_buffers(grad: torch.Tensor | None, flat: flatgrad.FlatGrad) -> bool:
+def _in_buffers(grad: torch.Tensor | None, model: flatgrad.FlatGrad) -> bool:
     if grad is None:
         return False
-    for buf in flat.grad_buffers.values():
+    for buf in model.grad_buffers.values():
         start, end = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
         if start <= grad.data_ptr() and grad.data_ptr() + grad.numel() * grad.element_size() <= end:
             return True

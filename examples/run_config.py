@@ -2,19 +2,20 @@
 
 These describe a *run* (model size, data, optimiser, steps); the library's own settings are
 the nested `flatgrad` field, a `flatgrad.FlatGradConfig` (imported by name: a field
-called `flatgrad` would shadow the module inside the class body). Unknown keys fail loudly.
+called `flatgrad` would shadow the module inside the class body). Unknown keys fail loudly,
+so does a key repeated in one mapping, and every error about the file names it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
+import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from flatgrad import FlatGradConfig
-from flatgrad._config import load_mapping
 
 DEFAULT_MODULES = (
     "argparse", "collections", "textwrap", "difflib", "string", "json.decoder", "json.encoder",
@@ -171,7 +172,7 @@ class TrainConfig(_RunConfig):
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The parameters' dtype. "bfloat16": the model in bfloat16 with float32 main grads
-    (the model is wrapped with ``grad_dtype="float32"``) and `flatgrad.ShardedOptimizer`'s float32
+    (FlatGrad applied with ``grad_dtype="float32"``) and `flatgrad.ShardedOptimizer`'s float32
     master shards (needs engine "flatgrad" and zero)."""
 
     resume: StrictBool = False
@@ -232,6 +233,55 @@ ConfigT = TypeVar("ConfigT", bound=BaseModel)
 def load_config(cls: type[ConfigT], path: str | Path, overrides: Mapping[str, Any] | None = None) -> ConfigT:
     """Read a YAML run config into `cls`; `overrides` (None values skipped) replace top-level
     keys and are validated together with the file."""
-    data = load_mapping(path)  # flatgrad's loader: errors name the file, repeated keys refused
+    data = _read_mapping(Path(path))
     data.update({key: value for key, value in (overrides or {}).items() if value is not None})
     return cls.model_validate(data)
+
+
+def _read_mapping(path: Path) -> dict[str, Any]:
+    """The mapping a YAML file holds (JSON reads as YAML too). A file holding only comments is
+    an empty mapping; a missing file, a directory, an empty file, invalid YAML, a repeated key
+    or a value that is not a mapping is an error naming the file."""
+    if path.is_dir():
+        raise IsADirectoryError(f"config file {str(path)!r} is a directory, not a YAML/JSON file")
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"config file {str(path)!r} is not UTF-8 text: {error}") from error
+    if not text.strip():
+        raise ValueError(f"config file {str(path)!r} is empty; it must hold a mapping")
+    loader = _UniqueKeyLoader(text)
+    loader.name = str(path)  # YAML's error marks then say which file, not "<unicode string>"
+    try:
+        data = loader.get_single_data()
+    except (ValueError, yaml.YAMLError) as error:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {error}") from error
+    finally:
+        loader.dispose()
+    if data is None:
+        return {}  # only comments: every default
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key repeated within one mapping (plain YAML keeps the
+    last one silently, which hides typos in configs)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base`: keys written beside it override the merged ones, as in YAML
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader itself reports an unhashable key
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)

@@ -17,8 +17,8 @@ a `LambdaLR` schedule, and accumulation uses ``require_backward_grad_sync`` as n
 Rank 0 logs step, loss and tokens/s. At the end every rank writes the resharding checkpoint
 ``<out_dir>/dcp`` (``torch.distributed.checkpoint``: model, optimiser, schedule, step), which
 ``--resume`` loads on any number of ranks (``--zero``'s sharded optimiser state included);
-rank 0 also saves ``<out_dir>/ckpt.pt``, the plain model's state_dict (``flat.state_dict()``
-has its keys) with the run config, for sampling without flatgrad.
+rank 0 also saves ``<out_dir>/ckpt.pt``, the plain model's state_dict (FlatGrad, applied in
+place, keeps the GPT's keys) with the run config, for sampling without flatgrad.
 """
 
 from __future__ import annotations
@@ -64,18 +64,18 @@ def train(cfg: TrainConfig) -> None:
     rank, world_size, device = init_distributed(cfg.device)
     data = CharData(read_text(cfg.data.source, cfg.data.stdlib_modules, cfg.data.path))
     torch.manual_seed(cfg.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
-    model = GPT(data.vocab_size, **cfg.model.model_dump()).to(device, getattr(torch, cfg.dtype))
+    dtype = getattr(torch, cfg.dtype)
+    model: torch.nn.Module = GPT(data.vocab_size, **cfg.model.model_dump()).to(device, dtype)
     torch.manual_seed(cfg.seed + rank)  # dropout masks differ per rank
     generator = torch.Generator().manual_seed(cfg.seed + rank)  # so do the data windows
 
     # bfloat16 weights: float32 main grads (and ShardedOptimizer's float32 master shards)
     options = {"grad_dtype": "float32"} if cfg.dtype == "bfloat16" else {}
-    flat = flatgrad.FlatGrad(model, config=cfg.flatgrad.model_copy(update=options))
-    wrapper, optimizer = build_engine(cfg, flat, device)
+    model = flatgrad.FlatGrad(model, config=cfg.flatgrad.model_copy(update=options))  # in place
+    ddp_or_model, optimizer = build_engine(cfg, model, device)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
     progress = {"step": torch.zeros((), dtype=torch.int64)}
-    checkpoint = {"model": wrapper if cfg.engine == "flatgrad" else flat, "optim": optimizer,
-                  "sched": schedule, "progress": progress}  # fmt: skip
+    checkpoint = {"model": model, "optim": optimizer, "sched": schedule, "progress": progress}
     if cfg.resume:  # saved on any number of ranks: dcp reshards
         dcp.load(checkpoint, checkpoint_id=cfg.out_dir / "dcp")
     first_step = int(progress["step"]) + 1
@@ -97,12 +97,12 @@ def train(cfg: TrainConfig) -> None:
         for micro in range(cfg.grad_accum_steps):
             inputs, targets = data.batch(cfg.batch_size, cfg.seq_len, generator, device)
             # Only the last micro-batch's backward all-reduces; the others just accumulate.
-            wrapper.require_backward_grad_sync = micro == cfg.grad_accum_steps - 1
-            loss = lm_loss(wrapper(inputs).float(), targets) / cfg.grad_accum_steps
+            ddp_or_model.require_backward_grad_sync = micro == cfg.grad_accum_steps - 1
+            loss = lm_loss(ddp_or_model(inputs).float(), targets) / cfg.grad_accum_steps
             loss.backward()
             step_loss += loss.detach()
         if cfg.grad_clip is not None:  # one norm over the flat buffer (or the shards)
-            (optimizer if cfg.zero else flat).clip_grad_norm_(cfg.grad_clip)  # type: ignore[union-attr]
+            (optimizer if cfg.zero else model).clip_grad_norm_(cfg.grad_clip)  # type: ignore[union-attr]
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()  # set_to_none=True; flatgrad keeps .grad in its buffer anyway
@@ -127,7 +127,7 @@ def train(cfg: TrainConfig) -> None:
         logger.info("loss %.4f at step %d -> %.4f at step %d", losses[first], first, losses[last], last)
     dcp.save(checkpoint, checkpoint_id=cfg.out_dir / "dcp")
     if rank == 0:
-        save_model(cfg, flat, data, losses)
+        save_model(cfg, model, data, losses)
 
 
 def optim_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -140,24 +140,25 @@ def optim_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     ]
 
 
-def build_engine(cfg: TrainConfig, flat: flatgrad.FlatGrad, device: torch.device) -> tuple[Any, Any]:
-    """The data-parallel wrapper and optimiser of `cfg.engine` / `cfg.zero`."""
-    groups = optim_groups(flat, cfg.weight_decay)
+def build_engine(cfg: TrainConfig, model: flatgrad.FlatGrad, device: torch.device) -> tuple[Any, Any]:
+    """What the training loop calls and the optimiser, for `cfg.engine` / `cfg.zero`: DDP
+    around `model` with flatgrad's hook, or `model` itself, replicated in place."""
+    groups = optim_groups(model, cfg.weight_decay)
     if cfg.engine == "ddp":
-        ddp = DDP(flat, device_ids=[device.index] if device.type == "cuda" else None, **flat.ddp_kwargs())
-        ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **model.ddp_kwargs())
+        ddp.register_comm_hook(model.comm_state(), flatgrad.allreduce_hook)
         return ddp, torch.optim.AdamW(groups, lr=cfg.lr)
-    dp = flatgrad.replicate(flat, bucket_cap_mb=cfg.bucket_cap_mb)
+    model = flatgrad.replicate(model, bucket_cap_mb=cfg.bucket_cap_mb)  # the same object
     if cfg.zero:
-        return dp, flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, groups, lr=cfg.lr)
-    return dp, torch.optim.AdamW(groups, lr=cfg.lr)
+        return model, flatgrad.ShardedOptimizer(model, torch.optim.AdamW, groups, lr=cfg.lr)
+    return model, torch.optim.AdamW(groups, lr=cfg.lr)
 
 
-def save_model(cfg: TrainConfig, flat: flatgrad.FlatGrad, data: CharData, losses: dict[int, float]) -> None:
+def save_model(cfg: TrainConfig, model: flatgrad.FlatGrad, data: CharData, losses: dict[int, float]) -> None:
     """ckpt.pt: the plain GPT's state_dict, the run config, the vocabulary and the losses."""
     path = cfg.out_dir / "ckpt.pt"
     checkpoint = {
-        "model": flat.state_dict(),  # the plain GPT's keys: loads into GPT(...) directly
+        "model": model.state_dict(),  # the plain GPT's keys: loads into GPT(...) directly
         "config": cfg.model_dump(mode="json"),
         "vocab": data.chars,
         "losses": losses,

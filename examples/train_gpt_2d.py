@@ -1,5 +1,5 @@
 """Train the small character-level GPT on a 2-D mesh: tensor parallel inside ("tp"), data
-parallel across ("dp"), with flatgrad's DataParallel averaging each rank's local shards over
+parallel across ("dp"), with `flatgrad.replicate` averaging each rank's local shards over
 "dp" only.
 
     torchrun --standalone --nproc_per_node=4 examples/train_gpt_2d.py --tp 2
@@ -12,7 +12,7 @@ projection, `RowwiseParallel` for the down one): those weights are DTensors, eac
 half, and their gradients live in the rank's flat buffer as local shards (`.grad` a DTensor
 over the slot). Attention, the norms and the tied embedding stay plain (the same on every
 rank of a "tp" group). Ranks of one "tp" group read the same windows; each "dp" rank its own.
-`flat.clip_grad_norm_` clips by the norm of the whole, unsharded gradient. With `--zero`
+`model.clip_grad_norm_` clips by the norm of the whole, unsharded gradient. With `--zero`
 a `flatgrad.ShardedOptimizer` shards AdamW's state over "dp" (each rank steps its part of its
 local shards) and clips with its own `clip_grad_norm_`. At the end every rank writes a DCP
 checkpoint (`<out_dir>/dcp_2d`) that loads on any "dp" size.
@@ -54,23 +54,25 @@ def train(cfg: TrainConfig, tp: int) -> None:
     dp_rank = mesh["dp"].get_local_rank()
     data = CharData(read_text(cfg.data.source, cfg.data.stdlib_modules, cfg.data.path))
     torch.manual_seed(cfg.seed)  # the same init on every rank
-    model = parallelize(GPT(data.vocab_size, **cfg.model.model_dump()).to(device), mesh["tp"])
-    flat = flatgrad.FlatGrad(model, config=cfg.flatgrad)
-    dp = flatgrad.replicate(flat, device_mesh=mesh["dp"], bucket_cap_mb=cfg.bucket_cap_mb)
+    model: torch.nn.Module = parallelize(
+        GPT(data.vocab_size, **cfg.model.model_dump()).to(device), mesh["tp"]
+    )
+    model = flatgrad.FlatGrad(model, config=cfg.flatgrad)  # both in place: the same `model`
+    model = flatgrad.replicate(model, device_mesh=mesh["dp"], bucket_cap_mb=cfg.bucket_cap_mb)
     adamw = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
     optimizer: torch.optim.Optimizer
     if cfg.zero:  # ZeRO-1 over "dp": AdamW's state of this rank's part of its local shards
-        optimizer = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, **adamw)
+        optimizer = flatgrad.ShardedOptimizer(model, torch.optim.AdamW, **adamw)
         clip = optimizer.clip_grad_norm_
     else:
-        optimizer = torch.optim.AdamW(dp.parameters(), **adamw)
-        clip = flat.clip_grad_norm_
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+        clip = model.clip_grad_norm_
     generator = torch.Generator().manual_seed(cfg.seed + dp_rank)  # one stream per "dp" rank
     logger.info(
         "mesh dp=%d x tp=%d; %d parameters, %d of them DTensors; %s; %s",
-        world_size // tp, tp, sum(1 for _ in flat.parameters()),
-        sum(1 for p in flat.parameters() if hasattr(p, "device_mesh")),
-        {str(k): b.numel() for k, b in flat.grad_buffers.items()}, type(optimizer).__name__,
+        world_size // tp, tp, sum(1 for _ in model.parameters()),
+        sum(1 for p in model.parameters() if hasattr(p, "device_mesh")),
+        {str(k): b.numel() for k, b in model.grad_buffers.items()}, type(optimizer).__name__,
     )  # fmt: skip
     start, losses = time.perf_counter(), []
     for step in range(1, cfg.max_steps + 1):
@@ -79,8 +81,8 @@ def train(cfg: TrainConfig, tp: int) -> None:
         for micro in range(cfg.grad_accum_steps):
             inputs, targets = data.batch(cfg.batch_size, cfg.seq_len, generator, device)
             sync = micro == cfg.grad_accum_steps - 1
-            with contextlib.nullcontext() if sync else dp.no_sync():
-                loss = lm_loss(dp(inputs), targets) / cfg.grad_accum_steps
+            with contextlib.nullcontext() if sync else model.no_sync():
+                loss = lm_loss(model(inputs), targets) / cfg.grad_accum_steps
                 loss.backward()
             total += loss.detach()
         norm = clip(cfg.grad_clip) if cfg.grad_clip is not None else None
@@ -91,7 +93,7 @@ def train(cfg: TrainConfig, tp: int) -> None:
             shown = f" grad norm {float(norm):.3f}" if norm is not None else ""
             logger.info("step %d loss %.4f%s (%.1f s)", step, losses[-1], shown, time.perf_counter() - start)
     out = Path(cfg.out_dir) / "dcp_2d"
-    dcp.save({"model": dp, "optim": optimizer}, checkpoint_id=out)
+    dcp.save({"model": model, "optim": optimizer}, checkpoint_id=out)
     logger.info("loss %.3f -> %.3f; saved %s", losses[0], losses[-1], out)
 
 
@@ -109,7 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.tp < 1:
         parser.error(f"--tp must be at least 1, got {args.tp}")
-    # (this example is always flatgrad's DataParallel; `zero` as train_gpt.py's config has it)
+    # (this example always uses flatgrad.replicate; `zero` as train_gpt.py's config has it)
     overrides = {"max_steps": args.max_steps, "log_interval": 10, "out_dir": args.out_dir}
     overrides.update({"engine": "flatgrad", "zero": args.zero})
     cfg = load_config(TrainConfig, args.config, overrides)
