@@ -143,9 +143,9 @@ def check_data_parallel(run: DeviceRun) -> Outcome:
     """The bench's data-parallel configurations (`suite.bench_model`) at world size 1:
     flatgrad's against stock DDP, with and without gradient_as_bucket_view."""
     steps, warmup = _steps(run)
-    ratios = []
+    models, ratios = DP_MODELS[-1:] if run.quick else DP_MODELS, []
     with _group(run):
-        for model in DP_MODELS[-1:] if run.quick else DP_MODELS:
+        for model in models:
             configs = bench_model(model, DP_CONFIGS, steps, warmup, run.device, None)["configs"]
             ratios += [
                 RatioRecord(
@@ -158,9 +158,7 @@ def check_data_parallel(run: DeviceRun) -> Outcome:
                 if name.startswith("flatgrad")
                 for base, key in DP_BASES.items()
             ]
-    detail = (
-        f"world size 1, SGD (momentum), {steps} timed steps after {warmup}, models {', '.join(DP_MODELS)}"
-    )
+    detail = f"world size 1, SGD (momentum), {steps} timed steps after {warmup}, on {', '.join(models)}"
     return Outcome(True, detail, ratios=ratios)
 
 
