@@ -16,6 +16,9 @@ from pydantic import ValidationError
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))  # the examples import each other from there
+# (the examples log through tqdm; a machine with torch and pytest alone, a lent GPU's, still
+# collects the suite)
+pytest.importorskip("tqdm", reason="pip install -e '.[dev]'")
 
 from gpt_model import GPT, CharData, read_text  # noqa: E402
 from run_config import CompareConfig, TrainConfig, load_config  # noqa: E402

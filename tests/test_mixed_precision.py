@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,7 +22,6 @@ from torch import nn
 
 import flatgrad
 from flatgrad import replicate_state
-from flatgrad.bench.device_mixed_comm import reference_step
 
 MICRO, STEPS, MAX_NORM = 4, 3, 0.5
 STEPS_SCALED = 8
@@ -33,6 +33,34 @@ OPTIMIZERS = {
 
 def _torch_clip(masters: list[torch.Tensor]) -> None:
     torch.nn.utils.clip_grad_norm_(masters, MAX_NORM)
+
+
+def reference_step(
+    flat: flatgrad.FlatGrad,
+    masters: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    batches: list[torch.Tensor],
+    clip: Callable[[list[torch.Tensor]], object],
+) -> None:
+    """One step written out: each micro-batch's main grad alone, summed in float32, averaged
+    over the ranks in float32 (divided, then summed, as DDP does), clipped (`clip` of the
+    masters, whose `.grad` holds the averages), the torch optimizer on the float32 masters,
+    cast back into `flat`'s parameters."""
+    sums = [torch.zeros_like(m) for m in masters]
+    for tokens in batches:
+        flat.zero_grad()
+        flat(tokens).backward()
+        for total, param in zip(sums, flat.parameters()):
+            total += flat.main_grad(param)
+    for master, total in zip(masters, sums):
+        total /= dist.get_world_size()
+        dist.all_reduce(total)
+        master.grad = total
+    clip(masters)
+    optimizer.step()
+    with torch.no_grad():
+        for param, master in zip(flat.parameters(), masters):
+            param.copy_(master)
 
 
 def _sharded_worker(rank: int, world_size: int, name: str, device: str = "cpu") -> None:

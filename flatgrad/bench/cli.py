@@ -259,7 +259,7 @@ def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
     mixed = _mixed_row(args, device, bar) if args.mixed_steps > 0 else None
     if bar is not None:
         bar.close()
-    rss = torch.tensor([_peak_rss_mb()], dtype=torch.float64)
+    rss = torch.tensor([_peak_rss_mb()], dtype=torch.float64, device=device)  # (NCCL's: on the device)
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
     if rank != 0:
         return

@@ -32,9 +32,10 @@ import torch
 from torch import nn
 
 import flatgrad
-from flatgrad.bench.memory import minor_faults
+from flatgrad.bench.memory import minor_faults, sync
 from flatgrad.bench.models import LOCAL_MODELS, BenchModel
 
+CPU = torch.device("cpu")
 Batch = tuple[torch.Tensor, ...]
 Step = Callable[[Batch], None]
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
@@ -48,7 +49,11 @@ COMPILE_VARIANTS = {
 
 
 def _step(
-    module: nn.Module, params: list[nn.Parameter], clip: Callable[[], Any] | None, micro_batches: int = 1
+    module: nn.Module,
+    params: list[nn.Parameter],
+    clip: Callable[[], Any] | None,
+    micro_batches: int = 1,
+    device: torch.device = CPU,
 ) -> Step:
     optimizer = torch.optim.SGD(params, lr=1e-3)
 
@@ -59,28 +64,29 @@ def _step(
         if clip is not None:
             clip()
         optimizer.step()
+        sync(device)  # (a step's time is its work's, not its launches')
 
     return step
 
 
-def _stock_step(model: nn.Module, clip: bool, micro_batches: int) -> Step:
+def _stock_step(model: nn.Module, clip: bool, micro_batches: int, device: torch.device) -> Step:
     stock = copy.deepcopy(model)
     stock_clip = (lambda: torch.nn.utils.clip_grad_norm_(stock.parameters(), 1.0)) if clip else None
-    return _step(stock, list(stock.parameters()), stock_clip, micro_batches)
+    return _step(stock, list(stock.parameters()), stock_clip, micro_batches, device)
 
 
-def _trio(spec: BenchModel, clip: bool, micro_batches: int = 1) -> tuple[Step, Step, Step]:
+def _trio(spec: BenchModel, clip: bool, micro_batches: int, device: torch.device) -> tuple[Step, Step, Step]:
     """(stock, the stock control, flatgrad) steps, each on its own deep copy of one model."""
     torch.manual_seed(0)
-    model = spec.build()
-    stock, control = _stock_step(model, clip, micro_batches), _stock_step(model, clip, micro_batches)
+    model = spec.build().to(device)
+    stock, control = (_stock_step(model, clip, micro_batches, device) for _ in range(2))
     flat = flatgrad.FlatGrad(copy.deepcopy(model))
     flat_clip = (lambda: flat.clip_grad_norm_(1.0)) if clip else None
-    return stock, control, _step(flat, list(flat.parameters()), flat_clip, micro_batches)
+    return stock, control, _step(flat, list(flat.parameters()), flat_clip, micro_batches, device)
 
 
-def _batches(spec: BenchModel, count: int) -> list[Batch]:
-    return [spec.batch(torch.Generator().manual_seed(i), torch.device("cpu")) for i in range(count)]
+def _batches(spec: BenchModel, count: int, device: torch.device = CPU) -> list[Batch]:
+    return [spec.batch(torch.Generator().manual_seed(i), device) for i in range(count)]
 
 
 def _times(
@@ -126,16 +132,21 @@ def interleave(
 
 
 def local_rows(
-    steps: int, warmup: int = 3, models: dict[str, BenchModel] | None = None, accumulate: int = 4
+    steps: int,
+    warmup: int = 3,
+    models: dict[str, BenchModel] | None = None,
+    accumulate: int = 4,
+    device: torch.device = CPU,
 ) -> list[dict[str, Any]]:
     """Per model: one record without and one with clipping (one micro-batch per step), and,
-    if `accumulate` > 1, one with that many micro-batches per step (no clipping)."""
+    if `accumulate` > 1, one with that many micro-batches per step (no clipping); on `device`
+    (the device report runs them on a GPU)."""
     variants = [(False, 1), (True, 1)] + ([(False, accumulate)] if accumulate > 1 else [])
     rows = []
     for name, spec in (models or LOCAL_MODELS).items():
-        batches = _batches(spec, warmup + steps)
+        batches = _batches(spec, warmup + steps, device)
         for clip, micro in variants:
-            measured = interleave(*_trio(spec, clip, micro), batches, warmup)
+            measured = interleave(*_trio(spec, clip, micro, device), batches, warmup)
             rows.append({"model": name, "clip": clip, "micro_batches": micro, **measured})
     return rows
 

@@ -38,6 +38,12 @@ def _status_mb(field: str) -> float | None:
     return None
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work: what a timing or an allocator peak reads must be done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def step_start(device: torch.device) -> float:
     """Reset the peak and return the baseline (MB) a later `step_peak` is measured against."""
     if device.type == "cuda":

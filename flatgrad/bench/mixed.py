@@ -161,7 +161,7 @@ def bench_mixed(
         "micro_batches": MICRO_BATCHES,
         "max_norm": MAX_NORM,
         "optimizer": {"name": "AdamW", "lr": LR, "weight_decay": WEIGHT_DECAY},
-        "variants": _records(runners, times, peaks, losses, numel),
+        "variants": _records(runners, times, peaks, losses, numel, device),
     }
 
 
@@ -171,6 +171,7 @@ def _records(
     peaks: dict[str, float],
     losses: dict[str, float],
     numel: int,
+    device: torch.device,
 ) -> dict[str, dict[str, Any]]:
     """Per variant: step times (the slowest rank's), ratios to the stock variants, memory."""
     names = [r.name for r in runners]
@@ -178,7 +179,9 @@ def _records(
     for runner in runners:
         by_role = runner.held_bytes()
         held.append([by_role[role] for role in ROLES] + [sum(by_role.values())])
-    table = torch.tensor([times[n] + [peaks[n]] + h for n, h in zip(names, held)], dtype=torch.float64)
+    table = torch.tensor(  # (on the device: NCCL reduces nothing else)
+        [times[n] + [peaks[n]] + h for n, h in zip(names, held)], dtype=torch.float64, device=device
+    )
     # the slowest rank's step; the most memory a rank holds, per role and in all
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
     steps = len(times[names[0]])

@@ -177,11 +177,6 @@ def _mlp_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor
     return torch.randn(16, 2048, generator=gen).to(device), torch.randn(16, 2048, generator=gen).to(device)
 
 
-def _llama_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
-    idx = torch.randint(0, 4096, (8, 65), generator=gen)
-    return idx[:, :-1].to(device), idx[:, 1:].to(device)
-
-
 def _tiny_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
     return torch.randn(32, 64, generator=gen).to(device), torch.randn(32, generator=gen).to(device)
 
@@ -192,7 +187,7 @@ def _wide_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tenso
 
 # One-process step benchmarks (flatgrad.bench.local): the issue-sized models.
 LOCAL_MODELS: dict[str, BenchModel] = {
-    "llama": BenchModel(LlamaLike, _llama_batch),
+    "llama": BenchModel(LlamaLike, _gpt_batch),
     "small_layers_64": BenchModel(lambda: ManySmallLayers(width=64, depth=48), _tiny_batch),
     "linear_1024": BenchModel(lambda: LargeMLP(width=1024, depth=4), _wide_batch),
 }

@@ -15,37 +15,41 @@ import torch
 from torch import nn
 
 import flatgrad
+from flatgrad.bench.memory import sync
 
+CPU = torch.device("cpu")
 Case = tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor], Callable[[], None]]
 
 
-def _time_backward(forward: Callable[[], torch.Tensor]) -> float:
+def _time_backward(forward: Callable[[], torch.Tensor], device: torch.device) -> float:
     out = forward()  # forward outside the timed region: only backward is measured
     grad_out = torch.ones_like(out)
+    sync(device)
     start = time.perf_counter()
     out.backward(grad_out)
+    sync(device)
     return time.perf_counter() - start
 
 
-def compare(case: Case, repeats: int) -> tuple[float, float]:
+def compare(case: Case, repeats: int, device: torch.device = CPU) -> tuple[float, float]:
     """Median backward seconds of (stock, flatgrad), alternating which goes first."""
     stock, ours, zero = case
     for _ in range(2):
-        zero(), _time_backward(stock), _time_backward(ours)
+        zero(), _time_backward(stock, device), _time_backward(ours, device)
     stock_times: list[float] = []
     our_times: list[float] = []
     for i in range(repeats):
         zero()
         pair = [(stock, stock_times), (ours, our_times)]
         for forward, times in pair if i % 2 == 0 else pair[::-1]:
-            times.append(_time_backward(forward))
+            times.append(_time_backward(forward, device))
     return statistics.median(stock_times), statistics.median(our_times)
 
 
-def _embedding(accumulate: bool) -> Case:
-    stock = nn.Embedding(50000, 256)
+def _embedding(accumulate: bool, device: torch.device) -> Case:
+    stock = nn.Embedding(50000, 256, device=device)
     flat = flatgrad.FlatGrad(copy.deepcopy(stock))
-    idx = torch.randint(0, 50000, (32768,))
+    idx = torch.randint(0, 50000, (32768,), device=device)
 
     def zero() -> None:
         stock.weight.grad = torch.zeros_like(stock.weight) if accumulate else None
@@ -54,10 +58,10 @@ def _embedding(accumulate: bool) -> Case:
     return (lambda: stock(idx)), (lambda: flat(idx)), zero
 
 
-def _gather() -> Case:
-    table = torch.randn(20, requires_grad=True)
+def _gather(device: torch.device) -> Case:
+    table = torch.randn(20, device=device, requires_grad=True)
     ours = table.detach().clone().requires_grad_()
-    idx = torch.randint(0, 20, (1_000_000,))
+    idx = torch.randint(0, 20, (1_000_000,), device=device)
 
     def zero() -> None:
         table.grad = ours.grad = None
@@ -77,10 +81,10 @@ class _Table(nn.Module):
         return self.gather(self.weight, 1, index)
 
 
-def _dim_gather(accumulate: bool) -> Case:
-    stock = _Table(torch.gather)
-    flat = flatgrad.FlatGrad(_Table(flatgrad.gather))
-    index = torch.randint(0, 1024, (4096, 256))
+def _dim_gather(accumulate: bool, device: torch.device) -> Case:
+    stock = _Table(torch.gather).to(device)
+    flat = flatgrad.FlatGrad(_Table(flatgrad.gather).to(device))
+    index = torch.randint(0, 1024, (4096, 256), device=device)
 
     def zero() -> None:
         stock.weight.grad = torch.zeros_like(stock.weight) if accumulate else None
@@ -89,10 +93,10 @@ def _dim_gather(accumulate: bool) -> Case:
     return (lambda: stock(index)), (lambda: flat(index)), zero
 
 
-def _linear_stack(accumulate: bool) -> Case:
-    stock = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+def _linear_stack(accumulate: bool, device: torch.device) -> Case:
+    stock = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]).to(device)
     flat = flatgrad.FlatGrad(copy.deepcopy(stock))
-    x = torch.randn(256, 512)
+    x = torch.randn(256, 512, device=device)
 
     def zero() -> None:
         for p in stock.parameters():
@@ -102,23 +106,23 @@ def _linear_stack(accumulate: bool) -> Case:
     return (lambda: stock(x)), (lambda: flat(x)), zero
 
 
-CASES: dict[str, Callable[[], Case]] = {
-    "embedding 50000x256, 32768 idx, fresh .grad": lambda: _embedding(False),
-    "embedding 50000x256, 32768 idx, accumulating": lambda: _embedding(True),
+CASES: dict[str, Callable[[torch.device], Case]] = {
+    "embedding 50000x256, 32768 idx, fresh .grad": lambda d: _embedding(False, d),
+    "embedding 50000x256, 32768 idx, accumulating": lambda d: _embedding(True, d),
     "gather 20-elem table, 1M idx (vs table[idx])": _gather,
-    "gather dim 1 of 4096x1024, 4096x256 idx, fresh": lambda: _dim_gather(False),
-    "gather dim 1 of 4096x1024, 4096x256 idx, accum.": lambda: _dim_gather(True),
-    "linear 8x(512x512), batch 256, fresh .grad": lambda: _linear_stack(False),
-    "linear 8x(512x512), batch 256, accumulating": lambda: _linear_stack(True),
+    "gather dim 1 of 4096x1024, 4096x256 idx, fresh": lambda d: _dim_gather(False, d),
+    "gather dim 1 of 4096x1024, 4096x256 idx, accum.": lambda d: _dim_gather(True, d),
+    "linear 8x(512x512), batch 256, fresh .grad": lambda d: _linear_stack(False, d),
+    "linear 8x(512x512), batch 256, accumulating": lambda d: _linear_stack(True, d),
 }
 
 
-def op_ratios(repeats: int = 30, only: str = "") -> list[dict[str, float | str]]:
-    """Run every case whose name contains `only`; one record per case."""
+def op_ratios(repeats: int = 30, only: str = "", device: torch.device = CPU) -> list[dict[str, float | str]]:
+    """Run every case whose name contains `only` on `device`; one record per case."""
     rows: list[dict[str, float | str]] = []
     for name, build in CASES.items():
         if only in name:
-            stock_s, ours_s = compare(build(), repeats)
+            stock_s, ours_s = compare(build(device), repeats, device)
             rows.append(
                 {
                     "case": name,

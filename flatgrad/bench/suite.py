@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from flatgrad.bench.counters import count_step, grad_bytes
-from flatgrad.bench.memory import step_peak, step_start
+from flatgrad.bench.memory import step_peak, step_start, sync
 from flatgrad.bench.models import resolve_model
 from flatgrad.bench.runners import BASELINE, BEST_STOCK, MUON_BASE, Runner, build_runner
 
@@ -27,20 +27,15 @@ class Progress(Protocol):
     def close(self) -> None: ...
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_step(step: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, float, float]:
     """(seconds, loss, MB the step added at its peak) of one training step, `step()`, which
     returns its loss."""
     dist.barrier()  # every rank starts the step together; the wait is not timed
-    _sync(device)
+    sync(device)
     baseline = step_start(device)
     start = time.perf_counter()
     loss = step()
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - start
     return seconds, float(loss.detach()), step_peak(device, baseline)
 
@@ -84,7 +79,10 @@ def bench_model(
                 peaks[runner.name] = max(peaks[runner.name], peak)
         if bar is not None:
             bar.update(1)
-    table = torch.tensor([times[name] + [peaks[name]] for name in configs], dtype=torch.float64)
+    # (on the device: NCCL reduces nothing else)
+    table = torch.tensor(
+        [times[name] + [peaks[name]] for name in configs], dtype=torch.float64, device=device
+    )
     dist.all_reduce(table, op=dist.ReduceOp.MAX)  # the slowest rank's step, the largest peak
     batch = spec.batch(gen, device)
     results: dict[str, Any] = {}
