@@ -582,7 +582,7 @@ class MainGradGuard:
                 "parameter(s) whose gradient is a float32 main grad (grad_dtype='float32': their "
                 ".grad stays None): step them with flatgrad.ShardedOptimizer (float32 master "
                 "shards, on any number of ranks), or give the optimizer float32 master copies "
-                "whose .grad you take from flat.main_grad(param)"
+                "whose .grad you take from model.main_grad(param)"
             )
 
 

@@ -102,7 +102,7 @@ def note_forward_without_hook(num_forwards: int) -> int | None:
     logger.warning(
         "flatgrad: ddp_kwargs() was used but allreduce_hook has not run in %d steps, so DDP "
         "all-reduces its own buckets and copies every gradient: register it with "
-        "ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook) (PyTorch "
+        "ddp.register_comm_hook(model.comm_state(), flatgrad.allreduce_hook) (PyTorch "
         "Lightning's DDPStrategy registers its ddp_comm_hook on CUDA only: register it "
         "yourself on CPU, see examples/lightning_train.py)",
         num_forwards - 1,
@@ -226,7 +226,7 @@ class DDPEdge:
             self.warned = True
             logger.warning(
                 "flatgrad: DDP keeps gradients in its own buckets, so they are copied every step; "
-                "construct DDP(flat, ..., **flat.ddp_kwargs()) (gradient_as_bucket_view=True and one "
+                "construct DDP(model, ..., **model.ddp_kwargs()) (gradient_as_bucket_view=True and one "
                 "bucket per dtype) for the zero-copy, one-all-reduce path"
             )
 
@@ -261,7 +261,7 @@ def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.f
     """DDP comm hook: average the bucket over the group with one all-reduce.
 
     With the fast path (`FlatGrad.ddp_kwargs()`) the bucket is the model's whole flat
-    buffer. Register it with ``ddp.register_comm_hook(flat.comm_state(), allreduce_hook)``.
+    buffer. Register it with ``ddp.register_comm_hook(model.comm_state(), allreduce_hook)``.
 
     Args:
         state: The `FlatGradCommState` of the model (`FlatGrad.comm_state()`).

@@ -93,7 +93,7 @@ class GradEngine:
             raise ValueError(
                 f"{what} averages the flat buffers only, and {len(sparse)} parameter(s) of "
                 "sparse embeddings (sparse=True) keep their sparse gradients outside them; "
-                "synchronise this model with DDP(flat, ...) (it all-reduces sparse gradients), "
+                "synchronise this model with DDP(model, ...) (it all-reduces sparse gradients), "
                 "or make the embeddings dense (sparse=False)"
             )
 
@@ -258,7 +258,7 @@ class GradEngine:
             lines.append(
                 f"{mains} bfloat16/float16 parameters keep float32 main grads (grad_dtype) "
                 "and their .grad stays None: step them with flatgrad.ShardedOptimizer (float32 "
-                "master shards), or from flat.main_grad(param) (see docs/mixed-precision.md)"
+                "master shards), or from model.main_grad(param) (see docs/mixed-precision.md)"
             )
         return lines
 

@@ -340,7 +340,7 @@ class FlatGrad(nn.Module):
         _all_reduce_grads(engine_of(self), process_group, reduce_dtype)
 
     def ddp_kwargs(self) -> dict[str, Any]:
-        """Constructor arguments for ``DDP(flat, **flat.ddp_kwargs())``: the zero-copy,
+        """Constructor arguments for ``DDP(model, **model.ddp_kwargs())``: the zero-copy,
         one-all-reduce-per-buffer path together with `allreduce_hook` (a warning follows
         if the hook has not run after two steps).
 
@@ -351,15 +351,15 @@ class FlatGrad(nn.Module):
         Raises:
             ValueError: The model keeps main grads (``grad_dtype`` set), which DDP cannot carry.
         """
-        _comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP (flat.ddp_kwargs())")
-        _refuse_ddp(engine_of(self), "flat.ddp_kwargs()")
+        _comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP (model.ddp_kwargs())")
+        _refuse_ddp(engine_of(self), "model.ddp_kwargs()")
         engine_of(self).ddp.expect_hook()
         return _comm.ddp_kwargs(engine_of(self).refresh())
 
     def comm_state(
         self, process_group: dist.ProcessGroup | None = None, reduce_dtype: torch.dtype | None = None
     ) -> _comm.FlatGradCommState:
-        """State for ``ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)``.
+        """State for ``ddp.register_comm_hook(model.comm_state(), flatgrad.allreduce_hook)``.
 
         Args:
             process_group: The group to average over, None for the default group; a DDP on a
@@ -375,8 +375,8 @@ class FlatGrad(nn.Module):
             ValueError: `reduce_dtype` is not torch.bfloat16, torch.float16 or None; or the
                 model keeps main grads (``grad_dtype`` set), which DDP cannot carry.
         """
-        _comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP's allreduce_hook (flat.comm_state())")
-        _refuse_ddp(engine_of(self), "flat.comm_state()")
+        _comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP's allreduce_hook (model.comm_state())")
+        _refuse_ddp(engine_of(self), "model.comm_state()")
         return _comm.FlatGradCommState(self, engine_of(self), process_group, reduce_dtype)
 
 
@@ -518,7 +518,7 @@ def _main_grad(engine: GradEngine, param: torch.Tensor) -> torch.Tensor:
 def _grad_norm(engine: GradEngine, norm_type: float, pp_mesh: DeviceMesh | None) -> torch.Tensor:
     """`FlatGrad.grad_norm`: the total norm of every gradient, in float64 chunks."""
     norm_type = _check_norm_type(norm_type)
-    refuse_scattered(engine.store, "flat.grad_norm()")
+    refuse_scattered(engine.store, "model.grad_norm()")
     _, _, norms, dtype = _grads_and_norms(engine, norm_type, pp_mesh)
     return _norms.total_norm(norms, norm_type, dtype)
 
@@ -533,7 +533,7 @@ def _clip_grad_norm_(
     """`FlatGrad.clip_grad_norm_`: scale the runs and the gradients outside the buffers in
     place by ``min(1, max_norm / (total + 1e-6))``; the total norm before clipping."""
     norm_type = _check_norm_type(norm_type)
-    refuse_scattered(engine.store, "flat.clip_grad_norm_()")
+    refuse_scattered(engine.store, "model.clip_grad_norm_()")
     store, others, norms, dtype = _grads_and_norms(engine, norm_type, pp_mesh)
     total = _norms.total_norm(norms, norm_type, dtype)
     if not norms:
@@ -601,7 +601,7 @@ def _all_reduce_grads(
     store = engine.refresh()
     engine.refuse_sparse("all_reduce_grads")
     if store.tensor_parallel is not None:
-        store.tensor_parallel.check_data_parallel(process_group, "flat.all_reduce_grads()")
+        store.tensor_parallel.check_data_parallel(process_group, "model.all_reduce_grads()")
     _comm.all_reduce_grads(store, process_group, reduce_dtype)
 
 

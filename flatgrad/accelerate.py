@@ -69,7 +69,7 @@ class FlatGradDDPKwargs(DistributedDataParallelKwargs):
 def attach(
     accelerator: Accelerator, flat: FlatGrad, reduce_dtype: torch.dtype | None = None
 ) -> FlatGradCommState:
-    """Make ``accelerator.prepare(flat, ...)`` build ``DDP(flat, **flat.ddp_kwargs())`` with
+    """Make ``accelerator.prepare(model, ...)`` build ``DDP(model, **model.ddp_kwargs())`` with
     `flatgrad.allreduce_hook` registered, as the hand-written recipe does. Call it after
     ``Accelerator(...)`` and before ``accelerator.prepare``. On one process (no DDP) it
     changes nothing.

@@ -5,7 +5,7 @@ imports Lightning, and this module is imported only by a user who asks for it):
     import flatgrad.lightning  # noqa: F401  (registers the names)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="flatgrad")
 
-- ``"flatgrad"``: `FlatGradDDPStrategy`, ``DDP(FlatGrad(module), **flat.ddp_kwargs())`` with
+- ``"flatgrad"``: `FlatGradDDPStrategy`, ``DDP(FlatGrad(module), **model.ddp_kwargs())`` with
   `flatgrad.allreduce_hook` registered;
 - ``"flatgrad_data_parallel"``: `FlatGradDataParallelStrategy`,
   ``flatgrad.replicate(FlatGrad(module))``;
@@ -127,7 +127,7 @@ class FlatGradDDPStrategy(DDPStrategy):
         self.comm_state: FlatGradCommState | None = None  # the hook's state, once registered
 
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        """``DDP(FlatGrad(model), **flat.ddp_kwargs())`` with flatgrad's hook registered."""
+        """``DDP(FlatGrad(model), **model.ddp_kwargs())`` with flatgrad's hook registered."""
         flat = self.flat = FlatGrad(model, self.flatgrad_config)
         device_ids = self.determine_ddp_device_ids()
         # As DDPStrategy: build DDP on a side stream on CUDA (torch's CUDA semantics notes).

@@ -53,7 +53,7 @@ def _check_torch_stage() -> None:
                 f"flatgrad.pipelining.PipelineStage needs torch's PipelineStage.{name}"
                 + (f"({parameter}=...)" if parameter else "")
                 + f", which torch {torch.__version__} lacks: average with model.no_sync() around "
-                "schedule.step(...) and flat.all_reduce_grads(dp_group) after it"
+                "schedule.step(...) and model.all_reduce_grads(dp_group) after it"
             )
 
 

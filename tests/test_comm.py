@@ -199,7 +199,7 @@ def _slow_path_logs_worker(rank: int, world_size: int) -> None:
     for step in range(3):
         ddp(_tokens(rank, step)).backward()
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "flat.ddp_kwargs()" in warnings[0], warnings
+    assert len(warnings) == 1 and "model.ddp_kwargs()" in warnings[0], warnings
 
 
 def test_slow_path_says_once_how_to_get_the_fast_path():

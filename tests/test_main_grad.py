@@ -302,10 +302,10 @@ def test_main_grad_refuses_what_is_not_a_wrapped_parameter():
 def test_the_ddp_hook_path_is_refused():
     flat = flatgrad.FlatGrad(_model(), config=MAIN)
     with pytest.raises(
-        ValueError, match=r"DDP \(flat.ddp_kwargs\(\)\) cannot carry main grads.*flatgrad.replicate"
+        ValueError, match=r"DDP \(model.ddp_kwargs\(\)\) cannot carry main grads.*flatgrad.replicate"
     ):
         flat.ddp_kwargs()
-    with pytest.raises(ValueError, match=r"allreduce_hook \(flat.comm_state\(\)\) cannot carry main grads"):
+    with pytest.raises(ValueError, match=r"allreduce_hook \(model.comm_state\(\)\) cannot carry main grads"):
         flat.comm_state()
 
 
