@@ -6,10 +6,10 @@ from flatgrad import _torch_version  # noqa: F401
 from flatgrad._amp import GradScaler
 from flatgrad._comm import FlatGradCommState, allreduce_hook
 from flatgrad._config import FlatGradConfig
+from flatgrad._flatgrad import FlatGrad
 from flatgrad._functional import gather, gather_with_index_add
 from flatgrad._parallel import ReplicateModule, ReplicateState, replicate, replicate_state
 from flatgrad._sharded import ShardedOptimizer
-from flatgrad._wrapper import FlatGrad
 
 __all__ = [
     "FlatGrad",

@@ -76,8 +76,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from flatgrad._bucket_sync import BucketSync
 from flatgrad._comm import check_wire_dtype
 from flatgrad._dtensor import local_of
+from flatgrad._flatgrad import FlatGrad, engine_of, flat_class, original_class
 from flatgrad._torch_compat import broadcast_coalesced, join_state, leave_join, preserve_version_counter
-from flatgrad._wrapper import FlatGrad, engine_of, flat_class, original_class
 
 logger = logging.getLogger(__name__)
 

@@ -45,12 +45,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from flatgrad._buffer import GradStore
 from flatgrad._dtensor import local_of, move_into, pipeline_group
+from flatgrad._flatgrad import engine_of
 from flatgrad._gather_waits import ForwardWaits
 from flatgrad._optim_kinds import ShardBy, agreed_kind, shard_kind
 from flatgrad._parallel import ReplicateModule, ReplicateState, replicate_state
 from flatgrad._scattered_grad import is_scattered, unguarded, unmark_scattered
 from flatgrad._torch_compat import join_state, leave_join
-from flatgrad._wrapper import engine_of
 from flatgrad._zero import (
     PieceGroups,
     ShardEngine,

@@ -28,7 +28,7 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 from torch.nn.parallel import DistributedDataParallel
 
 from flatgrad._comm import FlatGradCommState, allreduce_hook
-from flatgrad._wrapper import FlatGrad
+from flatgrad._flatgrad import FlatGrad
 
 __all__ = ["FlatGradDDPKwargs", "attach"]
 

@@ -64,10 +64,10 @@ from torch.nn.parallel import DistributedDataParallel
 from flatgrad._amp import GradScaler
 from flatgrad._comm import FlatGradCommState, allreduce_hook
 from flatgrad._config import FlatGradConfig
+from flatgrad._flatgrad import FlatGrad
 from flatgrad._optim_kinds import ShardBy
 from flatgrad._parallel import ReplicateModule, replicate, unreplicate
 from flatgrad._sharded import ShardedOptimizer
-from flatgrad._wrapper import FlatGrad
 from flatgrad._zero import options
 from flatgrad._zero_state import CLASS_STATE, MASTER, whole_state
 

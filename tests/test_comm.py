@@ -847,7 +847,7 @@ def test_join_with_uneven_inputs_matches_ddp_without_a_warning(by_initial):
 
 
 def _sparse_worker(rank: int, world_size: int, fast: bool) -> None:
-    from test_wrapper import _Recommender, _recommender_batch
+    from test_flatgrad import _Recommender, _recommender_batch
 
     torch.manual_seed(0)
     model = _Recommender()

@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
-from flatgrad._wrapper import engine_of
+from flatgrad._flatgrad import engine_of
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,7 +5,7 @@ test also runs on CPU, so the test code itself is exercised without a GPU.
 Oracles: stock PyTorch on a deep copy (float64 where the sums are exact up to their order),
 the profiler's record of what a backward ran (ops, kernels, memory copies), and
 `torch.cuda.set_sync_debug_mode("error")`, which raises on any call that makes the host wait.
-Covered elsewhere and not repeated here: `.to("cuda")` after wrapping (test_wrapper),
+Covered elsewhere and not repeated here: `.to("cuda")` after applying FlatGrad (test_flatgrad),
 DataParallel's asynchronous buckets without a host sync (test_parallel), the deterministic
 gather (test_gather), main grads against both oracles (test_main_grad) and ShardedOptimizer
 over NCCL against float32 masters (test_mixed_precision), gloo ranks on one GPU (test_parallel).

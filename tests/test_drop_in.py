@@ -20,7 +20,7 @@ from torch.nn.utils import parametrizations
 
 import flatgrad
 from flatgrad._backward import SEAT_MAX_NUMEL
-from flatgrad._wrapper import engine_of
+from flatgrad._flatgrad import engine_of
 
 
 def _tokens(seed: int, shape: tuple[int, int] = (4, 6), vocab: int = 13) -> torch.Tensor:

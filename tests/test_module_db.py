@@ -55,7 +55,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 import flatgrad
-from flatgrad._wrapper import engine_of
+from flatgrad._flatgrad import engine_of
 
 pytest.importorskip("expecttest")  # torch.testing._internal.common_modules imports it
 from torch.testing._internal.common_modules import module_db  # noqa: E402

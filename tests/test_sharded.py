@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
 from flatgrad import replicate_state
-from flatgrad._wrapper import engine_of
+from flatgrad._flatgrad import engine_of
 
 pytestmark = pytest.mark.distributed
 

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flatgrad
 from flatgrad._buffer import owner_of
-from flatgrad._wrapper import engine_of
+from flatgrad._flatgrad import engine_of
 
 
 def _tokens(seed: int, shape: tuple[int, int] = (4, 6), vocab: int = 13) -> torch.Tensor:
