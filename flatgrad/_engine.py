@@ -36,9 +36,10 @@ logger = logging.getLogger(__name__)
 # (module, name, parameter, requires_grad, dtype, device, shape) as they were at the last build
 _Watched = tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size]
 _trainable = operator.attrgetter("requires_grad")
-# (every module's ``_parameters`` dict, the parameters in them in order, every module's
-# ``_modules`` dict, the children in them in order)
-_Held = tuple[tuple[dict[str, Any], ...], tuple[Any, ...], tuple[dict[str, Any], ...], tuple[Any, ...]]
+# (every module, the parameters in their ``_parameters`` dicts in order, the children in
+# their ``_modules`` dicts in order)
+_Held = tuple[tuple[nn.Module, ...], tuple[Any, ...], tuple[Any, ...]]
+_PARAMETERS, _MODULES = operator.attrgetter("_parameters"), operator.attrgetter("_modules")
 _SPARSE_LAYERS = (nn.Embedding, nn.EmbeddingBag)
 
 
@@ -53,7 +54,7 @@ class GradEngine:
         self.seater: Seater | None = None
         self._watched: tuple[_Watched, ...] = ()
         # Every module, and what they held at the last build (`_moved`).
-        self._held: _Held = ((), (), (), ())
+        self._held: _Held = ((), (), ())
         self.others: tuple[nn.Parameter, ...] = ()  # the model's parameters without a slot
         self.frozen: tuple[nn.Parameter, ...] = ()
         # Of those, the ones of layers that make sparse gradients (`sparse_ids`): stock's
@@ -190,10 +191,11 @@ class GradEngine:
     def _moved(self) -> bool:
         """Whether a module holds other parameters or children than at the last build: one
         identity test each, in C loops over the modules' own ``_parameters`` and ``_modules``
-        dicts as they were then (every registration, replacement and deletion writes those;
-        a container that renumbers itself after a deletion replaces its dict, after the
-        deletion was seen), what `check_layout` asks first."""
-        param_dicts, params, child_dicts, children = self._held
+        dicts now against what they held then (every registration, replacement and deletion
+        writes those; read through the modules, so a dict assigned whole counts too), what
+        `check_layout` asks first."""
+        modules, params, children = self._held
+        param_dicts, child_dicts = tuple(map(_PARAMETERS, modules)), tuple(map(_MODULES, modules))
         return (
             sum(map(len, param_dicts)) != len(params)
             or sum(map(len, child_dicts)) != len(children)
@@ -300,10 +302,8 @@ def _watch_list(model: nn.Module) -> tuple[_Watched, ...] | None:
 
 def _held_by_module(model: nn.Module) -> _Held:
     modules = tuple(model.modules())
-    param_dicts = tuple(m._parameters for m in modules)
-    child_dicts = tuple(m._modules for m in modules)
-    params = tuple(chain.from_iterable(d.values() for d in param_dicts))
-    return param_dicts, params, child_dicts, tuple(chain.from_iterable(d.values() for d in child_dicts))
+    params = tuple(chain.from_iterable(m._parameters.values() for m in modules))
+    return modules, params, tuple(chain.from_iterable(m._modules.values() for m in modules))
 
 
 def _refuse_moved(model: nn.Module, before: tuple[_Watched, ...], now: tuple[_Watched, ...]) -> None:

@@ -540,15 +540,21 @@ def test_parameters_changed_after_wrapping_are_picked_up(case):
     )
 
 
+@pytest.mark.parametrize("how", ["setattr", "whole_dict"])
 @pytest.mark.parametrize("where", ["backward", "grad_norm", "all_reduce_grads"])
-def test_a_parameter_replaced_after_wrapping_is_refused_naming_it_until_relayout(where):
+def test_a_parameter_replaced_after_wrapping_is_refused_naming_it_until_relayout(where, how):
     """A parameter replaced (or added) behind the layout's back would leave a stale slot: the
     next backward (as it starts), norm or sync raises, naming it and the fix; forwards are
-    left alone; after ``relayout()`` the model trains as its copy does, into the buffers."""
+    left alone; after ``relayout()`` the model trains as its copy does, into the buffers.
+    Also when code assigns a module's ``_parameters`` dict whole."""
     torch.manual_seed(0)
     model = TiedLM().double()
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
-    model.proj.weight = nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
+    new = nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
+    if how == "setattr":
+        model.proj.weight = new
+    else:
+        model.proj._parameters = {**model.proj._parameters, "weight": new}
     actions = {
         "backward": lambda: flat(_tokens(0)).backward(),
         "grad_norm": flat.grad_norm,
