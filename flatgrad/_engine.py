@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 # (module, name, parameter, requires_grad, dtype, device, shape) as they were at the last build
 _Watched = tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size]
 _trainable = operator.attrgetter("requires_grad")
-# (every module, the parameters in their ``_parameters`` dicts in order, the children in
-# their ``_modules`` dicts in order)
+# (every module but the model itself, which the engine holds weakly; the parameters in every
+# module's ``_parameters`` dict, the model's first, in order; the children likewise)
 _Held = tuple[tuple[nn.Module, ...], tuple[Any, ...], tuple[Any, ...]]
 _PARAMETERS, _MODULES = operator.attrgetter("_parameters"), operator.attrgetter("_modules")
 _SPARSE_LAYERS = (nn.Embedding, nn.EmbeddingBag)
@@ -195,6 +195,7 @@ class GradEngine:
         writes those; read through the modules, so a dict assigned whole counts too), what
         `check_layout` asks first."""
         modules, params, children = self._held
+        modules = (self.model, *modules)  # (the model weakly: the engine must not keep it alive)
         param_dicts, child_dicts = tuple(map(_PARAMETERS, modules)), tuple(map(_MODULES, modules))
         return (
             sum(map(len, param_dicts)) != len(params)
@@ -303,7 +304,7 @@ def _watch_list(model: nn.Module) -> tuple[_Watched, ...] | None:
 def _held_by_module(model: nn.Module) -> _Held:
     modules = tuple(model.modules())
     params = tuple(chain.from_iterable(m._parameters.values() for m in modules))
-    return modules, params, tuple(chain.from_iterable(m._modules.values() for m in modules))
+    return modules[1:], params, tuple(chain.from_iterable(m._modules.values() for m in modules))
 
 
 def _refuse_moved(model: nn.Module, before: tuple[_Watched, ...], now: tuple[_Watched, ...]) -> None:

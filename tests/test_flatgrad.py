@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import pickle
+import weakref
 from unittest import mock
 
 import pytest
@@ -908,3 +910,18 @@ def test_a_lazy_module_before_its_first_forward_is_refused_with_what_to_do(make)
     model(torch.randn(2, 3, 5) if isinstance(model, nn.LazyConv1d) else torch.randn(2, 5))
     flat = flatgrad.FlatGrad(model)
     assert sum(b.numel() for b in flat.grad_buffers.values()) >= sum(p.numel() for p in model.parameters())
+
+
+def test_a_model_with_flatgrad_applied_is_freed_without_the_cycle_collector():
+    """The engine holds its model weakly: dropping the model after a backward frees it (and
+    its buffers) at once, as a plain model, with the cyclic collector off."""
+    model = flatgrad.FlatGrad(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+    model(torch.randn(3, 4)).sum().backward()
+    model.clip_grad_norm_(1.0)
+    gone = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert gone() is None
+    finally:
+        gc.enable()
