@@ -34,7 +34,8 @@ from flatgrad._torch_compat import graph_task_id
 logger = logging.getLogger(__name__)
 
 # (module, name, parameter, requires_grad, dtype, device, shape) as they were at the last build
-_Watched = tuple[nn.Module, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size]
+# (module, None for the model itself: the engine holds its model weakly)
+_Watched = tuple[nn.Module | None, str, nn.Parameter, bool, torch.dtype, torch.device, torch.Size]
 _trainable = operator.attrgetter("requires_grad")
 # (every module but the model itself, which the engine holds weakly; the parameters in every
 # module's ``_parameters`` dict, the model's first, in order; the children likewise)
@@ -297,7 +298,8 @@ def _watch_list(model: nn.Module) -> tuple[_Watched, ...] | None:
                 continue
             if not isinstance(param, nn.Parameter):
                 return None
-            entries.append((module, name, param, param.requires_grad, param.dtype, param.device, param.shape))
+            owner = None if module is model else module
+            entries.append((owner, name, param, param.requires_grad, param.dtype, param.device, param.shape))
     return tuple(entries)
 
 
@@ -319,7 +321,7 @@ def _refuse_moved(model: nn.Module, before: tuple[_Watched, ...], now: tuple[_Wa
     was = {id(e[2]): e for e in before}
     staying = {id(e[2]) for e in now}
     keys = {(id(e[0]), e[1]) for e in before}
-    prefixes = {id(m): prefix for prefix, m in model.named_modules(remove_duplicate=False)}
+    prefixes = {id(m): prefix for prefix, m in model.named_modules(remove_duplicate=False) if m is not model}
 
     def name(entry: _Watched) -> str:
         prefix = prefixes.get(id(entry[0]))
@@ -334,7 +336,7 @@ def _refuse_moved(model: nn.Module, before: tuple[_Watched, ...], now: tuple[_Wa
             changes.append(f"{name(entry)} (re-pointed: shape {tuple(old[6])} -> {tuple(entry[2].shape)})")
     now_keys = {(id(e[0]), e[1]) for e in now}
     changes += [
-        f"{e[1]} of a {type(e[0]).__name__} (removed)"
+        f"{e[1]} of a {type(model if e[0] is None else e[0]).__name__} (removed)"
         for e in before
         if id(e[2]) not in staying and (id(e[0]), e[1]) not in now_keys
     ]

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -360,7 +361,7 @@ class ReplicateState:
         broadcast_buffers: bool,
         check_finite: bool,
     ) -> None:
-        self.module = model
+        self._module = weakref.ref(model)  # (the model holds this state: weakly back)
         self.process_group = process_group
         self.bucket_cap_mb = bucket_cap_mb
         self.reduce_dtype = reduce_dtype
@@ -371,6 +372,13 @@ class ReplicateState:
         self._sync_buffers_next = True
         self._divide_by_initial_world_size = True  # (the running Join's, as DDP's)
         self._engine = BucketSync(engine_of(model), process_group, bucket_cap_mb, reduce_dtype, check_finite)
+
+    @property
+    def module(self) -> FlatGrad:
+        """The replicated model."""
+        model = self._module()
+        assert model is not None, "the replicated model is gone"
+        return model
 
     @property
     def sync(self) -> bool:

@@ -912,10 +912,27 @@ def test_a_lazy_module_before_its_first_forward_is_refused_with_what_to_do(make)
     assert sum(b.numel() for b in flat.grad_buffers.values()) >= sum(p.numel() for p in model.parameters())
 
 
-def test_a_model_with_flatgrad_applied_is_freed_without_the_cycle_collector():
+class _RootParameter(nn.Module):
+    """A parameter of the model itself (a ViT's cls_token or pos_embed) beside a child's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = nn.Parameter(torch.zeros(4))
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x + self.offset)
+
+
+def _sequential() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("make", [_sequential, _RootParameter])
+def test_a_model_with_flatgrad_applied_is_freed_without_the_cycle_collector(make):
     """The engine holds its model weakly: dropping the model after a backward frees it (and
     its buffers) at once, as a plain model, with the cyclic collector off."""
-    model = flatgrad.FlatGrad(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+    model = flatgrad.FlatGrad(make())
     model(torch.randn(3, 4)).sum().backward()
     model.clip_grad_norm_(1.0)
     gone = weakref.ref(model)

@@ -1497,3 +1497,33 @@ def _settings_worker(rank: int, world_size: int) -> None:
 
 def test_settings_that_differ_across_ranks_raise_on_every_rank():
     run_ranks(_settings_worker)
+
+
+@pytest.mark.parametrize("optimizer", ["torch", "ShardedOptimizer"])
+def test_a_replicated_model_is_freed_without_the_cycle_collector(optimizer):
+    """The replicate state lives in the model and holds it weakly back: dropping the model
+    and its optimizer after a few steps frees the model (its buffers, its hooks) at once,
+    with the cyclic collector off, as a plain model."""
+    import gc
+    import weakref
+
+    from flatgrad.bench.device_perf import single_rank_group
+
+    with single_rank_group("gloo", torch.device("cpu")):
+        model = flatgrad.replicate(_Net())
+        if optimizer == "torch":
+            opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        else:
+            opt = flatgrad.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randint(0, 40, (4, 6))).backward()
+            opt.step()
+        gone = weakref.ref(model)
+        gc.collect()
+        gc.disable()
+        try:
+            del model, opt
+            assert gone() is None
+        finally:
+            gc.enable()
