@@ -321,7 +321,7 @@ def _refuse_moved(model: nn.Module, before: tuple[_Watched, ...], now: tuple[_Wa
     was = {id(e[2]): e for e in before}
     staying = {id(e[2]) for e in now}
     keys = {(id(e[0]), e[1]) for e in before}
-    prefixes = {id(m): prefix for prefix, m in model.named_modules(remove_duplicate=False) if m is not model}
+    prefixes = {id(m): prefix for prefix, m in model.named_modules(remove_duplicate=False)}
 
     def name(entry: _Watched) -> str:
         prefix = prefixes.get(id(entry[0]))
