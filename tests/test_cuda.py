@@ -180,6 +180,20 @@ def test_backward_copies_no_weight_sized_gradient(device):
         assert copies == [] and dtod_copies(kernels, smallest) == []
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_copy_check_sees_stock_accumulating(device):
+    """The plain model's second backward adds each weight's gradient into its `.grad`: the
+    check above can fail."""
+    torch.manual_seed(0)
+    model = CheckLM().to(device)
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() >= 2}
+    found = []
+    for batch in lm_batches(2, device):
+        ops, _ = profile_backward(model(*batch), device)
+        found = [(n, ss) for n, ss in ops if n in COPY_OPS and any(s in shapes for s in ss)]
+    assert found
+
+
 class Rows(nn.Module):
     """A parameter read through `read(weight, index)`."""
 
