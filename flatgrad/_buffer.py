@@ -292,13 +292,25 @@ class GradStore:
         launching their bucket): `unseat` those seated now, so a slot nothing wrote into has
         `.grad` None and holds +0.0 (not its -0.0 fill) when the bucket is sent, as the zeros
         of DDP's bucket for a parameter without a gradient. One dict read per parameter."""
-        seated = self.seated
-        if not seated:
+        if not self.seated:
             return
-        if self._seated_ids[0] is not seated:  # (a replicate backward only: not in `seat`)
-            self._seated_ids = (seated, {id(entry[0]): entry for entry in seated})
-        found = self._seated_ids[1]
+        found = self._seated_by_id()
         GradStore.unseat([found[id(p)] for p in params if id(p) in found])
+
+    def fresh_seat(self, param: torch.Tensor) -> bool:
+        """Whether `param` is seated in the running backward and nothing wrote its slot since
+        the -0.0 fill: a routed Function then writes it as an empty `.grad` ("out"), since a
+        scatter would leave -0.0 where it writes nothing (stock's fresh gradient: +0.0)."""
+        if not self.seated:
+            return False
+        entry = self._seated_by_id().get(id(param))
+        return entry is not None and entry[1]._version == entry[2]
+
+    def _seated_by_id(self) -> dict[int, tuple[torch.Tensor, torch.Tensor, int]]:
+        seated = self.seated
+        if self._seated_ids[0] is not seated:  # (made once per backward that seats)
+            self._seated_ids = (seated, {id(entry[0]): entry for entry in seated})
+        return self._seated_ids[1]
 
     def check(self, params: Sequence[torch.Tensor]) -> None:
         """Mark the store stale if one of `params` (the main grads' among them) no longer fits

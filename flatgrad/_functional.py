@@ -227,7 +227,7 @@ class _GatherRows(torch.autograd.Function):
             scatter_rows(target.zero_(), index, rows, write_scale(param, mode))
             param.grad = target
         else:
-            scatter_rows(target, index, rows, 1.0 if mode == "main" else write_scale(param, mode))
+            add_rows(target, index, rows, 1.0 if mode == "main" else write_scale(param, mode))
         return None, None, None, None
 
 
@@ -469,7 +469,7 @@ def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | N
     if grad is None:
         return "out", view, param
     if grad is view:
-        return "add", view, param
+        return ("out" if store.fresh_seat(param) else "add"), view, param  # type: ignore[arg-type]
     return ("add", grad, param) if store.holds(param, grad) else ("fresh", None, param)  # type: ignore[arg-type]
 
 
@@ -484,6 +484,30 @@ def scatter_rows(
     if torch.are_deterministic_algorithms_enabled():
         return target.index_put_((index,), rows if alpha == 1.0 else rows * alpha, accumulate=True)
     return target.index_add_(0, index, rows, alpha=alpha)
+
+
+def add_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, alpha: float = 1.0) -> None:
+    """``target[index] += alpha * rows`` with the rows of each repeated index summed first,
+    as stock sums them: its backward scatters them into zeros (the "out" mode's sum) and
+    AccumulateGrad adds that to the gradient already there. Scattered straight into
+    `target`, a row would round against that gradient one at a time ((g + r1) + r2, not
+    g + (r1 + r2)).
+
+    A table no longer than the rows is summed as stock does (into zeros of its size, then
+    one add), and so is any under `torch.use_deterministic_algorithms` (CUDA's scatter-min
+    alerts). A longer one, without a sort: a scatter-min finds each index's first position
+    (one integer per row of `target`), the rows are summed there in `scatter_rows`'s order,
+    and every other position adds +0.0. That changes nothing: a sum started from +0.0, as
+    stock's, is never -0.0, so ``g + s`` is not -0.0 either, and ``x + 0.0`` is `x` for
+    every other `x` (added before the sum, in any order, the same holds).
+    """
+    if target.shape[0] <= index.numel() or torch.are_deterministic_algorithms_enabled():
+        target.add_(scatter_rows(torch.zeros_like(target), index, rows), alpha=alpha)
+        return
+    positions = torch.arange(index.numel(), device=index.device)
+    first = torch.full((target.shape[0],), index.numel(), dtype=torch.long, device=index.device)
+    first = first.scatter_reduce_(0, index.long(), positions, "amin")[index]
+    scatter_rows(target, index, scatter_rows(torch.zeros_like(rows), first, rows), alpha)
 
 
 def scatter_add_into(

@@ -137,6 +137,34 @@ def test_embedding_options_match_stock(kwargs):
     assert_same_grads(flat, oracle)
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"padding_idx": 1}])
+@pytest.mark.parametrize(
+    # summed as stock (a table no longer than the rows, or deterministic), or at first positions
+    ("vocab", "deterministic"),
+    [(64, False), (400, False), (400, True)],
+)
+def test_accumulating_embedding_rows_sums_repeats_first_as_stock(kwargs, vocab, deterministic):
+    """An embedding accumulating over micro-batches whose indices repeat (every row read
+    about 6 times a batch): stock adds the batch's summed rows to `.grad`, g + (r1 + r2), and
+    so must the slot, to the bit in float32 (row by row it would be (g + r1) + r2). Not
+    `scale_grad_by_freq`, which stock adds row by row with a fused multiply-add."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(vocab, 8, **kwargs)
+    oracle = copy.deepcopy(emb)
+    flat = flatgrad.FlatGrad(emb, config=ROUTE_ALL)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        tokens = torch.randint(0, 16, (4, 24), generator=gen)  # (rows 0-15: each read about 6 times)
+        for model in (flat, oracle):
+            torch.use_deterministic_algorithms(deterministic)
+            try:
+                model(tokens).sin().sum().backward()
+            finally:
+                torch.use_deterministic_algorithms(False)
+    assert torch.equal(flat.weight.grad.view(torch.int32), oracle.weight.grad.view(torch.int32))  # bits
+    assert grad_in_buffers(flat, flat.weight.grad)
+
+
 def test_gather_with_index_add_matches_indexing():
     torch.manual_seed(0)
     table = torch.randn(20, dtype=torch.float64, requires_grad=True)
@@ -174,12 +202,46 @@ def test_gather_of_a_wrapped_parameter_writes_its_slot():
     oracle = copy.deepcopy(model)
     flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
     idx = torch.randint(0, 20, (500,))
-    for _ in range(2):
+    for step in range(2):
         with torch.profiler.profile(record_shapes=True) as prof:
             flat(idx).backward()
         (oracle.table[idx]).square().sum().backward()
-        assert _weight_sized_ops(prof, {(20,)}, _COPY_OPS) == []
+        # Accumulating, a table shorter than the indices is summed as stock sums it: the
+        # rows into zeros of its size, then one add (`add_rows`, exact).
+        expected = [] if step == 0 else ["aten::add_[[20], [20], []]"]
+        assert _weight_sized_ops(prof, {(20,)}, _COPY_OPS) == expected
     assert_same_grads(flat, oracle)
+
+
+@pytest.mark.parametrize("gather", ["rows", "dim"])
+def test_a_seated_table_gathered_at_a_few_rows_reads_plus_zero_elsewhere(gather):
+    """A raw parameter (seated: its slot filled with -0.0 for AccumulateGrad's add) gathered
+    by a routed Function at a few positions: the slot is written as an empty `.grad`, so the
+    positions nothing gathered read +0.0, the bits of stock's fresh gradient (a scatter into
+    the -0.0 fill would leave -0.0 there)."""
+
+    class Table(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(4, 5, dtype=torch.float64))
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            if gather == "rows":
+                return flatgrad.gather_with_index_add(self.table, idx).square().sum()
+            return flatgrad.gather(self.table, 1, idx.expand(4, -1)).square().sum()
+
+    model = Table()
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    idx = torch.tensor([1, 1, 3])
+    flat(idx).backward()
+    if gather == "rows":
+        oracle.table[idx].square().sum().backward()
+    else:
+        torch.gather(oracle.table, 1, idx.expand(4, -1)).square().sum().backward()
+    assert torch.equal(torch.signbit(flat.table.grad), torch.signbit(oracle.table.grad))
+    assert torch.equal(flat.table.grad, oracle.table.grad) and (oracle.table.grad == 0).any()
+    assert grad_in_buffers(flat, flat.table.grad)
 
 
 def test_gather_bad_input():
