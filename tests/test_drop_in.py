@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -831,6 +832,82 @@ def test_peft_lora_on_a_transformers_llama_trains_as_stock(checkpointing):
                 nn.init.normal_(param, std=0.02)
     flat.relayout()  # (the new adapter's layers: FlatGrad's layout is fixed until then)
     train(2)
+
+
+def _hf_model(name: str) -> tuple[nn.Module, Callable[[torch.Generator], dict[str, torch.Tensor]]]:
+    """A transformers model from a config (every Linear and Embedding routed) and its batches."""
+    transformers = pytest.importorskip("transformers", reason="pip install -e '.[dev,frameworks]'")
+    torch.manual_seed(0)
+    small = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    if name == "bert":  # untied embeddings; every token reads token-type row 0
+        config = transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+            vocab_size=97, num_labels=3, **small,
+        )  # fmt: skip
+        model = transformers.BertForSequenceClassification(config).double()
+        return model, lambda g: {
+            "input_ids": torch.randint(0, 97, (2, 12), generator=g),
+            "labels": torch.randint(0, 3, (2,), generator=g),
+        }
+    if name == "vit":  # a root parameter (cls_token), a conv patch embedding
+        config = transformers.ViTConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+            image_size=16, patch_size=4, num_labels=5, **small,
+        )  # fmt: skip
+        model = transformers.ViTForImageClassification(config).double()
+        return model, lambda g: {
+            "pixel_values": torch.randn(2, 3, 16, 16, generator=g, dtype=torch.float64),
+            "labels": torch.randint(0, 5, (2,), generator=g),
+        }
+    if name == "gpt2":  # Conv1D layers (unrouted), an LM head tied to the routed embedding
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=32,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config).double()
+    else:  # mixtral: a router that leaves experts unused (grouped GEMMs: float32 only)
+        config = transformers.MixtralConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=97, num_local_experts=8, num_experts_per_tok=1,
+        )  # fmt: skip
+        model = transformers.MixtralForCausalLM(config)
+
+    def tokens(g: torch.Generator) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 97, (2, 12), generator=g)
+        return {"input_ids": ids, "labels": ids}
+
+    return model, tokens
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("name", ["bert", "vit", "gpt2", "mixtral"])
+def test_transformers_architectures_accumulate_as_stock(name):
+    """Models nobody here wrote, from configs, two micro-batches a step, clipping and AdamW:
+    the norms and parameters equal stock's to the bit (`.grad` None where stock's is: Mixtral's
+    unused experts), but for GPT-2, whose tied table meets three terms in an accumulating
+    backward (docs/semantics.md, "Accumulation order"): float64 round-off there."""
+    model, batch = _hf_model(name)
+    flat, oracle = _pair(model)
+    gen = torch.Generator().manual_seed(1)
+    ours, stock = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (flat, oracle))
+    for _ in range(3):
+        for _ in range(2):
+            inputs = batch(gen)
+            flat(**inputs).loss.backward()
+            oracle(**inputs).loss.backward()
+        # (torch's clipping on both: `flat.clip_grad_norm_` sums per buffer, another order)
+        norms = [nn.utils.clip_grad_norm_(m.parameters(), 1.0) for m in (flat, oracle)]
+        torch.testing.assert_close(*norms, rtol=1e-12 if name == "gpt2" else 0.0, atol=0.0)
+        ours.step()
+        stock.step()
+        assert_same_grads(flat, oracle)
+        ours.zero_grad()
+        stock.zero_grad()
+    if name == "gpt2":
+        _assert_params_equal(flat, oracle)
+    else:
+        for (param_name, p), q in zip(flat.named_parameters(), oracle.parameters()):
+            assert torch.equal(p, q), param_name
 
 
 class _Tokens(torch.utils.data.Dataset):
