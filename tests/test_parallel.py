@@ -572,8 +572,9 @@ def test_nccl_on_two_gpus_equals_stock_ddp(zero):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gloo_on_one_gpu_equals_stock_ddp():
-    run_ranks(_cuda_worker, False)
+@pytest.mark.parametrize("zero", [False, True])
+def test_gloo_on_one_gpu_equals_stock_ddp(zero):
+    run_ranks(_cuda_worker, zero)
 
 
 def _no_sync_worker(rank: int, world_size: int) -> None:
