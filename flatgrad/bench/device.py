@@ -28,7 +28,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 
 from flatgrad.bench import device_perf
-from flatgrad.bench.cli_common import cpu_name, positive_float, positive_int
+from flatgrad.bench.cli import cpu_name, positive_float, positive_int
 from flatgrad.bench.device_perf import DeviceRun, MemoryRecord, Outcome, RatioRecord
 
 logger = logging.getLogger("flatgrad.bench.device")  # also under python -m
@@ -64,11 +64,11 @@ class DeviceReport(BaseModel):
     date: str
     quick: bool
     budget_s: float | None  # --budget-s: no check starts once this many seconds are spent
-    seconds: float
-    checks: list[CheckRecord]
-    pending: list[str]  # checks not yet decided: empty once the run has finished
-    ratios: list[RatioRecord]
-    memory: list[MemoryRecord]
+    seconds: float = 0.0
+    checks: list[CheckRecord] = []
+    pending: list[str] = []  # checks not yet decided: empty once the run has finished
+    ratios: list[RatioRecord] = []
+    memory: list[MemoryRecord] = []
 
     @property
     def failed(self) -> list[CheckRecord]:
@@ -107,56 +107,39 @@ def run_check(name: str, check: Check, run: DeviceRun) -> Outcome:
         _clean_up(run)
 
 
-def run_all(
-    run: DeviceRun,
-    checks: dict[str, Check] | None = None,
-    budget_s: float | None = None,
-    out: Path | None = None,
-) -> DeviceReport:
-    """Run `checks` (default `CHECKS`) in order; none starts once `budget_s` seconds are
-    spent (each is then recorded skipped, saying so). With `out`, the report is written
-    there after every check (the checks still to come listed as pending)."""
-    todo = CHECKS if checks is None else checks
+def run_all(run: DeviceRun, budget_s: float | None, out: Path) -> DeviceReport:
+    """Run `CHECKS` in order, writing the report to `out` after each (the checks still to
+    come listed as pending); none starts once `budget_s` seconds are spent (each is then
+    recorded skipped, saying so)."""
     started = time.perf_counter()
-    records: list[CheckRecord] = []
-    ratios: list[RatioRecord] = []
-    memory: list[MemoryRecord] = []
-
-    def report() -> DeviceReport:
-        return DeviceReport(
-            device=describe(run.device),
-            torch=torch.__version__,
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            quick=run.quick,
-            budget_s=budget_s,
-            seconds=time.perf_counter() - started,
-            checks=list(records),
-            pending=list(todo)[len(records) :],
-            ratios=list(ratios),
-            memory=list(memory),
-        )
-
-    for name, check in todo.items():
+    report = DeviceReport(
+        device=describe(run.device),
+        torch=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        quick=run.quick,
+        budget_s=budget_s,
+        pending=list(CHECKS),
+    )
+    write_report(report, out)  # (every check pending: what a run cut short in the first leaves)
+    for name, check in CHECKS.items():
         elapsed = time.perf_counter() - started
         if budget_s is not None and elapsed >= budget_s:
             detail = f"not started: the budget of {budget_s:g} s was spent ({elapsed:.0f} s elapsed)"
-            records.append(CheckRecord(name=name, passed=None, detail=detail, seconds=0.0))
+            report.checks.append(CheckRecord(name=name, passed=None, detail=detail, seconds=0.0))
         else:
             logger.info("running %s (%.0f s elapsed)", name, elapsed)
             start = time.perf_counter()
             outcome = run_check(name, check, run)
             seconds = time.perf_counter() - start
-            records.append(
+            report.checks.append(
                 CheckRecord(name=name, passed=outcome.passed, detail=outcome.detail, seconds=seconds)
             )
-            ratios += outcome.ratios
-            memory += outcome.memory
-        if out is not None:
-            write_report(report(), out)
-    final = report()
-    if out is not None:
-        write_report(final, out)  # (also when `todo` is empty)
-    return final
+            report.ratios += outcome.ratios
+            report.memory += outcome.memory
+        report.pending.remove(name)
+        report.seconds = time.perf_counter() - started
+        write_report(report, out)
+    return report
 
 
 def _cell(text: str) -> str:
@@ -264,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     device = (
         torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     )
-    report = run_all(DeviceRun(device, args.quick), budget_s=args.budget_s, out=args.out)
+    report = run_all(DeviceRun(device, args.quick), args.budget_s, args.out)
     for record in report.checks:
         print(f"{_status(record.passed):9s} {record.seconds:6.1f} s  {record.name}")
     print(f"{len(report.failed)} failed; reports in {args.out}")

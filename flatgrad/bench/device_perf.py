@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict
 
 from flatgrad.bench.local import local_rows
 from flatgrad.bench.memory import sync
-from flatgrad.bench.mixed import MICRO_BATCHES, MIXED_VARIANTS, bench_mixed, build_mixed
-from flatgrad.bench.models import LOCAL_MODELS, BenchModel, LargeMLP, LlamaLike
+from flatgrad.bench.mixed import BASES, MICRO_BATCHES, MIXED_VARIANTS, bench_mixed, build_mixed
+from flatgrad.bench.models import LOCAL_MODELS, BenchModel, LargeMLP, LlamaLike, tokens
 from flatgrad.bench.ops import op_ratios
 from flatgrad.bench.runners import build_runner
 from flatgrad.bench.suite import bench_model
@@ -98,6 +98,20 @@ def _steps(run: DeviceRun) -> tuple[int, int]:
     return (3, 1) if run.quick else (20, 3)
 
 
+def _measured(name: str, row: dict[str, Any]) -> RatioRecord:
+    """A bench row that holds ``flatgrad_ms``, ``stock_ms`` and ``ratio``, named `name`."""
+    return RatioRecord(name=name, **{key: float(row[key]) for key in ("flatgrad_ms", "stock_ms", "ratio")})
+
+
+def _against(label: str, records: dict[str, Any], name: str, base: str, key: str) -> RatioRecord:
+    """Record `name` of a bench table against record `base`: their median steps, and the
+    median per-step ratio held at `key`."""
+    ours, stock_ms = records[name], records[base]["median_ms"]
+    return RatioRecord(
+        name=f"{label}: {name} / {base}", flatgrad_ms=ours["median_ms"], stock_ms=stock_ms, ratio=ours[key]
+    )
+
+
 def check_step_ratios(run: DeviceRun) -> Outcome:
     """The bench's one-process rows (`local.local_rows`): stock, a stock control and
     flatgrad, each a deep copy of one model, SGD steps rotated."""
@@ -105,11 +119,8 @@ def check_step_ratios(run: DeviceRun) -> Outcome:
     steps, warmup = _steps(run)
     rows = local_rows(steps, warmup, {n: LOCAL_MODELS[n] for n in names}, 4, run.device)
     ratios = [
-        RatioRecord(
-            name=f"step {r['model']}, {r['micro_batches']} micro-batch(es){', clip' if r['clip'] else ''}",
-            flatgrad_ms=r["flatgrad_ms"],
-            stock_ms=r["stock_ms"],
-            ratio=r["ratio"],
+        _measured(
+            f"step {r['model']}, {r['micro_batches']} micro-batch(es){', clip' if r['clip'] else ''}", r
         )
         for r in rows
     ]
@@ -121,16 +132,7 @@ def check_step_ratios(run: DeviceRun) -> Outcome:
 def check_op_ratios(run: DeviceRun) -> Outcome:
     """The bench's single-op backwards (`ops.op_ratios`): embedding, gathers, Linear stack."""
     repeats = 5 if run.quick else 30
-    rows = op_ratios(repeats, device=run.device)
-    ratios = [
-        RatioRecord(
-            name=f"backward {r['case']}",
-            flatgrad_ms=float(r["flatgrad_ms"]),
-            stock_ms=float(r["stock_ms"]),
-            ratio=float(r["ratio"]),
-        )
-        for r in rows
-    ]
+    ratios = [_measured(f"backward {r['case']}", r) for r in op_ratios(repeats, device=run.device)]
     return Outcome(True, f"medians of {repeats} backwards each, interleaved", ratios=ratios)
 
 
@@ -148,12 +150,7 @@ def check_data_parallel(run: DeviceRun) -> Outcome:
         for model in models:
             configs = bench_model(model, DP_CONFIGS, steps, warmup, run.device, None)["configs"]
             ratios += [
-                RatioRecord(
-                    name=f"data-parallel step {model}: {name} / {base}",
-                    flatgrad_ms=configs[name]["median_ms"],
-                    stock_ms=configs[base]["median_ms"],
-                    ratio=configs[name][key],
-                )
+                _against(f"data-parallel step {model}", configs, name, base, key)
                 for name in DP_CONFIGS
                 if name.startswith("flatgrad")
                 for base, key in DP_BASES.items()
@@ -223,25 +220,21 @@ def peak_bytes(prof: torch.profiler.profile, within: str | None = None) -> int:
     return peak
 
 
-def _runner_step(
-    name: str, model: torch.nn.Module, batch: tuple[torch.Tensor, ...], run: DeviceRun
-) -> Callable[[], None]:
-    """A step of the bench's configuration `name` (`runners.build_runner`), built here."""
-    runner = build_runner(name, model, run.device)
-
-    def step() -> None:
-        runner.backward(runner.forward(batch))
-        runner.update()
-
-    return step
-
-
-def _mixed_step(
-    name: str, model: torch.nn.Module, micro: list[tuple[torch.Tensor, ...]], run: DeviceRun
+def _built(
+    name: str, build: Callable[..., Any], model: torch.nn.Module, batch: Any, run: DeviceRun
 ) -> Callable[[], object]:
-    """A step of the mixed-precision variant `name` (`mixed.build_mixed`), built here."""
-    runner = build_mixed(name, model, run.device)
-    return lambda: runner.step(micro)
+    """A step on `batch` of the bench's configuration `name` as `build` makes it
+    (`runners.build_runner`, `mixed.build_mixed`), built here."""
+    return functools.partial(build(name, model, run.device).step, batch)
+
+
+def _pair(label: str, peaks: dict[str, int], name: str, base: str, num_params: int) -> MemoryRecord:
+    return MemoryRecord(
+        name=f"{label}: {name} / {base}",
+        flatgrad_bytes=peaks[name],
+        stock_bytes=peaks[base],
+        num_params=num_params,
+    )
 
 
 # flatgrad's configurations, each against the stock ones that do its job
@@ -272,17 +265,11 @@ def check_memory(run: DeviceRun) -> Outcome:
     with _group(run):
         for _ in range(MEMORY_REPEATS):
             for name, found in peaks.items():
-                found.append(peak_in_step(run, functools.partial(_runner_step, name, model, batch, run)))
-    num = sum(p.numel() for p in model.parameters())
-    memory = [
-        MemoryRecord(
-            name=f"LargeMLP {width}x{depth}: {a} / {b}",
-            flatgrad_bytes=max(peaks[a]),
-            stock_bytes=max(peaks[b]),
-            num_params=num,
-        )
-        for a, b in MEMORY_PAIRS
-    ]
+                found.append(
+                    peak_in_step(run, functools.partial(_built, name, build_runner, model, batch, run))
+                )
+    num, largest = sum(p.numel() for p in model.parameters()), {n: max(v) for n, v in peaks.items()}
+    memory = [_pair(f"LargeMLP {width}x{depth}", largest, a, b, num) for a, b in MEMORY_PAIRS]
     detail = (
         f"SGD (momentum), zero_grad(set_to_none=True), world size 1, {MEMORY_REPEATS} repeats; peak MiB "
         "in the third step (a|b: repeats differed): " + ", ".join(f"{n} {mib(v)}" for n, v in peaks.items())
@@ -301,11 +288,9 @@ def _gpt(run: DeviceRun) -> tuple[str, BenchModel]:
     }
     vocab, dim, depth, heads, batch, seq = sizes[run.cuda, run.quick]
 
-    def tokens(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
-        idx = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
-        return idx[:, :-1].to(device), idx[:, 1:].to(device)
-
-    spec = BenchModel(lambda: LlamaLike(vocab=vocab, dim=dim, depth=depth, heads=heads), tokens)
+    spec = BenchModel(
+        lambda: LlamaLike(vocab=vocab, dim=dim, depth=depth, heads=heads), tokens(vocab, batch, seq)
+    )
     return f"d{dim}x{depth}, vocab {vocab}, {batch}x{seq} tokens", spec
 
 
@@ -321,30 +306,15 @@ def check_mixed_precision(run: DeviceRun) -> Outcome:
     with _group(run):
         row = bench_mixed(spec, MIXED_VARIANTS, steps, warmup, run.device)
         peaks = {
-            name: peak_in_step(run, functools.partial(_mixed_step, name, model, micro, run))
+            name: peak_in_step(run, functools.partial(_built, name, build_mixed, model, micro, run))
             for name in MIXED_VARIANTS
         }
-    ours, num = row["variants"]["flatgrad_main_grads"], row["num_parameters"]
+    num = row["num_parameters"]
     label = f"mixed precision GPT {num / 1e6:.1f}M ({shape}), {MICRO_BATCHES} micro-batches, clip"
-    bases = [name for name in MIXED_VARIANTS if name != "flatgrad_main_grads"]
     ratios = [
-        RatioRecord(
-            name=f"{label}: flatgrad_main_grads / {base}",
-            flatgrad_ms=ours["median_ms"],
-            stock_ms=row["variants"][base]["median_ms"],
-            ratio=ours[f"ratio_to_{base}"],
-        )
-        for base in bases
+        _against(label, row["variants"], "flatgrad_main_grads", base, key) for base, key in BASES.items()
     ]
-    memory = [
-        MemoryRecord(
-            name=f"GPT {num / 1e6:.1f}M: flatgrad_main_grads / {base}",
-            flatgrad_bytes=peaks["flatgrad_main_grads"],
-            stock_bytes=peaks[base],
-            num_params=num,
-        )
-        for base in bases
-    ]
+    memory = [_pair(f"GPT {num / 1e6:.1f}M", peaks, "flatgrad_main_grads", base, num) for base in BASES]
     held = ", ".join(f"{n} {r['bytes_per_parameter']:.1f}" for n, r in row["variants"].items())
     detail = f"{label}, AdamW, world size 1, {steps} timed steps after {warmup}; bytes/param held: {held}"
     return Outcome(True, detail, ratios=ratios, memory=memory)
