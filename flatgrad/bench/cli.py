@@ -77,78 +77,72 @@ def _names(choices: Iterable[str], what: str, one: bool = False) -> Callable[[st
     return parse
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="flatgrad-bench", description=__doc__.splitlines()[0])
-    add = parser.add_argument
-    add("--world-size", type=positive_int, default=2, help="gloo ranks to spawn (ignored under torchrun)")
-    add(
-        "--models",
-        type=_names(MODELS, "--models"),
-        default=list(MODELS),
-        help="comma-separated built-in models, or package.module:factory returning a BenchModel",
-    )
-    add(
-        "--configs",
-        type=_names(CONFIGS + MUON_CONFIGS, "--configs"),
-        default=list(CONFIGS),
-        help=f"comma-separated configurations (default: those with SGD; Muon + AdamW, by name: "
+# The options: argparse's settings and the help of each.
+OPTIONS: dict[str, tuple[dict[str, Any], str]] = {
+    "--world-size": ({"type": positive_int, "default": 2}, "gloo ranks to spawn (ignored under torchrun)"),
+    "--models": (
+        {"type": _names(MODELS, "--models"), "default": list(MODELS)},
+        "comma-separated built-in models, or package.module:factory returning a BenchModel",
+    ),
+    "--configs": (
+        {"type": _names(CONFIGS + MUON_CONFIGS, "--configs"), "default": list(CONFIGS)},
+        f"comma-separated configurations (default: those with SGD; Muon + AdamW, by name: "
         f"{', '.join(MUON_CONFIGS)})",
-    )
-    add("--steps", type=positive_int, default=20, help="timed steps per configuration")
-    add("--warmup", type=int, default=3, help="untimed steps first (DDP rebuilds buckets in step 2)")
-    add(
-        "--mixed-steps",
-        type=int,
-        default=20,
-        help="timed steps of the mixed-precision row (on the ranks; 4 micro-batches, AdamW; 0: skip)",
-    )
-    add(
-        "--mixed-model",
-        type=_names(MIXED_MODELS, "--mixed-model", one=True),
-        default="llama",
-        help="the model of the mixed-precision row (one name, or package.module:factory)",
-    )
-    add(
-        "--mixed-variants",
-        type=_names(MIXED_VARIANTS, "--mixed-variants"),
-        default=list(MIXED_VARIANTS),
-        help="comma-separated variants of the mixed-precision row",
-    )
-    add("--op-repeats", type=int, default=30, help="repeats of the single-op backward benchmarks (0: skip)")
-    add(
-        "--local-steps",
-        type=int,
-        default=20,
-        help="timed one-process steps per model for the stock-vs-FlatGrad step table (0: skip)",
-    )
-    add(
-        "--local-models",
-        type=_names(LOCAL_MODELS, "--local-models"),
-        default=list(LOCAL_MODELS),
-        help="comma-separated models of the one-process step table, or package.module:factory",
-    )
-    add(
-        "--local-accumulate",
-        type=int,
-        default=4,
-        help="micro-batches per step of each one-process model's gradient-accumulation row (<2: no such row)",
-    )
-    add(
-        "--local-only",
-        action="store_true",
-        help="only the one-process rows (step table, single ops): no ranks",
-    )
-    add("--threads", type=positive_int, default=None, help="torch threads per rank (default: cores / ranks)")
-    add(
-        "--malloc",
-        choices=("glibc", "pinned"),
-        default="glibc",
-        help="glibc: the C allocator as it comes; pinned: glibc's heap thresholds fixed in every "
-        "benchmark process (no trimming of the heap's top), so that steps do not re-fault the "
-        "memory freed by the step before, at random on either side of a comparison",
-    )
-    add("--out", type=Path, default=Path("bench_results.json"), help="JSON report (a PNG goes beside it)")
-    return parser.parse_args(argv)
+    ),
+    "--steps": ({"type": positive_int, "default": 20}, "timed steps per configuration"),
+    "--warmup": ({"type": int, "default": 3}, "untimed steps first (DDP rebuilds buckets in step 2)"),
+    "--mixed-steps": (
+        {"type": int, "default": 20},
+        "timed steps of the mixed-precision row (on the ranks; 4 micro-batches, AdamW; 0: skip)",
+    ),
+    "--mixed-model": (
+        {"type": _names(MIXED_MODELS, "--mixed-model", one=True), "default": "llama"},
+        "the model of the mixed-precision row (one name, or package.module:factory)",
+    ),
+    "--mixed-variants": (
+        {"type": _names(MIXED_VARIANTS, "--mixed-variants"), "default": list(MIXED_VARIANTS)},
+        "comma-separated variants of the mixed-precision row",
+    ),
+    "--op-repeats": ({"type": int, "default": 30}, "repeats of the single-op backward benchmarks (0: skip)"),
+    "--local-steps": (
+        {"type": int, "default": 20},
+        "timed one-process steps per model for the stock-vs-FlatGrad step table (0: skip)",
+    ),
+    "--local-models": (
+        {"type": _names(LOCAL_MODELS, "--local-models"), "default": list(LOCAL_MODELS)},
+        "comma-separated models of the one-process step table, or package.module:factory",
+    ),
+    "--local-accumulate": (
+        {"type": int, "default": 4},
+        "micro-batches per step of each one-process model's gradient-accumulation row (<2: no such row)",
+    ),
+    "--local-only": (
+        {"action": "store_true"},
+        "only the one-process rows (step table, single ops): no ranks",
+    ),
+    "--threads": ({"type": positive_int}, "torch threads per rank (default: cores / ranks)"),
+    "--malloc": (
+        {"choices": ("glibc", "pinned"), "default": "glibc"},
+        "glibc: the C allocator as it comes; pinned: glibc's heap thresholds fixed in every benchmark "
+        "process (no trimming of the heap's top), so that steps do not re-fault the memory freed by "
+        "the step before, at random on either side of a comparison",
+    ),
+    "--out": ({"type": Path, "default": Path("bench_results.json")}, "JSON report (a PNG goes beside it)"),
+}
+
+
+def command_line(
+    prog: str, doc: str, options: dict[str, tuple[dict[str, Any], str]]
+) -> argparse.ArgumentParser:
+    """The parser of `options` (flag: argparse's settings, help), described by `doc`'s first line."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    for flag, (settings, text) in options.items():
+        parser.add_argument(flag, help=text, **settings)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return command_line("flatgrad-bench", __doc__, OPTIONS).parse_args(argv)
 
 
 def _set_malloc(args: argparse.Namespace) -> None:

@@ -1,8 +1,13 @@
-"""One rank's share of the benchmark: every configuration on every model, steps interleaved."""
+"""One rank's share of the benchmark: every configuration on every model, steps interleaved;
+and `single_rank_group`, a group of world size 1 to run it in one process (the device
+report's data-parallel rows; tests)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -73,3 +78,17 @@ def _engine_times(runner: Runner, device: torch.device) -> dict[str, Any]:
         "backward_ms": engine.backward_s * 1e3,
         "bucket_bytes": [b.numel() * b.element_size() for b in engine.buckets],
     }
+
+
+@contextlib.contextmanager
+def single_rank_group(backend: str, device: torch.device) -> Iterator[None]:
+    """A default process group of world size 1 in this process (an in-memory store: no port)."""
+    if dist.is_initialized():
+        raise RuntimeError("a default process group is already initialised; the check needs its own")
+    kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    try:
+        yield
+    finally:
+        gc.collect()  # free DDP reducers (reference cycles) while the group exists
+        dist.destroy_process_group()
