@@ -30,11 +30,10 @@ from torch import nn
 
 import flatgrad
 from flatgrad.bench.memory import minor_faults, sync
-from flatgrad.bench.models import LOCAL_MODELS, BenchModel
+from flatgrad.bench.models import LOCAL_MODELS, Batch, BenchModel
 from flatgrad.bench.timing import median_ratio, rotate
 
 CPU = torch.device("cpu")
-Batch = tuple[torch.Tensor, ...]
 Step = Callable[[Batch], None]
 
 

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
 from flatgrad.bench.counters import storage_bytes
-from flatgrad.bench.models import BenchModel
+from flatgrad.bench.models import Batch, BenchModel
 from flatgrad.bench.timing import Progress, max_over_ranks, rank_records, rank_timer, rotate
 
 MIXED_VARIANTS = ("ddp_autocast", "ddp_bf16", "flatgrad_main_grads")
@@ -44,8 +44,6 @@ LR, WEIGHT_DECAY = 1e-3, 0.1  # AdamW's, for every variant
 # storage met twice is counted (once, in the first).
 ROLES = ("params", "grads", "masters", "optimizer_state")
 BASES = {"ddp_autocast": "ratio_to_ddp_autocast", "ddp_bf16": "ratio_to_ddp_bf16"}
-
-Batch = tuple[torch.Tensor, ...]
 
 
 @dataclass
@@ -67,19 +65,15 @@ class MixedRunner:
         losses = []
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
+            inputs = [t.to(self.dtype) if t.is_floating_point() else t for t in batch]
             with contextlib.nullcontext() if last else self.no_sync():  # (forward and backward)
-                loss = self._loss(batch) / len(micro_batches)
+                with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                    loss = self.module(*inputs) / len(micro_batches)
                 loss.backward()
             losses.append(loss.detach().float())
         self.clip()
         self.optimizer.step()
         return torch.stack(losses).sum()
-
-    def _loss(self, batch: Batch) -> torch.Tensor:
-        inputs = [t.to(self.dtype) if t.is_floating_point() else t for t in batch]
-        device = inputs[0].device.type
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast):
-            return self.module(*inputs)
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds per role of `ROLES` (see the module docstring)."""

@@ -147,7 +147,8 @@ class LlamaLike(nn.Module):
         return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), targets.flatten())
 
 
-BatchFn = Callable[[torch.Generator, torch.device], tuple[torch.Tensor, ...]]
+Batch = tuple[torch.Tensor, ...]  # a forward's positional arguments
+BatchFn = Callable[[torch.Generator, torch.device], Batch]
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ def regression(rows: int, width: int, wide_targets: bool = False) -> BatchFn:
     each with `wide_targets`)."""
     targets = (rows, width) if wide_targets else (rows,)
 
-    def batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def batch(gen: torch.Generator, device: torch.device) -> Batch:
         inputs = torch.randn(rows, width, generator=gen)
         return inputs.to(device), torch.randn(targets, generator=gen).to(device)
 
@@ -176,14 +177,14 @@ def regression(rows: int, width: int, wide_targets: bool = False) -> BatchFn:
 def tokens(vocab: int, rows: int, length: int) -> BatchFn:
     """Batches of `rows` random sequences of `length` token ids and their next tokens."""
 
-    def batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def batch(gen: torch.Generator, device: torch.device) -> Batch:
         idx = torch.randint(0, vocab, (rows, length + 1), generator=gen)
         return idx[:, :-1].to(device), idx[:, 1:].to(device)
 
     return batch
 
 
-def _recommender_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _recommender_batch(gen: torch.Generator, device: torch.device) -> Batch:
     ids = torch.stack([torch.randint(0, n, (2048,), generator=gen) for n in (50_000, 50_000, 1000)], dim=-1)
     return ids.to(device), torch.randint(0, 2, (2048,), generator=gen).float().to(device)
 

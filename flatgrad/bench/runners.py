@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
 from flatgrad.bench.counters import storage_bytes
+from flatgrad.bench.models import Batch
 
 
 def _no_sync() -> None:
@@ -53,7 +54,7 @@ class Runner:
         parts = self.optimizer.parts if isinstance(self.optimizer, Optimizers) else [self.optimizer]
         return sum(optimizer_state_bytes(part) for part in parts)
 
-    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def forward(self, batch: Batch) -> torch.Tensor:
         self.optimizer.zero_grad()  # set_to_none=True, torch's default, for every configuration
         return self.module(*batch)
 
@@ -64,7 +65,7 @@ class Runner:
     def update(self) -> None:
         self.optimizer.step()
 
-    def step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def step(self, batch: Batch) -> torch.Tensor:
         """One training step: `forward`, `backward`, `update`; returns the loss."""
         loss = self.forward(batch)
         self.backward(loss)
