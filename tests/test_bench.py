@@ -28,7 +28,6 @@ except ImportError:  # torch < 2.5
 
 import flatgrad
 from flatgrad.bench.counters import COPY_OPS, StepCounts, count_step, grad_bytes, weight_shapes
-from flatgrad.bench.local import COMPILE_VARIANTS
 from flatgrad.bench.mixed import MICRO_BATCHES, MIXED_VARIANTS, ROLES, build_mixed
 from flatgrad.bench.models import BenchModel, LlamaLike, ReorderedMLP, TiedGPT
 from flatgrad.bench.runners import CONFIGS, MUON_CONFIGS, build_runner, muon_split
@@ -449,7 +448,6 @@ def test_bench_end_to_end_tiny(tmp_path: Path):
     }
     assert all(set(row) == _LOCAL_KEYS and row["stock_faults"] >= 0 for row in report["local"])
     assert report["environment"]["malloc"] == ("pinned" if platform.libc_ver()[0] == "glibc" else "glibc")
-    assert report["compile"] is None  # only with --compile
     assert report["mixed_precision"] is None  # --mixed-steps 0
     assert report["local_settings"]["models"] == ["llama", "small_layers_64", "linear_1024"]
     assert "one process: model" in result.stdout
@@ -497,28 +495,6 @@ def test_bench_mixed_precision_row_end_to_end(tmp_path: Path):
     assert mains <= 1.1 * (2 + 4 + 12 / 2)
 
 
-def _mean_mlp() -> BenchModel:
-    return BenchModel(
-        lambda: nn.Sequential(_mlp(), nn.Flatten(0)).append(_Mean()),
-        lambda gen, device: (torch.randn(4, 512, generator=gen).to(device),),
-    )
-
-
-def test_compile_row_counts_graphs_and_times_compiled_steps():
-    from flatgrad.bench.local import compile_row, format_local
-
-    row = compile_row(2, warmup=1, spec=_mean_mlp(), name="mlp", backend="aot_eager")
-    assert (row["model"], row["backend"], row["clip"]) == ("mlp", "aot_eager", True)
-    assert list(row["variants"]) == list(COMPILE_VARIANTS)
-    for variant, r in row["variants"].items():
-        assert r["error"] is None, (variant, r)
-        assert (r["graphs"], r["breaks"], r["break_reasons"]) == (1, 0, []), variant
-        assert r["step_ms"] > 0 and r["ratio"] > 0 and r["recompiles"] >= 0
-    assert row["variants"]["stock"]["ratio"] == 1.0
-    text = format_local([], row)
-    assert all(label in text for label in COMPILE_VARIANTS.values()), text
-
-
 def test_one_process_rows_time_the_control_in_the_same_rotation(monkeypatch):
     from flatgrad.bench import local
 
@@ -541,33 +517,6 @@ def test_one_process_rows_time_the_control_in_the_same_rotation(monkeypatch):
     assert row["stock_ms"] == 4000.0 and row["flatgrad_ms"] == 12000.0  # batches 3, 4, 5: median 4
 
 
-def test_compile_row_reports_a_failing_variant_and_times_the_others(monkeypatch):
-    from flatgrad.bench import local
-
-    real_variant, real_explained = local._compiled_variant, local._explained
-
-    def variant_step(variant: str, model: nn.Module, backend: local.CompileBackend) -> local.Step:
-        if variant == "compile_flat":
-            raise RuntimeError("cannot compile\nsecond line")
-        return real_variant(variant, model, backend)
-
-    def explained(variant: str, model: nn.Module) -> nn.Module:
-        if variant == "flat_compiled":
-            raise ValueError("cannot explain")
-        return real_explained(variant, model)
-
-    monkeypatch.setattr(local, "_compiled_variant", variant_step)
-    monkeypatch.setattr(local, "_explained", explained)
-    row = local.compile_row(2, warmup=1, spec=_mean_mlp(), name="mlp", backend="eager")
-    stock, failed, unexplained = (row["variants"][v] for v in COMPILE_VARIANTS)
-    assert stock["error"] is None and stock["ratio"] == 1.0
-    assert failed["error"] == "warm-up step: RuntimeError: cannot compile"
-    assert failed["graphs"] == 1 and failed["step_ms"] is None and failed["ratio"] is None
-    assert unexplained["error"] == "explain: ValueError: cannot explain"
-    assert unexplained["graphs"] is None and unexplained["ratio"] > 0
-    assert "torch.compile(FlatGrad(model)): warm-up step: RuntimeError" in local.format_compile(row)
-
-
 def _tokens(gen: torch.Generator, vocab: int) -> tuple[torch.Tensor, ...]:
     idx = torch.randint(0, vocab, (2, 17), generator=gen)
     return idx[:, :-1], idx[:, 1:]
@@ -579,12 +528,12 @@ def _tiny_tokens(gen: torch.Generator, device: torch.device) -> tuple[torch.Tens
 
 
 def tiny_llama() -> BenchModel:
-    """The bench's Llama-like LM, tiny (a factory for --local-models / --compile-model)."""
+    """The bench's Llama-like LM, tiny (a factory for --local-models)."""
     return BenchModel(lambda: LlamaLike(vocab=64, dim=32, depth=1, heads=2), _tiny_tokens)
 
 
 def test_bench_local_only_end_to_end(tmp_path: Path):
-    """The one-process rows alone, with the compile row (aot_eager: quick to compile)."""
+    """The one-process rows alone: no ranks, and the JSON holds those rows and nothing else."""
     out = tmp_path / "local.json"
     tiny = "test_bench:tiny_llama"
     cmd = [
@@ -599,8 +548,7 @@ def test_bench_local_only_end_to_end(tmp_path: Path):
         "--local-accumulate",
         "3",
     ]
-    cmd += ["--warmup", "1", "--op-repeats", "0", "--compile", "--compile-model", tiny]
-    cmd += ["--compile-backend", "aot_eager", "--out", str(out)]
+    cmd += ["--warmup", "1", "--op-repeats", "0", "--out", str(out)]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
@@ -608,17 +556,15 @@ def test_bench_local_only_end_to_end(tmp_path: Path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "USDT" not in result.stdout + result.stderr
-    assert "one process: model" in result.stdout and "FlatGrad(torch.compile(model))" in result.stdout
+    assert "one process: model" in result.stdout
     report = json.loads(out.read_text())
-    assert set(report) == {"environment", "local_settings", "local", "compile", "ops"}
+    assert set(report) == {"environment", "local_settings", "local", "ops"}
     assert (report["environment"]["backend"], report["environment"]["world_size"]) == (None, 1)
     assert report["local_settings"] == {
         "steps": 2,
         "warmup": 1,
         "models": [tiny],
         "accumulate": 3,
-        "compile": True,
-        "compile_backend": "aot_eager",
         "threads": report["local_settings"]["threads"],
     }
     rows = [(row["model"], row["clip"], row["micro_batches"]) for row in report["local"]]
@@ -626,27 +572,7 @@ def test_bench_local_only_end_to_end(tmp_path: Path):
     for row in report["local"]:
         assert set(row) == _LOCAL_KEYS
         assert row["stock_ms"] > 0 and row["flatgrad_ms"] > 0 and row["ratio"] > 0
-    compiled = report["compile"]
-    assert (compiled["model"], compiled["backend"], compiled["clip"]) == (tiny, "aot_eager", True)
-    assert list(compiled["variants"]) == list(COMPILE_VARIANTS)
-    for record in compiled["variants"].values():
-        assert set(record) == {
-            "graphs",
-            "breaks",
-            "break_reasons",
-            "recompiles",
-            "step_ms",
-            "ratio",
-            "error",
-        }
-        assert record["error"] is None and record["step_ms"] > 0 and record["graphs"] >= 1
-        assert record["recompiles"] >= 0
     assert report["ops"] == []
-
-
-class _Mean(torch.nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mean()
 
 
 def test_bench_rejects_unknown_model():
@@ -656,14 +582,14 @@ def test_bench_rejects_unknown_model():
         parse_args(["--models", "resnet"])
     for bad in (
         ["--local-models", "gpt"],
-        ["--compile-model", "llama,linear_1024"],
+        ["--compile"],  # (the torch.compile row is gone: docs/performance.md says how to time it by hand)
         ["--mixed-model", "llama,gpt"],
         ["--mixed-variants", "ddp_fp16"],
     ):
         with pytest.raises(SystemExit):
             parse_args(bad)
-    args = parse_args(["--local-only", "--compile-model", "linear_1024", "--compile-backend", "aot_eager"])
-    assert (args.local_only, args.compile_model, args.compile_backend) == (True, "linear_1024", "aot_eager")
+    args = parse_args(["--local-only", "--local-models", "linear_1024", "--mixed-model", "gpt"])
+    assert (args.local_only, args.local_models, args.mixed_model) == (True, ["linear_1024"], "gpt")
 
 
 def tiny_bench_model():

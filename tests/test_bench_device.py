@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flatgrad.bench import device, device_perf
-from flatgrad.bench.device_perf import DeviceRun, Outcome, peak_bytes, peak_in_step, single_rank_group
+from flatgrad.bench import device
+from flatgrad.bench.device import DeviceRun, Outcome
+from flatgrad.bench.memory import peak_bytes, peak_in_step
+from flatgrad.bench.suite import single_rank_group
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = DeviceRun(torch.device("cpu"), quick=True)
@@ -57,7 +59,7 @@ def test_quick_cpu_run_writes_a_complete_report(tmp_path: Path):
         "flatgrad_main_grads / ddp_autocast",
         "flatgrad_main_grads / ddp_bf16",
     ]
-    assert len(report["memory"]) == len(device_perf.MEMORY_PAIRS) + 2
+    assert len(report["memory"]) == len(device.MEMORY_PAIRS) + 2
     for row in report["memory"]:
         assert row["name"] and row["flatgrad_bytes"] > 0 and row["stock_bytes"] > 0, row
         assert row["num_params"] > 0, row
@@ -220,16 +222,16 @@ def _allocates(num_bytes: int):
 def test_the_peak_in_a_step_counts_what_was_built_and_what_the_step_adds():
     """The oracle: 1 MiB built with the step and held, 1 MiB more inside each step."""
     with single_rank_group("gloo", torch.device("cpu")):
-        peak = peak_in_step(CPU, functools.partial(_allocates, 1 << 20))
+        peak = peak_in_step(torch.device("cpu"), functools.partial(_allocates, 1 << 20))
     assert (2 << 20) <= peak < (2 << 20) + 4096
 
 
 def test_memory_rows_pair_every_flatgrad_configuration_with_stock(monkeypatch):
     """Stand-in peaks (a configuration's name's length): each row carries its pair's."""
-    monkeypatch.setattr(device_perf, "peak_in_step", lambda run, make: len(make.args[0]))
-    outcome = device_perf.check_memory(CPU)
+    monkeypatch.setattr(device, "peak_in_step", lambda where, make: len(make.args[0]))
+    outcome = device.check_memory(CPU)
     assert [(m.flatgrad_bytes, m.stock_bytes) for m in outcome.memory] == [
-        (len(a), len(b)) for a, b in device_perf.MEMORY_PAIRS
+        (len(a), len(b)) for a, b in device.MEMORY_PAIRS
     ]
     assert {m.num_params for m in outcome.memory} == {4 * (512 * 512 + 512)}  # (LargeMLP 512x4 on CPU)
 

@@ -36,7 +36,7 @@ from flatgrad import _bucket_sync
 from flatgrad._comm import average_op
 from flatgrad._functional import fused_accumulate
 from flatgrad.bench.counters import COPY_OPS
-from flatgrad.bench.device_perf import single_rank_group
+from flatgrad.bench.suite import single_rank_group
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]

@@ -1340,7 +1340,7 @@ def test_one_rank_divides_nothing_and_equals_the_plain_model_to_the_bit():
     """World size 1 (a single-GPU or CPU run of a data-parallel script): the average is the
     local gradient, so no path spends a pass dividing it by 1, and the result equals the
     plain model's bit for bit (`.grad`, and the parameters after a ShardedOptimizer step)."""
-    from flatgrad.bench.device_perf import single_rank_group
+    from flatgrad.bench.suite import single_rank_group
 
     torch.manual_seed(0)
     plain = _Net()
@@ -1508,7 +1508,7 @@ def test_a_replicated_model_is_freed_without_the_cycle_collector(optimizer):
     import gc
     import weakref
 
-    from flatgrad.bench.device_perf import single_rank_group
+    from flatgrad.bench.suite import single_rank_group
 
     with single_rank_group("gloo", torch.device("cpu")):
         model = flatgrad.replicate(_Net())

@@ -801,7 +801,7 @@ def _in_flight_when_read(
     called by the model just before it reads `read(model)`, notes which of that parameter's
     buckets still have their all-gather in flight (none may). Returns the model, the
     optimizer's engine and the notes."""
-    from flatgrad.bench.device_perf import single_rank_group
+    from flatgrad.bench.suite import single_rank_group
 
     in_flight: list[list[int]] = []
     engine: list[Any] = []
@@ -881,7 +881,7 @@ def test_overlap_param_gather_learns_from_a_training_forward_that_completes():
     interrupt too) leaves it, with no mode left behind, and teaches nothing; so do a
     no_grad forward (a mode would turn off torch's inference fast paths) and a submodule
     called on its own; the next whole training forward learns."""
-    from flatgrad.bench.device_perf import single_rank_group
+    from flatgrad.bench.suite import single_rank_group
 
     def learning_hooks() -> int:
         return sum(len(m._forward_hooks) for m in model.modules())

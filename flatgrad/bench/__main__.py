@@ -1,3 +1,3 @@
-from flatgrad.bench.cli import main
+from flatgrad.bench import main
 
 main()

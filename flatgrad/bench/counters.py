@@ -113,13 +113,8 @@ def grad_bytes(params: Iterable[nn.Parameter], extra_buffers: Iterable[torch.Ten
     """Bytes this rank holds for gradients: the distinct storages behind `.grad` (a DTensor's:
     its local shard's, as FSDP2 keeps them after its reduce-scatter), plus buffers that
     hold gradients elsewhere (DDP's buckets when `.grad` is not a view of them)."""
-    storages: dict[int, int] = {}
-    for param in params:
-        if param.grad is not None:
-            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            storage = grad.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values()) + sum(b.numel() * b.element_size() for b in extra_buffers)
+    grads = [p.grad for p in params if p.grad is not None]
+    return storage_bytes({"grads": grads})["grads"] + sum(b.numel() * b.element_size() for b in extra_buffers)
 
 
 def storage_bytes(roles: Mapping[str, Iterable[torch.Tensor]]) -> dict[str, int]:

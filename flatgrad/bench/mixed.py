@@ -11,19 +11,17 @@ gradient clipping and an AdamW step:
   this rank's shards.
 
 Each variant trains its own copy of one model on the same batches; steps are interleaved
-(who goes first rotates) and timed as in `flatgrad.bench.suite`. Memory is counted per
-rank after a step (before the next one zeroes the gradients): the distinct storages behind
-the parameters, the gradients (`.grad`, views of DDP's buckets here; flatgrad's gradient
-buffers, which hold the main grads), a ShardedOptimizer's float32 masters and the
-optimizer state, each storage once.
+(who goes first rotates) and timed as in `flatgrad.bench.suite` (`flatgrad.bench.timing`).
+Memory is counted per rank after a step (before the next one zeroes the gradients): the
+distinct storages behind the parameters, the gradients (`.grad`, views of DDP's buckets
+here; flatgrad's gradient buffers, which hold the main grads), a ShardedOptimizer's float32
+masters and the optimizer state, each storage once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +33,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
 from flatgrad.bench.counters import storage_bytes
-from flatgrad.bench.models import BenchModel
-from flatgrad.bench.suite import Progress, timed_step
+from flatgrad.bench.models import Batch, BenchModel
+from flatgrad.bench.timing import Progress, max_over_ranks, rank_records, rank_timer, rotate
 
 MIXED_VARIANTS = ("ddp_autocast", "ddp_bf16", "flatgrad_main_grads")
 MICRO_BATCHES = 4
@@ -45,8 +43,7 @@ LR, WEIGHT_DECAY = 1e-3, 0.1  # AdamW's, for every variant
 # What each variant's per-rank memory is made of (`MixedRunner.held_bytes`), in the order a
 # storage met twice is counted (once, in the first).
 ROLES = ("params", "grads", "masters", "optimizer_state")
-
-Batch = tuple[torch.Tensor, ...]
+BASES = {"ddp_autocast": "ratio_to_ddp_autocast", "ddp_bf16": "ratio_to_ddp_bf16"}
 
 
 @dataclass
@@ -68,19 +65,15 @@ class MixedRunner:
         losses = []
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
+            inputs = [t.to(self.dtype) if t.is_floating_point() else t for t in batch]
             with contextlib.nullcontext() if last else self.no_sync():  # (forward and backward)
-                loss = self._loss(batch) / len(micro_batches)
+                with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                    loss = self.module(*inputs) / len(micro_batches)
                 loss.backward()
             losses.append(loss.detach().float())
         self.clip()
         self.optimizer.step()
         return torch.stack(losses).sum()
-
-    def _loss(self, batch: Batch) -> torch.Tensor:
-        inputs = [t.to(self.dtype) if t.is_floating_point() else t for t in batch]
-        device = inputs[0].device.type
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast):
-            return self.module(*inputs)
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds per role of `ROLES` (see the module docstring)."""
@@ -142,65 +135,20 @@ def bench_mixed(
     model = spec.build()
     runners = [build_mixed(name, model, device, spec.unused_parameters) for name in variants]
     gen = torch.Generator().manual_seed(2000 + dist.get_rank())
-    times: dict[str, list[float]] = {r.name: [] for r in runners}
-    peaks = {r.name: 0.0 for r in runners}
-    losses: dict[str, float] = {}
-    for step in range(warmup + steps):
-        micro = [spec.batch(gen, device) for _ in range(MICRO_BATCHES)]
-        shift = step % len(runners)
-        for runner in runners[shift:] + runners[:shift]:
-            seconds, losses[runner.name], peak = timed_step(functools.partial(runner.step, micro), device)
-            if step >= warmup:
-                times[runner.name].append(seconds)
-                peaks[runner.name] = max(peaks[runner.name], peak)
-        if bar is not None:
-            bar.update(1)
+    batches = ([spec.batch(gen, device) for _ in range(MICRO_BATCHES)] for _ in range(warmup + steps))
+    measured = rotate([rank_timer(r.step, device) for r in runners], batches, bar)
+    records = rank_records({r.name: m for r, m in zip(runners, measured)}, warmup, device, BASES)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    held = [list(r.held_bytes().values()) for r in runners]  # per role, in ROLES' order
+    # the most a rank holds, per role and in all
+    for runner, (*by_role, total) in zip(runners, max_over_ranks([[*h, sum(h)] for h in held], device)):
+        records[runner.name].update(
+            bytes_per_parameter=total / numel, bytes=dict(zip(ROLES, map(int, by_role)))
+        )
     return {
         "num_parameters": numel,
         "micro_batches": MICRO_BATCHES,
         "max_norm": MAX_NORM,
         "optimizer": {"name": "AdamW", "lr": LR, "weight_decay": WEIGHT_DECAY},
-        "variants": _records(runners, times, peaks, losses, numel, device),
+        "variants": records,
     }
-
-
-def _records(
-    runners: list[MixedRunner],
-    times: dict[str, list[float]],
-    peaks: dict[str, float],
-    losses: dict[str, float],
-    numel: int,
-    device: torch.device,
-) -> dict[str, dict[str, Any]]:
-    """Per variant: step times (the slowest rank's), ratios to the stock variants, memory."""
-    names = [r.name for r in runners]
-    held = []
-    for runner in runners:
-        by_role = runner.held_bytes()
-        held.append([by_role[role] for role in ROLES] + [sum(by_role.values())])
-    table = torch.tensor(  # (on the device: NCCL reduces nothing else)
-        [times[n] + [peaks[n]] + h for n, h in zip(names, held)], dtype=torch.float64, device=device
-    )
-    # the slowest rank's step; the most memory a rank holds, per role and in all
-    dist.all_reduce(table, op=dist.ReduceOp.MAX)
-    steps = len(times[names[0]])
-    rows = {n: row[:steps] for n, row in zip(names, table.tolist())}
-    records = {}
-    for name, row in zip(names, table.tolist()):
-        *by_role, total = row[steps + 1 :]
-        records[name] = {
-            "median_ms": statistics.median(rows[name]) * 1e3,
-            "min_ms": min(rows[name]) * 1e3,
-            "max_ms": max(rows[name]) * 1e3,
-            "bytes_per_parameter": total / numel,
-            "bytes": {role: int(value) for role, value in zip(ROLES, by_role)},
-            "step_peak_extra_mb": row[steps],
-            "final_loss": losses[name],
-        }
-        for base in ("ddp_autocast", "ddp_bf16"):
-            if base in rows:  # median over steps of (this step / the base's same step)
-                records[name][f"ratio_to_{base}"] = statistics.median(
-                    a / b for a, b in zip(rows[name], rows[base])
-                )
-    return records

@@ -91,7 +91,7 @@ class LargeMLP(nn.Module):
         return F.mse_loss(x, y)
 
 
-class ReorderedMLP(nn.Module):
+class ReorderedMLP(LargeMLP):
     """`LargeMLP` whose layers run in the reverse of their registration (the buffer, laid out
     in the reverse of registration, then holds the first gradients of backward last), with
     a layer it never uses (a head for another task): stock DDP needs
@@ -99,8 +99,7 @@ class ReorderedMLP(nn.Module):
     first step and count the unused layer ready when backward starts."""
 
     def __init__(self, width: int = 2048, depth: int = 6) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        super().__init__(width, depth)
         self.unused = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -148,56 +147,63 @@ class LlamaLike(nn.Module):
         return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), targets.flatten())
 
 
+Batch = tuple[torch.Tensor, ...]  # a forward's positional arguments
+BatchFn = Callable[[torch.Generator, torch.device], Batch]
+
+
 @dataclass(frozen=True)
 class BenchModel:
     """A model factory and a batch factory (a batch is the forward's positional args)."""
 
     build: Callable[[], nn.Module]
-    batch: Callable[[torch.Generator, torch.device], tuple[torch.Tensor, ...]]
+    batch: BatchFn
     # Whether the model leaves parameters unused (the same ones every step): stock DDP then
     # runs with find_unused_parameters=True (static_graph=True needs no flag).
     unused_parameters: bool = False
 
 
-def _small_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
-    return torch.randn(32, 128, generator=gen).to(device), torch.randn(32, generator=gen).to(device)
+def regression(rows: int, width: int, wide_targets: bool = False) -> BatchFn:
+    """Batches of `rows` random inputs of `width` and random targets, one per row (`width`
+    each with `wide_targets`)."""
+    targets = (rows, width) if wide_targets else (rows,)
+
+    def batch(gen: torch.Generator, device: torch.device) -> Batch:
+        inputs = torch.randn(rows, width, generator=gen)
+        return inputs.to(device), torch.randn(targets, generator=gen).to(device)
+
+    return batch
 
 
-def _recommender_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
+def tokens(vocab: int, rows: int, length: int) -> BatchFn:
+    """Batches of `rows` random sequences of `length` token ids and their next tokens."""
+
+    def batch(gen: torch.Generator, device: torch.device) -> Batch:
+        idx = torch.randint(0, vocab, (rows, length + 1), generator=gen)
+        return idx[:, :-1].to(device), idx[:, 1:].to(device)
+
+    return batch
+
+
+def _recommender_batch(gen: torch.Generator, device: torch.device) -> Batch:
     ids = torch.stack([torch.randint(0, n, (2048,), generator=gen) for n in (50_000, 50_000, 1000)], dim=-1)
     return ids.to(device), torch.randint(0, 2, (2048,), generator=gen).float().to(device)
 
 
-def _gpt_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
-    idx = torch.randint(0, 4096, (8, 65), generator=gen)
-    return idx[:, :-1].to(device), idx[:, 1:].to(device)
-
-
-def _mlp_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
-    return torch.randn(16, 2048, generator=gen).to(device), torch.randn(16, 2048, generator=gen).to(device)
-
-
-def _tiny_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
-    return torch.randn(32, 64, generator=gen).to(device), torch.randn(32, generator=gen).to(device)
-
-
-def _wide_batch(gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, ...]:
-    return torch.randn(64, 1024, generator=gen).to(device), torch.randn(64, 1024, generator=gen).to(device)
-
-
 # One-process step benchmarks (flatgrad.bench.local): the issue-sized models.
 LOCAL_MODELS: dict[str, BenchModel] = {
-    "llama": BenchModel(LlamaLike, _gpt_batch),
-    "small_layers_64": BenchModel(lambda: ManySmallLayers(width=64, depth=48), _tiny_batch),
-    "linear_1024": BenchModel(lambda: LargeMLP(width=1024, depth=4), _wide_batch),
+    "llama": BenchModel(LlamaLike, tokens(4096, 8, 64)),
+    "small_layers_64": BenchModel(lambda: ManySmallLayers(width=64, depth=48), regression(32, 64)),
+    "linear_1024": BenchModel(lambda: LargeMLP(width=1024, depth=4), regression(64, 1024, wide_targets=True)),
 }
 
 MODELS: dict[str, BenchModel] = {
-    "small_layers": BenchModel(ManySmallLayers, _small_batch),
+    "small_layers": BenchModel(ManySmallLayers, regression(32, 128)),
     "recommender": BenchModel(Recommender, _recommender_batch),
-    "gpt": BenchModel(TiedGPT, _gpt_batch),
-    "mlp": BenchModel(LargeMLP, _mlp_batch),
-    "mlp_reordered": BenchModel(ReorderedMLP, _mlp_batch, unused_parameters=True),
+    "gpt": BenchModel(TiedGPT, tokens(4096, 8, 64)),
+    "mlp": BenchModel(LargeMLP, regression(16, 2048, wide_targets=True)),
+    "mlp_reordered": BenchModel(
+        ReorderedMLP, regression(16, 2048, wide_targets=True), unused_parameters=True
+    ),
 }
 
 

@@ -46,16 +46,22 @@ def compare(case: Case, repeats: int, device: torch.device = CPU) -> tuple[float
     return statistics.median(stock_times), statistics.median(our_times)
 
 
-def _embedding(accumulate: bool, device: torch.device) -> Case:
-    stock = nn.Embedding(50000, 256, device=device)
-    flat = flatgrad.FlatGrad(copy.deepcopy(stock))
-    idx = torch.randint(0, 50000, (32768,), device=device)
+def _pair(stock: nn.Module, flat: nn.Module, inputs: torch.Tensor, accumulate: bool) -> Case:
+    """Stock `stock` and the FlatGrad `flat` on `inputs`; each repeat starts from fresh
+    gradients, or with `accumulate` from zero gradients to add into."""
 
     def zero() -> None:
-        stock.weight.grad = torch.zeros_like(stock.weight) if accumulate else None
+        for p in stock.parameters():
+            p.grad = torch.zeros_like(p) if accumulate else None
         flat.zero_grad(set_to_none=not accumulate)
 
-    return (lambda: stock(idx)), (lambda: flat(idx)), zero
+    return (lambda: stock(inputs)), (lambda: flat(inputs)), zero
+
+
+def _embedding(accumulate: bool, device: torch.device) -> Case:
+    stock = nn.Embedding(50000, 256, device=device)
+    idx = torch.randint(0, 50000, (32768,), device=device)
+    return _pair(stock, flatgrad.FlatGrad(copy.deepcopy(stock)), idx, accumulate)
 
 
 def _gather(device: torch.device) -> Case:
@@ -85,25 +91,13 @@ def _dim_gather(accumulate: bool, device: torch.device) -> Case:
     stock = _Table(torch.gather).to(device)
     flat = flatgrad.FlatGrad(_Table(flatgrad.gather).to(device))
     index = torch.randint(0, 1024, (4096, 256), device=device)
-
-    def zero() -> None:
-        stock.weight.grad = torch.zeros_like(stock.weight) if accumulate else None
-        flat.zero_grad(set_to_none=not accumulate)
-
-    return (lambda: stock(index)), (lambda: flat(index)), zero
+    return _pair(stock, flat, index, accumulate)
 
 
 def _linear_stack(accumulate: bool, device: torch.device) -> Case:
     stock = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]).to(device)
-    flat = flatgrad.FlatGrad(copy.deepcopy(stock))
     x = torch.randn(256, 512, device=device)
-
-    def zero() -> None:
-        for p in stock.parameters():
-            p.grad = torch.zeros_like(p) if accumulate else None
-        flat.zero_grad(set_to_none=not accumulate)
-
-    return (lambda: stock(x)), (lambda: flat(x)), zero
+    return _pair(stock, flatgrad.FlatGrad(copy.deepcopy(stock)), x, accumulate)
 
 
 CASES: dict[str, Callable[[torch.device], Case]] = {

@@ -23,14 +23,11 @@ try:
 except ImportError:  # torch < 2.6: FSDP2 under its composable name only
     from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 from torch.distributed.optim import ZeroRedundancyOptimizer
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.5: the private module only
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+from flatgrad.bench.counters import storage_bytes
+from flatgrad.bench.models import Batch
 
 
 def _no_sync() -> None:
@@ -54,11 +51,10 @@ class Runner:
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (`optimizer_state_bytes`)."""
-        if isinstance(self.optimizer, Optimizers):
-            return sum(optimizer_state_bytes(part) for part in self.optimizer.parts)
-        return optimizer_state_bytes(self.optimizer)
+        parts = self.optimizer.parts if isinstance(self.optimizer, Optimizers) else [self.optimizer]
+        return sum(optimizer_state_bytes(part) for part in parts)
 
-    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def forward(self, batch: Batch) -> torch.Tensor:
         self.optimizer.zero_grad()  # set_to_none=True, torch's default, for every configuration
         return self.module(*batch)
 
@@ -68,6 +64,13 @@ class Runner:
 
     def update(self) -> None:
         self.optimizer.step()
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        """One training step: `forward`, `backward`, `update`; returns the loss."""
+        loss = self.forward(batch)
+        self.backward(loss)
+        self.update()
+        return loss
 
     def bucket_buffers(self) -> list[torch.Tensor]:
         """DDP buckets that hold gradients apart from `.grad` (none when `.grad` views them)."""
@@ -79,17 +82,13 @@ class Runner:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state this rank holds: a ShardedOptimizer's shards (or whole
     parameters' state, by tensor), a ZeroRedundancyOptimizer's local optimizer, the local
-    shards of FSDP2's DTensors."""
+    shards of FSDP2's DTensors (`counters.storage_bytes`)."""
     if isinstance(optimizer, flatgrad.ShardedOptimizer):
         return optimizer.state_bytes()
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer = optimizer.optim  # its `state` holds no tensors; this rank's are here
-    return sum(
-        local_bytes(t)
-        for state in optimizer.state.values()
-        for t in state.values()
-        if isinstance(t, torch.Tensor)
-    )
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return storage_bytes({"state": state})["state"]
 
 
 @dataclass
@@ -108,13 +107,6 @@ class Optimizers:
         self.clip()
         for part in self.parts:
             part.step()
-
-
-def local_bytes(tensor: torch.Tensor) -> int:
-    """Bytes this rank holds of `tensor`: a DTensor's local shard (its own `numel()` is the
-    global one)."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
 
 
 CONFIGS = (
@@ -163,60 +155,50 @@ def build_runner(
     ids = _device_ids(device)
     if name in MUON_CONFIGS:
         return _muon_runner(name, module, ids, unused_parameters)
-    ddp: DDP | None = None
-    sync: Callable[[], None] = _no_sync
-    if name in ("ddp_default", "ddp_bucket_view", "ddp_static_graph"):
-        kwargs: dict[str, dict[str, Any]] = {
-            "ddp_bucket_view": {"gradient_as_bucket_view": True},
-            "ddp_static_graph": {"static_graph": True},
-        }
-        unused = unused_parameters and name != "ddp_static_graph"
-        ddp = DDP(module, device_ids=ids, find_unused_parameters=unused, **kwargs.get(name, {}))
-        wrapped: nn.Module = ddp
-    elif name == "flatgrad_ddp_hook":
+    sgd = functools.partial(torch.optim.SGD, lr=lr, momentum=0.9)
+    if name in ("ddp_default", "ddp_bucket_view", "ddp_static_graph", "zero_stock"):
+        static = name == "ddp_static_graph"
+        view = name in ("ddp_bucket_view", "zero_stock")
+        unused = unused_parameters and not static
+        ddp = DDP(
+            module,
+            device_ids=ids,
+            find_unused_parameters=unused,
+            gradient_as_bucket_view=view,
+            static_graph=static,
+        )
+        if name == "zero_stock":
+            zero = ZeroRedundancyOptimizer(
+                ddp.parameters(),
+                optimizer_class=torch.optim.SGD,
+                parameters_as_bucket_view=True,
+                lr=lr,
+                momentum=0.9,
+            )
+            return Runner(name, ddp, zero, ddp=ddp)
+        return Runner(name, ddp, sgd(ddp.parameters()), ddp=ddp)
+    if name == "flatgrad_ddp_hook":
         flat = flatgrad.FlatGrad(module)
         ddp = DDP(flat, device_ids=ids, find_unused_parameters=unused_parameters, **flat.ddp_kwargs())
         ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
-        wrapped = ddp
-    elif name == "flatgrad_all_reduce":
+        return Runner(name, ddp, sgd(ddp.parameters()), ddp=ddp)
+    if name == "flatgrad_all_reduce":
         flat = flatgrad.FlatGrad(module)
         _broadcast_parameters(flat)
-        wrapped, sync = flat, flat.all_reduce_grads
-    elif name in ("flatgrad_dp", "flatgrad_zero"):
+        return Runner(name, flat, sgd(flat.parameters()), sync=flat.all_reduce_grads)
+    if name in ("flatgrad_dp", "flatgrad_zero"):
         dp = flatgrad.replicate(flatgrad.FlatGrad(module))
         if name == "flatgrad_zero":
             sharded = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=lr, momentum=0.9)
             return Runner(name, dp, sharded, engine=flatgrad.replicate_state(dp))  # type: ignore[arg-type]
-        return Runner(
-            name,
-            dp,
-            torch.optim.SGD(dp.parameters(), lr=lr, momentum=0.9),
-            engine=flatgrad.replicate_state(dp),
-        )
-    elif name == "zero_stock":
-        ddp = DDP(
-            module, device_ids=ids, gradient_as_bucket_view=True, find_unused_parameters=unused_parameters
-        )
-        zero = ZeroRedundancyOptimizer(
-            ddp.parameters(),
-            optimizer_class=torch.optim.SGD,
-            parameters_as_bucket_view=True,
-            lr=lr,
-            momentum=0.9,
-        )
-        return Runner(name, ddp, zero, ddp=ddp)
-    elif name == "fsdp2":
+        return Runner(name, dp, sgd(dp.parameters()), engine=flatgrad.replicate_state(dp))
+    if name == "fsdp2":
         _fully_shard(module, device)
-        optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
-        return Runner(name, module, optimizer, counts_grad_copies=False)
-    elif name == "local_stock":
-        wrapped = module
-    elif name == "local_flatgrad":
-        wrapped = flatgrad.FlatGrad(module)
-    else:
-        raise ValueError(f"configuration must be one of {', '.join(CONFIGS + MUON_CONFIGS)}, got {name!r}")
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=0.9)
-    return Runner(name, wrapped, optimizer, sync, ddp)
+        return Runner(name, module, sgd(module.parameters()), counts_grad_copies=False)
+    if name in ("local_stock", "local_flatgrad"):
+        local = flatgrad.FlatGrad(module) if name == "local_flatgrad" else module
+        return Runner(name, local, sgd(local.parameters()))
+    raise ValueError(f"configuration must be one of {', '.join(CONFIGS + MUON_CONFIGS)}, got {name!r}")
 
 
 def muon_split(module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
