@@ -290,7 +290,7 @@ def _muon_rows_worker(rank: int, world_size: int) -> None:
         n for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")
     ]  # the hidden matrices; the tied embedding and head, the positions and vectors: AdamW
     assert names[id(model.tokens.weight)] in [names[id(p)] for p in rest]
-    result = bench_model("test_bench:tiny_gpt", list(MUON_CONFIGS), 2, 1, torch.device("cpu"), None)
+    result = bench_model("test_bench:tiny_gpt", list(MUON_CONFIGS), 2, 1, torch.device("cpu"))
     rows = result["configs"]
     assert list(rows) == list(MUON_CONFIGS)
     assert rows["zero_stock_muon"]["pair_ratio_to_zero_stock_muon"] == 1.0

@@ -1,5 +1,5 @@
 """`python -m flatgrad.bench` / `flatgrad-bench`: FlatGrad against stock PyTorch and DDP,
-side by side in one run, with a table, a JSON report and an optional PNG chart."""
+side by side in one run, with tables and a JSON report."""
 
 from flatgrad.bench.cli import main
 

@@ -33,10 +33,9 @@ from flatgrad.bench.memory import pin_malloc
 from flatgrad.bench.mixed import MIXED_VARIANTS, bench_mixed
 from flatgrad.bench.models import LOCAL_MODELS, MODELS, resolve_model
 from flatgrad.bench.ops import format_ops, op_ratios
-from flatgrad.bench.report import format_mixed, format_muon, format_overlap, format_table, write_png
+from flatgrad.bench.report import format_mixed, format_muon, format_overlap, format_table
 from flatgrad.bench.runners import CONFIGS, MUON_CONFIGS
 from flatgrad.bench.suite import bench_model
-from flatgrad.bench.timing import Progress
 
 logger = logging.getLogger("flatgrad.bench")
 # The mixed-precision row takes any built-in model (the LMs are what it is for).
@@ -127,7 +126,7 @@ OPTIONS: dict[str, tuple[dict[str, Any], str]] = {
         "process (no trimming of the heap's top), so that steps do not re-fault the memory freed by "
         "the step before, at random on either side of a comparison",
     ),
-    "--out": ({"type": Path, "default": Path("bench_results.json")}, "JSON report (a PNG goes beside it)"),
+    "--out": ({"type": Path, "default": Path("bench_results.json")}, "JSON report"),
 }
 
 
@@ -214,7 +213,7 @@ def _one_process_tables(single: dict[str, Any]) -> list[str]:
 
 
 def run_local_only(args: argparse.Namespace) -> None:
-    """The one-process rows alone: measure, print, write the JSON (no ranks, no chart)."""
+    """The one-process rows alone: measure, print, write the JSON (no ranks)."""
     single = one_process(args)
     report = {"environment": _environment(None, 1, torch.get_num_threads(), args.malloc), **single}
     _report(report, args.out, _one_process_tables(single))
@@ -230,18 +229,12 @@ def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
         torch.cuda.set_device(device)
     threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
     torch.set_num_threads(threads)
-    total = len(args.models) * (args.warmup + args.steps)
-    if args.mixed_steps > 0:
-        total += args.warmup + args.mixed_steps
-    bar = _progress_bar(total) if rank == 0 else None
     models = {}
-    for name in args.models:
-        if bar is not None:
-            bar.set_postfix_str(name)
-        models[name] = bench_model(name, args.configs, args.steps, args.warmup, device, bar)
-    mixed = _mixed_row(args, device, bar) if args.mixed_steps > 0 else None
-    if bar is not None:
-        bar.close()
+    for i, name in enumerate(args.models):
+        if rank == 0:
+            logger.info("flatgrad-bench: %s (%d of %d models)", name, i + 1, len(args.models))
+        models[name] = bench_model(name, args.configs, args.steps, args.warmup, device)
+    mixed = _mixed_row(args, device) if args.mixed_steps > 0 else None
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     rss = torch.tensor([peak_rss_mb], dtype=torch.float64, device=device)  # (NCCL's: on the device)
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
@@ -258,26 +251,13 @@ def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
     mixed_table = format_mixed(mixed, world_size) if mixed is not None else ""
     tables = [format_table(report), format_muon(report), format_overlap(report), mixed_table]
     _report(report, args.out, tables + _one_process_tables(single))
-    png = write_png(report, args.out.with_suffix(".png"))
-    print(f"report: {args.out}" + (f", chart: {png}" if png else " (install matplotlib for a chart)"))
+    print(f"report: {args.out}")
 
 
-def _progress_bar(total: int) -> Progress | None:
-    """tqdm's bar over `total` steps; None (no bar) without tqdm (the ``bench`` extra)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        logger.info("flatgrad-bench: no progress bar without tqdm (pip install 'flatgrad[bench]')")
-        return None
-    return tqdm(total=total, desc="flatgrad-bench", unit="step")
-
-
-def _mixed_row(args: argparse.Namespace, device: torch.device, bar: Progress | None) -> dict[str, Any]:
+def _mixed_row(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """The mixed-precision row (`flatgrad.bench.mixed`) with the settings it ran with."""
-    if bar is not None:
-        bar.set_postfix_str(f"mixed precision: {args.mixed_model}")
     spec = resolve_model(args.mixed_model, MIXED_MODELS)
-    measured = bench_mixed(spec, args.mixed_variants, args.mixed_steps, args.warmup, device, bar)
+    measured = bench_mixed(spec, args.mixed_variants, args.mixed_steps, args.warmup, device)
     return {"model": args.mixed_model, "steps": args.mixed_steps, "warmup": args.warmup, **measured}
 
 

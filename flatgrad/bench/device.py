@@ -184,7 +184,7 @@ def check_data_parallel(run: DeviceRun) -> Outcome:
     models, ratios = DP_MODELS[-1:] if run.quick else DP_MODELS, []
     with _group(run):
         for model in models:
-            configs = bench_model(model, DP_CONFIGS, steps, warmup, run.device, None)["configs"]
+            configs = bench_model(model, DP_CONFIGS, steps, warmup, run.device)["configs"]
             ratios += [
                 _against(f"data-parallel step {model}", configs, name, base, key)
                 for name in DP_CONFIGS

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import flatgrad
 from flatgrad.bench.counters import storage_bytes
 from flatgrad.bench.models import Batch, BenchModel
-from flatgrad.bench.timing import Progress, max_over_ranks, rank_records, rank_timer, rotate
+from flatgrad.bench.timing import max_over_ranks, rank_records, rank_timer, rotate
 
 MIXED_VARIANTS = ("ddp_autocast", "ddp_bf16", "flatgrad_main_grads")
 MICRO_BATCHES = 4
@@ -127,7 +127,6 @@ def bench_mixed(
     steps: int,
     warmup: int,
     device: torch.device,
-    bar: Progress | None = None,
 ) -> dict[str, Any]:
     """Interleaved steps of every variant on the same micro-batches; a step's time is the
     slowest rank's. Then each variant's memory per parameter, the largest over ranks."""
@@ -136,7 +135,7 @@ def bench_mixed(
     runners = [build_mixed(name, model, device, spec.unused_parameters) for name in variants]
     gen = torch.Generator().manual_seed(2000 + dist.get_rank())
     batches = ([spec.batch(gen, device) for _ in range(MICRO_BATCHES)] for _ in range(warmup + steps))
-    measured = rotate([rank_timer(r.step, device) for r in runners], batches, bar)
+    measured = rotate([rank_timer(r.step, device) for r in runners], batches)
     records = rank_records({r.name: m for r, m in zip(runners, measured)}, warmup, device, BASES)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     held = [list(r.held_bytes().values()) for r in runners]  # per role, in ROLES' order

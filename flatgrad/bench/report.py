@@ -1,14 +1,10 @@
-"""Turning a benchmark report into a table and a chart."""
+"""Turning a benchmark report into tables."""
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
 from typing import Any
 
 from flatgrad.bench.overlap import exposed_communication
-
-logger = logging.getLogger(__name__)
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -142,32 +138,3 @@ def format_overlap(report: dict[str, Any]) -> str:
             cells.append(f"{est.bucketed_exposed_ms:14.2f} / {est.one_shot_exposed_ms:13.2f}")
         lines.append(f"{model:13s} {len(r['bucket_bytes']):7d} {r['backward_ms']:11.2f} " + " ".join(cells))
     return "\n".join(lines)
-
-
-def write_png(report: dict[str, Any], path: Path) -> Path | None:
-    """A grouped bar chart of step-time ratios, if matplotlib is installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.info("matplotlib is not installed; no chart (pip install 'flatgrad[plot]')")
-        return None
-    models = list(report["models"])
-    configs = list(next(iter(report["models"].values()))["configs"])
-    width = 0.8 / len(configs)
-    fig, ax = plt.subplots(figsize=(1.8 + 2.2 * len(models), 5.0))
-    for i, name in enumerate(configs):
-        ratios = [report["models"][m]["configs"][name].get("ratio_to_ddp_default", 1.0) for m in models]
-        ax.bar([j + i * width for j in range(len(models))], ratios, width, label=name)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))], models)
-    ax.set_ylabel("step time / stock DDP default (lower is faster)")
-    env = report["environment"]
-    ax.set_title(f"flatgrad-bench: {env['backend']}, {env['world_size']} ranks, torch {env['torch']}")
-    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

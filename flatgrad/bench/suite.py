@@ -16,7 +16,7 @@ import torch.distributed as dist
 from flatgrad.bench.counters import count_step, grad_bytes
 from flatgrad.bench.models import resolve_model
 from flatgrad.bench.runners import BASELINE, BEST_STOCK, MUON_BASE, Runner, build_runner
-from flatgrad.bench.timing import Progress, rank_records, rank_timer, rotate
+from flatgrad.bench.timing import rank_records, rank_timer, rotate
 
 # Each record's median per-step ratio to these configurations, where they ran.
 BASES = {
@@ -27,7 +27,7 @@ BASES = {
 
 
 def bench_model(
-    model_name: str, configs: list[str], steps: int, warmup: int, device: torch.device, bar: Progress | None
+    model_name: str, configs: list[str], steps: int, warmup: int, device: torch.device
 ) -> dict[str, Any]:
     """Interleaved steps of every configuration on the same data; step time is the slowest
     rank's. Then one counted backward each for collectives, copies and gradient bytes (the
@@ -41,7 +41,7 @@ def bench_model(
     ]
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
     batches = (spec.batch(gen, device) for _ in range(warmup + steps))
-    measured = rotate([rank_timer(r.step, device) for r in runners], batches, bar)
+    measured = rotate([rank_timer(r.step, device) for r in runners], batches)
     results = rank_records(dict(zip(configs, measured)), warmup, device, BASES)
     batch = spec.batch(gen, device)
     for runner in runners:

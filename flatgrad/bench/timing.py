@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,28 +21,14 @@ B = TypeVar("B")
 Measured = tuple[float, float, float]
 
 
-class Progress(Protocol):
-    """A progress bar (tqdm's, from the ``bench`` extra): what the bench calls on it."""
-
-    def update(self, n: float = 1) -> bool | None: ...
-
-    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def rotate(
-    steps: Sequence[Callable[[B], T]], batches: Iterable[B], bar: Progress | None = None
-) -> list[list[T]]:
+def rotate(steps: Sequence[Callable[[B], T]], batches: Iterable[B]) -> list[list[T]]:
     """What every step function returns on every batch, per function; which goes first
-    rotates from batch to batch. `bar` advances by one per batch."""
+    rotates from batch to batch."""
     results: list[list[T]] = [[] for _ in steps]
     for i, batch in enumerate(batches):
         shift = i % len(steps)
         for j in [*range(shift, len(steps)), *range(shift)]:
             results[j].append(steps[j](batch))
-        if bar is not None:
-            bar.update(1)
     return results
 
 
