@@ -66,7 +66,8 @@ class GradStore:
         self.buffers: dict[GroupKey, torch.Tensor] = {}
         self._table = SlotTable(self.buffers)
         self._entries: dict[torch.Tensor, SlotEntry] = self._table.entries
-        self._views: dict[int, torch.Tensor] = self._table.views  # by id: no Tensor hash
+        # Each held parameter's slot view, by ``id(param)`` (the backward's lookup: no Tensor hash).
+        self.views: dict[int, torch.Tensor] = self._table.views
         self._locals: dict[int, torch.Tensor] = self._table.locals  # the slots themselves, by id
         # Per group: the buffer followed, in the same memory, by one used-flag element per
         # parameter; those flags; and those parameters (see `flagged`).
@@ -90,7 +91,7 @@ class GradStore:
         # Parameters whose slot is a main grad (float32 for a bfloat16/float16 parameter):
         # their `.grad` stays None, the slot alone holds the gradient (see `main_grad`).
         mains = [p for p in self.params if self._entries[p].view.dtype != p.dtype]
-        self._main_grads = MainGrads(mains, self._views, self.spans(mains))
+        self._main_grads = MainGrads(mains, self.views, self.spans(mains))
         self.mains, self._main_ids = self._main_grads.params, self._main_grads.ids
         self._disown = _REGISTRY.claim(self)
         if self.mains:
@@ -109,11 +110,6 @@ class GradStore:
 
     def __contains__(self, param: object) -> bool:
         return isinstance(param, torch.Tensor) and param in self._entries
-
-    @property
-    def views(self) -> dict[int, torch.Tensor]:
-        """Each held parameter's slot view, by ``id(param)`` (the backward's lookup)."""
-        return self._views
 
     def view(self, param: torch.Tensor) -> torch.Tensor:
         """`param`'s slot as its `.grad`, shaped and strided like the parameter (always the
@@ -146,11 +142,6 @@ class GradStore:
         """`param`'s group key and slot (offset and size in elements within that buffer)."""
         entry = self._entries[param]
         return entry.key, entry.slot
-
-    def flat_view(self, param: torch.Tensor) -> torch.Tensor:
-        """`param`'s slot as a 1-D view."""
-        entry = self._entries[param]
-        return self.buffers[entry.key].narrow(0, entry.slot.offset, entry.slot.numel)
 
     def holds(self, param: torch.Tensor, grad: torch.Tensor | None) -> bool:
         """Whether `grad` is exactly `param`'s slot (same memory, shape and strides)."""
@@ -185,7 +176,7 @@ class GradStore:
         that ran as plain torch, under torch.compile or torch.func; a `.grad` assigned by
         hand, or produced with create_graph=True) into the slot, so a sync of the slots sees
         it; with `zero_empty`, also zero the slots of those whose `.grad` is None."""
-        views = self._views
+        views = self.views
         if self._main_ids:  # a main grad is the gradient even where `.grad` is None: never zeroed
             params = self._main_grads.take_in(params)
         for param in params:
@@ -260,7 +251,7 @@ class GradStore:
         """
         cached = self._seat_cache
         if cached is None or cached[0] is not params:
-            views = self._views
+            views = self.views
             pairs = [(param, views[id(param)]) for param in params]
             cached = self._seat_cache = (params, pairs, self.spans(params))
         _, pairs, spans = cached
@@ -304,7 +295,7 @@ class GradStore:
         """Mark the store stale if one of `params` (the main grads' among them) no longer fits
         its slot, or a slot view no longer points at its slot (before every backward: by id,
         as `Tensor.__hash__` is Python)."""
-        views, mains = self._views, self._main_ids
+        views, mains = self.views, self._main_ids
         for param in params:
             view = views[id(param)]
             # A main grad's slot is float32 for a bfloat16/float16 parameter: its dtypes must
