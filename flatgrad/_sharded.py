@@ -196,7 +196,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         Joinable.__init__(self)  # (not joined: Join configures it)
         self.dp = dp
         self.world_size = dp.world_size
-        self.rank = dist.get_rank(dp.process_group)
         self.overlap_param_gather = overlap_param_gather
         # The class and the user's constructor arguments: every optimizer built here gets both.
         self._recipe = recipe

@@ -776,9 +776,7 @@ class SyncedOptions:
     class keeps as a tensor, as torchao's do, is that tensor in both)."""
 
     def __init__(self, param_groups: list[dict[str, Any]], inner: torch.optim.Optimizer) -> None:
-        for group, own in zip(param_groups, inner.param_groups):
-            group.update(options(own))
-        self.seen = [options(group) for group in param_groups]
+        self.loaded(param_groups, inner)
 
     def added(self, group: dict[str, Any], own: dict[str, Any]) -> None:
         """A group just added to both sides: it takes the inner group's values."""
@@ -786,8 +784,8 @@ class SyncedOptions:
         self.seen.append(options(group))
 
     def loaded(self, param_groups: list[dict[str, Any]], inner: torch.optim.Optimizer) -> None:
-        """After the inner optimizer loaded the saved options (its class's own
-        ``load_state_dict``): the groups take them, and they are the last sync."""
+        """The groups take the inner optimizer's options, and they are the last sync: after
+        it loaded the saved ones (its class's own ``load_state_dict``), after a call."""
         for group, own in zip(param_groups, inner.param_groups):
             group.update(options(own))
         self.seen = [options(group) for group in param_groups]
@@ -821,9 +819,7 @@ class SyncedOptions:
                         "scheduler on opt or on opt.optimizer, not both)"
                     )
         result = call()
-        for group, own in zip(param_groups, inner.param_groups):
-            group.update(options(own))
-        self.seen = [options(group) for group in param_groups]
+        self.loaded(param_groups, inner)
         return result
 
 

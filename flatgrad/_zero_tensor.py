@@ -52,6 +52,7 @@ from flatgrad._zero_state import (
     STEP,
     OptimizerRecipe,
     load_own_state,
+    never_stepped,
     own_state,
     refuse_misfits,
 )
@@ -404,7 +405,7 @@ class TensorGroups:
                         stand_in.copy_(entry[MASTER])
                     self._versions[id(param)] = param._version
                     entry = {key: value for key, value in entry.items() if key != MASTER}
-                if entry is None or _never_stepped(entry):
+                if entry is None or never_stepped(entry):
                     fresh = self.recipe.build([{**options(inner), **options(saved), "params": [stand_in]}])
                     entry = fresh.state.get(stand_in)  # (Adagrad's initial accumulator)
                 if entry:
@@ -421,7 +422,7 @@ class TensorGroups:
             return "its parameter groups hold other parameters (another model or grouping)"
         for group_names, owned in zip(names, self.owned):
             entries = [saved["state"][n] for n in group_names if n in saved["state"]]
-            if not entries or all(_never_stepped(e) for e in entries):
+            if not entries or all(never_stepped(e) for e in entries):
                 continue  # (a group that never stepped: fresh)
             missing = [self.names[id(p)] for p in owned if self.names[id(p)] not in saved["state"]]
             if missing:
@@ -431,11 +432,6 @@ class TensorGroups:
     def state_bytes(self) -> int:
         """The summed size of the tensors in the inner optimizer's state."""
         return state_bytes(self.inner)
-
-
-def _never_stepped(entry: object) -> bool:
-    step = entry.get(STEP) if isinstance(entry, dict) else None
-    return step is not None and float(step) == 0
 
 
 def _unstepped_state(
