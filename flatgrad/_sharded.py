@@ -60,6 +60,7 @@ from flatgrad._zero import (
     on_every_rank,
     options,
     relaid_state,
+    state_bytes,
 )
 from flatgrad._zero_state import GroupView, OptimizerRecipe, whole_state
 from flatgrad._zero_tensor import TensorEngine, TensorGroups
@@ -634,7 +635,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         Returns:
             The summed size of the tensors in the inner optimizer's state.
         """
-        return self._groups.state_bytes()
+        return state_bytes(self.optimizer)
 
 
 def _check_companions(dp: ReplicateState, shard_by: ShardBy, overlap_param_gather: bool) -> None:

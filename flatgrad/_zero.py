@@ -1072,7 +1072,3 @@ class PieceGroups:
             states.update(load_group(self.recipe, view, layout, state_dict["state"], flag, live))
         load_own_state(self.inner, states, state_dict.get(CLASS_STATE), state_dict["param_groups"])
         self.options.loaded(param_groups, self.inner)
-
-    def state_bytes(self) -> int:
-        """The summed size of the tensors in the inner optimizer's state."""
-        return state_bytes(self.inner)

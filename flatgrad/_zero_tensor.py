@@ -43,7 +43,6 @@ from flatgrad._zero import (
     group_signature,
     options,
     retake_master,
-    state_bytes,
     unscale_shards,
 )
 from flatgrad._zero_state import (
@@ -428,10 +427,6 @@ class TensorGroups:
             if missing:
                 return f"no state for {missing[:4]}"
         return None
-
-    def state_bytes(self) -> int:
-        """The summed size of the tensors in the inner optimizer's state."""
-        return state_bytes(self.inner)
 
 
 def _unstepped_state(
