@@ -450,7 +450,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._engine.wait_gather()
         self._follow_layout()
         self._groups.check(self.param_groups)
-        self._groups.call(name, self.param_groups)
+        self._groups.call(getattr(self.optimizer, name), self.param_groups)
         self._engine.launch_gather()
         self._engine.wait_gather()
 

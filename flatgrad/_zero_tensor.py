@@ -23,7 +23,6 @@ its state is saved per parameter name, whole, by the rank that owns it
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,10 +36,8 @@ from flatgrad._layout import GroupKey, merge_touching
 from flatgrad._torch_compat import broadcast_coalesced
 from flatgrad._zero import (
     FlatParameters,
+    InnerGroups,
     StoreSource,
-    SyncedOptions,
-    add_piece_group,
-    group_signature,
     options,
     retake_master,
     unscale_shards,
@@ -240,11 +237,13 @@ def _stand_in(param: torch.Tensor, master: bool) -> nn.Parameter:
     return nn.Parameter(param.detach().float() if master else param.detach())
 
 
-class TensorGroups:
+class TensorGroups(InnerGroups):
     """The inner optimizer (`inner`) over stand-ins of the parameters this rank owns, one
-    inner group per group of `param_groups` (empty where it owns none of the group), whose
-    options it copies at every step. `names` maps id(param) to the plain parameter name
-    (the checkpoint's keys)."""
+    inner group per group of `param_groups` (empty where it owns none of the group; see
+    `InnerGroups`). `names` maps id(param) to the plain parameter name (the checkpoint's
+    keys)."""
+
+    how_to_add = "which gives each its owner rank; the inner optimizer holds this rank's parameters only"
 
     def __init__(
         self,
@@ -264,13 +263,7 @@ class TensorGroups:
         self.masters: list[torch.Tensor] = []
         self._versions: dict[int, int] = {}
         self.inner = recipe.build([self._inner_group(group) for group in param_groups])
-        # Model parameters given to the inner optimizer would be stepped outside the plan
-        # (and not broadcast): refused at the call, as PieceGroups refuses them.
-        self.inner.add_param_group = functools.partial(  # type: ignore[method-assign]
-            add_piece_group, self.inner.add_param_group, self.stand_in_ids
-        )
-        self.held = group_signature(param_groups, self.inner)
-        self.options = SyncedOptions(param_groups, self.inner)
+        self.hold(param_groups, self.stand_in_ids)
 
     def _inner_group(self, group: dict[str, Any]) -> dict[str, Any]:
         owned = [p for p in group["params"] if p in self.engine.store and self.engine.owns(p)]
@@ -292,30 +285,11 @@ class TensorGroups:
         owners first)."""
         self.engine.add_members({id(p) for p in group["params"]})
         torch.optim.Optimizer.add_param_group(self.inner, self._inner_group(group))
-        self.held = group_signature(param_groups, self.inner)
-        self.options.added(group, self.inner.param_groups[-1])
-
-    def check(self, param_groups: list[dict[str, Any]]) -> None:
-        """Raise RuntimeError where the groups (or the inner ones) were changed by hand."""
-        if group_signature(param_groups, self.inner) != self.held:
-            raise RuntimeError(
-                "ShardedOptimizer's param_groups (and its inner optimizer's) were changed by "
-                "hand: add parameters with opt.add_param_group, which gives each its owner "
-                "rank; the inner optimizer holds this rank's parameters only"
-            )
-
-    def step(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> Any:
-        """The inner optimizer's step over this rank's parameters, each with its own `.grad`
-        (None: skipped, as a plain optimizer skips it), with the options `param_groups`
-        hold now; what the step writes into its groups shows in `param_groups` afterwards."""
-        self.point_grads()
-        self.take_masters()
-        result = self.options.run(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
-        self.write_back()
-        return result
+        self.added(group, param_groups)
 
     def point_grads(self) -> None:
-        """Each stand-in's `.grad`: its parameter's (`TensorEngine.grad_of`)."""
+        """Each stand-in's `.grad`: its parameter's (`TensorEngine.grad_of`; None: skipped by
+        the step, as a plain optimizer skips it)."""
         for owned in self.owned:
             for param in owned:
                 stand_in, grad = self.stand_ins[id(param)], self.engine.grad_of(param)
@@ -341,14 +315,6 @@ class TensorGroups:
             for param in self.masters:
                 param.copy_(self.stand_ins[id(param)])
                 self._versions[id(param)] = param._version
-
-    def call(self, name: str, param_groups: list[dict[str, Any]]) -> None:
-        """The inner optimizer's method `name` (schedule-free's ``train``/``eval``, which
-        move the parameters), with the options `param_groups` hold now; what it writes into
-        its groups shows in `param_groups` afterwards."""
-        self.take_masters()
-        self.options.run(self.inner, param_groups, getattr(self.inner, name))
-        self.write_back()
 
     def drop_grads(self) -> None:
         """Drop the stand-ins' `.grad` (zero_grad)."""
