@@ -7,7 +7,7 @@
 - `find_slot`, `owner_of`: which live store owns a parameter (`SlotRegistry`, a table by
   id this module owns), so that a layer backward given only the weight finds its slot.
 - Main grads: a float32 slot of a bfloat16/float16 parameter is its gradient while `.grad`
-  stays None. `MainGrads` holds one store's; `MainGradGuard` (`MAIN_GRAD_GUARD`) makes a
+  stays None. `GradStore.mains` are one store's; `MainGradGuard` (`MAIN_GRAD_GUARD`) makes a
   torch optimizer that would skip them raise.
 - `Prescale`: a store's prescaling state, which `flatgrad._prescale` writes and reads;
   `Scattered`: its reduce-scatter state, which `flatgrad._scattered_grad` writes and reads.
@@ -90,9 +90,9 @@ class GradStore:
         self.runs = self._table.runs()
         # Parameters whose slot is a main grad (float32 for a bfloat16/float16 parameter):
         # their `.grad` stays None, the slot alone holds the gradient (see `main_grad`).
-        mains = [p for p in self.params if self._entries[p].view.dtype != p.dtype]
-        self._main_grads = MainGrads(mains, self.views, self.spans(mains))
-        self.mains, self._main_ids = self._main_grads.params, self._main_grads.ids
+        self.mains = tuple(p for p in self.params if self._entries[p].view.dtype != p.dtype)
+        self._main_ids = frozenset(map(id, self.mains))
+        self._main_spans = self.spans(self.mains)  # (zeroed by `zero_mains`)
         self._disown = _REGISTRY.claim(self)
         if self.mains:
             MAIN_GRAD_GUARD.watch(self)
@@ -136,7 +136,8 @@ class GradStore:
 
     def zero_mains(self) -> None:
         """Zero every main grad (a few fills: adjacent slots share one)."""
-        self._main_grads.zero()
+        if self._main_spans:
+            torch._foreach_zero_(self._main_spans)
 
     def slot(self, param: torch.Tensor) -> tuple[GroupKey, SlotSpec]:
         """`param`'s group key and slot (offset and size in elements within that buffer)."""
@@ -176,9 +177,16 @@ class GradStore:
         that ran as plain torch, under torch.compile or torch.func; a `.grad` assigned by
         hand, or produced with create_graph=True) into the slot, so a sync of the slots sees
         it; with `zero_empty`, also zero the slots of those whose `.grad` is None."""
-        views = self.views
-        if self._main_ids:  # a main grad is the gradient even where `.grad` is None: never zeroed
-            params = self._main_grads.take_in(params)
+        views, mains = self.views, self._main_ids
+        if mains:  # a main grad is the gradient even where `.grad` is None: never zeroed
+            for param in [p for p in params if id(p) in mains]:
+                # (a low-precision `.grad` that arrived through AccumulateGrad: added into
+                # the main grad, and `.grad` back to None)
+                grad = param.grad
+                if grad is not None:
+                    views[id(param)].add_(grad.to_dense() if grad.is_sparse else grad.detach())
+                    param.grad = None
+            params = [p for p in params if id(p) not in mains]
         for param in params:
             grad = param.grad
             if grad is None:
@@ -476,44 +484,6 @@ def _check_free(params: Sequence[torch.Tensor]) -> None:
                 "buffer of another module FlatGrad was applied to (a parameter's gradient can live "
                 "in one flat buffer only): apply FlatGrad once, to the outermost model"
             )
-
-
-class MainGrads:
-    """The parameters of one store whose slot is a main grad, and their slots.
-
-    Args:
-        params: those parameters.
-        views: the store's slot views by ``id(param)`` (shared: the store updates it).
-        spans: 1-D views covering their slots (`GradStore.spans`), zeroed by `zero`.
-    """
-
-    def __init__(
-        self, params: Sequence[torch.nn.Parameter], views: dict[int, torch.Tensor], spans: list[torch.Tensor]
-    ) -> None:
-        self.params = tuple(params)
-        self.ids = frozenset(map(id, self.params))
-        self._views = views
-        self._spans = spans
-
-    def zero(self) -> None:
-        """Zero every main grad (a few fills: adjacent slots share one)."""
-        if self._spans:
-            torch._foreach_zero_(self._spans)
-
-    def take_in(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Add the low-precision `.grad` of each main-grad parameter among `params` (one that
-        arrived through AccumulateGrad) into its main grad and set that `.grad` back to None.
-
-        Returns:
-            The others among `params`, in order.
-        """
-        ids, views = self.ids, self._views
-        for param in [p for p in params if id(p) in ids]:
-            grad = param.grad
-            if grad is not None:
-                views[id(param)].add_(grad.to_dense() if grad.is_sparse else grad.detach())
-                param.grad = None
-        return [p for p in params if id(p) not in ids]
 
 
 _Scan = tuple[tuple[int, ...], list[torch.Tensor]]
