@@ -7,7 +7,7 @@
 - `find_slot`, `owner_of`: which live store owns a parameter (`SlotRegistry`, a table by
   id this module owns), so that a layer backward given only the weight finds its slot.
 - Main grads: a float32 slot of a bfloat16/float16 parameter is its gradient while `.grad`
-  stays None. `MainGrads` holds one store's; `MainGradGuard` (`MAIN_GRAD_GUARD`) makes a
+  stays None. `GradStore.mains` are one store's; `MainGradGuard` (`MAIN_GRAD_GUARD`) makes a
   torch optimizer that would skip them raise.
 - `Prescale`: a store's prescaling state, which `flatgrad._prescale` writes and reads;
   `Scattered`: its reduce-scatter state, which `flatgrad._scattered_grad` writes and reads.
@@ -66,7 +66,8 @@ class GradStore:
         self.buffers: dict[GroupKey, torch.Tensor] = {}
         self._table = SlotTable(self.buffers)
         self._entries: dict[torch.Tensor, SlotEntry] = self._table.entries
-        self._views: dict[int, torch.Tensor] = self._table.views  # by id: no Tensor hash
+        # Each held parameter's slot view, by ``id(param)`` (the backward's lookup: no Tensor hash).
+        self.views: dict[int, torch.Tensor] = self._table.views
         self._locals: dict[int, torch.Tensor] = self._table.locals  # the slots themselves, by id
         # Per group: the buffer followed, in the same memory, by one used-flag element per
         # parameter; those flags; and those parameters (see `flagged`).
@@ -89,9 +90,9 @@ class GradStore:
         self.runs = self._table.runs()
         # Parameters whose slot is a main grad (float32 for a bfloat16/float16 parameter):
         # their `.grad` stays None, the slot alone holds the gradient (see `main_grad`).
-        mains = [p for p in self.params if self._entries[p].view.dtype != p.dtype]
-        self._main_grads = MainGrads(mains, self._views, self.spans(mains))
-        self.mains, self._main_ids = self._main_grads.params, self._main_grads.ids
+        self.mains = tuple(p for p in self.params if self._entries[p].view.dtype != p.dtype)
+        self._main_ids = frozenset(map(id, self.mains))
+        self._main_spans = self.spans(self.mains)  # (zeroed by `zero_mains`)
         self._disown = _REGISTRY.claim(self)
         if self.mains:
             MAIN_GRAD_GUARD.watch(self)
@@ -109,11 +110,6 @@ class GradStore:
 
     def __contains__(self, param: object) -> bool:
         return isinstance(param, torch.Tensor) and param in self._entries
-
-    @property
-    def views(self) -> dict[int, torch.Tensor]:
-        """Each held parameter's slot view, by ``id(param)`` (the backward's lookup)."""
-        return self._views
 
     def view(self, param: torch.Tensor) -> torch.Tensor:
         """`param`'s slot as its `.grad`, shaped and strided like the parameter (always the
@@ -140,17 +136,13 @@ class GradStore:
 
     def zero_mains(self) -> None:
         """Zero every main grad (a few fills: adjacent slots share one)."""
-        self._main_grads.zero()
+        if self._main_spans:
+            torch._foreach_zero_(self._main_spans)
 
     def slot(self, param: torch.Tensor) -> tuple[GroupKey, SlotSpec]:
         """`param`'s group key and slot (offset and size in elements within that buffer)."""
         entry = self._entries[param]
         return entry.key, entry.slot
-
-    def flat_view(self, param: torch.Tensor) -> torch.Tensor:
-        """`param`'s slot as a 1-D view."""
-        entry = self._entries[param]
-        return self.buffers[entry.key].narrow(0, entry.slot.offset, entry.slot.numel)
 
     def holds(self, param: torch.Tensor, grad: torch.Tensor | None) -> bool:
         """Whether `grad` is exactly `param`'s slot (same memory, shape and strides)."""
@@ -185,9 +177,16 @@ class GradStore:
         that ran as plain torch, under torch.compile or torch.func; a `.grad` assigned by
         hand, or produced with create_graph=True) into the slot, so a sync of the slots sees
         it; with `zero_empty`, also zero the slots of those whose `.grad` is None."""
-        views = self._views
-        if self._main_ids:  # a main grad is the gradient even where `.grad` is None: never zeroed
-            params = self._main_grads.take_in(params)
+        views, mains = self.views, self._main_ids
+        if mains:  # a main grad is the gradient even where `.grad` is None: never zeroed
+            for param in [p for p in params if id(p) in mains]:
+                # (a low-precision `.grad` that arrived through AccumulateGrad: added into
+                # the main grad, and `.grad` back to None)
+                grad = param.grad
+                if grad is not None:
+                    views[id(param)].add_(grad.to_dense() if grad.is_sparse else grad.detach())
+                    param.grad = None
+            params = [p for p in params if id(p) not in mains]
         for param in params:
             grad = param.grad
             if grad is None:
@@ -260,7 +259,7 @@ class GradStore:
         """
         cached = self._seat_cache
         if cached is None or cached[0] is not params:
-            views = self._views
+            views = self.views
             pairs = [(param, views[id(param)]) for param in params]
             cached = self._seat_cache = (params, pairs, self.spans(params))
         _, pairs, spans = cached
@@ -316,7 +315,7 @@ class GradStore:
         """Mark the store stale if one of `params` (the main grads' among them) no longer fits
         its slot, or a slot view no longer points at its slot (before every backward: by id,
         as `Tensor.__hash__` is Python)."""
-        views, mains = self._views, self._main_ids
+        views, mains = self.views, self._main_ids
         for param in params:
             view = views[id(param)]
             # A main grad's slot is float32 for a bfloat16/float16 parameter: its dtypes must
@@ -497,44 +496,6 @@ def _check_free(params: Sequence[torch.Tensor]) -> None:
                 "buffer of another module FlatGrad was applied to (a parameter's gradient can live "
                 "in one flat buffer only): apply FlatGrad once, to the outermost model"
             )
-
-
-class MainGrads:
-    """The parameters of one store whose slot is a main grad, and their slots.
-
-    Args:
-        params: those parameters.
-        views: the store's slot views by ``id(param)`` (shared: the store updates it).
-        spans: 1-D views covering their slots (`GradStore.spans`), zeroed by `zero`.
-    """
-
-    def __init__(
-        self, params: Sequence[torch.nn.Parameter], views: dict[int, torch.Tensor], spans: list[torch.Tensor]
-    ) -> None:
-        self.params = tuple(params)
-        self.ids = frozenset(map(id, self.params))
-        self._views = views
-        self._spans = spans
-
-    def zero(self) -> None:
-        """Zero every main grad (a few fills: adjacent slots share one)."""
-        if self._spans:
-            torch._foreach_zero_(self._spans)
-
-    def take_in(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Add the low-precision `.grad` of each main-grad parameter among `params` (one that
-        arrived through AccumulateGrad) into its main grad and set that `.grad` back to None.
-
-        Returns:
-            The others among `params`, in order.
-        """
-        ids, views = self.ids, self._views
-        for param in [p for p in params if id(p) in ids]:
-            grad = param.grad
-            if grad is not None:
-                views[id(param)].add_(grad.to_dense() if grad.is_sparse else grad.detach())
-                param.grad = None
-        return [p for p in params if id(p) not in ids]
 
 
 _Scan = tuple[tuple[int, ...], list[torch.Tensor]]

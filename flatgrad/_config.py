@@ -140,20 +140,14 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
     try:
         data = _parse(path, text)
     except (ValueError, yaml.YAMLError) as error:  # json.JSONDecodeError is a ValueError
-        raise ValueError(f"config file {str(path)!r} is not valid {_kind(path)}: {error}") from error
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise ValueError(f"config file {str(path)!r} is not valid {kind}: {error}") from error
     if data is None and path.suffix != ".json":
         return {}  # only comments
     if not isinstance(data, dict):
-        raise ValueError(f"config file {str(path)!r} must hold a mapping, got {_type_name(data)}")
+        found = "null" if data is None else type(data).__name__
+        raise ValueError(f"config file {str(path)!r} must hold a mapping, got {found}")
     return data
-
-
-def _kind(path: Path) -> str:
-    return "JSON" if path.suffix == ".json" else "YAML"
-
-
-def _type_name(data: object) -> str:
-    return "null" if data is None else type(data).__name__
 
 
 def resolve_config(config: FlatGradConfig | dict[str, Any] | str | Path | None) -> FlatGradConfig:

@@ -219,7 +219,9 @@ class FlatGrad(nn.Module):
             A new dict from ``(dtype, device)`` to that group's flat buffer (the live
             tensor, not a copy), laid out again first if the parameters changed.
         """
-        return _settled_buffers(engine_of(self))
+        store = engine_of(self).refresh()
+        store.settle()  # (the buffers as the truth)
+        return dict(store.buffers)
 
     # --- flat-buffer operations -----------------------------------------------------------
 
@@ -232,7 +234,24 @@ class FlatGrad(nn.Module):
                 pointed back at it). Main grads (``grad_dtype="float32"``) are zeroed either
                 way, and their parameters' `.grad` stays None.
         """
-        _zero_grad(engine_of(self), set_to_none)
+        # Setting None needs no walk over the model (it runs every step): whatever
+        # `GradEngine.current` does not see (a held parameter frozen or converted in place)
+        # still has its `.grad` set to None, and is found by the next norm, sync or backward.
+        engine = engine_of(self)
+        store = engine.current() if set_to_none else engine.refresh()
+        unmark_scattered(store, to_none=set_to_none)  # (zeroed: right on every rank again)
+        if set_to_none:
+            for param in store.params + engine.others:
+                param.grad = None
+            store.zero_mains()  # a main grad is the gradient itself: zeroed either way
+            return
+        for param in store.params:  # (a ScatteredGrad, or a `.grad` outside its slot)
+            if param.grad is not None and param.grad is not store.view(param):
+                param.grad = None if store.is_main(param) else store.view(param)
+        for buffer in store.buffers.values():
+            buffer.zero_()
+        for param in engine.others:
+            _zero_stock(param)
 
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
         """The gradient slot of `param`, shaped like it: with ``grad_dtype="float32"`` the
@@ -252,7 +271,19 @@ class FlatGrad(nn.Module):
             ValueError: `param` is not a trainable parameter of the model with a slot
                 (frozen, a sparse embedding's, another model's, or a plain tensor).
         """
-        return _main_grad(engine_of(self), param)
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"param must be a parameter of the model, got {type(param).__name__}")
+        store = engine_of(self).refresh()
+        if param not in store:
+            raise ValueError(
+                f"param must be a trainable parameter of the model with a gradient slot, "
+                f"got a tensor of shape {tuple(param.shape)} that has none (frozen, sparse, "
+                "another model's, or not a parameter)"
+            )
+        store.take_in([param], zero_empty=True)  # the buffer as the truth, as `settle` makes it
+        if is_scattered(store):  # (a ShardedOptimizer's backward: averaged in its shards only)
+            return scattered_main_grad(store, param)
+        return store.view(param)
 
     def grad_norm(self, norm_type: float = 2.0, *, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
         """The norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes
@@ -279,7 +310,11 @@ class FlatGrad(nn.Module):
             RuntimeError: The gradients are reduce-scattered by a `ShardedOptimizer` (after
                 its synchronised backward, until ``zero_grad()``); use its `clip_grad_norm_`.
         """
-        return _grad_norm(engine_of(self), norm_type, pp_mesh)
+        norm_type = _check_norm_type(norm_type)
+        engine = engine_of(self)
+        refuse_scattered(engine.store, "model.grad_norm()")
+        _, _, norms, dtype = _grads_and_norms(engine, norm_type, pp_mesh)
+        return _norms.total_norm(norms, norm_type, dtype)
 
     def clip_grad_norm_(
         self,
@@ -314,7 +349,21 @@ class FlatGrad(nn.Module):
                 gradients are reduce-scattered by a `ShardedOptimizer` (after its synchronised
                 backward, until ``zero_grad()``): use its `clip_grad_norm_`.
         """
-        return _clip_grad_norm_(engine_of(self), max_norm, norm_type, error_if_nonfinite, pp_mesh)
+        norm_type = _check_norm_type(norm_type)
+        engine = engine_of(self)
+        refuse_scattered(engine.store, "model.clip_grad_norm_()")
+        store, others, norms, dtype = _grads_and_norms(engine, norm_type, pp_mesh)
+        total = _norms.total_norm(norms, norm_type, dtype)
+        if not norms:
+            return total
+        if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+                "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
+            )
+        # (the runs: never the alignment padding, which stays zero)
+        scale_(store.runs + others, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
+        return total
 
     # --- synchronisation (the communication itself lives in flatgrad._comm) --------------
 
@@ -337,7 +386,12 @@ class FlatGrad(nn.Module):
                 live outside the flat buffers, or `reduce_dtype` is not one of the above.
             RuntimeError: No default process group is initialised (``dist.init_process_group``).
         """
-        _all_reduce_grads(engine_of(self), process_group, reduce_dtype)
+        engine = engine_of(self)
+        store = engine.refresh()
+        engine.refuse_sparse("all_reduce_grads")  # (every trainable parameter in the store)
+        if store.tensor_parallel is not None:
+            store.tensor_parallel.check_data_parallel(process_group, "model.all_reduce_grads()")
+        _comm.all_reduce_grads(store, process_group, reduce_dtype)
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Constructor arguments for ``DDP(model, **model.ddp_kwargs())``: the zero-copy,
@@ -457,35 +511,6 @@ def _refuse_untrainable(model: nn.Module) -> None:
         )
 
 
-def _settled_buffers(engine: GradEngine) -> dict[GroupKey, torch.Tensor]:
-    """The flat buffers as the truth (`GradStore.settle`), by (dtype, device)."""
-    store = engine.refresh()
-    store.settle()
-    return dict(store.buffers)
-
-
-def _zero_grad(engine: GradEngine, set_to_none: bool) -> None:
-    """`FlatGrad.zero_grad`: every `.grad` of the model None, or zeroed with one fill per
-    buffer; main grads zeroed either way. Setting None needs no walk over the model (it runs
-    every step): whatever `GradEngine.current` does not see (a held parameter frozen or
-    converted in place) still has its `.grad` set to None, and is found by the next norm,
-    sync or backward."""
-    store = engine.current() if set_to_none else engine.refresh()
-    unmark_scattered(store, to_none=set_to_none)  # (zeroed: right on every rank again)
-    if set_to_none:
-        for param in store.params + engine.others:
-            param.grad = None
-        store.zero_mains()  # a main grad is the gradient itself: zeroed either way
-        return
-    for param in store.params:  # (a ScatteredGrad, or a `.grad` outside its slot)
-        if param.grad is not None and param.grad is not store.view(param):
-            param.grad = None if store.is_main(param) else store.view(param)
-    for buffer in store.buffers.values():
-        buffer.zero_()
-    for param in engine.others:
-        _zero_stock(param)
-
-
 def _zero_stock(param: nn.Parameter) -> None:
     """What `nn.Module.zero_grad(set_to_none=False)` does to one parameter."""
     grad = param.grad
@@ -496,55 +521,6 @@ def _zero_stock(param: nn.Parameter) -> None:
     else:
         grad.requires_grad_(False)
     grad.zero_()
-
-
-def _main_grad(engine: GradEngine, param: torch.Tensor) -> torch.Tensor:
-    """`FlatGrad.main_grad`: `param`'s slot (its ScatteredGrad while reduce-scattered)."""
-    if not isinstance(param, torch.Tensor):
-        raise TypeError(f"param must be a parameter of the model, got {type(param).__name__}")
-    store = engine.refresh()
-    if param not in store:
-        raise ValueError(
-            f"param must be a trainable parameter of the model with a gradient slot, "
-            f"got a tensor of shape {tuple(param.shape)} that has none (frozen, sparse, "
-            "another model's, or not a parameter)"
-        )
-    store.take_in([param], zero_empty=True)  # the buffer as the truth, as `settle` makes it
-    if is_scattered(store):  # (a ShardedOptimizer's backward: averaged in its shards only)
-        return scattered_main_grad(store, param)
-    return store.view(param)
-
-
-def _grad_norm(engine: GradEngine, norm_type: float, pp_mesh: DeviceMesh | None) -> torch.Tensor:
-    """`FlatGrad.grad_norm`: the total norm of every gradient, in float64 chunks."""
-    norm_type = _check_norm_type(norm_type)
-    refuse_scattered(engine.store, "model.grad_norm()")
-    _, _, norms, dtype = _grads_and_norms(engine, norm_type, pp_mesh)
-    return _norms.total_norm(norms, norm_type, dtype)
-
-
-def _clip_grad_norm_(
-    engine: GradEngine,
-    max_norm: float,
-    norm_type: float,
-    error_if_nonfinite: bool,
-    pp_mesh: DeviceMesh | None,
-) -> torch.Tensor:
-    """`FlatGrad.clip_grad_norm_`: scale the runs and the gradients outside the buffers in
-    place by ``min(1, max_norm / (total + 1e-6))``; the total norm before clipping."""
-    norm_type = _check_norm_type(norm_type)
-    refuse_scattered(engine.store, "model.clip_grad_norm_()")
-    store, others, norms, dtype = _grads_and_norms(engine, norm_type, pp_mesh)
-    total = _norms.total_norm(norms, norm_type, dtype)
-    if not norms:
-        return total
-    if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
-        raise RuntimeError(
-            f"the total norm of order {norm_type} of the gradients is non-finite, so it "
-            "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
-        )
-    scale_(store.runs + others, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
-    return total
 
 
 def _grads_and_norms(
@@ -591,18 +567,6 @@ def _check_norm_type(norm_type: float) -> float:
     if math.isnan(norm_type):
         raise ValueError(f"norm_type must be a number or +-inf, got {norm_type}")
     return norm_type
-
-
-def _all_reduce_grads(
-    engine: GradEngine, process_group: dist.ProcessGroup | None, reduce_dtype: torch.dtype | None
-) -> None:
-    """`FlatGrad.all_reduce_grads`: `_comm.all_reduce_grads` over the refreshed store, which
-    must hold every trainable parameter (no sparse embedding)."""
-    store = engine.refresh()
-    engine.refuse_sparse("all_reduce_grads")
-    if store.tensor_parallel is not None:
-        store.tensor_parallel.check_data_parallel(process_group, "model.all_reduce_grads()")
-    _comm.all_reduce_grads(store, process_group, reduce_dtype)
 
 
 def _refuse_ddp(engine: GradEngine, what: str) -> None:

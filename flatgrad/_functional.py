@@ -421,21 +421,17 @@ Mode = Literal["skip", "fresh", "out", "add", "main"]
 TRACED: tuple[Mode, None, None] = ("fresh", None, None)
 
 
-def weight_target(
-    ctx: Any, index: int, next_functions: Any = None
-) -> tuple[Mode, torch.Tensor | None, torch.Tensor | None]:
+def weight_target(ctx: Any, index: int) -> tuple[Mode, torch.Tensor | None, torch.Tensor | None]:
     """Where the gradient of input `index` goes in this backward: (mode, slot, parameter).
 
     The parameter is taken from the graph (its AccumulateGrad node), not from saved
     tensors, which checkpointing and saved-tensor hooks hand back as other objects.
-    `next_functions` may be passed by a caller that needs several inputs (it costs a
-    tuple of node objects per access).
     """
     if not ctx.needs_input_grad[index]:
         return "skip", None, None
     if torch.compiler.is_compiling():
         return TRACED
-    return node_target((next_functions or ctx.next_functions)[index][0])
+    return node_target(ctx.next_functions[index][0])
 
 
 def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | None]:

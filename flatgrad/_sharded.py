@@ -60,6 +60,7 @@ from flatgrad._zero import (
     on_every_rank,
     options,
     relaid_state,
+    state_bytes,
 )
 from flatgrad._zero_state import GroupView, OptimizerRecipe, whole_state
 from flatgrad._zero_tensor import TensorEngine, TensorGroups
@@ -196,7 +197,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         Joinable.__init__(self)  # (not joined: Join configures it)
         self.dp = dp
         self.world_size = dp.world_size
-        self.rank = dist.get_rank(dp.process_group)
         self.overlap_param_gather = overlap_param_gather
         # The class and the user's constructor arguments: every optimizer built here gets both.
         self._recipe = recipe
@@ -450,7 +450,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._engine.wait_gather()
         self._follow_layout()
         self._groups.check(self.param_groups)
-        self._groups.call(name, self.param_groups)
+        self._groups.call(getattr(self.optimizer, name), self.param_groups)
         self._engine.launch_gather()
         self._engine.wait_gather()
 
@@ -635,7 +635,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         Returns:
             The summed size of the tensors in the inner optimizer's state.
         """
-        return self._groups.state_bytes()
+        return state_bytes(self.optimizer)
 
 
 def _check_companions(dp: ReplicateState, shard_by: ShardBy, overlap_param_gather: bool) -> None:

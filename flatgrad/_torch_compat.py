@@ -22,45 +22,14 @@ import torch.distributed as dist
 from torch.autograd import Variable, forward_ad
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._pytree import tree_leaves
-
-__all__ = [
-    "DTensor",
-    "DisableTorchFunctionSubclass",
-    "GATHER_TAKES_INT32",
-    "GradScalerBase",
-    "active_ddp_getter",
-    "broadcast_coalesced",
-    "collectives_run",
-    "current_autograd_node",
-    "divides_by_ranks_not_joined",
-    "dtensor_over",
-    "fast_apply",
-    "functorch_active",
-    "graph_task_id",
-    "in_compiled_autograd",
-    "join_state",
-    "local_shape_and_offset",
-    "non_finite_check_and_unscale",
-    "POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT",
-    "preserve_version_counter",
-    "queue_callback",
-    "register_load_pre_hook",
-    "run_post_accumulate_hooks",
-    "SAVED_SHARDS",
-    "set_local_tensor",
-    "sharded_tensor",
-    "tree_leaves",
-    "unwrap_if_dead",
-    "will_execute",
-]
+from torch.utils._pytree import tree_leaves as tree_leaves  # (re-exported)
 
 # --- DTensor ----------------------------------------------------------------------------------
 
 try:  # public from torch 2.5
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor as DTensor
 except ImportError:  # torch 2.4: the same class under its private module
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+    from torch.distributed._tensor import DTensor as DTensor  # type: ignore[no-redef]
 
 
 def set_local_tensor(dtensor: torch.Tensor, local: torch.Tensor) -> None:
@@ -117,18 +86,12 @@ current_autograd_node: Callable[[], Any] = torch._C._current_autograd_node
 DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
 """A context where tensor subclasses' ``__torch_function__`` is not called."""
 
-# `Function.apply` without its Python wrapper (the C++ descriptor `_FunctionBase.apply`):
-# None where a release has no such descriptor, and `torch.autograd.Function.apply` is used.
-_APPLY_DESCRIPTOR: Any = torch._C._FunctionBase.__dict__.get("apply")
-
 
 def fast_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
-    """``cls.apply`` through the C++ descriptor where there is one (skips the Python
+    """``cls.apply`` through the C++ descriptor ``_FunctionBase.apply`` (skips the Python
     wrapper's checks for functorch and setup_context, which flatgrad's Functions decide
-    themselves); `cls.apply` elsewhere."""
-    if _APPLY_DESCRIPTOR is None:
-        return cls.apply
-    bound: Callable[..., Any] = _APPLY_DESCRIPTOR.__get__(None, cls)
+    themselves)."""
+    bound: Callable[..., Any] = torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)
     return bound
 
 
@@ -137,10 +100,8 @@ def functorch_active() -> bool:
     return bool(torch._C._are_functorch_transforms_active()) or forward_ad._current_level >= 0
 
 
-unwrap_if_dead: Callable[[torch.Tensor], torch.Tensor] = getattr(
-    torch._C._functorch, "unwrap_if_dead", lambda tensor: tensor
-)
-"""A tensor left wrapped by a finished torch.func transform, unwrapped (identity before 2.1)."""
+unwrap_if_dead: Callable[[torch.Tensor], torch.Tensor] = torch._C._functorch.unwrap_if_dead
+"""A tensor left wrapped by a finished torch.func transform, unwrapped."""
 
 
 def in_compiled_autograd() -> bool:

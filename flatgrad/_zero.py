@@ -776,9 +776,7 @@ class SyncedOptions:
     class keeps as a tensor, as torchao's do, is that tensor in both)."""
 
     def __init__(self, param_groups: list[dict[str, Any]], inner: torch.optim.Optimizer) -> None:
-        for group, own in zip(param_groups, inner.param_groups):
-            group.update(options(own))
-        self.seen = [options(group) for group in param_groups]
+        self.loaded(param_groups, inner)
 
     def added(self, group: dict[str, Any], own: dict[str, Any]) -> None:
         """A group just added to both sides: it takes the inner group's values."""
@@ -786,8 +784,8 @@ class SyncedOptions:
         self.seen.append(options(group))
 
     def loaded(self, param_groups: list[dict[str, Any]], inner: torch.optim.Optimizer) -> None:
-        """After the inner optimizer loaded the saved options (its class's own
-        ``load_state_dict``): the groups take them, and they are the last sync."""
+        """The groups take the inner optimizer's options, and they are the last sync: after
+        it loaded the saved ones (its class's own ``load_state_dict``), after a call."""
         for group, own in zip(param_groups, inner.param_groups):
             group.update(options(own))
         self.seen = [options(group) for group in param_groups]
@@ -821,9 +819,7 @@ class SyncedOptions:
                         "scheduler on opt or on opt.optimizer, not both)"
                     )
         result = call()
-        for group, own in zip(param_groups, inner.param_groups):
-            group.update(options(own))
-        self.seen = [options(group) for group in param_groups]
+        self.loaded(param_groups, inner)
         return result
 
 
@@ -950,12 +946,73 @@ def _state_dtype(template: dict[str, Any] | None, key: str, param: torch.Tensor)
     return value.dtype if isinstance(value, torch.Tensor) else param.dtype
 
 
-class PieceGroups:
-    """The inner optimizer (`inner`) over this rank's pieces of `param_groups` (a torch
-    optimizer's groups of model parameters): one inner group per group, whose options it
-    copies at every step. `names` maps id(param) to the plain parameter name (the
-    checkpoint's keys). Every method that reads the groups is handed the live
-    `param_groups` list."""
+class InnerGroups:
+    """What `PieceGroups` (by element) and `flatgrad._zero_tensor.TensorGroups` (by tensor)
+    share: the inner optimizer (`inner`), one inner group per group of `param_groups` (a
+    torch optimizer's groups of model parameters), whose options it copies at every step
+    (`SyncedOptions`), and the check that neither side's groups were changed by hand. Every
+    method that reads the groups is handed the live `param_groups` list."""
+
+    inner: torch.optim.Optimizer
+    point_grads: Callable[[], None]  # each stepped tensor's `.grad`, before a step
+    take_masters: Callable[[], None]  # the float32 masters of parameters written since
+    write_back: Callable[[], None]  # the masters into their parameters, after a step
+    how_to_add = ""  # what opt.add_param_group gives a parameter (`check`'s advice)
+
+    def hold(self, param_groups: list[dict[str, Any]], held: Callable[[], set[int]]) -> None:
+        """Once `inner` is built: its `add_param_group` takes only the tensors `held` gives
+        the ids of, and the groups of both sides are the last sync."""
+        # Model parameters given to the inner optimizer would be stepped twice (there and
+        # through their shard or owner): refused at the call. (An instance attribute: the
+        # optimizer pickles and deep-copies by its state only.)
+        self.inner.add_param_group = functools.partial(  # type: ignore[method-assign]
+            add_piece_group, self.inner.add_param_group, held
+        )
+        self.held = group_signature(param_groups, self.inner)
+        self.options = SyncedOptions(param_groups, self.inner)
+
+    def added(self, group: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
+        """`group` was just added to `param_groups` and its inner group to `inner`."""
+        self.held = group_signature(param_groups, self.inner)
+        self.options.added(group, self.inner.param_groups[-1])
+
+    def check(self, param_groups: list[dict[str, Any]]) -> None:
+        """Raise RuntimeError where the groups (or the inner ones) were changed by hand: a
+        parameter put into a group past add_param_group has no place in the plan, and one put
+        into the inner optimizer would be stepped there and through the plan."""
+        if group_signature(param_groups, self.inner) != self.held:
+            raise RuntimeError(
+                "ShardedOptimizer's param_groups (and its inner optimizer's) were changed by "
+                f"hand: add parameters with opt.add_param_group, {self.how_to_add}"
+            )
+
+    def step(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> Any:
+        """The inner optimizer's step (through the float32 masters, if any), with the options
+        `param_groups` hold now (live: what a scheduler or the loop wrote); what the step
+        writes into its groups (an optimizer that adapts an option, or adds one) shows in
+        `param_groups` afterwards, as it would in a plain optimizer's."""
+        self.point_grads()
+        return self.call(functools.partial(self.inner.step, **kwargs), param_groups)
+
+    def call(self, method: Callable[[], Any], param_groups: list[dict[str, Any]]) -> Any:
+        """`method` of the inner optimizer (its step; schedule-free's ``train``/``eval``,
+        which move the parameters), with the options `param_groups` hold now; what it writes
+        into its groups shows in `param_groups` afterwards."""
+        self.take_masters()
+        result = self.options.run(self.inner, param_groups, method)
+        self.write_back()
+        return result
+
+
+class PieceGroups(InnerGroups):
+    """The inner optimizer (`inner`) over this rank's pieces of `param_groups` (see
+    `InnerGroups`). `names` maps id(param) to the plain parameter name (the checkpoint's
+    keys)."""
+
+    how_to_add = (
+        "which gives them their pieces of this rank's shards; the inner optimizer holds those "
+        "pieces only and cannot take model parameters (each is already stepped through its shard)"
+    )
 
     def __init__(
         self,
@@ -973,14 +1030,8 @@ class PieceGroups:
         inner_groups = [self.inner_group(group, pieces) for group, pieces in zip(param_groups, self.pieces)]
         # With the user's constructor arguments, as a plain optimizer is built (`OptimizerRecipe`).
         self.inner = recipe.build(inner_groups)
-        # Model parameters given to the inner optimizer would be stepped twice (there and
-        # through their shard): refused at the call. (An instance attribute: the optimizer
-        # pickles and deep-copies by its state only.)
-        self.inner.add_param_group = functools.partial(  # type: ignore[method-assign]
-            add_piece_group, self.inner.add_param_group, self.piece_ids
-        )
-        self.held = group_signature(param_groups, self.inner)
-        self.options = SyncedOptions(param_groups, self.inner)
+        self.take_masters, self.write_back = engine.take_masters, engine.write_back  # (the engine's masters)
+        self.hold(param_groups, self.piece_ids)
 
     def piece_ids(self) -> set[int]:
         return {id(piece.param) for pieces in self.pieces for piece in pieces}
@@ -996,45 +1047,13 @@ class PieceGroups:
         pieces = self.engine.pieces(group["params"])
         self.pieces.append(pieces)
         torch.optim.Optimizer.add_param_group(self.inner, self.inner_group(group, pieces))
-        self.held = group_signature(param_groups, self.inner)
-        self.options.added(group, self.inner.param_groups[-1])
-
-    def check(self, param_groups: list[dict[str, Any]]) -> None:
-        """Raise RuntimeError where the groups (or the inner ones) were changed by hand: a
-        parameter put into a group past add_param_group has no pieces, and one put into the
-        inner optimizer would be stepped there and through its shard."""
-        if group_signature(param_groups, self.inner) != self.held:
-            raise RuntimeError(
-                "ShardedOptimizer's param_groups (and its inner optimizer's) were changed by "
-                "hand: add parameters with opt.add_param_group, which gives them their pieces "
-                "of this rank's shards; the inner optimizer holds those pieces only and cannot "
-                "take model parameters (each is already stepped through its shard)"
-            )
-
-    def step(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> Any:
-        """The inner optimizer's step over the pieces (through the float32 masters, if any),
-        with the options `param_groups` hold now (live: what a scheduler or the loop wrote);
-        what the step writes into its groups (an optimizer that adapts an option, or adds
-        one) shows in `param_groups` afterwards, as it would in a plain optimizer's."""
-        self.point_grads()
-        self.engine.take_masters()
-        result = self.options.run(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
-        self.engine.write_back()
-        return result
+        self.added(group, param_groups)
 
     def point_grads(self) -> None:
         """Each piece's `.grad`: its part of the gradient shard."""
         for pieces in self.pieces:
             for piece in pieces:
                 piece.param.grad = piece.grad
-
-    def call(self, name: str, param_groups: list[dict[str, Any]]) -> None:
-        """The inner optimizer's method `name` (schedule-free's ``train``/``eval``, which
-        move the parameters), with the options `param_groups` hold now; what it writes into
-        its groups shows in `param_groups` afterwards."""
-        self.engine.take_masters()
-        self.options.run(self.inner, param_groups, getattr(self.inner, name))
-        self.engine.write_back()
 
     def drop_grads(self) -> None:
         """Drop the pieces' `.grad` (zero_grad)."""
@@ -1076,7 +1095,3 @@ class PieceGroups:
             states.update(load_group(self.recipe, view, layout, state_dict["state"], flag, live))
         load_own_state(self.inner, states, state_dict.get(CLASS_STATE), state_dict["param_groups"])
         self.options.loaded(param_groups, self.inner)
-
-    def state_bytes(self) -> int:
-        """The summed size of the tensors in the inner optimizer's state."""
-        return state_bytes(self.inner)

@@ -616,9 +616,15 @@ def saved_stepped(groups: list[GroupView], saved: dict[str, Any]) -> list[bool]:
     flags = []
     for group in groups:
         entry = next((saved["state"][n] for n, _ in group.params if n in saved["state"]), None)
-        step = entry.get(STEP) if isinstance(entry, dict) else None
-        flags.append(entry is not None and (step is None or float(step) != 0))
+        flags.append(entry is not None and not never_stepped(entry))
     return flags
+
+
+def never_stepped(entry: object) -> bool:
+    """Whether a parameter's saved state says its optimizer never stepped: a step count of 0
+    (torch's optimizers keep no state then; one without a count, SGD, always loads its state)."""
+    step = entry.get(STEP) if isinstance(entry, dict) else None
+    return step is not None and float(step) == 0
 
 
 def misfit(recipe: OptimizerRecipe, groups: list[GroupView], layout: Layout, saved: object) -> str | None:

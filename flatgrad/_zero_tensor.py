@@ -23,7 +23,6 @@ its state is saved per parameter name, whole, by the rank that owns it
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,13 +36,10 @@ from flatgrad._layout import GroupKey, merge_touching
 from flatgrad._torch_compat import broadcast_coalesced
 from flatgrad._zero import (
     FlatParameters,
+    InnerGroups,
     StoreSource,
-    SyncedOptions,
-    add_piece_group,
-    group_signature,
     options,
     retake_master,
-    state_bytes,
     unscale_shards,
 )
 from flatgrad._zero_state import (
@@ -52,6 +48,7 @@ from flatgrad._zero_state import (
     STEP,
     OptimizerRecipe,
     load_own_state,
+    never_stepped,
     own_state,
     refuse_misfits,
 )
@@ -240,11 +237,13 @@ def _stand_in(param: torch.Tensor, master: bool) -> nn.Parameter:
     return nn.Parameter(param.detach().float() if master else param.detach())
 
 
-class TensorGroups:
+class TensorGroups(InnerGroups):
     """The inner optimizer (`inner`) over stand-ins of the parameters this rank owns, one
-    inner group per group of `param_groups` (empty where it owns none of the group), whose
-    options it copies at every step. `names` maps id(param) to the plain parameter name
-    (the checkpoint's keys)."""
+    inner group per group of `param_groups` (empty where it owns none of the group; see
+    `InnerGroups`). `names` maps id(param) to the plain parameter name (the checkpoint's
+    keys)."""
+
+    how_to_add = "which gives each its owner rank; the inner optimizer holds this rank's parameters only"
 
     def __init__(
         self,
@@ -264,13 +263,7 @@ class TensorGroups:
         self.masters: list[torch.Tensor] = []
         self._versions: dict[int, int] = {}
         self.inner = recipe.build([self._inner_group(group) for group in param_groups])
-        # Model parameters given to the inner optimizer would be stepped outside the plan
-        # (and not broadcast): refused at the call, as PieceGroups refuses them.
-        self.inner.add_param_group = functools.partial(  # type: ignore[method-assign]
-            add_piece_group, self.inner.add_param_group, self.stand_in_ids
-        )
-        self.held = group_signature(param_groups, self.inner)
-        self.options = SyncedOptions(param_groups, self.inner)
+        self.hold(param_groups, self.stand_in_ids)
 
     def _inner_group(self, group: dict[str, Any]) -> dict[str, Any]:
         owned = [p for p in group["params"] if p in self.engine.store and self.engine.owns(p)]
@@ -292,30 +285,11 @@ class TensorGroups:
         owners first)."""
         self.engine.add_members({id(p) for p in group["params"]})
         torch.optim.Optimizer.add_param_group(self.inner, self._inner_group(group))
-        self.held = group_signature(param_groups, self.inner)
-        self.options.added(group, self.inner.param_groups[-1])
-
-    def check(self, param_groups: list[dict[str, Any]]) -> None:
-        """Raise RuntimeError where the groups (or the inner ones) were changed by hand."""
-        if group_signature(param_groups, self.inner) != self.held:
-            raise RuntimeError(
-                "ShardedOptimizer's param_groups (and its inner optimizer's) were changed by "
-                "hand: add parameters with opt.add_param_group, which gives each its owner "
-                "rank; the inner optimizer holds this rank's parameters only"
-            )
-
-    def step(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> Any:
-        """The inner optimizer's step over this rank's parameters, each with its own `.grad`
-        (None: skipped, as a plain optimizer skips it), with the options `param_groups`
-        hold now; what the step writes into its groups shows in `param_groups` afterwards."""
-        self.point_grads()
-        self.take_masters()
-        result = self.options.run(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
-        self.write_back()
-        return result
+        self.added(group, param_groups)
 
     def point_grads(self) -> None:
-        """Each stand-in's `.grad`: its parameter's (`TensorEngine.grad_of`)."""
+        """Each stand-in's `.grad`: its parameter's (`TensorEngine.grad_of`; None: skipped by
+        the step, as a plain optimizer skips it)."""
         for owned in self.owned:
             for param in owned:
                 stand_in, grad = self.stand_ins[id(param)], self.engine.grad_of(param)
@@ -341,14 +315,6 @@ class TensorGroups:
             for param in self.masters:
                 param.copy_(self.stand_ins[id(param)])
                 self._versions[id(param)] = param._version
-
-    def call(self, name: str, param_groups: list[dict[str, Any]]) -> None:
-        """The inner optimizer's method `name` (schedule-free's ``train``/``eval``, which
-        move the parameters), with the options `param_groups` hold now; what it writes into
-        its groups shows in `param_groups` afterwards."""
-        self.take_masters()
-        self.options.run(self.inner, param_groups, getattr(self.inner, name))
-        self.write_back()
 
     def drop_grads(self) -> None:
         """Drop the stand-ins' `.grad` (zero_grad)."""
@@ -404,7 +370,7 @@ class TensorGroups:
                         stand_in.copy_(entry[MASTER])
                     self._versions[id(param)] = param._version
                     entry = {key: value for key, value in entry.items() if key != MASTER}
-                if entry is None or _never_stepped(entry):
+                if entry is None or never_stepped(entry):
                     fresh = self.recipe.build([{**options(inner), **options(saved), "params": [stand_in]}])
                     entry = fresh.state.get(stand_in)  # (Adagrad's initial accumulator)
                 if entry:
@@ -421,21 +387,12 @@ class TensorGroups:
             return "its parameter groups hold other parameters (another model or grouping)"
         for group_names, owned in zip(names, self.owned):
             entries = [saved["state"][n] for n in group_names if n in saved["state"]]
-            if not entries or all(_never_stepped(e) for e in entries):
+            if not entries or all(never_stepped(e) for e in entries):
                 continue  # (a group that never stepped: fresh)
             missing = [self.names[id(p)] for p in owned if self.names[id(p)] not in saved["state"]]
             if missing:
                 return f"no state for {missing[:4]}"
         return None
-
-    def state_bytes(self) -> int:
-        """The summed size of the tensors in the inner optimizer's state."""
-        return state_bytes(self.inner)
-
-
-def _never_stepped(entry: object) -> bool:
-    step = entry.get(STEP) if isinstance(entry, dict) else None
-    return step is not None and float(step) == 0
 
 
 def _unstepped_state(

@@ -45,9 +45,7 @@ class FlatGradDDPKwargs(DistributedDataParallelKwargs):
 
     flatgrad_comm_state: FlatGradCommState | None = None
 
-    def to_dict(
-        self, ignore_keys: tuple[str, ...] = ("comm_hook", "comm_wrapper", "comm_state_option")
-    ) -> Any:
+    def to_dict(self, ignore_keys: tuple[str, ...] = _NOT_DDP_ARGUMENTS) -> Any:
         """Accelerate's DDP arguments, without the comm state (no DDP argument, and never
         deep-copied: it holds the model)."""
         fields = {k: v for k, v in self.__dict__.items() if k != _STATE and k not in ignore_keys}

@@ -69,7 +69,7 @@ from flatgrad._optim_kinds import ShardBy
 from flatgrad._parallel import ReplicateModule, replicate, unreplicate
 from flatgrad._sharded import ShardedOptimizer
 from flatgrad._zero import options
-from flatgrad._zero_state import CLASS_STATE, MASTER, whole_state
+from flatgrad._zero_state import CLASS_STATE, MASTER, never_stepped, whole_state
 
 logger = logging.getLogger(__name__)
 
@@ -231,10 +231,7 @@ class FlatGradDataParallelStrategy(DDPStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """The model's `no_sync` while Lightning accumulates (``accumulate_grad_batches``)."""
-        if isinstance(self.model, ReplicateModule):
-            with self.model.no_sync():
-                yield None
-        else:
+        with self.model.no_sync() if isinstance(self.model, ReplicateModule) else nullcontext():
             yield None
 
     def setup_precision_plugin(self) -> None:
@@ -449,7 +446,7 @@ def plain_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
         indices = []
         for param, name in zip(group["params"], saved_group["params"]):
             entry = saved["state"].get(name)
-            if entry and _stepped(entry):
+            if entry and not never_stepped(entry):  # (torch keeps no state then)
                 if MASTER in entry:
                     logger.warning(
                         "flatgrad_sharded: the float32 master weights are not saved in the plain "
@@ -508,13 +505,6 @@ def _by_index(saved: object) -> bool:
     """Whether `saved` is a plain torch optimizer state dict (parameters by index)."""
     groups = saved.get("param_groups", []) if isinstance(saved, dict) else []
     return any(isinstance(p, int) for group in groups for p in group.get("params", ()))
-
-
-def _stepped(entry: dict[str, Any]) -> bool:
-    """Whether a parameter's saved state is that of a step taken (a ShardedOptimizer saves a
-    step count of 0 for a group that has not stepped; torch keeps no state then)."""
-    step = entry.get("step")
-    return step is None or float(step) != 0
 
 
 def _plain_value(value: object, param: torch.Tensor) -> object:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from flatgrad._parallel import ReplicateModule, ReplicateState, replicate_state
+from flatgrad._zero_state import flagged_ranks
 
 # The methods of torch's stage this subclass runs inside, and the parameter each must take.
 _STAGE_METHODS = {
@@ -195,10 +196,7 @@ def _check_finite(dp: ReplicateState) -> None:
     grads = [(name, p.grad) for name, p in dp.module.named_parameters() if p.grad is not None]
     local = [name for name, grad in grads if not bool(torch.isfinite(grad).all())]
     device = grads[0][1].device if grads else torch.device("cpu")
-    ranks = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
-    ranks[dist.get_rank(group)] = int(bool(local))
-    dist.all_reduce(ranks, group=group)
-    bad = [rank for rank, flag in enumerate(ranks.tolist()) if flag]
+    bad = flagged_ranks(bool(local), device, group)
     if bad:
         rank = dist.get_rank(group)
         where = f"rank {rank} (this rank) in {local[:8]}" if local else f"rank(s) {bad}"
