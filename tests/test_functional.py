@@ -165,6 +165,21 @@ def test_accumulating_embedding_rows_sums_repeats_first_as_stock(kwargs, vocab, 
     assert grad_in_buffers(flat, flat.weight.grad)
 
 
+def test_a_tied_lm_first_backward_is_stock_to_the_bit():
+    """A tied table's two writers in one backward: the routed head writes the slot, then the
+    lookup adds its rows, summed per index first (stock's input buffer adds the head's
+    gradient and the lookup's summed rows): float32 bits equal, with every token repeated."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    tokens = torch.randint(0, 13, (8, 16), generator=torch.Generator().manual_seed(1))
+    flat(tokens).backward()
+    oracle(tokens).backward()
+    for p, q in zip(flat.parameters(), oracle.parameters()):
+        assert torch.equal(p.grad.view(torch.int32), q.grad.view(torch.int32))
+
+
 def test_gather_with_index_add_matches_indexing():
     torch.manual_seed(0)
     table = torch.randn(20, dtype=torch.float64, requires_grad=True)
