@@ -442,23 +442,26 @@ def plain_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
     state: dict[int, dict[str, Any]] = {}
     param_groups = []
     index = 0
+    masters: set[torch.dtype] = set()  # the dtypes of parameters whose masters are dropped
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         indices = []
         for param, name in zip(group["params"], saved_group["params"]):
             entry = saved["state"].get(name)
             if entry and not never_stepped(entry):  # (torch keeps no state then)
                 if MASTER in entry:
-                    logger.warning(
-                        "flatgrad_sharded: the float32 master weights are not saved in the plain "
-                        "optimizer state; a resumed run starts from the %s parameters",
-                        param.dtype,
-                    )
+                    masters.add(param.dtype)
                 state[index] = {
                     key: _plain_value(value, param) for key, value in entry.items() if key != MASTER
                 }
             indices.append(index)
             index += 1
         param_groups.append({**options(saved_group), "params": indices})
+    if masters:  # (once per save)
+        logger.warning(
+            "flatgrad_sharded: the float32 master weights are not saved in the plain optimizer "
+            "state; a resumed run starts from the %s parameters",
+            "/".join(sorted(str(dtype) for dtype in masters)),
+        )
     rest = saved.get(CLASS_STATE) or {}  # (the class's state not of a parameter, as it saves it)
     state.update(rest.get("state") or {})
     return {**{k: v for k, v in rest.items() if k != "state"}, "state": state, "param_groups": param_groups}

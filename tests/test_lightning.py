@@ -501,3 +501,21 @@ def test_strategy_arguments_are_checked() -> None:
         flatgrad.lightning.FlatGradDataParallelStrategy(static_graph=True)
     with pytest.raises(TypeError, match="FlatGradShardedStrategy's keyword arguments must be"):
         flatgrad.lightning.FlatGradShardedStrategy(find_unused_parameters=True)
+
+
+def test_the_plain_state_warns_once_that_master_weights_are_left_out(caplog):
+    """bfloat16 weights with float32 master shards, saved in a plain optimizer's form (which
+    has no place for masters): one warning per save naming the dtype, not one per parameter."""
+    from flatgrad.bench.suite import single_rank_group
+
+    with single_rank_group("gloo", torch.device("cpu")):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).to(torch.bfloat16)
+        model = flatgrad.replicate(flatgrad.FlatGrad(model, config={"grad_dtype": "float32"}))
+        opt = flatgrad.ShardedOptimizer(model, torch.optim.AdamW, model.parameters(), lr=1e-3)
+        model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+        with caplog.at_level("WARNING", logger="flatgrad.lightning"):
+            state = flatgrad.lightning.plain_optimizer_state(opt)
+    warned = [r.getMessage() for r in caplog.records if "master weights are not saved" in r.getMessage()]
+    assert len(warned) == 1 and "torch.bfloat16" in warned[0]
+    assert sorted(state["state"]) == [0, 1, 2, 3] and "master" not in str(list(state["state"][0]))
