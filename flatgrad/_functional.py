@@ -490,19 +490,23 @@ def add_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, alph
     g + (r1 + r2)).
 
     A table no longer than the rows is summed as stock does (into zeros of its size, then
-    one add), and so is any under `torch.use_deterministic_algorithms` (CUDA's scatter-min
-    alerts). A longer one, without a sort: a scatter-min finds each index's first position
-    (one integer per row of `target`), the rows are summed there in `scatter_rows`'s order,
-    and every other position adds +0.0. That changes nothing: a sum started from +0.0, as
-    stock's, is never -0.0, so ``g + s`` is not -0.0 either, and ``x + 0.0`` is `x` for
-    every other `x` (added before the sum, in any order, the same holds).
+    one add), and so is any on an accelerator under `torch.use_deterministic_algorithms`
+    (CUDA's scatter-min alerts; CPU's scatters are deterministic). A longer one, without a
+    sort: a scatter-min finds each index's first position (one integer per row of
+    `target`), the rows are summed there in `scatter_rows`'s order, and every other
+    position adds +0.0. That changes nothing: a sum started from +0.0, as stock's, is never
+    -0.0, so ``g + s`` is not -0.0 either, and ``x + 0.0`` is `x` for every other `x` (added
+    before the sum, in any order, the same holds; not under flush-to-zero, where ``g + s``
+    can flush to -0.0: only its sign differs then).
     """
-    if target.shape[0] <= index.numel() or torch.are_deterministic_algorithms_enabled():
+    deterministic = index.device.type != "cpu" and torch.are_deterministic_algorithms_enabled()
+    if target.shape[0] <= index.numel() or deterministic:
         target.add_(scatter_rows(torch.zeros_like(target), index, rows), alpha=alpha)
         return
+    index = index.long()  # (int32 indexing is patchy on older releases)
     positions = torch.arange(index.numel(), device=index.device)
     first = torch.full((target.shape[0],), index.numel(), dtype=torch.long, device=index.device)
-    first = first.scatter_reduce_(0, index.long(), positions, "amin")[index]
+    first = first.scatter_reduce_(0, index, positions, "amin").index_select(0, index)
     scatter_rows(target, index, scatter_rows(torch.zeros_like(rows), first, rows), alpha)
 
 

@@ -13,6 +13,7 @@ from conftest import ROUTE_ALL, TiedLM, assert_same_grads, grad_in_buffers
 from torch import nn
 
 import flatgrad
+from flatgrad._functional import add_rows
 
 _COPY_OPS = {"aten::copy_", "aten::clone", "aten::add_", "aten::add", "aten::mul_out", "aten::_to_copy"}
 _SORT_OPS = {"aten::sort", "aten::index_put_", "aten::_index_put_impl_", "aten::embedding_dense_backward"}
@@ -163,6 +164,29 @@ def test_accumulating_embedding_rows_sums_repeats_first_as_stock(kwargs, vocab, 
                 torch.use_deterministic_algorithms(False)
     assert torch.equal(flat.weight.grad.view(torch.int32), oracle.weight.grad.view(torch.int32))  # bits
     assert grad_in_buffers(flat, flat.weight.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+@pytest.mark.parametrize(
+    ("shape", "count", "index_dtype"),
+    [((300, 4), 64, torch.int64), ((300, 4), 64, torch.int32), ((300, 2, 3), 64, torch.int64),
+     ((20, 4), 64, torch.int64), ((300, 4), 0, torch.int64)],
+)  # fmt: skip
+def test_add_rows_is_the_gradient_plus_stocks_summed_rows(dtype, alpha, shape, count, index_dtype):
+    """`add_rows` against its definition, ``g + alpha * zeros.index_add_(rows)`` (stock's
+    dense sum, then AccumulateGrad's add), bit for bit: both of its paths (a table longer or
+    shorter than the rows), int32 indices, an empty batch, a 3-D table, NaN and inf rows."""
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(shape, generator=gen, dtype=dtype)
+    index = torch.randint(0, 12, (count,), generator=gen).to(index_dtype)  # (repeats: 12 rows read)
+    rows = torch.randn((count, *shape[1:]), generator=gen, dtype=dtype)
+    if count:
+        rows[3], rows[7] = float("nan"), float("inf")
+    expected = g + alpha * torch.zeros_like(g).index_add_(0, index, rows)
+    add_rows(g, index, rows, alpha)
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    assert torch.equal(g.view(bits), expected.view(bits))
 
 
 def test_a_tied_lm_first_backward_is_stock_to_the_bit():
