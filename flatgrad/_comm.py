@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flatgrad._buffer import GradStore, host_tensor
 from flatgrad._torch_compat import (
-    active_ddp_getter,
+    active_ddp,
     divides_by_ranks_not_joined,
     graph_task_id,
     join_state,
@@ -94,7 +94,8 @@ def note_forward_without_hook(num_forwards: int) -> int | None:
     forwards inside ``ddp.no_sync()`` (gradient accumulation: the hook runs only on the last
     micro-batch), nor forwards outside any DDP.
     """
-    if not (torch.is_grad_enabled() and ddp_will_sync()):
+    ddp = active_ddp()  # (DDP exposes the module whose forward is running, for TorchDynamo)
+    if not (torch.is_grad_enabled() and ddp is not None and ddp.require_backward_grad_sync):
         return num_forwards
     num_forwards += 1
     if num_forwards < _SYNCED_FORWARDS_BEFORE_WARNING:
@@ -108,17 +109,6 @@ def note_forward_without_hook(num_forwards: int) -> int | None:
         num_forwards - 1,
     )
     return None
-
-
-def ddp_will_sync() -> bool:
-    """Whether a DDP is running this forward and will all-reduce after its backward. DDP
-    exposes the module whose forward is running for TorchDynamo; a torch without that hook
-    counts every forward (then accumulation over 3+ micro-batches can warn early)."""
-    active = active_ddp_getter()
-    if active is None:
-        return True
-    ddp = active()
-    return ddp is not None and bool(ddp.require_backward_grad_sync)
 
 
 class DDPEdge:
@@ -150,12 +140,14 @@ class DDPEdge:
             self.forwards_without_hook = note_forward_without_hook(self.forwards_without_hook)
 
     def after_forward(self) -> bool:
-        """After a training forward: whether it ran alone, under no DDP."""
-        if not under_ddp():
+        """After a training forward: whether it ran alone, under no DDP (under one,
+        synchronising or in ``no_sync()``, its reducer, not flatgrad, decides where `.grad`
+        lives)."""
+        ddp = active_ddp()
+        if ddp is None:
             return True
         self.pending = True  # (see `take_pending`)
-        ddp = active_ddp()
-        self._joining = None if ddp is None or not join_state(ddp)[0] else weakref.ref(ddp)
+        self._joining = weakref.ref(ddp) if join_state(ddp)[0] else None
         return False
 
     def take_pending(self) -> bool:
@@ -229,20 +221,6 @@ class DDPEdge:
                 "construct DDP(model, ..., **model.ddp_kwargs()) (gradient_as_bucket_view=True and one "
                 "bucket per dtype) for the zero-copy, one-all-reduce path"
             )
-
-
-def under_ddp() -> bool:
-    """Whether a DDP runs this forward, synchronising or in ``no_sync()`` (then its reducer,
-    not flatgrad, decides where `.grad` lives). A torch without DDP's hook for TorchDynamo
-    answers True: the answer only ever holds flatgrad back."""
-    active = active_ddp_getter()
-    return active is None or active() is not None
-
-
-def active_ddp() -> Any:
-    """The DDP whose forward is running (DDP exposes it for TorchDynamo), if any."""
-    active = active_ddp_getter()
-    return active() if active is not None else None
 
 
 def check_wire_dtype(reduce_dtype: torch.dtype | None) -> None:
