@@ -87,7 +87,7 @@ def note_forward_without_hook(num_forwards: int) -> int | None:
 
     Call site: `DDPEdge.before_forward`, before the model's own forward runs.
     `FlatGrad.ddp_kwargs()` starts the count at 0 (`DDPEdge.expect_hook`), the hook sets
-    it to None (`DDPEdge.hook_ran`: nothing to watch), so once the hook has run a forward
+    it to None (`DDPEdge.adopt`: nothing to watch), so once the hook has run a forward
     costs one comparison.
 
     Forwards under no_grad (evaluation, Lightning's sanity check) do not count, nor do
@@ -124,16 +124,13 @@ class DDPEdge:
         # Whether a forward under a DDP came since the last backward began: its reducer places
         # the next backward's gradients, whichever output that backward reaches first.
         self.pending = False
-        self._joining: weakref.ref[DDP] | None = None
+        self._joining: weakref.ref[DDP] | None = None  # the DDP whose last forward ran in a `Join`
         self.warned = False  # (the hook's one warning, said once)
 
     def expect_hook(self) -> None:
         """`ddp_kwargs()` was asked for: warn if `allreduce_hook` does not run."""
         if self.forwards_without_hook is None:
             self.forwards_without_hook = 0
-
-    def hook_ran(self) -> None:
-        self.forwards_without_hook = None
 
     def before_forward(self) -> None:
         if self.forwards_without_hook is not None:
@@ -156,10 +153,6 @@ class DDPEdge:
         pending, self.pending = self.pending, False
         return pending
 
-    def joining(self) -> DDP | None:
-        """The DDP whose last forward ran under an enabled `Join`, or None."""
-        return None if self._joining is None else self._joining()
-
     def ranks_not_joined(self, device: torch.device, process_group: dist.ProcessGroup | None) -> int | None:
         """Under a `Join` with ``divide_by_initial_world_size=False``, the ranks not joined
         yet, which DDP divides by (it leaves that to a comm hook); None otherwise.
@@ -171,7 +164,7 @@ class DDPEdge:
         collectives without knowing how the Join divides. The rank still training reads
         the count only where its DDP divides by it."""
         joined = graph_task_id() == -1  # a joined rank matching the backward's all-reduces
-        ddp = None if joined else self.joining()
+        ddp = None if joined or self._joining is None else self._joining()
         if ddp is None and not joined:
             return None  # (no Join: nothing to match)
         count = torch.full((1,), 0 if joined else 1, dtype=torch.int64, device=device)
@@ -192,7 +185,7 @@ class DDPEdge:
             store_now: The model's store, laid out again first if the model changed
                 (`GradEngine.current`).
         """
-        self.hook_ran()  # nothing to warn about
+        self.forwards_without_hook = None  # the hook runs: nothing to warn about
         buffer = bucket.buffer()
         if buffer.layout != torch.strided:
             return  # a sparse gradient (DDP gives each its own bucket): averaged as it is
@@ -270,7 +263,7 @@ def _python_reducer_mean(state: FlatGradCommState, grad: torch.Tensor, param: to
     import torch.distributed._functional_collectives as fcol
 
     edge = state.engine.ddp
-    edge.hook_ran()
+    edge.forwards_without_hook = None  # (the hook runs)
     if not edge.warned:
         edge.warned = True
         logger.warning(
