@@ -417,7 +417,7 @@ def _sums_then_divides(round_: Round, no_finite_check: bool) -> bool:
     stays readable)."""
     world_size = round_.world_size
     exact = world_size > 1 and world_size & (world_size - 1) == 0  # (1: no division)
-    exact = exact and round_.divisor in (None, world_size)
+    exact = exact and round_.divisor is None  # (never the world size: `_ranks_not_joined`)
     all_reduced = round_.scatter and not round_.reduce_scatters  # (gloo: `BackendPolicy.reduce_scatter`)
     return all_reduced and round_.reduce_dtype is None and exact and no_finite_check
 

@@ -300,22 +300,11 @@ def _all_reduce_mean(
 ) -> torch.futures.Future[torch.Tensor]:
     """All-reduce `buffer` in place to the group mean (over `ranks` of them: under a `Join`
     that counts only the ranks not joined yet); the future's value is `buffer`."""
-    wire = to_wire(buffer, reduce_dtype)
-    if ranks is None:
-        op, divide = average_op(wire, process_group)
-        ranks = dist.get_world_size(process_group)
-    else:
-        op, divide = dist.ReduceOp.SUM, True
-    if divide:
-        wire.div_(ranks)  # divide first, so sums stay finite
-    fut = dist.all_reduce(wire, op=op, group=process_group, async_op=True).get_future()
-    if wire is buffer:
+    work, wire = launch_average(buffer, process_group, reduce_dtype, scatter=False, divisor=ranks)
+    fut = work.get_future()
+    if wire is None:
         return fut.then(lambda f: f.value()[0])
-
-    def decompress(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        return buffer.copy_(f.value()[0])
-
-    return fut.then(decompress)
+    return fut.then(lambda f: buffer.copy_(f.value()[0]))  # (a compressed wire: copied back)
 
 
 def all_reduce_grads(
@@ -337,14 +326,12 @@ def all_reduce_grads(
     store.settle()
     futures, flagged, unflagged = [], [], []
     for key, buffer in store.buffers.items():
-        found = store.flagged(key)
+        found = store.flagged(key)  # (the buffer with its flags after it, the flags, their parameters)
+        futures.append(_all_reduce_mean(buffer if found is None else found[0], process_group, reduce_dtype))
         if found is None:
-            futures.append(_all_reduce_mean(buffer, process_group, reduce_dtype))
             unflagged += [p for p in store.params if store.slot(p)[0] == key]
         else:
-            raw, flags, members = found
-            futures.append(_all_reduce_mean(raw, process_group, reduce_dtype))
-            flagged.append((flags, members))
+            flagged.append(found[1:])
     if unflagged:
         used = host_tensor([p.grad is not None for p in unflagged], torch.uint8, unflagged[0].device)
         dist.all_reduce(used, op=dist.ReduceOp.MAX, group=process_group)
@@ -459,14 +446,14 @@ def launch_average(
     work and the wire tensor when it is not `sent` itself (a `reduce_dtype` copy, which the
     caller copies back once the work is done). `divide` False where the reduction sums:
     the sum is left for the caller to divide (the shards a ShardedOptimizer reads).
-    `divisor`: the ranks to average over when not the world size (under a `Join` that
+    `divisor`: the ranks to average over instead of the world size (under a `Join` that
     divides by the ranks not joined yet, whose joined ranks send zeros): a sum of the
     ranks' gradients divided first, on every backend."""
     wire = to_wire(sent, reduce_dtype)
     op, must_divide = average_op(wire, process_group)
     world_size = dist.get_world_size(process_group)
     ranks = world_size
-    if divisor is not None and divisor != world_size:
+    if divisor is not None:
         op, must_divide, ranks = dist.ReduceOp.SUM, True, divisor
     if divide and must_divide:
         wire.div_(ranks)  # divide first, so sums stay finite (used flags stay > 0)
