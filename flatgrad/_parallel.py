@@ -65,7 +65,7 @@ import contextlib
 import logging
 import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -291,7 +291,7 @@ def replicate(
     _check_same_settings(
         flat, float(bucket_cap_mb), reduce_dtype, check_finite, bool(broadcast_buffers), process_group
     )
-    _broadcast_from_rank0(flat, process_group)
+    _broadcast([*flat.parameters(), *flat.buffers()], process_group, 0)  # (as DDP's constructor)
     state = ReplicateState(
         flat, process_group, float(bucket_cap_mb), reduce_dtype, bool(broadcast_buffers), check_finite
     )
@@ -429,9 +429,6 @@ class ReplicateState:
         with torch.no_grad(), preserve_version_counter(tuple(buffers)):
             broadcast_coalesced(self.process_group, buffers, _BROADCAST_BUCKET_BYTES, source)  # (group rank)
 
-    def _global(self, rank: int) -> int:
-        return dist.get_global_rank(self.process_group, rank) if self.process_group is not None else rank
-
     def _notify_join(self, first: bool) -> None:
         """Before a forward inside a `Join`, what DDP's forward does there, in its order: tell
         the joined ranks that this one has not joined (`Join.notify_join_context`); broadcast
@@ -543,9 +540,7 @@ class _ReplicateJoinHook(JoinHook):
         dp = self.dp
         source = dp._common_rank(is_last_joiner)
         if not dp._engine.reduce_scatter:
-            with torch.no_grad():
-                for param in dp.module.parameters():
-                    dist.broadcast(local_of(param), src=dp._global(source), group=dp.process_group)
+            _broadcast(dp.module.parameters(), dp.process_group, source)
         if dp.broadcast_buffers:
             dp._broadcast_buffers(source)
 
@@ -626,11 +621,12 @@ def _check_same_settings(
         )
 
 
-def _broadcast_from_rank0(module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
-    """What DDP's constructor does: every rank starts from rank 0's parameters and buffers."""
-    source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+def _broadcast(tensors: Iterable[torch.Tensor], process_group: dist.ProcessGroup | None, rank: int) -> None:
+    """Every rank takes rank `rank`'s (of the group) `tensors`, one broadcast each (DDP's
+    constructor: rank 0's parameters and buffers)."""
+    source = dist.get_global_rank(process_group, rank) if process_group is not None else rank
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in tensors:
             dist.broadcast(local_of(tensor), src=source, group=process_group)  # (a DTensor's shard)
 
 
