@@ -565,7 +565,13 @@ def _check_same_model(module: nn.Module, process_group: dist.ProcessGroup | None
         )
 
 
-_WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+# The settings `_check_same_settings` sends as the index of their value here.
+_CHOICES: dict[str, tuple[object, ...]] = {
+    "reduce_dtype": (None, torch.bfloat16, torch.float16),
+    "check_finite": (False, True),
+    "broadcast_buffers": (False, True),
+    "grad_dtype": (None, "float32"),
+}
 
 
 def _check_same_settings(
@@ -584,35 +590,26 @@ def _check_same_settings(
     otherwise be killed inside the backend with no Python error, or hang. One small
     all-gather."""
     buffers = flat.grad_buffers
-    wire = _WIRE_DTYPES.index(reduce_dtype) if reduce_dtype in _WIRE_DTYPES else len(_WIRE_DTYPES)
     config = flat.flatgrad_config
     mine = [
         ("bucket_cap_mb", bucket_cap_mb),
-        ("reduce_dtype", wire),
-        ("check_finite", int(check_finite)),
-        ("broadcast_buffers", int(broadcast_buffers)),
+        ("reduce_dtype", reduce_dtype),  # (checked already: one of `_CHOICES`)
+        ("check_finite", check_finite),
+        ("broadcast_buffers", broadcast_buffers),
         ("align_bytes", config.align_bytes),
-        ("grad_dtype", 0 if config.grad_dtype is None else 1),
+        ("grad_dtype", config.grad_dtype),
         ("buffer elements", sum(b.numel() for b in buffers.values())),
     ]
-    device = next(iter(buffers.values())).device
-    values = torch.tensor([float(v) for _, v in mine], dtype=torch.float64, device=device)
+    encoded = [_CHOICES[name].index(v) if name in _CHOICES else v for name, v in mine]
+    values = torch.tensor(encoded, dtype=torch.float64, device=next(iter(buffers.values())).device)
     gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(process_group))]
     dist.all_gather(gathered, values, group=process_group)
     rows = [g.tolist() for g in gathered]
-    named = {
-        "reduce_dtype": [str(d) for d in _WIRE_DTYPES],
-        "grad_dtype": ["None", "float32"],
-        "check_finite": ["False", "True"],
-        "broadcast_buffers": ["False", "True"],
-    }
     differ = []
     for index, (name, _) in enumerate(mine):
         seen = [row[index] for row in rows]
         if len(set(seen)) > 1:
-            shown = [
-                named[name][int(v)] if name in named and int(v) < len(named[name]) else f"{v:g}" for v in seen
-            ]
+            shown = [str(_CHOICES[name][int(v)]) if name in _CHOICES else f"{v:g}" for v in seen]
             differ.append(f"{name}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(shown)))
     if differ:
         raise ValueError(
