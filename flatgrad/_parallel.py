@@ -113,14 +113,11 @@ class ReplicateModule(FlatGrad):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = replicate_state(self)
         training = state.before_forward()
-        learning = state._engine.forward_context  # (ShardedOptimizer's `ForwardWaits.learning`)
+        context = state._engine.forward_context or contextlib.nullcontext  # (`ForwardWaits.learning`)
         finished = False
         try:
-            if learning is None:
+            with context():
                 output = super().__call__(*args, **kwargs)
-            else:
-                with learning():
-                    output = super().__call__(*args, **kwargs)
             finished = True
         finally:  # (a forward that raised ends too: a later backward is outside it)
             state.after_forward(training, finished)
