@@ -309,9 +309,8 @@ def unreplicate(model: ReplicateModule) -> FlatGrad:
         `model`, a `FlatGrad` of its own class again.
     """
     state = replicate_state(model)
-    if state._engine.in_backward:
-        state._engine.drain()  # a backward that raised never finished
-    state._engine.release()
+    state._engine.drain()  # (a backward that raised never finished)
+    state._engine.hooks.remove()
     del model.__dict__[_STATE]
     model.__class__ = flat_class(original_class(type(model)))  # type: ignore[assignment]
     return model
@@ -391,8 +390,7 @@ class ReplicateState:
     def before_forward(self) -> bool:
         """Before the model's forward; whether it trains (grad enabled)."""
         engine = self._engine
-        if engine.in_backward:
-            engine.drain()  # a backward that raised never finished
+        engine.drain()  # (a backward that raised never finished)
         if engine_of(self.module).steady() is not engine.store:
             engine.rebuild()
         joined, first = join_state(self.module)
