@@ -93,12 +93,8 @@ def watch(output: object, plan: ForwardPlan) -> None:
 
 def _on_backward(plan: ForwardPlan, grad_outputs: Grads) -> None:
     ends: list[Callable[[], None]] = []
-    if plan.seater is not None:
-        end = plan.seater.pre_backward(plan.alone)
-        if end is not None:
-            ends.append(end)
-    if plan.bucket_sync is not None:
-        end = plan.bucket_sync.pre_backward(plan.sync)
+    for participant, flag in ((plan.seater, plan.alone), (plan.bucket_sync, plan.sync)):  # (the seater first)
+        end = participant.pre_backward(flag) if participant is not None else None
         if end is not None:
             ends.append(end)
     if ends:
@@ -136,7 +132,6 @@ class Seater:
         self.store = store
         # Main grads: routed ones are written by their Functions, the others' gradients
         # are added in by `_absorb_incoming`; none is seated, placed or taken in.
-        self._mains = store.mains
         params = [p for p in params if not store.is_main(p)]
         unrouted = [p for p in params if id(p) not in routed]
         self.params = tuple(p for p in unrouted if p.numel() < SEAT_MAX_NUMEL)  # seated ones
@@ -144,7 +139,7 @@ class Seater:
         # in-place add would be two passes over the gradient where one copy will do, and a
         # Python hook costs nothing next to it: a pre-hook on AccumulateGrad copies in.
         self._placed = tuple(p for p in unrouted if p.numel() >= SEAT_MAX_NUMEL)
-        self._routed = tuple(p for p in params if id(p) in routed)  # their Functions write the slot
+        self.routed = tuple(p for p in params if id(p) in routed)  # their layers' Functions write the slots
         self._owner = weakref.ref(engine)  # the GradEngine that lays out again
         self._task: int | None = None  # the graph task of the last backward it opened
         self._retired = False
@@ -159,7 +154,7 @@ class Seater:
                 self.hooks.append(node.register_hook(functools.partial(run_post_accumulate_hooks, param)))
         for param in self._placed:
             self._hook(param)
-        for param in self._mains:
+        for param in store.mains:
             hook = functools.partial(_absorb_incoming, store, store.views[id(param)])
             self.hooks.append(param.register_post_accumulate_grad_hook(hook))
 
@@ -172,11 +167,6 @@ class Seater:
         node = accumulate_grad_node(param)
         self._accumulators.append(node)
         return node
-
-    @property
-    def routed(self) -> tuple[nn.Parameter, ...]:
-        """The parameters whose layers' Functions write their slots."""
-        return self._routed
 
     def retire(self) -> None:
         self._retired = True
@@ -206,7 +196,7 @@ class Seater:
             # backward's gradients, whichever output it reached first.
             alone = False
         store = self.store
-        store.check(self._routed + self._placed + self._mains)  # the seated: by `seat`
+        store.check(self.routed + self._placed + store.mains)  # the seated: by `seat`
         seated = [] if store.stale or not alone else store.seat(self.params)
         if store.stale and engine is not None:
             # A parameter was converted or reshaped since the layout (model.double(),
@@ -233,7 +223,7 @@ class Seater:
         # is the reducer's bucket view), and from now on the weight is seated (or placed)
         # like an unrouted one.
         views = self.store.views
-        bypassed = [p for p in self._routed if p.grad is not None and p.grad is not views[id(p)]]
+        bypassed = [p for p in self.routed if p.grad is not None and p.grad is not views[id(p)]]
         if bypassed and not self._retired:
             if alone and not self.store.stale:
                 self.store.take_in(bypassed)
@@ -242,7 +232,7 @@ class Seater:
                 if param.numel() >= SEAT_MAX_NUMEL:
                     self._placed += (param,)
                     self._hook(param)
-            self._routed = tuple(p for p in self._routed if p.grad is None or p.grad is views[id(p)])
+            self.routed = tuple(p for p in self.routed if p.grad is None or p.grad is views[id(p)])
 
 
 def _place_incoming(

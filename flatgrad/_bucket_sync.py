@@ -32,7 +32,7 @@ from torch.autograd.graph import Node
 
 from flatgrad._backward import Grads, Seater
 from flatgrad._buffer import GradStore, host_tensor, read_here
-from flatgrad._comm import BackendPolicy, average_op, backend_policy, launch_average, settle_unused
+from flatgrad._comm import average_op, backend_policy, launch_average, settle_unused
 from flatgrad._engine import GradEngine
 from flatgrad._layout import GroupKey
 from flatgrad._prescale import scale_incoming
@@ -98,15 +98,8 @@ class BucketPlan:
     @property
     def last(self) -> Bucket | None:
         """The last bucket to launch once the order is learned (the final callback launches
-        it, so its hooks count nothing: `BucketSync._learn`); None before."""
+        it, so its hooks count nothing: `BucketSync._synced`); None before."""
         return self.buckets[self.order[-1]] if self.learned else None
-
-    def bucket_of(self) -> dict[int, Bucket]:
-        """Each parameter's bucket, by ``id(param)``."""
-        return {id(p): bucket for bucket in self.buckets for p in bucket.params}
-
-
-_NO_BUCKETS = BucketPlan((), (), frozenset())  # (before the first build)
 
 
 def _ordered(buckets: tuple[Bucket, ...], order: tuple[int, ...], learned: bool) -> BucketPlan:
@@ -145,36 +138,26 @@ class Round:
     travel with them. Made when such a backward opens (and at a rebuild), replaced by the
     next one; its timings are the last synchronised backward's."""
 
-    def __init__(
-        self,
-        plan: BucketPlan,
-        store: GradStore | None,
-        process_group: dist.ProcessGroup | None,
-        policy: BackendPolicy,
-        reduce_dtype: torch.dtype | None,
-        scatter: bool,
-        check_finite: Callable[[], dict[int, str]] | None = None,
-        shards: Sequence[torch.Tensor] = (),
-        divisor: int | None = None,
-        step_count: int | None = None,
-    ) -> None:
-        self.plan, self.store = plan, store
-        self.process_group, self.reduce_dtype, self.scatter = process_group, reduce_dtype, scatter
+    def __init__(self, sync: BucketSync, divisor: int | None = None) -> None:
+        """A round over `sync`'s bucket plan and store, with its settings as they are now."""
+        plan = self.plan = sync._plan
+        self.store, self.process_group, self.reduce_dtype = sync.store, sync.process_group, sync.reduce_dtype
+        self.scatter = sync.reduce_scatter
         # The ranks a `Join` averages over when not the world size (its joined ranks send
         # zeros: `BucketSync.shadow`), and the steps a ShardedOptimizer took before this
         # backward, which every rank checks against the others' (`_check_round`).
-        self.divisor, self.step_count = divisor, step_count
+        self.divisor, self.step_count = divisor, sync.step_count
         # The used flags may ride with a bucket unless it is reduce-scattered (each rank
         # would get only its part of them), or a step count must ride with them (bytes
         # compared by MAX: see `_check_round`).
-        self.reduce_scatters = scatter and policy.reduce_scatter  # (gloo all-reduces instead)
-        self.carries_flags = not self.reduce_scatters and step_count is None
-        self.world_size = dist.get_world_size(process_group)
-        summed = _sums_then_divides(self, check_finite is None)
-        self.divide_after = [s for s in shards if s.dtype in _SUMMED] if summed else []
+        self.reduce_scatters = self.scatter and sync.policy.reduce_scatter  # (gloo all-reduces instead)
+        self.carries_flags = not self.reduce_scatters and self.step_count is None
+        self.world_size = dist.get_world_size(self.process_group)
+        summed = _sums_then_divides(self, not sync.check_finite)
+        self.divide_after = [s for s in sync.shards if s.dtype in _SUMMED] if summed else []
         # With `check_finite` (the parameters' names, asked for only to raise): per launched
         # bucket, whether its local gradients were all finite (a device tensor, no sync).
-        self.check_finite = check_finite
+        self.check_finite = sync._parameter_names if sync.check_finite else None
         self.finite: list[torch.Tensor] = []
         self.streams = _current_streams(plan.buckets)  # the backward's (see `_follow_backward`)
         self.pending = [len(bucket.params) for bucket in plan.buckets]
@@ -194,7 +177,6 @@ class Round:
         # all-reduce of their own (see `sync_all`).
         self.flagged: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []
         self.next = 0  # the position in the plan's order of the next bucket to launch
-        self.launched: list[Bucket] = []
         self.launched_in_backward = 0  # launched before the final callback flushed the rest
         # perf_counter seconds (host time): when each bucket was launched, relative to the
         # backward's start; how long the final callback spent in the waits after the
@@ -217,7 +199,7 @@ class Round:
         if self.unreached and key in self.unreached:  # counted at the start (see below)
             self._reached_late(key, bucket)
             return
-        pending, index = self.pending, bucket.index  # (`_count`, inline: once per parameter)
+        pending, index = self.pending, bucket.index  # (locals: once per parameter)
         pending[index] -= 1
         if not pending[index]:
             self.completed.append(index)
@@ -229,15 +211,10 @@ class Round:
         their buckets launch once their other gradients are final."""
         for param, bucket in unreached:
             self.unreached.add(id(param))
-            self._count(bucket, launch=False)
+            self.pending[bucket.index] -= 1
+            if not self.pending[bucket.index]:
+                self.completed.append(bucket.index)
         self.launch_ready()
-
-    def _count(self, bucket: Bucket, launch: bool = True) -> None:
-        self.pending[bucket.index] -= 1
-        if not self.pending[bucket.index]:
-            self.completed.append(bucket.index)
-            if launch:
-                self.launch_ready()
 
     def _reached_late(self, key: int, bucket: Bucket) -> None:
         # The engine said the backward would not reach this parameter, and a nested
@@ -264,10 +241,9 @@ class Round:
             # ran with an undefined gradient: still seated, on their -0.0 fill, until now):
             # the slot may still hold an earlier step's values. Move in any `.grad` that
             # lives outside its slot.
-            self.store.unseat_final(bucket.params)  # type: ignore[union-attr]
-            self.store.take_in(bucket.params, zero_empty=True)  # type: ignore[union-attr]
+            self.store.unseat_final(bucket.params)
+            self.store.take_in(bucket.params, zero_empty=True)
             self._launch(bucket)
-            self.launched.append(bucket)
             self.launch_offsets_s.append(time.perf_counter() - self.started)
             self.next += 1
 
@@ -291,7 +267,7 @@ class Round:
             # Every parameter of the group is final now: its buckets launch in the plan's
             # order, this is the last, and one before it with a parameter not ready waits
             # for the flush.
-            found = self.store.flagged(bucket.key)  # type: ignore[union-attr]
+            found = self.store.flagged(bucket.key)
             if found is not None:
                 raw, flags, members = found
                 start = bucket.buffer.storage_offset() - raw.storage_offset()
@@ -300,7 +276,7 @@ class Round:
         if self.check_finite is not None:
             self.finite.append(torch.isfinite(bucket.buffer).all())
         i, divide = bucket.index, not (self.divide_after and sent.dtype in _SUMMED)
-        if divide_unscaled(bucket, self.store, self.world_size):  # type: ignore[arg-type]
+        if divide_unscaled(bucket, self.store, self.world_size):
             divide = False  # (the routed slots were written divided: `flatgrad._prescale`)
         group, reduce_dtype, scatter = self.process_group, self.reduce_dtype, self.reduce_scatters
         self.work[i], self.wire[i] = launch_average(sent, group, reduce_dtype, scatter, divide, self.divisor)
@@ -315,7 +291,6 @@ class Round:
         """Launch the rest, wait, and settle `.grad` like stock DDP with
         find_unused_parameters=True (a parameter no rank used keeps `.grad` None)."""
         store = self.store
-        assert store is not None, "replicate is not built"
         compute_done = time.perf_counter()
         self.backward_s = compute_done - self.started
         self.launched_in_backward = self.next
@@ -394,10 +369,10 @@ class Round:
             names = self.check_finite() if self.check_finite is not None else {}
             local = [
                 names.get(id(p), f"<parameter of shape {tuple(p.shape)}>")
-                for bucket, finite in zip(self.launched, self.finite)
+                for bucket, finite in zip([self.plan.buckets[i] for i in self.plan.order], self.finite)
                 if not bool(finite)
                 for p in bucket.params
-                if not _finite(self.store, p)  # type: ignore[arg-type]
+                if not _finite(self.store, p)
             ]
             where = f"rank {rank} (this rank) in {local[:8]}" + (
                 f", and rank(s) {bad}" if len(bad) > 1 else ""
@@ -417,7 +392,7 @@ def _sums_then_divides(round_: Round, no_finite_check: bool) -> bool:
     stays readable)."""
     world_size = round_.world_size
     exact = world_size > 1 and world_size & (world_size - 1) == 0  # (1: no division)
-    exact = exact and round_.divisor in (None, world_size)
+    exact = exact and round_.divisor is None  # (never the world size: `_ranks_not_joined`)
     all_reduced = round_.scatter and not round_.reduce_scatters  # (gloo: `BackendPolicy.reduce_scatter`)
     return all_reduced and round_.reduce_dtype is None and exact and no_finite_check
 
@@ -534,8 +509,7 @@ class ReadyHooks:
         for param in routed:
             node = accumulate_grad_node(param)
             hook = functools.partial(scale_incoming, store.prescale, param)
-            self._scaling.append(node.register_prehook(hook))
-            self._nodes.append(node)
+            self._scaling.append(node.register_prehook(hook))  # (its node kept alive by `hook`, first)
 
     def hook(
         self, params: Sequence[nn.Parameter], bucket_of: Mapping[int, Bucket], on_ready: OnReady
@@ -643,7 +617,8 @@ class BucketSync:
         self.reduce_dtype = reduce_dtype
         self.has_buffers = False  # whether the model had buffers at the last (re)build
         self.reduce_scatter = False  # ShardedOptimizer switches the buckets to reduce-scatter
-        # The gradient shards that ShardedOptimizer reads, of this store (see `Round`).
+        # The gradient shards that ShardedOptimizer reads (cut from `shard_plan`), of this
+        # store: what the round divides last on gloo (`Round.divide_after`).
         self.shards: list[torch.Tensor] = []
         # What the model's forward runs in, if anything (`flatgrad._gather_waits.ForwardWaits`).
         self.forward_context: Callable[[], AbstractContextManager[None]] | None = None
@@ -651,10 +626,10 @@ class BucketSync:
         # This rank's shards of the averages of the synchronised backwards since zero_grad,
         # which the running one adds onto its own (`carry_scattered`).
         self._carried: list[torch.Tensor] | None = None
-        self._store: GradStore | None = None
-        self._plan = _NO_BUCKETS  # the buckets of `_store` and their launch order
-        self._hooks = ReadyHooks()  # the AccumulateGrad hooks, and the parameters once unused
-        self._round: Round | None = None  # the running or last synchronised backward's
+        self.store = grads.refresh()  # the store the buckets are cut from (`rebuild`)
+        self._plan: BucketPlan  # the buckets of `store` and their launch order, from `rebuild`
+        self.hooks = ReadyHooks()  # the AccumulateGrad hooks, and the parameters once unused
+        self.last_round: Round  # the running or last synchronised backward's (its timings), from `rebuild`
         self._task: int | None = None  # the graph task of the running backward, if one is open
         self._task_sync = True  # whether the running backward averages
         # DDP's expect_autograd_hooks_: a synchronising training forward came since the last
@@ -688,44 +663,13 @@ class BucketSync:
         self.num_syncs = 0
         self.rebuild()
 
-    def _new_round(self, divisor: int | None = None) -> Round:
-        names = self._parameter_names if self.check_finite else None
-        return Round(
-            self._plan,
-            self._store,
-            self.process_group,
-            self.policy,
-            self.reduce_dtype,
-            self.reduce_scatter,
-            names,
-            self.shards,
-            divisor,
-            self.step_count,
-        )
-
     def _parameter_names(self) -> dict[int, str]:
         return {id(p): name for name, p in self._grads.model.named_parameters()}
-
-    @property
-    def last_round(self) -> Round:
-        """The running or last synchronised backward's round (its timings)."""
-        assert self._round is not None, "replicate is not built"
-        return self._round
-
-    @property
-    def store(self) -> GradStore | None:
-        """The store the buckets were cut from."""
-        return self._store
 
     @property
     def buckets(self) -> list[torch.Tensor]:
         """The bucket views of the flat buffers, in launch order."""
         return [self._plan.buckets[index].buffer for index in self._plan.order]
-
-    @property
-    def in_backward(self) -> bool:
-        """Whether a backward is open (one that raised never closes: `drain` first)."""
-        return self._task is not None
 
     def shard_plan(self, store: GradStore, overlap_param_gather: bool) -> list[tuple[torch.Tensor, int]]:
         """The shard plan for a ShardedOptimizer over `store` (laid out for it: slots on
@@ -744,18 +688,13 @@ class BucketSync:
         multiples of the world size make every buffer split evenly, as every bucket does."""
         self.reduce_scatter = True
         self.rebuild()
-        assert self._store is store, "the store changed while switching to reduce-scatter"
+        assert self.store is store, "the store changed while switching to reduce-scatter"
         if not (overlap_param_gather or self.policy.reduce_scatter):
             return [(buffer, 0) for buffer in store.buffers.values()]
         offset = {key: int(buffer.storage_offset()) for key, buffer in store.buffers.items()}
         key = operator.attrgetter("dtype", "device")
         buckets = self._plan.buckets
         return [(b.buffer, int(b.buffer.storage_offset()) - offset[key(b.buffer)]) for b in buckets]
-
-    def sharded_by(self, shards: list[torch.Tensor]) -> None:
-        """The gradient shards the ShardedOptimizer cut from `shard_plan` reads (what the
-        round divides last on gloo, `Round.divide_after`)."""
-        self.shards = shards
 
     def run_forwards_in(
         self, context: Callable[[], AbstractContextManager[None]] | None, replacing: object = None
@@ -765,11 +704,6 @@ class BucketSync:
         None: plainly. With `replacing`, only while the context is still that one."""
         if replacing is None or self.forward_context == replacing:
             self.forward_context = context
-
-    def count_steps(self, steps: int | None) -> None:
-        """The ShardedOptimizer's step count from here on (None: none counted); each
-        synchronised backward checks that the ranks agree on it (`Round._check_round`)."""
-        self.step_count = steps
 
     def stepped(self) -> None:
         """The ShardedOptimizer stepped (with or without gradients)."""
@@ -781,43 +715,40 @@ class BucketSync:
         self._scattered = False
         self._carried = None
 
-    def release(self) -> None:
-        """Remove every hook this bucket sync holds on the model's parameters (`unreplicate`)."""
-        self._hooks.remove()
-
     def drain(self) -> None:
-        """Wait for the collectives a backward that raised had launched, before this step
-        writes any gradient: in flight, they would land on top of it. (That step's
-        launched buckets hold averages of partial gradients, as DDP's bucket views would,
-        or their sums where a ShardedOptimizer divides after (`Round.divide_after`);
-        `zero_grad()` before the next backward, as after any failed step.)"""
+        """When a backward is still open (one that raised never closes), wait for the
+        collectives it had launched, before this step writes any gradient: in flight, they
+        would land on top of it. (That step's launched buckets hold averages of partial
+        gradients, as DDP's bucket views would, or their sums where a ShardedOptimizer
+        divides after (`Round.divide_after`); `zero_grad()` before the next backward, as
+        after any failed step.)"""
+        if self._task is None:
+            return
         self._task = None
         self._deferrals.forget()
         self._carried = None
-        if self._round is not None:
-            self._round.wait_launched()
-        if self._store is not None:
-            self._store.prescale.factor = None
-        self._round = self._new_round()
+        self.last_round.wait_launched()
+        self.store.prescale.factor = None
+        self.last_round = Round(self)
 
     def rebuild(self) -> None:
         """Cut the buckets of the current store, launched in buffer order until the next
         synchronised backward teaches an order, and hook every parameter's AccumulateGrad
         node to count it ready (and open a backward that reached none of dp's outputs): all
-        of them while the order is learned, then all but the last bucket's (`_learn`)."""
-        self._hooks.remove()
+        of them while the order is learned, then all but the last bucket's (`_synced`)."""
+        self.hooks.remove()
         store = self._grads.refresh()
         self._grads.refuse_sparse("replicate")  # (a sparse embedding added since)
-        if store is not self._store:
+        if store is not self.store:
             self.shards = []  # of the old buffers
             self._carried = None
-        self._store = store
+        self.store = store
         self.has_buffers = any(True for _ in self._grads.model.buffers())
-        self._plan = plan_buckets(store, self.bucket_cap_mb, self.policy.spare_core)
-        self._hooks.hook(store.params, self._plan.bucket_of(), self._on_ready)
-        self._hooks.scale_incoming(store, self._grads.seater)
+        plan = self._plan = plan_buckets(store, self.bucket_cap_mb, self.policy.spare_core)
+        self.hooks.hook(store.params, {id(p): b for b in plan.buckets for p in b.params}, self._on_ready)
+        self.hooks.scale_incoming(store, self._grads.seater)
         self._prescale = prescale_factor(store, self.process_group, self.reduce_scatter, self.reduce_dtype)
-        self._round = self._new_round()
+        self.last_round = Round(self)
 
     # --- backward -----------------------------------------------------------------------
 
@@ -854,11 +785,11 @@ class BucketSync:
         None when it is open already (another output: a synchronised one upgrades it to
         averaging) or accumulates into no parameter."""
         _refuse_compiled_autograd()
-        if self._grads.store is not self._store:
+        if self._grads.store is not self.store:
             self.rebuild()  # the seater, just before, laid out again (a stale slot)
         sync = sync or self._averaging
         if graph_task_id() != self._task:
-            if self._hooks.will_accumulate() and self._begin(sync, queue=False):
+            if self.hooks.will_accumulate() and self._begin(sync, queue=False):
                 return self._finish
         elif sync and not self._task_sync:
             self._upgrade()
@@ -890,25 +821,25 @@ class BucketSync:
             return False
         if self._scattered:  # (a second backward before zero_grad)
             if sync:
-                self._carried = carry_scattered(self._store, self.shards)
+                self._carried = carry_scattered(self.store, self.shards)
             else:
-                refuse_adding_onto_scattered(self._store)
+                refuse_adding_onto_scattered(self.store)
             self._scattered = False
         self._task = graph_task_id()
         self._task_sync = sync
         if sync:
             round_ = self._average()
-            if self._hooks.unused and from_output:
-                self._hooks.skip_unreached(round_)
+            if self.hooks.unused and from_output:
+                self.hooks.skip_unreached(round_)
         if queue:  # (the coordinator queues it after the seater's end: `pre_backward`)
             queue_callback(self._finish)
         return True
 
     def _average(self) -> Round:
         divisor = self._ranks_not_joined()
-        self._round = self._new_round(divisor)  # (and the routed layers write divided where it sums)
-        self._store.prescale.start(self._prescale if divisor is None else None)  # type: ignore[union-attr]
-        return self._round
+        self.last_round = Round(self, divisor)  # (and the routed layers write divided where it sums)
+        self.store.prescale.start(self._prescale if divisor is None else None)
+        return self.last_round
 
     def _ranks_not_joined(self) -> int | None:
         """The ranks not joined yet, which this backward divides by, under a `Join` that
@@ -928,20 +859,15 @@ class BucketSync:
         and step count, the finiteness check) and the order agreement after the first one.
         Unlike DDP's zero buckets, the buffers are this rank's own: it ends with the others'
         averages in `.grad` (and its shards), which a ShardedOptimizer's join hook steps."""
-        store = self._store
-        assert store is not None, "replicate is not built"
+        store = self.store
         self._scattered = False
         unmark_scattered(store, to_none=True)
         for param in store.params:
             param.grad = None  # (its slot is zeroed at its bucket's launch, as an unused one's)
         store.zero_mains()
-        self._round = round_ = self._new_round(divisor)
+        self.last_round = round_ = Round(self, divisor)
         round_.sync_all()
-        self._agree_order(round_)
-        self.num_syncs += 1
-        self._scattered = self.reduce_scatter
-        if self._scattered:
-            mark_scattered(store)
+        self._synced(round_)
 
     def _open(self) -> bool:
         """From an AccumulateGrad hook, when no backward is open (this one reached none of
@@ -975,7 +901,7 @@ class BucketSync:
         if self._task is None and not self._open():
             return
         if self._task_sync:  # (a synchronising backward always has its round)
-            self._round.mark_ready(param, bucket)  # type: ignore[union-attr]
+            self.last_round.mark_ready(param, bucket)
 
     def _finish(self) -> None:
         """Final callback of the running backward."""
@@ -992,29 +918,26 @@ class BucketSync:
                 for shard, carried in zip(self.shards, self._carried):
                     shard.add_(carried)
                 self._carried = None
-            self._learn(round_)
-            self.num_syncs += 1
-            self._scattered = self.reduce_scatter
-            if self._scattered:  # .grad refuses math until zeroed: see flatgrad._scattered_grad
-                mark_scattered(self._store)  # type: ignore[arg-type]
+            self.hooks.note_unused(round_, self._plan.last)  # (before the order is learned)
+            self._synced(round_)
 
-    def _learn(self, round_: Round) -> None:
-        """After a synchronised backward: note the parameters it left unused; the first
-        after a (re)build sets the launch order (rank 0's, on every rank), and from then on
-        the hooks of the last bucket to launch count nothing (the final callback launches
-        it, its gradients the backward's last but for unused ones)."""
-        self._hooks.note_unused(round_, self._plan.last)
-        self._agree_order(round_)
-
-    def _agree_order(self, round_: Round) -> None:
-        """After the first synchronised backward since a (re)build: rank 0's order of
-        completion becomes the launch order on every rank (one broadcast)."""
+    def _synced(self, round_: Round) -> None:
+        """After a synchronised backward's round (or its shadow on a joined rank), counted in
+        `num_syncs`. After the first since a (re)build, rank 0's order of completion becomes
+        the launch order on every rank (one broadcast), and from then on the hooks of the last
+        bucket to launch count nothing (the final callback launches it, its gradients the
+        backward's last but for unused ones). Reduce-scattered, `.grad` refuses math until
+        zeroed (see flatgrad._scattered_grad)."""
         plan = self._plan
         if not plan.learned and plan.buckets:
             device = plan.buckets[0].buffer.device
             order = agree_order(round_.completed, len(plan.buckets), device, self.process_group)
             self._plan = plan.learn(order)
-            self._hooks.stop_counting(plan.buckets[order[-1]], self._on_last_ready)
+            self.hooks.stop_counting(plan.buckets[order[-1]], self._on_last_ready)
+        self.num_syncs += 1
+        self._scattered = self.reduce_scatter
+        if self._scattered:
+            mark_scattered(self.store)
 
     def _resume(self) -> None:
         # The node a nested backward ran in returned, inside the outer backward: finish there.

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flatgrad._buffer import GradStore, host_tensor
 from flatgrad._torch_compat import (
-    active_ddp_getter,
+    active_ddp,
     divides_by_ranks_not_joined,
     graph_task_id,
     join_state,
@@ -87,14 +87,15 @@ def note_forward_without_hook(num_forwards: int) -> int | None:
 
     Call site: `DDPEdge.before_forward`, before the model's own forward runs.
     `FlatGrad.ddp_kwargs()` starts the count at 0 (`DDPEdge.expect_hook`), the hook sets
-    it to None (`DDPEdge.hook_ran`: nothing to watch), so once the hook has run a forward
+    it to None (`DDPEdge.adopt`: nothing to watch), so once the hook has run a forward
     costs one comparison.
 
     Forwards under no_grad (evaluation, Lightning's sanity check) do not count, nor do
     forwards inside ``ddp.no_sync()`` (gradient accumulation: the hook runs only on the last
     micro-batch), nor forwards outside any DDP.
     """
-    if not (torch.is_grad_enabled() and ddp_will_sync()):
+    ddp = active_ddp()  # (DDP exposes the module whose forward is running, for TorchDynamo)
+    if not (torch.is_grad_enabled() and ddp is not None and ddp.require_backward_grad_sync):
         return num_forwards
     num_forwards += 1
     if num_forwards < _SYNCED_FORWARDS_BEFORE_WARNING:
@@ -110,17 +111,6 @@ def note_forward_without_hook(num_forwards: int) -> int | None:
     return None
 
 
-def ddp_will_sync() -> bool:
-    """Whether a DDP is running this forward and will all-reduce after its backward. DDP
-    exposes the module whose forward is running for TorchDynamo; a torch without that hook
-    counts every forward (then accumulation over 3+ micro-batches can warn early)."""
-    active = active_ddp_getter()
-    if active is None:
-        return True
-    ddp = active()
-    return ddp is not None and bool(ddp.require_backward_grad_sync)
-
-
 class DDPEdge:
     """One model's side of the DDP boundary, owned by its engine (`GradEngine.ddp`): whether
     a DDP runs its forwards (its reducer then places the gradients, and nothing is seated),
@@ -134,7 +124,7 @@ class DDPEdge:
         # Whether a forward under a DDP came since the last backward began: its reducer places
         # the next backward's gradients, whichever output that backward reaches first.
         self.pending = False
-        self._joining: weakref.ref[DDP] | None = None
+        self._joining: weakref.ref[DDP] | None = None  # the DDP whose last forward ran in a `Join`
         self.warned = False  # (the hook's one warning, said once)
 
     def expect_hook(self) -> None:
@@ -142,20 +132,19 @@ class DDPEdge:
         if self.forwards_without_hook is None:
             self.forwards_without_hook = 0
 
-    def hook_ran(self) -> None:
-        self.forwards_without_hook = None
-
     def before_forward(self) -> None:
         if self.forwards_without_hook is not None:
             self.forwards_without_hook = note_forward_without_hook(self.forwards_without_hook)
 
     def after_forward(self) -> bool:
-        """After a training forward: whether it ran alone, under no DDP."""
-        if not under_ddp():
+        """After a training forward: whether it ran alone, under no DDP (under one,
+        synchronising or in ``no_sync()``, its reducer, not flatgrad, decides where `.grad`
+        lives)."""
+        ddp = active_ddp()
+        if ddp is None:
             return True
         self.pending = True  # (see `take_pending`)
-        ddp = active_ddp()
-        self._joining = None if ddp is None or not join_state(ddp)[0] else weakref.ref(ddp)
+        self._joining = weakref.ref(ddp) if join_state(ddp)[0] else None
         return False
 
     def take_pending(self) -> bool:
@@ -163,10 +152,6 @@ class DDPEdge:
         reducer places this backward's gradients), forgetting it."""
         pending, self.pending = self.pending, False
         return pending
-
-    def joining(self) -> DDP | None:
-        """The DDP whose last forward ran under an enabled `Join`, or None."""
-        return None if self._joining is None else self._joining()
 
     def ranks_not_joined(self, device: torch.device, process_group: dist.ProcessGroup | None) -> int | None:
         """Under a `Join` with ``divide_by_initial_world_size=False``, the ranks not joined
@@ -179,7 +164,7 @@ class DDPEdge:
         collectives without knowing how the Join divides. The rank still training reads
         the count only where its DDP divides by it."""
         joined = graph_task_id() == -1  # a joined rank matching the backward's all-reduces
-        ddp = None if joined else self.joining()
+        ddp = None if joined or self._joining is None else self._joining()
         if ddp is None and not joined:
             return None  # (no Join: nothing to match)
         count = torch.full((1,), 0 if joined else 1, dtype=torch.int64, device=device)
@@ -200,7 +185,7 @@ class DDPEdge:
             store_now: The model's store, laid out again first if the model changed
                 (`GradEngine.current`).
         """
-        self.hook_ran()  # nothing to warn about
+        self.forwards_without_hook = None  # the hook runs: nothing to warn about
         buffer = bucket.buffer()
         if buffer.layout != torch.strided:
             return  # a sparse gradient (DDP gives each its own bucket): averaged as it is
@@ -229,20 +214,6 @@ class DDPEdge:
                 "construct DDP(model, ..., **model.ddp_kwargs()) (gradient_as_bucket_view=True and one "
                 "bucket per dtype) for the zero-copy, one-all-reduce path"
             )
-
-
-def under_ddp() -> bool:
-    """Whether a DDP runs this forward, synchronising or in ``no_sync()`` (then its reducer,
-    not flatgrad, decides where `.grad` lives). A torch without DDP's hook for TorchDynamo
-    answers True: the answer only ever holds flatgrad back."""
-    active = active_ddp_getter()
-    return active is None or active() is not None
-
-
-def active_ddp() -> Any:
-    """The DDP whose forward is running (DDP exposes it for TorchDynamo), if any."""
-    active = active_ddp_getter()
-    return active() if active is not None else None
 
 
 def check_wire_dtype(reduce_dtype: torch.dtype | None) -> None:
@@ -292,7 +263,7 @@ def _python_reducer_mean(state: FlatGradCommState, grad: torch.Tensor, param: to
     import torch.distributed._functional_collectives as fcol
 
     edge = state.engine.ddp
-    edge.hook_ran()
+    edge.forwards_without_hook = None  # (the hook runs)
     if not edge.warned:
         edge.warned = True
         logger.warning(
@@ -329,22 +300,11 @@ def _all_reduce_mean(
 ) -> torch.futures.Future[torch.Tensor]:
     """All-reduce `buffer` in place to the group mean (over `ranks` of them: under a `Join`
     that counts only the ranks not joined yet); the future's value is `buffer`."""
-    wire = to_wire(buffer, reduce_dtype)
-    if ranks is None:
-        op, divide = average_op(wire, process_group)
-        ranks = dist.get_world_size(process_group)
-    else:
-        op, divide = dist.ReduceOp.SUM, True
-    if divide:
-        wire.div_(ranks)  # divide first, so sums stay finite
-    fut = dist.all_reduce(wire, op=op, group=process_group, async_op=True).get_future()
-    if wire is buffer:
+    work, wire = launch_average(buffer, process_group, reduce_dtype, scatter=False, divisor=ranks)
+    fut = work.get_future()
+    if wire is None:
         return fut.then(lambda f: f.value()[0])
-
-    def decompress(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        return buffer.copy_(f.value()[0])
-
-    return fut.then(decompress)
+    return fut.then(lambda f: buffer.copy_(f.value()[0]))  # (a compressed wire: copied back)
 
 
 def all_reduce_grads(
@@ -366,14 +326,12 @@ def all_reduce_grads(
     store.settle()
     futures, flagged, unflagged = [], [], []
     for key, buffer in store.buffers.items():
-        found = store.flagged(key)
+        found = store.flagged(key)  # (the buffer with its flags after it, the flags, their parameters)
+        futures.append(_all_reduce_mean(buffer if found is None else found[0], process_group, reduce_dtype))
         if found is None:
-            futures.append(_all_reduce_mean(buffer, process_group, reduce_dtype))
             unflagged += [p for p in store.params if store.slot(p)[0] == key]
         else:
-            raw, flags, members = found
-            futures.append(_all_reduce_mean(raw, process_group, reduce_dtype))
-            flagged.append((flags, members))
+            flagged.append(found[1:])
     if unflagged:
         used = host_tensor([p.grad is not None for p in unflagged], torch.uint8, unflagged[0].device)
         dist.all_reduce(used, op=dist.ReduceOp.MAX, group=process_group)
@@ -488,14 +446,14 @@ def launch_average(
     work and the wire tensor when it is not `sent` itself (a `reduce_dtype` copy, which the
     caller copies back once the work is done). `divide` False where the reduction sums:
     the sum is left for the caller to divide (the shards a ShardedOptimizer reads).
-    `divisor`: the ranks to average over when not the world size (under a `Join` that
+    `divisor`: the ranks to average over instead of the world size (under a `Join` that
     divides by the ranks not joined yet, whose joined ranks send zeros): a sum of the
     ranks' gradients divided first, on every backend."""
     wire = to_wire(sent, reduce_dtype)
     op, must_divide = average_op(wire, process_group)
     world_size = dist.get_world_size(process_group)
     ranks = world_size
-    if divisor is not None and divisor != world_size:
+    if divisor is not None:
         op, must_divide, ranks = dist.ReduceOp.SUM, True, divisor
     if divide and must_divide:
         wire.div_(ranks)  # divide first, so sums stay finite (used flags stay > 0)

@@ -167,24 +167,20 @@ class GradEngine:
         removed or re-pointed at another shape (see the module doc). O(parameters): norms
         and syncs call it (as stock ``clip_grad_norm_(model.parameters())`` walks the model);
         the walk over the modules only when `_moved` saw something."""
-        store = self.store
-        current = _watch_list(self.model) if self._moved() else self._watched
-        if current is not None and current is not self._watched:  # (None: functional_call's temporaries)
-            _refuse_moved(self.model, self._watched, current)
-        if store is None or store.stale or not store.intact() or self._converted():
+        store, watched = self.store, self._watched
+        self.check_layout()  # (then the parameters that moved are followed)
+        if store is None or store.stale or not store.intact() or self._converted(watched):
             logger.info("flatgrad: parameters converted or (un)frozen; laying out the buffers again")
             self.build()
-        elif current is not None and current is not self._watched:  # (children or parameters that moved)
-            self._watched, self._held = current, _held_by_module(self.model)
         assert self.store is not None, "the engine is not built"
         return self.store
 
-    def _converted(self) -> bool:
-        """Whether a held parameter was converted or (un)frozen since the build; raises
-        (`_refuse_moved`) for one re-pointed at another shape."""
-        for _, _, param, requires_grad, dtype, device, shape in self._watched:
+    def _converted(self, watched: tuple[_Watched, ...]) -> bool:
+        """Whether a parameter `watched` (the entries of the build) holds was converted or
+        (un)frozen since; raises (`_refuse_moved`) for one re-pointed at another shape."""
+        for _, _, param, requires_grad, dtype, device, shape in watched:
             if param.shape != shape:
-                _refuse_moved(self.model, self._watched, _watch_list(self.model) or self._watched)
+                _refuse_moved(self.model, watched, _watch_list(self.model) or watched)
             if param.requires_grad != requires_grad or param.dtype != dtype or param.device != device:
                 return True
         return False
@@ -243,24 +239,19 @@ class GradEngine:
         store = self.current()
         return store if all(map(_trainable, store.params)) else self.refresh()
 
-    def summary(self) -> str:
-        buffers = self.refresh().buffers
+    def summary_lines(self) -> list[str]:
+        """What `FlatGrad` logs once as it is applied: the buffers, and a note on the main
+        grads when `grad_dtype` keeps some (a torch optimizer over their parameters raises at
+        its step: see MainGradGuard)."""
+        store = self.refresh()
         parts = [
             f"{key[0]}@{key[1]}: {buf.numel()} elements, {buf.numel() * buf.element_size()} bytes"
-            for key, buf in buffers.items()
+            for key, buf in store.buffers.items()
         ]
-        num_params = len(self.refresh().params)
-        return f"{len(buffers)} buffer(s) for {num_params} parameters ({'; '.join(parts)})"
-
-    def summary_lines(self) -> list[str]:
-        """What `FlatGrad` logs once as it is applied: `summary`, and a note on the main grads
-        when `grad_dtype` keeps some (a torch optimizer over their parameters raises at its
-        step: see MainGradGuard)."""
-        lines = [self.summary()]
-        mains = len(self.refresh().mains)
-        if mains:
+        lines = [f"{len(store.buffers)} buffer(s) for {len(store.params)} parameters ({'; '.join(parts)})"]
+        if store.mains:
             lines.append(
-                f"{mains} bfloat16/float16 parameters keep float32 main grads (grad_dtype) "
+                f"{len(store.mains)} bfloat16/float16 parameters keep float32 main grads (grad_dtype) "
                 "and their .grad stays None: step them with flatgrad.ShardedOptimizer (float32 "
                 "master shards), or from model.main_grad(param) (see docs/mixed-precision.md)"
             )

@@ -65,7 +65,7 @@ import contextlib
 import logging
 import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -113,14 +113,11 @@ class ReplicateModule(FlatGrad):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = replicate_state(self)
         training = state.before_forward()
-        learning = state._engine.forward_context  # (ShardedOptimizer's `ForwardWaits.learning`)
+        context = state._engine.forward_context or contextlib.nullcontext  # (`ForwardWaits.learning`)
         finished = False
         try:
-            if learning is None:
+            with context():
                 output = super().__call__(*args, **kwargs)
-            else:
-                with learning():
-                    output = super().__call__(*args, **kwargs)
             finished = True
         finally:  # (a forward that raised ends too: a later backward is outside it)
             state.after_forward(training, finished)
@@ -291,7 +288,7 @@ def replicate(
     _check_same_settings(
         flat, float(bucket_cap_mb), reduce_dtype, check_finite, bool(broadcast_buffers), process_group
     )
-    _broadcast_from_rank0(flat, process_group)
+    _broadcast([*flat.parameters(), *flat.buffers()], process_group, 0)  # (as DDP's constructor)
     state = ReplicateState(
         flat, process_group, float(bucket_cap_mb), reduce_dtype, bool(broadcast_buffers), check_finite
     )
@@ -312,9 +309,8 @@ def unreplicate(model: ReplicateModule) -> FlatGrad:
         `model`, a `FlatGrad` of its own class again.
     """
     state = replicate_state(model)
-    if state._engine.in_backward:
-        state._engine.drain()  # a backward that raised never finished
-    state._engine.release()
+    state._engine.drain()  # (a backward that raised never finished)
+    state._engine.hooks.remove()
     del model.__dict__[_STATE]
     model.__class__ = flat_class(original_class(type(model)))  # type: ignore[assignment]
     return model
@@ -394,8 +390,7 @@ class ReplicateState:
     def before_forward(self) -> bool:
         """Before the model's forward; whether it trains (grad enabled)."""
         engine = self._engine
-        if engine.in_backward:
-            engine.drain()  # a backward that raised never finished
+        engine.drain()  # (a backward that raised never finished)
         if engine_of(self.module).steady() is not engine.store:
             engine.rebuild()
         joined, first = join_state(self.module)
@@ -428,9 +423,6 @@ class ReplicateState:
             return
         with torch.no_grad(), preserve_version_counter(tuple(buffers)):
             broadcast_coalesced(self.process_group, buffers, _BROADCAST_BUCKET_BYTES, source)  # (group rank)
-
-    def _global(self, rank: int) -> int:
-        return dist.get_global_rank(self.process_group, rank) if self.process_group is not None else rank
 
     def _notify_join(self, first: bool) -> None:
         """Before a forward inside a `Join`, what DDP's forward does there, in its order: tell
@@ -543,9 +535,7 @@ class _ReplicateJoinHook(JoinHook):
         dp = self.dp
         source = dp._common_rank(is_last_joiner)
         if not dp._engine.reduce_scatter:
-            with torch.no_grad():
-                for param in dp.module.parameters():
-                    dist.broadcast(local_of(param), src=dp._global(source), group=dp.process_group)
+            _broadcast(dp.module.parameters(), dp.process_group, source)
         if dp.broadcast_buffers:
             dp._broadcast_buffers(source)
 
@@ -570,7 +560,13 @@ def _check_same_model(module: nn.Module, process_group: dist.ProcessGroup | None
         )
 
 
-_WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+# The settings `_check_same_settings` sends as the index of their value here.
+_CHOICES: dict[str, tuple[object, ...]] = {
+    "reduce_dtype": (None, torch.bfloat16, torch.float16),
+    "check_finite": (False, True),
+    "broadcast_buffers": (False, True),
+    "grad_dtype": (None, "float32"),
+}
 
 
 def _check_same_settings(
@@ -589,35 +585,26 @@ def _check_same_settings(
     otherwise be killed inside the backend with no Python error, or hang. One small
     all-gather."""
     buffers = flat.grad_buffers
-    wire = _WIRE_DTYPES.index(reduce_dtype) if reduce_dtype in _WIRE_DTYPES else len(_WIRE_DTYPES)
     config = flat.flatgrad_config
     mine = [
         ("bucket_cap_mb", bucket_cap_mb),
-        ("reduce_dtype", wire),
-        ("check_finite", int(check_finite)),
-        ("broadcast_buffers", int(broadcast_buffers)),
+        ("reduce_dtype", reduce_dtype),  # (checked already: one of `_CHOICES`)
+        ("check_finite", check_finite),
+        ("broadcast_buffers", broadcast_buffers),
         ("align_bytes", config.align_bytes),
-        ("grad_dtype", 0 if config.grad_dtype is None else 1),
+        ("grad_dtype", config.grad_dtype),
         ("buffer elements", sum(b.numel() for b in buffers.values())),
     ]
-    device = next(iter(buffers.values())).device
-    values = torch.tensor([float(v) for _, v in mine], dtype=torch.float64, device=device)
+    encoded = [_CHOICES[name].index(v) if name in _CHOICES else v for name, v in mine]
+    values = torch.tensor(encoded, dtype=torch.float64, device=next(iter(buffers.values())).device)
     gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(process_group))]
     dist.all_gather(gathered, values, group=process_group)
     rows = [g.tolist() for g in gathered]
-    named = {
-        "reduce_dtype": [str(d) for d in _WIRE_DTYPES],
-        "grad_dtype": ["None", "float32"],
-        "check_finite": ["False", "True"],
-        "broadcast_buffers": ["False", "True"],
-    }
     differ = []
     for index, (name, _) in enumerate(mine):
         seen = [row[index] for row in rows]
         if len(set(seen)) > 1:
-            shown = [
-                named[name][int(v)] if name in named and int(v) < len(named[name]) else f"{v:g}" for v in seen
-            ]
+            shown = [str(_CHOICES[name][int(v)]) if name in _CHOICES else f"{v:g}" for v in seen]
             differ.append(f"{name}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(shown)))
     if differ:
         raise ValueError(
@@ -626,11 +613,12 @@ def _check_same_settings(
         )
 
 
-def _broadcast_from_rank0(module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
-    """What DDP's constructor does: every rank starts from rank 0's parameters and buffers."""
-    source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+def _broadcast(tensors: Iterable[torch.Tensor], process_group: dist.ProcessGroup | None, rank: int) -> None:
+    """Every rank takes rank `rank`'s (of the group) `tensors`, one broadcast each (DDP's
+    constructor: rank 0's parameters and buffers)."""
+    source = dist.get_global_rank(process_group, rank) if process_group is not None else rank
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in tensors:
             dist.broadcast(local_of(tensor), src=source, group=process_group)  # (a DTensor's shard)
 
 

@@ -213,7 +213,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         on_every_rank(build, "building the inner optimizer", device, dp.process_group)
         self._stepped_once = False  # (the first inner step is agreed as well)
         self._ready = True
-        dp._engine.count_steps(0)  # each synchronised backward checks the ranks agree on it
+        dp._engine.step_count = 0  # each synchronised backward checks the ranks agree on it
 
     def _lay_out_first(self, store: GradStore) -> None:
         if self.shard_by == "tensor":
@@ -239,7 +239,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         dp = self.dp
         pieces = dp._engine.shard_plan(store, self.overlap_param_gather)
         engine = ShardEngine(store, pieces, dp.process_group, dp._engine.policy)
-        dp._engine.sharded_by([shard.grad for shard in engine.shards])
+        dp._engine.shards = [shard.grad for shard in engine.shards]
         self._engine = engine
         self._groups = PieceGroups(engine, self._names, self._recipe, self.param_groups)
         if self._waits is not None:

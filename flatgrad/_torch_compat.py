@@ -193,11 +193,10 @@ int64 only; probed once on a one-element tensor)."""
 # --- DDP --------------------------------------------------------------------------------------
 
 
-def active_ddp_getter() -> Callable[[], Any] | None:
-    """DDP's own tracking of the DDP whose forward is running (kept for TorchDynamo): a
-    function returning it or None; None itself where this torch has no such tracking."""
-    getter: Callable[[], Any] | None = getattr(DDP, "_get_active_ddp_module", None)
-    return getter
+def active_ddp() -> DDP | None:
+    """The DDP whose forward is running, if any: DDP's own tracking of it, kept for
+    TorchDynamo (a class attribute every supported torch has)."""
+    return DDP._get_active_ddp_module()
 
 
 def divides_by_ranks_not_joined(ddp: DDP) -> bool:
