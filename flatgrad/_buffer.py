@@ -1,11 +1,10 @@
 """The flat gradient buffers, and where each parameter's gradient lives in them.
 
 - `GradStore`: one zero-initialised 1-D buffer per (dtype, device) group, each parameter's
-  slot in it (kept in a `SlotTable`), and the slots' `.grad` around a backward.
-- `SlotTable`: a store's table of slots (group, place in the buffer, one view made once)
-  and the 1-D views it cuts over them.
-- `find_slot`, `owner_of`: which live store owns a parameter (`SlotRegistry`, a table by
-  id this module owns), so that a layer backward given only the weight finds its slot.
+  slot in it (a `SlotEntry`: group, place in the buffer, one view made once), the 1-D views
+  it cuts over them, and the slots' `.grad` around a backward.
+- `find_slot`, `owner_of`: which live store owns a parameter (a table by id this module
+  owns), so that a layer backward given only the weight finds its slot.
 - Main grads: a float32 slot of a bfloat16/float16 parameter is its gradient while `.grad`
   stays None. `GradStore.mains` are one store's; `MainGradGuard` (`MAIN_GRAD_GUARD`) makes a
   torch optimizer that would skip them raise.
@@ -64,11 +63,11 @@ class GradStore:
         self.stale = False  # set when a parameter no longer fits its slot
         self._seat_cache: _SeatCache | None = None  # dropped when the slots move
         self.buffers: dict[GroupKey, torch.Tensor] = {}
-        self._table = SlotTable(self.buffers)
-        self._entries: dict[torch.Tensor, SlotEntry] = self._table.entries
+        self._entries: dict[torch.Tensor, SlotEntry] = {}
         # Each held parameter's slot view, by ``id(param)`` (the backward's lookup: no Tensor hash).
-        self.views: dict[int, torch.Tensor] = self._table.views
-        self._locals: dict[int, torch.Tensor] = self._table.locals  # the slots themselves, by id
+        self.views: dict[int, torch.Tensor] = {}
+        self._locals: dict[int, torch.Tensor] = {}  # the slots themselves (a DTensor view's local), by id
+        self._addresses: dict[int, int] = {}  # where each slot view points, by id (see `intact`)
         # Per group: the buffer followed, in the same memory, by one used-flag element per
         # parameter; those flags; and those parameters (see `flagged`).
         self._flagged: dict[GroupKey, _Flagged] = {}
@@ -86,23 +85,16 @@ class GradStore:
             self.buffers[key] = raw.narrow(0, 0, group.numel)
             self._flagged[key] = (raw, raw.narrow(0, group.numel, len(members)), members)
             for index, slot in zip(group.param_indices, group.slots):
-                self._table.set(self.params[index], key, slot)
-        self.runs = self._table.runs()
+                self._set_slot(self.params[index], key, slot)
+        self.runs = self._runs()
         # Parameters whose slot is a main grad (float32 for a bfloat16/float16 parameter):
         # their `.grad` stays None, the slot alone holds the gradient (see `main_grad`).
         self.mains = tuple(p for p in self.params if self._entries[p].view.dtype != p.dtype)
         self._main_ids = frozenset(map(id, self.mains))
         self._main_spans = self.spans(self.mains)  # (zeroed by `zero_mains`)
-        self._disown = _REGISTRY.claim(self)
+        self._disown = _claim(self)
         if self.mains:
             MAIN_GRAD_GUARD.watch(self)
-
-    def spans(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """1-D views of the buffers that cover the slots of `params` and no other slot, as
-        few as the layout allows: slots adjacent in a buffer (alignment padding between
-        them included, which is zero anyway) share one view. Zeroing these is one fill
-        per view instead of one per parameter."""
-        return self._table.spans(params)
 
     def release(self) -> None:
         """Stop owning the parameters (before a rebuild replaces this store)."""
@@ -126,7 +118,7 @@ class GradStore:
             return list(self.buffers.values())
         if self._counted_runs is None:  # (the slots stay where they are while this store lives)
             counted = [param for param in self.params if tensor_parallel.counts(param)]
-            self._counted_runs = self._table.runs(counted)
+            self._counted_runs = self._runs(counted)
         return self._counted_runs
 
     def is_main(self, param: torch.Tensor) -> bool:
@@ -214,10 +206,10 @@ class GradStore:
             # `bucket.gradients()` views are contiguous ones over the same elements.
             offset = int(grad.storage_offset()) - base
             slot = SlotSpec(offset, grad.numel(), tuple(grad.shape), dense_stride(param))
-            self._table.set(param, key, slot)
+            self._set_slot(param, key, slot)
             if param.grad is not None:
                 param.grad = self._entries[param].view  # same memory, now our view object
-        self.runs = self._table.runs()
+        self.runs = self._runs()
         self._seat_cache = None
         self._counted_runs = None
         return True
@@ -277,7 +269,7 @@ class GradStore:
             seated = [pair for pair in seated if pair[0].grad is pair[1]]
             if not seated:
                 return []
-        # Slots have version counters of their own (see `SlotTable.set`), which a fill through a
+        # Slots have version counters of their own (see `_set_slot`), which a fill through a
         # span does not bump: `unseat` compares against the versions read after the fill.
         slots = self._locals
         zeroed = spans if len(seated) == len(pairs) else [slots[id(param)] for param, _ in seated]
@@ -333,7 +325,8 @@ class GradStore:
         itself, which is the `.grad`, at other memory; the identity tests of the hot path
         would then trust a tensor the buffers no longer hold, so the engine lays the
         buffers out again (and moves that `.grad`'s values in) when this is False."""
-        return self._table.intact()
+        # Both dicts gain their keys together in `_set_slot`, so they iterate in one order.
+        return list(map(_data_ptr, self._locals.values())) == list(self._addresses.values())
 
     @staticmethod
     def unseat(seated: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
@@ -348,37 +341,7 @@ class GradStore:
         if unwritten:
             torch._foreach_zero_(unwritten)
 
-    def settle(self) -> None:
-        """Make the buffers the truth: zero the slots of parameters whose `.grad` is None
-        (stale values must not reach a norm or a sync) and move any `.grad` that lives
-        elsewhere into its slot (`take_in`)."""
-        self.take_in(self.params, zero_empty=True)
-
-
-@dataclass(frozen=True)
-class SlotEntry:
-    key: GroupKey
-    slot: SlotSpec
-    view: torch.Tensor  # the slot as the parameter's .grad (a DTensor parameter's: a DTensor over it)
-    local: torch.Tensor  # the slot, shaped and strided like the parameter (its local shard)
-
-
-class SlotTable:
-    """Each parameter's slot in `buffers` (the store's dict of flat buffers, shared: a slot
-    set after the store replaced a buffer points into the new one).
-
-    Args:
-        buffers: the flat buffer of each (dtype, device) group.
-    """
-
-    def __init__(self, buffers: dict[GroupKey, torch.Tensor]) -> None:
-        self.buffers = buffers
-        self.entries: dict[torch.Tensor, SlotEntry] = {}
-        self.views: dict[int, torch.Tensor] = {}  # by id: the backward's lookup, no Tensor hash
-        self.locals: dict[int, torch.Tensor] = {}  # by id: the slots (a DTensor view's local tensor)
-        self._addresses: dict[int, int] = {}  # by id: where each view points (see `intact`)
-
-    def set(self, param: torch.Tensor, key: GroupKey, slot: SlotSpec) -> None:
+    def _set_slot(self, param: torch.Tensor, key: GroupKey, slot: SlotSpec) -> None:
         """Make `slot` of the `key` group's buffer `param`'s, with a new view."""
         buffer = self.buffers[key]
         # `set_` rather than a view op: the slot shares the buffer's memory but has a
@@ -388,20 +351,15 @@ class SlotTable:
             buffer.untyped_storage(), buffer.storage_offset() + slot.offset, slot.shape, slot.stride
         )
         view = _dtensor.grad_of_slot(local, param) if _dtensor.is_dtensor(param) else local
-        self.entries[param] = SlotEntry(key, slot, view, local)
+        self._entries[param] = SlotEntry(key, slot, view, local)
         self.views[id(param)] = view
-        self.locals[id(param)] = local
+        self._locals[id(param)] = local
         self._addresses[id(param)] = local.data_ptr()
 
-    def intact(self) -> bool:
-        """Whether every slot view still points at its slot (see `GradStore.intact`)."""
-        # Both dicts gain their keys together in `set`, so they iterate in one order.
-        return list(map(_data_ptr, self.locals.values())) == list(self._addresses.values())
-
     def _in_buffer_order(self) -> list[tuple[torch.Tensor, SlotEntry]]:
-        return sorted(self.entries.items(), key=lambda item: (str(item[1].key), item[1].slot.offset))
+        return sorted(self._entries.items(), key=lambda item: (str(item[1].key), item[1].slot.offset))
 
-    def runs(self, params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def _runs(self, params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """1-D views covering exactly the gradient elements of every slot (never the
         alignment padding), adjacent slots merged: what a scale (clipping) may touch.
         Padding stays zero by construction, so whole-buffer norms and syncs may read it.
@@ -417,7 +375,8 @@ class SlotTable:
     def spans(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """1-D views of the buffers that cover the slots of `params` and no other slot, as
         few as the layout allows: slots adjacent in a buffer (alignment padding between
-        them included, which is zero anyway) share one view."""
+        them included, which is zero anyway) share one view. Zeroing these is one fill
+        per view instead of one per parameter."""
         wanted = {id(param) for param in params}
         entries = self._in_buffer_order()
         slots: dict[GroupKey, list[tuple[int, int]]] = {}
@@ -435,56 +394,62 @@ class SlotTable:
     def _cut(self, spans: Iterable[tuple[GroupKey, int, int]]) -> list[torch.Tensor]:
         return [self.buffers[key].narrow(0, start, end - start) for key, start, end in spans if end > start]
 
+    def settle(self) -> None:
+        """Make the buffers the truth: zero the slots of parameters whose `.grad` is None
+        (stale values must not reach a norm or a sync) and move any `.grad` that lives
+        elsewhere into its slot (`take_in`)."""
+        self.take_in(self.params, zero_empty=True)
+
+
+@dataclass(frozen=True)
+class SlotEntry:
+    key: GroupKey
+    slot: SlotSpec
+    view: torch.Tensor  # the slot as the parameter's .grad (a DTensor parameter's: a DTensor over it)
+    local: torch.Tensor  # the slot, shaped and strided like the parameter (its local shard)
+
 
 _data_ptr = torch.Tensor.data_ptr
 
 
-class SlotRegistry:
-    """Which live store owns each parameter, by id, so that a backward given only the weight
-    finds its slot: a table the buffers' module owns, never an attribute on the parameter. A
-    store keeps its parameters alive, so their ids are not reused while its entries stand;
-    they go with `GradStore.release` or when the store is collected. No weak reference to a
-    parameter (that would block torch.utils.swap_tensors), and nothing in a copy or pickle
-    of a parameter."""
-
-    def __init__(self) -> None:
-        self._owners: dict[int, weakref.ref[GradStore]] = {}
-
-    def claim(self, store: GradStore) -> Callable[[], Any]:
-        """Record `store` as the owner of its parameters; returns the one call that forgets
-        them again (also run when the store is collected)."""
-        me = weakref.ref(store)
-        ids = [id(param) for param in store.params]
-        for param_id in ids:
-            self._owners[param_id] = me
-        return weakref.finalize(store, self._forget, me, ids)
-
-    def _forget(self, store: weakref.ref[GradStore], ids: list[int]) -> None:
-        for param_id in ids:
-            if self._owners.get(param_id) == store:  # (not a later store's entry)
-                del self._owners[param_id]
-
-    def find(self, param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
-        ref = self._owners.get(id(param))
-        store = ref() if ref is not None else None
-        if store is None:
-            return None
-        view = store.views.get(id(param))
-        return None if view is None else (store, view)
+# Which live store owns each parameter, by id, so that a backward given only the weight finds
+# its slot: a table this module owns, never an attribute on the parameter. A store keeps its
+# parameters alive, so their ids are not reused while its entries stand; they go with
+# `GradStore.release` or when the store is collected. No weak reference to a parameter (that
+# would block torch.utils.swap_tensors), and nothing in a copy or pickle of a parameter.
+_OWNERS: dict[int, weakref.ref[GradStore]] = {}
 
 
-_REGISTRY = SlotRegistry()
+def _claim(store: GradStore) -> Callable[[], Any]:
+    """Record `store` as the owner of its parameters; returns the one call that forgets
+    them again (also run when the store is collected)."""
+    me = weakref.ref(store)
+    ids = [id(param) for param in store.params]
+    for param_id in ids:
+        _OWNERS[param_id] = me
+    return weakref.finalize(store, _forget, me, ids)
+
+
+def _forget(store: weakref.ref[GradStore], ids: list[int]) -> None:
+    for param_id in ids:
+        if _OWNERS.get(param_id) == store:  # (not a later store's entry)
+            del _OWNERS[param_id]
 
 
 def find_slot(param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
     """(live store, slot view) of `param`, if a store holds it: the layer backwards' lookup
     (a dict read by id, a weak reference and the store's view by id)."""
-    return _REGISTRY.find(param)
+    ref = _OWNERS.get(id(param))
+    store = ref() if ref is not None else None
+    if store is None:
+        return None
+    view = store.views.get(id(param))
+    return None if view is None else (store, view)
 
 
 def owner_of(param: torch.Tensor) -> GradStore | None:
     """The live store holding `param`'s slot, if any."""
-    found = _REGISTRY.find(param)
+    found = find_slot(param)
     return None if found is None else found[0]
 
 
