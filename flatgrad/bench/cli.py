@@ -145,8 +145,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _set_malloc(args: argparse.Namespace) -> None:
-    """Apply ``--malloc`` to this process; a pin that cannot take effect (not glibc) is
-    reported and recorded as "glibc"."""
     if args.malloc == "pinned" and not pin_malloc():
         logger.warning("--malloc pinned needs glibc's mallopt; measuring with the allocator as it comes")
         args.malloc = "glibc"
@@ -162,7 +160,6 @@ def cpu_name() -> str:
 
 
 def _environment(backend: str | None, world_size: int, threads: int, malloc: str) -> dict[str, Any]:
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
         "malloc": malloc,
         "torch": torch.__version__,
@@ -172,7 +169,7 @@ def _environment(backend: str | None, world_size: int, threads: int, malloc: str
         "threads_per_rank": threads,
         "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
-        "gpu": gpu,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -181,15 +178,14 @@ def one_process(args: argparse.Namespace) -> dict[str, Any]:
     """The one-process rows (step table, single-op backwards), measured before any rank
     exists, with every core."""
     models = {name: resolve_model(name, LOCAL_MODELS) for name in args.local_models}
-    settings = {
-        "steps": args.local_steps,
-        "warmup": args.warmup,
-        "models": args.local_models,
-        "accumulate": args.local_accumulate,
-        "threads": torch.get_num_threads(),
-    }
     return {
-        "local_settings": settings,
+        "local_settings": {
+            "steps": args.local_steps,
+            "warmup": args.warmup,
+            "models": args.local_models,
+            "accumulate": args.local_accumulate,
+            "threads": torch.get_num_threads(),
+        },
         "local": local_rows(args.local_steps, args.warmup, models, args.local_accumulate)
         if args.local_steps > 0
         else [],
@@ -198,11 +194,11 @@ def one_process(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _report(report: dict[str, Any], out: Path, tables: list[str]) -> None:
-    """Write `report` as JSON to `out`, then print the non-empty `tables`."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     if any(tables):
         print("\n".join(table for table in tables if table))
+    print(f"report: {out}")
 
 
 def _one_process_tables(single: dict[str, Any]) -> list[str]:
@@ -217,7 +213,6 @@ def run_local_only(args: argparse.Namespace) -> None:
     single = one_process(args)
     report = {"environment": _environment(None, 1, torch.get_num_threads(), args.malloc), **single}
     _report(report, args.out, _one_process_tables(single))
-    print(f"report: {args.out}")
 
 
 def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
@@ -234,7 +229,11 @@ def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
         if rank == 0:
             logger.info("flatgrad-bench: %s (%d of %d models)", name, i + 1, len(args.models))
         models[name] = bench_model(name, args.configs, args.steps, args.warmup, device)
-    mixed = _mixed_row(args, device) if args.mixed_steps > 0 else None
+    mixed = None
+    if args.mixed_steps > 0:  # the mixed-precision row, with the settings it ran with
+        spec = resolve_model(args.mixed_model, MIXED_MODELS)
+        measured = bench_mixed(spec, args.mixed_variants, args.mixed_steps, args.warmup, device)
+        mixed = {"model": args.mixed_model, "steps": args.mixed_steps, "warmup": args.warmup, **measured}
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     rss = torch.tensor([peak_rss_mb], dtype=torch.float64, device=device)  # (NCCL's: on the device)
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
@@ -251,14 +250,6 @@ def run_rank(args: argparse.Namespace, single: dict[str, Any]) -> None:
     mixed_table = format_mixed(mixed, world_size) if mixed is not None else ""
     tables = [format_table(report), format_muon(report), format_overlap(report), mixed_table]
     _report(report, args.out, tables + _one_process_tables(single))
-    print(f"report: {args.out}")
-
-
-def _mixed_row(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """The mixed-precision row (`flatgrad.bench.mixed`) with the settings it ran with."""
-    spec = resolve_model(args.mixed_model, MIXED_MODELS)
-    measured = bench_mixed(spec, args.mixed_variants, args.mixed_steps, args.warmup, device)
-    return {"model": args.mixed_model, "steps": args.mixed_steps, "warmup": args.warmup, **measured}
 
 
 def _in_group(args: argparse.Namespace, single: dict[str, Any] | None) -> None:

@@ -225,8 +225,7 @@ MEMORY_REPEATS = 2  # the peak is the largest seen; the detail shows repeats tha
 
 
 def mib(values: list[int]) -> str:
-    shown = dict.fromkeys(f"{v / 2**20:.1f}" for v in values)  # one figure when the repeats agree
-    return "|".join(shown)
+    return "|".join(dict.fromkeys(f"{v / 2**20:.1f}" for v in values))  # one figure when the repeats agree
 
 
 def check_memory(run: DeviceRun) -> Outcome:
@@ -262,7 +261,6 @@ def _gpt(run: DeviceRun) -> tuple[str, BenchModel]:
         (False, True): (512, 64, 2, 4, 4, 32),
     }
     vocab, dim, depth, heads, batch, seq = sizes[run.cuda, run.quick]
-
     spec = BenchModel(
         lambda: LlamaLike(vocab=vocab, dim=dim, depth=depth, heads=heads), tokens(vocab, batch, seq)
     )
@@ -313,35 +311,24 @@ def describe(device: torch.device) -> str:
     return f"CPU: {cpu_name()}, {threads} thread{'s' if threads != 1 else ''}"
 
 
-def _tail(error: BaseException) -> str:
-    lines = "".join(traceback.format_exception(type(error), error, error.__traceback__)).strip().splitlines()
-    return "\n".join(lines[-TRACEBACK_LINES:])
-
-
-def _clean_up(run: DeviceRun) -> None:
-    """What a failed check may leave behind: a process group, memory."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()
-    if run.cuda:
-        torch.cuda.empty_cache()
-
-
 def run_check(name: str, check: Check, run: DeviceRun) -> Outcome:
     """`check(run)`, an exception turned into a failed outcome with the traceback's tail."""
     try:
         return check(run)
     except Exception as error:  # isolation: one check failing must not stop the others
         logger.warning("check %r failed: %s: %s", name, type(error).__name__, error)
-        return Outcome(False, _tail(error))
-    finally:
-        _clean_up(run)
+        lines = "".join(traceback.format_exception(error)).strip().splitlines()
+        return Outcome(False, "\n".join(lines[-TRACEBACK_LINES:]))
+    finally:  # what a failed check may leave behind: a process group, memory
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+        if run.cuda:
+            torch.cuda.empty_cache()
 
 
 def run_all(run: DeviceRun, budget_s: float | None, out: Path) -> DeviceReport:
-    """Run `CHECKS` in order, writing the report to `out` after each (the checks still to
-    come listed as pending); none starts once `budget_s` seconds are spent (each is then
-    recorded skipped, saying so)."""
+    """Run `CHECKS` within `budget_s`, writing the report to `out` after each (see the module docstring)."""
     started = time.perf_counter()
     report = DeviceReport(
         device=describe(run.device),
@@ -382,10 +369,6 @@ def _status(passed: bool | None) -> str:
     return {True: "pass", False: "**FAIL**", None: "skipped"}[passed]
 
 
-def _per_param(num_bytes: int, num_params: int) -> str:
-    return f"{num_bytes / num_params:.1f}"
-
-
 def format_markdown(report: DeviceReport) -> str:
     failed = len(report.failed)
     budget = f"--budget-s {report.budget_s:g}; " if report.budget_s is not None else ""
@@ -420,8 +403,8 @@ def format_markdown(report: DeviceReport) -> str:
     lines += [
         f"| {_cell(m.name)} | {m.flatgrad_bytes / 2**20:.2f} | {m.stock_bytes / 2**20:.2f} | "
         f"{m.flatgrad_bytes / m.stock_bytes if m.stock_bytes else float('nan'):.2f} | "
-        f"{m.num_params / 1e6:.2f}M | {_per_param(m.flatgrad_bytes, m.num_params)} | "
-        f"{_per_param(m.stock_bytes, m.num_params)} |"
+        f"{m.num_params / 1e6:.2f}M | {m.flatgrad_bytes / m.num_params:.1f} | "
+        f"{m.stock_bytes / m.num_params:.1f} |"
         for m in report.memory
     ]
     return "\n".join(lines) + "\n"

@@ -62,24 +62,16 @@ def _trio(spec: BenchModel, clip: bool, micro: int, device: torch.device) -> tup
     torch.manual_seed(0)
     model = spec.build().to(device)
     stock, control, flat = (copy.deepcopy(model) for _ in range(3))
-    flat = flatgrad.FlatGrad(flat)
-    return (
-        _step(stock, clip, micro, device),
-        _step(control, clip, micro, device),
-        _step(flat, clip, micro, device),
-    )
+    step = functools.partial(_step, clip=clip, micro_batches=micro, device=device)
+    return step(stock), step(control), step(flatgrad.FlatGrad(flat))
 
 
-def _timed(step: Step) -> Callable[[Batch], tuple[float, int]]:
-    """`step`, returning its seconds and the minor page faults it took."""
-
-    def timed(batch: Batch) -> tuple[float, int]:
-        before = minor_faults()
-        start = time.perf_counter()
-        step(batch)
-        return time.perf_counter() - start, minor_faults() - before
-
-    return timed
+def _timed(step: Step, batch: Batch) -> tuple[float, int]:
+    """`step(batch)`'s seconds and the minor page faults it took."""
+    before = minor_faults()
+    start = time.perf_counter()
+    step(batch)
+    return time.perf_counter() - start, minor_faults() - before
 
 
 def interleave(
@@ -90,7 +82,7 @@ def interleave(
     not timed."""
     steps = (stock, control, ours)
     rotate(steps, batches[:warmup])  # (untimed)
-    measured = rotate([_timed(s) for s in steps], batches[warmup:])
+    measured = rotate([functools.partial(_timed, s) for s in steps], batches[warmup:])
     (stock_s, stock_f), (control_s, _), (ours_s, ours_f) = (list(zip(*m)) for m in measured)
     return {
         "stock_ms": statistics.median(stock_s) * 1e3,
@@ -109,9 +101,8 @@ def local_rows(
     accumulate: int = 4,
     device: torch.device = CPU,
 ) -> list[dict[str, Any]]:
-    """Per model: one record without and one with clipping (one micro-batch per step), and,
-    if `accumulate` > 1, one with that many micro-batches per step (no clipping); on `device`
-    (the device report runs them on a GPU)."""
+    """Per model, the rows the module docstring lists (`accumulate` < 2: no accumulation row),
+    on `device` (the device report runs them on a GPU)."""
     variants = [(False, 1), (True, 1)] + ([(False, accumulate)] if accumulate > 1 else [])
     rows = []
     for name, spec in (models or LOCAL_MODELS).items():

@@ -5,14 +5,8 @@ CUDA: the caching allocator's peak during the step minus what was allocated befo
 Linux CPU: the resident set's high-water mark (VmHWM, reset by writing "5" to
 /proc/self/clear_refs) minus the resident set before the step: the step's transient
 allocations that reached RAM (the allocator may also reuse pages already resident, so
-this is a lower bound). Elsewhere: 0 (not measurable per step).
-
-`peak_in_step` (the device report's) counts a step's peak from before its configuration was
-built instead: parameters, gradients and optimizer state included (CPU: through the
-profiler's allocation records, `peak_bytes`).
-
-`pin_malloc` fixes glibc's heap thresholds (``--malloc pinned``); `minor_faults` counts the
-page faults that measure what it removes.
+this is a lower bound). Elsewhere: 0 (not measurable per step). `peak_in_step`, the device
+report's, counts from before the configuration was built instead.
 """
 
 from __future__ import annotations

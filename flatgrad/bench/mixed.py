@@ -100,33 +100,23 @@ def build_mixed(
     """A fresh copy of `model` set up as variant `name` of `MIXED_VARIANTS`."""
     if name not in MIXED_VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(MIXED_VARIANTS)}, got {name!r}")
-    module = copy.deepcopy(model).to(device)
-    if name == "flatgrad_main_grads":
-        flat = flatgrad.FlatGrad(module.to(torch.bfloat16), config={"grad_dtype": "float32"})
-        dp = flatgrad.replicate(flat)
-        sharded = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
-        clip = lambda: sharded.clip_grad_norm_(MAX_NORM)  # noqa: E731
-        return MixedRunner(name, dp, sharded, dp.no_sync, clip, autocast=False, dtype=torch.bfloat16)
     autocast = name == "ddp_autocast"
     dtype = torch.float32 if autocast else torch.bfloat16
+    module = copy.deepcopy(model).to(device, dtype)
+    if name == "flatgrad_main_grads":
+        dp = flatgrad.replicate(flatgrad.FlatGrad(module, config={"grad_dtype": "float32"}))
+        sharded = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
+        clip = lambda: sharded.clip_grad_norm_(MAX_NORM)  # noqa: E731
+        return MixedRunner(name, dp, sharded, dp.no_sync, clip, autocast=False, dtype=dtype)
     ids = [device.index or 0] if device.type == "cuda" else None
-    ddp = DDP(
-        module.to(dtype),
-        device_ids=ids,
-        gradient_as_bucket_view=True,
-        find_unused_parameters=unused_parameters,
-    )
+    ddp = DDP(module, device_ids=ids, gradient_as_bucket_view=True, find_unused_parameters=unused_parameters)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     clip = lambda: torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)  # noqa: E731
     return MixedRunner(name, ddp, optimizer, ddp.no_sync, clip, autocast=autocast, dtype=dtype)
 
 
 def bench_mixed(
-    spec: BenchModel,
-    variants: Iterable[str],
-    steps: int,
-    warmup: int,
-    device: torch.device,
+    spec: BenchModel, variants: Iterable[str], steps: int, warmup: int, device: torch.device
 ) -> dict[str, Any]:
     """Interleaved steps of every variant on the same micro-batches; a step's time is the
     slowest rank's. Then each variant's memory per parameter, the largest over ranks."""

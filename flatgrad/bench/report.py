@@ -22,7 +22,7 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{model:13s} {name:20s} {r['median_ms']:9.2f} {r['min_ms']:8.2f} {r['max_ms']:8.2f} "
                 f"{r.get('ratio_to_ddp_default', float('nan')):6.2f} "
                 f"{r.get('pair_ratio_to_ddp_bucket_view', float('nan')):7.2f} {r['collectives_per_step']:5d} "
-                f"{_count(r['grad_copies_per_step']):>6s} "
+                f"{'-' if r['grad_copies_per_step'] is None else r['grad_copies_per_step']:>6} "
                 f"{r['grad_bytes'] / 2**20:8.1f} {r['optimizer_state_bytes'] / 2**20:7.1f} "
                 f"{r['step_peak_extra_mb']:8.1f} {r['final_loss']:8.4f}"
             )
@@ -58,10 +58,8 @@ def format_muon(report: dict[str, Any]) -> str:
         unsharded = [
             configs[n]["optimizer_state_bytes"] for n in ("ddp_muon", "flatgrad_dp_muon") if n in configs
         ]
-        for name in MUON_CONFIGS:
-            r = configs.get(name)
-            if r is None:
-                continue
+        for name in [n for n in MUON_CONFIGS if n in configs]:
+            r = configs[name]
             rows += 1
             per_rank = " / ".join(f"{b / 2**20:.2f}" for b in r["optimizer_state_bytes_by_rank"])
             share = max(r["optimizer_state_bytes_by_rank"]) / unsharded[0] if unsharded else float("nan")
@@ -109,10 +107,6 @@ def format_mixed(row: dict[str, Any], world_size: int) -> str:
     return "\n".join(lines)
 
 
-def _count(value: int | None) -> str:
-    return "-" if value is None else str(value)
-
-
 _LINKS_GBS = (12.5, 50.0)  # 100 Gb/s between nodes; a fast intra-node link
 
 
@@ -130,11 +124,10 @@ def format_overlap(report: dict[str, Any]) -> str:
         r = result["configs"].get("flatgrad_dp")
         if not r or not r.get("bucket_bytes"):
             continue
-        cells = []
-        for gbs in _LINKS_GBS:
-            est = exposed_communication(
-                r["bucket_launch_ms"], r["bucket_bytes"], r["backward_ms"], world_size, gbs
-            )
-            cells.append(f"{est.bucketed_exposed_ms:14.2f} / {est.one_shot_exposed_ms:13.2f}")
+        estimates = [
+            exposed_communication(r["bucket_launch_ms"], r["bucket_bytes"], r["backward_ms"], world_size, gbs)
+            for gbs in _LINKS_GBS
+        ]
+        cells = [f"{e.bucketed_exposed_ms:14.2f} / {e.one_shot_exposed_ms:13.2f}" for e in estimates]
         lines.append(f"{model:13s} {len(r['bucket_bytes']):7d} {r['backward_ms']:11.2f} " + " ".join(cells))
     return "\n".join(lines)

@@ -1,9 +1,6 @@
-"""The configurations compared: stock DDP variants, FlatGrad with and without DDP,
-single-process stock/FlatGrad, and the sharded ones (flatgrad's ZeRO-1, torch's
-ZeroRedundancyOptimizer, FSDP2), all with SGD (momentum); and, asked for by name
-(`MUON_CONFIGS`), Muon's recipe (Muon for the hidden matrices, AdamW for the rest) plain,
-under flatgrad's ZeRO-1 by tensor and under torch's ZeroRedundancyOptimizer. Each owns its
-model copy and optimizer."""
+"""The configurations compared: `CONFIGS` (stock DDP's settings, FlatGrad with and without DDP,
+one process, and the sharded ones: flatgrad's ZeRO-1, torch's ZeroRedundancyOptimizer, FSDP2),
+all with SGD (momentum); `MUON_CONFIGS`, asked for by name. Each owns its model and optimizer."""
 
 from __future__ import annotations
 
@@ -30,10 +27,6 @@ from flatgrad.bench.counters import storage_bytes
 from flatgrad.bench.models import Batch
 
 
-def _no_sync() -> None:
-    pass
-
-
 @dataclass
 class Runner:
     """One configuration: `forward(batch)` -> loss, then `backward(loss)` (backward plus
@@ -42,7 +35,7 @@ class Runner:
     name: str
     module: nn.Module
     optimizer: torch.optim.Optimizer | Optimizers
-    sync: Callable[[], None] = _no_sync
+    sync: Callable[[], None] = lambda: None
     ddp: DDP | None = None
     engine: flatgrad.ReplicateState | None = None
     counts_grad_copies: bool = True
@@ -122,8 +115,6 @@ CONFIGS = (
     "zero_stock",
     "fsdp2",
 )
-BASELINE = "ddp_default"
-BEST_STOCK = "ddp_bucket_view"  # stock DDP's best setting for memory and copies
 
 # Muon's recipe (Muon for the 2-D hidden matrices, AdamW for the embeddings, the tied head
 # and the vectors; the whole model clipped at MUON_MAX_NORM), asked for by name: not in
@@ -136,14 +127,9 @@ MUON_CONFIGS = (
     "zero_stock_muon",  # DDP (bucket views) + two ZeroRedundancyOptimizers
     "zero_stock_muon_view",  # the same with parameters_as_bucket_view=True
 )
-MUON_BASE = "zero_stock_muon"  # the stock ZeRO-1 the Muon rows are compared against
 MUON: dict[str, Any] = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01}
 MUON_ADAMW: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.1}
 MUON_MAX_NORM = 1.0
-
-
-def _device_ids(device: torch.device) -> list[int] | None:
-    return [device.index or 0] if device.type == "cuda" else None
 
 
 def build_runner(
@@ -152,19 +138,17 @@ def build_runner(
     """A fresh copy of `model` set up as configuration `name`; `unused_parameters`: the model
     leaves some unused, which DDP (but for static_graph) must be told."""
     module = copy.deepcopy(model).to(device)
-    ids = _device_ids(device)
+    ids = [device.index or 0] if device.type == "cuda" else None
     if name in MUON_CONFIGS:
         return _muon_runner(name, module, ids, unused_parameters)
     sgd = functools.partial(torch.optim.SGD, lr=lr, momentum=0.9)
     if name in ("ddp_default", "ddp_bucket_view", "ddp_static_graph", "zero_stock"):
         static = name == "ddp_static_graph"
-        view = name in ("ddp_bucket_view", "zero_stock")
-        unused = unused_parameters and not static
         ddp = DDP(
             module,
             device_ids=ids,
-            find_unused_parameters=unused,
-            gradient_as_bucket_view=view,
+            find_unused_parameters=unused_parameters and not static,
+            gradient_as_bucket_view=name in ("ddp_bucket_view", "zero_stock"),
             static_graph=static,
         )
         if name == "zero_stock":
@@ -220,9 +204,9 @@ def _muon_runner(name: str, module: nn.Module, ids: list[int] | None, unused_par
         raise ValueError(
             f"configuration {name} needs torch.optim.Muon (torch 2.9 on), not in torch {torch.__version__}"
         )
+    matrices, rest = muon_split(module)
     if name in ("flatgrad_dp_muon", "flatgrad_zero_muon"):
         dp = flatgrad.replicate(flatgrad.FlatGrad(module))
-        matrices, rest = muon_split(module)
         if name == "flatgrad_zero_muon":  # (one clip over the whole model: every rank holds every gradient)
             muon = flatgrad.ShardedOptimizer(dp, muon_class, matrices, **MUON)
             adamw = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, rest, shard_by="tensor", **MUON_ADAMW)
@@ -232,7 +216,6 @@ def _muon_runner(name: str, module: nn.Module, ids: list[int] | None, unused_par
         clip = functools.partial(dp.clip_grad_norm_, MUON_MAX_NORM)
         return Runner(name, dp, Optimizers(plain, clip), engine=flatgrad.replicate_state(dp))
     ddp = DDP(module, device_ids=ids, gradient_as_bucket_view=True, find_unused_parameters=unused_parameters)
-    matrices, rest = muon_split(module)
     parts: list[torch.optim.Optimizer]
     if name == "ddp_muon":
         parts = [muon_class(matrices, **MUON), torch.optim.AdamW(rest, **MUON_ADAMW)]
