@@ -51,7 +51,7 @@ import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -88,7 +88,36 @@ _STRATEGY_ARGUMENTS = (
 )
 
 
-class FlatGradDDPStrategy(DDPStrategy):
+class _FlatGradStrategy(DDPStrategy):
+    """What the three strategies share: the `FlatGrad` config, the LightningModule with
+    FlatGrad applied (`flat`, once fit has set up), norm clipping through it, and the name
+    each is registered under."""
+
+    strategy_name: ClassVar[str]
+    _description: ClassVar[str]
+
+    def __init__(self, config: Config = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.flatgrad_config = config
+        self.flat: FlatGrad | None = None
+
+    def setup_precision_plugin(self) -> None:
+        """Lightning's, then norm clipping through `flat` (see the module notes)."""
+        super().setup_precision_plugin()
+        _clip_through_flatgrad(self.precision_plugin, lambda: self.flat)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register the strategy as `strategy_name` (Lightning calls this for its own
+        modules only: this module calls it at import).
+
+        Args:
+            strategy_registry: Lightning's ``StrategyRegistry``.
+        """
+        strategy_registry.register(cls.strategy_name, cls, description=cls._description)
+
+
+class FlatGradDDPStrategy(_FlatGradStrategy):
     """Lightning's DDPStrategy over ``FlatGrad(module)``: DDP with `FlatGrad.ddp_kwargs` (one
     bucket per (dtype, device), which is flatgrad's buffer) and `flatgrad.allreduce_hook`
     registered on every device. Registered as ``"flatgrad"``.
@@ -108,6 +137,9 @@ class FlatGradDDPStrategy(DDPStrategy):
             (`FlatGrad.ddp_kwargs` sets them).
     """
 
+    strategy_name = "flatgrad"
+    _description = "DDP with flatgrad's one-bucket comm hook, on every device"
+
     def __init__(self, config: Config = None, **kwargs: Any) -> None:
         for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
             if name in kwargs:
@@ -121,9 +153,7 @@ class FlatGradDDPStrategy(DDPStrategy):
                     f"{name} must be left to FlatGrad.ddp_kwargs() (one bucket per buffer), "
                     f"got {kwargs[name]!r}"
                 )
-        super().__init__(**kwargs)
-        self.flatgrad_config = config
-        self.flat: FlatGrad | None = None  # the LightningModule with FlatGrad applied, once fit has set up
+        super().__init__(config, **kwargs)
         self.comm_state: FlatGradCommState | None = None  # the hook's state, once registered
 
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -139,25 +169,8 @@ class FlatGradDDPStrategy(DDPStrategy):
         ddp.register_comm_hook(self.comm_state, allreduce_hook)
         return ddp
 
-    def setup_precision_plugin(self) -> None:
-        """Lightning's, then norm clipping through `flat` (see the module notes)."""
-        super().setup_precision_plugin()
-        _clip_through_flatgrad(self.precision_plugin, lambda: self.flat)
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"flatgrad"`` (Lightning calls this for its own modules only: this
-        module calls it at import).
-
-        Args:
-            strategy_registry: Lightning's ``StrategyRegistry``.
-        """
-        strategy_registry.register(
-            "flatgrad", cls, description="DDP with flatgrad's one-bucket comm hook, on every device"
-        )
-
-
-class FlatGradDataParallelStrategy(DDPStrategy):
+class FlatGradDataParallelStrategy(_FlatGradStrategy):
     """Lightning's DDPStrategy environment (processes, devices, process group) with
     ``flatgrad.replicate(FlatGrad(module))`` in place of DDP: buckets that are views of the
     flat buffer, averaged during backward; ``accumulate_grad_batches`` runs the micro-batches
@@ -179,6 +192,9 @@ class FlatGradDataParallelStrategy(DDPStrategy):
         TypeError: Another keyword argument is given (DDP's arguments have no DDP here).
     """
 
+    strategy_name = "flatgrad_data_parallel"
+    _description = "flatgrad.replicate: overlapped buckets of the flat buffer"
+
     def __init__(
         self,
         config: Config = None,
@@ -194,15 +210,13 @@ class FlatGradDataParallelStrategy(DDPStrategy):
                 f"{type(self).__name__}'s keyword arguments must be DDPStrategy's own "
                 f"({', '.join(_STRATEGY_ARGUMENTS)}), got {unknown}"
             )
-        super().__init__(**kwargs)
-        self.flatgrad_config = config
+        super().__init__(config, **kwargs)
         self.data_parallel_options: dict[str, Any] = dict(
             bucket_cap_mb=bucket_cap_mb,
             reduce_dtype=reduce_dtype,
             broadcast_buffers=broadcast_buffers,
             check_finite=check_finite,
         )
-        self.flat: FlatGrad | None = None  # the LightningModule with FlatGrad applied, once fit has set up
 
     def _setup_model(self, model: torch.nn.Module) -> ReplicateModule:  # type: ignore[override]
         """``flatgrad.replicate(FlatGrad(model), ...)``, in place (it broadcasts rank 0's
@@ -234,24 +248,6 @@ class FlatGradDataParallelStrategy(DDPStrategy):
         with self.model.no_sync() if isinstance(self.model, ReplicateModule) else nullcontext():
             yield None
 
-    def setup_precision_plugin(self) -> None:
-        """Lightning's, then norm clipping through flatgrad (see the module notes)."""
-        super().setup_precision_plugin()
-        _clip_through_flatgrad(self.precision_plugin, lambda: self.flat)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"flatgrad_data_parallel"``.
-
-        Args:
-            strategy_registry: Lightning's ``StrategyRegistry``.
-        """
-        strategy_registry.register(
-            "flatgrad_data_parallel",
-            cls,
-            description="flatgrad.replicate: overlapped buckets of the flat buffer",
-        )
-
 
 class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
     """`FlatGradDataParallelStrategy` with ZeRO-1: the optimizer ``configure_optimizers``
@@ -276,6 +272,9 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         TypeError: As `FlatGradDataParallelStrategy`.
         ValueError: At setup, ``shard_by="element"`` with several optimizers.
     """
+
+    strategy_name = "flatgrad_sharded"
+    _description = "flatgrad.replicate with ShardedOptimizer (ZeRO-1)"
 
     def __init__(
         self,
@@ -386,17 +385,6 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
             for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"])
         ]
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"flatgrad_sharded"``.
-
-        Args:
-            strategy_registry: Lightning's ``StrategyRegistry``.
-        """
-        strategy_registry.register(
-            "flatgrad_sharded", cls, description="flatgrad.replicate with ShardedOptimizer (ZeRO-1)"
-        )
 
 
 def whole_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
@@ -627,12 +615,8 @@ def _holds_every_slot(optimizer: torch.optim.Optimizer, flat: FlatGrad) -> bool:
     return held == {id(p) for p in flat.parameters() if p.requires_grad}
 
 
-def _register(registry: Any) -> None:
-    for cls in (FlatGradDDPStrategy, FlatGradDataParallelStrategy, FlatGradShardedStrategy):
-        cls.register_strategies(registry)
-
-
 # Lightning finds strategies by name in StrategyRegistry only, filled from its own modules;
 # it has no entry point for strategies (its one entry-point group, callbacks_factory, is read
 # after the strategy name was resolved), so the names exist once this module is imported.
-_register(StrategyRegistry)
+for _strategy in (FlatGradDDPStrategy, FlatGradDataParallelStrategy, FlatGradShardedStrategy):
+    _strategy.register_strategies(StrategyRegistry)
