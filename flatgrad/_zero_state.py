@@ -607,12 +607,9 @@ def whole_state(
 
 
 def saved_stepped(groups: list[GroupView], saved: dict[str, Any]) -> list[bool]:
-    """Whether each group's saved state is that of an optimizer that stepped: a checkpoint
-    says so with its step counts (0 before the first step, as torch's optimizers count; an
-    optimizer without one, SGD, always loads its state); an older flatgrad checkpoint says
-    so with ``"stepped"``."""
-    if "stepped" in saved:
-        return [bool(flag) for flag in saved["stepped"]]
+    """Whether each group's saved state is that of an optimizer that stepped, as its step
+    counts say (0 before the first step, as torch's optimizers count; an optimizer without
+    one, SGD, always loads its state)."""
     flags = []
     for group in groups:
         entry = next((saved["state"][n] for n, _ in group.params if n in saved["state"]), None)
@@ -633,7 +630,7 @@ def misfit(recipe: OptimizerRecipe, groups: list[GroupView], layout: Layout, sav
         return "not an optimizer state keyed by parameter names (ShardedOptimizer.state_dict())"
     names = [[name for name, _ in group.params] for group in groups]
     saved_names = [list(group.get("params", ())) for group in saved["param_groups"]]
-    if saved_names != names or len(saved.get("stepped", groups)) != len(groups):
+    if saved_names != names:
         return "its parameter groups hold other parameters (another model or grouping)"
     for group, stepped in zip(groups, saved_stepped(groups, saved)):
         if stepped and group.params:
