@@ -19,12 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flatgrad._buffer import GradStore, host_tensor
-from flatgrad._torch_compat import (
-    active_ddp,
-    divides_by_ranks_not_joined,
-    graph_task_id,
-    join_state,
-)
+from flatgrad._torch_compat import active_ddp, divides_by_ranks_not_joined, graph_task_id, join_state
 
 logger = logging.getLogger(__name__)
 

@@ -311,9 +311,7 @@ class FlatGrad(nn.Module):
                 its synchronised backward, until ``zero_grad()``); use its `clip_grad_norm_`.
         """
         norm_type = _check_norm_type(norm_type)
-        engine = engine_of(self)
-        refuse_scattered(engine.store, "model.grad_norm()")
-        _, _, norms, dtype = _grads_and_norms(engine, norm_type, pp_mesh)
+        _, _, norms, dtype = _grads_and_norms(engine_of(self), norm_type, pp_mesh, "model.grad_norm()")
         return _norms.total_norm(norms, norm_type, dtype)
 
     def clip_grad_norm_(
@@ -342,17 +340,14 @@ class FlatGrad(nn.Module):
             The total norm before clipping, as `grad_norm` returns it.
 
         Raises:
-            TypeError: `pp_mesh` is not a DeviceMesh.
-            ValueError: `norm_type` is NaN (or, with `pp_mesh` or DTensor parameters, not
-                positive), or `pp_mesh` is not 1-D or crosses the tensor-parallel mesh.
+            TypeError, ValueError: As `grad_norm`.
             RuntimeError: The total norm is non-finite and `error_if_nonfinite` is True; or the
                 gradients are reduce-scattered by a `ShardedOptimizer` (after its synchronised
                 backward, until ``zero_grad()``): use its `clip_grad_norm_`.
         """
         norm_type = _check_norm_type(norm_type)
-        engine = engine_of(self)
-        refuse_scattered(engine.store, "model.clip_grad_norm_()")
-        store, others, norms, dtype = _grads_and_norms(engine, norm_type, pp_mesh)
+        what = "model.clip_grad_norm_()"
+        store, others, norms, dtype = _grads_and_norms(engine_of(self), norm_type, pp_mesh, what)
         total = _norms.total_norm(norms, norm_type, dtype)
         if not norms:
             return total
@@ -524,10 +519,12 @@ def _zero_stock(param: nn.Parameter) -> None:
 
 
 def _grads_and_norms(
-    engine: GradEngine, norm_type: float, pp_mesh: DeviceMesh | None = None
+    engine: GradEngine, norm_type: float, pp_mesh: DeviceMesh | None, what: str
 ) -> tuple[GradStore, list[torch.Tensor], list[torch.Tensor], torch.dtype]:
-    """(store, gradients outside it, per-piece float64 norms, the total's dtype); with
-    `pp_mesh`, one piece: the norm over every stage of the pipeline."""
+    """(store, gradients outside it, per-piece float64 norms, the total's dtype) for `what`,
+    refused after a reduce-scatter; with `pp_mesh`, one piece: the norm over every stage of
+    the pipeline."""
+    refuse_scattered(engine.store, what)
     store = engine.refresh()
     tensor_parallel = store.tensor_parallel
     if tensor_parallel is not None and norm_type <= 0:

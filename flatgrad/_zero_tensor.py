@@ -34,14 +34,7 @@ from torch import nn
 from flatgrad._buffer import GradStore
 from flatgrad._layout import GroupKey, merge_touching
 from flatgrad._torch_compat import broadcast_coalesced
-from flatgrad._zero import (
-    FlatParameters,
-    InnerGroups,
-    StoreSource,
-    options,
-    retake_master,
-    unscale_shards,
-)
+from flatgrad._zero import FlatParameters, InnerGroups, StoreSource, options, retake_master, unscale_shards
 from flatgrad._zero_state import (
     CLASS_STATE,
     MASTER,
@@ -351,12 +344,7 @@ class TensorGroups(InnerGroups):
         (never stepped) loads as a fresh optimizer's state."""
         try:
             problem = self._misfit(param_groups, state_dict)
-        except (
-            TypeError,
-            KeyError,
-            AttributeError,
-            ValueError,
-        ) as error:  # (every rank must reach the check)
+        except (TypeError, KeyError, AttributeError, ValueError) as error:  # (each rank must reach the check)
             problem = f"not a ShardedOptimizer state ({type(error).__name__}: {error})"
         device = next(iter(self.engine.param_buffers.values())).device
         refuse_misfits(problem, device, self.engine.process_group)
