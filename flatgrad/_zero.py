@@ -187,15 +187,14 @@ class ShardEngine(FlatParameters):
         # shard plan (`BucketSync.shard_plan`)
         self.bucket_views = bucket_views
         self.shards = self._cut_shards()
-        self.grad_runs = runs_in_shards(store, [shard.grad for shard in self.shards])  # (clipping)
+        self.grad_shards = [shard.grad for shard in self.shards]  # this rank's gradient shards
+        self.grad_runs = runs_in_shards(store, self.grad_shards)  # (clipping)
         # The groups a clip norm all-reduces over: dp's, and with DTensor parameters the mesh's,
         # its norm then reading only the runs of the shards this rank counts (`norm_pieces`).
         tensor_parallel = store.tensor_parallel
         self.norm_groups = [process_group] + ([tensor_parallel.group] if tensor_parallel is not None else [])
         counted = store.norm_pieces() if tensor_parallel is not None else None
-        self.counted_runs = (
-            None if counted is None else runs_in_shards(store, [s.grad for s in self.shards], counted)
-        )
+        self.counted_runs = None if counted is None else runs_in_shards(store, self.grad_shards, counted)
         # The parameters' version counters when the masters last matched them: a write
         # since (load_state_dict, a copy under no_grad) makes `step` take the masters again.
         self._versions = self._param_versions()
@@ -319,13 +318,9 @@ class ShardEngine(FlatParameters):
         """Scale the gradient shards to a global norm of at most `max_norm` (with `stages`, a
         pipeline's: over every stage); returns the global norm before (one scalar all-reduce
         per group: dp's, the tensor-parallel mesh's, the stages')."""
-        grads, groups = (
-            [s.grad for s in self.shards],
-            self.norm_groups + ([stages] if stages is not None else []),
-        )
-        return clip_shards(
-            grads, max_norm, norm_type, groups, self.grad_runs, error_if_nonfinite, self.counted_runs
-        )
+        groups = self.norm_groups + ([stages] if stages is not None else [])
+        runs, counted = self.grad_runs, self.counted_runs
+        return clip_shards(self.grad_shards, max_norm, norm_type, groups, runs, error_if_nonfinite, counted)
 
     def unscale_(  # (FlatParameters')
         self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool
@@ -333,9 +328,8 @@ class ShardEngine(FlatParameters):
         """Multiply the gradient shards by `inv_scale` (a loss scaler's 1/scale); with
         `found_inf`, set it to 1.0 where any rank's shard holds an inf or NaN
         (`unscale_shards`)."""
-        grads = [s.grad for s in self.shards]
         unscale_shards(
-            grads, inv_scale, found_inf, allow_fp16, self.process_group, self.store.tensor_parallel
+            self.grad_shards, inv_scale, found_inf, allow_fp16, self.process_group, self.store.tensor_parallel
         )
 
     def launch_gather(self) -> None:
@@ -1038,9 +1032,7 @@ class PieceGroups(InnerGroups):
 
     @staticmethod
     def inner_group(group: dict[str, Any], pieces: list[Piece]) -> dict[str, Any]:
-        inner = options(group)
-        inner["params"] = [piece.param for piece in pieces]
-        return inner
+        return {**options(group), "params": [piece.param for piece in pieces]}
 
     def add(self, group: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
         """The inner group for `group`, just added to `param_groups`."""
