@@ -35,20 +35,9 @@ from flatgrad._zero import ShardEngine
 _METADATA = frozenset(
     {"size", "dim", "numel", "stride", "element_size", "is_floating_point", "is_complex", "is_contiguous"}
 )
-_METADATA_ATTRS = frozenset(
-    {
-        "shape",
-        "dtype",
-        "device",
-        "ndim",
-        "layout",
-        "requires_grad",
-        "is_leaf",
-        "is_cuda",
-        "is_sparse",
-        "names",
-    }
-)
+_METADATA_ATTRS = frozenset({
+    "shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_leaf", "is_cuda", "is_sparse", "names",
+})  # fmt: skip
 
 
 class ForwardWaits:

@@ -43,18 +43,10 @@ ShardBy = Literal["element", "tensor"]
 # torch's optimizers whose update of an element depends only on that element (and scalars):
 # a flat shard updates as the whole tensor would.
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop,
     torch.optim.ASGD,
-)
+)  # fmt: skip
 # torch's optimizers whose update of a tensor reads the whole tensor and no other one
 # (Muon: torch 2.9 on; Adafactor: 2.5 on).
 PER_TENSOR: tuple[type[torch.optim.Optimizer], ...] = tuple(

@@ -77,15 +77,9 @@ Config = FlatGradConfig | dict[str, Any] | str | Path | None
 
 # DDPStrategy's own arguments (everything else it takes goes to DDP's constructor).
 _STRATEGY_ARGUMENTS = (
-    "accelerator",
-    "parallel_devices",
-    "cluster_environment",
-    "checkpoint_io",
-    "precision_plugin",
-    "process_group_backend",
-    "timeout",
-    "start_method",
-)
+    "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+    "process_group_backend", "timeout", "start_method",
+)  # fmt: skip
 
 
 class _FlatGradStrategy(DDPStrategy):
