@@ -82,8 +82,6 @@ from flatgrad._torch_compat import broadcast_coalesced, join_state, leave_join, 
 
 logger = logging.getLogger(__name__)
 
-_BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
-
 
 class ReplicateModule(FlatGrad):
     """What `replicate` adds to a model (besides `FlatGrad`'s): the calls that average, and
@@ -422,7 +420,7 @@ class ReplicateState:
         if not buffers:
             return
         with torch.no_grad(), preserve_version_counter(tuple(buffers)):
-            broadcast_coalesced(self.process_group, buffers, _BROADCAST_BUCKET_BYTES, source)  # (group rank)
+            broadcast_coalesced(self.process_group, buffers, source)  # (group rank)
 
     def _notify_join(self, first: bool) -> None:
         """Before a forward inside a `Join`, what DDP's forward does there, in its order: tell

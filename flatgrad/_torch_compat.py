@@ -228,14 +228,17 @@ def leave_join(joinable: Any) -> None:
     joinable._join_config = _JoinConfig.construct_disabled_join_config()  # type: ignore[attr-defined]
 
 
+_BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
+
+
 def broadcast_coalesced(
-    process_group: dist.ProcessGroup | None, tensors: list[torch.Tensor], bucket_bytes: int, src: int
+    process_group: dist.ProcessGroup | None, tensors: list[torch.Tensor], src: int
 ) -> None:
-    """DDP's own coalesced broadcast of `tensors` from `src`, in pieces of `bucket_bytes`.
+    """DDP's own coalesced broadcast of `tensors` from `src`, in pieces of DDP's 250 MiB.
     `src` is a rank of `process_group` (not a global rank, as `dist.broadcast` takes): the
     C++ call hands it to the group as its root, as DDP passes ``process_group.rank()``."""
     group = process_group or dist.distributed_c10d._get_default_group()
-    dist._broadcast_coalesced(group, tensors, bucket_bytes, src)  # type: ignore[attr-defined]
+    dist._broadcast_coalesced(group, tensors, _BROADCAST_BUCKET_BYTES, src)  # type: ignore[attr-defined]
 
 
 # --- collectives ------------------------------------------------------------------------------

@@ -207,7 +207,7 @@ class TensorEngine(FlatParameters):
                 src = self.global_ranks[rank]  # (dist.broadcast takes a global rank)
                 self.in_flight.append(dist.broadcast(runs[0], src=src, group=group, async_op=True))
             elif runs:
-                broadcast_coalesced(group, runs, _COALESCED_BYTES, rank)  # (a rank of the group)
+                broadcast_coalesced(group, runs, rank)  # (a rank of the group)
 
     def wait_gather(self, indices: tuple[int, ...] | None = None) -> None:
         """Wait for the broadcasts `launch_gather` started: every parameter is whole
@@ -217,9 +217,6 @@ class TensorEngine(FlatParameters):
         for work in self.in_flight:
             work.wait()
         self.in_flight = []
-
-
-_COALESCED_BYTES = 250 * 1024 * 1024  # (DDP's broadcast bucket)
 
 
 def _stand_in(param: torch.Tensor, master: bool) -> nn.Parameter:
