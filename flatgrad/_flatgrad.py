@@ -1,12 +1,8 @@
-"""`FlatGrad`: applied to a model in place, it keeps all the model's gradients in flat
-per-(dtype, device) buffers.
-
-``FlatGrad(model)`` returns `model` itself, its class swapped for a subclass of its own class
-and of `FlatGrad` (as FSDP2's ``fully_shard`` does with `FSDPModule`): the model keeps its
-names, state_dict keys, forward and signature, and attributes; the engine attaches by a
-forward pre hook and a forward hook, and its operations (zeroing, main grads, norms,
-clipping, the all-reduce without DDP) are the methods `FlatGrad` adds. Each takes the
-model's `GradEngine` (`engine_of`) and first takes its store from `GradEngine.refresh`
+"""`FlatGrad`: applied to a model in place (the class notes say how), it keeps all the
+model's gradients in flat per-(dtype, device) buffers. The engine runs around the model's
+call (`FlatGrad.__call__`), and its operations (zeroing, main grads, norms, clipping, the
+all-reduce without DDP) are the methods `FlatGrad` adds. Each takes the model's
+`GradEngine` (`engine_of`) and first takes its store from `GradEngine.refresh`
 (`zero_grad` setting None: from `GradEngine.current`). The norm arithmetic is
 `flatgrad._norms`', the collectives are `flatgrad._comm`'s.
 """

@@ -31,22 +31,18 @@ from flatgrad._torch_compat import DisableTorchFunctionSubclass, DTensor, dtenso
 
 # What a ScatteredGrad lets through: metadata (no value is read), `requires_grad` (set to
 # False by nn.Module.zero_grad), and zeroing (zero is the right average of zeros).
-_ALLOWED_GETTERS = frozenset(
-    {
-        "shape", "dtype", "device", "layout", "ndim", "requires_grad", "grad", "grad_fn", "is_leaf",
-        "is_sparse", "is_quantized", "is_meta", "is_nested", "is_cuda", "is_cpu", "is_mps",
-        "is_xpu", "is_mkldnn", "itemsize", "nbytes", "_version", "output_nr",
-    }
-)  # fmt: skip
+_ALLOWED_GETTERS = frozenset({
+    "shape", "dtype", "device", "layout", "ndim", "requires_grad", "grad", "grad_fn", "is_leaf",
+    "is_sparse", "is_quantized", "is_meta", "is_nested", "is_cuda", "is_cpu", "is_mps",
+    "is_xpu", "is_mkldnn", "itemsize", "nbytes", "_version", "output_nr",
+})  # fmt: skip
 _ALLOWED_SETTERS = frozenset({"requires_grad"})
-_ALLOWED_CALLS = frozenset(
-    {
-        "size", "stride", "dim", "numel", "nelement", "element_size", "data_ptr", "storage_offset",
-        "untyped_storage", "is_contiguous", "is_floating_point", "is_complex", "is_signed",
-        "is_pinned", "is_inference", "get_device", "_is_view", "requires_grad_", "zero_",
-        "_foreach_zero_",
-    }
-)  # fmt: skip
+_ALLOWED_CALLS = frozenset({
+    "size", "stride", "dim", "numel", "nelement", "element_size", "data_ptr", "storage_offset",
+    "untyped_storage", "is_contiguous", "is_floating_point", "is_complex", "is_signed",
+    "is_pinned", "is_inference", "get_device", "_is_view", "requires_grad_", "zero_",
+    "_foreach_zero_",
+})  # fmt: skip
 
 _ADVICE = (
     "use opt.clip_grad_norm_(max_norm) to clip (ShardedOptimizer's own: the global norm from "
