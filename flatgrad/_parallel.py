@@ -606,8 +606,8 @@ def _check_same_settings(
             differ.append(f"{name}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(shown)))
     if differ:
         raise ValueError(
-            "DataParallel's settings differ across ranks (" + "; ".join(differ) + "): every "
-            "rank must build FlatGrad and DataParallel with the same settings"
+            "replicate's settings differ across ranks (" + "; ".join(differ) + "): every "
+            "rank must apply FlatGrad and replicate with the same settings"
         )
 
 
@@ -623,7 +623,7 @@ def _broadcast(tensors: Iterable[torch.Tensor], process_group: dist.ProcessGroup
 def _mesh_group(
     device_mesh: DeviceMesh | None, process_group: dist.ProcessGroup | None
 ) -> dist.ProcessGroup | None:
-    """The group DataParallel averages over: `device_mesh`'s (1-D) where one is given."""
+    """The group replicate averages over: `device_mesh`'s (1-D) where one is given."""
     if device_mesh is None:
         return process_group
     if process_group is not None:

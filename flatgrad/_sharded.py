@@ -493,7 +493,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     @property
     def join_device(self) -> torch.device:
-        """Where the Join's own all-reduces run: dp's (`DataParallel.join_device`).
+        """Where the Join's own all-reduces run: the replicated model's (`ReplicateModule.join_device`).
 
         Returns:
             The device of the model's gradients.
