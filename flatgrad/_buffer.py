@@ -30,8 +30,10 @@ from flatgrad import _dtensor
 from flatgrad._layout import GroupKey, SlotSpec, dense_stride, merge_touching, plan_layout
 
 _Flagged = tuple[torch.Tensor, torch.Tensor, tuple[torch.nn.Parameter, ...]]
-# The last parameter tuple `seat` was given, its (parameter, slot) pairs and `spans`.
-_SeatCache = tuple[Sequence[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]
+# The last parameter tuple `seat` was given, its (parameter, slot) pairs, `spans` and what
+# `negative_zero_` copies into them (`negative_zero_sources`).
+_Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+_SeatCache = tuple[Sequence[torch.Tensor], _Pairs, list[torch.Tensor], list[torch.Tensor] | None]
 
 
 class GradStore:
@@ -253,8 +255,9 @@ class GradStore:
         if cached is None or cached[0] is not params:
             views = self.views
             pairs = [(param, views[id(param)]) for param in params]
-            cached = self._seat_cache = (params, pairs, self.spans(params))
-        _, pairs, spans = cached
+            spans = self.spans(params)
+            cached = self._seat_cache = (params, pairs, spans, negative_zero_sources(spans))
+        _, pairs, spans, sources = cached
         seated = [pair for pair in pairs if pair[0].grad is None]
         if not seated:
             return []
@@ -271,10 +274,10 @@ class GradStore:
                 return []
         # Slots have version counters of their own (see `_set_slot`), which a fill through a
         # span does not bump: `unseat` compares against the versions read after the fill.
-        slots = self._locals
-        zeroed = spans if len(seated) == len(pairs) else [slots[id(param)] for param, _ in seated]
-        if zeroed:  # none when every seated parameter has zero elements
-            negative_zero_(zeroed)
+        if len(seated) == len(pairs):
+            negative_zero_(spans, sources)  # (no span when every slot has zero elements)
+        else:
+            negative_zero_([self._locals[id(param)] for param, _ in seated])
         self.seated = [(param, view, view._version) for param, view in seated]
         return self.seated
 
@@ -573,25 +576,38 @@ def aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:
     return raw.narrow(0, start, numel)
 
 
-def negative_zero_(tensors: Sequence[torch.Tensor]) -> None:
+def negative_zero_(tensors: Sequence[torch.Tensor], sources: list[torch.Tensor] | None = None) -> None:
     """Fill `tensors` with -0.0 (both parts of a complex element): how a seated slot starts.
     AccumulateGrad's in-place add into it then leaves exactly the incoming gradient, as
     stock's `.grad` is (``-0.0 + x`` is ``x`` bit for bit, ``-0.0`` included, where
     ``+0.0 + -0.0`` is ``+0.0``). A slot a backward leaves without a gradient is zeroed when
     it is unseated (`GradStore.unseat`), and every reader of a slot whose `.grad` is None
     zeroes it first (`settle`, `take_in` with `zero_empty`). On the CPU one foreach copy
-    from one -0.0 scalar per dtype, made per call: nothing is kept between calls (within a
-    few microseconds of the zero fill it
-    replaces: docs/performance.md); on accelerators two fused passes, a zero and a
-    negation, where such a copy would launch a kernel per tensor."""
+    from a -0.0 scalar of each tensor's dtype (`sources`: `negative_zero_sources`, which
+    `seat` keeps with its spans: then the fill costs what a zero fill does,
+    docs/performance.md); on accelerators two fused passes, a zero and a negation, where
+    such a copy would launch a kernel per tensor."""
+    if sources is None:
+        sources = negative_zero_sources(tensors)
+    if sources is not None:
+        if sources:
+            torch._foreach_copy_(list(tensors), sources)
+        return
     on_cpu = [t for t in tensors if t.device.type == "cpu"]
     if on_cpu:
-        scalars = {dtype: torch.zeros((), dtype=dtype).neg_() for dtype in {t.dtype for t in on_cpu}}
-        torch._foreach_copy_(on_cpu, [scalars[t.dtype] for t in on_cpu])
+        negative_zero_(on_cpu)
     elsewhere = [t for t in tensors if t.device.type != "cpu"]
-    if elsewhere:
-        torch._foreach_zero_(elsewhere)
-        torch._foreach_neg_(elsewhere)
+    torch._foreach_zero_(elsewhere)
+    torch._foreach_neg_(elsewhere)
+
+
+def negative_zero_sources(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """What `negative_zero_` copies into `tensors` when all are on the CPU: a 0-d -0.0 of
+    each one's dtype (one per dtype); None when one is not."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return None
+    scalars = {dtype: torch.zeros((), dtype=dtype).neg_() for dtype in {t.dtype for t in tensors}}
+    return [scalars[t.dtype] for t in tensors]
 
 
 def host_tensor(values: Sequence[bool | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
