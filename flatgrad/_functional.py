@@ -167,15 +167,15 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(math.prod(tensor.shape[:-1]), tensor.shape[-1])
 
 
-def _read_counts(index: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
-    """How many times each of `size` rows is read by `index`, as `dtype` (scale_grad_by_freq).
+def _read_counts(index: torch.Tensor, size: int) -> torch.Tensor:
+    """How many times each of `size` rows is read by `index`, int64 (scale_grad_by_freq).
     On CUDA `torch.bincount` sizes its output from ``index.max().item()``, a device sync on
     every backward; a scatter-add of ones into `size` int64 counters needs none (integer
     sums: the same counts in any order; 1-D, it has a deterministic kernel too)."""
     if index.device.type != "cuda":
-        return torch.bincount(index, minlength=size).to(dtype)
+        return torch.bincount(index, minlength=size)
     counts = torch.zeros(size, dtype=torch.int64, device=index.device)
-    return counts.scatter_add_(0, index.long(), torch.ones_like(index, dtype=torch.int64)).to(dtype)
+    return counts.scatter_add_(0, index.long(), torch.ones_like(index, dtype=torch.int64))
 
 
 def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -212,22 +212,22 @@ class _GatherRows(torch.autograd.Function):
             dtype = target.dtype  # type: ignore[union-attr]  # float32 rows into the main grad
         index = indices.reshape(-1)
         rows = grad_out.reshape(index.numel(), *shape[1:]).to(dtype)
-        per_row = (-1,) + (1,) * (rows.dim() - 1)  # broadcast a per-index value over a row
         if ctx.padding_idx is not None:
-            rows = rows.masked_fill((index == ctx.padding_idx).view(per_row), 0)
-        if ctx.scale_grad_by_freq:
-            rows = rows / _read_counts(index, shape[0], dtype)[index].view(per_row)
+            rows = rows.masked_fill((index == ctx.padding_idx).view(_per_row(rows)), 0)
+        # (scale_grad_by_freq: each row is divided by how often its index is read)
+        counts = _read_counts(index, shape[0])[index] if ctx.scale_grad_by_freq else None
         if mode == "fresh":
             fresh = torch.zeros(shape, dtype=dtype, device=device)
             if torch.is_grad_enabled():  # create_graph: keep the result differentiable
+                rows = rows if counts is None else rows / counts.to(dtype).view(_per_row(rows))
                 return fresh.index_add(0, index, rows), None, None, None
-            return scatter_rows(fresh, index, rows), None, None, None
+            return scatter_rows(fresh, index, rows, counts=counts), None, None, None
         assert target is not None and param is not None
         if mode == "out":
-            scatter_rows(target.zero_(), index, rows, write_scale(param, mode))
+            scatter_rows(target.zero_(), index, rows, write_scale(param, mode), counts)
             param.grad = target
         else:
-            add_rows(target, index, rows, 1.0 if mode == "main" else write_scale(param, mode))
+            add_rows(target, index, rows, 1.0 if mode == "main" else write_scale(param, mode), counts)
         return None, None, None, None
 
 
@@ -470,20 +470,50 @@ def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | N
 
 
 def scatter_rows(
-    target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, alpha: float = 1.0
+    target: torch.Tensor,
+    index: torch.Tensor,
+    rows: torch.Tensor,
+    alpha: float = 1.0,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``target[index] += alpha * rows`` with repeated indices summed.
+    """``target[index] += alpha * rows`` with repeated indices summed; with `counts` (one
+    integer per row, scale_grad_by_freq), each row divided by its own.
 
     `index_add_` scatters without sorting; under `torch.use_deterministic_algorithms`
     the sort-based `index_put_(accumulate=True)` gives a run-to-run identical sum.
+    With `counts` on the CPU the rows are scattered one count at a time, scaled by ``alpha
+    / count``: stock's CPU embedding backward adds each row times ``1 / count`` (its add
+    kernel's multiply-add), which this is bit for bit, where dividing the rows first rounds
+    twice. The rows of one index share a count, so each index still sums its rows in order.
+    Elsewhere the rows are divided (no host sync: stock's CUDA kernel sums in another
+    order anyway).
     """
+    if counts is not None:
+        if target.device.type == "cpu":
+            for count in counts.unique().tolist():  # (CPU's index_add_ is deterministic)
+                chosen = counts == count
+                target.index_add_(0, index[chosen], rows[chosen], alpha=alpha / count)
+            return target
+        rows = rows / counts.to(rows.dtype).view(_per_row(rows))
     if torch.are_deterministic_algorithms_enabled():
         return target.index_put_((index,), rows if alpha == 1.0 else rows * alpha, accumulate=True)
     return target.index_add_(0, index, rows, alpha=alpha)
 
 
-def add_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, alpha: float = 1.0) -> None:
-    """``target[index] += alpha * rows`` with the rows of each repeated index summed first,
+def _per_row(rows: torch.Tensor) -> tuple[int, ...]:
+    """The shape that broadcasts one value per row over `rows`."""
+    return (-1,) + (1,) * (rows.dim() - 1)
+
+
+def add_rows(
+    target: torch.Tensor,
+    index: torch.Tensor,
+    rows: torch.Tensor,
+    alpha: float = 1.0,
+    counts: torch.Tensor | None = None,
+) -> None:
+    """``target[index] += alpha * rows`` (each row divided by its `counts`, as in
+    `scatter_rows`) with the rows of each repeated index summed first,
     as stock sums them: its backward scatters them into zeros (the "out" mode's sum) and
     AccumulateGrad adds that to the gradient already there. Scattered straight into
     `target`, a row would round against that gradient one at a time ((g + r1) + r2, not
@@ -501,13 +531,13 @@ def add_rows(target: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, alph
     """
     deterministic = index.device.type != "cpu" and torch.are_deterministic_algorithms_enabled()
     if target.shape[0] <= index.numel() or deterministic:
-        target.add_(scatter_rows(torch.zeros_like(target), index, rows), alpha=alpha)
+        target.add_(scatter_rows(torch.zeros_like(target), index, rows, counts=counts), alpha=alpha)
         return
     index = index.long()  # (int32 indexing is patchy on older releases)
     positions = torch.arange(index.numel(), device=index.device)
     first = torch.full((target.shape[0],), index.numel(), dtype=torch.long, device=index.device)
     first = first.scatter_reduce_(0, index, positions, "amin").index_select(0, index)
-    scatter_rows(target, index, scatter_rows(torch.zeros_like(rows), first, rows), alpha)
+    scatter_rows(target, index, scatter_rows(torch.zeros_like(rows), first, rows, counts=counts), alpha)
 
 
 def scatter_add_into(
