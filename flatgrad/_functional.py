@@ -480,8 +480,10 @@ def scatter_rows(
     integer per row, scale_grad_by_freq), each row divided by its own.
 
     `index_add_` scatters without sorting; under `torch.use_deterministic_algorithms`
-    the sort-based `index_put_(accumulate=True)` gives a run-to-run identical sum.
-    With `counts` on the CPU the rows are scattered one count at a time, scaled by ``alpha
+    the sort-based `index_put_(accumulate=True)` gives a run-to-run identical sum. So
+    does a bfloat16/float16 `target` on the CPU: stock's embedding backward there rounds
+    after each row's add, in index order, as that `index_put_` does (`index_add_` gives
+    other bits). With `counts` on the CPU the rows are scattered one count at a time, scaled by ``alpha
     / count``: stock's CPU embedding backward adds each row times ``1 / count`` (its add
     kernel's multiply-add), which this is bit for bit, where dividing the rows first rounds
     twice. The rows of one index share a count, so each index still sums its rows in order.
@@ -495,7 +497,9 @@ def scatter_rows(
                 target.index_add_(0, index[chosen], rows[chosen], alpha=alpha / count)
             return target
         rows = rows / counts.to(rows.dtype).view(_per_row(rows))
-    if torch.are_deterministic_algorithms_enabled():
+    if torch.are_deterministic_algorithms_enabled() or (
+        target.dtype in (torch.bfloat16, torch.float16) and target.device.type == "cpu"
+    ):
         return target.index_put_((index,), rows if alpha == 1.0 else rows * alpha, accumulate=True)
     return target.index_add_(0, index, rows, alpha=alpha)
 
