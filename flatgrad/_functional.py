@@ -483,18 +483,26 @@ def scatter_rows(
     the sort-based `index_put_(accumulate=True)` gives a run-to-run identical sum. So
     does a bfloat16/float16 `target` on the CPU: stock's embedding backward there rounds
     after each row's add, in index order, as that `index_put_` does (`index_add_` gives
-    other bits). With `counts` on the CPU the rows are scattered one count at a time, scaled by ``alpha
+    other bits).
+
+    With `counts` on the CPU the rows are scattered one count at a time, scaled by ``alpha
     / count``: stock's CPU embedding backward adds each row times ``1 / count`` (its add
     kernel's multiply-add), which this is bit for bit, where dividing the rows first rounds
-    twice. The rows of one index share a count, so each index still sums its rows in order.
-    Elsewhere the rows are divided (no host sync: stock's CUDA kernel sums in another
-    order anyway).
+    twice. The rows are put in order of their counts first (a stable sort of the counts:
+    the rows of one index share a count, so each index still sums its rows in their
+    order), and each count's run is one `index_add_`. Elsewhere the rows are divided (no
+    host sync: stock's CUDA kernel sums in another order anyway).
     """
     if counts is not None:
         if target.device.type == "cpu":
-            for count in counts.unique().tolist():  # (CPU's index_add_ is deterministic)
-                chosen = counts == count
-                target.index_add_(0, index[chosen], rows[chosen], alpha=alpha / count)
+            order = torch.argsort(counts, stable=True)
+            counts, index, rows = counts[order], index[order], rows.index_select(0, order)
+            values, sizes = torch.unique_consecutive(counts, return_counts=True)
+            start = 0
+            for count, size in zip(values.tolist(), sizes.tolist()):  # (CPU's index_add_: deterministic)
+                run = slice(start, start + size)
+                target.index_add_(0, index[run], rows[run], alpha=alpha / count)
+                start += size
             return target
         rows = rows / counts.to(rows.dtype).view(_per_row(rows))
     if torch.are_deterministic_algorithms_enabled() or (
