@@ -34,6 +34,7 @@ Returning None still runs AccumulateGrad's post hooks (DDP's reducer hooks)."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any, Literal
 
@@ -479,30 +480,21 @@ def scatter_rows(
     """``target[index] += alpha * rows`` with repeated indices summed; with `counts` (one
     integer per row, scale_grad_by_freq), each row divided by its own.
 
-    `index_add_` scatters without sorting; under `torch.use_deterministic_algorithms`
-    the sort-based `index_put_(accumulate=True)` gives a run-to-run identical sum. So
-    does a bfloat16/float16 `target` on the CPU: stock's embedding backward there rounds
-    after each row's add, in index order, as that `index_put_` does (`index_add_` gives
-    other bits).
-
-    With `counts` on the CPU the rows are scattered one count at a time, scaled by ``alpha
-    / count``: stock's CPU embedding backward adds each row times ``1 / count`` (its add
-    kernel's multiply-add), which this is bit for bit, where dividing the rows first rounds
-    twice. The rows are put in order of their counts first (a stable sort of the counts:
-    the rows of one index share a count, so each index still sums its rows in their
-    order), and each count's run is one `index_add_`. Elsewhere the rows are divided (no
-    host sync: stock's CUDA kernel sums in another order anyway).
-    """
+    `index_add_` scatters without sorting; under `torch.use_deterministic_algorithms`, and
+    for a bfloat16/float16 `target` on the CPU, `index_put_(accumulate=True)` (run-to-run
+    identical; on the CPU serial, rounding after each row as stock's embedding backward
+    does, where `index_add_` gives other bits). With `counts` on the CPU, stock adds each
+    row times ``1 / count`` (its add kernel's multiply-add): the rows, stably sorted by
+    count (each index keeps its rows' order), go in one `index_add_` per count with that
+    scale, bit for bit stock's. Elsewhere they are divided (no host sync)."""
     if counts is not None:
         if target.device.type == "cpu":
             order = torch.argsort(counts, stable=True)
             counts, index, rows = counts[order], index[order], rows.index_select(0, order)
             values, sizes = torch.unique_consecutive(counts, return_counts=True)
-            start = 0
-            for count, size in zip(values.tolist(), sizes.tolist()):  # (CPU's index_add_: deterministic)
-                run = slice(start, start + size)
-                target.index_add_(0, index[run], rows[run], alpha=alpha / count)
-                start += size
+            bounds = [0, *itertools.accumulate(sizes.tolist())]
+            for count, start, end in zip(values.tolist(), bounds, bounds[1:]):  # (CPU: deterministic)
+                target.index_add_(0, index[start:end], rows[start:end], alpha=alpha / count)
             return target
         rows = rows / counts.to(rows.dtype).view(_per_row(rows))
     if torch.are_deterministic_algorithms_enabled() or (
@@ -525,11 +517,10 @@ def add_rows(
     counts: torch.Tensor | None = None,
 ) -> None:
     """``target[index] += alpha * rows`` (each row divided by its `counts`, as in
-    `scatter_rows`) with the rows of each repeated index summed first,
-    as stock sums them: its backward scatters them into zeros (the "out" mode's sum) and
-    AccumulateGrad adds that to the gradient already there. Scattered straight into
-    `target`, a row would round against that gradient one at a time ((g + r1) + r2, not
-    g + (r1 + r2)).
+    `scatter_rows`) with the rows of each repeated index summed first, as stock sums them:
+    its backward scatters them into zeros (the "out" mode's sum) and AccumulateGrad adds
+    that to the gradient already there. Scattered straight into `target`, a row would
+    round against that gradient one at a time ((g + r1) + r2, not g + (r1 + r2)).
 
     A table no longer than the rows is summed as stock does (into zeros of its size, then
     one add), and so is any on an accelerator under `torch.use_deterministic_algorithms`
