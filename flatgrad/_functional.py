@@ -220,7 +220,7 @@ class _GatherRows(torch.autograd.Function):
         if mode == "fresh":
             fresh = torch.zeros(shape, dtype=dtype, device=device)
             if torch.is_grad_enabled():  # create_graph: keep the result differentiable
-                rows = rows if counts is None else rows / counts.to(dtype).view(_per_row(rows))
+                rows = rows if counts is None else _divided(rows, counts)
                 return fresh.index_add(0, index, rows), None, None, None
             return scatter_rows(fresh, index, rows, counts=counts), None, None, None
         assert target is not None and param is not None
@@ -486,7 +486,8 @@ def scatter_rows(
     does, where `index_add_` gives other bits). With `counts` on the CPU, stock adds each
     row times ``1 / count`` (its add kernel's multiply-add): the rows, stably sorted by
     count (each index keeps its rows' order), go in one `index_add_` per count with that
-    scale, bit for bit stock's. Elsewhere they are divided (no host sync)."""
+    scale (a scale of exactly 1 as above), bit for bit stock's. Elsewhere they are divided,
+    in at least float32 (no host sync)."""
     if counts is not None:
         if target.device.type == "cpu":
             order = torch.argsort(counts, stable=True)
@@ -494,9 +495,12 @@ def scatter_rows(
             values, sizes = torch.unique_consecutive(counts, return_counts=True)
             bounds = [0, *itertools.accumulate(sizes.tolist())]
             for count, start, end in zip(values.tolist(), bounds, bounds[1:]):  # (CPU: deterministic)
-                target.index_add_(0, index[start:end], rows[start:end], alpha=alpha / count)
+                if alpha / count == 1.0:  # (index_add_'s own path at 1: half precision below)
+                    scatter_rows(target, index[start:end], rows[start:end])
+                else:
+                    target.index_add_(0, index[start:end], rows[start:end], alpha=alpha / count)
             return target
-        rows = rows / counts.to(rows.dtype).view(_per_row(rows))
+        rows = _divided(rows, counts)
     if torch.are_deterministic_algorithms_enabled() or (
         target.dtype in (torch.bfloat16, torch.float16) and target.device.type == "cpu"
     ):
@@ -507,6 +511,13 @@ def scatter_rows(
 def _per_row(rows: torch.Tensor) -> tuple[int, ...]:
     """The shape that broadcasts one value per row over `rows`."""
     return (-1,) + (1,) * (rows.dim() - 1)
+
+
+def _divided(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each of `rows` divided by its count, in at least float32: a count in bfloat16 rounds
+    from 257 on, and in float16 overflows past 65504 (a row divided by inf: zero)."""
+    wide = counts.to(torch.promote_types(rows.dtype, torch.float32))
+    return (rows / wide.view(_per_row(rows))).to(rows.dtype)
 
 
 def add_rows(

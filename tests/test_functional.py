@@ -170,6 +170,18 @@ def test_accumulating_embedding_rows_sums_repeats_first_as_stock(dtype, kwargs, 
     assert grad_in_buffers(flat, flat.weight.grad)
 
 
+def test_scale_grad_by_freq_divides_counts_past_half_precision_in_float32():
+    """Where the rows are divided by their counts (``create_graph=True`` here; every backward
+    on accelerators), the counts are float32: a float16 count of 70000 overflows to inf and
+    would zero the row's gradient. (Stock's own float16 sum of 70000 such rows stalls far
+    below the true 0.5: the value is checked, not stock's.)"""
+    emb = nn.Embedding(4, 2, scale_grad_by_freq=True).half()
+    flat = flatgrad.FlatGrad(emb, config=ROUTE_ALL)
+    tokens = torch.zeros(70000, dtype=torch.long)  # row 0 read 70000 times
+    flat(tokens).backward(torch.full((70000, 2), 0.5, dtype=torch.float16), create_graph=True)
+    torch.testing.assert_close(emb.weight.grad[0].float(), torch.full((2,), 0.5), rtol=0.02, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("alpha", [1.0, 0.5])
 @pytest.mark.parametrize(
