@@ -30,8 +30,7 @@ from flatgrad import _dtensor
 from flatgrad._layout import GroupKey, SlotSpec, dense_stride, merge_touching, plan_layout
 
 _Flagged = tuple[torch.Tensor, torch.Tensor, tuple[torch.nn.Parameter, ...]]
-# The last parameter tuple `seat` was given, its (parameter, slot) pairs, `spans` and what
-# `negative_zero_` copies into them (`negative_zero_sources`).
+# `seat`'s last parameter tuple, its (parameter, slot) pairs, spans and their fill's sources.
 _Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 _SeatCache = tuple[Sequence[torch.Tensor], _Pairs, list[torch.Tensor], list[torch.Tensor] | None]
 
@@ -587,8 +586,7 @@ def negative_zero_(tensors: Sequence[torch.Tensor], sources: list[torch.Tensor] 
     `seat` keeps with its spans: then the fill costs what a zero fill does,
     docs/performance.md); on accelerators two fused passes, a zero and a negation, where
     such a copy would launch a kernel per tensor."""
-    if sources is None:
-        sources = negative_zero_sources(tensors)
+    sources = negative_zero_sources(tensors) if sources is None else sources
     if sources is not None:
         if sources:
             torch._foreach_copy_(list(tensors), sources)
@@ -602,8 +600,7 @@ def negative_zero_(tensors: Sequence[torch.Tensor], sources: list[torch.Tensor] 
 
 
 def negative_zero_sources(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
-    """What `negative_zero_` copies into `tensors` when all are on the CPU: a 0-d -0.0 of
-    each one's dtype (one per dtype); None when one is not."""
+    """`negative_zero_`'s 0-d -0.0 per tensor (one per dtype) if all are on the CPU, else None."""
     if any(t.device.type != "cpu" for t in tensors):
         return None
     scalars = {dtype: torch.zeros((), dtype=dtype).neg_() for dtype in {t.dtype for t in tensors}}

@@ -214,8 +214,7 @@ class _GatherRows(torch.autograd.Function):
         index = indices.reshape(-1)
         rows = grad_out.reshape(index.numel(), *shape[1:]).to(dtype)
         if ctx.padding_idx is not None:
-            rows = rows.masked_fill((index == ctx.padding_idx).view(_per_row(rows)), 0)
-        # (scale_grad_by_freq: each row is divided by how often its index is read)
+            rows = rows.masked_fill((index == ctx.padding_idx).view(-1, *(1,) * (rows.dim() - 1)), 0)
         counts = _read_counts(index, shape[0])[index] if ctx.scale_grad_by_freq else None
         if mode == "fresh":
             fresh = torch.zeros(shape, dtype=dtype, device=device)
@@ -486,8 +485,7 @@ def scatter_rows(
     does, where `index_add_` gives other bits). With `counts` on the CPU, stock adds each
     row times ``1 / count`` (its add kernel's multiply-add): the rows, stably sorted by
     count (each index keeps its rows' order), go in one `index_add_` per count with that
-    scale (a scale of exactly 1 as above), bit for bit stock's. Elsewhere they are divided,
-    in at least float32 (no host sync)."""
+    scale (exactly 1: as above), bit for bit stock's. Elsewhere they are divided."""
     if counts is not None:
         if target.device.type == "cpu":
             order = torch.argsort(counts, stable=True)
@@ -508,16 +506,10 @@ def scatter_rows(
     return target.index_add_(0, index, rows, alpha=alpha)
 
 
-def _per_row(rows: torch.Tensor) -> tuple[int, ...]:
-    """The shape that broadcasts one value per row over `rows`."""
-    return (-1,) + (1,) * (rows.dim() - 1)
-
-
 def _divided(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Each of `rows` divided by its count, in at least float32: a count in bfloat16 rounds
-    from 257 on, and in float16 overflows past 65504 (a row divided by inf: zero)."""
+    """Each of `rows` divided by its count, in float32 at least (a float16 count overflows)."""
     wide = counts.to(torch.promote_types(rows.dtype, torch.float32))
-    return (rows / wide.view(_per_row(rows))).to(rows.dtype)
+    return (rows / wide.view(-1, *(1,) * (rows.dim() - 1))).to(rows.dtype)
 
 
 def add_rows(
