@@ -492,11 +492,12 @@ def scatter_rows(
             counts, index, rows = counts[order], index[order], rows.index_select(0, order)
             values, sizes = torch.unique_consecutive(counts, return_counts=True)
             bounds = [0, *itertools.accumulate(sizes.tolist())]
-            for count, start, end in zip(values.tolist(), bounds, bounds[1:]):  # (CPU: deterministic)
-                if alpha / count == 1.0:  # (index_add_'s own path at 1: half precision below)
+            scales = [alpha / count for count in values.tolist()]
+            for scale, start, end in zip(scales, bounds, bounds[1:]):  # (CPU: deterministic)
+                if scale == 1.0:  # (index_add_'s own path at 1: half precision below)
                     scatter_rows(target, index[start:end], rows[start:end])
                 else:
-                    target.index_add_(0, index[start:end], rows[start:end], alpha=alpha / count)
+                    target.index_add_(0, index[start:end], rows[start:end], alpha=scale)
             return target
         rows = _divided(rows, counts)
     if torch.are_deterministic_algorithms_enabled() or (
