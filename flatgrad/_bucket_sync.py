@@ -125,13 +125,6 @@ def agree_order(
     return [int(index) for index in agreed.tolist()]
 
 
-def _current_streams(buckets: tuple[Bucket, ...]) -> dict[torch.device, Any]:
-    """The current stream of each CUDA device the buckets live on (a round opens on the
-    forward's: an output's pre hook runs there); empty off CUDA."""
-    cuda = {bucket.buffer.device for bucket in buckets if bucket.buffer.is_cuda}
-    return {device: torch.cuda.current_stream(device) for device in cuda}
-
-
 class Round:
     """One synchronised backward's averaging: which parameters are ready, which bucket
     launches next (in the bucket plan's order), each bucket's collective, and the used flags that
@@ -159,7 +152,10 @@ class Round:
         # bucket, whether its local gradients were all finite (a device tensor, no sync).
         self.check_finite = sync._parameter_names if sync.check_finite else None
         self.finite: list[torch.Tensor] = []
-        self.streams = _current_streams(plan.buckets)  # the backward's (see `_follow_backward`)
+        # The backward's current stream of each CUDA device the buckets live on (a round opens
+        # on the forward's: an output's pre hook runs there; none off CUDA): `_follow_backward`.
+        cuda = {bucket.buffer.device for bucket in plan.buckets if bucket.buffer.is_cuda}
+        self.streams = {device: torch.cuda.current_stream(device) for device in cuda}
         self.pending = [len(bucket.params) for bucket in plan.buckets]
         self.work: list[Any] = [None] * len(plan.buckets)
         self.wire: list[torch.Tensor | None] = [None] * len(plan.buckets)

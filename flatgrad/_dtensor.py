@@ -122,8 +122,6 @@ class TensorParallel:
         parameter's (the same on every rank of the mesh, as a model outside the
         tensor-parallel layers computes it) on the mesh's first rank only, so the sum over
         the mesh counts each element of the whole gradient once."""
-        if not isinstance(param, DTensor):
-            return self.first
         return self.first or is_sharded(param)
 
     def combine(self, norms: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
@@ -156,15 +154,11 @@ def combine_norms(
     this rank's float64 per-piece norms: their `norm_type` norm, combined over the group
     (the max for inf, else the sum of the `norm_type`-th powers; one float64 all-reduce on
     `device_type`), as one float64 piece, the same on every rank of the group."""
-    device = norms[0].device if norms else torch.device("cpu")
-    if device_type != device.type:
-        device = torch.device(device_type)
-    stacked = torch.stack([n.to(device, torch.float64) for n in norms]) if norms else None
-    local = (
-        torch.linalg.vector_norm(stacked, norm_type)
-        if stacked is not None
-        else torch.zeros((), dtype=torch.float64, device=device)
-    )
+    device = norms[0].device if norms and norms[0].device.type == device_type else torch.device(device_type)
+    if norms:
+        local = torch.linalg.vector_norm(torch.stack([n.to(device, torch.float64) for n in norms]), norm_type)
+    else:
+        local = torch.zeros((), dtype=torch.float64, device=device)
     if math.isinf(norm_type):
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         return [local]

@@ -33,15 +33,7 @@ def _embedding_forward(module: nn.Embedding, input: torch.Tensor) -> torch.Tenso
         return _functional.gather_rows_into_slot(
             module.weight, indices, module.padding_idx, module.scale_grad_by_freq
         )
-    return F.embedding(
-        input,
-        module.weight,
-        module.padding_idx,
-        module.max_norm,
-        module.norm_type,
-        module.scale_grad_by_freq,
-        module.sparse,
-    )
+    return nn.Embedding.forward(module, input)  # (torch's own: `F.embedding` with the module's settings)
 
 
 _ROUTES: dict[str, tuple[type[nn.Module], Callable[..., torch.Tensor]]] = {

@@ -133,11 +133,10 @@ def _op(func: object) -> tuple[str, bool]:
     comes as its descriptor's ``__get__`` / ``__set__``."""
     name = getattr(func, "__name__", repr(func))
     owner = getattr(func, "__self__", None)
-    if name == "__get__" and owner is not None:
+    if name in ("__get__", "__set__") and owner is not None:
         attribute = getattr(owner, "__name__", "?")
-        return f"Tensor.{attribute}", attribute in _ALLOWED_GETTERS
-    if name == "__set__" and owner is not None:
-        attribute = getattr(owner, "__name__", "?")
+        if name == "__get__":
+            return f"Tensor.{attribute}", attribute in _ALLOWED_GETTERS
         return f"setting Tensor.{attribute}", attribute in _ALLOWED_SETTERS
     return name, name in _ALLOWED_CALLS
 

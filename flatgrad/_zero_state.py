@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,21 +328,14 @@ def parameter_state(
         # the same values): the same keys everywhere, as torch.distributed.checkpoint expects.
         entry: dict[str, Any] = {key: states[0][key] for key in spec.scalars}
         for key in spec.per_element:
-            dtype = _dtype_of(states, key, param)
+            # (the state's dtype where a piece holds it, else the parameter's)
+            dtype = next((s[key].dtype for s in states if isinstance(s.get(key), torch.Tensor)), param.dtype)
             local = [_local_view(c, pieces, states, key, box, extent).contiguous() for c, box in mine]
             local = local or [torch.empty(end.sizes, dtype=dtype, device=param.device)]
             group = process_group if id(param) not in layout.peers else None  # (the peers' ranks too)
             entry[key] = sharded_tensor(local, extents, size, dtype, group)
         out[name] = entry
     return out
-
-
-def _dtype_of(states: list[dict[str, Any]], key: str, param: torch.Tensor) -> torch.dtype:
-    for state in states:
-        value = state.get(key)
-        if isinstance(value, torch.Tensor):
-            return value.dtype
-    return param.dtype
 
 
 def _local_view(
@@ -397,27 +390,22 @@ def _saved_parts(value: Any, size: tuple[int, ...]) -> list[tuple[tuple[int, ...
     return [(o, t) for o, t in parts if len(o) == len(size) and t.dim() == len(size)]
 
 
-def _overlap(
-    box: Box, offsets: tuple[int, ...], data: torch.Tensor
-) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
-    """Where `data` (a part at `offsets`) and `box` overlap: (index into the box, index
-    into `data`), or None."""
-    lo = [max(a, b) for a, b in zip(box.offsets, offsets)]
-    hi = [min(a + n, b + m) for a, n, b, m in zip(box.offsets, box.sizes, offsets, data.shape)]
-    if any(low >= high for low, high in zip(lo, hi)):
-        return None
-    into_box = tuple(slice(low - a, high - a) for low, high, a in zip(lo, hi, box.offsets))
-    into_data = tuple(slice(low - b, high - b) for low, high, b in zip(lo, hi, offsets))
-    return into_box, into_data
+def _overlaps(
+    box: Box, value: object, size: tuple[int, ...]
+) -> Iterator[tuple[tuple[slice, ...], torch.Tensor]]:
+    """Where each part of a saved per-element state (`_saved_parts`) overlaps `box`: (index
+    into the box, that piece of the part)."""
+    for offsets, data in _saved_parts(value, size):
+        lo = [max(a, b) for a, b in zip(box.offsets, offsets)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(box.offsets, box.sizes, offsets, data.shape)]
+        if any(low >= high for low, high in zip(lo, hi)):
+            continue
+        into_box = tuple(slice(low - a, high - a) for low, high, a in zip(lo, hi, box.offsets))
+        yield into_box, data[tuple(slice(low - b, high - b) for low, high, b in zip(lo, hi, offsets))]
 
 
 def _covered(value: object, box: Box, size: tuple[int, ...]) -> bool:
-    covered = 0
-    for offsets, data in _saved_parts(value, size):
-        found = _overlap(box, offsets, data)
-        if found is not None:
-            covered += math.prod(s.stop - s.start for s in found[0])
-    return covered == box.numel
+    return sum(piece.numel() for _, piece in _overlaps(box, value, size)) == box.numel
 
 
 def load_parameter_state(
@@ -443,12 +431,10 @@ def load_parameter_state(
 
 
 def _copy_box(target: torch.Tensor, box: Box, saved: object, size: tuple[int, ...]) -> None:
-    for offsets, data in _saved_parts(saved, size):
-        found = _overlap(box, offsets, data)
-        if found is not None:
-            part, source = target[found[0]], data[found[1]]
-            if part.data_ptr() != source.data_ptr() or part.stride() != source.stride():
-                part.copy_(source)  # (loaded in place, it is the same memory)
+    for into_box, source in _overlaps(box, saved, size):
+        part = target[into_box]
+        if part.data_ptr() != source.data_ptr() or part.stride() != source.stride():
+            part.copy_(source)  # (loaded in place, it is the same memory)
 
 
 # --- the class's own state form --------------------------------------------------------------

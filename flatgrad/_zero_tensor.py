@@ -219,14 +219,6 @@ class TensorEngine(FlatParameters):
         self.in_flight = []
 
 
-def _stand_in(param: torch.Tensor, master: bool) -> nn.Parameter:
-    """What the inner optimizer steps for `param`: a leaf sharing its memory, shape and
-    version counter, so the update lands in the parameter as a plain optimizer's would; or,
-    for a bfloat16/float16 parameter with a main grad (`master`), its float32 master, a
-    copy that `TensorGroups.write_back` rounds into the parameter after each step."""
-    return nn.Parameter(param.detach().float() if master else param.detach())
-
-
 class TensorGroups(InnerGroups):
     """The inner optimizer (`inner`) over stand-ins of the parameters this rank owns, one
     inner group per group of `param_groups` (empty where it owns none of the group; see
@@ -260,7 +252,11 @@ class TensorGroups(InnerGroups):
         self.owned.append(owned)
         for param in owned:
             master = self.engine.store.is_main(param)
-            self.stand_ins[id(param)] = _stand_in(param, master)
+            # What the inner optimizer steps: a leaf sharing the parameter's memory, shape and
+            # version counter, so the update lands in it as a plain optimizer's would; or, for
+            # a bfloat16/float16 parameter with a main grad, its float32 master, a copy that
+            # `write_back` rounds into the parameter after each step.
+            self.stand_ins[id(param)] = nn.Parameter(param.detach().float() if master else param.detach())
             if master:
                 self.masters.append(param)
                 self._versions[id(param)] = param._version

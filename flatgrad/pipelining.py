@@ -23,6 +23,7 @@ Imports `torch.distributed.pipelining`; `import flatgrad` never imports this mod
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -129,10 +130,7 @@ class PipelineStage(pipelining.PipelineStage):
         if not full_backward:
             self._split_this_step = True
         overlapped = last_backward and full_backward and not self._split_this_step
-        if overlapped:
-            with self.data_parallel._engine.averaging():
-                super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-        else:
+        with self.data_parallel._engine.averaging() if overlapped else contextlib.nullcontext():
             super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         if last_backward and full_backward:
             if not overlapped:
