@@ -208,6 +208,7 @@ class Seater:
             seater._task = task
             store = seater.store
             seated = store.seat(seater.params) if alone else []
+        store.begin_backward()
         return functools.partial(self._after_backward, store, seated, alone)
 
     def _after_backward(

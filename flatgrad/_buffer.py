@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flatgrad import _dtensor
 from flatgrad._layout import GroupKey, SlotSpec, dense_stride, merge_touching, plan_layout
+from flatgrad._torch_compat import graph_task_id
 
 _Flagged = tuple[torch.Tensor, torch.Tensor, tuple[torch.nn.Parameter, ...]]
 # `seat`'s last parameter tuple, its (parameter, slot) pairs, spans and their fill's sources.
@@ -77,6 +78,12 @@ class GradStore:
         self.seated: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         # `seated` by id, for `unseat_final`: made from the list it was made of when first asked.
         self._seated_ids: tuple[list[Any], dict[int, tuple[torch.Tensor, torch.Tensor, int]]] = ([], {})
+        # Reads per parameter id since the backward began (`count_use`), the ids an unrouted layer
+        # also holds (`route_layers`), and those the running backward sums (`begin_backward`).
+        self.uses: dict[int, tuple[torch.Tensor, int, bool]] = {}
+        self.counted = self.uses  # (the reads the last backward was decided from)
+        self.read_elsewhere: frozenset[int] = frozenset()
+        self.summed: set[int] = set()
         self.prescale = Prescale()  # (see `flatgrad._prescale`)
         self.scattered = Scattered()  # (see `flatgrad._scattered_grad`)
         shards = [_dtensor.local_of(param) for param in self.params]  # (a DTensor's local shard)
@@ -305,6 +312,18 @@ class GradStore:
             self._seated_ids = (seated, {id(entry[0]): entry for entry in seated})
         return self._seated_ids[1]
 
+    def begin_backward(self) -> None:
+        """As a backward begins: the parameters whose uses it sums as stock's (their layers
+        return their gradients, AccumulateGrad adds the sum into the slot), where writing the
+        uses in one by one would round otherwise (docs/design.md, "Routed layers")."""
+        if self.uses:  # (else no forward came since the last backward: the same graph's again)
+            self.counted, self.uses = self.uses, {}
+        self.summed = {
+            key
+            for key, (param, n, rounded) in self.counted.items()
+            if n > 2 or key in self.read_elsewhere or (n > 1 and (param.grad is not None or not rounded))
+        }
+
     def check(self, params: Sequence[torch.Tensor]) -> None:
         """Mark the store stale if one of `params` (the main grads' among them) no longer fits
         its slot, or a slot view no longer points at its slot (before every backward: by id,
@@ -447,6 +466,17 @@ def find_slot(param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
         return None
     view = store.views.get(id(param))
     return None if view is None else (store, view)
+
+
+def count_use(param: torch.Tensor, adds_rounded: bool) -> None:
+    """From a routed Function's forward (not a recompute inside a backward): one more read of
+    `param` before the next backward (`GradStore.begin_backward`), by a layer that adds into
+    a written slot rounded, as AccumulateGrad would, or not (a Linear's weight: in its GEMM)."""
+    ref = _OWNERS.get(id(param))
+    store = ref() if ref is not None else None
+    if store is not None and graph_task_id() == -1:
+        seen = store.uses.get(id(param))
+        store.uses[id(param)] = (param, 1, adds_rounded) if seen is None else (param, seen[1] + 1, seen[2])
 
 
 def owner_of(param: torch.Tensor) -> GradStore | None:

@@ -143,12 +143,14 @@ class GradEngine:
             if old is not None:
                 _detach_leaving(old, params)
                 old.release()
-            routed = route_layers(model, self.config)
+            routed, elsewhere = route_layers(model, self.config)
             self.store = store = GradStore(
                 params, self.config.align_bytes, self.slot_multiple, self.config.grad_dtype
             )
+            store.read_elsewhere = elsewhere
             if old is not None:
                 _carry_mains(old, store)
+                store.uses, store.counted = old.uses, old.counted  # (reads before a relayout)
             self.seater = Seater(store, params, routed, self)
             self._hooks[:] = self.seater.hooks
             self._watched = _watch_list(model) or ()

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.graph import Node
 
-from flatgrad._buffer import find_slot, negative_zero_
+from flatgrad._buffer import count_use, find_slot, negative_zero_
 from flatgrad._prescale import write_scale
 from flatgrad._torch_compat import GATHER_TAKES_INT32, fast_apply, functorch_active, will_execute
 
@@ -59,12 +59,17 @@ class _Linear(torch.autograd.Function):
     """`F.linear` whose backward writes the weight and bias gradients into their slots.
 
     The backward is written out flat (no helper per gradient): it runs once per layer per
-    step, and its Python is what routing a layer costs over torch's own backward.
+    step, and its Python is what routing a layer costs over torch's own backward. A product
+    in autocast's dtype is cast as it is written; one in half precision is rounded before it
+    is added into a slot, as stock's AccumulateGrad adds it (inside the GEMM it would not be).
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = F.linear(x, weight, bias)  # autocast, if on, picks the compute dtype here
+        count_use(weight, False)
+        if bias is not None:
+            count_use(bias, True)
         ctx.save_for_backward(x, weight)
         ctx.set_materialize_grads(False)  # see the module doc on undefined gradients
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -103,7 +108,7 @@ class _Linear(torch.autograd.Function):
                     grad_w = _as(rows_t.mm(xs), dtype)
                 elif mode == "main":
                     add_product(slot, rows_t, xs)  # type: ignore[arg-type]
-                elif compute != dtype:  # in the autocast dtype, cast on write; divided into a divided slot
+                elif compute != dtype or (mode == "add" and dtype.itemsize < 4):  # (see the class doc)
                     w = rows_t.mm(xs)
                     slot.copy_(w) if mode == "out" else slot.add_(w, alpha=write_scale(param, mode))  # type: ignore[union-attr,arg-type]
                 else:  # (scaled in the GEMM inside a replicate backward: see `write_scale`)
@@ -195,6 +200,7 @@ class _GatherRows(torch.autograd.Function):
         scale_grad_by_freq: bool,
     ) -> torch.Tensor:
         ctx.save_for_backward(indices)  # not the weight: a max_norm renorm may bump its version
+        count_use(weight, True)
         ctx.set_materialize_grads(False)  # see the module doc on undefined gradients
         ctx.weight_meta = (weight.dtype, weight.device, weight.shape)
         ctx.padding_idx = padding_idx
@@ -312,6 +318,7 @@ class _GatherDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(index)
+        count_use(input, False)
         ctx.set_materialize_grads(False)  # see the module doc on undefined gradients
         ctx.input_meta = (input.dtype, input.device, input.shape, dim)
         return torch.gather(input, dim, index)
@@ -455,9 +462,10 @@ def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | N
         store.stale = True  # param.data replaced or converted since the layout: lay out again
         return "fresh", None, param
     grad = param.grad  # type: ignore[union-attr]
-    if param._backward_hooks:  # type: ignore[union-attr]
-        # Tensor hooks must see the gradient: return it, and let AccumulateGrad add the
-        # hooked result into the slot (seated here when empty, -0.0 filled as `seat` does).
+    if param._backward_hooks or id(param) in store.summed:  # type: ignore[union-attr]
+        # Tensor hooks must see the gradient, and uses summed as stock's (`begin_backward`)
+        # are autograd's to add: return it, and let AccumulateGrad add the result into the
+        # slot (seated here when empty, -0.0 filled as `seat` does).
         if grad is None:
             negative_zero_([view])
             param.grad = view  # type: ignore[union-attr]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from itertools import chain
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +43,11 @@ _ROUTES: dict[str, tuple[type[nn.Module], Callable[..., torch.Tensor]]] = {
 }
 
 
-def route_layers(model: nn.Module, config: FlatGradConfig) -> set[int]:
+def route_layers(model: nn.Module, config: FlatGradConfig) -> tuple[set[int], frozenset[int]]:
     """Give every supported layer that keeps torch's own forward a flat-buffer forward;
-    returns the ids of the parameters those layers' Functions write themselves.
+    returns the ids of the parameters those layers' Functions write themselves, and of
+    those a layer left unrouted also holds (a tied head too small to route: their uses are
+    summed as stock's, `GradStore.begin_backward`).
 
     Left alone: tensor-parallel layers (a DTensor weight: `parallelize_module`'s),
     subclasses that override `forward` (LoRA layers, quantised layers...),
@@ -89,7 +92,9 @@ def route_layers(model: nn.Module, config: FlatGradConfig) -> set[int]:
         # A partial of a module-level function (not a bound method) pickles and deep-copies.
         module.forward = functools.partial(forward, module)  # type: ignore[method-assign]
         routed.update(id(p) for p in module._parameters.values() if p is not None)
-    return routed
+    chosen_ids = {id(module) for module, _ in chosen}
+    unrouted = (m._parameters.values() for m in model.modules() if id(m) not in chosen_ids)
+    return routed, frozenset(id(p) for p in chain.from_iterable(unrouted) if id(p) in routed)
 
 
 def unroute(module: nn.Module) -> None:

@@ -48,6 +48,9 @@ def _weight_sized_ops(
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_backward_is_zero_copy_empty_and_accumulating(tied):
+    """No weight-sized copy or add, but where a tied table accumulates: its two uses are
+    summed before they are added in, as stock's (autograd's add and AccumulateGrad's), for
+    stock's bits (see `test_weights_read_twice_sum_as_stock`)."""
     torch.manual_seed(0)
     flat = flatgrad.FlatGrad(_ProfiledLM(tied), config=ROUTE_ALL)
     shapes = {tuple(p.shape) for p in flat.parameters() if p.dim() == 2}
@@ -57,12 +60,86 @@ def test_backward_is_zero_copy_empty_and_accumulating(tied):
         loss = flat(tokens)
         with torch.profiler.profile(record_shapes=True) as prof:
             loss.backward()
-        assert _weight_sized_ops(prof, shapes, _COPY_OPS) == []
+        summed = ["aten::add_[[50, 24], [50, 24], []]"] * 2 if tied and not set_to_none else []
+        assert _weight_sized_ops(prof, shapes, _COPY_OPS) == summed
         names = {e.name for e in prof.events()}
         assert names.isdisjoint(_SORT_OPS), names & _SORT_OPS
         assert "aten::index_add_" in names
         for name, param in flat.named_parameters():
             assert grad_in_buffers(flat, param.grad), name
+
+
+class _ReadTwice(nn.Module):
+    """A tied LM whose weights are read more than once in a forward: "tied" the table by
+    the lookup and the head, "reused" also a Linear applied twice, "three" also the table
+    looked up twice (its head the third read). 512 rows a batch: enough that adding a
+    product inside the GEMM and adding it rounded give other bits."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(300, 48)
+        self.mid = nn.Linear(48, 48)
+        self.head = nn.Linear(48, 300, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.emb(tokens)
+        if self.kind == "three":
+            hidden = hidden + self.emb(tokens.flip(-1))
+        if self.kind != "tied":
+            hidden = torch.tanh(self.mid(torch.relu(self.mid(hidden))))
+        return self.head(hidden).square().mean()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["tied", "reused", "three"])
+@pytest.mark.parametrize("linears", ["routed", "unrouted"])
+def test_weights_read_twice_sum_as_stock(linears, kind, dtype, micro_batches):
+    """A weight read more than once in a forward gets stock's bits: its uses summed first
+    where writing them into the slot one by one would round otherwise (three uses, an
+    earlier micro-batch's gradient in the slot, a Linear adding second, or a use autograd
+    adds: the tied head left unrouted), and in place where they would not (a tied LM's
+    first backward: the head writes, the lookup adds rounded)."""
+    torch.manual_seed(0)
+    model = _ReadTwice(kind).to(dtype)
+    oracle = copy.deepcopy(model)
+    config = ROUTE_ALL if linears == "routed" else flatgrad.FlatGradConfig(linear_min_numel=20_000)
+    flat = flatgrad.FlatGrad(model, config=config)
+    for step in range(2):
+        for micro in range(micro_batches):
+            generator = torch.Generator().manual_seed(10 * step + micro)
+            tokens = torch.randint(0, 300, (8, 64), generator=generator)
+            flat(tokens).backward()
+            oracle(tokens).backward()
+        for (name, param), ref in zip(flat.named_parameters(), oracle.parameters()):
+            if ref.grad is None:
+                assert param.grad is None, name
+                continue
+            assert torch.equal(param.grad, ref.grad), (step, name, (param.grad - ref.grad).abs().max())
+            assert torch.equal(param.grad.signbit(), ref.grad.signbit()), (step, name)
+            assert grad_in_buffers(flat, param.grad), name
+        flat.zero_grad()
+        oracle.zero_grad()
+
+
+def test_a_second_backward_through_one_forward_sums_as_the_first():
+    """`torch.autograd.grad` through a forward's output, then `.backward()` through it: the
+    second backward decides from that forward's reads too (no forward came between)."""
+    torch.manual_seed(0)
+    model = _ReadTwice("reused")
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    for micro in range(3):
+        tokens = torch.randint(0, 300, (8, 64), generator=torch.Generator().manual_seed(micro))
+        for module in (flat, oracle):
+            loss = module(tokens)
+            torch.autograd.grad(loss, module.head.weight, retain_graph=True)
+            loss.backward()
+    for (name, param), ref in zip(flat.named_parameters(), oracle.parameters()):
+        assert torch.equal(param.grad, ref.grad), name
+        assert grad_in_buffers(flat, param.grad), name
 
 
 def test_stock_backward_does_copy_what_we_avoid():
@@ -379,12 +456,13 @@ def test_zero_copy_under_non_reentrant_checkpointing():
     flat = flatgrad.FlatGrad(_ProfiledLM(tied=True), config=ROUTE_ALL)
     shapes = {tuple(p.shape) for p in flat.parameters() if p.dim() == 2}
     tokens = torch.randint(0, 50, (3, 7))
-    for set_to_none in (True, False):
+    for set_to_none in (True, True, False):  # (the recompute's reads are not counted as the next forward's)
         flat.zero_grad(set_to_none=set_to_none)
         loss = torch.utils.checkpoint.checkpoint(flat, tokens, use_reentrant=False)
         with torch.profiler.profile(record_shapes=True) as prof:
             loss.backward()
-        assert _weight_sized_ops(prof, shapes, _COPY_OPS) == []
+        summed = ["aten::add_[[50, 24], [50, 24], []]"] * 2 if not set_to_none else []  # (the tied table)
+        assert _weight_sized_ops(prof, shapes, _COPY_OPS) == summed
         assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters())
 
 
