@@ -472,9 +472,8 @@ def count_use(param: torch.Tensor, adds_rounded: bool) -> None:
     """From a routed Function's forward (not a recompute inside a backward): one more read of
     `param` before the next backward (`GradStore.begin_backward`), by a layer that adds into
     a written slot rounded, as AccumulateGrad would, or not (a Linear's weight: in its GEMM)."""
-    ref = _OWNERS.get(id(param))
-    store = ref() if ref is not None else None
-    if store is not None and graph_task_id() == -1:
+    store = owner_of(param) if graph_task_id() == -1 else None
+    if store is not None:
         seen = store.uses.get(id(param))
         store.uses[id(param)] = (param, 1, adds_rounded) if seen is None else (param, seen[1] + 1, seen[2])
 
