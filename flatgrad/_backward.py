@@ -92,11 +92,8 @@ def watch(output: object, plan: ForwardPlan) -> None:
 
 
 def _on_backward(plan: ForwardPlan, grad_outputs: Grads) -> None:
-    ends: list[Callable[[], None]] = []
-    for participant, flag in ((plan.seater, plan.alone), (plan.bucket_sync, plan.sync)):  # (the seater first)
-        end = participant.pre_backward(flag) if participant is not None else None
-        if end is not None:
-            ends.append(end)
+    pairs = ((plan.seater, plan.alone), (plan.bucket_sync, plan.sync))  # (the seater first)
+    ends = [end for who, flag in pairs if who is not None and (end := who.pre_backward(flag)) is not None]
     if ends:
         queue_callback(functools.partial(_finish, tuple(ends)))
 
@@ -106,12 +103,10 @@ def _finish(ends: tuple[Callable[[], None], ...]) -> None:
         end()
 
 
-# Unrouted parameters below this many elements are seated (zero fill + AccumulateGrad's
-# in-place add, no Python per parameter); larger ones are copied in by a pre-hook (one pass
-# instead of two, for a Python hook). On CPU the hook costs more than the two passes up to
-# about this size: the GPT bench model's twelve 65536-element projections seated rather
-# than placed take 0.3% off its backward (one process, 4 runs); on a GPU the passes are
-# cheaper still and the hook is CPU time.
+# Unrouted parameters below this many elements are seated (a fill + AccumulateGrad's in-place
+# add, no Python per parameter); larger ones placed (a pre-hook's one copy). On CPU the hook
+# costs more than the extra pass up to about this size (the GPT bench's twelve 65536-element
+# projections seated take 0.3% off its backward, 4 runs); on a GPU the passes are cheaper still.
 SEAT_MAX_NUMEL = 1 << 17
 
 
@@ -153,14 +148,16 @@ class Seater:
                 node = self._accumulator(param)
                 self.hooks.append(node.register_hook(functools.partial(run_post_accumulate_hooks, param)))
         for param in self._placed:
-            self._hook(param)
+            self._hook(_place_incoming, param)
+        for param in self.routed:
+            self._hook(_read_elsewhere, param)
         for param in store.mains:
             hook = functools.partial(_absorb_incoming, store, store.views[id(param)])
             self.hooks.append(param.register_post_accumulate_grad_hook(hook))
 
-    def _hook(self, param: nn.Parameter) -> None:
+    def _hook(self, hook: Callable[[GradStore, nn.Parameter, Grads], Any], param: nn.Parameter) -> None:
         node = self._accumulator(param)
-        self.hooks.append(node.register_prehook(functools.partial(_place_incoming, self.store, param)))
+        self.hooks.append(node.register_prehook(functools.partial(hook, self.store, param)))
 
     def _accumulator(self, param: nn.Parameter) -> Any:
         """`param`'s AccumulateGrad node, kept alive with this seater (its hooks with it)."""
@@ -232,7 +229,7 @@ class Seater:
             for param in bypassed:
                 if param.numel() >= SEAT_MAX_NUMEL:
                     self._placed += (param,)
-                    self._hook(param)
+                    self._hook(_place_incoming, param)
             self.routed = tuple(p for p in self.routed if p.grad is None or p.grad is views[id(p)])
 
 
@@ -252,6 +249,14 @@ def _place_incoming(
         return None
     store.place(param, grad)
     return (None,)
+
+
+def _read_elsewhere(store: GradStore, param: nn.Parameter, grads: Grads) -> None:
+    """AccumulateGrad pre-hook of a routed weight: a gradient its layers did not return comes
+    from a read outside them (``F.linear(h, emb.weight)``): summed from the next backward on."""
+    returned = id(param) in store.summed or torch.is_grad_enabled() or store.stale or param._backward_hooks
+    if grads[0] is not None and not returned:  # (what `node_target` has the layers return)
+        store.read_elsewhere = store.read_elsewhere | {id(param)}
 
 
 def _absorb_incoming(store: GradStore, main: torch.Tensor, param: torch.Tensor) -> None:

@@ -63,6 +63,7 @@ class GradStore:
                 "main grads of tensor-parallel parameters are not supported"
             )
         self.stale = False  # set when a parameter no longer fits its slot
+        self.ddp_bucket = False  # a buffer is a DDP's bucket (`adopt`), which keeps a slot frozen since
         self._seat_cache: _SeatCache | None = None  # dropped when the slots move
         self.buffers: dict[GroupKey, torch.Tensor] = {}
         self._entries: dict[torch.Tensor, SlotEntry] = {}
@@ -205,7 +206,7 @@ class GradStore:
         group = [p for p in self.params if self._entries[p].key == key]
         if len(params) != len(group) or {id(p) for p in params} != {id(p) for p in group}:
             return False
-        self.buffers[key] = buffer
+        self.buffers[key], self.ddp_bucket = buffer, True
         self._flagged.pop(key, None)  # DDP's bucket has no room after it
         base = int(buffer.storage_offset())
         for param, grad in zip(params, grads):
@@ -435,9 +436,8 @@ _data_ptr = torch.Tensor.data_ptr
 
 # Which live store owns each parameter, by id, so that a backward given only the weight finds
 # its slot: a table this module owns, never an attribute on the parameter. A store keeps its
-# parameters alive, so their ids are not reused while its entries stand; they go with
-# `GradStore.release` or when the store is collected. No weak reference to a parameter (that
-# would block torch.utils.swap_tensors), and nothing in a copy or pickle of a parameter.
+# parameters alive (their ids are not reused while its entries stand, gone with `release` or
+# the store); no weak reference to a parameter (it would block torch.utils.swap_tensors).
 _OWNERS: dict[int, weakref.ref[GradStore]] = {}
 
 

@@ -169,17 +169,11 @@ class DDPEdge:
         return int(count.item())
 
     def adopt(self, bucket: dist.GradBucket, store_now: Callable[[], GradStore]) -> None:
-        """Make DDP's bucket the model's flat buffer, once per bucket allocation.
-
-        Only when `.grad` already lives in the bucket (gradient_as_bucket_view=True) and one
-        bucket holds the whole (dtype, device) group; otherwise stay correct on DDP's copies
-        and say once how to get the zero-copy path.
-
-        Args:
-            bucket: The bucket DDP handed `allreduce_hook`.
-            store_now: The model's store, laid out again first if the model changed
-                (`GradEngine.current`).
-        """
+        """Make DDP's `bucket` (handed `allreduce_hook`) the model's flat buffer, once per
+        bucket allocation, in the store `store_now` gives (laid out again first if the model
+        changed: `GradEngine.current`). Only when `.grad` already lives in the bucket
+        (gradient_as_bucket_view=True) and one bucket holds the whole (dtype, device) group;
+        otherwise stay correct on DDP's copies and say once how to get the zero-copy path."""
         self.forwards_without_hook = None  # the hook runs: nothing to warn about
         buffer = bucket.buffer()
         if buffer.layout != torch.strided:

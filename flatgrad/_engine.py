@@ -110,14 +110,12 @@ class GradEngine:
     def after_forward(self, output: object) -> None:
         seater = self.seater
         # Under a DDP, seat nothing: its reducer copies each gradient AccumulateGrad made into
-        # its bucket (one pass in C++, where a seat costs a zero fill, an add and Python per
-        # parameter; with `ddp_kwargs()` the bucket is the flat buffer, so the gradient still
-        # lands in its slot). And with find_unused_parameters (or static_graph's first
-        # iteration) it counts a parameter used when its `.grad` is defined as its hook
-        # runs, also inside `no_sync()`: a seated slot would make a parameter whose
-        # AccumulateGrad got no gradient on every rank end with zeros where stock keeps
-        # None (or, after a `no_sync()` backward, make the reducer raise). Routed layers
-        # still write into their slots, and placed parameters are copied in by their hooks.
+        # its bucket, the flat buffer with `ddp_kwargs()` (one pass in C++, where a seat costs
+        # a fill, an add and Python per parameter). And with find_unused_parameters (or
+        # static_graph's first iteration) it counts a parameter used when its `.grad` is
+        # defined as its hook runs, also in `no_sync()`: a seated slot would leave zeros where
+        # stock keeps None (or make the reducer raise after a `no_sync()` backward). Routed
+        # layers still write their slots, and placed parameters are copied in by their hooks.
         alone = self.ddp.after_forward()
         # A replicated model's forward (`expect_sync`, just before) binds its bucket sync too.
         bucket_sync, sync = self._forward_sync if self._forward_sync is not None else (None, False)
@@ -151,6 +149,7 @@ class GradEngine:
             if old is not None:
                 _carry_mains(old, store)
                 store.uses, store.counted = old.uses, old.counted  # (reads before a relayout)
+                store.read_elsewhere |= old.read_elsewhere
             self.seater = Seater(store, params, routed, self)
             self._hooks[:] = self.seater.hooks
             self._watched = _watch_list(model) or ()
@@ -179,11 +178,15 @@ class GradEngine:
 
     def _converted(self, watched: tuple[_Watched, ...]) -> bool:
         """Whether a parameter `watched` (the entries of the build) holds was converted or
-        (un)frozen since; raises (`_refuse_moved`) for one re-pointed at another shape."""
+        (un)frozen since (frozen: not while a DDP's bucket is the buffer, its slot stays with
+        DDP's, as `toggle_optimizer` under DDP needs); raises (`_refuse_moved`) for one
+        re-pointed at another shape."""
+        follow = not (self.store is not None and self.store.ddp_bucket)
         for _, _, param, requires_grad, dtype, device, shape in watched:
             if param.shape != shape:
                 _refuse_moved(self.model, watched, _watch_list(self.model) or watched)
-            if param.requires_grad != requires_grad or param.dtype != dtype or param.device != device:
+            frozen = param.requires_grad != requires_grad and (follow or param.requires_grad)
+            if frozen or param.dtype != dtype or param.device != device:
                 return True
         return False
 

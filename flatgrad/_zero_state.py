@@ -312,11 +312,10 @@ def parameter_state(
         extent = layout.extent(param)
         placed = [(c, box) for c in chunks for box in extent.boxes(c.offset, c.numel)]
         mine = [(c, box) for c, box in placed if c.rank == layout.rank]
-        # Every rank holds a shard of every parameter's state, an empty one where it has no
-        # elements: torch.distributed.checkpoint drops a ShardedTensor without local shards
-        # from a rank's plan, and then mistakes the checkpoint for an old-format one.
-        # (Past the end of the first dimension: a shard is known by its offsets, and two at
-        # the same offsets are one.)
+        # Every rank holds a shard of every parameter's state, an empty one (past the end of
+        # the first dimension: a shard is known by its offsets) where it has no elements:
+        # torch.distributed.checkpoint drops a ShardedTensor without local shards from a
+        # rank's plan, and then mistakes the checkpoint for an old-format one.
         held = {c.rank for c in chunks}
         size = extent.size
         end = Box((size[0],) + (0,) * (len(size) - 1), (0, *size[1:]), 0)

@@ -580,9 +580,8 @@ def _clip_through_flatgrad(plugin: Precision, flat_of: Callable[[], FlatGrad | N
     ) -> None:
         # Lightning's mixed-precision plugin refuses to clip an optimizer that unscales inside
         # its step, as a ShardedOptimizer declares (for a GradScaler). Without a scaler
-        # ("bf16-mixed") there is nothing to unscale; with flatgrad.GradScaler ("16-mixed",
-        # the sharded strategy's) unscale the shards first, as torch's recipe does before
-        # clipping (the scaler's step then does not unscale again).
+        # ("bf16-mixed") nothing to unscale; with flatgrad.GradScaler ("16-mixed") unscale the
+        # shards first, as torch's recipe does before clipping (the step does not again).
         inner = _unwrapped(optimizer)
         if not isinstance(inner, ShardedOptimizer):
             clip(optimizer, clip_val, gradient_clip_algorithm)
@@ -603,10 +602,11 @@ def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def _holds_every_slot(optimizer: torch.optim.Optimizer, flat: FlatGrad) -> bool:
-    """Whether `optimizer`'s parameters are exactly the trainable ones of `flat` (then the
-    norm over the flat buffers is the norm over the optimizer's gradients)."""
+    """Whether `optimizer` holds parameters of `flat` only, every one with a `.grad` among
+    them: then flatgrad's norm, over every `.grad` of the model, is the optimizer's."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return held == {id(p) for p in flat.parameters() if p.requires_grad}
+    graded = {id(p) for p in flat.parameters() if p.grad is not None}
+    return graded <= held <= {id(p) for p in flat.parameters()}
 
 
 # Lightning finds strategies by name in StrategyRegistry only, filled from its own modules;

@@ -296,6 +296,74 @@ def test_note_forward_without_hook_skips_forwards_without_a_sync(monkeypatch, ca
     assert caplog.records == []
 
 
+class _GAN(nn.Module):
+    """A generator and a discriminator trained in turn, the other frozen meanwhile (what
+    Lightning's `toggle_optimizer` does), through one DDP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.disc = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.double()
+
+    def forward(self, noise: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        fake = self.gen(noise)
+        if real is None:
+            return nn.functional.softplus(-self.disc(fake)).mean()
+        loss_real = nn.functional.softplus(-self.disc(real)).mean()
+        return loss_real + nn.functional.softplus(self.disc(fake.detach())).mean()
+
+
+def _toggled_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _GAN()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    flat = flatgrad.FlatGrad(model)
+    ddp = DDP(flat, find_unused_parameters=True, **flat.ddp_kwargs())
+    ddp.register_comm_hook(flat.comm_state(), flatgrad.allreduce_hook)
+    sides = [(ddp, flat, flat.clip_grad_norm_), (ref, ref.module, None)]
+    opts = []
+    for module in (flat, ref.module):
+        gen, disc = module.gen.parameters(), module.disc.parameters()
+        opts.append((torch.optim.Adam(gen), torch.optim.SGD(disc, lr=0.1)))
+    addresses = []
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(5):
+        noise, real = (torch.randn(6, n, generator=generator, dtype=torch.float64) for n in (4, 8))
+        for (wrapped, module, clip), (opt_gen, opt_disc) in zip(sides, opts):
+            module.disc.requires_grad_(False)
+            wrapped(noise).backward()
+            if clip is not None:
+                clip(0.05)
+            else:
+                torch.nn.utils.clip_grad_norm_(module.gen.parameters(), 0.05)
+            opt_gen.step()
+            opt_gen.zero_grad()
+            module.disc.requires_grad_(True)
+            module.gen.requires_grad_(False)
+            wrapped(noise, real).backward()
+            opt_disc.step()
+            opt_disc.zero_grad()
+            module.gen.requires_grad_(True)
+        assert_params_like(flat, ref.module, **TOL, what=f"step {step}")
+        if step >= 2:  # (after DDP's one-time bucket rebuild) its bucket is still the buffer
+            (buffer,) = flat.grad_buffers.values()
+            assert buffer.numel() == sum(p.numel() for p in flat.parameters())
+            addresses.append(buffer.data_ptr())
+    assert len(set(addresses)) == 1, addresses
+    _assert_ranks_agree(flat)
+
+
+def test_parameters_frozen_in_turn_keep_ddps_bucket_as_the_buffer():
+    """A GAN's two halves trained in turn, each frozen while the other steps (Lightning's
+    `toggle_optimizer`), clipped with the model's norm while the discriminator is frozen:
+    equal to stock DDP, and DDP's bucket stays the flat buffer (a frozen parameter keeps
+    its slot, as it keeps DDP's). It was laid out again without the frozen half, off DDP's
+    bucket: copies every step, and under Lightning's manual optimization (the backward
+    inside DDP's forward) DDP's own error at the next backward."""
+    run_ranks(_toggled_worker)
+
+
 def _all_reduce_grads_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _Net()

@@ -11,6 +11,7 @@ import torch
 import torch.utils.checkpoint
 from conftest import ROUTE_ALL, TiedLM, assert_same_grads, grad_in_buffers
 from torch import nn
+from torch.nn import functional as F
 
 import flatgrad
 from flatgrad._functional import add_rows
@@ -55,7 +56,7 @@ def test_backward_is_zero_copy_empty_and_accumulating(tied):
     flat = flatgrad.FlatGrad(_ProfiledLM(tied), config=ROUTE_ALL)
     shapes = {tuple(p.shape) for p in flat.parameters() if p.dim() == 2}
     tokens = torch.randint(0, 50, (3, 7))
-    for set_to_none in (True, False):  # empty slots, then accumulating into existing .grad
+    for set_to_none in (True, False, True):  # empty slots, accumulating into .grad, empty again
         flat.zero_grad(set_to_none=set_to_none)
         loss = flat(tokens)
         with torch.profiler.profile(record_shapes=True) as prof:
@@ -72,8 +73,10 @@ def test_backward_is_zero_copy_empty_and_accumulating(tied):
 class _ReadTwice(nn.Module):
     """A tied LM whose weights are read more than once in a forward: "tied" the table by
     the lookup and the head, "reused" also a Linear applied twice, "three" also the table
-    looked up twice (its head the third read). 512 rows a batch: enough that adding a
-    product inside the GEMM and adding it rounded give other bits."""
+    looked up twice (its head the third read), "outside" the table's second read and the
+    Linear's by plain ops, not their modules (OLMo's tied head: ``F.linear(h, wte.weight)``).
+    512 rows a batch: enough that adding a product inside the GEMM and adding it rounded
+    give other bits."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -87,6 +90,9 @@ class _ReadTwice(nn.Module):
         hidden = self.emb(tokens)
         if self.kind == "three":
             hidden = hidden + self.emb(tokens.flip(-1))
+        if self.kind == "outside":
+            hidden = torch.tanh(self.mid(hidden) + hidden @ self.mid.weight.T)
+            return F.linear(hidden, self.emb.weight).square().mean()
         if self.kind != "tied":
             hidden = torch.tanh(self.mid(torch.relu(self.mid(hidden))))
         return self.head(hidden).square().mean()
@@ -94,14 +100,15 @@ class _ReadTwice(nn.Module):
 
 @pytest.mark.parametrize("micro_batches", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", ["tied", "reused", "three"])
+@pytest.mark.parametrize("kind", ["tied", "reused", "three", "outside"])
 @pytest.mark.parametrize("linears", ["routed", "unrouted"])
 def test_weights_read_twice_sum_as_stock(linears, kind, dtype, micro_batches):
     """A weight read more than once in a forward gets stock's bits: its uses summed first
     where writing them into the slot one by one would round otherwise (three uses, an
     earlier micro-batch's gradient in the slot, a Linear adding second, or a use autograd
-    adds: the tied head left unrouted), and in place where they would not (a tied LM's
-    first backward: the head writes, the lookup adds rounded)."""
+    adds: the tied head left unrouted, a read by a plain op, seen as it reaches
+    AccumulateGrad), and in place where they would not (a tied LM's first backward: the
+    head writes, the lookup adds rounded)."""
     torch.manual_seed(0)
     model = _ReadTwice(kind).to(dtype)
     oracle = copy.deepcopy(model)

@@ -317,9 +317,10 @@ class LitGAN(L.LightningModule):
     """A GAN-like LightningModule in manual optimization: two optimizers (Adam, SGD with
     momentum), ``toggle_optimizer`` / ``manual_backward`` / ``untoggle_optimizer``, and the
     generator's loss accumulated over two halves of the batch, the first inside
-    ``trainer.strategy.block_backward_sync()`` (local), the second averaging. Under
-    ``"flatgrad_sharded"`` the two are ShardedOptimizers by tensor over one DataParallel,
-    which follow the parameters each toggle freezes and unfreezes."""
+    ``trainer.strategy.block_backward_sync()`` (local), the second averaging, then clipped
+    by norm while the discriminator is frozen. Under ``"flatgrad_sharded"`` the two are
+    ShardedOptimizers by tensor over one DataParallel, which follow the parameters each
+    toggle freezes and unfreezes."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -337,6 +338,7 @@ class LitGAN(L.LightningModule):
             with local:
                 fake = self.generator(half)
                 self.manual_backward(nn.functional.softplus(-self.discriminator(fake)).mean() / 2)
+        self.clip_gradients(opt_g, 0.05, gradient_clip_algorithm="norm")  # (the discriminator frozen)
         opt_g.step()
         opt_g.zero_grad()
         self.untoggle_optimizer(opt_g)
