@@ -79,8 +79,8 @@ class GradStore:
         self.seated: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         # `seated` by id, for `unseat_final`: made from the list it was made of when first asked.
         self._seated_ids: tuple[list[Any], dict[int, tuple[torch.Tensor, torch.Tensor, int]]] = ([], {})
-        # Reads per parameter id since the backward began (`count_use`), the ids an unrouted layer
-        # also holds (`route_layers`), and those the running backward sums (`begin_backward`).
+        # Reads per id since the backward began (`count_use`), the ids read outside their layers
+        # (`route_layers`, `_backward._read_elsewhere`), those the running backward sums.
         self.uses: dict[int, tuple[torch.Tensor, int, bool]] = {}
         self.counted = self.uses  # (the reads the last backward was decided from)
         self.read_elsewhere: frozenset[int] = frozenset()
