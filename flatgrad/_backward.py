@@ -113,12 +113,10 @@ SEAT_MAX_NUMEL = 1 << 17
 class Seater:
     """Points `.grad` of the unrouted parameters at their zeroed slots when a backward
     through the model's output starts, and puts back None where that backward delivered
-    nothing (from an autograd final callback), so `.grad` is None exactly where stock has it.
-
-    One prehook per output node per forward, whatever the number of parameters: that, a
-    zero fill and a loop that sets `.grad` replace a Python hook per parameter per backward.
-    A parameter used outside the model's output, or a backward that does not go through
-    it, still gets a correct `.grad` (outside the buffer); the next norm or sync moves it in.
+    nothing (from an autograd final callback; `_raised` if the backward raises), so `.grad`
+    is None exactly where stock has it: a prehook per output node, a fill and a loop, not a
+    hook per parameter. A gradient that comes past the model's output lands outside the
+    buffer, and the next norm or sync moves it in.
     """
 
     def __init__(
@@ -130,13 +128,13 @@ class Seater:
         params = [p for p in params if not store.is_main(p)]
         unrouted = [p for p in params if id(p) not in routed]
         self.params = tuple(p for p in unrouted if p.numel() < SEAT_MAX_NUMEL)  # seated ones
-        # Large unrouted parameters (a conv, an attention projection): a zero fill plus an
-        # in-place add would be two passes over the gradient where one copy will do, and a
-        # Python hook costs nothing next to it: a pre-hook on AccumulateGrad copies in.
+        # Large unrouted parameters (a conv, an attention projection): one copy by a pre-hook
+        # on AccumulateGrad where a fill and an in-place add would be two passes.
         self._placed = tuple(p for p in unrouted if p.numel() >= SEAT_MAX_NUMEL)
         self.routed = tuple(p for p in params if id(p) in routed)  # their layers' Functions write the slots
         self._owner = weakref.ref(engine)  # the GradEngine that lays out again
         self._task: int | None = None  # the graph task of the last backward it opened
+        self._end: Any = None  # (weakly) that backward's end, which `_raised` follows
         self._retired = False
         self._accumulators: list[Any] = []  # a parameter holds its AccumulateGrad node weakly
         self.hooks: list[Any] = []  # removed by `retire`, or with the model (GradEngine)
@@ -169,6 +167,7 @@ class Seater:
         self._retired = True
         for handle in self.hooks:  # a graph still alive must not write into old buffers
             handle.remove()
+        self._accumulators.clear()  # (``p.data`` of another shape keeps a node made before)
 
     def pre_backward(self, alone: bool) -> Callable[[], None] | None:
         """When a backward first reaches the output of a forward on this layout (from the
@@ -205,8 +204,12 @@ class Seater:
             seater._task = task
             store = seater.store
             seated = store.seat(seater.params) if alone else []
+        if not seated and (self._end is None or self._end() is None):  # (not nested: see `seat`)
+            store.seated = seated  # (a use `node_target` seats joins it)
         store.begin_backward()
-        return functools.partial(self._after_backward, store, seated, alone)
+        end = functools.partial(self._after_backward, store, seated, alone)
+        self._end = weakref.ref(end, functools.partial(_raised, store, seated))
+        return end
 
     def _after_backward(
         self, store: GradStore, seated: list[tuple[torch.Tensor, torch.Tensor, int]], alone: bool
@@ -214,12 +217,10 @@ class Seater:
         GradStore.unseat(seated)
         if store.seated is seated:
             store.seated = []
-        # A routed weight whose gradient came through plain autograd (its layer ran inside a
-        # torch.compile'd region, or its owner used the weight without calling the layer)
-        # got a tensor of its own from AccumulateGrad: outside DDP it moves into the slot
-        # now, so that `.grad` lives in the buffer when the backward returns (under DDP it
-        # is the reducer's bucket view), and from now on the weight is seated (or placed)
-        # like an unrouted one.
+        # A routed weight whose gradient came through plain autograd (its layer compiled, or
+        # its owner reading the weight without calling the layer) got a tensor of its own:
+        # outside DDP it moves into the slot now (under DDP it is the reducer's bucket view),
+        # and from now on the weight is seated (or placed) like an unrouted one.
         views = self.store.views
         bypassed = [p for p in self.routed if p.grad is not None and p.grad is not views[id(p)]]
         if bypassed and not self._retired:
@@ -231,6 +232,14 @@ class Seater:
                     self._placed += (param,)
                     self._hook(_place_incoming, param)
             self.routed = tuple(p for p in self.routed if p.grad is None or p.grad is views[id(p)])
+
+
+def _raised(store: GradStore, seated: list[tuple[torch.Tensor, torch.Tensor, int]], _: object) -> None:
+    """A backward's end is gone (the engine held it), unrun if it raised: the slots it did not
+    reach get `.grad` None back before the exception reaches the caller, as stock's."""
+    if store.seated is seated and seated:
+        GradStore.unseat(seated)
+        store.seated = []
 
 
 def _place_incoming(

@@ -254,9 +254,8 @@ class GradStore:
         pairs and the spans are cut once per `params` tuple and kept while the slots stay
         where they are: this runs before every backward, once per parameter.
 
-        A parameter whose shape, dtype or device no longer matches its slot (``param.data``
-        replaced, a conversion since the layout) is left alone and marks the store
-        stale, so the engine lays the buffers out again before the next forward.
+        A parameter that no longer fits its slot (``param.data`` replaced, a conversion)
+        is left alone and marks the store stale: the engine lays out again (or refuses).
         """
         cached = self._seat_cache
         if cached is None or cached[0] is not params:
@@ -287,6 +286,13 @@ class GradStore:
             negative_zero_([self._locals[id(param)] for param, _ in seated])
         self.seated = [(param, view, view._version) for param, view in seated]
         return self.seated
+
+    def seat_one(self, param: torch.Tensor, view: torch.Tensor) -> None:
+        """`seat` `param` alone, inside the backward (its gradient returned to AccumulateGrad)."""
+        negative_zero_([_dtensor.local_of(view)])
+        param.grad = view
+        self.seated.append((param, view, view._version))
+        self._seated_ids = ([], {})
 
     def unseat_final(self, params: Sequence[torch.Tensor]) -> None:
         """Inside a backward, for `params` whose gradients are all final (replicate
@@ -395,10 +401,9 @@ class GradStore:
         return self._cut([(key, *run) for key, spans in slots.items() for run in merge_touching(spans)])
 
     def spans(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """1-D views of the buffers that cover the slots of `params` and no other slot, as
-        few as the layout allows: slots adjacent in a buffer (alignment padding between
-        them included, which is zero anyway) share one view. Zeroing these is one fill
-        per view instead of one per parameter."""
+        """1-D views of the buffers that cover the slots of `params` and no other slot, as few
+        as the layout allows (adjacent slots share one view, the zero padding between them
+        included): zeroing these is one fill per view instead of one per parameter."""
         wanted = {id(param) for param in params}
         entries = self._in_buffer_order()
         slots: dict[GroupKey, list[tuple[int, int]]] = {}
@@ -417,9 +422,8 @@ class GradStore:
         return [self.buffers[key].narrow(0, start, end - start) for key, start, end in spans if end > start]
 
     def settle(self) -> None:
-        """Make the buffers the truth: zero the slots of parameters whose `.grad` is None
-        (stale values must not reach a norm or a sync) and move any `.grad` that lives
-        elsewhere into its slot (`take_in`)."""
+        """Make the buffers the truth: zero the slots whose `.grad` is None (stale values must
+        not reach a norm or a sync), move any `.grad` living elsewhere into its slot."""
         self.take_in(self.params, zero_empty=True)
 
 
@@ -434,10 +438,9 @@ class SlotEntry:
 _data_ptr = torch.Tensor.data_ptr
 
 
-# Which live store owns each parameter, by id, so that a backward given only the weight finds
-# its slot: a table this module owns, never an attribute on the parameter. A store keeps its
-# parameters alive (their ids are not reused while its entries stand, gone with `release` or
-# the store); no weak reference to a parameter (it would block torch.utils.swap_tensors).
+# Which live store owns each parameter, by id (a backward given only the weight finds its slot),
+# never an attribute on the parameter. A store keeps its parameters alive, so ids are not reused
+# while its entries stand; no weak reference to a parameter (it blocks torch.utils.swap_tensors).
 _OWNERS: dict[int, weakref.ref[GradStore]] = {}
 
 

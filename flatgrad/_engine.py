@@ -109,13 +109,10 @@ class GradEngine:
     @torch.compiler.disable
     def after_forward(self, output: object) -> None:
         seater = self.seater
-        # Under a DDP, seat nothing: its reducer copies each gradient AccumulateGrad made into
-        # its bucket, the flat buffer with `ddp_kwargs()` (one pass in C++, where a seat costs
-        # a fill, an add and Python per parameter). And with find_unused_parameters (or
-        # static_graph's first iteration) it counts a parameter used when its `.grad` is
-        # defined as its hook runs, also in `no_sync()`: a seated slot would leave zeros where
-        # stock keeps None (or make the reducer raise after a `no_sync()` backward). Routed
-        # layers still write their slots, and placed parameters are copied in by their hooks.
+        # Under a DDP, seat nothing: its reducer copies each gradient into its bucket (the flat
+        # buffer with `ddp_kwargs()`: one pass in C++), and with find_unused_parameters counts a
+        # parameter used when its `.grad` is defined as its hook runs: a seated slot would leave
+        # zeros where stock keeps None. Routed layers and placed parameters still write slots.
         alone = self.ddp.after_forward()
         # A replicated model's forward (`expect_sync`, just before) binds its bucket sync too.
         bucket_sync, sync = self._forward_sync if self._forward_sync is not None else (None, False)
@@ -170,17 +167,16 @@ class GradEngine:
         the walk over the modules only when `_moved` saw something."""
         store, watched = self.store, self._watched
         self.check_layout()  # (then the parameters that moved are followed)
-        if store is None or store.stale or not store.intact() or self._converted(watched):
+        if self._converted(watched) or store is None or store.stale or not store.intact():
             logger.info("flatgrad: parameters converted or (un)frozen; laying out the buffers again")
             self.build()
         assert self.store is not None, "the engine is not built"
         return self.store
 
     def _converted(self, watched: tuple[_Watched, ...]) -> bool:
-        """Whether a parameter `watched` (the entries of the build) holds was converted or
-        (un)frozen since (frozen: not while a DDP's bucket is the buffer, its slot stays with
-        DDP's, as `toggle_optimizer` under DDP needs); raises (`_refuse_moved`) for one
-        re-pointed at another shape."""
+        """Whether a parameter of the build was converted or (un)frozen since (frozen: not while
+        a DDP's bucket is the buffer, as `toggle_optimizer` under DDP needs); raises
+        (`_refuse_moved`) for one re-pointed at another shape, before any relayout."""
         follow = not (self.store is not None and self.store.ddp_bucket)
         for _, _, param, requires_grad, dtype, device, shape in watched:
             if param.shape != shape:
@@ -192,10 +188,8 @@ class GradEngine:
 
     def _moved(self) -> bool:
         """Whether a module holds other parameters or children than at the last build: one
-        identity test each, in C loops over the modules' own ``_parameters`` and ``_modules``
-        dicts now against what they held then (every registration, replacement and deletion
-        writes those; read through the modules, so a dict assigned whole counts too), what
-        `check_layout` asks first."""
+        identity test each, in C loops over the modules' ``_parameters`` and ``_modules`` dicts
+        (every registration, replacement and deletion writes those; a dict assigned whole too)."""
         modules, params, children = self._held
         modules = (self.model, *modules)  # (the model weakly: the engine must not keep it alive)
         param_dicts, child_dicts = tuple(map(_PARAMETERS, modules)), tuple(map(_MODULES, modules))
@@ -212,12 +206,10 @@ class GradEngine:
         return self.seater
 
     def current(self) -> GradStore:
-        """The store, after what every training forward (and a replicated model's forward, the DDP
-        hook) checks in O(1): a slot found stale during a backward, a parameter without a
-        slot unfrozen; then `refresh`. The rest (a held parameter frozen or converted in
-        place) is found by the walk of `refresh` at the next norm or sync, or as staleness by
-        the next backward; a parameter added or replaced, by `check_layout` as the next
-        backward starts."""
+        """The store, after what every training forward checks in O(1) (a slot found stale, a
+        parameter without a slot unfrozen: then `refresh`). A held parameter frozen or
+        converted in place is found by `refresh` at the next norm or sync, or as staleness by
+        the next backward; one added or replaced, by `check_layout` as a backward starts."""
         store = self.store
         if store is None or store.stale or any(p.requires_grad for p in self.frozen):  # (unfrozen)
             return self.refresh()
@@ -237,10 +229,9 @@ class GradEngine:
             self._watched, self._held = current, _held_by_module(self.model)
 
     def steady(self) -> GradStore:
-        """`current`, and the full walk of `refresh` when a held parameter was frozen
-        since (one `requires_grad` read per parameter): for a replicated model's forward, whose
-        buckets must not keep communicating a frozen slot. `torch.func.functional_call`'s
-        temporaries (plain tensors) keep the layout: their gradients stay local, as DDP's."""
+        """`current`, and `refresh` when a held parameter was frozen since: for a replicated
+        model's forward, whose buckets must not keep communicating a frozen slot.
+        `torch.func.functional_call`'s temporaries keep the layout (gradients local, as DDP's)."""
         store = self.current()
         return store if all(map(_trainable, store.params)) else self.refresh()
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.graph import Node
 
-from flatgrad._buffer import count_use, find_slot, negative_zero_
+from flatgrad._buffer import count_use, find_slot
 from flatgrad._prescale import write_scale
 from flatgrad._torch_compat import GATHER_TAKES_INT32, fast_apply, functorch_active, will_execute
 
@@ -104,8 +104,9 @@ class _Linear(torch.autograd.Function):
                 xs = x if x.dim() == 2 else _rows(x)
                 if xs.dtype != compute:
                     xs = xs.to(compute)
-                if mode == "fresh":
-                    grad_w = _as(rows_t.mm(xs), dtype)
+                if mode == "fresh":  # (in the weight's layout, as stock's `mm_mat2_backward`)
+                    row_major = weight.stride(1) == 1 and weight.stride(0) == weight.shape[1]
+                    grad_w = _as(rows_t.mm(xs) if row_major else xs.t().mm(rows).t(), dtype)
                 elif mode == "main":
                     add_product(slot, rows_t, xs)  # type: ignore[arg-type]
                 elif compute != dtype or (mode == "add" and dtype.itemsize < 4):  # (see the class doc)
@@ -467,8 +468,7 @@ def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | N
         # are autograd's to add: return it, and let AccumulateGrad add the result into the
         # slot (seated here when empty, -0.0 filled as `seat` does).
         if grad is None:
-            negative_zero_([view])
-            param.grad = view  # type: ignore[union-attr]
+            store.seat_one(param, view)  # type: ignore[arg-type]
         return "fresh", None, param
     if grad is None:
         return "out", view, param

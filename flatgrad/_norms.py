@@ -40,11 +40,11 @@ def norm_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def vector_norm(tensor: torch.Tensor, norm_type: float) -> torch.Tensor:
     """The `norm_type` norm of all elements of `tensor` as a float64 0-d tensor on its
-    device, accumulated in chunks (see the module notes) for a positive finite order.
-    Orders 0, negative and infinite need no accumulation: one `vector_norm`."""
+    device, accumulated in chunks (see the module notes) for a positive finite order (0,
+    negative, infinite: one `vector_norm`); complex64 in complex128 (each ``|z|`` rounds)."""
     if tensor.is_sparse:
         tensor = tensor.coalesce().values()  # the norm of a sparse tensor is its values'
-    flat = tensor.reshape(-1)
+    flat = tensor.reshape(-1) if tensor.dtype != torch.complex64 else tensor.reshape(-1).to(torch.complex128)
     if not (0 < norm_type < math.inf) or flat.numel() <= _CHUNK_NUMEL:
         return torch.linalg.vector_norm(flat, norm_type, dtype=_accumulator(flat.dtype)).double()
     num_chunks = flat.numel() // _CHUNK_NUMEL

@@ -66,18 +66,15 @@ def route_layers(model: nn.Module, config: FlatGradConfig) -> tuple[set[int], fr
             cls, forward = _ROUTES[kind]
             if not isinstance(module, cls) or type(module).forward is not cls.forward:
                 continue
-            if _dtensor.is_dtensor(module._parameters.get("weight")):  # type: ignore[arg-type]
-                # A tensor-parallel layer: DTensor's dispatch and the plan's hooks run it.
-                unroute(module)
+            weight = module._parameters.get("weight")
+            if _dtensor.is_dtensor(weight) or parametrize.is_parametrized(module):  # type: ignore[arg-type]
+                unroute(module)  # (tensor-parallel: DTensor's dispatch and the plan's hooks run it)
                 continue
             own = module.__dict__.get("forward")
             if own is not None:  # routed by an earlier build, or a forward the user set: keep it
                 if isinstance(own, functools.partial) and own.func is forward:
                     chosen.append((module, forward))
                 continue
-            if parametrize.is_parametrized(module):
-                continue
-            weight = module._parameters.get("weight")
             if weight is None:
                 continue
             if isinstance(module, nn.Linear) and (

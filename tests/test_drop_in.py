@@ -282,6 +282,32 @@ def test_wrapping_a_spectral_norm_model_runs_no_model_code():
     assert_same_grads(flat, oracle)
 
 
+@pytest.mark.parametrize("relayout", [False, True])
+def test_a_layer_parametrized_after_wrapping_gets_stocks_gradient_layout_and_bits(relayout):
+    """`orthogonal` after FlatGrad: the Linear's weight is now computed (a transposed
+    view), so its gradient is returned in the weight's layout, as stock's mm backward gives
+    it, and the parametrization's backward gets stock's bits; `relayout()` unroutes it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    for module in (flat, oracle):
+        torch.manual_seed(3)
+        parametrizations.orthogonal(module[0])
+    if relayout:
+        flat.relayout()
+    assert ("forward" in vars(flat[0])) != relayout  # (routed until laid out again)
+    x = torch.randn(4, 16, dtype=torch.float64)
+    seen: dict[str, torch.Tensor] = {}
+    for name, module in (("flat", flat), ("stock", oracle)):
+        with torch.nn.utils.parametrize.cached():
+            module[0].weight.register_hook(lambda g, name=name: seen.setdefault(name, g))
+            module(x).square().mean().backward()
+    assert seen["flat"].stride() == seen["stock"].stride() == (1, 5)
+    assert torch.equal(seen["flat"], seen["stock"])
+    assert_same_grads(flat, oracle, rtol=0, atol=0)
+
+
 # --- 9. rebuilds without grad mode --------------------------------------------------------------------
 
 
@@ -308,9 +334,11 @@ def test_rebuilds_under_no_grad_and_inference_mode(mode):
 # --- 10. param.data of a new shape -----------------------------------------------------------------------
 
 
-def test_growing_a_vocabulary_through_param_data():
+@pytest.mark.parametrize("found_by", ["norm", "backward"])
+def test_growing_a_vocabulary_through_param_data(found_by):
     """``p.data = `` a tensor of another shape is refused as a re-pointed parameter, naming
-    it (and its tied twin), until ``relayout()``; then it trains as stock."""
+    it (and its tied twin), by the next norm or as the next backward starts (not laid out
+    again behind the caller's back), until ``relayout()``; then it trains as stock."""
     flat, oracle = _pair()
     for module in (flat, oracle):
         module(_tokens(0)).backward()
@@ -321,12 +349,72 @@ def test_growing_a_vocabulary_through_param_data():
         inner.emb.weight.data = torch.cat([inner.emb.weight.data, rows])
         inner.emb.num_embeddings = 17
     with pytest.raises(RuntimeError, match=r"emb.weight \(re-pointed: shape \(13, 8\) -> \(17, 8\)\)"):
-        flat.grad_norm()
+        flat.grad_norm() if found_by == "norm" else flat(_tokens(1, vocab=17)).backward()
     flat.relayout()
     for module in (flat, oracle):
         module(_tokens(1, vocab=17)).backward()
     assert_same_grads(flat, oracle)
     torch.testing.assert_close(flat.grad_norm(), _stock_norm(oracle), rtol=1e-12, atol=0)
+
+
+# --- 11. a backward that raises --------------------------------------------------------------------------
+
+
+class _Raise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise FloatingPointError("a check inside the backward")
+
+
+@pytest.mark.parametrize("raised_by", ["function", "hook"])
+@pytest.mark.parametrize("config", [None, ROUTE_ALL], ids=["default", "routed"])
+def test_a_backward_that_raises_leaves_grad_none_where_stock_does(config, raised_by):
+    """A backward that raises part-way (a check in a Function's backward, a tensor hook on a
+    weight whose layer is routed) leaves `.grad` None on the parameters it did not reach, as
+    stock's: the slots seated for it go back (not zero-filled `.grad` that AdamW's decay
+    would step), on its very return, before the caller's next step; then training goes on
+    as stock's."""
+    torch.manual_seed(0)
+    middle = _RaiseLayer() if raised_by == "function" else nn.Tanh()
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), middle, nn.Linear(16, 4)).double()
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(model, config=config)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    for module in (flat, oracle):
+        hook = None
+        if raised_by == "hook":
+            hook = module[0].weight.register_hook(_raise)
+        with pytest.raises(FloatingPointError):
+            module(x).square().sum().backward()
+        if hook is not None:
+            hook.remove()
+    assert [p.grad is None for p in flat.parameters()] == [p.grad is None for p in oracle.parameters()]
+    assert any(p.grad is None for p in oracle.parameters())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (flat, oracle)]
+    for step in range(2):
+        for optimizer in optimizers:
+            optimizer.step()
+        for (name, p), q in zip(flat.named_parameters(), oracle.parameters()):
+            assert torch.equal(p, q), (step, name)
+        if raised_by == "function":
+            break
+        for module, optimizer in zip((flat, oracle), optimizers):
+            optimizer.zero_grad()
+            module(x).square().sum().backward()
+        assert_same_grads(flat, oracle, rtol=0, atol=0)
+
+
+class _RaiseLayer(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Raise.apply(x)
+
+
+def _raise(grad: torch.Tensor) -> None:
+    raise FloatingPointError("a check on the gradient")
 
 
 # --- 12. torch.distributed.checkpoint state dicts --------------------------------------------------------
