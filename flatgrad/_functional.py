@@ -65,7 +65,8 @@ class _Linear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        # (the bias first, as addmm's: AccumulateGrad nodes run in stock's order; None: no edge)
         out = F.linear(x, weight, bias)  # autocast, if on, picks the compute dtype here
         count_use(weight, False)
         if bias is not None:
@@ -80,12 +81,11 @@ class _Linear(torch.autograd.Function):
         if grad_out is None:
             return None, None, None
         x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad
+        need_x, need_b, need_w = ctx.needs_input_grad
         compute = grad_out.dtype  # differs from weight.dtype under autocast
         grad_x = grad_w = grad_b = None
-        # Flattened once for every product: a non-contiguous gradient (one that comes back
-        # through a permute, as a fused qkv projection's does) is copied at most once here,
-        # as stock's view backward does, not again inside a 3-D matmul.
+        # Flattened once for every product: a non-contiguous gradient (through a permute, as a
+        # fused qkv projection's) is copied at most once, as by stock's view backward.
         rows = grad_out if grad_out.dim() == 2 else _rows(grad_out)
         if need_x:
             grad_x = rows.mm(weight if weight.dtype == compute else weight.to(compute))
@@ -97,7 +97,7 @@ class _Linear(torch.autograd.Function):
             return grad_x, None, None
         nexts = None if torch.compiler.is_compiling() else ctx.next_functions  # see TRACED
         if need_w:
-            mode, slot, param = TRACED if nexts is None else node_target(nexts[1][0])
+            mode, slot, param = TRACED if nexts is None else node_target(nexts[-1][0])
             if mode != "skip":
                 dtype = weight.dtype
                 rows_t = rows.t()
@@ -123,7 +123,7 @@ class _Linear(torch.autograd.Function):
                 if mode == "out":
                     param.grad = slot  # type: ignore[union-attr]
         if need_b and ctx.bias_dtype is not None:
-            mode, slot, param = TRACED if nexts is None else node_target(nexts[2][0])
+            mode, slot, param = TRACED if nexts is None else node_target(nexts[1][0])
             if mode != "skip":
                 dtype = ctx.bias_dtype
                 if mode == "fresh":
@@ -135,7 +135,7 @@ class _Linear(torch.autograd.Function):
                     slot.add_(rows.sum(0, dtype=slot.dtype))  # type: ignore[union-attr]
                 else:
                     slot.add_(rows.sum(0))  # type: ignore[union-attr]
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_b, grad_w
 
 
 def add_product(main: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ from flatgrad._torch_compat import unwrap_if_dead
 def _linear_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     weight = module.weight
     if torch.is_grad_enabled() and not weight.is_complex() and not _functional.plain_torch():
-        return _functional.linear_into_slot(unwrap_if_dead(input), weight, module.bias)
+        return _functional.linear_into_slot(unwrap_if_dead(input), module.bias, weight)
     return F.linear(input, weight, module.bias)
 
 

@@ -691,6 +691,30 @@ def test_an_optimizer_stepping_inside_backward_matches_stock(case):
     assert all(p.grad is None for p in flat.parameters())
 
 
+@pytest.mark.parametrize("config", [None, ROUTE_ALL], ids=["default", "routed"])
+def test_post_accumulate_grad_hooks_run_in_stocks_order(config):
+    """Hooks that see each parameter's final gradient (a user's own bucketing, an optimizer
+    in backward) run in stock's order: a routed Linear's bias before its weight, as addmm's
+    AccumulateGrad nodes run; on a tied LM, 2-D and 3-D inputs, with and without a bias."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {"lm": TiedLM(), "mlp": nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3, bias=False))}
+    )
+    model = model.double()
+    oracle = copy.deepcopy(model)
+    flatgrad.FlatGrad(model, config=config)
+    orders = []
+    for module in (model, oracle):
+        order: list[str] = []
+        for name, param in module.named_parameters():
+            param.register_post_accumulate_grad_hook(lambda p, name=name, order=order: order.append(name))
+        x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        for inputs in (x, x[0]):
+            (module["lm"](_tokens(0)) + module["mlp"](inputs).square().sum()).backward()
+        orders.append(order)
+    assert orders[0] == orders[1]
+
+
 def test_ddp_kwargs_never_ask_for_ddps_default_bucket_size():
     """Accelerate drops a DDP kwarg equal to DDP's default (25 MB): several buckets again."""
     model = nn.Module()
