@@ -135,13 +135,13 @@ class FlatParameters:
             )
 
     def follow(self, store: GradStore, stores: StoreSource) -> None:
-        """Take `store`, the model's gradient store now (`stores`'s), or raise RuntimeError:
-        here any other store than the one of the layout (by element, the caller lays out
-        again where parameters were only frozen or unfrozen)."""
+        """Take `store` (the model's store now) or raise RuntimeError for any other than the
+        layout's (by element, the caller lays out again where parameters were only (un)frozen)."""
         if store is not self.store:
             raise RuntimeError(
-                "the model's parameters changed (added, replaced, frozen, converted) after the "
-                "ShardedOptimizer was built; build replicate and ShardedOptimizer again"
+                "the model's parameters changed (added, replaced, frozen, converted) after ShardedOptimizer "
+                "was built, or were (un)frozen between its synchronised backward and step() (do that before "
+                "the forward or after step()); otherwise build replicate and ShardedOptimizer again"
             )
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:
