@@ -235,8 +235,7 @@ class Seater:
 
 
 def _raised(store: GradStore, seated: list[tuple[torch.Tensor, torch.Tensor, int]], _: object) -> None:
-    """A backward's end is gone (the engine held it), unrun if it raised: the slots it did not
-    reach get `.grad` None back before the exception reaches the caller, as stock's."""
+    """A backward's end is gone (the engine held it), unrun if it raised: unseat its leavings."""
     if store.seated is seated and seated:
         GradStore.unseat(seated)
         store.seated = []
@@ -263,9 +262,10 @@ def _place_incoming(
 def _read_elsewhere(store: GradStore, param: nn.Parameter, grads: Grads) -> None:
     """AccumulateGrad pre-hook of a routed weight: a gradient its layers did not return comes
     from a read outside them (``F.linear(h, emb.weight)``): summed from the next backward on."""
-    returned = id(param) in store.summed or torch.is_grad_enabled() or store.stale or param._backward_hooks
-    if grads[0] is not None and not returned:  # (what `node_target` has the layers return)
-        store.read_elsewhere = store.read_elsewhere | {id(param)}
+    if grads[0] is None:  # (the common case: the layers wrote the slot and returned None)
+        return
+    if not (id(param) in store.summed or torch.is_grad_enabled() or store.stale or param._backward_hooks):
+        store.read_elsewhere = store.read_elsewhere | {id(param)}  # (not what the layers return)
 
 
 def _absorb_incoming(store: GradStore, main: torch.Tensor, param: torch.Tensor) -> None:
