@@ -61,7 +61,8 @@ class _Linear(torch.autograd.Function):
     The backward is written out flat (no helper per gradient): it runs once per layer per
     step, and its Python is what routing a layer costs over torch's own backward. A product
     in autocast's dtype is cast as it is written; one in half precision is rounded before it
-    is added into a slot, as stock's AccumulateGrad adds it (inside the GEMM it would not be).
+    is added into a slot, as stock's AccumulateGrad adds it (inside the GEMM it would not be);
+    one into an empty slot off a fresh tensor's alignment is computed fresh and copied (`aligned`).
     """
 
     @staticmethod
@@ -109,7 +110,7 @@ class _Linear(torch.autograd.Function):
                     grad_w = _as(rows_t.mm(xs) if row_major else xs.t().mm(rows).t(), dtype)
                 elif mode == "main":
                     add_product(slot, rows_t, xs)  # type: ignore[arg-type]
-                elif compute != dtype or (mode == "add" and dtype.itemsize < 4):  # (see the class doc)
+                elif compute != dtype or (mode == "add" and dtype.itemsize < 4) or (mode == "out" and not aligned(slot)):
                     w = rows_t.mm(xs)
                     slot.copy_(w) if mode == "out" else slot.add_(w, alpha=write_scale(param, mode))  # type: ignore[union-attr,arg-type]
                 else:  # (scaled in the GEMM inside a replicate backward: see `write_scale`)
@@ -136,6 +137,17 @@ class _Linear(torch.autograd.Function):
                 else:
                     slot.add_(rows.sum(0))  # type: ignore[union-attr]
         return grad_x, grad_b, grad_w
+
+
+def aligned(slot: torch.Tensor) -> bool:
+    """Whether a GEMM writing into `slot` with ``out=`` gives a fresh output's bits: the
+    kernels pick their blocking by the output's address. Measured on an AVX-512 CPU (torch
+    2.13): a float32 product into memory 4, 8 or 12 bytes past a 16-byte boundary, a float64
+    one 8 bytes past, differs in the last bits from the same product into a fresh (64-byte
+    aligned) tensor. On CUDA torch's cuBLASLt path reads the alignment up to 256 bytes
+    (`_getAlignment`, CUDABlas.cpp), the caching allocator's blocks are 512-byte aligned.
+    The flat buffer's slots sit on `align_bytes` (256 by default); DDP's bucket packs them."""
+    return slot.data_ptr() % (64 if slot.device.type == "cpu" else 256) == 0
 
 
 def add_product(main: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
