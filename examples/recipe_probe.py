@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatgrad
+import flatgrad._functional
 
 # Ops that would move a gradient: DDP's copies into and out of its buckets, AccumulateGrad's
 # clone or add, a scaling pass.
@@ -57,6 +58,9 @@ class StepProbe:
         self.hook_calls: list[int] = []
         self.grad_copies: list[int] = []
         self.grads_in_buffers: list[bool] = []
+        # Linear weights whose `.grad` sits off a fresh tensor's alignment in DDP's packed bucket:
+        # flatgrad computes their product fresh and copies it in, for stock's bits (docs/ddp.md).
+        self.off_alignment: list[int] = []
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
@@ -78,6 +82,8 @@ class StepProbe:
             sum(e.name in _COPY_OPS and any(tuple(s) in self._shapes for s in e.input_shapes) for e in events)
         )
         self.hook_calls.append(self.state.num_calls if self.state is not None else 0)
+        weights = [m.weight.grad for m in self.model.modules() if isinstance(m, nn.Linear)]
+        self.off_alignment.append(sum(g is not None and not flatgrad._functional.aligned(g) for g in weights))
         applied = next((m for m in self.model.modules() if isinstance(m, flatgrad.FlatGrad)), None)
         if applied is not None:
             self.grads_in_buffers.append(all(_in_buffers(p.grad, applied) for p in self.model.parameters()))
@@ -90,6 +96,7 @@ class StepProbe:
             "hook_calls": self.hook_calls,
             "grad_copies": self.grad_copies,
             "grads_in_buffers": self.grads_in_buffers,
+            "off_alignment": self.off_alignment,
         }
 
 

@@ -110,7 +110,7 @@ class _Linear(torch.autograd.Function):
                     grad_w = _as(rows_t.mm(xs) if row_major else xs.t().mm(rows).t(), dtype)
                 elif mode == "main":
                     add_product(slot, rows_t, xs)  # type: ignore[arg-type]
-                elif compute != dtype or (mode == "add" and dtype.itemsize < 4) or (mode == "out" and not aligned(slot)):
+                elif _fresh_first(mode, slot, compute, dtype):  # type: ignore[arg-type]
                     w = rows_t.mm(xs)
                     slot.copy_(w) if mode == "out" else slot.add_(w, alpha=write_scale(param, mode))  # type: ignore[union-attr,arg-type]
                 else:  # (scaled in the GEMM inside a replicate backward: see `write_scale`)
@@ -137,6 +137,14 @@ class _Linear(torch.autograd.Function):
                 else:
                     slot.add_(rows.sum(0))  # type: ignore[union-attr]
         return grad_x, grad_b, grad_w
+
+
+def _fresh_first(mode: str, slot: torch.Tensor, compute: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether a routed Linear computes its weight's product ("out" or "add" mode) fresh and
+    then copies or adds it into `slot`, as stock's AccumulateGrad would: in autocast's dtype
+    (cast as it is written), added in half precision (rounded first), or into an empty slot
+    off a fresh tensor's alignment (`aligned`)."""
+    return compute != dtype or (dtype.itemsize < 4 if mode == "add" else not aligned(slot))
 
 
 def aligned(slot: torch.Tensor) -> bool:

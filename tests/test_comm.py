@@ -105,8 +105,12 @@ def _fast_path_worker(rank: int, world_size: int, two_dtypes: bool) -> None:
             ]
             # A Linear weight's slot off a fresh tensor's alignment (DDP's bucket packs the slots
             # unaligned) gets its product fresh and copied, for stock's bits (`aligned`).
-            linears = [m.weight for m in flat.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad]
-            off = sorted(tuple(w.shape) for w in linears if not flatgrad._functional.aligned(w.grad))
+            linears = [m.weight for m in flat.modules() if isinstance(m, nn.Linear)]
+            off = sorted(
+                tuple(w.shape)
+                for w in linears
+                if w.requires_grad and not flatgrad._functional.aligned(w.grad)
+            )
             assert [name for name, _ in copies] == ["aten::copy_"] * len(off), copies
             assert sorted(tuple(shapes[0]) for _, shapes in copies) == off, copies
             # DDP's bucket *is* the flat buffer: packed, no second full-size allocation alive.

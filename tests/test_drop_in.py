@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ROUTE_ALL, CompileLM, TiedLM, assert_same_grads, grad_in_buffers, tiny_llama, total_norm
+from oracle import assert_params_like
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils import parametrizations
@@ -995,13 +996,16 @@ def _hf_model(name: str) -> tuple[nn.Module, Callable[[torch.Generator], dict[st
 @pytest.mark.parametrize("name", ["bert", "vit", "gpt2", "mixtral"])
 def test_transformers_architectures_accumulate_as_stock(name):
     """Models nobody here wrote, from configs, two micro-batches a step, clipping and AdamW:
-    the norms and parameters equal stock's to the bit (`.grad` None where stock's is: Mixtral's
-    unused experts), but for GPT-2, whose tied table meets three terms in an accumulating
-    backward (docs/semantics.md, "Accumulation order"): float64 round-off there."""
+    the norms and parameters equal stock's to round-off (`.grad` None where stock's is:
+    Mixtral's unused experts). From the second micro-batch a routed Linear adds its product
+    inside the GEMM (`addmm_`), whose last bits depend on the CPU's BLAS kernel (equal to
+    stock's on an AVX2 host, not on an AVX-512 one), and GPT-2's tied table meets three terms
+    (docs/semantics.md, "Accumulation order")."""
     model, batch = _hf_model(name)
     flat, oracle = _pair(model)
     gen = torch.Generator().manual_seed(1)
     ours, stock = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (flat, oracle))
+    tol = 1e-6 if name == "mixtral" else 1e-12  # (float32 / float64 round-off)
     for _ in range(3):
         for _ in range(2):
             inputs = batch(gen)
@@ -1009,17 +1013,13 @@ def test_transformers_architectures_accumulate_as_stock(name):
             oracle(**inputs).loss.backward()
         # (torch's clipping on both: `flat.clip_grad_norm_` sums per buffer, another order)
         norms = [nn.utils.clip_grad_norm_(m.parameters(), 1.0) for m in (flat, oracle)]
-        torch.testing.assert_close(*norms, rtol=1e-12 if name == "gpt2" else 0.0, atol=0.0)
+        torch.testing.assert_close(*norms, rtol=tol, atol=0.0)
         ours.step()
         stock.step()
-        assert_same_grads(flat, oracle)
+        assert_same_grads(flat, oracle, rtol=tol, atol=tol)
         ours.zero_grad()
         stock.zero_grad()
-    if name == "gpt2":
-        _assert_params_equal(flat, oracle)
-    else:
-        for (param_name, p), q in zip(flat.named_parameters(), oracle.parameters()):
-            assert torch.equal(p, q), param_name
+    assert_params_like(flat, oracle, rtol=tol, atol=tol)
 
 
 class _Tokens(torch.utils.data.Dataset):

@@ -92,9 +92,11 @@ def test_recipe_runs_the_hook_once_per_step_without_copies_and_matches_stock(
     assert stock["num_calls"] == 0
     assert ours["grads_in_buffers"] == [True] * STEPS
     # Steps 0 and 1 copy once into DDP's first buckets (allocated before the hook adopts them, and
-    # again at DDP's bucket rebuild in iteration 2); from then on nothing is copied. Stock DDP
-    # copies every weight matrix into its bucket and back every step: the counter sees copies.
-    assert ours["grad_copies"][2:] == [0] * (STEPS - 2), ours["grad_copies"]
+    # again at DDP's bucket rebuild in iteration 2); from then on nothing is copied but a Linear
+    # weight's product whose place in the packed bucket is off a fresh tensor's alignment (copied
+    # in for stock's bits: docs/ddp.md). Stock DDP copies every weight matrix into its bucket and
+    # back every step: the counter sees copies.
+    assert ours["grad_copies"][2:] == ours["off_alignment"][2:], ours
     assert all(n > 0 for n in stock["grad_copies"]), stock["grad_copies"]
     assert "allreduce_hook has not run" not in output
     assert "largest parameter difference" in output

@@ -312,9 +312,11 @@ def test_a_slot_off_fresh_memorys_alignment_gets_stocks_bits(align_bytes, dtype)
     does), so such a slot gets the product fresh and copied; bits equal stock's either way."""
     torch.manual_seed(0)
     # odd sizes: every slot after the first starts off a 16-byte boundary
-    model = nn.Sequential(nn.Linear(37, 61), nn.Tanh(), nn.Linear(61, 3), nn.Tanh(), nn.Linear(3, 29)).to(dtype)
+    model = nn.Sequential(nn.Linear(37, 61), nn.Tanh(), nn.Linear(61, 3), nn.Tanh(), nn.Linear(3, 29))
+    model = model.to(dtype)
     oracle = copy.deepcopy(model)
-    flat = flatgrad.FlatGrad(model, config=flatgrad.FlatGradConfig(linear_min_numel=0, align_bytes=align_bytes))
+    config = flatgrad.FlatGradConfig(linear_min_numel=0, align_bytes=align_bytes)
+    flat = flatgrad.FlatGrad(model, config=config)
     x = torch.randn(300, 37, dtype=dtype)
     flat(x).square().sum().backward()
     oracle(x).square().sum().backward()
