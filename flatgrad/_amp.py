@@ -1,12 +1,11 @@
 """`GradScaler`: torch's dynamic loss scaling for a `ShardedOptimizer` (float16 training).
 
-``torch.amp.GradScaler`` unscales and checks every `.grad` of the optimizer's parameters.
-Under a ShardedOptimizer a `.grad` holds the average over the ranks only inside this rank's
-shards (and a main grad's parameter has no `.grad` at all), so its checks would read the
-wrong values, or none. This subclass reads the gradient shards instead and agrees on the
-inf check over the ranks (one scalar all-reduce, as FSDP's ``ShardedGradScaler`` does), so
-an overflow on any rank skips the step on every rank and backs the scale off alike. For
-every other optimizer it is torch's scaler, unchanged.
+``torch.amp.GradScaler`` unscales and checks every `.grad` of the optimizer's parameters. Under a
+ShardedOptimizer a `.grad` holds the average over the ranks only inside this rank's shards (and a main grad's
+parameter has no `.grad` at all), so its checks would read the wrong values, or none. This subclass reads the
+gradient shards instead and agrees on the inf check over the ranks (one scalar all-reduce, as FSDP's
+``ShardedGradScaler`` does), so an overflow on any rank skips the step on every rank and backs the scale off
+alike. For every other optimizer it is torch's scaler, unchanged.
 """
 
 from __future__ import annotations
@@ -20,9 +19,8 @@ from flatgrad._torch_compat import GradScalerBase
 class GradScaler(GradScalerBase):
     """``torch.amp.GradScaler`` (same arguments, same calls: ``scaler.scale(loss).backward()``,
     ``scaler.unscale_(opt)``, ``scaler.step(opt)``, ``scaler.update()``) that also serves a
-    `ShardedOptimizer`: it unscales that optimizer's gradient shards and sets the inf flag
-    from every rank's (each rank must call ``unscale_``/``step`` together, as it calls
-    ``step``)."""
+    `ShardedOptimizer`: it unscales that optimizer's gradient shards and sets the inf flag from every rank's
+    (each rank must call ``unscale_``/``step`` together, as it calls ``step``)."""
 
     def unscale_optimizer(
         self,

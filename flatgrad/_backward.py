@@ -3,28 +3,24 @@
 The coordinator: one prehook per output node of a forward of a model with FlatGrad applied, and one
 final callback per backward that calls its participants in a fixed order.
 
-A training forward through `FlatGrad` ends with `watch(output, plan)`. The `ForwardPlan`
-binds what that forward decided: the seater of the layout it ran on, whether a DDP
-reducer places that backward's gradients (then nothing is seated), and,
-when a `replicate` made the forward, its bucket sync and whether the forward
-synchronised. When a backward first reaches one of the output's nodes the prehook asks
-each participant, in this order, to open it: the seater (`Seater.pre_backward`), then
-the bucket sync (`BucketSync.pre_backward`). Each answers with what to run at the end of
-that backward, or None (a participant dedups by graph task itself: another output of
-the same backward opens nothing new, and may upgrade a bucket sync to averaging). What
-they return is queued as one final callback, run in the same order: the seater settles
-`.grad` first, then the bucket sync launches what is left, waits and settles the used
-flags.
+A training forward through `FlatGrad` ends with `watch(output, plan)`. The `ForwardPlan` binds what that
+forward decided: the seater of the layout it ran on, whether a DDP reducer places that backward's gradients
+(then nothing is seated), and, when a `replicate` made the forward, its bucket sync and whether the forward
+synchronised. When a backward first reaches one of the output's nodes the prehook asks each participant, in
+this order, to open it: the seater (`Seater.pre_backward`), then the bucket sync (`BucketSync.pre_backward`).
+Each answers with what to run at the end of that backward, or None (a participant dedups by graph task itself:
+another output of the same backward opens nothing new, and may upgrade a bucket sync to averaging). What they
+return is queued as one final callback, run in the same order: the seater settles `.grad` first, then the
+bucket sync launches what is left, waits and settles the used flags.
 
 Seating: during one backward through such a forward's output, the gradients of the
 parameters no routed Function writes land in their slots, with stock's `.grad` None-ness.
 
-Small unrouted parameters are *seated*: `.grad` points at the zeroed slot when the backward
-starts, so AccumulateGrad adds into the buffer in place. Large ones are *placed*: a pre-hook
-on their AccumulateGrad copies the incoming gradient into the slot (one pass instead of a
-zero fill and an add). Parameters with a main grad (a float32 slot for a bfloat16/float16
-parameter) are neither: whatever reaches their AccumulateGrad is added into the main grad
-by a post-accumulate-grad hook, which sets `.grad` back to None."""
+Small unrouted parameters are *seated*: `.grad` points at the zeroed slot when the backward starts, so
+AccumulateGrad adds into the buffer in place. Large ones are *placed*: a pre-hook on their AccumulateGrad
+copies the incoming gradient into the slot (one pass instead of a zero fill and an add). Parameters with a
+main grad (a float32 slot for a bfloat16/float16 parameter) are neither: whatever reaches their AccumulateGrad
+is added into the main grad by a post-accumulate-grad hook, which sets `.grad` back to None."""
 
 from __future__ import annotations
 
@@ -54,9 +50,8 @@ Grads = tuple[torch.Tensor | None, ...]
 
 
 class Participant(Protocol):
-    """What the coordinator asks of a participant (a `Seater`, a
-    `flatgrad._bucket_sync.BucketSync`) when a backward first reaches a forward's output:
-    what to run at that backward's end, or None."""
+    """What the coordinator asks of a participant (a `Seater`, a `flatgrad._bucket_sync.BucketSync`) when a
+    backward first reaches a forward's output: what to run at that backward's end, or None."""
 
     def pre_backward(self, flag: bool, /) -> Callable[[], None] | None: ...
 
@@ -111,12 +106,11 @@ SEAT_MAX_NUMEL = 1 << 17
 
 
 class Seater:
-    """Points `.grad` of the unrouted parameters at their zeroed slots when a backward
-    through the model's output starts, and puts back None where that backward delivered
-    nothing (from an autograd final callback; `_raised` if the backward raises), so `.grad`
-    is None exactly where stock has it: a prehook per output node, a fill and a loop, not a
-    hook per parameter. A gradient that comes past the model's output lands outside the
-    buffer, and the next norm or sync moves it in.
+    """Points `.grad` of the unrouted parameters at their zeroed slots when a backward through the model's
+    output starts, and puts back None where that backward delivered nothing (from an autograd final callback;
+    `_raised` if the backward raises), so `.grad` is None exactly where stock has it: a prehook per output
+    node, a fill and a loop, not a hook per parameter. A gradient that comes past the model's output lands
+    outside the buffer, and the next norm or sync moves it in.
     """
 
     def __init__(
@@ -170,11 +164,10 @@ class Seater:
         self._accumulators.clear()  # (``p.data`` of another shape keeps a node made before)
 
     def pre_backward(self, alone: bool) -> Callable[[], None] | None:
-        """When a backward first reaches the output of a forward on this layout (from the
-        coordinator, `flatgrad._backward`): seat the slots when `alone` (no DDP reducer
-        places this backward's gradients: under a DDP its reducer copies them into its
-        buckets) and return what settles `.grad` at its end; None for another output of the
-        same backward, a create_graph backward, or a retired layout."""
+        """When a backward first reaches the output of a forward on this layout (from the coordinator,
+        `flatgrad._backward`): seat the slots when `alone` (no DDP reducer places this backward's gradients:
+        under a DDP its reducer copies them into its buckets) and return what settles `.grad` at its end; None
+        for another output of the same backward, a create_graph backward, or a retired layout."""
         if self._retired or torch.is_grad_enabled():  # create_graph: grads stay differentiable
             return None
         if torch.compiler.is_compiling():
@@ -244,11 +237,10 @@ def _raised(store: GradStore, seated: list[tuple[torch.Tensor, torch.Tensor, int
 def _place_incoming(
     store: GradStore, param: nn.Parameter, grads: tuple[torch.Tensor | None, ...]
 ) -> tuple[torch.Tensor | None, ...] | None:
-    """AccumulateGrad pre-hook of a large unrouted parameter: when `.grad` is None, copy
-    the incoming gradient into the slot, make the slot the `.grad`, and hand AccumulateGrad
-    nothing to do (its post hooks, DDP's among them, still run). When `.grad` is defined
-    AccumulateGrad adds in place into it, which is the slot. Under create_graph=True the
-    gradient must stay differentiable: left alone."""
+    """AccumulateGrad pre-hook of a large unrouted parameter: when `.grad` is None, copy the incoming gradient
+    into the slot, make the slot the `.grad`, and hand AccumulateGrad nothing to do (its post hooks, DDP's
+    among them, still run). When `.grad` is defined AccumulateGrad adds in place into it, which is the slot.
+    Under create_graph=True the gradient must stay differentiable: left alone."""
     grad = grads[0]
     if grad is None or param.grad is not None or torch.is_grad_enabled() or not param.requires_grad:
         return None  # (frozen since the forward: AccumulateGrad skips it, as stock's does)
@@ -269,12 +261,11 @@ def _read_elsewhere(store: GradStore, param: nn.Parameter, grads: Grads) -> None
 
 
 def _absorb_incoming(store: GradStore, main: torch.Tensor, param: torch.Tensor) -> None:
-    """Post-accumulate-grad hook of a main-grad parameter that no routed Function writes
-    (or a routed one whose gradient came through plain autograd): add the `.grad`
-    AccumulateGrad just made into the float32 main grad and set `.grad` back to None, so
-    the next micro-batch's gradient is taken, not added, in low precision. Under
-    create_graph=True `.grad` must stay differentiable: left alone (a norm or sync takes
-    it in later)."""
+    """Post-accumulate-grad hook of a main-grad parameter that no routed Function writes (or a routed one
+    whose gradient came through plain autograd): add the `.grad` AccumulateGrad just made into the float32
+    main grad and set `.grad` back to None, so the next micro-batch's gradient is taken, not added, in low
+    precision. Under create_graph=True `.grad` must stay differentiable: left alone (a norm or sync takes it
+    in later)."""
     grad = param.grad
     if grad is None or torch.is_grad_enabled() or store.stale:
         return

@@ -6,10 +6,9 @@ works), static parts apart from per-backward state:
   buckets that carry the used flags.
 - `Round`: one synchronised backward over them (readiness, launches in the plan's order,
   the wait and the settling of `.grad`), made when such a backward opens.
-- `ReadyHooks`, `Deferrals`: the autograd hooks, through which each parameter is counted
-  ready (with the parameters a synchronised backward left unused, counted ready at the
-  start of a later backward that will not reach them), and which carry the end of a
-  nested backward out to the backward around it.
+- `ReadyHooks`, `Deferrals`: the autograd hooks, through which each parameter is counted ready (with the
+  parameters a synchronised backward left unused, counted ready at the start of a later backward that will not
+  reach them), and which carry the end of a nested backward out to the backward around it.
 - `BucketSync`: the bucket plan over one `GradEngine`'s store (its launch order learned in
   the first synchronised backward), which backwards average, and the final callback that
   launches the rest, waits, and settles `.grad` as stock DDP does."""
@@ -73,10 +72,9 @@ class Bucket:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """The static side of one store's averaging, the same on every rank, apart from the
-    per-backward `Round`s that follow it: the buckets (cut by `plan_buckets`), the order they
-    launch in (collectives must be issued in one order everywhere), and the buckets that
-    carry their group's used flags.
+    """The static side of one store's averaging, the same on every rank, apart from the per-backward `Round`s
+    that follow it: the buckets (cut by `plan_buckets`), the order they launch in (collectives must be issued
+    in one order everywhere), and the buckets that carry their group's used flags.
 
     Buffer order until a synchronised backward has been seen (`learned` False); then rank
     0's order of completion in that backward (`agree_order`, `learn`), so that a model whose
@@ -140,9 +138,8 @@ class Round:
         # zeros: `BucketSync.shadow`), and the steps a ShardedOptimizer took before this
         # backward, which every rank checks against the others' (`_check_round`).
         self.divisor, self.step_count = divisor, sync.step_count
-        # The used flags may ride with a bucket unless it is reduce-scattered (each rank
-        # would get only its part of them), or a step count must ride with them (bytes
-        # compared by MAX: see `_check_round`).
+        # The used flags may ride with a bucket unless it is reduce-scattered (each rank would get only its
+        # part of them), or a step count must ride with them (bytes compared by MAX: see `_check_round`).
         self.reduce_scatters = self.scatter and sync.policy.reduce_scatter  # (gloo all-reduces instead)
         self.carries_flags = not self.reduce_scatters and self.step_count is None
         self.world_size = dist.get_world_size(self.process_group)
@@ -164,9 +161,8 @@ class Round:
         # The parameters the engine said this backward will not reach (`skip`): ready from
         # its start, and unused unless some rank used them.
         self.unreached: set[int] = set()
-        # Whether every gradient final in this backward is counted (not so in a round made
-        # in the middle of one: `BucketSync._upgrade`); only such a round tells which
-        # parameters the model leaves unused.
+        # Whether every gradient final in this backward is counted (not so in a round made in the middle of
+        # one: `BucketSync._upgrade`); only such a round tells which parameters the model leaves unused.
         self.counts_all = True
         self.completed: list[int] = []  # the buckets, in the order they became complete
         # (flags, their parameters): carried by the plan's carriers, or by one small
@@ -224,8 +220,7 @@ class Round:
             )
 
     def launch_ready(self, flush: bool = False) -> None:
-        """Launch buckets in the plan's order while the next one is complete (or, on
-        flush, all)."""
+        """Launch buckets in the plan's order while the next one is complete (or, on flush, all)."""
         buckets, order = self.plan.buckets, self.plan.order
         while self.next < len(order):
             bucket = buckets[order[self.next]]
@@ -233,10 +228,9 @@ class Round:
                 return
             if bucket.buffer.is_cuda:
                 self._follow_backward(bucket.buffer.device)
-            # Zero the slots of parameters without a `.grad` (unused, or whose AccumulateGrad
-            # ran with an undefined gradient: still seated, on their -0.0 fill, until now):
-            # the slot may still hold an earlier step's values. Move in any `.grad` that
-            # lives outside its slot.
+            # Zero the slots of parameters without a `.grad` (unused, or whose AccumulateGrad ran with an
+            # undefined gradient: still seated, on their -0.0 fill, until now): the slot may still hold an
+            # earlier step's values. Move in any `.grad` that lives outside its slot.
             self.store.unseat_final(bucket.params)
             self.store.take_in(bucket.params, zero_empty=True)
             self._launch(bucket)
@@ -244,12 +238,11 @@ class Round:
             self.next += 1
 
     def _follow_backward(self, device: torch.device) -> bool:
-        """Make the current stream wait for the backward's on `device`; whether it had to.
-        A routed layer writes its slot on the stream of its forward and hands AccumulateGrad
-        no gradient, so the engine orders nothing after that write; the AccumulateGrad hooks
-        that launch most buckets run on the stream their nodes were made on (replicate
-        keeps them from its construction). Trained on another stream than it was built on, a
-        launch would otherwise read slots still being written."""
+        """Make the current stream wait for the backward's on `device`; whether it had to. A routed layer
+        writes its slot on the stream of its forward and hands AccumulateGrad no gradient, so the engine
+        orders nothing after that write; the AccumulateGrad hooks that launch most buckets run on the stream
+        their nodes were made on (replicate keeps them from its construction). Trained on another stream than
+        it was built on, a launch would otherwise read slots still being written."""
         stream = self.streams.get(device)
         current = torch.cuda.current_stream(device)
         if stream is None or stream == current:
@@ -260,9 +253,8 @@ class Round:
     def _launch(self, bucket: Bucket) -> None:
         sent = bucket.buffer
         if bucket.index in self.plan.carriers and self.carries_flags:
-            # Every parameter of the group is final now: its buckets launch in the plan's
-            # order, this is the last, and one before it with a parameter not ready waits
-            # for the flush.
+            # Every parameter of the group is final now: its buckets launch in the plan's order, this is the
+            # last, and one before it with a parameter not ready waits for the flush.
             found = self.store.flagged(bucket.key)
             if found is not None:
                 raw, flags, members = found
@@ -291,9 +283,8 @@ class Round:
         self.backward_s = compute_done - self.started
         self.launched_in_backward = self.next
         self.launch_ready(flush=True)  # first: the flags below are made while it runs
-        # Groups whose flags did not travel with a bucket (reduce-scatter, a buffer without
-        # room for them, a last bucket to launch that does not end the buffer): one small
-        # all-reduce of theirs.
+        # Groups whose flags did not travel with a bucket (reduce-scatter, a buffer without room for them, a
+        # last bucket to launch that does not end the buffer): one small all-reduce of theirs.
         carried = {id(p) for _, members in self.flagged for p in members}
         rest = tuple(p for p in store.params if id(p) not in carried)
         used_work = None
@@ -325,12 +316,11 @@ class Round:
             self._raise_if_nonfinite(*nonfinite)
 
     def _check_round(self, seen: torch.Tensor, step_count: int) -> None:
-        """Raise on every rank unless every rank took as many optimizer steps before this
-        backward (the bytes of `_round_bytes`, reduced by MAX: equal exactly when the
-        largest count equals the smallest). A rank that ran no forward and backward on an
-        empty batch but stepped pairs this backward with the others' previous one; its next
-        collectives (the parameter gathers of the others' step) would not match in size, and
-        gloo aborts the process from its own thread."""
+        """Raise on every rank unless every rank took as many optimizer steps before this backward (the bytes
+        of `_round_bytes`, reduced by MAX: equal exactly when the largest count equals the smallest). A rank
+        that ran no forward and backward on an empty batch but stepped pairs this backward with the others'
+        previous one; its next collectives (the parameter gathers of the others' step) would not match in
+        size, and gloo aborts the process from its own thread."""
         high, low = (int(v) for v in seen.tolist())
         if high == 255 - low:
             return
@@ -380,12 +370,11 @@ class Round:
 
 
 def _sums_then_divides(round_: Round, no_finite_check: bool) -> bool:
-    """Whether a ShardedOptimizer's all-reduced (gloo) float32/float64 buckets are summed and
-    only its shards (all it reads) divided once everything arrived: 1/world_size of a pass.
-    Only for a power-of-two world size (dividing by it is exact: DDP's result to the bit, but
-    for sums beyond the float range and subnormal addends) and no Join divisor. Half
-    precision divides first, so that its sums stay finite; so does `check_finite` (`.grad`
-    stays readable)."""
+    """Whether a ShardedOptimizer's all-reduced (gloo) float32/float64 buckets are summed and only its shards
+    (all it reads) divided once everything arrived: 1/world_size of a pass. Only for a power-of-two world size
+    (dividing by it is exact: DDP's result to the bit, but for sums beyond the float range and subnormal
+    addends) and no Join divisor. Half precision divides first, so that its sums stay finite; so does
+    `check_finite` (`.grad` stays readable)."""
     world_size = round_.world_size
     exact = world_size > 1 and world_size & (world_size - 1) == 0  # (1: no division)
     exact = exact and round_.divisor is None  # (never the world size: `_ranks_not_joined`)
@@ -408,11 +397,10 @@ def _finite(store: GradStore, param: nn.Parameter) -> bool:
 
 
 def divide_unscaled(bucket: Bucket, store: GradStore, world_size: int) -> bool:
-    """Before `bucket`'s sum: divide its slots the routed layers did not write scaled
-    (`flatgrad._prescale`), in few fills (the spans of the rest are kept on the bucket while
-    the scaled set stays the same); False when none was, and the whole bucket is to be
-    divided as usual. (The used flags after it need no division: a sum of 0s and 1s is 0
-    only if all are.)"""
+    """Before `bucket`'s sum: divide its slots the routed layers did not write scaled (`flatgrad._prescale`),
+    in few fills (the spans of the rest are kept on the bucket while the scaled set stays the same); False
+    when none was, and the whole bucket is to be divided as usual. (The used flags after it need no division:
+    a sum of 0s and 1s is 0 only if all are.)"""
     written = store.prescale.written
     if not written:  # (a model with nothing routed: no pass over the bucket's parameters)
         return False
@@ -439,16 +427,14 @@ def prescale_factor(
 
 
 def plan_buckets(store: GradStore, bucket_cap_mb: float, small_first_on_cpu: bool = True) -> BucketPlan:
-    """The bucket plan of `store`, launched in buffer order (not learned): buckets per
-    buffer, cut at slot boundaries in buffer order, the first about `_FIRST_BUCKET_MB`, the
-    others about `bucket_cap_mb`.
+    """The bucket plan of `store`, launched in buffer order (not learned): buckets per buffer, cut at slot
+    boundaries in buffer order, the first about `_FIRST_BUCKET_MB`, the others about `bucket_cap_mb`.
 
-    A CPU buffer is averaged by gloo on a thread of its own, which competes with the
-    backward for the cores when none is free (`small_first_on_cpu` False: see
-    `BackendPolicy.spare_core`; torchrun's default of one thread per rank on as many cores as ranks).
-    There a collective costs about 0.7 ms of the step by itself (2 gloo ranks on 2 cores),
-    more than an early 1 MiB bucket hides, while an early bucket of 12.9 MiB (recommender)
-    hides more than it costs: its first bucket is half a bucket (12.5 MiB by default; never
+    A CPU buffer is averaged by gloo on a thread of its own, which competes with the backward for the cores
+    when none is free (`small_first_on_cpu` False: see `BackendPolicy.spare_core`; torchrun's default of one
+    thread per rank on as many cores as ranks). There a collective costs about 0.7 ms of the step by itself (2
+    gloo ranks on 2 cores), more than an early 1 MiB bucket hides, while an early bucket of 12.9 MiB
+    (recommender) hides more than it costs: its first bucket is half a bucket (12.5 MiB by default; never
     below 1 MiB), so a buffer up to that size is one bucket."""
     buckets: list[Bucket] = []
     for key, buffer in store.buffers.items():
@@ -545,11 +531,10 @@ class ReadyHooks:
                     unused[id(param)] = (param, node, bucket)
 
     def skip_unreached(self, round_: Round) -> None:
-        """Count ready the parameters once unused that this backward will not reach (the
-        engine will not run their AccumulateGrad), so their buckets need not wait for the
-        final callback. Only those once unused are asked: a parameter that only a nested
-        backward reaches (a reentrant checkpoint), which the engine cannot see from here,
-        was ready before the final callback of every backward that used it."""
+        """Count ready the parameters once unused that this backward will not reach (the engine will not run
+        their AccumulateGrad), so their buckets need not wait for the final callback. Only those once unused
+        are asked: a parameter that only a nested backward reaches (a reentrant checkpoint), which the engine
+        cannot see from here, was ready before the final callback of every backward that used it."""
         unused = self.unused.values()
         unreached = [(param, bucket) for param, node, bucket in unused if not will_execute(node)]
         if unreached:
@@ -567,10 +552,9 @@ class ReadyHooks:
 
 
 class Deferrals:
-    """Post hooks that carry a nested backward's end outward. A backward that ran inside a
-    node of another one (a reentrant activation checkpoint recomputing its part of the
-    graph) ends before that one, which may have gradients still to come: its end is the
-    step's."""
+    """Post hooks that carry a nested backward's end outward. A backward that ran inside a node of another one
+    (a reentrant activation checkpoint recomputing its part of the graph) ends before that one, which may have
+    gradients still to come: its end is the step's."""
 
     def __init__(self) -> None:
         self._handles: list[Any] = []
@@ -633,9 +617,8 @@ class BucketSync:
         self._armed = False
         # Inside `averaging()`: a backward that opens averages whatever its forward decided.
         self._averaging = False
-        # DDP's require_backward_grad_sync, which `replicate.no_sync()` clears: whether a
-        # training forward synchronises, and (read when it opens) whether a backward inside
-        # one averages (`_open`).
+        # DDP's require_backward_grad_sync, which `replicate.no_sync()` clears: whether a training forward
+        # synchronises, and (read when it opens) whether a backward inside one averages (`_open`).
         self.sync = True
         # The training forwards of the model running now: a backward that opens inside one (a
         # LightningModule's `manual_backward` in the training_step that replicate's
@@ -646,9 +629,8 @@ class BucketSync:
         # The optimizer steps a ShardedOptimizer took (None without one): each synchronised
         # backward checks that every rank took as many (`Round._check_round`).
         self.step_count: int | None = None
-        # Under a `Join` that divides by the ranks not joined yet: the last forward's count
-        # of them, in flight (its work and tensor: `replicate._notify_join`), read when
-        # the backward opens; None otherwise.
+        # Under a `Join` that divides by the ranks not joined yet: the last forward's count of them, in flight
+        # (its work and tensor: `replicate._notify_join`), read when the backward opens; None otherwise.
         self.joined_count: tuple[Any, torch.Tensor] | None = None
         # On a joined rank: whether its last shadowed iteration averaged (`shadow`), which a
         # ShardedOptimizer's join hook steps after.
@@ -668,20 +650,18 @@ class BucketSync:
         return [self._plan.buckets[index].buffer for index in self._plan.order]
 
     def shard_plan(self, store: GradStore, overlap_param_gather: bool) -> list[tuple[torch.Tensor, int]]:
-        """The shard plan for a ShardedOptimizer over `store` (laid out for it: slots on
-        multiples of the world size): the pieces of the gradient buffers that split into
-        equal shards, rank r owning the r-th, as (gradient view, offset in its flat buffer),
-        in buffer order (whatever order the buckets launch in). From here on the buckets
-        reduce-scatter (ZeRO-1).
+        """The shard plan for a ShardedOptimizer over `store` (laid out for it: slots on multiples of the
+        world size): the pieces of the gradient buffers that split into equal shards, rank r owning the r-th,
+        as (gradient view, offset in its flat buffer), in buffer order (whatever order the buckets launch in).
+        From here on the buckets reduce-scatter (ZeRO-1).
 
-        The pieces are the buckets where the backward reduce-scatters them (NCCL: a rank
-        receives only its shard of each) or where the next forward waits for each bucket's
-        gather (`overlap_param_gather`). Otherwise (gloo, `BackendPolicy.reduce_scatter`:
-        the backward all-reduces every bucket, so every rank holds all of the averaged
-        gradients) each whole buffer: its parameters then come back in one broadcast per
-        rank instead of one per rank and bucket (per-bucket shards took 4-5% of the step
-        more than the stock ZeRO-1 on many small layers, 2 gloo ranks). Whole slots on
-        multiples of the world size make every buffer split evenly, as every bucket does."""
+        The pieces are the buckets where the backward reduce-scatters them (NCCL: a rank receives only its
+        shard of each) or where the next forward waits for each bucket's gather (`overlap_param_gather`).
+        Otherwise (gloo, `BackendPolicy.reduce_scatter`: the backward all-reduces every bucket, so every rank
+        holds all of the averaged gradients) each whole buffer: its parameters then come back in one broadcast
+        per rank instead of one per rank and bucket (per-bucket shards took 4-5% of the step more than the
+        stock ZeRO-1 on many small layers, 2 gloo ranks). Whole slots on multiples of the world size make
+        every buffer split evenly, as every bucket does."""
         self.reduce_scatter = True
         self.rebuild()
         assert self.store is store, "the store changed while switching to reduce-scatter"
@@ -712,11 +692,10 @@ class BucketSync:
         self._carried = None
 
     def drain(self) -> None:
-        """When a backward is still open (one that raised never closes), wait for the
-        collectives it had launched, before this step writes any gradient: in flight, they
-        would land on top of it. (That step's launched buckets hold averages of partial
-        gradients, as DDP's bucket views would, or their sums where a ShardedOptimizer
-        divides after (`Round.divide_after`); `zero_grad()` before the next backward, as
+        """When a backward is still open (one that raised never closes), wait for the collectives it had
+        launched, before this step writes any gradient: in flight, they would land on top of it. (That step's
+        launched buckets hold averages of partial gradients, as DDP's bucket views would, or their sums where
+        a ShardedOptimizer divides after (`Round.divide_after`); `zero_grad()` before the next backward, as
         after any failed step.)"""
         if self._task is None:
             return
@@ -762,11 +741,10 @@ class BucketSync:
 
     @contextlib.contextmanager
     def averaging(self) -> Iterator[None]:
-        """Backwards that open inside average, whatever the no_sync state of the forwards
-        whose outputs they go through: the last micro-batch of a pipeline stage
-        (`flatgrad.pipelining`), whose forwards the schedule ran under no_sync() before
-        saying which backward is the last. Where torch's stage prepares DDP's reducer for
-        that backward (``prepare_for_backward``), this opens replicate's round."""
+        """Backwards that open inside average, whatever the no_sync state of the forwards whose outputs they
+        go through: the last micro-batch of a pipeline stage (`flatgrad.pipelining`), whose forwards the
+        schedule ran under no_sync() before saying which backward is the last. Where torch's stage prepares
+        DDP's reducer for that backward (``prepare_for_backward``), this opens replicate's round."""
         previous, self._averaging = self._averaging, True
         try:
             yield
@@ -774,12 +752,11 @@ class BucketSync:
             self._averaging = previous
 
     def pre_backward(self, sync: bool) -> Callable[[], None] | None:
-        """When a backward reaches the output of a forward this replicate made (from the
-        coordinator, `flatgrad._backward`, after the seater), before any gradient of the
-        model is final: open it, averaging when that forward synchronised (`sync`), and
-        return the end of it (`_finish`, which the coordinator runs after the seater's);
-        None when it is open already (another output: a synchronised one upgrades it to
-        averaging) or accumulates into no parameter."""
+        """When a backward reaches the output of a forward this replicate made (from the coordinator,
+        `flatgrad._backward`, after the seater), before any gradient of the model is final: open it, averaging
+        when that forward synchronised (`sync`), and return the end of it (`_finish`, which the coordinator
+        runs after the seater's); None when it is open already (another output: a synchronised one upgrades it
+        to averaging) or accumulates into no parameter."""
         _refuse_compiled_autograd()
         if self._grads.store is not self.store:
             self.rebuild()  # the seater, just before, laid out again (a stale slot)
@@ -866,16 +843,14 @@ class BucketSync:
         self._synced(round_)
 
     def _open(self) -> bool:
-        """From an AccumulateGrad hook, when no backward is open (this one reached none of
-        dp's outputs): open it, averaging, when a synchronising forward armed it, as DDP's
-        hooks on the parameters do; inside a training forward (a LightningModule's
-        `manual_backward`, which runs in the training_step that forward runs), when `sync`
-        holds now, as Lightning's DDPStrategy.pre_backward prepares DDP's reducer for that
-        backward unless inside `no_sync()` (the arming of an earlier forward does not
-        count there: `block_backward_sync()` around it keeps it local). Its first final
-        gradient is this hook's: FlatGrad seated no slot for it (no output pre hook ran), so
-        the small parameters' gradients land in tensors of their own, which each bucket
-        takes into its slots before it launches."""
+        """From an AccumulateGrad hook, when no backward is open (this one reached none of dp's outputs): open
+        it, averaging, when a synchronising forward armed it, as DDP's hooks on the parameters do; inside a
+        training forward (a LightningModule's `manual_backward`, which runs in the training_step that forward
+        runs), when `sync` holds now, as Lightning's DDPStrategy.pre_backward prepares DDP's reducer for that
+        backward unless inside `no_sync()` (the arming of an earlier forward does not count there:
+        `block_backward_sync()` around it keeps it local). Its first final gradient is this hook's: FlatGrad
+        seated no slot for it (no output pre hook ran), so the small parameters' gradients land in tensors of
+        their own, which each bucket takes into its slots before it launches."""
         armed = self.sync if self._forwards else self._armed
         if not (armed or self._averaging):
             return False
@@ -892,8 +867,7 @@ class BucketSync:
             self._open()
 
     def _on_ready(self, param: nn.Parameter, bucket: Bucket, grad_inputs: Grads, grad_outputs: Grads) -> None:
-        # A nested backward (reentrant activation checkpointing) belongs to the open one:
-        # same bookkeeping.
+        # A nested backward (reentrant activation checkpointing) belongs to the open one: same bookkeeping.
         if self._task is None and not self._open():
             return
         if self._task_sync:  # (a synchronising backward always has its round)
@@ -918,12 +892,11 @@ class BucketSync:
             self._synced(round_)
 
     def _synced(self, round_: Round) -> None:
-        """After a synchronised backward's round (or its shadow on a joined rank), counted in
-        `num_syncs`. After the first since a (re)build, rank 0's order of completion becomes
-        the launch order on every rank (one broadcast), and from then on the hooks of the last
-        bucket to launch count nothing (the final callback launches it, its gradients the
-        backward's last but for unused ones). Reduce-scattered, `.grad` refuses math until
-        zeroed (see flatgrad._scattered_grad)."""
+        """After a synchronised backward's round (or its shadow on a joined rank), counted in `num_syncs`.
+        After the first since a (re)build, rank 0's order of completion becomes the launch order on every rank
+        (one broadcast), and from then on the hooks of the last bucket to launch count nothing (the final
+        callback launches it, its gradients the backward's last but for unused ones). Reduce-scattered,
+        `.grad` refuses math until zeroed (see flatgrad._scattered_grad)."""
         plan = self._plan
         if not plan.learned and plan.buckets:
             device = plan.buckets[0].buffer.device

@@ -10,10 +10,9 @@
   torch optimizer that would skip them raise.
 - `Prescale`: a store's prescaling state, which `flatgrad._prescale` writes and reads;
   `Scattered`: its reduce-scatter state, which `flatgrad._scattered_grad` writes and reads.
-- Free functions over the buffers' tensors: allocating a buffer aligned (`aligned_zeros`),
-  filling seated slots (`negative_zero_`), staging host values for a device copy
-  (`host_tensor`, `write_flags`), scaling in place (`scale_`), reading on another CUDA
-  stream (`read_here`)."""
+- Free functions over the buffers' tensors: allocating a buffer aligned (`aligned_zeros`), filling seated
+  slots (`negative_zero_`), staging host values for a device copy (`host_tensor`, `write_flags`), scaling in
+  place (`scale_`), reading on another CUDA stream (`read_here`)."""
 
 from __future__ import annotations
 
@@ -235,10 +234,9 @@ class GradStore:
             return None
         _, flags, members = found
         if self.seated:
-            # Asked inside the backward (replicate launching a group's last bucket, when
-            # every gradient of the group is final): a seated slot nothing wrote into is
-            # unused, as the final callback's `unseat` will find, and as DDP counts a
-            # parameter whose AccumulateGrad ran with no gradient.
+            # Asked inside the backward (replicate launching a group's last bucket, when every gradient of the
+            # group is final): a seated slot nothing wrote into is unused, as the final callback's `unseat`
+            # will find, and as DDP counts a parameter whose AccumulateGrad ran with no gradient.
             entries = self._entries
             GradStore.unseat([s for s in self.seated if entries[s[0]].key == key])
         mains = self._main_ids  # a main grad always counts as used (its `.grad` stays None)
@@ -246,13 +244,12 @@ class GradStore:
         return found
 
     def seat(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """Before a backward: point every one of `params` whose `.grad` is None at its slot,
-        filled with -0.0 (`negative_zero_`: the add then gives stock's bits, a -0.0 included),
-        so that AccumulateGrad adds the incoming gradient into it in place (in C++:
-        no hook, no copy). Returns (param, slot, slot version) for `unseat`. When every
-        `.grad` was None the slots are filled in a few views (`spans`). The (parameter, slot)
-        pairs and the spans are cut once per `params` tuple and kept while the slots stay
-        where they are: this runs before every backward, once per parameter.
+        """Before a backward: point every one of `params` whose `.grad` is None at its slot, filled with -0.0
+        (`negative_zero_`: the add then gives stock's bits, a -0.0 included), so that AccumulateGrad adds the
+        incoming gradient into it in place (in C++: no hook, no copy). Returns (param, slot, slot version) for
+        `unseat`. When every `.grad` was None the slots are filled in a few views (`spans`). The (parameter,
+        slot) pairs and the spans are cut once per `params` tuple and kept while the slots stay where they
+        are: this runs before every backward, once per parameter.
 
         A parameter that no longer fits its slot (``param.data`` replaced, a conversion)
         is left alone and marks the store stale: the engine lays out again (or refuses).
@@ -348,11 +345,10 @@ class GradStore:
             self.stale = True
 
     def intact(self) -> bool:
-        """Whether every slot view still points at its slot. ``param.grad.data = t`` (older
-        training code, `nn.Module._apply` converting gradients) re-points the view object
-        itself, which is the `.grad`, at other memory; the identity tests of the hot path
-        would then trust a tensor the buffers no longer hold, so the engine lays the
-        buffers out again (and moves that `.grad`'s values in) when this is False."""
+        """Whether every slot view still points at its slot. ``param.grad.data = t`` (older training code,
+        `nn.Module._apply` converting gradients) re-points the view object itself, which is the `.grad`, at
+        other memory; the identity tests of the hot path would then trust a tensor the buffers no longer hold,
+        so the engine lays the buffers out again (and moves that `.grad`'s values in) when this is False."""
         # Both dicts gain their keys together in `_set_slot`, so they iterate in one order.
         return list(map(_data_ptr, self._locals.values())) == list(self._addresses.values())
 
@@ -388,10 +384,9 @@ class GradStore:
         return sorted(self._entries.items(), key=lambda item: (str(item[1].key), item[1].slot.offset))
 
     def _runs(self, params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """1-D views covering exactly the gradient elements of every slot (never the
-        alignment padding), adjacent slots merged: what a scale (clipping) may touch.
-        Padding stays zero by construction, so whole-buffer norms and syncs may read it.
-        With `params`, the slots of those only."""
+        """1-D views covering exactly the gradient elements of every slot (never the alignment padding),
+        adjacent slots merged: what a scale (clipping) may touch. Padding stays zero by construction, so
+        whole-buffer norms and syncs may read it. With `params`, the slots of those only."""
         wanted = None if params is None else {id(param) for param in params}
         slots: dict[GroupKey, list[tuple[int, int]]] = {}
         for param, entry in self._in_buffer_order():
@@ -502,17 +497,15 @@ _Scan = tuple[tuple[int, ...], list[torch.Tensor]]
 
 class MainGradGuard:
     """While a store with main grads lives: a torch optimizer step (a global step pre hook,
-    `torch.optim.optimizer.register_optimizer_step_pre_hook`) over a parameter whose
-    gradient is a main grad and whose `.grad` is None raises, instead of skipping it
-    silently. Optimizers that step main grads themselves say so with a true class
-    attribute ``steps_main_grads`` (ShardedOptimizer). The hook goes when the last such
-    store does.
+    `torch.optim.optimizer.register_optimizer_step_pre_hook`) over a parameter whose gradient is a main grad
+    and whose `.grad` is None raises, instead of skipping it silently. Optimizers that step main grads
+    themselves say so with a true class attribute ``steps_main_grads`` (ShardedOptimizer). The hook goes when
+    the last such store does.
 
-    The one process-wide hook flatgrad keeps: nothing per model or per parameter sees a
-    torch optimizer's step (it skips a None `.grad` without a call flatgrad could watch),
-    and the optimizer is made after FlatGrad is applied. It costs an optimizer that holds no
-    main-grad parameter one look at its groups per step: which of its parameters have a
-    main grad is found once and kept (weakly, by optimizer) until its groups change or a
+    The one process-wide hook flatgrad keeps: nothing per model or per parameter sees a torch optimizer's step
+    (it skips a None `.grad` without a call flatgrad could watch), and the optimizer is made after FlatGrad is
+    applied. It costs an optimizer that holds no main-grad parameter one look at its groups per step: which of
+    its parameters have a main grad is found once and kept (weakly, by optimizer) until its groups change or a
     store with main grads is built."""
 
     def __init__(self) -> None:
@@ -608,16 +601,14 @@ def aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:
 
 
 def negative_zero_(tensors: Sequence[torch.Tensor], sources: list[torch.Tensor] | None = None) -> None:
-    """Fill `tensors` with -0.0 (both parts of a complex element): how a seated slot starts.
-    AccumulateGrad's in-place add into it then leaves exactly the incoming gradient, as
-    stock's `.grad` is (``-0.0 + x`` is ``x`` bit for bit, ``-0.0`` included, where
-    ``+0.0 + -0.0`` is ``+0.0``). A slot a backward leaves without a gradient is zeroed when
-    it is unseated (`GradStore.unseat`), and every reader of a slot whose `.grad` is None
-    zeroes it first (`settle`, `take_in` with `zero_empty`). On the CPU one foreach copy
-    from a -0.0 scalar of each tensor's dtype (`sources`: `negative_zero_sources`, which
-    `seat` keeps with its spans: then the fill costs what a zero fill does,
-    docs/performance.md); on accelerators two fused passes, a zero and a negation, where
-    such a copy would launch a kernel per tensor."""
+    """Fill `tensors` with -0.0 (both parts of a complex element): how a seated slot starts. AccumulateGrad's
+    in-place add into it then leaves exactly the incoming gradient, as stock's `.grad` is (``-0.0 + x`` is
+    ``x`` bit for bit, ``-0.0`` included, where ``+0.0 + -0.0`` is ``+0.0``). A slot a backward leaves without
+    a gradient is zeroed when it is unseated (`GradStore.unseat`), and every reader of a slot whose `.grad` is
+    None zeroes it first (`settle`, `take_in` with `zero_empty`). On the CPU one foreach copy from a -0.0
+    scalar of each tensor's dtype (`sources`: `negative_zero_sources`, which `seat` keeps with its spans: then
+    the fill costs what a zero fill does, docs/performance.md); on accelerators two fused passes, a zero and a
+    negation, where such a copy would launch a kernel per tensor."""
     sources = negative_zero_sources(tensors) if sources is None else sources
     if sources is not None:
         if sources:
@@ -640,11 +631,10 @@ def negative_zero_sources(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]
 
 
 def host_tensor(values: Sequence[bool | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`values` as a tensor on `device`. For an accelerator it is staged in pinned memory
-    and copied without blocking: a copy from pageable memory would make the host wait for
-    everything queued on the stream (the whole backward), where the copy needs only to be
-    ordered after it. Pinned blocks come from torch's caching host allocator, which does
-    not hand a block out again before the copy that reads it has run."""
+    """`values` as a tensor on `device`. For an accelerator it is staged in pinned memory and copied without
+    blocking: a copy from pageable memory would make the host wait for everything queued on the stream (the
+    whole backward), where the copy needs only to be ordered after it. Pinned blocks come from torch's caching
+    host allocator, which does not hand a block out again before the copy that reads it has run."""
     if device.type == "cpu":
         return torch.tensor(values, dtype=dtype)
     if device.type != "cuda":  # (pinned staging is CUDA's; other backends copy as they do)
@@ -677,11 +667,10 @@ def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
 
 
 def read_here(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`, marked as read by the current CUDA stream (`Tensor.record_stream`), where it
-    may have been made on another: an AccumulateGrad hook runs on the stream its node was
-    made on (replicate keeps the nodes from its construction), a final callback on the
-    caller's. Torch's caching allocator then does not hand its memory out again, once it is
-    freed, before that read has run. Elsewhere a no-op."""
+    """`tensor`, marked as read by the current CUDA stream (`Tensor.record_stream`), where it may have been
+    made on another: an AccumulateGrad hook runs on the stream its node was made on (replicate keeps the nodes
+    from its construction), a final callback on the caller's. Torch's caching allocator then does not hand its
+    memory out again, once it is freed, before that read has run. Elsewhere a no-op."""
     if tensor.is_cuda:
         tensor.record_stream(torch.cuda.current_stream(tensor.device))
     return tensor

@@ -38,10 +38,9 @@ class HookEngine(Protocol):
 
 @dataclass
 class FlatGradCommState:
-    """The settings of `allreduce_hook` and its call count; build it with
-    `FlatGrad.comm_state()`. What the hook does to the model's buffers (adopting DDP's
-    buckets, a `Join`'s count) belongs to the engine's DDP edge (`DDPEdge`), which the hook
-    reaches through `engine`.
+    """The settings of `allreduce_hook` and its call count; build it with `FlatGrad.comm_state()`. What the
+    hook does to the model's buffers (adopting DDP's buckets, a `Join`'s count) belongs to the engine's DDP
+    edge (`DDPEdge`), which the hook reaches through `engine`.
 
     Args:
         model: The model with `flatgrad.FlatGrad` applied whose buffers the hook keeps
@@ -54,9 +53,8 @@ class FlatGradCommState:
             on the wire; None sends them as they are.
 
     Attributes:
-        num_calls: The hook's calls (one per bucket and synchronised backward: with
-            `ddp_kwargs()`, one per (dtype, device) buffer and step; under DDP's Python
-            reducer, one per parameter and step).
+        num_calls: The hook's calls (one per bucket and synchronised backward: with `ddp_kwargs()`, one per
+            (dtype, device) buffer and step; under DDP's Python reducer, one per parameter and step).
 
     Raises:
         ValueError: `reduce_dtype` is not torch.bfloat16, torch.float16 or None.
@@ -76,14 +74,12 @@ _SYNCED_FORWARDS_BEFORE_WARNING = 3
 
 
 def note_forward_without_hook(num_forwards: int) -> int | None:
-    """Count the forwards whose backward DDP synchronises while `allreduce_hook` has not run
-    yet; at the third (two synchronised backward passes done without it) warn once and stop
-    counting (returns None).
+    """Count the forwards whose backward DDP synchronises while `allreduce_hook` has not run yet; at the third
+    (two synchronised backward passes done without it) warn once and stop counting (returns None).
 
-    Call site: `DDPEdge.before_forward`, before the model's own forward runs.
-    `FlatGrad.ddp_kwargs()` starts the count at 0 (`DDPEdge.expect_hook`), the hook sets
-    it to None (`DDPEdge.adopt`: nothing to watch), so once the hook has run a forward
-    costs one comparison.
+    Call site: `DDPEdge.before_forward`, before the model's own forward runs. `FlatGrad.ddp_kwargs()` starts
+    the count at 0 (`DDPEdge.expect_hook`), the hook sets it to None (`DDPEdge.adopt`: nothing to watch), so
+    once the hook has run a forward costs one comparison.
 
     Forwards under no_grad (evaluation, Lightning's sanity check) do not count, nor do
     forwards inside ``ddp.no_sync()`` (gradient accumulation: the hook runs only on the last
@@ -107,11 +103,10 @@ def note_forward_without_hook(num_forwards: int) -> int | None:
 
 
 class DDPEdge:
-    """One model's side of the DDP boundary, owned by its engine (`GradEngine.ddp`): whether
-    a DDP runs its forwards (its reducer then places the gradients, and nothing is seated),
-    the check that `allreduce_hook` runs after `ddp_kwargs()`, what the hook does to the
-    model's buffers (`adopt`: DDP's bucket becomes the flat buffer), and the DDP whose last
-    forward ran inside an enabled `Join` (`ranks_not_joined`)."""
+    """One model's side of the DDP boundary, owned by its engine (`GradEngine.ddp`): whether a DDP runs its
+    forwards (its reducer then places the gradients, and nothing is seated), the check that `allreduce_hook`
+    runs after `ddp_kwargs()`, what the hook does to the model's buffers (`adopt`: DDP's bucket becomes the
+    flat buffer), and the DDP whose last forward ran inside an enabled `Join` (`ranks_not_joined`)."""
 
     def __init__(self) -> None:
         # Forwards since ddp_kwargs() without allreduce_hook; None: not asked, or the hook ran.
@@ -132,9 +127,8 @@ class DDPEdge:
             self.forwards_without_hook = note_forward_without_hook(self.forwards_without_hook)
 
     def after_forward(self) -> bool:
-        """After a training forward: whether it ran alone, under no DDP (under one,
-        synchronising or in ``no_sync()``, its reducer, not flatgrad, decides where `.grad`
-        lives)."""
+        """After a training forward: whether it ran alone, under no DDP (under one, synchronising or in
+        ``no_sync()``, its reducer, not flatgrad, decides where `.grad` lives)."""
         ddp = active_ddp()
         if ddp is None:
             return True
@@ -152,11 +146,10 @@ class DDPEdge:
         """Under a `Join` with ``divide_by_initial_world_size=False``, the ranks not joined
         yet, which DDP divides by (it leaves that to a comm hook); None otherwise.
 
-        Inside an enabled `Join` every rank all-reduces one count per bucket, whatever the
-        Join divides by: a joined rank, matching the backward's all-reduces with zero
-        buckets, is not told which DDP it stands in for (DDP hands its hook only the state
-        and the bucket), but knows it is inside such a Join, so every rank makes the same
-        collectives without knowing how the Join divides. The rank still training reads
+        Inside an enabled `Join` every rank all-reduces one count per bucket, whatever the Join divides by: a
+        joined rank, matching the backward's all-reduces with zero buckets, is not told which DDP it stands in
+        for (DDP hands its hook only the state and the bucket), but knows it is inside such a Join, so every
+        rank makes the same collectives without knowing how the Join divides. The rank still training reads
         the count only where its DDP divides by it."""
         joined = graph_task_id() == -1  # a joined rank matching the backward's all-reduces
         ddp = None if joined or self._joining is None else self._joining()
@@ -243,12 +236,11 @@ def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.f
 
 
 def _python_reducer_mean(state: FlatGradCommState, grad: torch.Tensor, param: torch.Tensor) -> None:
-    """`allreduce_hook` under DDP's Python reducer (``torch._dynamo.config.optimize_ddp =
-    "python_reducer"``, for compiled autograd), which calls comm hooks once per parameter
-    with ``(param.grad, param)`` after its AccumulateGrad, ignoring what they return: average
-    that gradient in place with a traceable functional all-reduce, as DDP does there without
-    a hook. One collective per parameter, as stock's; compiled autograd leaves `.grad`
-    outside the buffer anyway (see README, "Compiled autograd")."""
+    """`allreduce_hook` under DDP's Python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``,
+    for compiled autograd), which calls comm hooks once per parameter with ``(param.grad, param)`` after its
+    AccumulateGrad, ignoring what they return: average that gradient in place with a traceable functional
+    all-reduce, as DDP does there without a hook. One collective per parameter, as stock's; compiled autograd
+    leaves `.grad` outside the buffer anyway (see README, "Compiled autograd")."""
     import torch.distributed._functional_collectives as fcol
 
     edge = state.engine.ddp
@@ -301,11 +293,10 @@ def all_reduce_grads(
 ) -> None:
     """Average every buffer over the group: one all-reduce per (dtype, device) buffer.
 
-    A parameter without a gradient on this rank contributes zeros. Afterwards `.grad` is
-    as stock DDP with find_unused_parameters=True leaves it: the slot for every parameter
-    some rank used, None for a parameter no rank used. The used flags travel in the same
-    all-reduce, after the buffer (`GradStore.flagged`); a buffer adopted from a DDP bucket
-    has no room for them, and its flags take one more, small, all-reduce.
+    A parameter without a gradient on this rank contributes zeros. Afterwards `.grad` is as stock DDP with
+    find_unused_parameters=True leaves it: the slot for every parameter some rank used, None for a parameter
+    no rank used. The used flags travel in the same all-reduce, after the buffer (`GradStore.flagged`); a
+    buffer adopted from a DDP bucket has no room for them, and its flags take one more, small, all-reduce.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -358,10 +349,9 @@ def refuse_main_grads(grad_dtype: str | None, what: str) -> None:
 def ddp_kwargs(store: GradStore) -> dict[str, Any]:
     """DDP constructor arguments for the zero-copy, one-all-reduce-per-buffer path.
 
-    gradient_as_bucket_view=True makes `.grad` a view of DDP's bucket, which the hook then
-    adopts as the flat buffer. A bucket cap above the largest buffer keeps one bucket per
-    (dtype, device), also after DDP's one-time bucket rebuild (an explicit bucket_cap_mb
-    sets the first bucket's cap too).
+    gradient_as_bucket_view=True makes `.grad` a view of DDP's bucket, which the hook then adopts as the flat
+    buffer. A bucket cap above the largest buffer keeps one bucket per (dtype, device), also after DDP's
+    one-time bucket rebuild (an explicit bucket_cap_mb sets the first bucket's cap too).
     """
     largest = max(buf.numel() * buf.element_size() for buf in store.buffers.values())
     cap = math.ceil(largest / 2**20) + 1
@@ -372,20 +362,18 @@ def ddp_kwargs(store: GradStore) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class BackendPolicy:
-    """Every choice flatgrad makes for gloo and CPU hosts only, decided once per process
-    group (`backend_policy`). With NCCL each field keeps its default, so the NCCL path never
-    enters a gloo branch. Each choice stays only with its measured number, in
-    docs/performance.md ("The CPU and gloo choices, and the numbers that keep them").
-    (Dividing before a sum where the backend has no average op is no choice: `average_op`;
-    the routed layers writing divided gradients for such sums is `prescale_factor`.)
+    """Every choice flatgrad makes for gloo and CPU hosts only, decided once per process group
+    (`backend_policy`). With NCCL each field keeps its default, so the NCCL path never enters a gloo branch.
+    Each choice stays only with its measured number, in docs/performance.md ("The CPU and gloo choices, and
+    the numbers that keep them"). (Dividing before a sum where the backend has no average op is no choice:
+    `average_op`; the routed layers writing divided gradients for such sums is `prescale_factor`.)
 
     Attributes:
-        reduce_scatter: a ShardedOptimizer's buckets are reduce-scattered (NCCL). False on
-            gloo, whose reduce-scatter reduces the whole tensor through a full-size
-            temporary and then scatters (1.6x its all-reduce at 25 MB on 2 CPU ranks): the
-            buckets are all-reduced instead (the same shard lands averaged), the shards
-            split whole buffers unless ``overlap_param_gather`` (`BucketSync.shard_plan`), and only the
-            shards are divided after the sum (`Round.divide_after`).
+        reduce_scatter: a ShardedOptimizer's buckets are reduce-scattered (NCCL). False on gloo, whose
+            reduce-scatter reduces the whole tensor through a full-size temporary and then scatters (1.6x its
+            all-reduce at 25 MB on 2 CPU ranks): the buckets are all-reduced instead (the same shard lands
+            averaged), the shards split whole buffers unless ``overlap_param_gather``
+            (`BucketSync.shard_plan`), and only the shards are divided after the sum (`Round.divide_after`).
         all_gather: a ShardedOptimizer's parameters are all-gathered (NCCL). False on gloo,
             whose all-gather of the flat buckets takes 1.7x its broadcasts of the same
             shards (120 vs 70 ms for 96 MB on 2 CPU ranks): each rank broadcasts its shard.
@@ -428,16 +416,14 @@ def launch_average(
     divide: bool = True,
     divisor: int | None = None,
 ) -> tuple[Any, torch.Tensor | None]:
-    """Start averaging `sent` over `process_group` asynchronously: an all-reduce in place,
-    or (`scatter`) a reduce-scatter whose result is this rank's piece of `sent` (the caller
-    asks for it only where `BackendPolicy.reduce_scatter` says so: gloo all-reduces, which
-    leaves that piece averaged too). Returns the
-    work and the wire tensor when it is not `sent` itself (a `reduce_dtype` copy, which the
-    caller copies back once the work is done). `divide` False where the reduction sums:
-    the sum is left for the caller to divide (the shards a ShardedOptimizer reads).
-    `divisor`: the ranks to average over instead of the world size (under a `Join` that
-    divides by the ranks not joined yet, whose joined ranks send zeros): a sum of the
-    ranks' gradients divided first, on every backend."""
+    """Start averaging `sent` over `process_group` asynchronously: an all-reduce in place, or (`scatter`) a
+    reduce-scatter whose result is this rank's piece of `sent` (the caller asks for it only where
+    `BackendPolicy.reduce_scatter` says so: gloo all-reduces, which leaves that piece averaged too). Returns
+    the work and the wire tensor when it is not `sent` itself (a `reduce_dtype` copy, which the caller copies
+    back once the work is done). `divide` False where the reduction sums: the sum is left for the caller to
+    divide (the shards a ShardedOptimizer reads). `divisor`: the ranks to average over instead of the world
+    size (under a `Join` that divides by the ranks not joined yet, whose joined ranks send zeros): a sum of
+    the ranks' gradients divided first, on every backend."""
     wire = to_wire(sent, reduce_dtype)
     op, must_divide = average_op(wire, process_group)
     world_size = dist.get_world_size(process_group)

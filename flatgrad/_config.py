@@ -73,8 +73,7 @@ class FlatGradConfig(BaseModel):
             IsADirectoryError: `path` is a directory.
             ValueError: The file is empty, not UTF-8, not valid YAML/JSON, repeats a key, or
                 does not hold a mapping (every message names the file).
-            pydantic.ValidationError: A field is unknown or has an invalid value (a
-                ValueError too).
+            pydantic.ValidationError: A field is unknown or has an invalid value (a ValueError too).
         """
         return cls.model_validate(load_mapping(path))
 
@@ -122,10 +121,9 @@ def _parse(path: Path, text: str) -> Any:
 
 
 def load_mapping(path: str | Path) -> dict[str, Any]:
-    """Parse a YAML or JSON file that must hold a mapping (used by every config model, the
-    examples' run configs too). Every error names the file. A YAML file holding only comments
-    is an empty mapping; an empty file, a repeated key, or a value that is not a mapping is an
-    error."""
+    """Parse a YAML or JSON file that must hold a mapping (used by every config model, the examples' run
+    configs too). Every error names the file. A YAML file holding only comments is an empty mapping; an empty
+    file, a repeated key, or a value that is not a mapping is an error."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"config file {str(path)!r} is a directory, not a YAML/JSON file")

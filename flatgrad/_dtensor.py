@@ -1,16 +1,14 @@
 """DTensor parameters: a model made tensor-parallel (`parallelize_module`) with FlatGrad applied.
 
-A DTensor parameter's slot holds its *local* shard, a plain tensor in the flat buffer like
-any other slot, so buffers, buckets and all-reduces over the data-parallel ranks stay plain
-tensors. Its `.grad` is a DTensor with the parameter's mesh and placements whose local
-tensor is that slot (`grad_of_slot`): what reads `.grad` (torch's optimizers over DTensor
-parameters, `torch.nn.utils.clip_grad_norm_`, DCP) sees what it sees without flatgrad, and
-AccumulateGrad's in-place add into that DTensor writes the slot.
+A DTensor parameter's slot holds its *local* shard, a plain tensor in the flat buffer like any other slot, so
+buffers, buckets and all-reduces over the data-parallel ranks stay plain tensors. Its `.grad` is a DTensor
+with the parameter's mesh and placements whose local tensor is that slot (`grad_of_slot`): what reads `.grad`
+(torch's optimizers over DTensor parameters, `torch.nn.utils.clip_grad_norm_`, DCP) sees what it sees without
+flatgrad, and AccumulateGrad's in-place add into that DTensor writes the slot.
 
-`TensorParallel` is the one mesh of a model's DTensor parameters: which slots a norm counts
-on this rank (a shard on every rank, a replicated parameter on the mesh's first rank only),
-the all-reduce that makes a local norm the norm of the whole, unsharded gradient, and the
-check that a data-parallel group does not cross it.
+`TensorParallel` is the one mesh of a model's DTensor parameters: which slots a norm counts on this rank (a
+shard on every rank, a replicated parameter on the mesh's first rank only), the all-reduce that makes a local
+norm the norm of the whole, unsharded gradient, and the check that a data-parallel group does not cross it.
 """
 
 from __future__ import annotations
@@ -58,10 +56,9 @@ def move_into(param: torch.Tensor, view: torch.Tensor) -> None:
 
 
 def shard_origin(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """Where this rank's local shard of DTensor `param` lies in the whole tensor: its
-    offset per dimension and the whole tensor's shape (a per-element optimizer state saved
-    in the whole parameter's shape puts this rank's elements there); None for a plain
-    parameter (its state is its own shape)."""
+    """Where this rank's local shard of DTensor `param` lies in the whole tensor: its offset per dimension and
+    the whole tensor's shape (a per-element optimizer state saved in the whole parameter's shape puts this
+    rank's elements there); None for a plain parameter (its state is its own shape)."""
     if not isinstance(param, DTensor):
         return None
     _, offset = local_shape_and_offset(param)
@@ -92,8 +89,7 @@ def local_gradient(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class TensorParallel:
-    """The mesh a model's DTensor parameters live on, as gradient norms and data-parallel
-    groups need it.
+    """The mesh a model's DTensor parameters live on, as gradient norms and data-parallel groups need it.
 
     Args:
         mesh: that 1-D mesh (the "tp" dimension of a 2-D one).
@@ -117,11 +113,10 @@ class TensorParallel:
         return self.mesh.get_group()
 
     def counts(self, param: torch.Tensor) -> bool:
-        """Whether a norm counts this rank's slot of `param`: a sharded parameter's on every
-        rank of the mesh (the shards are disjoint), a replicated one's and a plain
-        parameter's (the same on every rank of the mesh, as a model outside the
-        tensor-parallel layers computes it) on the mesh's first rank only, so the sum over
-        the mesh counts each element of the whole gradient once."""
+        """Whether a norm counts this rank's slot of `param`: a sharded parameter's on every rank of the mesh
+        (the shards are disjoint), a replicated one's and a plain parameter's (the same on every rank of the
+        mesh, as a model outside the tensor-parallel layers computes it) on the mesh's first rank only, so the
+        sum over the mesh counts each element of the whole gradient once."""
         return self.first or is_sharded(param)
 
     def combine(self, norms: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
@@ -168,11 +163,10 @@ def combine_norms(
 
 
 def pipeline_group(pp_mesh: object, **groups: Sequence[int]) -> dist.ProcessGroup:
-    """The process group of `pp_mesh`, the 1-D mesh of a pipeline's stages over which a norm
-    sums each stage's (``mesh["pp"]``), checked against `groups` (by name: the ranks of the
-    model's tensor-parallel mesh, of a data-parallel group), which it must meet in this rank
-    alone, or a stage's gradient would be counted more than once. Every rank checks its own
-    groups: a mesh that crosses one crosses it on every rank it holds.
+    """The process group of `pp_mesh`, the 1-D mesh of a pipeline's stages over which a norm sums each stage's
+    (``mesh["pp"]``), checked against `groups` (by name: the ranks of the model's tensor-parallel mesh, of a
+    data-parallel group), which it must meet in this rank alone, or a stage's gradient would be counted more
+    than once. Every rank checks its own groups: a mesh that crosses one crosses it on every rank it holds.
 
     Raises:
         TypeError: `pp_mesh` is not a DeviceMesh.

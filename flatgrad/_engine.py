@@ -1,16 +1,14 @@
 """`GradEngine`: one model's gradient store and seater, built together, and what each
 forward does about them (lay out again, seat or not under DDP).
 
-`FlatGrad(model)` gives the model one (``engine_of(model)``); `replicate`,
-`ShardedOptimizer` and the DDP hook's state reach the store through it. The engine holds
-the model weakly (the model holds the engine).
+`FlatGrad(model)` gives the model one (``engine_of(model)``); `replicate`, `ShardedOptimizer` and the DDP
+hook's state reach the store through it. The engine holds the model weakly (the model holds the engine).
 
-The layout is fixed when FlatGrad is applied, as DDP, FSDP2 and Megatron-Core fix theirs:
-conversions (``.to()``, ``.double()``, also of a submodule) and ``requires_grad`` toggles lay
-the buffers out again; a parameter added, replaced, removed or re-pointed at a tensor of
-another shape since is refused (a RuntimeError naming it) at the next norm or sync, or as
-the next backward starts, before anything moves, until ``model.relayout()`` lays the
-buffers out for the model as it is now.
+The layout is fixed when FlatGrad is applied, as DDP, FSDP2 and Megatron-Core fix theirs: conversions
+(``.to()``, ``.double()``, also of a submodule) and ``requires_grad`` toggles lay the buffers out again; a
+parameter added, replaced, removed or re-pointed at a tensor of another shape since is refused (a RuntimeError
+naming it) at the next norm or sync, or as the next backward starts, before anything moves, until
+``model.relayout()`` lays the buffers out for the model as it is now.
 """
 
 from __future__ import annotations
@@ -297,10 +295,9 @@ def _held_by_module(model: nn.Module) -> _Held:
 
 
 def _refuse_moved(model: nn.Module, before: tuple[_Watched, ...], now: tuple[_Watched, ...]) -> None:
-    """Raise RuntimeError, naming the parameters, if one was added, replaced, removed or
-    re-pointed at a tensor of another shape since the layout was made (`before`). A
-    parameter that moved to another module (``convert_sync_batchnorm`` rebuilds layers around
-    their parameters) keeps its slot."""
+    """Raise RuntimeError, naming the parameters, if one was added, replaced, removed or re-pointed at a
+    tensor of another shape since the layout was made (`before`). A parameter that moved to another module
+    (``convert_sync_batchnorm`` rebuilds layers around their parameters) keeps its slot."""
     if len(before) == len(now) and all(
         a[0] is b[0] and a[1] == b[1] and a[2] is b[2] and a[2].shape == a[6] for a, b in zip(before, now)
     ):

@@ -1,10 +1,9 @@
-"""`FlatGrad`: applied to a model in place (the class notes say how), it keeps all the
-model's gradients in flat per-(dtype, device) buffers. The engine runs around the model's
-call (`FlatGrad.__call__`), and its operations (zeroing, main grads, norms, clipping, the
-all-reduce without DDP) are the methods `FlatGrad` adds. Each takes the model's
-`GradEngine` (`engine_of`) and first takes its store from `GradEngine.refresh`
-(`zero_grad` setting None: from `GradEngine.current`). The norm arithmetic is
-`flatgrad._norms`', the collectives are `flatgrad._comm`'s.
+"""`FlatGrad`: applied to a model in place (the class notes say how), it keeps all the model's gradients in
+flat per-(dtype, device) buffers. The engine runs around the model's call (`FlatGrad.__call__`), and its
+operations (zeroing, main grads, norms, clipping, the all-reduce without DDP) are the methods `FlatGrad` adds.
+Each takes the model's `GradEngine` (`engine_of`) and first takes its store from `GradEngine.refresh`
+(`zero_grad` setting None: from `GradEngine.current`). The norm arithmetic is `flatgrad._norms`', the
+collectives are `flatgrad._comm`'s.
 """
 
 from __future__ import annotations
@@ -60,9 +59,8 @@ def _refuse_inner_ddp(model: nn.Module) -> None:
             )
 
 
-# What FlatGrad adds to a model: a model whose class (or instance) already has one of these
-# names would have it hidden, so it is refused (`_refuse_collisions`). ``zero_grad`` is
-# nn.Module's, which FlatGrad's extends.
+# What FlatGrad adds to a model: a model whose class (or instance) already has one of these names would have
+# it hidden, so it is refused (`_refuse_collisions`). ``zero_grad`` is nn.Module's, which FlatGrad's extends.
 _ADDED = (
     "flatgrad_config", "grad_buffers", "main_grad", "grad_norm", "clip_grad_norm_",
     "all_reduce_grads", "ddp_kwargs", "comm_state", "relayout",
@@ -80,17 +78,15 @@ class FlatGrad(nn.Module):
     """``FlatGrad(model)`` keeps every trainable parameter's `.grad` in `grad_buffers` and
     returns `model` itself, now also an instance of `FlatGrad`.
 
-    The model's class becomes a subclass of `FlatGrad` and of its own class (under its own
-    class's name), as FSDP2's ``fully_shard`` makes it one of `FSDPModule`'s: ``isinstance(model,
-    Original)`` holds, and the model's names, ``state_dict`` keys, forward (and its
-    signature) and attributes are its own. Linear and Embedding layers (those that keep
-    torch's own `forward`) run their backward through Functions that write weight gradients
-    straight into the buffer. Every other parameter's `.grad` is pointed at its zeroed slot
-    when a backward through the model's output starts (the call marks the output), so
-    AccumulateGrad adds into the buffer in place; under a DDP its reducer copies those
-    gradients into its bucket instead, which with `ddp_kwargs()` is the buffer. That is
-    when the model is called (``model(x)``), as for module hooks: code that calls
-    ``model.forward(x)`` gets its gradients moved into the buffers at the next norm or sync.
+    The model's class becomes a subclass of `FlatGrad` and of its own class (under its own class's name), as
+    FSDP2's ``fully_shard`` makes it one of `FSDPModule`'s: ``isinstance(model, Original)`` holds, and the
+    model's names, ``state_dict`` keys, forward (and its signature) and attributes are its own. Linear and
+    Embedding layers (those that keep torch's own `forward`) run their backward through Functions that write
+    weight gradients straight into the buffer. Every other parameter's `.grad` is pointed at its zeroed slot
+    when a backward through the model's output starts (the call marks the output), so AccumulateGrad adds into
+    the buffer in place; under a DDP its reducer copies those gradients into its bucket instead, which with
+    `ddp_kwargs()` is the buffer. That is when the model is called (``model(x)``), as for module hooks: code
+    that calls ``model.forward(x)`` gets its gradients moved into the buffers at the next norm or sync.
 
     The layout is fixed now: ``.to()``, dtype casts and ``requires_grad`` toggles keep
     working; a parameter added, replaced, removed or re-pointed at another shape afterwards
@@ -109,11 +105,10 @@ class FlatGrad(nn.Module):
 
     Raises:
         TypeError: `model` is not an `nn.Module`, or `config` is none of the above.
-        ValueError: `model` already has FlatGrad applied with another config (with the
-            same, or None, it is returned as it is); `model` is or holds a
-            DistributedDataParallel (FlatGrad goes inside it); has an attribute named as one
-            FlatGrad adds (`grad_buffers`, `clip_grad_norm_`, ...); has no trainable parameter
-            with a dense gradient; or `config` holds an invalid value (a
+        ValueError: `model` already has FlatGrad applied with another config (with the same, or None, it is
+            returned as it is); `model` is or holds a DistributedDataParallel (FlatGrad goes inside it); has
+            an attribute named as one FlatGrad adds (`grad_buffers`, `clip_grad_norm_`, ...); has no trainable
+            parameter with a dense gradient; or `config` holds an invalid value (a
             `pydantic.ValidationError`). A config file raises as `FlatGradConfig.from_file` does.
     """
 
@@ -151,11 +146,10 @@ class FlatGrad(nn.Module):
         super().__setstate__(state)
         self.__dict__[_ENGINE] = GradEngine(self, self.flatgrad_config, multiple)
 
-    # Eager under torch.compile(model) (the frame only: what it calls is compiled unless
-    # disabled itself): the bookkeeping around the model is disabled as a whole, so Dynamo
-    # sees none of it, and `_flatgrad_call`, a frame of flatgrad's, is where it starts tracing
-    # the model (as one graph even when its class is a torch container, nn.Sequential,
-    # whose own frames Dynamo would skip). Not forward hooks: Dynamo traces those.
+    # Eager under torch.compile(model) (the frame only: what it calls is compiled unless disabled itself): the
+    # bookkeeping around the model is disabled as a whole, so Dynamo sees none of it, and `_flatgrad_call`, a
+    # frame of flatgrad's, is where it starts tracing the model (as one graph even when its class is a torch
+    # container, nn.Sequential, whose own frames Dynamo would skip). Not forward hooks: Dynamo traces those.
     @torch.compiler.disable(recursive=False)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         engine = engine_of(self)
@@ -195,10 +189,9 @@ class FlatGrad(nn.Module):
         return result
 
     def relayout(self) -> None:
-        """Lay the gradient buffers out again for the model's parameters as they are now:
-        after adding, replacing or removing a parameter (or re-pointing one at a tensor of
-        another shape), which FlatGrad otherwise refuses. Call it before building
-        replicate and the optimizer over the new parameters.
+        """Lay the gradient buffers out again for the model's parameters as they are now: after adding,
+        replacing or removing a parameter (or re-pointing one at a tensor of another shape), which FlatGrad
+        otherwise refuses. Call it before building replicate and the optimizer over the new parameters.
 
         Raises:
             ValueError: A parameter is not initialised (a lazy module), or none is trainable.
@@ -225,10 +218,9 @@ class FlatGrad(nn.Module):
         """Like `nn.Module.zero_grad`, for every parameter of the model (frozen ones too).
 
         Args:
-            set_to_none: True sets every `.grad` to None; False zeroes them, the buffered
-                gradients with one fill per buffer (a `.grad` that is not its slot's view is
-                pointed back at it). Main grads (``grad_dtype="float32"``) are zeroed either
-                way, and their parameters' `.grad` stays None.
+            set_to_none: True sets every `.grad` to None; False zeroes them, the buffered gradients with one
+                fill per buffer (a `.grad` that is not its slot's view is pointed back at it). Main grads
+                (``grad_dtype="float32"``) are zeroed either way, and their parameters' `.grad` stays None.
         """
         # Setting None needs no walk over the model (it runs every step): whatever
         # `GradEngine.current` does not see (a held parameter frozen or converted in place)
@@ -282,19 +274,17 @@ class FlatGrad(nn.Module):
         return store.view(param)
 
     def grad_norm(self, norm_type: float = 2.0, *, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
-        """The norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes
-        it, but accumulated in float64 over chunks of each buffer: within about 1e-9
-        (float32 gradients) or 1e-7 (bfloat16/float16) of the float64 norm at any size, and
-        returned in at least float32 (stock's bfloat16 norm keeps 3 digits). Parameters
-        whose `.grad` is None count as absent; frozen parameters that still hold a `.grad`
-        count, a tied one once.
+        """The norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes it, but
+        accumulated in float64 over chunks of each buffer: within about 1e-9 (float32 gradients) or 1e-7
+        (bfloat16/float16) of the float64 norm at any size, and returned in at least float32 (stock's bfloat16
+        norm keeps 3 digits). Parameters whose `.grad` is None count as absent; frozen parameters that still
+        hold a `.grad` count, a tied one once.
 
         Args:
             norm_type: The order of the norm (``float("inf")`` for the max norm), as in torch.
-            pp_mesh: The 1-D mesh of a pipeline's stages (``mesh["pp"]``, torchtitan's name),
-                this model one stage of it: the norm of every stage's gradients together
-                (one float64 all-reduce over it; every stage must call it). None: this
-                model's own.
+            pp_mesh: The 1-D mesh of a pipeline's stages (``mesh["pp"]``, torchtitan's name), this model one
+                stage of it: the norm of every stage's gradients together (one float64 all-reduce over it;
+                every stage must call it). None: this model's own.
 
         Returns:
             The total norm as a 0-d tensor (0 when no parameter has a `.grad`).
@@ -318,11 +308,10 @@ class FlatGrad(nn.Module):
         *,
         pp_mesh: DeviceMesh | None = None,
     ) -> torch.Tensor:
-        """`torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on the flat buffers:
-        scales every gradient in place by ``min(1, max_norm / (total_norm + 1e-6))``, with
-        the total norm of `grad_norm` (more exact than stock's). Only gradient elements are
-        scaled, never the alignment padding, which stays zero; on the CPU a factor of
-        exactly 1 skips the pass (see `flatgrad._buffer.scale_`).
+        """`torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on the flat buffers: scales every
+        gradient in place by ``min(1, max_norm / (total_norm + 1e-6))``, with the total norm of `grad_norm`
+        (more exact than stock's). Only gradient elements are scaled, never the alignment padding, which stays
+        zero; on the CPU a factor of exactly 1 skips the pass (see `flatgrad._buffer.scale_`).
 
         Args:
             max_norm: The largest total norm the gradients keep.
@@ -361,16 +350,14 @@ class FlatGrad(nn.Module):
     def all_reduce_grads(
         self, process_group: dist.ProcessGroup | None = None, reduce_dtype: torch.dtype | None = None
     ) -> None:
-        """Without DDP: average all gradients over `process_group` (default: the world),
-        one all-reduce per buffer. Call it after backward, before the optimizer step.
-        Afterwards `.grad` is as stock DDP with find_unused_parameters=True leaves it (None
-        only for a parameter no rank used).
+        """Without DDP: average all gradients over `process_group` (default: the world), one all-reduce per
+        buffer. Call it after backward, before the optimizer step. Afterwards `.grad` is as stock DDP with
+        find_unused_parameters=True leaves it (None only for a parameter no rank used).
 
         Args:
             process_group: The group to average over; None for the default group.
-            reduce_dtype: ``torch.bfloat16`` or ``torch.float16`` to all-reduce a compressed copy
-                of the floating-point buffers (decompressed into them); None sends them as
-                they are.
+            reduce_dtype: ``torch.bfloat16`` or ``torch.float16`` to all-reduce a compressed copy of the
+                floating-point buffers (decompressed into them); None sends them as they are.
 
         Raises:
             ValueError: The model has sparse embeddings (``sparse=True``), whose gradients
@@ -429,10 +416,9 @@ _CLASSES: dict[tuple[type[nn.Module], type[nn.Module]], type[nn.Module]] = {}
 
 
 def flat_class(original: type[nn.Module], mixin: type[FlatGrad] | None = None) -> type[FlatGrad]:
-    """The subclass of `mixin` (`FlatGrad`, or a subclass of it: `replicate`'s
-    `ReplicateModule`) and `original` a model becomes (one per pair), under the original's
-    name (libraries write ``type(model).__name__`` into what they save: transformers'
-    ``config.json`` ``architectures``)."""
+    """The subclass of `mixin` (`FlatGrad`, or a subclass of it: `replicate`'s `ReplicateModule`) and
+    `original` a model becomes (one per pair), under the original's name (libraries write
+    ``type(model).__name__`` into what they save: transformers' ``config.json`` ``architectures``)."""
     mixin = FlatGrad if mixin is None else mixin
     cls = _CLASSES.get((mixin, original))
     if cls is None:
@@ -517,9 +503,8 @@ def _zero_stock(param: nn.Parameter) -> None:
 def _grads_and_norms(
     engine: GradEngine, norm_type: float, pp_mesh: DeviceMesh | None, what: str
 ) -> tuple[GradStore, list[torch.Tensor], list[torch.Tensor], torch.dtype]:
-    """(store, gradients outside it, per-piece float64 norms, the total's dtype) for `what`,
-    refused after a reduce-scatter; with `pp_mesh`, one piece: the norm over every stage of
-    the pipeline."""
+    """(store, gradients outside it, per-piece float64 norms, the total's dtype) for `what`, refused after a
+    reduce-scatter; with `pp_mesh`, one piece: the norm over every stage of the pipeline."""
     refuse_scattered(engine.store, what)
     store = engine.refresh()
     tensor_parallel = store.tensor_parallel

@@ -1,34 +1,30 @@
 """Autograd Functions whose backward writes weight gradients straight into the flat buffer.
 
-Each backward first decides where each weight gradient goes (`weight_target`, below: a
-fresh tensor, the empty slot, the seated slot, a main
-grad, or nowhere) and writes it there; the gathers' backwards scatter-add their rows
-(`scatter_rows`, `scatter_add_into`: repeated positions summed, deterministic under
+Each backward first decides where each weight gradient goes (`weight_target`, below: a fresh tensor, the empty
+slot, the seated slot, a main grad, or nowhere) and writes it there; the gathers' backwards scatter-add their
+rows (`scatter_rows`, `scatter_add_into`: repeated positions summed, deterministic under
 `torch.use_deterministic_algorithms`).
 
-Undefined gradients are not materialised as zeros (an output nothing differentiable used, a
-consumer that returned None for it): the Functions hand every input None, as torch's own
-backwards do, so the slot is not written and `.grad` stays None where stock leaves it.
-Nothing here imports torch.distributed.
+Undefined gradients are not materialised as zeros (an output nothing differentiable used, a consumer that
+returned None for it): the Functions hand every input None, as torch's own backwards do, so the slot is not
+written and `.grad` stays None where stock leaves it. Nothing here imports torch.distributed.
 
 Where a weight's gradient goes (`weight_target`), by mode:
 
 - ``"out"``:   `.grad` is None: compute into a fresh view of the slot with ``out=``, make
   that view the `.grad`, and return None.
 - ``"add"``:   `.grad` already is the slot: accumulate in place and return None.
-- ``"fresh"``: plain out-of-place autograd: `torch.autograd.grad` captures this weight,
-  ``create_graph=True`` needs a differentiable result, the weight has tensor hooks that
-  must see its gradient, or it has no slot.
+- ``"fresh"``: plain out-of-place autograd: `torch.autograd.grad` captures this weight, ``create_graph=True``
+  needs a differentiable result, the weight has tensor hooks that must see its gradient, or it has no slot.
 - ``"skip"``:  no gradient is wanted for the weight in this backward.
 - ``"main"``:  the slot is the weight's float32 main grad (a bfloat16/float16 weight with
   ``grad_dtype="float32"``): accumulate into it in float32, leave `.grad` None, return None.
 
-Why "out" sets `.grad` instead of returning the view for AccumulateGrad to steal: a weight
-used more than once in a backward (tied embedding and LM head, or a layer called twice)
-reaches AccumulateGrad once, after autograd summed all its contributions. A returned view
-may be summed out of place with another contribution before a later writer adds into the
-slot, and that later addition would be lost. Once `.grad` is the slot every later writer
-adds into it, and AccumulateGrad adds any other (unrouted) contribution into it in place.
+Why "out" sets `.grad` instead of returning the view for AccumulateGrad to steal: a weight used more than once
+in a backward (tied embedding and LM head, or a layer called twice) reaches AccumulateGrad once, after
+autograd summed all its contributions. A returned view may be summed out of place with another contribution
+before a later writer adds into the slot, and that later addition would be lost. Once `.grad` is the slot
+every later writer adds into it, and AccumulateGrad adds any other (unrouted) contribution into it in place.
 Returning None still runs AccumulateGrad's post hooks (DDP's reducer hooks)."""
 
 from __future__ import annotations
@@ -48,10 +44,9 @@ from flatgrad._torch_compat import GATHER_TAKES_INT32, fast_apply, functorch_act
 
 
 def plain_torch() -> bool:
-    """Whether the routed forwards and the gathers must be plain torch ops: under
-    torch.compile (Dynamo traces torch's own ops, no graph break), under torch.func
-    transforms (they need no `.grad`) and inside a forward-mode AD level (these Functions
-    have no jvp; torch's ops do)."""
+    """Whether the routed forwards and the gathers must be plain torch ops: under torch.compile (Dynamo traces
+    torch's own ops, no graph break), under torch.func transforms (they need no `.grad`) and inside a
+    forward-mode AD level (these Functions have no jvp; torch's ops do)."""
     return torch.compiler.is_compiling() or functorch_active()
 
 
@@ -148,22 +143,20 @@ def _fresh_first(mode: str, slot: torch.Tensor, compute: torch.dtype, dtype: tor
 
 
 def aligned(slot: torch.Tensor) -> bool:
-    """Whether a GEMM writing into `slot` with ``out=`` gives a fresh output's bits: the
-    kernels pick their blocking by the output's address. Measured on an AVX-512 CPU (torch
-    2.13): a float32 product into memory 4, 8 or 12 bytes past a 16-byte boundary, a float64
-    one 8 bytes past, differs in the last bits from the same product into a fresh (64-byte
-    aligned) tensor. On CUDA torch's cuBLASLt path reads the alignment up to 256 bytes
-    (`_getAlignment`, CUDABlas.cpp), the caching allocator's blocks are 512-byte aligned.
-    The flat buffer's slots sit on `align_bytes` (256 by default); DDP's bucket packs them."""
+    """Whether a GEMM writing into `slot` with ``out=`` gives a fresh output's bits: the kernels pick their
+    blocking by the output's address. Measured on an AVX-512 CPU (torch 2.13): a float32 product into memory
+    4, 8 or 12 bytes past a 16-byte boundary, a float64 one 8 bytes past, differs in the last bits from the
+    same product into a fresh (64-byte aligned) tensor. On CUDA torch's cuBLASLt path reads the alignment up
+    to 256 bytes (`_getAlignment`, CUDABlas.cpp), the caching allocator's blocks are 512-byte aligned. The
+    flat buffer's slots sit on `align_bytes` (256 by default); DDP's bucket packs them."""
     return slot.data_ptr() % (64 if slot.device.type == "cpu" else 256) == 0
 
 
 def add_product(main: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``main += a @ b`` for a float32 `main` (a main grad) and bfloat16/float16 `a`, `b`,
-    with every product and sum in float32 and no temporary of `main`'s size: on CUDA the
-    GEMM accumulates into `main` itself (``addmm(..., out_dtype=torch.float32)``) where
-    this torch has that kernel (`fused_accumulate`); elsewhere `a` and `b` (activation-
-    sized) are upcast, exactly, and multiplied in float32."""
+    """``main += a @ b`` for a float32 `main` (a main grad) and bfloat16/float16 `a`, `b`, with every product
+    and sum in float32 and no temporary of `main`'s size: on CUDA the GEMM accumulates into `main` itself
+    (``addmm(..., out_dtype=torch.float32)``) where this torch has that kernel (`fused_accumulate`); elsewhere
+    `a` and `b` (activation- sized) are upcast, exactly, and multiplied in float32."""
     if a.dtype == main.dtype:
         main.addmm_(a, b)
     elif main.device.type == "cuda" and fused_accumulate(main.device.type):
@@ -261,11 +254,10 @@ class _GatherRows(torch.autograd.Function):
 def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """``buffer[indices]`` along dim 0, whose backward is an `index_add_` scatter.
 
-    Indices follow ``buffer[indices]``: in ``[-len(buffer), len(buffer))``, negative ones
-    counting from the end. On CPU an index out of that range raises an `IndexError` naming
-    it (one min over the indices finds negative ones; one above the range is named after the
-    gather's own check refuses it); on CUDA looking would cost a device sync per call, so the
-    gather's own device-side bounds check reports it.
+    Indices follow ``buffer[indices]``: in ``[-len(buffer), len(buffer))``, negative ones counting from the
+    end. On CPU an index out of that range raises an `IndexError` naming it (one min over the indices finds
+    negative ones; one above the range is named after the gather's own check refuses it); on CUDA looking
+    would cost a device sync per call, so the gather's own device-side bounds check reports it.
 
     The default backward of ``buffer[indices]`` is ``index_put_(accumulate=True)``, which
     sorts the indices; the scatter computes the same sum without the sort. When `buffer`
@@ -372,13 +364,12 @@ def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     (repeated positions summed), straight into `input`'s slot when `input` is a parameter
     of a model with `FlatGrad` applied: no input-sized temporary, copy or add.
 
-    Same forward as `torch.gather`: `index` has `input`'s number of dimensions, is no
-    larger than `input` along every dimension but `dim`, and holds values in
-    ``[0, input.size(dim))``. On CPU an out-of-range value raises an `IndexError` naming it
-    and the size (read only after torch.gather's own check refused it: nothing is added
-    to a valid call); on accelerators reading it would cost a device sync, so torch.gather's
-    own device-side bounds check reports it.
-    Under torch.compile, torch.func transforms and forward-mode AD it is `torch.gather` itself.
+    Same forward as `torch.gather`: `index` has `input`'s number of dimensions, is no larger than `input`
+    along every dimension but `dim`, and holds values in ``[0, input.size(dim))``. On CPU an out-of-range
+    value raises an `IndexError` naming it and the size (read only after torch.gather's own check refused it:
+    nothing is added to a valid call); on accelerators reading it would cost a device sync, so torch.gather's
+    own device-side bounds check reports it. Under torch.compile, torch.func transforms and forward-mode AD it
+    is `torch.gather` itself.
 
     Args:
         input: The tensor to gather from.
@@ -389,8 +380,7 @@ def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
         A tensor of `index`'s shape and `input`'s dtype, as `torch.gather` returns.
 
     Raises:
-        TypeError: `input` or `index` is not a tensor, `index` is not int32/int64, or `dim`
-            is not an int.
+        TypeError: `input` or `index` is not a tensor, `index` is not int32/int64, or `dim` is not an int.
         IndexError: `dim` is out of range for `input`; or, on CPU, a value of `index` lies
             outside ``[0, input.size(dim))``.
         ValueError: `index` has another number of dimensions than `input` (and more than
@@ -507,13 +497,12 @@ def scatter_rows(
     """``target[index] += alpha * rows`` with repeated indices summed; with `counts` (one
     integer per row, scale_grad_by_freq), each row divided by its own.
 
-    `index_add_` scatters without sorting; under `torch.use_deterministic_algorithms`, and
-    for a bfloat16/float16 `target` on the CPU, `index_put_(accumulate=True)` (run-to-run
-    identical; on the CPU serial, rounding after each row as stock's embedding backward
-    does, where `index_add_` gives other bits). With `counts` on the CPU, stock adds each
-    row times ``1 / count`` (its add kernel's multiply-add): the rows, stably sorted by
-    count (each index keeps its rows' order), go in one `index_add_` per count with that
-    scale (exactly 1: as above), bit for bit stock's. Elsewhere they are divided."""
+    `index_add_` scatters without sorting; under `torch.use_deterministic_algorithms`, and for a
+    bfloat16/float16 `target` on the CPU, `index_put_(accumulate=True)` (run-to-run identical; on the CPU
+    serial, rounding after each row as stock's embedding backward does, where `index_add_` gives other bits).
+    With `counts` on the CPU, stock adds each row times ``1 / count`` (its add kernel's multiply-add): the
+    rows, stably sorted by count (each index keeps its rows' order), go in one `index_add_` per count with
+    that scale (exactly 1: as above), bit for bit stock's. Elsewhere they are divided."""
     if counts is not None:
         if target.device.type == "cpu":
             order = torch.argsort(counts, stable=True)
@@ -548,21 +537,18 @@ def add_rows(
     alpha: float = 1.0,
     counts: torch.Tensor | None = None,
 ) -> None:
-    """``target[index] += alpha * rows`` (each row divided by its `counts`, as in
-    `scatter_rows`) with the rows of each repeated index summed first, as stock sums them:
-    its backward scatters them into zeros (the "out" mode's sum) and AccumulateGrad adds
-    that to the gradient already there. Scattered straight into `target`, a row would
-    round against that gradient one at a time ((g + r1) + r2, not g + (r1 + r2)).
+    """``target[index] += alpha * rows`` (each row divided by its `counts`, as in `scatter_rows`) with the
+    rows of each repeated index summed first, as stock sums them: its backward scatters them into zeros (the
+    "out" mode's sum) and AccumulateGrad adds that to the gradient already there. Scattered straight into
+    `target`, a row would round against that gradient one at a time ((g + r1) + r2, not g + (r1 + r2)).
 
-    A table no longer than the rows is summed as stock does (into zeros of its size, then
-    one add), and so is any on an accelerator under `torch.use_deterministic_algorithms`
-    (CUDA's scatter-min alerts; CPU's scatters are deterministic). A longer one, without a
-    sort: a scatter-min finds each index's first position (one integer per row of
-    `target`), the rows are summed there in `scatter_rows`'s order, and every other
-    position adds +0.0. That changes nothing: a sum started from +0.0, as stock's, is never
-    -0.0, so ``g + s`` is not -0.0 either, and ``x + 0.0`` is `x` for every other `x` (added
-    before the sum, in any order, the same holds; not under flush-to-zero, where ``g + s``
-    can flush to -0.0: only its sign differs then).
+    A table no longer than the rows is summed as stock does (into zeros of its size, then one add), and so is
+    any on an accelerator under `torch.use_deterministic_algorithms` (CUDA's scatter-min alerts; CPU's
+    scatters are deterministic). A longer one, without a sort: a scatter-min finds each index's first position
+    (one integer per row of `target`), the rows are summed there in `scatter_rows`'s order, and every other
+    position adds +0.0. That changes nothing: a sum started from +0.0, as stock's, is never -0.0, so ``g + s``
+    is not -0.0 either, and ``x + 0.0`` is `x` for every other `x` (added before the sum, in any order, the
+    same holds; not under flush-to-zero, where ``g + s`` can flush to -0.0: only its sign differs then).
     """
     deterministic = index.device.type != "cpu" and torch.are_deterministic_algorithms_enabled()
     if target.shape[0] <= index.numel() or deterministic:
@@ -580,10 +566,9 @@ def scatter_add_into(
 ) -> torch.Tensor:
     """``target.scatter_add_(dim, index, values)``: repeated positions are summed.
 
-    On CPU that kernel is run-to-run identical (each output element is summed in one
-    thread, in order); on accelerators it uses atomics, so under
-    `torch.use_deterministic_algorithms` the sum goes through the sorting
-    ``index_put_(accumulate=True)`` on linear indices instead.
+    On CPU that kernel is run-to-run identical (each output element is summed in one thread, in order); on
+    accelerators it uses atomics, so under `torch.use_deterministic_algorithms` the sum goes through the
+    sorting ``index_put_(accumulate=True)`` on linear indices instead.
     """
     if target.device.type == "cpu" or not torch.are_deterministic_algorithms_enabled():
         return target.scatter_add_(dim, index, values)
@@ -602,10 +587,9 @@ def scatter_add_into(
 
 
 def out_of_range(index: torch.Tensor, low: int, size: int) -> int | None:
-    """A value of a CPU `index` outside ``[low, size)``, read after a gather refused it (to
-    name it: the gathers do not look at their indices beforehand); None when every value
-    lies inside, on accelerators (a sync), or where the values cannot be read (inside a
-    torch.func transform)."""
+    """A value of a CPU `index` outside ``[low, size)``, read after a gather refused it (to name it: the
+    gathers do not look at their indices beforehand); None when every value lies inside, on accelerators (a
+    sync), or where the values cannot be read (inside a torch.func transform)."""
     if index.device.type != "cpu" or not index.numel():
         return None
     try:

@@ -1,19 +1,16 @@
 """`overlap_param_gather`'s waits in the forward: where each bucket's parameter all-gather
 must be waited for, learned in one forward.
 
-A module's forward pre hook waits for the buckets holding its own parameters, just before
-it runs. Parameters may be read elsewhere first: by an ancestor, when the module's own
-forward never runs (``F.linear(h, self.head.weight)`` in its parent's forward,
-`nn.MultiheadAttention` reading its `out_proj`) or runs only after that read
-(``self.proj.weight.norm()`` before ``self.proj(x)``). So the first forward through
-replicate with grad enabled after the optimizer is built learns, under a
-`TorchFunctionMode`, which running module first reads each bucket's parameters (every
-module hooked for it, every gather waited for at its start); from then on that module's pre
-hook waits for the bucket too. A module that never runs, one of whose parameters that
-forward was not seen to read (TorchScript and C++ extensions read past torch functions), has
-its buckets waited for by the nearest ancestor that runs. Then only the modules that wait
-keep a hook. A module skipped in that forward and run later still waits for its own
-parameters itself.
+A module's forward pre hook waits for the buckets holding its own parameters, just before it runs. Parameters
+may be read elsewhere first: by an ancestor, when the module's own forward never runs (``F.linear(h,
+self.head.weight)`` in its parent's forward, `nn.MultiheadAttention` reading its `out_proj`) or runs only
+after that read (``self.proj.weight.norm()`` before ``self.proj(x)``). So the first forward through replicate
+with grad enabled after the optimizer is built learns, under a `TorchFunctionMode`, which running module first
+reads each bucket's parameters (every module hooked for it, every gather waited for at its start); from then
+on that module's pre hook waits for the bucket too. A module that never runs, one of whose parameters that
+forward was not seen to read (TorchScript and C++ extensions read past torch functions), has its buckets
+waited for by the nearest ancestor that runs. Then only the modules that wait keep a hook. A module skipped in
+that forward and run later still waits for its own parameters itself.
 """
 
 from __future__ import annotations
@@ -41,10 +38,9 @@ _METADATA_ATTRS = frozenset({
 
 
 class ForwardWaits:
-    """The hooks of one ShardedOptimizer with `overlap_param_gather` on its model; `engine`
-    is its `ShardEngine` (`bucket_indices`, `wait_gather`), `sync` its replicate's
-    `BucketSync`, whose forward runs the model inside `learning` (`BucketSync.run_forwards_in`)
-    until a forward has taught the waits."""
+    """The hooks of one ShardedOptimizer with `overlap_param_gather` on its model; `engine` is its
+    `ShardEngine` (`bucket_indices`, `wait_gather`), `sync` its replicate's `BucketSync`, whose forward runs
+    the model inside `learning` (`BucketSync.run_forwards_in`) until a forward has taught the waits."""
 
     def __init__(self, engine: ShardEngine, model: nn.Module, sync: BucketSync) -> None:
         self.engine, self.sync = engine, sync
@@ -106,11 +102,10 @@ class ForwardWaits:
             self._reads.running.pop()
 
     def _learn(self, *hook_args: Any) -> None:
-        """After the learning forward: each module's buckets go to itself, to the module
-        that first read them, and, when it did not run and a parameter of its was not seen
-        read (a read no torch function shows: TorchScript, a C++ extension), to the first
-        module that ran up each of its ancestries (a module shared by two parents may be
-        read by both), whose pre hooks wait for them from now on."""
+        """After the learning forward: each module's buckets go to itself, to the module that first read them,
+        and, when it did not run and a parameter of its was not seen read (a read no torch function shows:
+        TorchScript, a C++ extension), to the first module that ran up each of its ancestries (a module shared
+        by two parents may be read by both), whose pre hooks wait for them from now on."""
         reads = self._reads
         if reads is None:
             return  # a forward that does not learn (no_grad, or not through replicate)
@@ -164,10 +159,9 @@ class ForwardWaits:
 
 
 class _FirstReads(TorchFunctionMode):
-    """The learning forward's reads: for each bucket (`buckets_of`: a parameter's id to its
-    buckets), the id of the innermost module of the model running when a torch function
-    first took one of its parameters (reads while none runs, replicate's and FlatGrad's
-    own, do not count), and the ids of the parameters read."""
+    """The learning forward's reads: for each bucket (`buckets_of`: a parameter's id to its buckets), the id
+    of the innermost module of the model running when a torch function first took one of its parameters (reads
+    while none runs, replicate's and FlatGrad's own, do not count), and the ids of the parameters read."""
 
     def __init__(self, buckets_of: dict[int, tuple[int, ...]]) -> None:
         super().__init__()

@@ -1,13 +1,12 @@
 """Gradient norms that stay accurate at any buffer size.
 
-One `vector_norm` over a whole flat buffer sums millions of squares into one accumulator;
-on the CPU a float32 norm of a 20M-element tensor is then about 1e-3 off the float64 norm
-(2e-4 at 6.6M, 1e-5 at 1M), and a bfloat16 one is rounded to bfloat16 besides. Stock
-`clip_grad_norm_` takes one norm per parameter, which hides this on models of small
-tensors; a flat buffer would expose it. Here a tensor is cut into chunks of
-`_CHUNK_NUMEL` elements, each chunk's norm is taken in the tensor's precision (at least
-float32) and the chunk norms are combined in float64: still one pass over the memory, and
-within about 1e-9 (float32) or 1e-7 (bfloat16, float16) of the float64 norm at any size.
+One `vector_norm` over a whole flat buffer sums millions of squares into one accumulator; on the CPU a float32
+norm of a 20M-element tensor is then about 1e-3 off the float64 norm (2e-4 at 6.6M, 1e-5 at 1M), and a
+bfloat16 one is rounded to bfloat16 besides. Stock `clip_grad_norm_` takes one norm per parameter, which hides
+this on models of small tensors; a flat buffer would expose it. Here a tensor is cut into chunks of
+`_CHUNK_NUMEL` elements, each chunk's norm is taken in the tensor's precision (at least float32) and the chunk
+norms are combined in float64: still one pass over the memory, and within about 1e-9 (float32) or 1e-7
+(bfloat16, float16) of the float64 norm at any size.
 """
 
 from __future__ import annotations
@@ -88,12 +87,11 @@ def _upcast(block: torch.Tensor) -> torch.Tensor:
 def piece_norms(
     store: GradStore, others: list[torch.Tensor], norm_type: float
 ) -> tuple[list[torch.Tensor], torch.dtype]:
-    """The per-piece float64 norms whose `norm_type` norm is the total of a store's
-    gradients and `others` (gradients outside it), and the total's dtype. For a positive
-    order a whole buffer is one piece (its padding and the slots of parameters without a
-    gradient are zero, so they add nothing); order 0 and negative orders are defined by
-    torch per gradient tensor, so each is its own piece (a main grad always is one: it
-    stands for its parameter's gradient, whose `.grad` stays None)."""
+    """The per-piece float64 norms whose `norm_type` norm is the total of a store's gradients and `others`
+    (gradients outside it), and the total's dtype. For a positive order a whole buffer is one piece (its
+    padding and the slots of parameters without a gradient are zero, so they add nothing); order 0 and
+    negative orders are defined by torch per gradient tensor, so each is its own piece (a main grad always is
+    one: it stands for its parameter's gradient, whose `.grad` stays None)."""
     if norm_type > 0:
         pieces = store.norm_pieces()
     else:

@@ -4,21 +4,18 @@ A class is sharded *by element* (flat shards of every parameter: each element's 
 that element only) or *by tensor* (whole parameters per rank: each tensor's update reads that
 whole tensor and no other), or refused (its update of a parameter reads other parameters).
 
-[Note: a probe refutes, never grants]
-No probe on a few tensors can show that a class never looks past an element or a tensor:
-block-quantised state appears only above a size (4096 elements in bitsandbytes), a step size
-estimated from every parameter (Prodigy's d) may not move in a few steps, draws from the
-global RNG per tensor match on one process and differ on several ranks. So a kind comes from
-knowledge, never from a probe: torch's own classes (`ELEMENTWISE`, `PER_TENSOR`), the
-third-party classes in `REGISTRY` (each verified against DDP by
-tests/test_sharded_third_party.py), or the user's ``shard_by``. A probe then checks that
-kind and can only refuse it (`check_kind`): on tensors above the block-quantisation sizes,
-same-shaped and mixed, in float64 and float32, over ten steps of gradients at changing
-scales, each simulated rank drawing from its own copy of the global RNG; a step that runs a
-collective is refused (an optimizer that communicates in its own `step` would average across
-the wrong parameters, or hang). Where
-the probe cannot run at all, a registered kind stands and a declared one is the user's
-statement (logged as such; docs/data-parallel.md says so).
+[Note: a probe refutes, never grants] No probe on a few tensors can show that a class never looks past an
+element or a tensor: block-quantised state appears only above a size (4096 elements in bitsandbytes), a step
+size estimated from every parameter (Prodigy's d) may not move in a few steps, draws from the global RNG per
+tensor match on one process and differ on several ranks. So a kind comes from knowledge, never from a probe:
+torch's own classes (`ELEMENTWISE`, `PER_TENSOR`), the third-party classes in `REGISTRY` (each verified
+against DDP by tests/test_sharded_third_party.py), or the user's ``shard_by``. A probe then checks that kind
+and can only refuse it (`check_kind`): on tensors above the block-quantisation sizes, same-shaped and mixed,
+in float64 and float32, over ten steps of gradients at changing scales, each simulated rank drawing from its
+own copy of the global RNG; a step that runs a collective is refused (an optimizer that communicates in its
+own `step` would average across the wrong parameters, or hang). Where the probe cannot run at all, a
+registered kind stands and a declared one is the user's statement (logged as such; docs/data-parallel.md says
+so).
 """
 
 from __future__ import annotations
@@ -80,14 +77,13 @@ def _same_kind(package: str, kind: ShardBy, names: str) -> dict[tuple[str, str],
     return {(package, name): Registered(kind) for name in names.split()}
 
 
-# Third-party classes by (top-level package, class __qualname__), their kind verified against
-# DDP + the same class by tests/test_sharded_third_party.py (with a state_dict round trip;
-# docs/data-parallel.md has the table). A subclass that keeps the registered class's `step`
-# is known too; one with its own is not. Element-wise classes: each element's update reads
-# that element's gradient, state and value only (and scalars: the step count, the options).
-# Per-tensor classes: a norm, a trust ratio, a factored or Kronecker-factored second moment
-# of the whole tensor; bitsandbytes' block-quantised state (tensors above 4096 elements) and
-# torchao's low-bit state (blocks of 256) are quantised over blocks of the whole tensor.
+# Third-party classes by (top-level package, class __qualname__), their kind verified against DDP + the same
+# class by tests/test_sharded_third_party.py (with a state_dict round trip; docs/data-parallel.md has the
+# table). A subclass that keeps the registered class's `step` is known too; one with its own is not.
+# Element-wise classes: each element's update reads that element's gradient, state and value only (and
+# scalars: the step count, the options). Per-tensor classes: a norm, a trust ratio, a factored or
+# Kronecker-factored second moment of the whole tensor; bitsandbytes' block-quantised state (tensors above
+# 4096 elements) and torchao's low-bit state (blocks of 256) are quantised over blocks of the whole tensor.
 REGISTRY: dict[tuple[str, str], Registered] = {
     ("lion_pytorch", "Lion"): Registered("element"),
     # (the *Closure variants take a closure that ShardedOptimizer.step passes on)
@@ -156,18 +152,16 @@ HOW_TO_DECLARE = (
 
 
 def shard_kind(recipe: OptimizerRecipe, shard_by: object, like: torch.Tensor) -> ShardBy:
-    """How `recipe`'s optimizer is sharded, before anything moves (every rank decides alike:
-    the same class, arguments and probe). torch's own classes and `REGISTRY`'s go their
-    known way (``shard_by="tensor"`` is allowed for an element-wise one); any other class
-    the way `shard_by` declares. A registered or declared kind is then checked by
-    `check_kind`, which can only refuse it.
+    """How `recipe`'s optimizer is sharded, before anything moves (every rank decides alike: the same class,
+    arguments and probe). torch's own classes and `REGISTRY`'s go their known way (``shard_by="tensor"`` is
+    allowed for an element-wise one); any other class the way `shard_by` declares. A registered or declared
+    kind is then checked by `check_kind`, which can only refuse it.
 
     Raises:
-        ValueError: `shard_by` is not None, "element" or "tensor"; the class is
-            cross-tensor (LBFGS, a refused registered class, or one whose probe updates a
-            tensor by another), sparse (SparseAdam) or communicates in its step; `shard_by`
-            asks for finer shards than the class allows or the probe shows exact; or a
-            class ShardedOptimizer does not know, without `shard_by`.
+        ValueError: `shard_by` is not None, "element" or "tensor"; the class is cross-tensor (LBFGS, a refused
+            registered class, or one whose probe updates a tensor by another), sparse (SparseAdam) or
+            communicates in its step; `shard_by` asks for finer shards than the class allows or the probe
+            shows exact; or a class ShardedOptimizer does not know, without `shard_by`.
     """
     cls = recipe.optimizer_class
     if shard_by not in (None, "element", "tensor"):
@@ -361,12 +355,11 @@ class _ProbeCase:
         ]
 
     def run(self, how: Split) -> list[torch.Tensor]:
-        """The tensors after the steps, as ranks would hold them: all in one optimizer
-        ("whole"); each flattened and cut in two unequal pieces, the first pieces in one
-        optimizer and the second ones in another ("pieces": two ranks' flat shards); or each
-        in an optimizer of its own ("alone": ranks owning whole tensors). Each optimizer
-        steps with its own copy of the global RNG (seeded alike, as ranks are), under
-        the same probe tensors on every rank."""
+        """The tensors after the steps, as ranks would hold them: all in one optimizer ("whole"); each
+        flattened and cut in two unequal pieces, the first pieces in one optimizer and the second ones in
+        another ("pieces": two ranks' flat shards); or each in an optimizer of its own ("alone": ranks owning
+        whole tensors). Each optimizer steps with its own copy of the global RNG (seeded alike, as ranks are),
+        under the same probe tensors on every rank."""
         starts = self.starts
         if how == "pieces":
             cuts = [[(i, 0, t.numel() // 3) for i, t in enumerate(starts)]]

@@ -1,62 +1,54 @@
 """`replicate`: overlapped, bucketed gradient averaging on FlatGrad's one flat buffer, applied
 to the model in place (`ReplicateModule`, `ReplicateState`).
 
-Buckets are `narrow` views of the flat buffer, cut at slot boundaries in the buffer's order
-(the reverse of registration, roughly the order backward produces gradients), about
-`bucket_cap_mb` each and a small first one (not on a CPU host whose cores the ranks' threads
-already fill: there gloo's thread overlaps nothing, see `flatgrad._bucket_sync.plan_buckets`).
-A post hook on the AccumulateGrad node of every parameter (it fires also for the routed
-layers, whose Functions hand AccumulateGrad None) counts the parameter ready; when every
-parameter of a bucket is ready and every bucket
-before it in the launch order has been launched, the bucket's collective starts
-asynchronously, while backward goes on. The launch order is the buffer's until the first
-synchronised backward ends; from then on it is the order in which rank 0's buckets became
-complete in that backward (broadcast; buckets that never did go last), learned again after
-each layout change, as DDP rebuilds its buckets in gradient-ready order; from then on the
-hooks of the last bucket in that order count nothing (the final callback launches it, its
-gradients the backward's last anyway; they only open a backward, see below). Buckets
-therefore launch in the same order on every rank, and a model that runs its modules in
-another order than it registers them still overlaps. Once a synchronised backward has left parameters
-unused (no gradient final before its end), each later one asks the autograd engine, when it
-starts, which of those it will not reach, and counts them ready then (DDP with
-``find_unused_parameters=True`` marks unused parameters ready as backward starts), so their
-buckets do not wait for the end. An autograd final callback launches what is left
-(parameters unused and not counted so; slots are zeroed where `.grad` is None), waits for
-everything, and settles `.grad` as stock DDP with ``find_unused_parameters=True`` does, so
-`loss.backward()` returns with averaged gradients. The used flags ride in the all-reduce of
-a buffer's last bucket when that bucket also launches last of its buffer's; otherwise they
-go in one small all-reduce of their own.
+Buckets are `narrow` views of the flat buffer, cut at slot boundaries in the buffer's order (the reverse of
+registration, roughly the order backward produces gradients), about `bucket_cap_mb` each and a small first one
+(not on a CPU host whose cores the ranks' threads already fill: there gloo's thread overlaps nothing, see
+`flatgrad._bucket_sync.plan_buckets`). A post hook on the AccumulateGrad node of every parameter (it fires
+also for the routed layers, whose Functions hand AccumulateGrad None) counts the parameter ready; when every
+parameter of a bucket is ready and every bucket before it in the launch order has been launched, the bucket's
+collective starts asynchronously, while backward goes on. The launch order is the buffer's until the first
+synchronised backward ends; from then on it is the order in which rank 0's buckets became complete in that
+backward (broadcast; buckets that never did go last), learned again after each layout change, as DDP rebuilds
+its buckets in gradient-ready order; from then on the hooks of the last bucket in that order count nothing
+(the final callback launches it, its gradients the backward's last anyway; they only open a backward, see
+below). Buckets therefore launch in the same order on every rank, and a model that runs its modules in another
+order than it registers them still overlaps. Once a synchronised backward has left parameters unused (no
+gradient final before its end), each later one asks the autograd engine, when it starts, which of those it
+will not reach, and counts them ready then (DDP with ``find_unused_parameters=True`` marks unused parameters
+ready as backward starts), so their buckets do not wait for the end. An autograd final callback launches what
+is left (parameters unused and not counted so; slots are zeroed where `.grad` is None), waits for everything,
+and settles `.grad` as stock DDP with ``find_unused_parameters=True`` does, so `loss.backward()` returns with
+averaged gradients. The used flags ride in the all-reduce of a buffer's last bucket when that bucket also
+launches last of its buffer's; otherwise they go in one small all-reduce of their own.
 
-Which backwards average, as under DDP, whose hooks sit on the parameters: a backward through
-the output of a forward averages when that forward synchronised (grad enabled, outside
-`no_sync()`); FlatGrad's one pre hook on the nodes that made the output (the backward
-coordinator, `flatgrad._backward`, which this forward's sync flag is bound into) opens it
-before any gradient is final, after the seater, and runs that callback after the seater's.
-Any other backward that accumulates into a parameter averages
-when a synchronising forward came since the last averaged backward, whichever graph it goes
-through: a loss kept on the module during forward (an auxiliary loss), an output replicate cannot
-look into (a plain object, a dict subclass); the first AccumulateGrad hook it reaches opens
-it (and counts no parameter ready before its AccumulateGrad runs). A backward after a
-forward that did not synchronise (a forward under no_sync()) that goes through no
-synchronising output stays local.
+Which backwards average, as under DDP, whose hooks sit on the parameters: a backward through the output of a
+forward averages when that forward synchronised (grad enabled, outside `no_sync()`); FlatGrad's one pre hook
+on the nodes that made the output (the backward coordinator, `flatgrad._backward`, which this forward's sync
+flag is bound into) opens it before any gradient is final, after the seater, and runs that callback after the
+seater's.
+Any other backward that accumulates into a parameter averages when a synchronising forward came since the last
+averaged backward, whichever graph it goes through: a loss kept on the module during forward (an auxiliary
+loss), an output replicate cannot look into (a plain object, a dict subclass); the first AccumulateGrad hook
+it reaches opens it (and counts no parameter ready before its AccumulateGrad runs). A backward after a forward
+that did not synchronise (a forward under no_sync()) that goes through no synchronising output stays local.
 A backward that opens while a training forward of the model runs (inside it: a LightningModule's
-``manual_backward`` in the training_step that its forward runs) averages unless no_sync()
-holds as it opens, whatever earlier forwards armed, as Lightning's DDPStrategy prepares
-DDP's reducer in ``pre_backward`` (`BucketSync.begin_forward`).
-A nested backward (reentrant activation checkpointing) counts toward the backward it runs
-in; a parameter only it reaches is not counted ready early unless it was unused in an
-earlier step (then a gradient that comes after its bucket launched raises).
-`torch.autograd.grad` (which accumulates nothing) is left alone; a create_graph backward
-that should average is refused.
+``manual_backward`` in the training_step that its forward runs) averages unless no_sync() holds as it opens,
+whatever earlier forwards armed, as Lightning's DDPStrategy prepares DDP's reducer in ``pre_backward``
+(`BucketSync.begin_forward`).
+A nested backward (reentrant activation checkpointing) counts toward the backward it runs in; a parameter only
+it reaches is not counted ready early unless it was unused in an earlier step (then a gradient that comes
+after its bucket launched raises).
+`torch.autograd.grad` (which accumulates nothing) is left alone; a create_graph backward that should average
+is refused.
 
-On CUDA with NCCL the collectives run on the process group's own communication stream,
-which waits (through an event) for the stream current at the launch: an AccumulateGrad
-hook's (the stream its node was made on, which replicate keeps from its application)
-or the final callback's. That stream first waits for the one the backward opened on (the
-forward's, where the routed layers write their slots) when they differ: a model trained on
-another stream than it was wrapped on. `Work.wait()` in the final callback makes the
-current stream wait for the communication in turn. Nothing writes a bucket (the next micro-batch, `zero_grad`,
-the optimizer) before its collective is done, because backward does not return before.
+On CUDA with NCCL the collectives run on the process group's own communication stream, which waits (through an
+event) for the stream current at the launch: an AccumulateGrad hook's (the stream its node was made on, which
+replicate keeps from its application) or the final callback's. That stream first waits for the one the
+backward opened on (the forward's, where the routed layers write their slots) when they differ: a model
+trained on another stream than it was wrapped on. `Work.wait()` in the final callback makes the current stream
+wait for the communication in turn. Nothing writes a bucket (the next micro-batch, `zero_grad`, the optimizer)
+before its collective is done, because backward does not return before.
 """
 
 from __future__ import annotations
@@ -87,22 +79,20 @@ class ReplicateModule(FlatGrad):
     """What `replicate` adds to a model (besides `FlatGrad`'s): the calls that average, and
     DDP's and FSDP2's control surface. `replicate_state` gives the rest (buckets, timings).
 
-    ``model(*args)`` runs as before; after ``loss.backward()`` returns every `.grad` is
-    averaged over the ranks (as under DDP), also when the loss does not come out of the
-    model's output (an auxiliary loss kept on the module). ``with model.no_sync():`` (or
-    ``model.set_requires_gradient_sync(False)``) accumulates locally. With
-    ``broadcast_buffers`` (DDP's flag and default) rank 0's buffers (BatchNorm statistics)
-    are broadcast before each forward that follows a synchronised training forward.
+    ``model(*args)`` runs as before; after ``loss.backward()`` returns every `.grad` is averaged over the
+    ranks (as under DDP), also when the loss does not come out of the model's output (an auxiliary loss kept
+    on the module). ``with model.no_sync():`` (or ``model.set_requires_gradient_sync(False)``) accumulates
+    locally. With ``broadcast_buffers`` (DDP's flag and default) rank 0's buffers (BatchNorm statistics) are
+    broadcast before each forward that follows a synchronised training forward.
 
-    The model is a `torch.distributed.algorithms.Joinable`, as DDP: for uneven data per rank,
-    train inside ``with Join([model, opt]):`` (the model first; `opt` a plain torch
-    optimizer, which Join leaves alone, or a `ShardedOptimizer`). A rank that ran out of data
-    shadows each iteration of the others: the buffer broadcast, and each synchronised
-    backward's averaging with zeros for its gradients; gradients are divided by the world
-    size, as DDP's by default, or by the ranks not joined yet with
-    ``Join(..., divide_by_initial_world_size=False)``. When every rank has joined, the last to
-    join broadcasts its parameters and buffers. A deep copy or an unpickled model is
-    FlatGrad's alone: `replicate` it again to average."""
+    The model is a `torch.distributed.algorithms.Joinable`, as DDP: for uneven data per rank, train inside
+    ``with Join([model, opt]):`` (the model first; `opt` a plain torch optimizer, which Join leaves alone, or
+    a `ShardedOptimizer`). A rank that ran out of data shadows each iteration of the others: the buffer
+    broadcast, and each synchronised backward's averaging with zeros for its gradients; gradients are divided
+    by the world size, as DDP's by default, or by the ranks not joined yet with ``Join(...,
+    divide_by_initial_world_size=False)``. When every rank has joined, the last to join broadcasts its
+    parameters and buffers. A deep copy or an unpickled model is FlatGrad's alone: `replicate` it again to
+    average."""
 
     # Eager even under torch.compile(model), as FlatGrad.__call__ (the frame only): its
     # bookkeeping must see the real output and is disabled as a whole; the model is still
@@ -423,13 +413,12 @@ class ReplicateState:
             broadcast_coalesced(self.process_group, buffers, source)  # (group rank)
 
     def _notify_join(self, first: bool) -> None:
-        """Before a forward inside a `Join`, what DDP's forward does there, in its order: tell
-        the joined ranks that this one has not joined (`Join.notify_join_context`); broadcast
-        the buffers from the highest rank not joined (rank 0 may have joined with stale
-        ones); and all-reduce (sync, 1), which the joined ranks match with zeros
-        (`_ReplicateJoinHook`): whether this forward's backward averages, and the ranks
-        not joined, which it divides by under ``divide_by_initial_world_size=False``. One
-        small all-reduce per forward more than outside a Join, as DDP's."""
+        """Before a forward inside a `Join`, what DDP's forward does there, in its order: tell the joined
+        ranks that this one has not joined (`Join.notify_join_context`); broadcast the buffers from the
+        highest rank not joined (rank 0 may have joined with stale ones); and all-reduce (sync, 1), which the
+        joined ranks match with zeros (`_ReplicateJoinHook`): whether this forward's backward averages, and
+        the ranks not joined, which it divides by under ``divide_by_initial_world_size=False``. One small
+        all-reduce per forward more than outside a Join, as DDP's."""
         if not first:
             raise ValueError(
                 "the replicated model must be the first joinable of its Join, as DDP is: "
@@ -575,13 +564,12 @@ def _check_same_settings(
     broadcast_buffers: bool,
     process_group: dist.ProcessGroup | None,
 ) -> None:
-    """Raise on every rank, naming each setting and every rank's value, unless all ranks
-    agree on what shapes the collectives: ``bucket_cap_mb`` (the buckets), ``reduce_dtype`` (what
-    each all-reduce sends), ``check_finite`` (an all-reduce per backward more),
-    ``broadcast_buffers`` (a broadcast per forward), and the layout of the gradient buffers
-    (``align_bytes``, ``grad_dtype``: the elements every collective covers). A rank that differs would
-    otherwise be killed inside the backend with no Python error, or hang. One small
-    all-gather."""
+    """Raise on every rank, naming each setting and every rank's value, unless all ranks agree on what shapes
+    the collectives: ``bucket_cap_mb`` (the buckets), ``reduce_dtype`` (what each all-reduce sends),
+    ``check_finite`` (an all-reduce per backward more), ``broadcast_buffers`` (a broadcast per forward), and
+    the layout of the gradient buffers (``align_bytes``, ``grad_dtype``: the elements every collective
+    covers). A rank that differs would otherwise be killed inside the backend with no Python error, or hang.
+    One small all-gather."""
     buffers = flat.grad_buffers
     config = flat.flatgrad_config
     mine = [

@@ -44,15 +44,13 @@ _ROUTES: dict[str, tuple[type[nn.Module], Callable[..., torch.Tensor]]] = {
 
 
 def route_layers(model: nn.Module, config: FlatGradConfig) -> tuple[set[int], frozenset[int]]:
-    """Give every supported layer that keeps torch's own forward a flat-buffer forward;
-    returns the ids of the parameters those layers' Functions write themselves, and of
-    those a layer left unrouted also holds (a tied head too small to route: their uses are
-    summed as stock's, `GradStore.begin_backward`).
+    """Give every supported layer that keeps torch's own forward a flat-buffer forward; returns the ids of the
+    parameters those layers' Functions write themselves, and of those a layer left unrouted also holds (a tied
+    head too small to route: their uses are summed as stock's, `GradStore.begin_backward`).
 
-    Left alone: tensor-parallel layers (a DTensor weight: `parallelize_module`'s),
-    subclasses that override `forward` (LoRA layers, quantised layers...),
-    parametrized layers (their weight is computed, never a leaf: nothing to write into,
-    and reading it would run the parametrization) and complex Linears. Their parameters
+    Left alone: tensor-parallel layers (a DTensor weight: `parallelize_module`'s), subclasses that override
+    `forward` (LoRA layers, quantised layers...), parametrized layers (their weight is computed, never a leaf:
+    nothing to write into, and reading it would run the parametrization) and complex Linears. Their parameters
     still get their gradients in the buffer. Never runs model code.
     """
     chosen: list[tuple[nn.Module, Callable[..., torch.Tensor]]] = []

@@ -1,20 +1,18 @@
 """`.grad` after a reduce-scattering backward (ZeRO-1): a view of its slot that refuses math.
 
-After replicate reduce-scatters the buckets for a ShardedOptimizer, a rank holds the
-average over the ranks only in its own shards; the rest of its buffer holds its local
-gradients divided by the world size (reduce-scatter, NCCL), or the sums over the ranks
-(gloo, which all-reduces and divides only the shards). A model parameter's `.grad` is a
-view of that buffer, so anything computed from it (``torch.nn.utils.clip_grad_norm_``, a
-logged ``p.grad.norm()``) would be wrong, and different on every rank. The right global
-values need another all-gather of the gradients, which ZeRO-1's communication does not
-have; ShardedOptimizer's own ``clip_grad_norm_`` gets the global norm from the shards.
+After replicate reduce-scatters the buckets for a ShardedOptimizer, a rank holds the average over the ranks
+only in its own shards; the rest of its buffer holds its local gradients divided by the world size
+(reduce-scatter, NCCL), or the sums over the ranks (gloo, which all-reduces and divides only the shards). A
+model parameter's `.grad` is a view of that buffer, so anything computed from it
+(``torch.nn.utils.clip_grad_norm_``, a logged ``p.grad.norm()``) would be wrong, and different on every rank.
+The right global values need another all-gather of the gradients, which ZeRO-1's communication does not have;
+ShardedOptimizer's own ``clip_grad_norm_`` gets the global norm from the shards.
 
-So from the end of such a backward until the gradients are zeroed, every defined `.grad`
-is a `ScatteredGrad`: the same memory as the slot (the optimizer, AccumulateGrad and the
-collectives, which never go through Python's ``__torch_function__``, are unaffected),
-whose ``__torch_function__`` lets metadata reads through (shape, dtype, strides, data
-pointer: flatgrad's own identity tests) and zeroing (``nn.Module.zero_grad``), and raises
-for anything that reads or writes values.
+So from the end of such a backward until the gradients are zeroed, every defined `.grad` is a `ScatteredGrad`:
+the same memory as the slot (the optimizer, AccumulateGrad and the collectives, which never go through
+Python's ``__torch_function__``, are unaffected), whose ``__torch_function__`` lets metadata reads through
+(shape, dtype, strides, data pointer: flatgrad's own identity tests) and zeroing (``nn.Module.zero_grad``),
+and raises for anything that reads or writes values.
 """
 
 from __future__ import annotations
@@ -87,9 +85,8 @@ def _guarded(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
 
 
 class _Guarded:
-    """The ``__torch_function__`` both kinds of reduce-scattered `.grad` share (`_guarded`);
-    each knows its store's reduce-scatter state (`scattered`), which says when it acts as a
-    plain tensor."""
+    """The ``__torch_function__`` both kinds of reduce-scattered `.grad` share (`_guarded`); each knows its
+    store's reduce-scatter state (`scattered`), which says when it acts as a plain tensor."""
 
     scattered: Scattered
 
@@ -110,12 +107,11 @@ class ScatteredGrad(_Guarded, torch.Tensor):
 
 
 class ScatteredDTensorGrad(_Guarded, DTensor):  # type: ignore[misc]
-    """A DTensor parameter's `.grad` between a reduce-scattering backward and `zero_grad`:
-    the DTensor over its slot, guarded as `ScatteredGrad` at the DTensor's own calls
-    (``torch.nn.utils.clip_grad_norm_``, ``p.grad.norm()``), whose local tensor is its
-    slot's `ScatteredGrad` (``p.grad.to_local()`` is guarded too). DTensor's dispatch runs
-    the local tensor's ops below ``__torch_function__``: what the guard lets through
-    (zeroing) reaches the slot."""
+    """A DTensor parameter's `.grad` between a reduce-scattering backward and `zero_grad`: the DTensor over
+    its slot, guarded as `ScatteredGrad` at the DTensor's own calls (``torch.nn.utils.clip_grad_norm_``,
+    ``p.grad.norm()``), whose local tensor is its slot's `ScatteredGrad` (``p.grad.to_local()`` is guarded
+    too). DTensor's dispatch runs the local tensor's ops below ``__torch_function__``: what the guard lets
+    through (zeroing) reaches the slot."""
 
 
 _ALIASES = (ScatteredGrad, ScatteredDTensorGrad)
@@ -223,13 +219,12 @@ def _holds_scattered(store: GradStore) -> bool:
 
 
 def carry_scattered(store: GradStore | None, shards: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Before a synchronised backward that would add onto reduce-scattered gradients (a GAN:
-    the generator's loss backpropagates through a discriminator that already synchronised):
-    copies of this rank's `shards` of the averages, with the buffers zeroed and every
-    `.grad` plain again, so that the new backward averages its own gradients alone; the
-    caller adds the copies onto its averages (a sum of averages is the average of the sums,
-    as two synchronised backwards under DDP give). None where nothing is held any more
-    (zeroed behind ShardedOptimizer's back, model.zero_grad)."""
+    """Before a synchronised backward that would add onto reduce-scattered gradients (a GAN: the generator's
+    loss backpropagates through a discriminator that already synchronised): copies of this rank's `shards` of
+    the averages, with the buffers zeroed and every `.grad` plain again, so that the new backward averages its
+    own gradients alone; the caller adds the copies onto its averages (a sum of averages is the average of the
+    sums, as two synchronised backwards under DDP give). None where nothing is held any more (zeroed behind
+    ShardedOptimizer's back, model.zero_grad)."""
     if store is None:
         return None
     carried = [shard.clone() for shard in shards] if _holds_scattered(store) else None
@@ -241,13 +236,12 @@ def carry_scattered(store: GradStore | None, shards: list[torch.Tensor]) -> list
 
 
 def refuse_adding_onto_scattered(store: GradStore | None) -> None:
-    """Before a backward under no_sync that would add onto reduce-scattered gradients:
-    refuse. After a reduce-scatter a rank holds the average of its own shard only; another backward's
-    local gradients added onto that and reduce-scattered again are not the average of the
-    two (stock DDP's all-reduced gradients are the same on every rank, so there it adds
-    up). Every rank runs the same backwards, so every rank raises. Gradients set to None or
-    zeroed (by any zero_grad) since are fine: a read of the buffers, only here; then `.grad`
-    is plain again."""
+    """Before a backward under no_sync that would add onto reduce-scattered gradients: refuse. After a
+    reduce-scatter a rank holds the average of its own shard only; another backward's local gradients added
+    onto that and reduce-scattered again are not the average of the two (stock DDP's all-reduced gradients are
+    the same on every rank, so there it adds up). Every rank runs the same backwards, so every rank raises.
+    Gradients set to None or zeroed (by any zero_grad) since are fine: a read of the buffers, only here; then
+    `.grad` is plain again."""
     if store is None:
         return
     if _holds_scattered(store):

@@ -2,32 +2,27 @@
 (flat shards, below) or by tensor (``shard_by="tensor"``: whole parameters per rank, for
 optimizers that update each tensor as a whole, `flatgrad._zero_tensor`).
 
-The parameters move into flat parameter buffers laid out exactly like the gradient
-buffers (every parameter becomes a view of one; `state_dict` keys do not change), with every
-slot starting on a multiple of the world size, so each bucket splits into equal shards.
-Backward reduce-scatters each bucket (asynchronously, as `replicate` all-reduces it): rank
-r ends up with the average of shard r of every bucket. `step()` runs the inner torch
-optimizer on this rank's shards only (1-D views of the flat parameter and gradient buffers,
-so its state is about 1/world_size of the unsharded state), then all-gathers every bucket's
-parameters. Only element-wise optimizers shard this way (`flatgrad._optim_kinds.shard_kind` says
-which way a class may go). On gloo, whose backward all-reduces
-every bucket (its reduce-scatter is slower), every rank holds all of the averages, and the
-shards split each whole buffer instead: the parameters come back in one broadcast per rank
-rather than one per rank and bucket (`BucketSync.shard_plan`), unless
-``overlap_param_gather`` waits for them bucket by bucket (its `clip_grad_norm_` then sums
-over other shards: equal to the last bit or two).
+The parameters move into flat parameter buffers laid out exactly like the gradient buffers (every parameter
+becomes a view of one; `state_dict` keys do not change), with every slot starting on a multiple of the world
+size, so each bucket splits into equal shards. Backward reduce-scatters each bucket (asynchronously, as
+`replicate` all-reduces it): rank r ends up with the average of shard r of every bucket. `step()` runs the
+inner torch optimizer on this rank's shards only (1-D views of the flat parameter and gradient buffers, so its
+state is about 1/world_size of the unsharded state), then all-gathers every bucket's parameters. Only
+element-wise optimizers shard this way (`flatgrad._optim_kinds.shard_kind` says which way a class may go). On
+gloo, whose backward all-reduces every bucket (its reduce-scatter is slower), every rank holds all of the
+averages, and the shards split each whole buffer instead: the parameters come back in one broadcast per rank
+rather than one per rank and bucket (`BucketSync.shard_plan`), unless ``overlap_param_gather`` waits for them
+bucket by bucket (its `clip_grad_norm_` then sums over other shards: equal to the last bit or two).
 
-After backward, the `.grad` of a model parameter is averaged only inside this rank's shards;
-`clip_grad_norm_` and `step` use exactly those. Until the gradients are zeroed every `.grad`
-is a `flatgrad._scattered_grad.ScatteredGrad` (the slot's memory) that raises on any read of its
-values, so ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` or a logged
-``p.grad.norm()`` fails loudly on every rank instead of computing a different wrong value
-on each. A shard is updated as one tensor, so a
-parameter that no rank used in a step is stepped with a zero gradient (momentum and weight
-decay still apply), as Megatron's distributed optimizer steps its whole buffers; stock DDP
-with ``find_unused_parameters=True`` would skip it (its `.grad` stays None), and DDP with
-``static_graph=True`` refuses such a model. A parameter used on
-any rank is exact.
+After backward, the `.grad` of a model parameter is averaged only inside this rank's shards; `clip_grad_norm_`
+and `step` use exactly those. Until the gradients are zeroed every `.grad` is a
+`flatgrad._scattered_grad.ScatteredGrad` (the slot's memory) that raises on any read of its values, so
+``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` or a logged ``p.grad.norm()`` fails loudly on
+every rank instead of computing a different wrong value on each. A shard is updated as one tensor, so a
+parameter that no rank used in a step is stepped with a zero gradient (momentum and weight decay still apply),
+as Megatron's distributed optimizer steps its whole buffers; stock DDP with ``find_unused_parameters=True``
+would skip it (its `.grad` stays None), and DDP with ``static_graph=True`` refuses such a model. A parameter
+used on any rank is exact.
 """
 
 from __future__ import annotations
@@ -68,35 +63,31 @@ from flatgrad._zero_tensor import TensorEngine, TensorGroups
 
 class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     """ZeRO-1 on top of a replicated `model`: ``ShardedOptimizer(model, torch.optim.AdamW, lr=..., ...)``, or
-    with parameter groups as a torch optimizer takes them:
-    ``ShardedOptimizer(model, torch.optim.AdamW, [{"params": decay, "weight_decay": 0.1},
-    {"params": no_decay, "weight_decay": 0.0}], lr=...)``.
+    with parameter groups as a torch optimizer takes them: ``ShardedOptimizer(model, torch.optim.AdamW,
+    [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=...)``.
 
-    A `torch.optim.Optimizer`: `param_groups` hold the model's parameters and are live (an
-    LR scheduler, ``LambdaLR(opt, ...)``, or a loop writing ``group["lr"]`` changes the next
-    step), `add_param_group` takes parameters of `model` not in a group yet. Each group's
-    hyper-parameters apply to exactly its parameters, also where parameters of several
-    groups share a bucket. ``step(closure=None)``, ``zero_grad(set_to_none=...)``,
-    ``clip_grad_norm_(max_norm)`` (the global norm from the shard norms, one small
-    all-reduce: use it, not ``torch.nn.utils.clip_grad_norm_``, which refuses the
-    reduce-scattered `.grad`), ``state_dict()`` / ``load_state_dict()`` (per parameter:
-    ``torch.distributed.checkpoint`` saves it and loads it on any world size).
+    A `torch.optim.Optimizer`: `param_groups` hold the model's parameters and are live (an LR scheduler,
+    ``LambdaLR(opt, ...)``, or a loop writing ``group["lr"]`` changes the next step), `add_param_group` takes
+    parameters of `model` not in a group yet. Each group's hyper-parameters apply to exactly its parameters,
+    also where parameters of several groups share a bucket. ``step(closure=None)``,
+    ``zero_grad(set_to_none=...)``, ``clip_grad_norm_(max_norm)`` (the global norm from the shard norms, one
+    small all-reduce: use it, not ``torch.nn.utils.clip_grad_norm_``, which refuses the reduce-scattered
+    `.grad`), ``state_dict()`` / ``load_state_dict()`` (per parameter: ``torch.distributed.checkpoint`` saves
+    it and loads it on any world size).
 
-    ``opt.optimizer`` is the torch optimizer that steps this rank's shards: one group per
-    group of `param_groups` (their hyper-parameters copied over at every step), over 1-D
-    pieces of the flat parameter buffer (runs of one group's parameters inside this rank's
-    shard of a bucket); by tensor, over stand-ins of the whole parameters this rank owns
-    (leaves sharing their memory and shape). It cannot take model parameters (its ``add_param_group`` refuses
-    them: each is stepped through its shard already). Its ``state`` is the per-element
-    optimizer state; this optimizer's own ``state`` stays empty.
-    Loss scaling (float16): ``flatgrad.GradScaler`` (a ``torch.amp.GradScaler`` whose
-    ``unscale_`` and inf check read this rank's gradient shards and agree over the ranks,
-    so every rank skips the same steps); torch's own raises a TypeError at ``step``.
+    ``opt.optimizer`` is the torch optimizer that steps this rank's shards: one group per group of
+    `param_groups` (their hyper-parameters copied over at every step), over 1-D pieces of the flat parameter
+    buffer (runs of one group's parameters inside this rank's shard of a bucket); by tensor, over stand-ins of
+    the whole parameters this rank owns (leaves sharing their memory and shape). It cannot take model
+    parameters (its ``add_param_group`` refuses them: each is stepped through its shard already). Its
+    ``state`` is the per-element optimizer state; this optimizer's own ``state`` stays empty. Loss scaling
+    (float16): ``flatgrad.GradScaler`` (a ``torch.amp.GradScaler`` whose ``unscale_`` and inf check read this
+    rank's gradient shards and agree over the ranks, so every rank skips the same steps); torch's own raises a
+    TypeError at ``step``.
 
-    With main grads (``grad_dtype="float32"``, bfloat16/float16 parameters) the inner
-    optimizer steps float32 masters of this rank's shards, which `step()` rounds into the
-    parameters and all-gathers in their dtype; they are saved with the state (key
-    ``"master"``). See docs/mixed-precision.md.
+    With main grads (``grad_dtype="float32"``, bfloat16/float16 parameters) the inner optimizer steps float32
+    masters of this rank's shards, which `step()` rounds into the parameters and all-gathers in their dtype;
+    they are saved with the state (key ``"master"``). See docs/mixed-precision.md.
 
     A tensor-parallel model (DTensor parameters, `replicate` over "dp"): each rank shards
     its local shards over "dp"; `clip_grad_norm_` adds the "tp" mesh's share, the state is
@@ -115,50 +106,43 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     Args:
         model: The model `flatgrad.replicate` was applied to, whose buckets are sharded; one
             ShardedOptimizer by element per model.
-        optimizer_class: A `torch.optim.Optimizer` subclass: torch's element-wise ones
-            (SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop,
-            ASGD) shard by element, Muon and Adafactor by tensor; any other class as
-            `shard_by` says or a probe shows (docs/data-parallel.md). LBFGS and
-            SparseAdam are refused.
-        params: Parameters of `model` or parameter groups (dicts with ``"params"`` and
-            per-group options), as a torch optimizer's first argument; None (the default)
-            puts every trainable parameter of `model` in one group. A parameter in no group is
-            not stepped (its gradient is still averaged).
-        overlap_param_gather: Whether `step()` returns with the parameter all-gathers in
-            flight: the next forward waits for each bucket's just before the first module
-            using its parameters runs (`flatgrad._gather_waits`), and
-            the model's ``state_dict``/``load_state_dict`` and the next ``step()`` wait for
-            all. Code that reads parameters outside a forward in between calls
+        optimizer_class: A `torch.optim.Optimizer` subclass: torch's element-wise ones (SGD, Adam, AdamW,
+            Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop, ASGD) shard by element, Muon and
+            Adafactor by tensor; any other class as `shard_by` says or a probe shows (docs/data-parallel.md).
+            LBFGS and SparseAdam are refused.
+        params: Parameters of `model` or parameter groups (dicts with ``"params"`` and per-group options), as
+            a torch optimizer's first argument; None (the default) puts every trainable parameter of `model`
+            in one group. A parameter in no group is not stepped (its gradient is still averaged).
+        overlap_param_gather: Whether `step()` returns with the parameter all-gathers in flight: the next
+            forward waits for each bucket's just before the first module using its parameters runs
+            (`flatgrad._gather_waits`), and the model's ``state_dict``/``load_state_dict`` and the next
+            ``step()`` wait for all. Code that reads parameters outside a forward in between calls
             ``opt.wait_param_gather()`` first.
-        shard_by: ``"element"`` (flat shards of every parameter: for optimizers whose
-            update of an element reads that element only), ``"tensor"`` (whole parameters
-            per rank, balanced by size: for optimizers that update each tensor as a whole,
-            and any element-wise one), or None (the default): torch's classes their own
-            way; another class by tensor where a probe on small tensors shows that exact,
-            refused where it shows a statistic over several tensors. A declared value the
-            probe contradicts is refused. By tensor, parameters frozen and unfrozen
-            after construction (a GAN's ``toggle_optimizer``) are followed with nothing
-            moved: a frozen parameter keeps its state and steps only with a `.grad`, as
-            stock; a parameter frozen at construction and unfrozen later, and
+        shard_by: ``"element"`` (flat shards of every parameter: for optimizers whose update of an element
+            reads that element only), ``"tensor"`` (whole parameters per rank, balanced by size: for
+            optimizers that update each tensor as a whole, and any element-wise one), or None (the default):
+            torch's classes their own way; another class by tensor where a probe on small tensors shows that
+            exact, refused where it shows a statistic over several tensors. A declared value the probe
+            contradicts is refused. By tensor, parameters frozen and unfrozen after construction (a GAN's
+            ``toggle_optimizer``) are followed with nothing moved: a frozen parameter keeps its state and
+            steps only with a `.grad`, as stock; a parameter frozen at construction and unfrozen later, and
             ``overlap_param_gather``, are not supported yet (refused); float32 masters
             (``grad_dtype="float32"``) are this rank's owned parameters'.
-        **defaults: The optimizer's arguments (``lr``, ``weight_decay``, ...), checked by
-            `optimizer_class` before anything moves: its error for an invalid one (a
-            ValueError for a negative ``lr``, a TypeError for an unknown name) leaves `model`
-            and the model as they were. The inner optimizer is built with them too, as a
-            plain one would be: what a class reads from its constructor rather than its
-            groups (Adagrad's ``initial_accumulator_value``, ``fused``) holds.
-            ``differentiable=True`` is refused (a ValueError).
+        **defaults: The optimizer's arguments (``lr``, ``weight_decay``, ...), checked by `optimizer_class`
+            before anything moves: its error for an invalid one (a ValueError for a negative ``lr``, a
+            TypeError for an unknown name) leaves `model` and the model as they were. The inner optimizer is
+            built with them too, as a plain one would be: what a class reads from its constructor rather than
+            its groups (Adagrad's ``initial_accumulator_value``, ``fused``) holds. ``differentiable=True`` is
+            refused (a ValueError).
 
     Raises:
         TypeError: `model` is not replicated (`flatgrad.replicate`), `overlap_param_gather` is not a bool, or
             `optimizer_class` is not a `torch.optim.Optimizer` subclass.
-        ValueError: `optimizer_class` cannot be sharded (cross-tensor, sparse) or not the
-            way `shard_by` says; `model` already has a ShardedOptimizer it cannot share (by
-            element: one per model; several by tensor may share it); `params` holds
-            a tensor that is not a parameter of `model` (or one twice); parameters of
-            different dtypes share a gradient buffer (float32 ones next to bfloat16 ones
-            with main grads); or ``differentiable=True``.
+        ValueError: `optimizer_class` cannot be sharded (cross-tensor, sparse) or not the way `shard_by` says;
+            `model` already has a ShardedOptimizer it cannot share (by element: one per model; several by
+            tensor may share it); `params` holds a tensor that is not a parameter of `model` (or one twice);
+            parameters of different dtypes share a gradient buffer (float32 ones next to bfloat16 ones with
+            main grads); or ``differentiable=True``.
     """
 
     def __init__(
@@ -232,10 +216,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return loss
 
     def _lay_out(self, store: GradStore) -> None:
-        """Shard `store` (the model's gradient store, slots on multiples of the world size):
-        dp's buckets reduce-scatter over it, the parameters become views of flat parameter
-        buffers, and the inner optimizer steps this rank's pieces of `param_groups` (fresh:
-        the caller loads its state)."""
+        """Shard `store` (the model's gradient store, slots on multiples of the world size): dp's buckets
+        reduce-scatter over it, the parameters become views of flat parameter buffers, and the inner optimizer
+        steps this rank's pieces of `param_groups` (fresh: the caller loads its state)."""
         dp = self.dp
         pieces = dp._engine.shard_plan(store, self.overlap_param_gather)
         engine = ShardEngine(store, pieces, dp.process_group, dp._engine.policy)
@@ -249,10 +232,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self._waits = weakref.finalize(self, waits.remove)
 
     def _lay_out_by_tensor(self, store: GradStore) -> None:
-        """Own whole parameters of `store` (`flatgrad._zero_tensor`): dp's buckets keep
-        all-reducing, the parameters become views of flat parameter buffers (those of
-        another ShardedOptimizer by tensor over dp, if any), and the inner optimizer steps
-        the parameters of `param_groups` this rank owns."""
+        """Own whole parameters of `store` (`flatgrad._zero_tensor`): dp's buckets keep all-reducing, the
+        parameters become views of flat parameter buffers (those of another ShardedOptimizer by tensor over
+        dp, if any), and the inner optimizer steps the parameters of `param_groups` this rank owns."""
         members = {id(p) for group in self.param_groups for p in group["params"]}
         companion = self.dp._engine.step_count is not None  # (another ShardedOptimizer over dp)
         syncs = self.dp._engine
@@ -261,16 +243,14 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._groups = TensorGroups(engine, self._names, self._recipe, self.param_groups)
 
     def _follow_layout(self) -> None:
-        """Before a step, a clip or a checkpoint: when parameters were frozen or unfrozen
-        since the last layout (``requires_grad_``: progressive (un)freezing, GAN-style
-        flips), shard the new layout, every parameter keeping its optimizer state (a frozen
-        one's is parked until it is trainable again), as a plain optimizer skips a
-        parameter without a gradient and keeps its state; one collective per dtype gathers
-        the state whole on every rank for the move. Any other change (a parameter added or
-        replaced, a conversion, a freeze between a synchronised backward and its step)
-        raises RuntimeError on every rank. By tensor nothing moves and nothing is
-        communicated: the flat parameter buffers, owners and states stay as they are
-        (`flatgrad._zero_tensor.TensorEngine.follow`).
+        """Before a step, a clip or a checkpoint: when parameters were frozen or unfrozen since the last
+        layout (``requires_grad_``: progressive (un)freezing, GAN-style flips), shard the new layout, every
+        parameter keeping its optimizer state (a frozen one's is parked until it is trainable again), as a
+        plain optimizer skips a parameter without a gradient and keeps its state; one collective per dtype
+        gathers the state whole on every rank for the move. Any other change (a parameter added or replaced, a
+        conversion, a freeze between a synchronised backward and its step) raises RuntimeError on every rank.
+        By tensor nothing moves and nothing is communicated: the flat parameter buffers, owners and states
+        stay as they are (`flatgrad._zero_tensor.TensorEngine.follow`).
 
         Raises:
             RuntimeError: The model's parameters changed otherwise.
@@ -356,8 +336,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         nothing moves and nothing is communicated, as stock skips parameters without one.
 
         Args:
-            closure: Optional; zeroes the gradients, runs forward and backward, and returns
-                the loss.
+            closure: Optional; zeroes the gradients, runs forward and backward, and returns the loss.
             **kwargs: Passed on to the inner optimizer's ``step``, as torch's
                 ZeroRedundancyOptimizer does (for an optimizer subclass whose step takes more).
 
@@ -365,11 +344,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             The closure's loss, or None without a closure.
 
         Raises:
-            RuntimeError: The model's parameters changed (added, replaced, converted, or
-                frozen between a synchronised backward and this step) since construction;
-                or the inner optimizer's param_groups hold other tensors than exactly this
-                rank's shards. (Parameters frozen or unfrozen otherwise are followed,
-                `_follow_layout`.)
+            RuntimeError: The model's parameters changed (added, replaced, converted, or frozen between a
+                synchronised backward and this step) since construction; or the inner optimizer's param_groups
+                hold other tensors than exactly this rank's shards. (Parameters frozen or unfrozen otherwise
+                are followed, `_follow_layout`.)
             ValueError: A parameter frozen or unfrozen since would share a group with
                 parameters of another step count.
         """
@@ -435,9 +413,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._call_inner("train")
 
     def eval(self) -> None:
-        """The inner optimizer's ``eval()`` (schedule-free optimizers: the parameters move
-        to the averaged point, for evaluation and checkpoints), then every rank's updated
-        parameters reach the others.
+        """The inner optimizer's ``eval()`` (schedule-free optimizers: the parameters move to the averaged
+        point, for evaluation and checkpoints), then every rank's updated parameters reach the others.
 
         Raises:
             AttributeError: The optimizer class has no ``eval()``.
@@ -515,11 +492,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._engine.wait_gather()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the model's gradients (`FlatGrad.zero_grad`) and drop the shards' `.grad`;
-        afterwards a `.grad` is plain again (no longer reduce-scattered). By tensor
-        (``shard_by="tensor"``), only this optimizer's parameters' gradients, as a torch
-        optimizer's `zero_grad` (Muon's and AdamW's ShardedOptimizers over one model: one's
-        zero_grad between the two steps leaves the other's gradients).
+        """Zero the model's gradients (`FlatGrad.zero_grad`) and drop the shards' `.grad`; afterwards a
+        `.grad` is plain again (no longer reduce-scattered). By tensor (``shard_by="tensor"``), only this
+        optimizer's parameters' gradients, as a torch optimizer's `zero_grad` (Muon's and AdamW's
+        ShardedOptimizers over one model: one's zero_grad between the two steps leaves the other's gradients).
 
         Args:
             set_to_none: True sets every model `.grad` to None; False zeroes them in place.
@@ -598,12 +574,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return pipeline_group(pp_mesh, **crossing)
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state per parameter, keyed by the plain parameter names, in a form
-        that does not depend on the world size (`flatgrad._zero_state`): per-element states
-        are ShardedTensors over every rank's pieces (this rank's shards are views of its
-        state), so ``torch.distributed.checkpoint`` saves ``{"optim": opt}`` in place and
-        loads it on another world size or bucket size. Every rank must call it together with
-        the others only under torch.distributed.checkpoint; alone it communicates nothing.
+        """The optimizer state per parameter, keyed by the plain parameter names, in a form that does not
+        depend on the world size (`flatgrad._zero_state`): per-element states are ShardedTensors over every
+        rank's pieces (this rank's shards are views of its state), so ``torch.distributed.checkpoint`` saves
+        ``{"optim": opt}`` in place and loads it on another world size or bucket size. Every rank must call it
+        together with the others only under torch.distributed.checkpoint; alone it communicates nothing.
 
         Returns:
             ``{"state": {name: {key: value}}, "param_groups": [{**options, "params":
@@ -613,11 +588,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from `state_dict` (what `state_dict` gave, on any world size, through
-        ``torch.distributed.checkpoint``; or this rank's own, ``torch.save``-d, on the same
-        world size, buckets and shards). Checked on every rank together (one small all-reduce), so a
-        state that does not fit raises the same error on every rank, and none loads it.
-        The groups' options (``lr``, ...) are the saved ones afterwards, as with torch's
-        optimizers.
+        ``torch.distributed.checkpoint``; or this rank's own, ``torch.save``-d, on the same world size,
+        buckets and shards). Checked on every rank together (one small all-reduce), so a state that does not
+        fit raises the same error on every rank, and none loads it. The groups' options (``lr``, ...) are the
+        saved ones afterwards, as with torch's optimizers.
 
         Args:
             state_dict: A ShardedOptimizer `state_dict` of the same model and parameter groups.
@@ -639,10 +613,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
 
 def _check_companions(dp: ReplicateState, shard_by: ShardBy, overlap_param_gather: bool) -> None:
-    """Raise ValueError where `dp` already has a ShardedOptimizer this one cannot share it
-    with (by element, dp's buckets reduce-scatter for that one's shards; several by tensor
-    share dp: Muon's and AdamW's), or where ``shard_by="tensor"`` meets what it does not
-    do yet (`overlap_param_gather`)."""
+    """Raise ValueError where `dp` already has a ShardedOptimizer this one cannot share it with (by element,
+    dp's buckets reduce-scatter for that one's shards; several by tensor share dp: Muon's and AdamW's), or
+    where ``shard_by="tensor"`` meets what it does not do yet (`overlap_param_gather`)."""
     has_one, by_element = dp._engine.step_count is not None, dp._engine.reduce_scatter
     if by_element or (has_one and shard_by == "element"):
         raise ValueError(
@@ -658,11 +631,10 @@ def _check_companions(dp: ReplicateState, shard_by: ShardBy, overlap_param_gathe
 
 
 class _ShardedJoinHook(JoinHook):
-    """What a rank that ran out of data does in place of the others' `step()`, as
-    ZeroRedundancyOptimizer's join hook does: after each synchronised backward that dp's
-    join hook shadowed (which left this rank the others' averages), step its shards and
-    gather the parameters along (with the others' `overlap_param_gather`, left in flight as
-    theirs)."""
+    """What a rank that ran out of data does in place of the others' `step()`, as ZeroRedundancyOptimizer's
+    join hook does: after each synchronised backward that dp's join hook shadowed (which left this rank the
+    others' averages), step its shards and gather the parameters along (with the others'
+    `overlap_param_gather`, left in flight as theirs)."""
 
     def __init__(self, opt: ShardedOptimizer) -> None:
         self.opt = opt

@@ -33,11 +33,10 @@ except ImportError:  # torch 2.4: the same class under its private module
 
 
 def set_local_tensor(dtensor: torch.Tensor, local: torch.Tensor) -> None:
-    """Make `local` (a plain tensor of the same shape, strides and dtype) the memory of
-    DTensor `dtensor` (a parameter: a ShardedOptimizer moves it into a flat parameter
-    buffer). DTensor keeps its shard as the private attribute ``_local_tensor`` (torch
-    2.4-2.15) and has no public setter: ``to_local()`` of a parameter returns a fresh view,
-    and ``param.data = ...`` replaces the wrapper, not the shard."""
+    """Make `local` (a plain tensor of the same shape, strides and dtype) the memory of DTensor `dtensor` (a
+    parameter: a ShardedOptimizer moves it into a flat parameter buffer). DTensor keeps its shard as the
+    private attribute ``_local_tensor`` (torch 2.4-2.15) and has no public setter: ``to_local()`` of a
+    parameter returns a fresh view, and ``param.data = ...`` replaces the wrapper, not the shard."""
     dtensor._local_tensor = local  # type: ignore[attr-defined]
 
 
@@ -88,9 +87,8 @@ DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
 
 
 def fast_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
-    """``cls.apply`` through the C++ descriptor ``_FunctionBase.apply`` (skips the Python
-    wrapper's checks for functorch and setup_context, which flatgrad's Functions decide
-    themselves)."""
+    """``cls.apply`` through the C++ descriptor ``_FunctionBase.apply`` (skips the Python wrapper's checks for
+    functorch and setup_context, which flatgrad's Functions decide themselves)."""
     bound: Callable[..., Any] = torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)
     return bound
 
@@ -146,11 +144,10 @@ def run_post_accumulate_hooks(
     grad_inputs: tuple[torch.Tensor | None, ...],
     grad_outputs: tuple[torch.Tensor | None, ...],
 ) -> None:
-    """A post hook of `param`'s AccumulateGrad node (bound to `param` with a partial), for
-    torch 2.4 (`POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT`): when no gradient reached it, call
-    `param`'s post-accumulate-grad hooks, in their order, as later releases' AccumulateGrad
-    does (registered first on the node, it runs where theirs would: after the accumulation,
-    before the node's other post hooks)."""
+    """A post hook of `param`'s AccumulateGrad node (bound to `param` with a partial), for torch 2.4
+    (`POST_ACCUMULATE_HOOKS_NEED_A_GRADIENT`): when no gradient reached it, call `param`'s
+    post-accumulate-grad hooks, in their order, as later releases' AccumulateGrad does (registered first on
+    the node, it runs where theirs would: after the accumulation, before the node's other post hooks)."""
     hooks = param._post_accumulate_grad_hooks
     if grad_outputs[0] is not None or not hooks:
         return  # (a gradient arrived: AccumulateGrad itself called them)
@@ -221,10 +218,9 @@ def join_state(joinable: Any) -> tuple[bool, bool]:
 
 
 def leave_join(joinable: Any) -> None:
-    """Take `joinable` out of the `Join` it was configured for (the disabled config its
-    constructor set): torch's `Join` never resets the configs it sets, and an exception out
-    of the block skips even its post hooks, so a Join that raised would keep the joinable
-    "joined" for every later call outside any Join."""
+    """Take `joinable` out of the `Join` it was configured for (the disabled config its constructor set):
+    torch's `Join` never resets the configs it sets, and an exception out of the block skips even its post
+    hooks, so a Join that raised would keep the joinable "joined" for every later call outside any Join."""
     joinable._join_config = _JoinConfig.construct_disabled_join_config()  # type: ignore[attr-defined]
 
 
@@ -245,11 +241,10 @@ def broadcast_coalesced(
 
 
 def collectives_run() -> int:
-    """How many collectives this process has run on all of its process groups so far: the
-    sum of their sequence numbers (``ProcessGroup._get_sequence_number_for_group``, private
-    in every torch the range accepts; gloo and NCCL count every collective, object
-    collectives and functional ones included). 0 without a default group; a group whose
-    backend does not count adds nothing."""
+    """How many collectives this process has run on all of its process groups so far: the sum of their
+    sequence numbers (``ProcessGroup._get_sequence_number_for_group``, private in every torch the range
+    accepts; gloo and NCCL count every collective, object collectives and functional ones included). 0 without
+    a default group; a group whose backend does not count adds nothing."""
     if not dist.is_initialized():
         return 0
     total = 0
@@ -303,16 +298,14 @@ def sharded_tensor(
     dtype: torch.dtype,
     process_group: dist.ProcessGroup | None,
 ) -> Any:
-    """A ShardedTensor of shape `size` over `process_group` (None: the default group) whose
-    shards are `boxes` (each ``(global rank, offsets, sizes)``, a rectangle of the tensor),
-    `local` (contiguous tensors: views where the memory allows) this rank's, in the order
-    of its boxes; built from metadata every rank knows, with no communication.
-    ``torch.distributed.checkpoint`` saves and loads its shards in place and reshards it,
-    into a plain tensor of that shape too (another
-    optimizer's state); ``torch.save`` writes only this rank's shards, as plain tensors
-    (`SAVED_SHARDS`). (Checked on torch 2.4-2.15; torch marks ShardedTensor deprecated in
-    favour of DTensor, which cannot express uneven shards at arbitrary offsets, and warns
-    about it once.)"""
+    """A ShardedTensor of shape `size` over `process_group` (None: the default group) whose shards are `boxes`
+    (each ``(global rank, offsets, sizes)``, a rectangle of the tensor), `local` (contiguous tensors: views
+    where the memory allows) this rank's, in the order of its boxes; built from metadata every rank knows,
+    with no communication. ``torch.distributed.checkpoint`` saves and loads its shards in place and reshards
+    it, into a plain tensor of that shape too (another optimizer's state); ``torch.save`` writes only this
+    rank's shards, as plain tensors (`SAVED_SHARDS`). (Checked on torch 2.4-2.15; torch marks ShardedTensor
+    deprecated in favour of DTensor, which cannot express uneven shards at arbitrary offsets, and warns about
+    it once.)"""
     import warnings
 
     from torch.distributed._shard.metadata import ShardMetadata
@@ -347,12 +340,11 @@ def non_finite_check_and_unscale(
 
 
 class GradScalerBase(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` with one public override point for the optimizers whose
-    gradients its walk over ``optimizer.param_groups``' `.grad` cannot see:
-    `unscale_optimizer`. It wraps ``GradScaler._unscale_grads_`` (private; the walk that
-    ``unscale_`` and ``step``'s inf check both run, with this signature in every torch the
-    range accepts); were it renamed, the override would go unused and `ShardedOptimizer.step`
-    would refuse the scaler with a TypeError rather than step unchecked."""
+    """``torch.amp.GradScaler`` with one public override point for the optimizers whose gradients its walk
+    over ``optimizer.param_groups``' `.grad` cannot see: `unscale_optimizer`. It wraps
+    ``GradScaler._unscale_grads_`` (private; the walk that ``unscale_`` and ``step``'s inf check both run,
+    with this signature in every torch the range accepts); were it renamed, the override would go unused and
+    `ShardedOptimizer.step` would refuse the scaler with a TypeError rather than step unchecked."""
 
     def unscale_optimizer(
         self,

@@ -1,10 +1,9 @@
 """ZeRO-1 for a `ShardedOptimizer` (see `flatgrad._sharded`): this rank's engine, the
 collectives over its gradient shards, and its parameter groups.
 
-`ShardEngine`: this rank's part of ZeRO-1 over replicate's buckets: the flat parameter
-buffers, this rank's shards, the pieces the inner optimizer steps, the clip over shards and
-the parameter all-gather; and the hooks that wait for the all-gathers
-(``overlap_param_gather``).
+`ShardEngine`: this rank's part of ZeRO-1 over replicate's buckets: the flat parameter buffers, this rank's
+shards, the pieces the inner optimizer steps, the clip over shards and the parameter all-gather; and the hooks
+that wait for the all-gathers (``overlap_param_gather``).
 
 The collectives over the gradient shards are free functions over this rank's shard tensors
 (`runs_in_shards`, `clip_shards`, `unscale_shards`): the clip to a global norm and a loss
@@ -87,10 +86,9 @@ class Shard:
 
 
 class FlatParameters:
-    """The flat parameter buffers of a ShardedOptimizer, laid out like `store`'s gradient
-    buffers (every parameter a view of its slot: `flat_parameters`), over `process_group`;
-    what both kinds of shard plan (`ShardEngine`, by element; `flatgrad._zero_tensor.
-    TensorEngine`, by tensor) do with them alike."""
+    """The flat parameter buffers of a ShardedOptimizer, laid out like `store`'s gradient buffers (every
+    parameter a view of its slot: `flat_parameters`), over `process_group`; what both kinds of shard plan
+    (`ShardEngine`, by element; `flatgrad._zero_tensor. TensorEngine`, by tensor) do with them alike."""
 
     def __init__(
         self, store: GradStore, process_group: dist.ProcessGroup | None, companion: bool = False
@@ -113,13 +111,12 @@ class FlatParameters:
         return list(map(_data_ptr, self.store.params)) == self._addresses
 
     def check_layout(self, stores: StoreSource) -> None:
-        """Raise RuntimeError where the model's parameters changed since construction in a
-        way `follow` does not take; `stores` is the model's gradient engine. A conversion
-        between backward and step must raise here: the parameters are views of the flat
-        parameter buffer the gather refills. Every parameter still at its slot (one data
-        pointer each: a conversion or a `.data` assignment moves it) and the engine's O(1)
-        checks (a parameter registered, frozen or unfrozen) stand for its full walk over
-        every parameter."""
+        """Raise RuntimeError where the model's parameters changed since construction in a way `follow` does
+        not take; `stores` is the model's gradient engine. A conversion between backward and step must raise
+        here: the parameters are views of the flat parameter buffer the gather refills. Every parameter still
+        at its slot (one data pointer each: a conversion or a `.data` assignment moves it) and the engine's
+        O(1) checks (a parameter registered, frozen or unfrozen) stand for its full walk over every
+        parameter."""
         # A change moves the reduce-scattered .grads (and is refused just below).
         in_place = self.params_in_place()
         with unguarded(self.store, stores.store):
@@ -150,11 +147,10 @@ class FlatParameters:
         raise NotImplementedError
 
     def skip_or_unscale(self, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None) -> bool:
-        """What a step under ``GradScaler.step`` does (the scaler's `found_inf` and
-        `grad_scale`, as it hands them to an optimizer that handles scaling itself; None
-        outside one): skip (True) after an inf or NaN on any rank, the same answer on every
-        rank; otherwise unscale the gradients unless ``scaler.unscale_`` did already
-        (`grad_scale` None)."""
+        """What a step under ``GradScaler.step`` does (the scaler's `found_inf` and `grad_scale`, as it hands
+        them to an optimizer that handles scaling itself; None outside one): skip (True) after an inf or NaN
+        on any rank, the same answer on every rank; otherwise unscale the gradients unless ``scaler.unscale_``
+        did already (`grad_scale` None)."""
         if found_inf is None:  # (not under scaler.step)
             return False
         if not isinstance(found_inf, torch.Tensor):  # (no inf check ran: torch's own scaler)
@@ -215,22 +211,20 @@ class ShardEngine(FlatParameters):
         return shards
 
     def has_grads(self) -> bool:
-        """Whether a step has gradients to use: a parameter has a `.grad` (reduce-scattered
-        ones are ScatteredGrads), or main grads were reduce-scattered into since flatgrad's
-        last zeroing (they have no `.grad`). Gradients set to None through the model
-        (``model.zero_grad()``) leave nothing to step, as with stock. Every rank answers
-        alike: a sync sets `.grad` alike on all."""
+        """Whether a step has gradients to use: a parameter has a `.grad` (reduce-scattered ones are
+        ScatteredGrads), or main grads were reduce-scattered into since flatgrad's last zeroing (they have no
+        `.grad`). Gradients set to None through the model (``model.zero_grad()``) leave nothing to step, as
+        with stock. Every rank answers alike: a sync sets `.grad` alike on all."""
         store = self.store
         return any(p.grad is not None for p in store.params) or (is_scattered(store) and bool(store.mains))
 
     def take_assigned_grads(self) -> None:
-        """Before a step with no synchronised backward since the gradients were last zeroed:
-        each `.grad` assigned by hand (``p.grad = g``: gradient surgery, gradients from
-        ``torch.autograd.grad`` or another model) is copied into its slot, which the shards
-        read, and the slot of a parameter without one is zeroed (stepped as an unused
-        parameter is; see `flatgrad._sharded`). Nothing is averaged: each rank steps its
-        shards with its own gradients, as torch's ZeroRedundancyOptimizer steps its
-        partition. After a synchronised backward the slots already hold the averages."""
+        """Before a step with no synchronised backward since the gradients were last zeroed: each `.grad`
+        assigned by hand (``p.grad = g``: gradient surgery, gradients from ``torch.autograd.grad`` or another
+        model) is copied into its slot, which the shards read, and the slot of a parameter without one is
+        zeroed (stepped as an unused parameter is; see `flatgrad._sharded`). Nothing is averaged: each rank
+        steps its shards with its own gradients, as torch's ZeroRedundancyOptimizer steps its partition. After
+        a synchronised backward the slots already hold the averages."""
         store = self.store
         if not is_scattered(store) and any(p.grad is not None for p in store.params):
             store.take_in(store.params, zero_empty=True)
@@ -325,9 +319,8 @@ class ShardEngine(FlatParameters):
     def unscale_(  # (FlatParameters')
         self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool
     ) -> None:
-        """Multiply the gradient shards by `inv_scale` (a loss scaler's 1/scale); with
-        `found_inf`, set it to 1.0 where any rank's shard holds an inf or NaN
-        (`unscale_shards`)."""
+        """Multiply the gradient shards by `inv_scale` (a loss scaler's 1/scale); with `found_inf`, set it to
+        1.0 where any rank's shard holds an inf or NaN (`unscale_shards`)."""
         unscale_shards(
             self.grad_shards, inv_scale, found_inf, allow_fp16, self.process_group, self.store.tensor_parallel
         )
@@ -378,12 +371,11 @@ class ShardEngine(FlatParameters):
 
 
 def tensor_parallel_layout(layout: Layout, store: GradStore) -> Layout:
-    """`layout` with what the ranks of the tensor-parallel mesh hold (nothing to add without
-    DTensor parameters), for a state that each rank saves in the whole parameters' shapes.
-    Each rank knows only its own layout, and the slots follow each rank's local shapes (a
-    dimension the mesh does not divide evenly shards unevenly, which moves every slot after
-    it), so the mesh's ranks exchange theirs once per layout (one object all-gather over the
-    mesh; every rank builds its layout together with the others):
+    """`layout` with what the ranks of the tensor-parallel mesh hold (nothing to add without DTensor
+    parameters), for a state that each rank saves in the whole parameters' shapes. Each rank knows only its
+    own layout, and the slots follow each rank's local shapes (a dimension the mesh does not divide evenly
+    shards unevenly, which moves every slot after it), so the mesh's ranks exchange theirs once per layout
+    (one object all-gather over the mesh; every rank builds its layout together with the others):
 
     - `Layout.peers`: for each parameter sharded over the mesh, the boxes of its state
       (global rank, offsets, sizes in the whole parameter) the other ranks' pieces hold, which
@@ -476,10 +468,9 @@ def flat_parameters(store: GradStore, reuse_only: bool = False) -> dict[Any, tor
     AdamW's), those buffers themselves, so both optimizers gather into the same memory.
 
     Raises:
-        ValueError: Parameters of different dtypes share a gradient buffer (`parameter_dtypes`);
-            or, with `reuse_only` (another ShardedOptimizer steps the parameters already),
-            they are not views of such buffers any more: new ones would move that one's
-            parameters out of the memory it steps.
+        ValueError: Parameters of different dtypes share a gradient buffer (`parameter_dtypes`); or, with
+            `reuse_only` (another ShardedOptimizer steps the parameters already), they are not views of such
+            buffers any more: new ones would move that one's parameters out of the memory it steps.
     """
     dtypes = parameter_dtypes(store)
     found = {key: _buffer_under(store, key) for key in store.buffers}
@@ -530,12 +521,11 @@ def _buffer_under(store: GradStore, key: GroupKey) -> torch.Tensor | None:
 def runs_in_shards(
     store: GradStore, shards: Sequence[torch.Tensor], runs: Sequence[torch.Tensor] | None = None
 ) -> list[torch.Tensor]:
-    """The gradient elements inside `shards` (this rank's gradient shards, views of the
-    store's buffers) without the alignment padding between slots: `GradStore.runs` (or
-    `runs`, 1-D views of the buffers: the runs a tensor-parallel norm counts) cut at the
-    shards' edges. What a scale may touch: padding is zero by construction and nothing
-    zeroes it again, so a NaN clip coefficient multiplied into it would stay in every later
-    norm."""
+    """The gradient elements inside `shards` (this rank's gradient shards, views of the store's buffers)
+    without the alignment padding between slots: `GradStore.runs` (or `runs`, 1-D views of the buffers: the
+    runs a tensor-parallel norm counts) cut at the shards' edges. What a scale may touch: padding is zero by
+    construction and nothing zeroes it again, so a NaN clip coefficient multiplied into it would stay in every
+    later norm."""
 
     def span(view: torch.Tensor) -> tuple[GroupKey, int, int]:  # (buffer, [start, end))
         key = (view.dtype, view.device)
@@ -562,13 +552,12 @@ def clip_shards(
     error_if_nonfinite: bool = False,
     counted: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Scale the gradients of `grads` (every rank's shards together) to a global norm of at
-    most `max_norm`, multiplying only their `runs` (`runs_in_shards`); returns the global
-    norm before, in at least float32 (one scalar all-reduce per group of `groups`: the
-    data-parallel one, then a tensor-parallel mesh's and a pipeline's stages' where given).
-    The norm reads `grads`, or only `counted` (the runs of them this rank counts on a
-    tensor-parallel mesh, `TensorParallel.counts`). With `error_if_nonfinite` a NaN or
-    infinite global norm raises instead, on every rank alike (they share the norm)."""
+    """Scale the gradients of `grads` (every rank's shards together) to a global norm of at most `max_norm`,
+    multiplying only their `runs` (`runs_in_shards`); returns the global norm before, in at least float32 (one
+    scalar all-reduce per group of `groups`: the data-parallel one, then a tensor-parallel mesh's and a
+    pipeline's stages' where given). The norm reads `grads`, or only `counted` (the runs of them this rank
+    counts on a tensor-parallel mesh, `TensorParallel.counts`). With `error_if_nonfinite` a NaN or infinite
+    global norm raises instead, on every rank alike (they share the norm)."""
     device = grads[0].device
     # float64 partial norms, accumulated in chunks (see flatgrad._norms)
     norms = [_norms.vector_norm(g, norm_type).to(device) for g in (grads if counted is None else counted)]
@@ -649,11 +638,10 @@ def checked_defaults(
     groups: list[dict[str, Any]],
     defaults: dict[str, Any],
 ) -> dict[str, Any]:
-    """`optimizer_class`'s defaults after it checked `defaults` and the groups' options on a
-    one-element stand-in per parameter, before anything moves: its error for an invalid one (or
-    a duplicate parameter) leaves the model as it was. Raises ValueError first for dtypes
-    that no one flat parameter buffer holds (`parameter_dtypes`), and for
-    ``differentiable=True`` (`refuse_differentiable`)."""
+    """`optimizer_class`'s defaults after it checked `defaults` and the groups' options on a one-element
+    stand-in per parameter, before anything moves: its error for an invalid one (or a duplicate parameter)
+    leaves the model as it was. Raises ValueError first for dtypes that no one flat parameter buffer holds
+    (`parameter_dtypes`), and for ``differentiable=True`` (`refuse_differentiable`)."""
     parameter_dtypes(store)
     # A one-element stand-in per parameter with its number of dimensions, dtype and device:
     # what a class checks of its parameters (Muon: matrices only) is checked for all of them
@@ -670,11 +658,10 @@ def _stand_in_for_checks(param: torch.Tensor) -> nn.Parameter:
 
 
 def refuse_differentiable(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> None:
-    """Raise ValueError where a group (or the defaults) asks for ``differentiable=True``: a
-    differentiable step records the update of each parameter in autograd's graph, and a
-    sharded step updates leaf views of the flat parameter buffer in place and all-gathers
-    them, which no graph can follow (torch's own optimizer refuses such a step on leaf
-    parameters, at the first ``step()``)."""
+    """Raise ValueError where a group (or the defaults) asks for ``differentiable=True``: a differentiable
+    step records the update of each parameter in autograd's graph, and a sharded step updates leaf views of
+    the flat parameter buffer in place and all-gathers them, which no graph can follow (torch's own optimizer
+    refuses such a step on leaf parameters, at the first ``step()``)."""
     for index, group in enumerate(groups):
         if group.get("differentiable", False):
             raise ValueError(
@@ -737,9 +724,8 @@ def add_piece_group(
 def group_signature(
     param_groups: list[dict[str, Any]], inner: torch.optim.Optimizer
 ) -> list[tuple[int, int]]:
-    """The params lists of the groups and of the inner optimizer's, and their lengths: a
-    list replaced or changed by hand (past add_param_group) shows here, at no cost per
-    parameter."""
+    """The params lists of the groups and of the inner optimizer's, and their lengths: a list replaced or
+    changed by hand (past add_param_group) shows here, at no cost per parameter."""
     groups = [*param_groups, *inner.param_groups]
     return [(id(group["params"]), len(group["params"])) for group in groups]
 
@@ -761,13 +747,12 @@ def _same(a: object, b: object) -> bool:
 
 
 class SyncedOptions:
-    """The options of a ShardedOptimizer's `param_groups` and of its inner optimizer's groups
-    (one inner group per group), kept one setting: whichever side was changed since the last
-    sync (a scheduler on ``opt`` or on ``opt.optimizer``, a loop writing either's
-    ``group["lr"]``, the inner step adapting an option) carries to the other, and an option
-    changed on both sides to different values is refused. At construction the groups take
-    the inner optimizer's values, as a plain optimizer's groups would show them (an lr the
-    class keeps as a tensor, as torchao's do, is that tensor in both)."""
+    """The options of a ShardedOptimizer's `param_groups` and of its inner optimizer's groups (one inner group
+    per group), kept one setting: whichever side was changed since the last sync (a scheduler on ``opt`` or on
+    ``opt.optimizer``, a loop writing either's ``group["lr"]``, the inner step adapting an option) carries to
+    the other, and an option changed on both sides to different values is refused. At construction the groups
+    take the inner optimizer's values, as a plain optimizer's groups would show them (an lr the class keeps as
+    a tensor, as torchao's do, is that tensor in both)."""
 
     def __init__(self, param_groups: list[dict[str, Any]], inner: torch.optim.Optimizer) -> None:
         self.loaded(param_groups, inner)
@@ -820,11 +805,10 @@ class SyncedOptions:
 def on_every_rank(
     call: Callable[[], Any], what: str, device: torch.device, process_group: dist.ProcessGroup | None
 ) -> Any:
-    """`call()`, its outcome agreed by every rank of `process_group` (one small all-reduce):
-    where it raised on any rank, every rank raises (that rank its own error, the others a
-    RuntimeError naming it), so that no rank goes on to a collective the others never
-    reach (an inner optimizer that cannot take an empty group, a step that fails on one
-    rank's shard)."""
+    """`call()`, its outcome agreed by every rank of `process_group` (one small all-reduce): where it raised
+    on any rank, every rank raises (that rank its own error, the others a RuntimeError naming it), so that no
+    rank goes on to a collective the others never reach (an inner optimizer that cannot take an empty group, a
+    step that fails on one rank's shard)."""
     error: Exception | None = None
     result = None
     try:
@@ -872,14 +856,12 @@ def relaid_state(
     views: list[GroupView],
     recipe: OptimizerRecipe,
 ) -> dict[str, Any]:
-    """The state a new layout's groups (`views`) load after parameters were frozen or
-    unfrozen: each parameter's own, whole (`kept`, of those in the layout before; `parked`,
-    of those frozen since they last had one), a parameter that never had one a fresh one
-    (a fresh optimizer's, where `recipe` builds one eagerly as Adagrad does, else zeros;
-    its master is its value). Raises ValueError, on every rank alike (the step
-    counts are the same everywhere), where a group would hold parameters with different
-    step counts: torch's optimizers count steps per parameter, ShardedOptimizer's pieces
-    per group."""
+    """The state a new layout's groups (`views`) load after parameters were frozen or unfrozen: each
+    parameter's own, whole (`kept`, of those in the layout before; `parked`, of those frozen since they last
+    had one), a parameter that never had one a fresh one (a fresh optimizer's, where `recipe` builds one
+    eagerly as Adagrad does, else zeros; its master is its value). Raises ValueError, on every rank alike (the
+    step counts are the same everywhere), where a group would hold parameters with different step counts:
+    torch's optimizers count steps per parameter, ShardedOptimizer's pieces per group."""
     state: dict[str, Any] = {}
     for index, view in enumerate(views):
         if not view.params:
@@ -941,11 +923,10 @@ def _state_dtype(template: dict[str, Any] | None, key: str, param: torch.Tensor)
 
 
 class InnerGroups:
-    """What `PieceGroups` (by element) and `flatgrad._zero_tensor.TensorGroups` (by tensor)
-    share: the inner optimizer (`inner`), one inner group per group of `param_groups` (a
-    torch optimizer's groups of model parameters), whose options it copies at every step
-    (`SyncedOptions`), and the check that neither side's groups were changed by hand. Every
-    method that reads the groups is handed the live `param_groups` list."""
+    """What `PieceGroups` (by element) and `flatgrad._zero_tensor.TensorGroups` (by tensor) share: the inner
+    optimizer (`inner`), one inner group per group of `param_groups` (a torch optimizer's groups of model
+    parameters), whose options it copies at every step (`SyncedOptions`), and the check that neither side's
+    groups were changed by hand. Every method that reads the groups is handed the live `param_groups` list."""
 
     inner: torch.optim.Optimizer
     point_grads: Callable[[], None]  # each stepped tensor's `.grad`, before a step
@@ -999,9 +980,8 @@ class InnerGroups:
 
 
 class PieceGroups(InnerGroups):
-    """The inner optimizer (`inner`) over this rank's pieces of `param_groups` (see
-    `InnerGroups`). `names` maps id(param) to the plain parameter name (the checkpoint's
-    keys)."""
+    """The inner optimizer (`inner`) over this rank's pieces of `param_groups` (see `InnerGroups`). `names`
+    maps id(param) to the plain parameter name (the checkpoint's keys)."""
 
     how_to_add = (
         "which gives them their pieces of this rank's shards; the inner optimizer holds those "

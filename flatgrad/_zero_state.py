@@ -7,17 +7,15 @@ after ``torch.distributed.checkpoint.state_dict.get_state_dict``:
 
     {"state": {name: {key: value}}, "param_groups": [{**options, "params": [name, ...]}]}
 
-A state tensor with one value per element (``exp_avg``) is a ShardedTensor shaped as its
-parameter, whose shards are every rank's pieces of it: a contiguous run of a parameter's
-memory is at most 2N-1 rectangles of an N-d tensor (`boxes`), built from the layout each
-rank knows, with no communication. The local shards are views of the inner optimizer's
-state (copies where the parameter's memory order is not row-major), so
-``torch.distributed.checkpoint`` saves them in place and loads them into any other world
-size's pieces, or into a plain optimizer's whole tensors, and back (it reshards by the
-rectangles). ``torch.save`` writes this rank's shards as plain tensors, which
-``torch.load(..., weights_only=True)`` reads. A scalar state (``step``) is a plain tensor,
-the same on every rank that holds a piece of the group; a group that has not stepped
-saves a step count of 0 and resumes fresh (`saved_stepped`).
+A state tensor with one value per element (``exp_avg``) is a ShardedTensor shaped as its parameter, whose
+shards are every rank's pieces of it: a contiguous run of a parameter's memory is at most 2N-1 rectangles of
+an N-d tensor (`boxes`), built from the layout each rank knows, with no communication. The local shards are
+views of the inner optimizer's state (copies where the parameter's memory order is not row-major), so
+``torch.distributed.checkpoint`` saves them in place and loads them into any other world size's pieces, or
+into a plain optimizer's whole tensors, and back (it reshards by the rectangles). ``torch.save`` writes this
+rank's shards as plain tensors, which ``torch.load(..., weights_only=True)`` reads. A scalar state (``step``)
+is a plain tensor, the same on every rank that holds a piece of the group; a group that has not stepped saves
+a step count of 0 and resumes fresh (`saved_stepped`).
 """
 
 from __future__ import annotations
@@ -125,12 +123,11 @@ class Extent:
 
 @dataclass(frozen=True)
 class OptimizerRecipe:
-    """An optimizer class and the constructor arguments the user gave it: every optimizer
-    ShardedOptimizer builds (the inner one, and the throwaway ones that show what state a
-    group keeps) is built from both, as a plain optimizer is. Groups alone are not enough:
-    some classes read their constructor arguments outside the groups (Adagrad fills
-    ``state["sum"]`` from ``initial_accumulator_value``; ``differentiable`` picks the grad
-    mode of every class's ``step``; ``fused`` turns on the amp-scaling step)."""
+    """An optimizer class and the constructor arguments the user gave it: every optimizer ShardedOptimizer
+    builds (the inner one, and the throwaway ones that show what state a group keeps) is built from both, as a
+    plain optimizer is. Groups alone are not enough: some classes read their constructor arguments outside the
+    groups (Adagrad fills ``state["sum"]`` from ``initial_accumulator_value``; ``differentiable`` picks the
+    grad mode of every class's ``step``; ``fused`` turns on the amp-scaling step)."""
 
     optimizer_class: type[torch.optim.Optimizer]
     kwargs: Mapping[str, Any]
@@ -287,9 +284,8 @@ def _sharded_shape(param: torch.Tensor) -> torch.Tensor:
 
 
 def _box_view(flat: torch.Tensor, first: int, box: Box, param: torch.Tensor) -> torch.Tensor:
-    """`box` of a state whose elements `first`, `first + 1`, ... in `param`'s memory order
-    are `flat`: a view shaped as the box (not contiguous where the memory order is not
-    row-major)."""
+    """`box` of a state whose elements `first`, `first + 1`, ... in `param`'s memory order are `flat`: a view
+    shaped as the box (not contiguous where the memory order is not row-major)."""
     order = memory_order(param)
     run = flat.narrow(0, box.start - first, box.numel).view([box.sizes[d] for d in order])
     return run.permute(sorted(range(len(order)), key=order.__getitem__))
@@ -374,10 +370,9 @@ def missing_state(
 
 
 def _saved_parts(value: Any, size: tuple[int, ...]) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-    """(offsets, data) of the parts of a saved per-element state this rank holds: a
-    ShardedTensor's local shards, what one became in ``torch.save`` (`SAVED_SHARDS`), or a
-    whole tensor of the parameter's shape `size` (a plain optimizer's). Parts of another
-    shape (another parameter) are left out."""
+    """(offsets, data) of the parts of a saved per-element state this rank holds: a ShardedTensor's local
+    shards, what one became in ``torch.save`` (`SAVED_SHARDS`), or a whole tensor of the parameter's shape
+    `size` (a plain optimizer's). Parts of another shape (another parameter) are left out."""
     if hasattr(value, "local_shards"):
         parts = [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
     elif isinstance(value, dict) and SAVED_SHARDS in value:
@@ -592,9 +587,8 @@ def whole_state(
 
 
 def saved_stepped(groups: list[GroupView], saved: dict[str, Any]) -> list[bool]:
-    """Whether each group's saved state is that of an optimizer that stepped, as its step
-    counts say (0 before the first step, as torch's optimizers count; an optimizer without
-    one, SGD, always loads its state)."""
+    """Whether each group's saved state is that of an optimizer that stepped, as its step counts say (0 before
+    the first step, as torch's optimizers count; an optimizer without one, SGD, always loads its state)."""
     flags = []
     for group in groups:
         entry = next((saved["state"][n] for n, _ in group.params if n in saved["state"]), None)
@@ -639,9 +633,8 @@ def flagged_ranks(flag: bool, device: torch.device, process_group: dist.ProcessG
 def refuse_misfits(
     problem: str | None, device: torch.device, process_group: dist.ProcessGroup | None
 ) -> None:
-    """Raise the same ValueError on every rank when `problem` (this rank's `misfit`) or any
-    other rank's is not None (one small all-reduce): no rank loads a state that does not fit
-    on every rank."""
+    """Raise the same ValueError on every rank when `problem` (this rank's `misfit`) or any other rank's is
+    not None (one small all-reduce): no rank loads a state that does not fit on every rank."""
     rank = dist.get_rank(process_group)
     wrong = flagged_ranks(problem is not None, device, process_group)
     if wrong:
@@ -661,11 +654,10 @@ def load_group(
     stepped: bool,
     live: Mapping[torch.Tensor, dict[str, Any]],
 ) -> dict[int, dict[str, Any]]:
-    """`group`'s pieces' states from `saved` (which `misfit` accepted), by id(piece), for
-    the class's own ``load_state_dict`` (`load_own_state`): written into the state the
-    pieces hold now (`live`, the class's own form of it) or into zeros; a group saved
-    before it stepped gets a fresh optimizer's state (`recipe`'s: Adagrad's holds its
-    initial accumulator). The masters are loaded into the pieces themselves."""
+    """`group`'s pieces' states from `saved` (which `misfit` accepted), by id(piece), for the class's own
+    ``load_state_dict`` (`load_own_state`): written into the state the pieces hold now (`live`, the class's
+    own form of it) or into zeros; a group saved before it stepped gets a fresh optimizer's state (`recipe`'s:
+    Adagrad's holds its initial accumulator). The masters are loaded into the pieces themselves."""
     if not group.params or not group.pieces:
         return {}
     if not stepped:

@@ -1,24 +1,20 @@
-"""ZeRO-1 by whole tensors, for a ShardedOptimizer with ``shard_by="tensor"`` (see
-`flatgrad._sharded`): for optimizers whose update of a parameter reads the whole parameter
-and no other one (Muon's orthogonalisation, Adafactor's factored second moments, a trust
-ratio per tensor), and for any element-wise one.
+"""ZeRO-1 by whole tensors, for a ShardedOptimizer with ``shard_by="tensor"`` (see `flatgrad._sharded`): for
+optimizers whose update of a parameter reads the whole parameter and no other one (Muon's orthogonalisation,
+Adafactor's factored second moments, a trust ratio per tensor), and for any element-wise one.
 
-The backward all-reduces every bucket, as replicate does alone, so every rank holds every
-averaged gradient (each `.grad` a plain, readable view of its slot). Each rank owns whole
-parameters: a contiguous run of slots of each flat parameter buffer, cut so that a rank's
-share of the elements is within one parameter of 1/world_size (`own_runs`). A rank steps
-only the parameters it owns and keeps only their optimizer state, then broadcasts its runs
-of the flat parameter buffers: at most world_size + (buffers - 1) broadcasts in all, each
-of one contiguous run (`TensorEngine.launch_gather`). torch's ZeroRedundancyOptimizer does
-the same with DDP's all-reduce (a greedy partition by size, a broadcast per rank), and
-Megatron-Core's layer-wise optimizer for Muon too; why this pair of collectives and not a
-reduce-scatter into owner ranges is in docs/performance.md.
+The backward all-reduces every bucket, as replicate does alone, so every rank holds every averaged gradient
+(each `.grad` a plain, readable view of its slot). Each rank owns whole parameters: a contiguous run of slots
+of each flat parameter buffer, cut so that a rank's share of the elements is within one parameter of
+1/world_size (`own_runs`). A rank steps only the parameters it owns and keeps only their optimizer state, then
+broadcasts its runs of the flat parameter buffers: at most world_size + (buffers - 1) broadcasts in all, each
+of one contiguous run (`TensorEngine.launch_gather`). torch's ZeroRedundancyOptimizer does the same with DDP's
+all-reduce (a greedy partition by size, a broadcast per rank), and Megatron-Core's layer-wise optimizer for
+Muon too; why this pair of collectives and not a reduce-scatter into owner ranges is in docs/performance.md.
 
-`TensorGroups` is the inner torch optimizer, over stand-ins of the owned parameters
-(`nn.Parameter`s sharing each parameter's memory and shape) with one inner group per group
-of `param_groups`, kept in step with them as `flatgrad._zero.PieceGroups` keeps its pieces;
-its state is saved per parameter name, whole, by the rank that owns it
-(``torch.distributed.checkpoint`` loads it on any world size).
+`TensorGroups` is the inner torch optimizer, over stand-ins of the owned parameters (`nn.Parameter`s sharing
+each parameter's memory and shape) with one inner group per group of `param_groups`, kept in step with them as
+`flatgrad._zero.PieceGroups` keeps its pieces; its state is saved per parameter name, whole, by the rank that
+owns it (``torch.distributed.checkpoint`` loads it on any world size).
 """
 
 from __future__ import annotations
@@ -62,13 +58,12 @@ def own_runs(store: GradStore, world_size: int, members: set[int]) -> tuple[dict
     """The owner of each member parameter of `store` (`members`: the ids of the
     optimizer's parameters) and the runs every rank broadcasts.
 
-    The buffers are taken one after the other, their slots in buffer order; a member goes
-    to the rank whose 1/world_size of all members' elements holds its middle element, so
-    owners only grow along that order and a rank's elements are within one parameter of
-    1/world_size of the total. A run is a stretch of one rank's member slots (each with the
-    padding after it) with no other slot between: one run per rank and buffer when the
-    optimizer holds every parameter, more where parameters of another optimizer (Muon's
-    matrices beside AdamW's vectors) lie between."""
+    The buffers are taken one after the other, their slots in buffer order; a member goes to the rank whose
+    1/world_size of all members' elements holds its middle element, so owners only grow along that order and a
+    rank's elements are within one parameter of 1/world_size of the total. A run is a stretch of one rank's
+    member slots (each with the padding after it) with no other slot between: one run per rank and buffer when
+    the optimizer holds every parameter, more where parameters of another optimizer (Muon's matrices beside
+    AdamW's vectors) lie between."""
     order = [
         (key, store.slot(p)[1].offset, p)
         for key in store.buffers
@@ -115,9 +110,8 @@ class TensorEngine(FlatParameters):
         # until parameters are frozen or unfrozen, then the one replicate laid out for
         # them (`follow`); the flat parameter buffers, owners and runs stay as they are.
         self.grads = store
-        # replicate's count of synchronised backwards, and its value at this optimizer's
-        # last zero_grad: main grads (no `.grad` says they hold anything) hold an average to
-        # step from once it has grown since.
+        # replicate's count of synchronised backwards, and its value at this optimizer's last zero_grad: main
+        # grads (no `.grad` says they hold anything) hold an average to step from once it has grown since.
         self._num_syncs = num_syncs
         self._cleared_at = num_syncs()
         self.owners: dict[int, int] = {}  # id(param) -> the rank that steps it
@@ -136,14 +130,13 @@ class TensorEngine(FlatParameters):
             self.runs_by_rank[run.rank].append(buffer.narrow(0, run.start, run.end - run.start))
 
     def follow(self, store: GradStore, stores: StoreSource) -> None:
-        """Take `store`, the model's gradient store now, where it differs from the layout's
-        only by parameters frozen or unfrozen since (GAN-style toggling, progressive
-        freezing): a frozen parameter keeps its slot of the flat parameter buffers, its
-        owner and its optimizer state, and is stepped only where it has a `.grad`, as a
-        plain optimizer skips a parameter without one; unfrozen, it steps on from that
-        state. Nothing moves: O(parameters) once per new store. A parameter added or
-        replaced since, or unfrozen where it was frozen at construction (it has no slot in
-        the flat parameter buffers), raises RuntimeError."""
+        """Take `store`, the model's gradient store now, where it differs from the layout's only by parameters
+        frozen or unfrozen since (GAN-style toggling, progressive freezing): a frozen parameter keeps its slot
+        of the flat parameter buffers, its owner and its optimizer state, and is stepped only where it has a
+        `.grad`, as a plain optimizer skips a parameter without one; unfrozen, it steps on from that state.
+        Nothing moves: O(parameters) once per new store. A parameter added or replaced since, or unfrozen
+        where it was frozen at construction (it has no slot in the flat parameter buffers), raises
+        RuntimeError."""
         if store is self.grads:
             return
         laid_out = {id(p) for p in self.store.params}
@@ -184,11 +177,10 @@ class TensorEngine(FlatParameters):
         """Nothing to take: the stand-ins step from each parameter's `.grad` as it is."""
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:
-        """Multiply this optimizer's gradients by `inv_scale` (only its own: a second
-        ShardedOptimizer over the model unscales the others, as a loss scaler unscales each
-        torch optimizer's); with `found_inf`, set it to 1.0 where any of them holds an inf
-        or NaN (every rank holds all of them, averaged: the small all-reduce of
-        `unscale_shards` only keeps the ranks in step)."""
+        """Multiply this optimizer's gradients by `inv_scale` (only its own: a second ShardedOptimizer over
+        the model unscales the others, as a loss scaler unscales each torch optimizer's); with `found_inf`,
+        set it to 1.0 where any of them holds an inf or NaN (every rank holds all of them, averaged: the small
+        all-reduce of `unscale_shards` only keeps the ranks in step)."""
         grads = [g for p in self.store.params if id(p) in self.owners and (g := self.grad_of(p)) is not None]
         if grads:
             tensor_parallel = self.store.tensor_parallel
@@ -210,20 +202,18 @@ class TensorEngine(FlatParameters):
                 broadcast_coalesced(group, runs, rank)  # (a rank of the group)
 
     def wait_gather(self, indices: tuple[int, ...] | None = None) -> None:
-        """Wait for the broadcasts `launch_gather` started: every parameter is whole
-        afterwards (on CUDA: for work queued on the current stream from now on). `indices`
-        (the element path's buckets) is accepted for the same call and ignored: all are
-        waited for."""
+        """Wait for the broadcasts `launch_gather` started: every parameter is whole afterwards (on CUDA: for
+        work queued on the current stream from now on). `indices` (the element path's buckets) is accepted for
+        the same call and ignored: all are waited for."""
         for work in self.in_flight:
             work.wait()
         self.in_flight = []
 
 
 class TensorGroups(InnerGroups):
-    """The inner optimizer (`inner`) over stand-ins of the parameters this rank owns, one
-    inner group per group of `param_groups` (empty where it owns none of the group; see
-    `InnerGroups`). `names` maps id(param) to the plain parameter name (the checkpoint's
-    keys)."""
+    """The inner optimizer (`inner`) over stand-ins of the parameters this rank owns, one inner group per
+    group of `param_groups` (empty where it owns none of the group; see `InnerGroups`). `names` maps id(param)
+    to the plain parameter name (the checkpoint's keys)."""
 
     how_to_add = "which gives each its owner rank; the inner optimizer holds this rank's parameters only"
 
@@ -267,8 +257,7 @@ class TensorGroups(InnerGroups):
         return {id(s) for s in self.stand_ins.values()}
 
     def add(self, group: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
-        """The inner group for `group`, just added to `param_groups` (its parameters get
-        owners first)."""
+        """The inner group for `group`, just added to `param_groups` (its parameters get owners first)."""
         self.engine.add_members({id(p) for p in group["params"]})
         torch.optim.Optimizer.add_param_group(self.inner, self._inner_group(group))
         self.added(group, param_groups)
@@ -284,10 +273,9 @@ class TensorGroups(InnerGroups):
                 stand_in.grad = grad if grad is None else grad.to(stand_in.dtype)
 
     def take_masters(self) -> None:
-        """Before a step: a master whose parameter was written since (a model
-        load_state_dict, a copy under no_grad) takes the parameter's value where it no
-        longer rounds to it (exactly: the cast up is exact); a master loaded from the same
-        checkpoint as the parameter is kept."""
+        """Before a step: a master whose parameter was written since (a model load_state_dict, a copy under
+        no_grad) takes the parameter's value where it no longer rounds to it (exactly: the cast up is exact);
+        a master loaded from the same checkpoint as the parameter is kept."""
         with torch.no_grad():
             for param in self.masters:
                 if param._version != self._versions[id(param)]:
@@ -308,12 +296,11 @@ class TensorGroups(InnerGroups):
             stand_in.grad = None
 
     def state_dict(self, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
-        """This rank's parameters' state, whole, by name, as the class's own
-        ``state_dict()`` gives it (`own_state`; a parameter not stepped yet: the state one
-        step would make, zeros, with a step count of 0, so that
-        ``torch.distributed.checkpoint`` has a tensor to load into); every group's options
-        with the names of all of its parameters (the same on every rank); the class's state
-        not of a parameter under `CLASS_STATE`."""
+        """This rank's parameters' state, whole, by name, as the class's own ``state_dict()`` gives it
+        (`own_state`; a parameter not stepped yet: the state one step would make, zeros, with a step count of
+        0, so that ``torch.distributed.checkpoint`` has a tensor to load into); every group's options with the
+        names of all of its parameters (the same on every rank); the class's state not of a parameter under
+        `CLASS_STATE`."""
         entries, rest = own_state(self.inner)
         state: dict[str, Any] = {}
         for group, owned in zip(self.inner.param_groups, self.owned):
@@ -330,11 +317,10 @@ class TensorGroups(InnerGroups):
         return {"state": state, "param_groups": groups, CLASS_STATE: rest}
 
     def load_state_dict(self, param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
-        """Load `state_dict` (a ShardedOptimizer's of the same groups, on any world size
-        through torch.distributed.checkpoint, or this rank's own) into the inner optimizer,
-        through its class's own ``load_state_dict`` (`load_own_state`), and the groups'
-        options, after every rank found it fits (`refuse_misfits`). A saved step count of 0
-        (never stepped) loads as a fresh optimizer's state."""
+        """Load `state_dict` (a ShardedOptimizer's of the same groups, on any world size through
+        torch.distributed.checkpoint, or this rank's own) into the inner optimizer, through its class's own
+        ``load_state_dict`` (`load_own_state`), and the groups' options, after every rank found it fits
+        (`refuse_misfits`). A saved step count of 0 (never stepped) loads as a fresh optimizer's state."""
         try:
             problem = self._misfit(param_groups, state_dict)
         except (TypeError, KeyError, AttributeError, ValueError) as error:  # (each rank must reach the check)

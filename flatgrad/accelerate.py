@@ -1,19 +1,15 @@
 """Hugging Face Accelerate with flatgrad's DDP comm hook, in one call after ``Accelerator()``.
 
-    accelerator = Accelerator()
-    flat = flatgrad.FlatGrad(model)
-    flatgrad.accelerate.attach(accelerator, flat)
+    accelerator = Accelerator() flat = flatgrad.FlatGrad(model) flatgrad.accelerate.attach(accelerator, flat)
     ddp, optimizer = accelerator.prepare(flat, optimizer)
 
-Accelerate builds its DDP in ``accelerator.prepare`` from the accelerator's
-``ddp_handler`` (a `DistributedDataParallelKwargs`): ``ddp_handler.to_kwargs()`` gives the
-constructor arguments, and right after construction ``ddp_handler.register_comm_hook(ddp)``
-registers a comm hook, one of torch's named in `DDPCommunicationHookType` only. `attach`
-puts a `FlatGradDDPKwargs` there, a `DistributedDataParallelKwargs` that keeps the
-handler's settings (``find_unused_parameters``, ``broadcast_buffers``, ...), adds
-`FlatGrad.ddp_kwargs` and registers `flatgrad.allreduce_hook` on the DDP of ``flat``. This
-module is imported only by a user who asks for it (``import flatgrad`` never imports
-Accelerate).
+Accelerate builds its DDP in ``accelerator.prepare`` from the accelerator's ``ddp_handler`` (a
+`DistributedDataParallelKwargs`): ``ddp_handler.to_kwargs()`` gives the constructor arguments, and right after
+construction ``ddp_handler.register_comm_hook(ddp)`` registers a comm hook, one of torch's named in
+`DDPCommunicationHookType` only. `attach` puts a `FlatGradDDPKwargs` there, a `DistributedDataParallelKwargs`
+that keeps the handler's settings (``find_unused_parameters``, ``broadcast_buffers``, ...), adds
+`FlatGrad.ddp_kwargs` and registers `flatgrad.allreduce_hook` on the DDP of ``flat``. This module is imported
+only by a user who asks for it (``import flatgrad`` never imports Accelerate).
 """
 
 from __future__ import annotations
@@ -38,10 +34,9 @@ _NOT_DDP_ARGUMENTS = ("comm_hook", "comm_wrapper", "comm_state_option")  # as Ac
 
 @dataclasses.dataclass
 class FlatGradDDPKwargs(DistributedDataParallelKwargs):
-    """Accelerate's DDP handler with flatgrad's hook: the DDP that ``accelerator.prepare``
-    builds around ``flatgrad_comm_state.model`` gets `flatgrad.allreduce_hook` with that
-    state; any other DDP it builds gets Accelerate's own hook choice (``comm_hook``). Built
-    by `attach`."""
+    """Accelerate's DDP handler with flatgrad's hook: the DDP that ``accelerator.prepare`` builds around
+    ``flatgrad_comm_state.model`` gets `flatgrad.allreduce_hook` with that state; any other DDP it builds gets
+    Accelerate's own hook choice (``comm_hook``). Built by `attach`."""
 
     flatgrad_comm_state: FlatGradCommState | None = None
 
@@ -68,9 +63,8 @@ def attach(
     accelerator: Accelerator, flat: FlatGrad, reduce_dtype: torch.dtype | None = None
 ) -> FlatGradCommState:
     """Make ``accelerator.prepare(model, ...)`` build ``DDP(model, **model.ddp_kwargs())`` with
-    `flatgrad.allreduce_hook` registered, as the hand-written recipe does. Call it after
-    ``Accelerator(...)`` and before ``accelerator.prepare``. On one process (no DDP) it
-    changes nothing.
+    `flatgrad.allreduce_hook` registered, as the hand-written recipe does. Call it after ``Accelerator(...)``
+    and before ``accelerator.prepare``. On one process (no DDP) it changes nothing.
 
     The accelerator's DDP handler (the `DistributedDataParallelKwargs` given in
     ``kwargs_handlers``, or the defaults) is replaced by a `FlatGradDDPKwargs` with the same

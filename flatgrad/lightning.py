@@ -7,19 +7,16 @@ imports Lightning, and this module is imported only by a user who asks for it):
 
 - ``"flatgrad"``: `FlatGradDDPStrategy`, ``DDP(FlatGrad(module), **model.ddp_kwargs())`` with
   `flatgrad.allreduce_hook` registered;
-- ``"flatgrad_data_parallel"``: `FlatGradDataParallelStrategy`,
-  ``flatgrad.replicate(FlatGrad(module))``;
+- ``"flatgrad_data_parallel"``: `FlatGradDataParallelStrategy`, ``flatgrad.replicate(FlatGrad(module))``;
 - ``"flatgrad_sharded"``: `FlatGradShardedStrategy`, the same, with the optimizer that
   ``configure_optimizers`` returns rebuilt as a `flatgrad.ShardedOptimizer` (ZeRO-1).
 
-The strategy applies FlatGrad to the LightningModule in place when ``fit`` sets up (after the
-precision plugin converted it and it moved to its device): it stays a LightningModule of its
-own class, with its hooks, names and checkpoints (``flatgrad.replicate`` too, under the
-DataParallel strategies; DDP around it is taken off at teardown, as Lightning's own
-DDPStrategy does). Each is a `DDPStrategy` subclass, so the
-process launching, device placement (one device per process; NCCL on CUDA, gloo on CPU),
-``trainer.test``/``predict`` (nothing applied, as DDPStrategy) and the checkpoint files are
-Lightning's. What differs from DDPStrategy:
+The strategy applies FlatGrad to the LightningModule in place when ``fit`` sets up (after the precision plugin
+converted it and it moved to its device): it stays a LightningModule of its own class, with its hooks, names
+and checkpoints (``flatgrad.replicate`` too, under the DataParallel strategies; DDP around it is taken off at
+teardown, as Lightning's own DDPStrategy does). Each is a `DDPStrategy` subclass, so the process launching,
+device placement (one device per process; NCCL on CUDA, gloo on CPU), ``trainer.test``/``predict`` (nothing
+applied, as DDPStrategy) and the checkpoint files are Lightning's. What differs from DDPStrategy:
 
 - The comm hook is registered on every device: DDPStrategy's ``ddp_comm_hook`` is
   registered on CUDA only (``DDPStrategy._register_ddp_hooks``), so on CPU it never runs.
@@ -32,16 +29,14 @@ Lightning's. What differs from DDPStrategy:
   (torch's would unscale the reduce-scattered `.grad`), and clipping unscales the shards
   first (Lightning's mixed-precision plugin refuses to clip an optimizer that unscales in its
   ``step``, as a ShardedOptimizer declares, even under ``"bf16-mixed"``, without a scaler).
-- Under ``"flatgrad_sharded"`` a checkpoint's optimizer state is the ShardedOptimizer's made
-  whole (every rank's shards gathered: Lightning writes rank 0's dict only) in the form a
-  plain torch optimizer of the same class and groups saves (`plain_optimizer_state`), so
-  ``"ddp"`` and the other strategies resume from it; it resumes from that form (any of
-  theirs) and from its own by-name one.
-- Manual optimization: ``manual_backward`` runs inside the module's forward (Lightning calls
-  training_step there); a replicated module averages such a backward unless it runs inside
-  ``block_backward_sync()`` (its `no_sync`), as DDPStrategy's ``pre_backward``
-  prepares DDP's reducer for it. Several optimizers (a GAN) are sharded by tensor under
-  ``"flatgrad_sharded"``.
+- Under ``"flatgrad_sharded"`` a checkpoint's optimizer state is the ShardedOptimizer's made whole (every
+  rank's shards gathered: Lightning writes rank 0's dict only) in the form a plain torch optimizer of the same
+  class and groups saves (`plain_optimizer_state`), so ``"ddp"`` and the other strategies resume from it; it
+  resumes from that form (any of theirs) and from its own by-name one.
+- Manual optimization: ``manual_backward`` runs inside the module's forward (Lightning calls training_step
+  there); a replicated module averages such a backward unless it runs inside ``block_backward_sync()`` (its
+  `no_sync`), as DDPStrategy's ``pre_backward`` prepares DDP's reducer for it. Several optimizers (a GAN) are
+  sharded by tensor under ``"flatgrad_sharded"``.
 """
 
 from __future__ import annotations
@@ -83,9 +78,8 @@ _STRATEGY_ARGUMENTS = (
 
 
 class _FlatGradStrategy(DDPStrategy):
-    """What the three strategies share: the `FlatGrad` config, the LightningModule with
-    FlatGrad applied (`flat`, once fit has set up), norm clipping through it, and the name
-    each is registered under."""
+    """What the three strategies share: the `FlatGrad` config, the LightningModule with FlatGrad applied
+    (`flat`, once fit has set up), norm clipping through it, and the name each is registered under."""
 
     strategy_name: ClassVar[str]
     _description: ClassVar[str]
@@ -173,8 +167,7 @@ class FlatGradDataParallelStrategy(_FlatGradStrategy):
     Args:
         config: The `FlatGrad` config (as `FlatGradDDPStrategy`'s).
         bucket_cap_mb: `replicate`'s bucket size in MiB.
-        reduce_dtype: `replicate`'s compressed wire (``torch.bfloat16``/``torch.float16``),
-            or None.
+        reduce_dtype: `replicate`'s compressed wire (``torch.bfloat16``/``torch.float16``), or None.
         broadcast_buffers: `replicate`'s flag (rank 0's buffers before each forward that
             follows a synchronised training forward).
         check_finite: `replicate`'s flag (a non-finite gradient raises on every rank).
@@ -244,12 +237,10 @@ class FlatGradDataParallelStrategy(_FlatGradStrategy):
 
 
 class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
-    """`FlatGradDataParallelStrategy` with ZeRO-1: the optimizer ``configure_optimizers``
-    returns (a plain torch optimizer, with its schedulers) is rebuilt as
-    ``flatgrad.ShardedOptimizer(dp, type(optimizer), optimizer.param_groups,
-    **optimizer.defaults)``: the same class, groups and arguments, each rank keeping its
-    shards' state; its schedulers step the ShardedOptimizer. Registered as
-    ``"flatgrad_sharded"``.
+    """`FlatGradDataParallelStrategy` with ZeRO-1: the optimizer ``configure_optimizers`` returns (a plain
+    torch optimizer, with its schedulers) is rebuilt as ``flatgrad.ShardedOptimizer(dp, type(optimizer),
+    optimizer.param_groups, **optimizer.defaults)``: the same class, groups and arguments, each rank keeping
+    its shards' state; its schedulers step the ShardedOptimizer. Registered as ``"flatgrad_sharded"``.
 
     Clipping is by norm only (the norm of the whole averaged gradient); a checkpoint holds
     the whole optimizer state, in torch's form (see the module notes). Several optimizers
@@ -403,15 +394,14 @@ def whole_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
 
 
 def plain_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
-    """What a plain torch optimizer of `optimizer`'s class and groups would save (a
-    collective: `whole_optimizer_state`), so that ``torch.optim.<Class>.load_state_dict``,
-    Lightning's "ddp" and every flatgrad strategy resume from it: parameters numbered in
-    group order, as torch numbers them; state keyed by those numbers, only for parameters
-    that stepped (torch keeps none before the first step: a saved step of 0); every tensor
-    its own (the ShardedOptimizer shares one step count per group, which ``step += 1``
-    would then advance once per parameter); per-element state in the parameter's shape and
-    dtype. Float32 master weights (bfloat16/float16 parameters with main grads) have no
-    place there: they are left out (warned), and resuming starts from the parameters.
+    """What a plain torch optimizer of `optimizer`'s class and groups would save (a collective:
+    `whole_optimizer_state`), so that ``torch.optim.<Class>.load_state_dict``, Lightning's "ddp" and every
+    flatgrad strategy resume from it: parameters numbered in group order, as torch numbers them; state keyed
+    by those numbers, only for parameters that stepped (torch keeps none before the first step: a saved step
+    of 0); every tensor its own (the ShardedOptimizer shares one step count per group, which ``step += 1``
+    would then advance once per parameter); per-element state in the parameter's shape and dtype. Float32
+    master weights (bfloat16/float16 parameters with main grads) have no place there: they are left out
+    (warned), and resuming starts from the parameters.
 
     Args:
         optimizer: The ShardedOptimizer (every rank of its group calls this together).
@@ -522,11 +512,10 @@ def _shard_by(shard_by: ShardBy | None, num_optimizers: int) -> ShardBy | None:
 
 
 def _track_scheduler_steps(optimizer: torch.optim.Optimizer) -> None:
-    """Have `optimizer.step` tracked as a scheduler built on it tracks it (torch's schedulers
-    warn at their first step when the optimizer they were built on was not stepped through
-    that tracking), through torch's public API: a throwaway LambdaLR of factor 1, whose
-    initial step rewrites each group's ``lr`` from ``initial_lr``; the groups' ``lr`` the
-    user's schedulers set are put back."""
+    """Have `optimizer.step` tracked as a scheduler built on it tracks it (torch's schedulers warn at their
+    first step when the optimizer they were built on was not stepped through that tracking), through torch's
+    public API: a throwaway LambdaLR of factor 1, whose initial step rewrites each group's ``lr`` from
+    ``initial_lr``; the groups' ``lr`` the user's schedulers set are put back."""
     lrs = [group["lr"] for group in optimizer.param_groups]
     torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     for group, lr in zip(optimizer.param_groups, lrs):
@@ -551,11 +540,10 @@ def _refuse_value_clipping() -> None:
 
 
 def _clip_through_flatgrad(plugin: Precision, flat_of: Callable[[], FlatGrad | None]) -> None:
-    """Make `plugin` clip by norm with flatgrad's norm: a ShardedOptimizer's own
-    `clip_grad_norm_`, `FlatGrad.clip_grad_norm_` where the optimizer holds every parameter
-    with a slot, the plugin's own otherwise; value clipping of a ShardedOptimizer raises.
-    (Instance attributes: this strategy's plugin only, nothing process-wide; once per plugin,
-    though every fit's setup calls this.)"""
+    """Make `plugin` clip by norm with flatgrad's norm: a ShardedOptimizer's own `clip_grad_norm_`,
+    `FlatGrad.clip_grad_norm_` where the optimizer holds every parameter with a slot, the plugin's own
+    otherwise; value clipping of a ShardedOptimizer raises. (Instance attributes: this strategy's plugin only,
+    nothing process-wide; once per plugin, though every fit's setup calls this.)"""
     if getattr(plugin, "_flatgrad_clips", False):
         return
     plugin._flatgrad_clips = True  # type: ignore[attr-defined]

@@ -1,22 +1,19 @@
 """`PipelineStage`: torch's pipeline stage over a `flatgrad.replicate`d submodule, averaging
 in the last micro-batch's backward of each step, as torch's stage does for a DDP submodule.
 
-torch's stage (`torch.distributed.pipelining.PipelineStage`) tells only DDP and FSDP
-submodules, by `isinstance`, which backward of a step is the last. For DDP it runs every
-forward under ``no_sync()`` and prepares DDP's reducer before the last backward
-(``last_backward``, which the schedule passes to `backward_one_chunk` and
-`backward_weight_one_chunk`). This subclass does the same for `replicate` through those
-public methods alone: every forward under ``model.no_sync()``, and the last full backward
-opened averaging (`flatgrad._bucket_sync.BucketSync.averaging`), so its buckets launch
-during that backward as `replicate`'s do outside a pipeline, with a ShardedOptimizer's
-reduce-scatter too. A step that ran a split backward (zero-bubble schedules: an input part
-and a weight part, whose weight gradients come from ``torch.autograd.grad`` and are
-assigned to `.grad` by the stage, so no AccumulateGrad hook sees them) averages instead with
-one `FlatGrad.all_reduce_grads` after its last backward, not overlapped. Either way the step
-synchronises once. `scale_grads` (the schedule's division by the number of micro-batches)
-divides the flat gradient buffers, where every gradient is after that synchronisation
-(also a ShardedOptimizer's reduce-scattered ones, whose `.grad` refuses math, and main
-grads, whose `.grad` is None).
+torch's stage (`torch.distributed.pipelining.PipelineStage`) tells only DDP and FSDP submodules, by
+`isinstance`, which backward of a step is the last. For DDP it runs every forward under ``no_sync()`` and
+prepares DDP's reducer before the last backward (``last_backward``, which the schedule passes to
+`backward_one_chunk` and `backward_weight_one_chunk`). This subclass does the same for `replicate` through
+those public methods alone: every forward under ``model.no_sync()``, and the last full backward opened
+averaging (`flatgrad._bucket_sync.BucketSync.averaging`), so its buckets launch during that backward as
+`replicate`'s do outside a pipeline, with a ShardedOptimizer's reduce-scatter too. A step that ran a split
+backward (zero-bubble schedules: an input part and a weight part, whose weight gradients come from
+``torch.autograd.grad`` and are assigned to `.grad` by the stage, so no AccumulateGrad hook sees them)
+averages instead with one `FlatGrad.all_reduce_grads` after its last backward, not overlapped. Either way the
+step synchronises once. `scale_grads` (the schedule's division by the number of micro-batches) divides the
+flat gradient buffers, where every gradient is after that synchronisation (also a ShardedOptimizer's
+reduce-scattered ones, whose `.grad` refuses math, and main grads, whose `.grad` is None).
 
 Imports `torch.distributed.pipelining`; `import flatgrad` never imports this module.
 """
@@ -60,10 +57,9 @@ def _check_torch_stage() -> None:
 
 
 class PipelineStage(pipelining.PipelineStage):
-    """`torch.distributed.pipelining.PipelineStage` whose submodule is replicated (`flatgrad.replicate`):
-    the micro-batches accumulate locally, and the step's last backward averages,
-    overlapped bucket by bucket (the step's one synchronisation). No ``no_sync()`` or
-    ``all_reduce_grads`` around ``schedule.step(...)``.
+    """`torch.distributed.pipelining.PipelineStage` whose submodule is replicated (`flatgrad.replicate`): the
+    micro-batches accumulate locally, and the step's last backward averages, overlapped bucket by bucket (the
+    step's one synchronisation). No ``no_sync()`` or ``all_reduce_grads`` around ``schedule.step(...)``.
 
     Takes torch's arguments: ``PipelineStage(model, stage_index, num_stages, device,
     input_args=..., output_args=..., group=..., dw_builder=None)``.
@@ -78,8 +74,7 @@ class PipelineStage(pipelining.PipelineStage):
     Raises:
         TypeError: `submodule` is not replicated (a FlatGrad alone, or DDP
             over one, goes into torch's own PipelineStage).
-        ValueError: A ``dw_builder`` is given (its weight gradients would come after the
-            averaging backward).
+        ValueError: A ``dw_builder`` is given (its weight gradients would come after the averaging backward).
         RuntimeError: torch's stage lacks the methods this one runs inside (an older torch).
     """
 
