@@ -18,11 +18,11 @@ After backward, the `.grad` of a model parameter is averaged only inside this ra
 and `step` use exactly those. Until the gradients are zeroed every `.grad` is a
 `flatgrad._scattered_grad.ScatteredGrad` (the slot's memory) that raises on any read of its values, so
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` or a logged ``p.grad.norm()`` fails loudly on
-every rank instead of computing a different wrong value on each. A shard is updated as one tensor, so a
-parameter that no rank used in a step is stepped with a zero gradient (momentum and weight decay still apply),
-as Megatron's distributed optimizer steps its whole buffers; stock DDP with ``find_unused_parameters=True``
-would skip it (its `.grad` stays None), and DDP with ``static_graph=True`` refuses such a model. A parameter
-used on any rank is exact.
+every rank instead of computing a different wrong value on each. A parameter that no rank used in a step
+(`.grad` None, as stock DDP with ``find_unused_parameters=True`` leaves it) is left as stock's optimizer
+leaves it: `flatgrad._zero.PieceGroups.step` skips a group none of whose parameters has a gradient, and puts
+such a parameter's elements (values, per-element state) back after a group's step where the class allows
+it, else refuses on every rank before anything moves.
 """
 
 from __future__ import annotations
@@ -349,7 +349,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 hold other tensors than exactly this rank's shards. (Parameters frozen or unfrozen otherwise
                 are followed, `_follow_layout`.)
             ValueError: A parameter frozen or unfrozen since would share a group with
-                parameters of another step count.
+                parameters of another step count; or a group steps while a parameter of it
+                has no gradient and its class cannot leave that one as it was (a step count
+                per parameter: give such parameters a group of their own).
         """
         self._engine.wait_gather()  # (overlap_param_gather: a step with no forward since)
         self._check_join()

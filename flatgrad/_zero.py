@@ -53,6 +53,8 @@ from flatgrad._zero_state import (
     own_state,
     refuse_misfits,
     saved_stepped,
+    state_spec,
+    zeros_start_fresh,
 )
 
 
@@ -222,9 +224,9 @@ class ShardEngine(FlatParameters):
         """Before a step with no synchronised backward since the gradients were last zeroed: each `.grad`
         assigned by hand (``p.grad = g``: gradient surgery, gradients from ``torch.autograd.grad`` or another
         model) is copied into its slot, which the shards read, and the slot of a parameter without one is
-        zeroed (stepped as an unused parameter is; see `flatgrad._sharded`). Nothing is averaged: each rank
-        steps its shards with its own gradients, as torch's ZeroRedundancyOptimizer steps its partition. After
-        a synchronised backward the slots already hold the averages."""
+        zeroed (left unstepped on this rank: `PieceGroups.step`). Nothing is averaged: each rank steps its
+        shards with its own gradients, as torch's ZeroRedundancyOptimizer steps its partition. After a
+        synchronised backward the slots already hold the averages."""
         store = self.store
         if not is_scattered(store) and any(p.grad is not None for p in store.params):
             store.take_in(store.params, zero_empty=True)
@@ -1005,6 +1007,7 @@ class PieceGroups(InnerGroups):
         # With the user's constructor arguments, as a plain optimizer is built (`OptimizerRecipe`).
         self.inner = recipe.build(inner_groups)
         self.take_masters, self.write_back = engine.take_masters, engine.write_back  # (the engine's masters)
+        self.specs: dict[tuple[str, torch.dtype], bool] = {}  # (options, dtype) -> `_refuse_partial`'s answer
         self.hold(param_groups, self.piece_ids)
 
     def piece_ids(self) -> set[int]:
@@ -1026,6 +1029,114 @@ class PieceGroups(InnerGroups):
         for pieces in self.pieces:
             for piece in pieces:
                 piece.param.grad = piece.grad
+
+    def step(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> Any:
+        """`InnerGroups.step`, leaving a parameter without a gradient as stock leaves it
+        (`_unstepped`): a group none of whose parameters has one is skipped whole (its pieces'
+        `.grad` None), and in a group stepped the elements of such a parameter in this rank's
+        pieces get their values and per-element state back after the inner step."""
+        if "closure" in kwargs:  # (a class whose step runs the closure: its gradients come later)
+            return super().step(param_groups, **kwargs)
+        whole, parts = self._unstepped(param_groups)
+        if not whole and not parts:
+            return super().step(param_groups, **kwargs)
+        self.point_grads()
+        for index in whole:
+            for piece in self.pieces[index]:
+                piece.param.grad = None
+        self.take_masters()
+        restore = self._kept_parts(parts)
+        result = self.options.run(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
+        restore()
+        self.write_back()
+        return result
+
+    def _unstepped(self, param_groups: list[dict[str, Any]]) -> tuple[set[int], list[tuple[Piece, int, int]]]:
+        """The groups no parameter of which has a gradient, and the [a, b) ranges of this
+        rank's pieces of the other groups that hold a parameter without one. Without a
+        gradient: `.grad` None after a synchronised backward (no rank used it, as stock DDP
+        with find_unused_parameters=True leaves it; a main grad always counts), or, with
+        gradients assigned by hand, on this rank (each rank steps its shards with its own, as
+        torch's ZeroRedundancyOptimizer steps its partition; one small all-reduce tells every
+        rank who has none where). Raises ValueError on every rank alike, before anything
+        moves, where a group with a parameter without a gradient steps and its class cannot
+        leave elements of its pieces as they were (`_refuse_partial`)."""
+        store = self.engine.store
+        held = [[p for p in group["params"] if p in store] for group in param_groups]
+        missing = [[p.grad is None and not store.is_main(p) for p in params] for params in held]
+        if is_scattered(store):  # (after a synchronised backward `.grad` is None alike on every rank)
+            somewhere = everywhere = missing
+        else:  # by hand: which parameters lack one on some rank, and on every rank
+            somewhere, everywhere = _missing_on_ranks(missing, self.engine)
+        whole, parts = set(), []
+        for index, (params, lacking) in enumerate(zip(held, missing)):
+            if not any(somewhere[index]):
+                continue
+            if all(everywhere[index]):
+                whole.add(index)
+                continue
+            self._refuse_partial(index, params, somewhere[index], param_groups[index])
+            for param, lacks in zip(params, lacking):
+                _key, slot = store.slot(param)
+                for piece in self.pieces[index] if lacks else ():
+                    inside = overlap(
+                        slot.offset, slot.offset + slot.numel, piece.start, piece.start + piece.param.numel()
+                    )
+                    if inside is not None:
+                        parts.append((piece, inside[0] - piece.start, inside[1] - piece.start))
+        return whole, parts
+
+    def _refuse_partial(
+        self, index: int, params: list[torch.Tensor], lacking: list[bool], group: dict[str, Any]
+    ) -> None:
+        """Raise ValueError where group `index` steps with parameters without a gradient in it
+        and its class cannot leave their elements as they were: it keeps scalar state per
+        parameter (a step count), which the pieces keep per group, or its per-element state,
+        zeroed, does not step as none does (`zeros_start_fresh`). Decided from what every
+        rank knows alike, so every rank raises."""
+        options = {k: v for k, v in group.items() if k != "params"}
+        like = self.pieces[index][0].param
+        key = (repr(options), like.dtype)
+        if key not in self.specs:
+            spec = state_spec(self.recipe, options, like)
+            self.specs[key] = not spec.scalars and zeros_start_fresh(self.recipe, options, like)
+        if self.specs[key]:
+            return
+        names = [self.names[id(p)] for p, lacks in zip(params, lacking) if lacks]
+        raise ValueError(
+            f"ShardedOptimizer: {names[:4]} of param group {index} have no gradient in this step "
+            f"while others of the group do; {self.recipe.name} keeps a step count or other state "
+            "per parameter, which a group's shard pieces keep together, so it cannot leave them as "
+            "stock leaves a parameter without a gradient, and stepping them with a zero one would "
+            "move them (weight decay, momentum). Give the parameters a step may leave unused a "
+            "param group of their own (skipped whole where none has a gradient), or "
+            "shard_by='tensor', or use them in every step"
+        )
+
+    def _kept_parts(self, parts: list[tuple[Piece, int, int]]) -> Callable[[], None]:
+        """What puts `parts` back after the step: each range's values and per-element state
+        now (zeros for state the step makes where a piece had none yet: a first step)."""
+        saved = []
+        for piece, a, b in parts:
+            state = _per_element(self.inner.state.get(piece.param, {}), piece.param)
+            saved.append(
+                (
+                    piece.param,
+                    a,
+                    b,
+                    piece.param.detach()[a:b].clone(),
+                    {k: v[a:b].clone() for k, v in state.items()},
+                )
+            )
+
+        def restore() -> None:
+            with torch.no_grad():
+                for param, a, b, values, before in saved:
+                    param[a:b] = values
+                    for key, value in _per_element(self.inner.state[param], param).items():
+                        value[a:b] = before.get(key, 0)
+
+        return restore
 
     def drop_grads(self) -> None:
         """Drop the pieces' `.grad` (zero_grad)."""
@@ -1067,3 +1178,31 @@ class PieceGroups(InnerGroups):
             states.update(load_group(self.recipe, view, layout, state_dict["state"], flag, live))
         load_own_state(self.inner, states, state_dict.get(CLASS_STATE), state_dict["param_groups"])
         self.options.loaded(param_groups, self.inner)
+
+
+def _per_element(state: dict[str, Any], piece: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The per-element entries of a piece's state (1-D, the piece's length)."""
+    return {
+        k: v
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and v.dim() == 1 and len(v) == len(piece)
+    }
+
+
+def _missing_on_ranks(
+    missing: list[list[bool]], engine: ShardEngine
+) -> tuple[list[list[bool]], list[list[bool]]]:
+    """Per group and parameter: whether some rank, and whether every rank, has no gradient
+    for it (`missing` is this rank's; one small all-reduce)."""
+    flat = [lacks for lacking in missing for lacks in lacking]
+    flags = torch.tensor(
+        [*flat, *(not lacks for lacks in flat)], dtype=torch.uint8, device=engine.shards[0].param.device
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=engine.process_group)
+    some, used = flags.tolist()[: len(flat)], flags.tolist()[len(flat) :]
+    somewhere, everywhere, at = [], [], 0
+    for lacking in missing:
+        somewhere.append([bool(f) for f in some[at : at + len(lacking)]])
+        everywhere.append([not u for u in used[at : at + len(lacking)]])
+        at += len(lacking)
+    return somewhere, everywhere

@@ -192,6 +192,32 @@ def state_spec(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Ten
     return StateSpec(per_element, {k: v for k, v in state.items() if k not in per_element})
 
 
+def zeros_start_fresh(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Tensor) -> bool:
+    """Whether `recipe`'s per-element state, zeroed, steps a parameter as no state does (as
+    a parameter's first step): Adam's moments, SGD's momentum without dampening do; SGD's
+    with dampening does not (its first step takes the gradient whole). Two throwaway
+    one-element parameters like `like` step with the same gradient, one fresh and one whose
+    state a step made and that was then zeroed: their values and states must be equal."""
+    fresh, zeroed = (nn.Parameter(like.new_full((1,), 0.5)) for _ in range(2))
+    first, second = (recipe.build_to_step([dict(options, params=[p])]) for p in (fresh, zeroed))
+    zeroed.grad = torch.zeros_like(zeroed)
+    recipe.step(second)
+    with torch.no_grad():
+        zeroed.fill_(0.5)
+        for value in second.state[zeroed].values():
+            if isinstance(value, torch.Tensor) and value.dim() == 1:
+                value.zero_()
+    fresh.grad, zeroed.grad = (like.new_full((1,), 0.25) for _ in range(2))
+    recipe.step(first)
+    recipe.step(second)
+    ours, theirs = first.state[fresh], second.state[zeroed]
+    return (
+        torch.equal(fresh, zeroed)
+        and ours.keys() == theirs.keys()
+        and all(torch.equal(ours[k], theirs[k]) for k in ours if isinstance(ours[k], torch.Tensor))
+    )
+
+
 def piece_states(
     pieces: list[Piece], live: Mapping[torch.Tensor, dict[str, Any]], spec: StateSpec
 ) -> list[dict[str, Any]]:

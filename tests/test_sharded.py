@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from conftest import ROUTE_ALL, grad_in_buffers
 from dist_utils import rank_profile, run_ranks
-from oracle import Lockstep, stock
+from oracle import Lockstep, assert_params_like, stock
 from test_parallel import _Net, _tokens
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -1349,3 +1349,104 @@ def _inner_scheduler_worker(rank: int, world_size: int) -> None:
 
 def test_a_scheduler_on_the_inner_optimizer_takes_effect_or_is_refused():
     run_ranks(_inner_scheduler_worker)
+
+
+# A parameter no rank used in a step (the branch, skipped on both ranks in step 1): stock DDP
+# (find_unused_parameters=True) leaves its `.grad` None and the optimizer leaves it alone.
+_UNUSED_CASES = {
+    "adamw_own_group": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}, True, None),
+    "adagrad_own_group": (
+        torch.optim.Adagrad,
+        {"lr": 0.05, "lr_decay": 0.1, "weight_decay": 0.1},
+        True,
+        None,
+    ),
+    "sgd_momentum_one_group": (
+        torch.optim.SGD,
+        {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1},
+        False,
+        None,
+    ),
+    "sgd_one_group": (torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.1}, False, None),
+    "adamw_one_group": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}, False, "keeps a step count"),
+    "sgd_dampening_one_group": (
+        torch.optim.SGD,
+        {"lr": 0.1, "momentum": 0.9, "dampening": 0.5},
+        False,
+        "keeps",
+    ),
+}
+
+
+def _groups(model: nn.Module, own_group: bool) -> list[dict[str, Any]]:
+    branch = [p for n, p in model.named_parameters() if n.startswith("branch.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("branch.") and p.requires_grad]
+    return [{"params": rest}, {"params": branch}] if own_group else [{"params": rest + branch}]
+
+
+def _unused_worker(rank: int, world_size: int, case: str) -> None:
+    optimizer_class, options, own_group, refusal = _UNUSED_CASES[case]
+    torch.manual_seed(0)
+    model = _Net()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ref_opt = optimizer_class(_groups(ref.module, own_group), **options)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.002)
+    opt = flatgrad.ShardedOptimizer(dp, optimizer_class, _groups(model, own_group), **options)
+    pair = Lockstep(model, dp, opt, ref, ref_opt)
+    for step in range(4):
+        use_branch = step != 1 and not (rank == 1 and step == 2)  # (step 2: used on rank 0 only)
+        pair.zero_grad()
+        pair.backward(_tokens(rank, step), use_branch)
+        if refusal is not None and step == 1:
+            before = [p.detach().clone() for p in model.parameters()]
+            with pytest.raises(ValueError, match=refusal):
+                opt.step()
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # nothing moved
+            return
+        pair.step()
+        pair.assert_params(**TOL, what=f"step {step}")
+
+
+@pytest.mark.parametrize("case", list(_UNUSED_CASES))
+def test_a_parameter_no_rank_used_is_not_stepped_as_stock(case):
+    """Skipped whole where its group has no other gradient (any class), left as it was by
+    element where the class allows it (no scalar state, zeroed state steps as none), else
+    refused on every rank before anything moves."""
+    run_ranks(_unused_worker, case)
+
+
+def _by_hand_worker(rank: int, world_size: int, refused: bool) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    oracle = copy.deepcopy(model)
+    optimizer_class = torch.optim.AdamW if refused else torch.optim.SGD
+    options = {"lr": 0.05, "weight_decay": 0.1, **({} if refused else {"momentum": 0.9})}
+    ref_opt = optimizer_class([p for p in oracle.parameters() if p.requires_grad], **options)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.002)
+    opt = flatgrad.ShardedOptimizer(dp, optimizer_class, **options)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        generator = torch.Generator().manual_seed(step)  # (the same gradients on every rank)
+        for (name, param), ref in zip(model.named_parameters(), oracle.parameters()):
+            grad = torch.randn(param.shape, dtype=param.dtype, generator=generator)
+            # the branch has none on every rank in step 1 (on rank 1 only where refused)
+            if param.requires_grad and not (
+                name.startswith("branch.") and step == 1 and (rank == 1 or not refused)
+            ):
+                param.grad, ref.grad = grad.clone(), grad.clone()
+        if refused and step == 1:
+            with pytest.raises(ValueError, match=r"\['branch.weight', 'branch.bias'\] of param group 0"):
+                opt.step()  # (rank 0 has the branch's gradients: it raises as rank 1 does)
+            return
+        opt.step()
+        ref_opt.step()
+        assert_params_like(model, oracle, **TOL, what=f"step {step}")
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["sgd_momentum", "adamw_refused"])
+def test_gradients_assigned_by_hand_skip_a_parameter_without_one_and_refuse_on_every_rank(refused):
+    """Gradients assigned by hand (no synchronised backward): a parameter without one is left
+    as a plain optimizer leaves it; where the class cannot, every rank raises, also one that
+    has the gradient."""
+    run_ranks(_by_hand_worker, refused)
