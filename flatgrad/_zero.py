@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatgrad import _norms
-from flatgrad._buffer import GradStore, scale_
+from flatgrad._buffer import GradStore, host_tensor, scale_
 from flatgrad._comm import BackendPolicy, all_gather_flat
 from flatgrad._dtensor import TensorParallel, is_sharded, local_of, move_into, shard_origin
 from flatgrad._layout import GroupKey, merge_touching, overlap
@@ -216,7 +216,9 @@ class ShardEngine(FlatParameters):
         """Whether a step has gradients to use: a parameter has a `.grad` (reduce-scattered ones are
         ScatteredGrads), or main grads were reduce-scattered into since flatgrad's last zeroing (they have no
         `.grad`). Gradients set to None through the model (``model.zero_grad()``) leave nothing to step, as
-        with stock. Every rank answers alike: a sync sets `.grad` alike on all."""
+        with stock. Every rank answers alike: a sync sets `.grad` alike on all. (Not agreed by a collective:
+        a rank that skipped its forward and backward answers False and must not meet the others' backward
+        with one; its next backward refuses, `Round._check_round`.)"""
         store = self.store
         return any(p.grad is not None for p in store.params) or (is_scattered(store) and bool(store.mains))
 
@@ -1007,7 +1009,8 @@ class PieceGroups(InnerGroups):
         # With the user's constructor arguments, as a plain optimizer is built (`OptimizerRecipe`).
         self.inner = recipe.build(inner_groups)
         self.take_masters, self.write_back = engine.take_masters, engine.write_back  # (the engine's masters)
-        self.specs: dict[tuple[str, torch.dtype], bool] = {}  # (options, dtype) -> `_refuse_partial`'s answer
+        # (options, dtype, device) -> `_refuse_partial`'s answer
+        self.specs: dict[tuple[str, torch.dtype, torch.device], bool] = {}
         self.hold(param_groups, self.piece_ids)
 
     def piece_ids(self) -> set[int]:
@@ -1055,16 +1058,18 @@ class PieceGroups(InnerGroups):
         """The groups no parameter of which has a gradient, and the [a, b) ranges of this
         rank's pieces of the other groups that hold a parameter without one. Without a
         gradient: `.grad` None after a synchronised backward (no rank used it, as stock DDP
-        with find_unused_parameters=True leaves it; a main grad always counts), or, with
-        gradients assigned by hand, on this rank (each rank steps its shards with its own, as
-        torch's ZeroRedundancyOptimizer steps its partition; one small all-reduce tells every
-        rank who has none where). Raises ValueError on every rank alike, before anything
-        moves, where a group with a parameter without a gradient steps and its class cannot
-        leave elements of its pieces as they were (`_refuse_partial`)."""
-        store = self.engine.store
+        with find_unused_parameters=True leaves it; a main grad always counts, an empty
+        parameter never), or, with gradients assigned by hand, on this rank (each rank steps
+        its shards with its own, as torch's ZeroRedundancyOptimizer steps its partition; one
+        small all-reduce tells every rank who has none where). Raises ValueError on every rank
+        alike, before anything moves, where a group with a parameter without a gradient steps
+        and its class cannot leave elements of its pieces as they were (`_refuse_partial`)."""
+        store, scattered = self.engine.store, is_scattered(self.engine.store)
+        if scattered and all(p.grad is not None or store.is_main(p) or not p.numel() for p in store.params):
+            return set(), []  # (the usual step: every parameter has its gradient)
         held = [[p for p in group["params"] if p in store] for group in param_groups]
-        missing = [[p.grad is None and not store.is_main(p) for p in params] for params in held]
-        if is_scattered(store):  # (after a synchronised backward `.grad` is None alike on every rank)
+        missing = [[p.grad is None and bool(p.numel()) and not store.is_main(p) for p in ps] for ps in held]
+        if scattered:  # (after a synchronised backward `.grad` is None alike on every rank)
             somewhere = everywhere = missing
         else:  # by hand: which parameters lack one on some rank, and on every rank
             somewhere, everywhere = _missing_on_ranks(missing, self.engine)
@@ -1077,12 +1082,11 @@ class PieceGroups(InnerGroups):
                 continue
             self._refuse_partial(index, params, somewhere[index], param_groups[index])
             for param, lacks in zip(params, lacking):
-                _key, slot = store.slot(param)
-                for piece in self.pieces[index] if lacks else ():
-                    inside = overlap(
-                        slot.offset, slot.offset + slot.numel, piece.start, piece.start + piece.param.numel()
-                    )
-                    if inside is not None:
+                key, slot = store.slot(param)
+                end = slot.offset + slot.numel
+                for piece in self.pieces[index] if lacks else ():  # (offsets in the same buffer only)
+                    inside = overlap(slot.offset, end, piece.start, piece.start + piece.param.numel())
+                    if inside is not None and piece.key == key:
                         parts.append((piece, inside[0] - piece.start, inside[1] - piece.start))
         return whole, parts
 
@@ -1092,26 +1096,34 @@ class PieceGroups(InnerGroups):
         """Raise ValueError where group `index` steps with parameters without a gradient in it
         and its class cannot leave their elements as they were: it keeps scalar state per
         parameter (a step count), which the pieces keep per group, or its per-element state,
-        zeroed, does not step as none does (`zeros_start_fresh`). Decided from what every
-        rank knows alike, so every rank raises."""
+        zeroed, does not step as none does (`zeros_start_fresh`). Probed in the dtype of each
+        buffer the group's parameters live in (what the pieces step: the gradient buffer's,
+        float32 masters included), the same on every rank, so every rank raises alike. Cached
+        by the options a scheduler does not move."""
+        store = self.engine.store
         options = {k: v for k, v in group.items() if k != "params"}
-        like = self.pieces[index][0].param
-        key = (repr(options), like.dtype)
-        if key not in self.specs:
-            spec = state_spec(self.recipe, options, like)
-            self.specs[key] = not spec.scalars and zeros_start_fresh(self.recipe, options, like)
-        if self.specs[key]:
-            return
-        names = [self.names[id(p)] for p, lacks in zip(params, lacking) if lacks]
-        raise ValueError(
-            f"ShardedOptimizer: {names[:4]} of param group {index} have no gradient in this step "
-            f"while others of the group do; {self.recipe.name} keeps a step count or other state "
-            "per parameter, which a group's shard pieces keep together, so it cannot leave them as "
-            "stock leaves a parameter without a gradient, and stepping them with a zero one would "
-            "move them (weight decay, momentum). Give the parameters a step may leave unused a "
-            "param group of their own (skipped whole where none has a gradient), or "
-            "shard_by='tensor', or use them in every step"
+        fixed = repr(
+            {k: v for k, v in options.items() if k not in _SCHEDULED and not isinstance(v, torch.Tensor)}
         )
+        for dtype, device in {store.slot(p)[0] for p in params}:
+            key = (fixed, dtype, device)
+            if key not in self.specs:
+                if len(self.specs) > 64:  # (an option scheduled under another name: OneCycleLR's momentum)
+                    self.specs.clear()
+                like = torch.empty(0, dtype=dtype, device=device)
+                spec = state_spec(self.recipe, options, like)
+                self.specs[key] = not spec.scalars and zeros_start_fresh(self.recipe, options, like)
+            if not self.specs[key]:
+                names = [self.names[id(p)] for p, lacks in zip(params, lacking) if lacks]
+                raise ValueError(
+                    f"ShardedOptimizer: {names[:4]} of param group {index} have no gradient in this "
+                    f"step while others of the group do; {self.recipe.name} keeps a step count or other "
+                    "state per parameter, which a group's shard pieces keep together, so it cannot leave "
+                    "them as stock leaves a parameter without a gradient, and stepping them with a zero "
+                    "one would move them (weight decay, momentum). Give the parameters a step may leave "
+                    "unused a param group of their own (skipped whole where none has a gradient), or "
+                    "shard_by='tensor', or use them in every step"
+                )
 
     def _kept_parts(self, parts: list[tuple[Piece, int, int]]) -> Callable[[], None]:
         """What puts `parts` back after the step: each range's values and per-element state
@@ -1119,21 +1131,14 @@ class PieceGroups(InnerGroups):
         saved = []
         for piece, a, b in parts:
             state = _per_element(self.inner.state.get(piece.param, {}), piece.param)
-            saved.append(
-                (
-                    piece.param,
-                    a,
-                    b,
-                    piece.param.detach()[a:b].clone(),
-                    {k: v[a:b].clone() for k, v in state.items()},
-                )
-            )
+            values = piece.param.detach()[a:b].clone()
+            saved.append((piece.param, a, b, values, {k: v[a:b].clone() for k, v in state.items()}))
 
         def restore() -> None:
             with torch.no_grad():
                 for param, a, b, values, before in saved:
                     param[a:b] = values
-                    for key, value in _per_element(self.inner.state[param], param).items():
+                    for key, value in _per_element(self.inner.state.get(param, {}), param).items():
                         value[a:b] = before.get(key, 0)
 
         return restore
@@ -1193,16 +1198,15 @@ def _missing_on_ranks(
     missing: list[list[bool]], engine: ShardEngine
 ) -> tuple[list[list[bool]], list[list[bool]]]:
     """Per group and parameter: whether some rank, and whether every rank, has no gradient
-    for it (`missing` is this rank's; one small all-reduce)."""
+    for it (`missing` is this rank's; one small all-reduce of the counts)."""
     flat = [lacks for lacking in missing for lacks in lacking]
-    flags = torch.tensor(
-        [*flat, *(not lacks for lacks in flat)], dtype=torch.uint8, device=engine.shards[0].param.device
-    )
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=engine.process_group)
-    some, used = flags.tolist()[: len(flat)], flags.tolist()[len(flat) :]
-    somewhere, everywhere, at = [], [], 0
-    for lacking in missing:
-        somewhere.append([bool(f) for f in some[at : at + len(lacking)]])
-        everywhere.append([not u for u in used[at : at + len(lacking)]])
-        at += len(lacking)
-    return somewhere, everywhere
+    counts = host_tensor(flat, torch.int32, engine.shards[0].param.device)
+    dist.all_reduce(counts, group=engine.process_group)
+    world_size, totals = dist.get_world_size(engine.process_group), iter(counts.tolist())
+    per_group = [[next(totals) for _ in lacking] for lacking in missing]
+    return [[n > 0 for n in ns] for ns in per_group], [[n == world_size for n in ns] for ns in per_group]
+
+
+# Group options a scheduler moves step by step (torch's LR schedulers, OneCycleLR's momentum
+# bounds): left out of the key `PieceGroups._refuse_partial` caches its answer by.
+_SCHEDULED = frozenset({"lr", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"})

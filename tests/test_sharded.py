@@ -1352,25 +1352,57 @@ def test_a_scheduler_on_the_inner_optimizer_takes_effect_or_is_refused():
     run_ranks(_inner_scheduler_worker)
 
 
+class _TwoDtypes(nn.Module):
+    """A float64 branch and layer and a float32 layer with the branch's shapes (slots at the
+    same offsets of two buffers), and an empty parameter nothing reads (a device marker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = nn.Linear(8, 8).double()
+        self.a = nn.Linear(8, 8).double()
+        self.b = nn.Linear(8, 8)
+        self.marker = nn.Parameter(torch.empty(0))
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if use_branch:
+            h = self.branch(h)
+        return self.b(h.float()).double().square().mean()
+
+
+def _input(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    if isinstance(model, _TwoDtypes):
+        return torch.randn(
+            4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * rank + step)
+        )
+    return _tokens(rank, step)
+
+
 # A parameter no rank used in a step (the branch, skipped on both ranks in step 1): stock DDP
 # (find_unused_parameters=True) leaves its `.grad` None and the optimizer leaves it alone.
+_SGD_MOMENTUM = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}
 _UNUSED_CASES = {
-    "adamw_own_group": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}, True, None),
+    "adamw_own_group": (_Net, torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}, True, None),
     "adagrad_own_group": (
+        _Net,
         torch.optim.Adagrad,
         {"lr": 0.05, "lr_decay": 0.1, "weight_decay": 0.1},
         True,
         None,
     ),
-    "sgd_momentum_one_group": (
-        torch.optim.SGD,
-        {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1},
+    "sgd_momentum_one_group": (_Net, torch.optim.SGD, _SGD_MOMENTUM, False, None),
+    "sgd_one_group": (_Net, torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.1}, False, None),
+    "two_dtypes_sgd_momentum_one_group": (_TwoDtypes, torch.optim.SGD, _SGD_MOMENTUM, False, None),
+    "empty_parameter_adamw": (_TwoDtypes, torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}, True, None),
+    "adamw_one_group": (
+        _Net,
+        torch.optim.AdamW,
+        {"lr": 0.05, "weight_decay": 0.1},
         False,
-        None,
+        "keeps a step count",
     ),
-    "sgd_one_group": (torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.1}, False, None),
-    "adamw_one_group": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}, False, "keeps a step count"),
     "sgd_dampening_one_group": (
+        _Net,
         torch.optim.SGD,
         {"lr": 0.1, "momentum": 0.9, "dampening": 0.5},
         False,
@@ -1386,9 +1418,9 @@ def _groups(model: nn.Module, own_group: bool) -> list[dict[str, Any]]:
 
 
 def _unused_worker(rank: int, world_size: int, case: str) -> None:
-    optimizer_class, options, own_group, refusal = _UNUSED_CASES[case]
+    build, optimizer_class, options, own_group, refusal = _UNUSED_CASES[case]
     torch.manual_seed(0)
-    model = _Net()
+    model = build()
     ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
     ref_opt = optimizer_class(_groups(ref.module, own_group), **options)
     dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.002)
@@ -1397,7 +1429,7 @@ def _unused_worker(rank: int, world_size: int, case: str) -> None:
     for step in range(4):
         use_branch = step != 1 and not (rank == 1 and step == 2)  # (step 2: used on rank 0 only)
         pair.zero_grad()
-        pair.backward(_tokens(rank, step), use_branch)
+        pair.backward(_input(model, rank, step), use_branch)
         if refusal is not None and step == 1:
             before = [p.detach().clone() for p in model.parameters()]
             with pytest.raises(ValueError, match=refusal):
