@@ -185,6 +185,33 @@ def test_backward_copies_no_weight_sized_gradient(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("align_bytes", [4, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_slot_off_fresh_memorys_alignment_gets_stocks_bits(device, align_bytes, dtype):
+    """Slots packed 4 bytes apart (`align_bytes=4`, as DDP's bucket packs them): a GEMM into
+    memory off a fresh tensor's alignment may block its sums otherwise (an AVX-512 CPU does;
+    cuBLASLt picks its kernel by the pointers' alignment), so such a slot gets the product
+    fresh and copied; the bits equal stock's either way."""
+    torch.manual_seed(0)
+    # odd sizes: every slot after the first starts off a 16-byte boundary
+    model = nn.Sequential(nn.Linear(37, 61), nn.Tanh(), nn.Linear(61, 3), nn.Tanh(), nn.Linear(3, 29))
+    model = model.to(device, dtype)
+    oracle = copy.deepcopy(model)
+    flat = flatgrad.FlatGrad(
+        model, config=flatgrad.FlatGradConfig(linear_min_numel=0, align_bytes=align_bytes)
+    )
+    x = torch.randn(300, 37, dtype=dtype, device=device)
+    flat(x).square().sum().backward()
+    oracle(x).square().sum().backward()
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    offsets = {p.grad.data_ptr() % 64 for p in flat.parameters()}
+    assert (offsets == {0}) == (align_bytes == 256)
+    for p, q in zip(flat.parameters(), oracle.parameters()):
+        assert grad_in_buffers(flat, p.grad)
+        assert torch.equal(p.grad.view(bits), q.grad.view(bits))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_copy_check_sees_stock_accumulating(device):
     """The plain model's second backward adds each weight's gradient into its `.grad`: the
     check above can fail."""

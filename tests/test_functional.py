@@ -304,30 +304,6 @@ def test_a_tied_lm_first_backward_is_stock_to_the_bit():
         assert torch.equal(p.grad.view(torch.int32), q.grad.view(torch.int32))
 
 
-@pytest.mark.parametrize("align_bytes", [4, 256])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_a_slot_off_fresh_memorys_alignment_gets_stocks_bits(align_bytes, dtype):
-    """Slots packed 4 bytes apart (`align_bytes=4`, as DDP's bucket packs them): a GEMM into
-    memory off a fresh tensor's alignment may block its sums otherwise (an AVX-512 CPU
-    does), so such a slot gets the product fresh and copied; bits equal stock's either way."""
-    torch.manual_seed(0)
-    # odd sizes: every slot after the first starts off a 16-byte boundary
-    model = nn.Sequential(nn.Linear(37, 61), nn.Tanh(), nn.Linear(61, 3), nn.Tanh(), nn.Linear(3, 29))
-    model = model.to(dtype)
-    oracle = copy.deepcopy(model)
-    config = flatgrad.FlatGradConfig(linear_min_numel=0, align_bytes=align_bytes)
-    flat = flatgrad.FlatGrad(model, config=config)
-    x = torch.randn(300, 37, dtype=dtype)
-    flat(x).square().sum().backward()
-    oracle(x).square().sum().backward()
-    bits = torch.int32 if dtype == torch.float32 else torch.int64
-    offsets = {p.grad.data_ptr() % 64 for p in flat.parameters()}
-    assert (offsets == {0}) == (align_bytes == 256)
-    for p, q in zip(flat.parameters(), oracle.parameters()):
-        assert torch.equal(p.grad.view(bits), q.grad.view(bits))
-    assert_same_grads(flat, oracle, rtol=0, atol=0)
-
-
 def test_gather_with_index_add_matches_indexing():
     torch.manual_seed(0)
     table = torch.randn(20, dtype=torch.float64, requires_grad=True)
