@@ -1047,12 +1047,7 @@ class PieceGroups(InnerGroups):
         for index in whole:
             for piece in self.pieces[index]:
                 piece.param.grad = None
-        self.take_masters()
-        restore = self._kept_parts(parts)
-        result = self.options.run(self.inner, param_groups, functools.partial(self.inner.step, **kwargs))
-        restore()
-        self.write_back()
-        return result
+        return self.call(self._keeping(parts, functools.partial(self.inner.step, **kwargs)), param_groups)
 
     def _unstepped(self, param_groups: list[dict[str, Any]]) -> tuple[set[int], list[tuple[Piece, int, int]]]:
         """The groups no parameter of which has a gradient, and the [a, b) ranges of this
@@ -1125,23 +1120,26 @@ class PieceGroups(InnerGroups):
                     "shard_by='tensor', or use them in every step"
                 )
 
-    def _kept_parts(self, parts: list[tuple[Piece, int, int]]) -> Callable[[], None]:
-        """What puts `parts` back after the step: each range's values and per-element state
-        now (zeros for state the step makes where a piece had none yet: a first step)."""
-        saved = []
-        for piece, a, b in parts:
-            state = _per_element(self.inner.state.get(piece.param, {}), piece.param)
-            values = piece.param.detach()[a:b].clone()
-            saved.append((piece.param, a, b, values, {k: v[a:b].clone() for k, v in state.items()}))
+    def _keeping(self, parts: list[tuple[Piece, int, int]], step: Callable[[], Any]) -> Callable[[], Any]:
+        """`step`, with `parts` put back after it: each range's values and per-element state as
+        they were when it starts (inside `call`: the masters are current then), zeros for state
+        the step makes where a piece had none yet (a first step)."""
 
-        def restore() -> None:
+        def keeping() -> Any:
+            saved = []
+            for piece, a, b in parts:
+                state = _per_element(self.inner.state.get(piece.param, {}), piece.param)
+                values = piece.param.detach()[a:b].clone()
+                saved.append((piece.param, a, b, values, {k: v[a:b].clone() for k, v in state.items()}))
+            result = step()
             with torch.no_grad():
                 for param, a, b, values, before in saved:
                     param[a:b] = values
                     for key, value in _per_element(self.inner.state.get(param, {}), param).items():
                         value[a:b] = before.get(key, 0)
+            return result
 
-        return restore
+        return keeping
 
     def drop_grads(self) -> None:
         """Drop the pieces' `.grad` (zero_grad)."""
