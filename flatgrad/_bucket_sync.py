@@ -784,6 +784,8 @@ class BucketSync:
         gradient final yet), the parameters it will not reach are counted ready now."""
         if sync:
             self._armed = False  # this backward is the one the synchronising forward armed
+        else:
+            self.store.unsynced = True
         if torch.is_grad_enabled():  # create_graph=True: the gradients must stay differentiable
             if sync:
                 raise RuntimeError(
@@ -853,6 +855,7 @@ class BucketSync:
         their own, which each bucket takes into its slots before it launches."""
         armed = self.sync if self._forwards else self._armed
         if not (armed or self._averaging):
+            self.store.unsynced = True  # (its gradients stay local)
             return False
         _refuse_compiled_autograd()
         # From a hook, maybe of a nested backward (whose graph is not the one that ends the
@@ -904,6 +907,7 @@ class BucketSync:
             self._plan = plan.learn(order)
             self.hooks.stop_counting(plan.buckets[order[-1]], self._on_last_ready)
         self.num_syncs += 1
+        self.store.unsynced = False
         self._scattered = self.reduce_scatter
         if self._scattered:
             mark_scattered(self.store)

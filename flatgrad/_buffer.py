@@ -63,11 +63,11 @@ class GradStore:
             )
         self.stale = False  # set when a parameter no longer fits its slot
         self.ddp_bucket = False  # a buffer is a DDP's bucket (`adopt`), which keeps a slot frozen since
+        self.unsynced = False  # replicate has no_sync() gradients to average: so do those (`_keeps_frozen`)
         self._seat_cache: _SeatCache | None = None  # dropped when the slots move
         self.buffers: dict[GroupKey, torch.Tensor] = {}
         self._entries: dict[torch.Tensor, SlotEntry] = {}
-        # Each held parameter's slot view, by ``id(param)`` (the backward's lookup: no Tensor hash).
-        self.views: dict[int, torch.Tensor] = {}
+        self.views: dict[int, torch.Tensor] = {}  # each slot view, by ``id(param)`` (no Tensor hash)
         self._locals: dict[int, torch.Tensor] = {}  # the slots themselves (a DTensor view's local), by id
         self._addresses: dict[int, int] = {}  # where each slot view points, by id (see `intact`)
         # Per group: the buffer followed, in the same memory, by one used-flag element per

@@ -143,6 +143,7 @@ class GradEngine:
             store.read_elsewhere = elsewhere
             if old is not None:
                 _carry_mains(old, store)
+                store.unsynced = old.unsynced  # (local gradients moved in: still to be averaged)
                 store.uses, store.counted = old.uses, old.counted  # (reads before a relayout)
                 store.read_elsewhere |= old.read_elsewhere
             self.seater = Seater(store, params, routed, self)
@@ -175,7 +176,7 @@ class GradEngine:
         """Whether a parameter of the build was converted or (un)frozen since (frozen: not while
         a DDP's bucket is the buffer, as `toggle_optimizer` under DDP needs); raises
         (`_refuse_moved`) for one re-pointed at another shape, before any relayout."""
-        follow = not (self.store is not None and self.store.ddp_bucket)
+        follow = not (self.store is not None and _keeps_frozen(self.store))
         for _, _, param, requires_grad, dtype, device, shape in watched:
             if param.shape != shape:
                 _refuse_moved(self.model, watched, _watch_list(self.model) or watched)
@@ -333,6 +334,15 @@ def _refuse_moved(model: nn.Module, before: tuple[_Watched, ...], now: tuple[_Wa
             "model.relayout() after changing its parameters (before building replicate and the "
             "optimizer over them), or apply FlatGrad to the model once it has its final parameters"
         )
+
+
+def _keeps_frozen(store: GradStore) -> bool:
+    """Whether a parameter frozen since `store` was laid out keeps its slot: the buffer is a DDP's bucket
+    (DDP's reducer keeps its buckets), or the slots hold gradients that a frozen parameter's is among and
+    that are still to be averaged (`GradStore.unsynced`) or stepped from this rank's shards (reduce-scattered
+    for a ShardedOptimizer by element), as stock DDP averages a frozen parameter's gradient accumulated under
+    no_sync() and a torch optimizer steps a frozen parameter that holds a gradient. Laid out again after."""
+    return store.ddp_bucket or store.unsynced or store.scattered.marked
 
 
 def _detach_leaving(store: GradStore, staying: list[nn.Parameter]) -> None:

@@ -248,7 +248,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         parameter keeping its optimizer state (a frozen one's is parked until it is trainable again), as a
         plain optimizer skips a parameter without a gradient and keeps its state; one collective per dtype
         gathers the state whole on every rank for the move. Any other change (a parameter added or replaced, a
-        conversion, a freeze between a synchronised backward and its step) raises RuntimeError on every rank.
+        conversion, an unfreeze between a synchronised backward and its step) raises RuntimeError on every
+        rank; a parameter frozen there keeps its slot and is stepped, as stock (`_engine._keeps_frozen`).
         By tensor nothing moves and nothing is communicated: the flat parameter buffers, owners and states
         stay as they are (`flatgrad._zero_tensor.TensorEngine.follow`).
 

@@ -139,7 +139,7 @@ class FlatParameters:
         if store is not self.store:
             raise RuntimeError(
                 "the model's parameters changed (added, replaced, frozen, converted) after ShardedOptimizer "
-                "was built, or were (un)frozen between its synchronised backward and step() (do that before "
+                "was built, or were unfrozen between its synchronised backward and step() (do that before "
                 "the forward or after step()); otherwise build replicate and ShardedOptimizer again"
             )
 
