@@ -168,6 +168,12 @@ class GradStore:
         """Copy `grad` into `param`'s slot and make the slot its `.grad`; returns the slot (a
         DTensor `grad` is first laid out as the parameter's placements)."""
         entry = self._entries[param]
+        if grad.shape != param.shape:  # (param.data re-pointed at another shape since the gradient was made)
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} holds a .grad of shape {tuple(grad.shape)} from "
+                "before its .data was re-pointed, which cannot go into its slot: set it to None first "
+                "(model.zero_grad() or optimizer.zero_grad()), then lay out again"
+            )
         entry.local.copy_(_dtensor.local_gradient(grad.to_dense() if grad.is_sparse else grad, entry.view))
         param.grad = entry.view
         return entry.view

@@ -467,7 +467,9 @@ def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | N
         return "fresh", None, param  # torch.autograd.grad captures this leaf: leave .grad alone
     store, view = found
     if view.dtype != param.dtype or view.shape != param.shape:  # type: ignore[union-attr]
-        if view.shape == param.shape and store.is_main(param):  # type: ignore[union-attr,arg-type]
+        if view.shape != param.shape:  # type: ignore[union-attr]
+            raise _re_pointed(tuple(view.shape), tuple(param.shape))  # type: ignore[union-attr]
+        if store.is_main(param):  # type: ignore[arg-type]
             # A main grad: hooked gradients are returned, and AccumulateGrad's hook adds them in.
             return ("fresh", None, param) if param._backward_hooks else ("main", view, param)  # type: ignore[union-attr]
         store.stale = True  # param.data replaced or converted since the layout: lay out again
@@ -485,6 +487,17 @@ def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | N
     if grad is view:
         return ("out" if store.fresh_seat(param) else "add"), view, param  # type: ignore[arg-type]
     return ("add", grad, param) if store.holds(param, grad) else ("fresh", None, param)  # type: ignore[arg-type]
+
+
+def _re_pointed(was: tuple[int, ...], now: tuple[int, ...]) -> RuntimeError:
+    """A routed weight re-pointed at another shape (``param.data = ...``) reached in a backward whose graph
+    the model's own call did not make (a submodule called directly), so the layout check at its start did not
+    run: its slot, and the AccumulateGrad node the layout keeps, have the old shape."""
+    return RuntimeError(
+        f"a parameter of shape {was} was re-pointed at a tensor of shape {now} (param.data = ...) after "
+        "FlatGrad laid out its gradient buffers; the layout is fixed when FlatGrad is applied: call "
+        "model.relayout() after changing its parameters"
+    )
 
 
 def scatter_rows(

@@ -68,6 +68,10 @@ def route_layers(model: nn.Module, config: FlatGradConfig) -> tuple[set[int], fr
             if _dtensor.is_dtensor(weight) or parametrize.is_parametrized(module):  # type: ignore[arg-type]
                 unroute(module)  # (tensor-parallel: DTensor's dispatch and the plan's hooks run it)
                 continue
+            bias = module._parameters.get("bias")
+            if bias is not None and weight is not None and bias.shape != weight.shape[:1]:
+                unroute(module)  # a bias broadcast (re-pointed at shape (1,)): its gradient is summed
+                continue
             own = module.__dict__.get("forward")
             if own is not None:  # routed by an earlier build, or a forward the user set: keep it
                 if isinstance(own, functools.partial) and own.func is forward:

@@ -6,6 +6,7 @@ import copy
 import gc
 import logging
 import pickle
+import re
 import weakref
 from unittest import mock
 
@@ -572,6 +573,40 @@ def test_a_parameter_replaced_after_wrapping_is_refused_naming_it_until_relayout
     oracle(_tokens(0)).backward()
     assert_same_grads(flat, oracle)
     assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters())
+
+
+@pytest.mark.parametrize("layer", ["proj.bias", "proj.weight", "emb.weight"])
+def test_a_parameter_re_pointed_at_another_shape_is_refused_where_the_models_call_is_bypassed(layer):
+    """``param.data = t`` of another shape, then a backward through a graph the model's own call did not
+    make (a submodule called directly: no layout check as it starts). Before, a routed bias re-pointed at a
+    broadcastable shape got a `.grad` of its old shape, unsummed ([5, 5, 5] where stock's is [15]), and a
+    grown weight or table crashed in autograd's shape check naming neither; now the routed backward raises,
+    naming the shapes and `relayout()`. A `.grad` of the old shape left on the parameter makes
+    `relayout()` say to zero it first (it crashed copying it in); then the model trains as its copy (a
+    Linear whose bias is broadcast is left unrouted: its bias's gradient is summed)."""
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    flat(_tokens(0)).backward()
+    param = model.get_parameter(layer)
+    grown = {"proj.bias": (1,), "proj.weight": (8, 10), "emb.weight": (15, 8)}[layer]
+    param.data = torch.randn(grown, dtype=torch.float64)
+    x = torch.randn(3, 10 if layer == "proj.weight" else 8, dtype=torch.float64)
+    call = {"proj": lambda m: m.proj(x), "emb": lambda m: m.emb(_tokens(0))}[layer.split(".")[0]]
+    shapes = re.escape(f"{tuple(param.grad.shape)} was re-pointed at a tensor of shape {grown}")
+    with pytest.raises(RuntimeError, match=rf"shape {shapes} .*relayout"):
+        call(model).sum().backward()
+    with pytest.raises(
+        RuntimeError, match=r"holds a \.grad of shape .* set it to None first \(model.zero_grad"
+    ):
+        flat.relayout()
+    flat.zero_grad()
+    flat.relayout()
+    oracle = copy.deepcopy(model)
+    for m in (flat, oracle):
+        call(m).sum().backward()
+    flat.grad_buffers  # noqa: B018  (a gradient past the model's call lands outside; the buffers take it in)
+    assert_same_grads(flat, oracle)
 
 
 def test_a_layer_converted_around_its_parameters_keeps_its_slots():
