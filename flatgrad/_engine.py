@@ -320,11 +320,12 @@ def _refuse_moved(model: nn.Module, before: tuple[_Watched, ...], now: tuple[_Wa
         elif entry[2].shape != old[6]:
             changes.append(f"{name(entry)} (re-pointed: shape {tuple(old[6])} -> {tuple(entry[2].shape)})")
     now_keys = {(id(e[0]), e[1]) for e in now}
-    changes += [
-        f"{e[1]} of a {type(model if e[0] is None else e[0]).__name__} (removed)"
-        for e in before
-        if id(e[2]) not in staying and (id(e[0]), e[1]) not in now_keys
-    ]
+
+    def removed(entry: _Watched) -> str:  # (by name where its module is still the model's)
+        kept = entry[0] is None or id(entry[0]) in prefixes
+        return f"{name(entry) if kept else f'{entry[1]} of a {type(entry[0]).__name__}'} (removed)"
+
+    changes += [removed(e) for e in before if id(e[2]) not in staying and (id(e[0]), e[1]) not in now_keys]
     if changes:
         raise RuntimeError(
             "the model's parameters changed after FlatGrad laid out its gradient buffers: "

@@ -609,6 +609,23 @@ def test_a_parameter_re_pointed_at_another_shape_is_refused_where_the_models_cal
     assert_same_grads(flat, oracle)
 
 
+def test_a_parameter_removed_after_wrapping_is_named_by_its_path():
+    """`layer.bias = None` (or ``del``) on one of several Linears: the refusal names ``1.bias``, where it
+    said "bias of a Linear", which does not tell them apart; a parameter whose module left the model is
+    still named by that module's class."""
+    flat = flatgrad.FlatGrad(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)))
+    flat[1].bias = None
+    with pytest.raises(RuntimeError, match=r"changed after FlatGrad laid out .*: 1\.bias \(removed\);"):
+        flat(torch.randn(2, 4)).sum().backward()
+    flat[1].bias = nn.Parameter(torch.zeros(4))
+    flat.relayout()
+    flat[2] = nn.Linear(4, 1)
+    with pytest.raises(
+        RuntimeError, match=r"2\.weight \(added\), 2\.bias \(added\), weight of a Linear \(removed\)"
+    ):
+        flat(torch.randn(2, 4)).sum().backward()
+
+
 def test_a_layer_converted_around_its_parameters_keeps_its_slots():
     """`convert_sync_batchnorm` rebuilds BatchNorm layers around the same parameters: no
     parameter changed, so nothing is refused and nothing laid out again."""
