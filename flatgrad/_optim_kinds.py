@@ -316,7 +316,10 @@ def _communicates(name: str, count: int) -> str:
 def _refuted(name: str, kind: ShardBy, what: str) -> str:
     if kind == "element":
         how = "a tensor stepped in flat pieces (as ranks hold them by element) with the whole tensor stepped"
-        fix = "its update reads more than each element; use shard_by='tensor'"
+        fix = (
+            "its update reads more than each element; try shard_by='tensor' (probed as well: an update "
+            f"that also reads other tensors, a global norm, needs flatgrad.replicate with a plain {name})"
+        )
     else:
         how = (
             "each tensor stepped in an optimizer of its own (as ranks hold them by tensor) "

@@ -27,6 +27,7 @@ it, else refuses on every rank before anything moves.
 
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 from collections.abc import Callable, Iterable
@@ -45,7 +46,7 @@ from flatgrad._gather_waits import ForwardWaits
 from flatgrad._optim_kinds import ShardBy, agreed_kind, shard_kind
 from flatgrad._parallel import ReplicateModule, ReplicateState, replicate_state
 from flatgrad._scattered_grad import is_scattered, unguarded, unmark_scattered
-from flatgrad._torch_compat import join_state, leave_join
+from flatgrad._torch_compat import SAVED_SHARDS, join_state, leave_join
 from flatgrad._zero import (
     PieceGroups,
     ShardEngine,
@@ -585,9 +586,19 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
         Returns:
             ``{"state": {name: {key: value}}, "param_groups": [{**options, "params":
-            [names]}]}`` (a group that has not stepped saves step counts of 0).
+            [names]}]}`` (a group that has not stepped saves step counts of 0; a parameter frozen
+            since it stepped, by element, saves its state whole, as a torch optimizer keeps it).
         """
-        return self._groups.state_dict(self.param_groups)
+        saved = self._groups.state_dict(self.param_groups)
+        parked = {name: state for name, state in self._parked.items() if state}
+        if not parked:
+            return saved
+        groups = []  # (each group's names in its own order: the trainable ones and the frozen ones)
+        for group, saved_group in zip(self.param_groups, saved["param_groups"]):
+            listed = {*saved_group["params"], *parked}
+            names = [self._names[id(p)] for p in group["params"]]
+            groups.append({**saved_group, "params": [name for name in names if name in listed]})
+        return {**saved, "state": {**saved["state"], **parked}, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from `state_dict` (what `state_dict` gave, on any world size, through
@@ -604,7 +615,21 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 state, has other parameter groups, or lacks state this rank needs (a file of
                 another rank or world size loaded without torch.distributed.checkpoint).
         """
+        frozen = self._parked.keys() if isinstance(state_dict, dict) and "state" in state_dict else ()
+        taken = {
+            name: _whole(name, state_dict["state"][name]) for name in frozen if name in state_dict["state"]
+        }
+        if frozen:  # (by element: parameters frozen since they stepped keep their state whole)
+            state_dict = {
+                **state_dict,
+                "state": {k: v for k, v in state_dict["state"].items() if k not in frozen},
+                "param_groups": [
+                    {**g, "params": [n for n in g.get("params", ()) if n not in frozen]}
+                    for g in state_dict["param_groups"]
+                ],
+            }
         self._groups.load_state_dict(self.param_groups, state_dict)
+        self._parked.update(taken)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank.
@@ -613,6 +638,19 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             The summed size of the tensors in the inner optimizer's state.
         """
         return state_bytes(self.optimizer)
+
+
+def _whole(name: str, state: dict[str, Any]) -> dict[str, Any]:
+    """A saved state of a parameter frozen here (parked whole on every rank), copied; a state saved sharded
+    (per rank, by ``torch.save``, while the parameter was trainable) cannot be parked whole."""
+    if any(hasattr(v, "local_shards") or (isinstance(v, dict) and SAVED_SHARDS in v) for v in state.values()):
+        raise ValueError(
+            f"the saved state of {name!r}, frozen here, was saved sharded (this rank's own state, while it "
+            "was trainable): load it with torch.distributed.checkpoint, or unfreeze it before loading"
+        )
+    return {
+        k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()
+    }
 
 
 def _check_companions(dp: ReplicateState, shard_by: ShardBy, overlap_param_gather: bool) -> None:

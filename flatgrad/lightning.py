@@ -218,11 +218,26 @@ class FlatGradDataParallelStrategy(_FlatGradStrategy):
         """Lightning's, always through the module's call (Lightning calls ``training_step``
         directly where the strategy's model is the LightningModule itself, which skips the
         bookkeeping of the replicated module's call that decides the averaging)."""
+        return self._through_call(self.precision_plugin.train_step_context(), "training_step", args, kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's, through the module's call too: it broadcasts rank 0's buffers (BatchNorm's running
+        statistics) before the first forward after a synchronised training forward, as DDP's does (called
+        directly, each rank validated with its own)."""
+        return self._through_call(self.precision_plugin.val_step_context(), "validation_step", args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """As `validation_step`."""
+        return self._through_call(self.precision_plugin.test_step_context(), "test_step", args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """As `validation_step`."""
+        return self._through_call(self.precision_plugin.predict_step_context(), "predict_step", args, kwargs)
+
+    def _through_call(self, context: Any, method: str, args: Any, kwargs: Any) -> Any:
         assert self.lightning_module is not None and self.model is not None
-        with self.precision_plugin.train_step_context():
-            return self._forward_redirection(
-                self.model, self.lightning_module, "training_step", *args, **kwargs
-            )
+        with context:
+            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
     def configure_ddp(self) -> None:
         """Apply flatgrad to the LightningModule (DDPStrategy's also registers DDP comm hooks: none here)."""
@@ -550,11 +565,21 @@ def _clip_through_flatgrad(plugin: Precision, flat_of: Callable[[], FlatGrad | N
     by_norm, by_value, clip = plugin.clip_grad_by_norm, plugin.clip_grad_by_value, plugin.clip_gradients
 
     def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        # Lightning clips the optimizer's parameters' gradients: flatgrad's norm (the whole model's) where
+        # they are all of them, Lightning's own where the gradients are readable (by tensor too).
         inner, flat = _unwrapped(optimizer), flat_of()
-        if isinstance(inner, ShardedOptimizer):
+        whole = flat is not None and _holds_every_slot(inner, flat)
+        if isinstance(inner, ShardedOptimizer) and whole:
             inner.clip_grad_norm_(clip_val)
-        elif flat is not None and _holds_every_slot(inner, flat):
-            flat.clip_grad_norm_(clip_val)
+        elif isinstance(inner, ShardedOptimizer) and inner.shard_by == "element":
+            raise ValueError(
+                "flatgrad_sharded (by element) clips the gradients of every parameter of the model, and "
+                "this optimizer does not hold every one that has a gradient, where Lightning clips the "
+                "optimizer's own: freeze the parameters it does not step (requires_grad_(False)), or shard "
+                "by tensor (FlatGradShardedStrategy(shard_by='tensor'))"
+            )
+        elif whole:
+            flat.clip_grad_norm_(clip_val)  # type: ignore[union-attr]
         else:
             by_norm(optimizer, clip_val)
 

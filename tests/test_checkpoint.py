@@ -131,6 +131,63 @@ def test_a_checkpoint_of_shards_per_bucket_resumes_with_shards_per_buffer(tmp_pa
         run_ranks(_resume_worker, str(tmp_path), True, world_size=world_size, timeout=150)
 
 
+def _frozen_setup() -> tuple[nn.Module, Any, torch.optim.Optimizer, Any]:
+    """`_setup`'s ShardedOptimizer with `fc` in a param group of its own (AdamW counts steps per group: a
+    layer frozen for a while must have one to be unfrozen into)."""
+    torch.manual_seed(0)
+    model = _Net()
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.002)
+    fc = set(map(id, model.fc.parameters()))
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in fc]
+    groups = [{"params": rest, "weight_decay": 0.1}, {"params": list(model.fc.parameters()), "lr": 0.02}]
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, groups, lr=0.05)
+    return model, dp, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
+
+
+def _frozen_save_worker(rank: int, world_size: int, tmp: str) -> None:
+    """Two steps, `fc` frozen for the third, saved, `fc` trainable again for two more (the oracle)."""
+    model, dp, opt, sched = _frozen_setup()
+    _train(dp, opt, sched, rank, world_size, range(2))
+    model.fc.requires_grad_(False)
+    _train(dp, opt, sched, rank, world_size, range(2, 3))
+    saved = opt.state_dict()
+    assert {"fc.weight", "fc.bias"} <= saved["state"].keys()  # (frozen: its state kept whole, as stock's)
+    assert saved["param_groups"][1]["params"] == ["fc.weight", "fc.bias"]
+    dcp.save({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
+    torch.save(saved, f"{tmp}/rank{rank}.pt")
+    model.fc.requires_grad_(True)
+    _train(dp, opt, sched, rank, world_size, range(3, 5))
+    if rank == 0:
+        _write_final(model, tmp)
+
+
+def _frozen_resume_worker(rank: int, world_size: int, tmp: str, how: str) -> None:
+    model, dp, opt, sched = _frozen_setup()
+    model.fc.requires_grad_(False)
+    if how == "dcp":
+        dcp.load({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
+    else:  # this rank's own file, into an optimizer that stepped with fc frozen (parked there too)
+        _train(dp, opt, sched, rank, world_size, range(1))
+        dcp.load({"model": dp, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
+        opt.load_state_dict(torch.load(f"{tmp}/rank{rank}.pt", weights_only=False))
+    model.fc.requires_grad_(True)
+    _train(dp, opt, sched, rank, world_size, range(3, 5))
+    _assert_final(model, tmp, world_size)
+
+
+def test_a_layer_frozen_when_saved_keeps_its_optimizer_state_across_a_resume(tmp_path):
+    """By element, a layer frozen since it stepped keeps its state whole on every rank (parked). Before, the
+    checkpoint left it out (its group saved with no parameters): dcp.load into an optimizer built the same
+    way failed ("Missing key in checkpoint state_dict: optim.state.fc.weight.step"), a rank's own file was
+    refused naming another cause, and a resume that unfroze it lost its moments. Now it is saved as stock's
+    optimizer keeps it, and resumed on 1, 2 and 3 ranks (and from each rank's own file) it trains on as the
+    uninterrupted run."""
+    run_ranks(_frozen_save_worker, str(tmp_path), world_size=2)
+    for world_size in (1, 2, 3):
+        run_ranks(_frozen_resume_worker, str(tmp_path), "dcp", world_size=world_size, timeout=150)
+    run_ranks(_frozen_resume_worker, str(tmp_path), "own file", world_size=2, timeout=150)
+
+
 def _fresh_worker(rank: int, world_size: int, tmp: str) -> None:
     model, dp, opt, sched = _setup(True)
     dcp.save({"optim": opt}, checkpoint_id=f"{tmp}/fresh")  # before any step
