@@ -1,26 +1,22 @@
 """The backward coordinator, and seating.
 
-The coordinator: one prehook per output node of a forward of a model with FlatGrad applied, and one
-final callback per backward that calls its participants in a fixed order.
+A training forward through `FlatGrad` ends with `watch(output, plan)`: one prehook per output node, bound to a
+`ForwardPlan` (the seater of the layout the forward ran on, whether a DDP reducer places that backward's
+gradients, then nothing is seated, and, from a `replicate`'s forward, its bucket sync and whether it
+synchronised). When a backward first reaches one of those nodes the prehook asks each participant in order,
+the seater (`Seater.pre_backward`) then the bucket sync (`BucketSync.pre_backward`), to open it; each returns
+what to run at the end of that backward, or None (it dedups by graph task: another output of the same backward
+opens nothing new, and may upgrade a bucket sync to averaging). Those ends run as one final callback in the
+same order: the seater settles `.grad`, then the bucket sync launches what is left, waits and settles the used
+flags.
 
-A training forward through `FlatGrad` ends with `watch(output, plan)`. The `ForwardPlan` binds what that
-forward decided: the seater of the layout it ran on, whether a DDP reducer places that backward's gradients
-(then nothing is seated), and, when a `replicate` made the forward, its bucket sync and whether the forward
-synchronised. When a backward first reaches one of the output's nodes the prehook asks each participant, in
-this order, to open it: the seater (`Seater.pre_backward`), then the bucket sync (`BucketSync.pre_backward`).
-Each answers with what to run at the end of that backward, or None (a participant dedups by graph task itself:
-another output of the same backward opens nothing new, and may upgrade a bucket sync to averaging). What they
-return is queued as one final callback, run in the same order: the seater settles `.grad` first, then the
-bucket sync launches what is left, waits and settles the used flags.
-
-Seating: during one backward through such a forward's output, the gradients of the
-parameters no routed Function writes land in their slots, with stock's `.grad` None-ness.
-
-Small unrouted parameters are *seated*: `.grad` points at the zeroed slot when the backward starts, so
-AccumulateGrad adds into the buffer in place. Large ones are *placed*: a pre-hook on their AccumulateGrad
-copies the incoming gradient into the slot (one pass instead of a zero fill and an add). Parameters with a
-main grad (a float32 slot for a bfloat16/float16 parameter) are neither: whatever reaches their AccumulateGrad
-is added into the main grad by a post-accumulate-grad hook, which sets `.grad` back to None."""
+Seating: during a backward through such an output, the gradients of the parameters no routed Function writes
+land in their slots, with stock's `.grad` None-ness. Small unrouted parameters are *seated*: `.grad` points at
+the zeroed slot when the backward starts, so AccumulateGrad adds into the buffer in place. Large ones are
+*placed*: a pre-hook on their AccumulateGrad copies the incoming gradient into the slot (one pass instead of a
+zero fill and an add). Parameters with a main grad (a float32 slot for a bfloat16/float16 parameter) are
+neither: a post-accumulate-grad hook adds whatever reaches their AccumulateGrad into the main grad and sets
+`.grad` back to None."""
 
 from __future__ import annotations
 

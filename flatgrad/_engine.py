@@ -1,5 +1,5 @@
-"""`GradEngine`: one model's gradient store and seater, built together, and what each
-forward does about them (lay out again, seat or not under DDP).
+"""`GradEngine`: one model's gradient store and seater, built together, and what each forward does about them
+(lay out again, seat or not under DDP).
 
 `FlatGrad(model)` gives the model one (``engine_of(model)``); `replicate`, `ShardedOptimizer` and the DDP
 hook's state reach the store through it. The engine holds the model weakly (the model holds the engine).
@@ -338,11 +338,10 @@ def _refuse_moved(model: nn.Module, before: tuple[_Watched, ...], now: tuple[_Wa
 
 
 def _keeps_frozen(store: GradStore) -> bool:
-    """Whether a parameter frozen since `store` was laid out keeps its slot: the buffer is a DDP's bucket
-    (DDP's reducer keeps its buckets), or the slots hold gradients that a frozen parameter's is among and
-    that are still to be averaged (`GradStore.unsynced`) or stepped from this rank's shards (reduce-scattered
-    for a ShardedOptimizer by element), as stock DDP averages a frozen parameter's gradient accumulated under
-    no_sync() and a torch optimizer steps a frozen parameter that holds a gradient. Laid out again after."""
+    """Whether a parameter frozen since `store` was laid out keeps its slot: in a DDP's bucket (DDP keeps its
+    buckets), or while the slots' gradients are still to be averaged (`GradStore.unsynced`) or stepped from
+    reduce-scattered shards, as DDP averages a frozen parameter's no_sync() gradient and a torch optimizer
+    steps a frozen parameter that holds a gradient."""
     return store.ddp_bucket or store.unsynced or store.scattered.marked
 
 

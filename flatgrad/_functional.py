@@ -490,9 +490,7 @@ def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | N
 
 
 def _re_pointed(was: tuple[int, ...], now: tuple[int, ...]) -> RuntimeError:
-    """A routed weight re-pointed at another shape (``param.data = ...``) reached in a backward whose graph
-    the model's own call did not make (a submodule called directly), so the layout check at its start did not
-    run: its slot, and the AccumulateGrad node the layout keeps, have the old shape."""
+    """A routed weight re-pointed at another shape, reached past the model's call (no layout check ran)."""
     return RuntimeError(
         f"a parameter of shape {was} was re-pointed at a tensor of shape {now} (param.data = ...) after "
         "FlatGrad laid out its gradient buffers; the layout is fixed when FlatGrad is applied: call "

@@ -1,54 +1,35 @@
 """`replicate`: overlapped, bucketed gradient averaging on FlatGrad's one flat buffer, applied
 to the model in place (`ReplicateModule`, `ReplicateState`).
 
-Buckets are `narrow` views of the flat buffer, cut at slot boundaries in the buffer's order (the reverse of
-registration, roughly the order backward produces gradients), about `bucket_cap_mb` each and a small first one
-(not on a CPU host whose cores the ranks' threads already fill: there gloo's thread overlaps nothing, see
-`flatgrad._bucket_sync.plan_buckets`). A post hook on the AccumulateGrad node of every parameter (it fires
-also for the routed layers, whose Functions hand AccumulateGrad None) counts the parameter ready; when every
-parameter of a bucket is ready and every bucket before it in the launch order has been launched, the bucket's
-collective starts asynchronously, while backward goes on. The launch order is the buffer's until the first
-synchronised backward ends; from then on it is the order in which rank 0's buckets became complete in that
-backward (broadcast; buckets that never did go last), learned again after each layout change, as DDP rebuilds
-its buckets in gradient-ready order; from then on the hooks of the last bucket in that order count nothing
-(the final callback launches it, its gradients the backward's last anyway; they only open a backward, see
-below). Buckets therefore launch in the same order on every rank, and a model that runs its modules in another
-order than it registers them still overlaps. Once a synchronised backward has left parameters unused (no
-gradient final before its end), each later one asks the autograd engine, when it starts, which of those it
-will not reach, and counts them ready then (DDP with ``find_unused_parameters=True`` marks unused parameters
-ready as backward starts), so their buckets do not wait for the end. An autograd final callback launches what
-is left (parameters unused and not counted so; slots are zeroed where `.grad` is None), waits for everything,
-and settles `.grad` as stock DDP with ``find_unused_parameters=True`` does, so `loss.backward()` returns with
-averaged gradients. The used flags ride in the all-reduce of a buffer's last bucket when that bucket also
-launches last of its buffer's; otherwise they go in one small all-reduce of their own.
+Buckets are `narrow` views of the flat buffer cut at slot boundaries in the buffer's order (the reverse of
+registration), about `bucket_cap_mb` each and a small first one where a core is free for gloo's thread
+(`flatgrad._bucket_sync.plan_buckets`). A post hook on every parameter's AccumulateGrad node (it fires for the
+routed layers too, whose Functions hand it None) counts the parameter ready; a bucket whose parameters are all
+ready starts its collective asynchronously once every bucket before it in the launch order has, while backward
+goes on. That order is the buffer's until the first synchronised backward ends, then rank 0's order of
+completion there (broadcast), learned again after each layout change, as DDP rebuilds its buckets: the same on
+every rank, and a model that runs its modules out of registration order still overlaps (then the last
+bucket's hooks count nothing: the final callback launches it). Parameters a synchronised backward left unused
+are asked about as each later one starts and counted ready at once if it will not reach them (DDP's
+``find_unused_parameters=True``). An autograd final callback launches the rest, waits, and settles `.grad` as
+DDP with ``find_unused_parameters=True`` does; the used flags ride in a buffer's last bucket when it launches
+last of its buffer's, else in one small all-reduce.
 
-Which backwards average, as under DDP, whose hooks sit on the parameters: a backward through the output of a
-forward averages when that forward synchronised (grad enabled, outside `no_sync()`); FlatGrad's one pre hook
-on the nodes that made the output (the backward coordinator, `flatgrad._backward`, which this forward's sync
-flag is bound into) opens it before any gradient is final, after the seater, and runs that callback after the
-seater's.
-Any other backward that accumulates into a parameter averages when a synchronising forward came since the last
-averaged backward, whichever graph it goes through: a loss kept on the module during forward (an auxiliary
-loss), an output replicate cannot look into (a plain object, a dict subclass); the first AccumulateGrad hook
-it reaches opens it (and counts no parameter ready before its AccumulateGrad runs). A backward after a forward
-that did not synchronise (a forward under no_sync()) that goes through no synchronising output stays local.
-A backward that opens while a training forward of the model runs (inside it: a LightningModule's
-``manual_backward`` in the training_step that its forward runs) averages unless no_sync() holds as it opens,
-whatever earlier forwards armed, as Lightning's DDPStrategy prepares DDP's reducer in ``pre_backward``
-(`BucketSync.begin_forward`).
-A nested backward (reentrant activation checkpointing) counts toward the backward it runs in; a parameter only
-it reaches is not counted ready early unless it was unused in an earlier step (then a gradient that comes
-after its bucket launched raises).
-`torch.autograd.grad` (which accumulates nothing) is left alone; a create_graph backward that should average
-is refused.
+Which backwards average, as under DDP: one through the output of a synchronising forward (grad enabled,
+outside `no_sync()`), opened by the backward coordinator's pre hook on that output's nodes
+(`flatgrad._backward`) after the seater; any other that accumulates into a parameter when a synchronising
+forward came since the last averaged backward (a loss kept on the module, an output replicate cannot look
+into), opened by the first AccumulateGrad hook it reaches; one that opens inside a training forward of the
+model (Lightning's ``manual_backward``) unless no_sync() holds as it opens (`BucketSync.begin_forward`). Other
+backwards stay local. A nested backward (reentrant checkpointing) counts toward the one it runs in (a
+parameter only it reaches and unused in an earlier step raises if its gradient comes after its bucket
+launched). `torch.autograd.grad` is left alone; a create_graph backward that should average is refused.
 
-On CUDA with NCCL the collectives run on the process group's own communication stream, which waits (through an
-event) for the stream current at the launch: an AccumulateGrad hook's (the stream its node was made on, which
-replicate keeps from its application) or the final callback's. That stream first waits for the one the
-backward opened on (the forward's, where the routed layers write their slots) when they differ: a model
-trained on another stream than it was wrapped on. `Work.wait()` in the final callback makes the current stream
-wait for the communication in turn. Nothing writes a bucket (the next micro-batch, `zero_grad`, the optimizer)
-before its collective is done, because backward does not return before.
+On CUDA with NCCL the collectives run on the process group's stream, which waits through an event for the
+stream current at the launch (an AccumulateGrad hook's, kept from the application, or the final callback's),
+and that one first for the stream the backward opened on where they differ; the final callback's `Work.wait()`
+makes the current stream wait in turn. Nothing writes a bucket before its collective is done: backward does
+not return before.
 """
 
 from __future__ import annotations
@@ -235,24 +216,24 @@ def replicate(
     check_finite: bool = False,
 ) -> ReplicateModule:
     """Average `model`'s gradients over `process_group` during backward, bucket by bucket,
-    overlapped with the rest of the backward; in place, as torch's composable ``replicate``
-    and FSDP2's ``fully_shard``: returns `model`, now also a `ReplicateModule` (and a
-    `FlatGrad`, applied with the defaults first where it is not yet). Rank 0's parameters
-    and buffers are broadcast now. What the model does from then on: `ReplicateModule`.
+    overlapped with the rest of the backward; in place, as torch's composable ``replicate`` and FSDP2's
+    ``fully_shard``: returns `model`, now also a `ReplicateModule` (and a `FlatGrad`, applied with the
+    defaults first where it is not yet). Rank 0's parameters and buffers are broadcast now. What the model
+    does from then on: `ReplicateModule`.
 
     Args:
         model: The model; every rank must pass the same model.
-        process_group: The group to average over; None for the default group. For a
-            tensor-parallel model, the data-parallel dimension's (``mesh["dp"].get_group()``).
+        process_group: The group to average over; None for the default group. For a tensor-parallel model, the
+            data-parallel dimension's (``mesh["dp"].get_group()``).
         device_mesh: A 1-D `DeviceMesh` to average over instead of `process_group`.
-        bucket_cap_mb: The approximate size of a bucket in MiB, DDP's argument (the first
-            is smaller, 1 MiB as DDP's, but for CPU buffers on a host without a core to spare).
-        reduce_dtype: ``torch.bfloat16`` or ``torch.float16`` to average a compressed copy of
-            each floating-point bucket (FSDP2's MixedPrecisionPolicy name); None: as it is.
-        broadcast_buffers: Whether rank 0's buffers are broadcast again before a forward that
-            follows a synchronised training forward, as DDP's flag of that name.
-        check_finite: Whether a non-finite local gradient on any rank makes
-            ``loss.backward()`` raise on every rank, naming the rank and the parameters.
+        bucket_cap_mb: The approximate size of a bucket in MiB, DDP's argument (the first is smaller, 1 MiB as
+            DDP's, but for CPU buffers on a host without a core to spare).
+        reduce_dtype: ``torch.bfloat16`` or ``torch.float16`` to average a compressed copy of each
+            floating-point bucket (FSDP2's MixedPrecisionPolicy name); None: as it is.
+        broadcast_buffers: Whether rank 0's buffers are broadcast again before a forward that follows a
+            synchronised training forward, as DDP's flag of that name.
+        check_finite: Whether a non-finite local gradient on any rank makes ``loss.backward()`` raise on every
+            rank, naming the rank and the parameters.
 
     Returns:
         `model`.
@@ -260,10 +241,10 @@ def replicate(
     Raises:
         TypeError: `model` is not an `nn.Module`, or `check_finite` is not a bool.
         RuntimeError: No process group is initialised (``dist.init_process_group``).
-        ValueError: `replicate` was applied already; a bad `bucket_cap_mb` or `reduce_dtype`;
-            sparse embeddings, or an attribute named as one `ReplicateModule` adds; the ranks'
-            models or settings differ (raised on every rank); a bad `device_mesh`; or the
-            group crosses the mesh of the model's DTensor parameters.
+        ValueError: `replicate` was applied already; a bad `bucket_cap_mb` or `reduce_dtype`; sparse
+            embeddings, or an attribute named as one `ReplicateModule` adds; the ranks' models or settings
+            differ (raised on every rank); a bad `device_mesh`; or the group crosses the mesh of the model's
+            DTensor parameters.
     """
     _check_arguments(model, bucket_cap_mb, reduce_dtype, check_finite)
     flat = model if isinstance(model, FlatGrad) else FlatGrad(model)

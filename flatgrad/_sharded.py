@@ -77,29 +77,21 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     it and loads it on any world size).
 
     ``opt.optimizer`` is the torch optimizer that steps this rank's shards: one group per group of
-    `param_groups` (their hyper-parameters copied over at every step), over 1-D pieces of the flat parameter
-    buffer (runs of one group's parameters inside this rank's shard of a bucket); by tensor, over stand-ins of
-    the whole parameters this rank owns (leaves sharing their memory and shape). It cannot take model
-    parameters (its ``add_param_group`` refuses them: each is stepped through its shard already). Its
-    ``state`` is the per-element optimizer state; this optimizer's own ``state`` stays empty. Loss scaling
-    (float16): ``flatgrad.GradScaler`` (a ``torch.amp.GradScaler`` whose ``unscale_`` and inf check read this
-    rank's gradient shards and agree over the ranks, so every rank skips the same steps); torch's own raises a
-    TypeError at ``step``.
+    `param_groups` (their options copied at every step) over 1-D pieces of the flat parameter buffer (by
+    tensor, over stand-ins of the whole parameters this rank owns); its ``state`` is the optimizer state, this
+    one's stays empty. Loss scaling (float16): ``flatgrad.GradScaler`` (torch's own raises at ``step``).
 
     With main grads (``grad_dtype="float32"``, bfloat16/float16 parameters) the inner optimizer steps float32
     masters of this rank's shards, which `step()` rounds into the parameters and all-gathers in their dtype;
     they are saved with the state (key ``"master"``). See docs/mixed-precision.md.
 
-    A tensor-parallel model (DTensor parameters, `replicate` over "dp"): each rank shards
-    its local shards over "dp"; `clip_grad_norm_` adds the "tp" mesh's share, the state is
-    saved in the whole parameters' shapes (by element) or as DTensors (by tensor), and
-    Muon orthogonalises each DTensor matrix as torch's Muon does (docs/data-parallel.md).
+    A tensor-parallel model (DTensor parameters, `replicate` over "dp"): each rank shards its local shards
+    over "dp"; `clip_grad_norm_` adds the "tp" mesh's share; the state is saved in the whole parameters'
+    shapes (by element) or as DTensors (by tensor); Muon orthogonalises each DTensor matrix.
 
-    A `torch.distributed.algorithms.Joinable`, as ZeroRedundancyOptimizer: inside
-    ``with Join([model, opt]):`` (the model first) a rank that ran out of data steps its shards with
-    the averages of the others' synchronised backwards (which the model's join hook brings it) and
-    gathers along, once per synchronised backward; `clip_grad_norm_` and a GradScaler's
-    checks are not shadowed there (each is a collective the joined rank cannot foresee).
+    A `torch.distributed.algorithms.Joinable`, as ZeroRedundancyOptimizer: inside ``with Join([model, opt]):``
+    (the model first) a rank out of data steps its shards with the others' averages and gathers along;
+    `clip_grad_norm_` and a GradScaler's checks are not shadowed there (collectives it cannot foresee).
 
     Construction lays the model's parameters out again (flat parameter buffers, slots on
     multiples of the world size) and switches the model's buckets to reduce-scatter.
@@ -641,8 +633,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
 
 def _whole(name: str, state: dict[str, Any]) -> dict[str, Any]:
-    """A saved state of a parameter frozen here (parked whole on every rank), copied; a state saved sharded
-    (per rank, by ``torch.save``, while the parameter was trainable) cannot be parked whole."""
+    """A saved state of a parameter frozen here, copied to be parked whole (not one saved sharded)."""
     if any(hasattr(v, "local_shards") or (isinstance(v, dict) and SAVED_SHARDS in v) for v in state.values()):
         raise ValueError(
             f"the saved state of {name!r}, frozen here, was saved sharded (this rank's own state, while it "

@@ -1,42 +1,29 @@
-"""PyTorch Lightning strategies for flatgrad's three paths, chosen by name once this module is
-imported (it registers them in Lightning's ``StrategyRegistry``; ``import flatgrad`` never
-imports Lightning, and this module is imported only by a user who asks for it):
+"""PyTorch Lightning strategies for flatgrad's three paths, chosen by name once this module is imported (it
+registers them in Lightning's ``StrategyRegistry``; ``import flatgrad`` never imports Lightning):
 
     import flatgrad.lightning  # noqa: F401  (registers the names)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="flatgrad")
 
 - ``"flatgrad"``: `FlatGradDDPStrategy`, ``DDP(FlatGrad(module), **model.ddp_kwargs())`` with
-  `flatgrad.allreduce_hook` registered;
+  `flatgrad.allreduce_hook` registered (on every device: DDPStrategy registers its hook on CUDA only);
 - ``"flatgrad_data_parallel"``: `FlatGradDataParallelStrategy`, ``flatgrad.replicate(FlatGrad(module))``;
 - ``"flatgrad_sharded"``: `FlatGradShardedStrategy`, the same, with the optimizer that
-  ``configure_optimizers`` returns rebuilt as a `flatgrad.ShardedOptimizer` (ZeRO-1).
+  ``configure_optimizers`` returns rebuilt as a `flatgrad.ShardedOptimizer` (ZeRO-1; several optimizers, a
+  GAN's, by tensor).
 
-The strategy applies FlatGrad to the LightningModule in place when ``fit`` sets up (after the precision plugin
-converted it and it moved to its device): it stays a LightningModule of its own class, with its hooks, names
-and checkpoints (``flatgrad.replicate`` too, under the DataParallel strategies; DDP around it is taken off at
-teardown, as Lightning's own DDPStrategy does). Each is a `DDPStrategy` subclass, so the process launching,
-device placement (one device per process; NCCL on CUDA, gloo on CPU), ``trainer.test``/``predict`` (nothing
-applied, as DDPStrategy) and the checkpoint files are Lightning's. What differs from DDPStrategy:
-
-- The comm hook is registered on every device: DDPStrategy's ``ddp_comm_hook`` is
-  registered on CUDA only (``DDPStrategy._register_ddp_hooks``), so on CPU it never runs.
-- Gradient clipping by norm (``gradient_clip_val``) goes through flatgrad: the precision
-  plugin's ``clip_grad_by_norm`` clips with `FlatGrad.clip_grad_norm_` (one norm over the
-  flat buffers) where the optimizer holds every trainable parameter, with the
-  ShardedOptimizer's `clip_grad_norm_` (the norm of the whole averaged gradient, from every
-  rank's shards) under ``"flatgrad_sharded"``, and as Lightning does otherwise.
-- Under ``"flatgrad_sharded"`` with ``"16-mixed"`` the loss scaler is a `flatgrad.GradScaler`
-  (torch's would unscale the reduce-scattered `.grad`), and clipping unscales the shards
-  first (Lightning's mixed-precision plugin refuses to clip an optimizer that unscales in its
-  ``step``, as a ShardedOptimizer declares, even under ``"bf16-mixed"``, without a scaler).
-- Under ``"flatgrad_sharded"`` a checkpoint's optimizer state is the ShardedOptimizer's made whole (every
-  rank's shards gathered: Lightning writes rank 0's dict only) in the form a plain torch optimizer of the same
-  class and groups saves (`plain_optimizer_state`), so ``"ddp"`` and the other strategies resume from it; it
-  resumes from that form (any of theirs) and from its own by-name one.
-- Manual optimization: ``manual_backward`` runs inside the module's forward (Lightning calls training_step
-  there); a replicated module averages such a backward unless it runs inside ``block_backward_sync()`` (its
-  `no_sync`), as DDPStrategy's ``pre_backward`` prepares DDP's reducer for it. Several optimizers (a GAN) are
-  sharded by tensor under ``"flatgrad_sharded"``.
+FlatGrad is applied to the LightningModule in place when ``fit`` sets up (after the precision plugin converted
+it and it moved to its device): it stays a LightningModule of its own class, with its hooks, names and
+checkpoints. Each is a `DDPStrategy` subclass: process launching, devices, ``trainer.test``/``predict``
+without a fit (nothing applied) and checkpoint files are Lightning's. Under the replicate strategies every
+step runs through the model's call (Lightning calls the steps directly where the model is the LightningModule
+itself), which decides the averaging and broadcasts rank 0's buffers as DDP's forward does;
+``manual_backward`` inside it averages unless ``block_backward_sync()`` (its `no_sync`) holds. Clipping by
+norm goes through flatgrad where the optimizer holds every parameter with a gradient (one norm over the flat
+buffers, or a ShardedOptimizer's shards), and as Lightning does otherwise (refused by element:
+`_clip_through_flatgrad`); under ``"16-mixed"`` a sharded model's scaler is a `flatgrad.GradScaler`, and
+clipping unscales the shards first. A ``"flatgrad_sharded"`` checkpoint holds the optimizer state in the form
+a plain torch optimizer of the same class and groups saves (`plain_optimizer_state`, gathered whole: Lightning
+writes rank 0's dict only), so ``"ddp"`` and the other strategies resume from it, and it from theirs.
 """
 
 from __future__ import annotations
@@ -107,22 +94,22 @@ class _FlatGradStrategy(DDPStrategy):
 
 class FlatGradDDPStrategy(_FlatGradStrategy):
     """Lightning's DDPStrategy over ``FlatGrad(module)``: DDP with `FlatGrad.ddp_kwargs` (one
-    bucket per (dtype, device), which is flatgrad's buffer) and `flatgrad.allreduce_hook`
-    registered on every device. Registered as ``"flatgrad"``.
+    bucket per (dtype, device), which is flatgrad's buffer) and `flatgrad.allreduce_hook` registered on every
+    device. Registered as ``"flatgrad"``.
 
     Args:
-        config: The `FlatGrad` config (a `FlatGradConfig`, a dict of its fields, a YAML/JSON
-            path, or None for the defaults).
-        **kwargs: DDPStrategy's arguments (``accelerator``, ``start_method``,
-            ``process_group_backend``, ...) and DDP's (``find_unused_parameters``,
-            ``static_graph``, ...), as ``DDPStrategy(**kwargs)`` takes them.
+        config: The `FlatGrad` config (a `FlatGradConfig`, a dict of its fields, a YAML/JSON path, or None for
+            the defaults).
+        **kwargs: DDPStrategy's arguments (``accelerator``, ``start_method``, ``process_group_backend``, ...)
+            and DDP's (``find_unused_parameters``, ``static_graph``, ...), as ``DDPStrategy(**kwargs)`` takes
+            them.
 
     Raises:
-        TypeError: A comm hook argument is given (``ddp_comm_hook``, ``ddp_comm_state``,
-            ``ddp_comm_wrapper``: the strategy registers flatgrad's; ``model_averaging_period``,
-            which needs a post-local-SGD hook state).
-        ValueError: ``gradient_as_bucket_view`` or ``bucket_cap_mb`` is given
-            (`FlatGrad.ddp_kwargs` sets them).
+        TypeError: A comm hook argument is given (``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper``:
+            the strategy registers flatgrad's; ``model_averaging_period``, which needs a post-local-SGD hook
+            state).
+        ValueError: ``gradient_as_bucket_view`` or ``bucket_cap_mb`` is given (`FlatGrad.ddp_kwargs` sets
+            them).
     """
 
     strategy_name = "flatgrad"
@@ -160,20 +147,20 @@ class FlatGradDDPStrategy(_FlatGradStrategy):
 
 class FlatGradDataParallelStrategy(_FlatGradStrategy):
     """Lightning's DDPStrategy environment (processes, devices, process group) with
-    ``flatgrad.replicate(FlatGrad(module))`` in place of DDP: buckets that are views of the
-    flat buffer, averaged during backward; ``accumulate_grad_batches`` runs the micro-batches
-    in the module's `no_sync`. Registered as ``"flatgrad_data_parallel"``.
+    ``flatgrad.replicate(FlatGrad(module))`` in place of DDP: buckets that are views of the flat buffer,
+    averaged during backward; ``accumulate_grad_batches`` runs the micro-batches in the module's `no_sync`.
+    Registered as ``"flatgrad_data_parallel"``.
 
     Args:
         config: The `FlatGrad` config (as `FlatGradDDPStrategy`'s).
         bucket_cap_mb: `replicate`'s bucket size in MiB.
         reduce_dtype: `replicate`'s compressed wire (``torch.bfloat16``/``torch.float16``), or None.
-        broadcast_buffers: `replicate`'s flag (rank 0's buffers before each forward that
-            follows a synchronised training forward).
+        broadcast_buffers: `replicate`'s flag (rank 0's buffers before each forward that follows a
+            synchronised training forward).
         check_finite: `replicate`'s flag (a non-finite gradient raises on every rank).
         **kwargs: DDPStrategy's own arguments only (``accelerator``, ``parallel_devices``,
-            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``,
-            ``process_group_backend``, ``timeout``, ``start_method``).
+            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``,
+            ``timeout``, ``start_method``).
 
     Raises:
         TypeError: Another keyword argument is given (DDP's arguments have no DDP here).
@@ -221,9 +208,7 @@ class FlatGradDataParallelStrategy(_FlatGradStrategy):
         return self._through_call(self.precision_plugin.train_step_context(), "training_step", args, kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's, through the module's call too: it broadcasts rank 0's buffers (BatchNorm's running
-        statistics) before the first forward after a synchronised training forward, as DDP's does (called
-        directly, each rank validated with its own)."""
+        """Lightning's, through the module's call too: rank 0's buffers, as DDP's forward broadcasts them."""
         return self._through_call(self.precision_plugin.val_step_context(), "validation_step", args, kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -257,15 +242,14 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
     optimizer.param_groups, **optimizer.defaults)``: the same class, groups and arguments, each rank keeping
     its shards' state; its schedulers step the ShardedOptimizer. Registered as ``"flatgrad_sharded"``.
 
-    Clipping is by norm only (the norm of the whole averaged gradient); a checkpoint holds
-    the whole optimizer state, in torch's form (see the module notes). Several optimizers
-    are sharded by tensor (they share the one replicated module so).
+    Clipping is by norm only (see the module notes, as for checkpoints: the whole optimizer state in torch's
+    form). Several optimizers are sharded by tensor (they share the one replicated module so).
 
     Args:
         config: The `FlatGrad` config (as `FlatGradDDPStrategy`'s).
         overlap_param_gather: `ShardedOptimizer`'s flag.
-        shard_by: `ShardedOptimizer`'s ``shard_by`` (None: the class's own way, or
-            ``"tensor"`` where ``configure_optimizers`` returns several optimizers).
+        shard_by: `ShardedOptimizer`'s ``shard_by`` (None: the class's own way, or ``"tensor"`` where
+            ``configure_optimizers`` returns several optimizers).
         **kwargs: `FlatGradDataParallelStrategy`'s arguments.
 
     Raises:
@@ -565,8 +549,7 @@ def _clip_through_flatgrad(plugin: Precision, flat_of: Callable[[], FlatGrad | N
     by_norm, by_value, clip = plugin.clip_grad_by_norm, plugin.clip_grad_by_value, plugin.clip_gradients
 
     def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        # Lightning clips the optimizer's parameters' gradients: flatgrad's norm (the whole model's) where
-        # they are all of them, Lightning's own where the gradients are readable (by tensor too).
+        # (Lightning clips the optimizer's parameters: flatgrad's norm is the whole model's)
         inner, flat = _unwrapped(optimizer), flat_of()
         whole = flat is not None and _holds_every_slot(inner, flat)
         if isinstance(inner, ShardedOptimizer) and whole:
