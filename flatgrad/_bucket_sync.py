@@ -731,6 +731,8 @@ class BucketSync:
         """A training forward of the model starts (grad enabled): until `end_forward`, a
         backward that opens inside it averages as `sync` says then (see `_open`)."""
         self._forwards += 1
+        if not self.sync:  # (its backward's gradients stay local: see `GradStore.unsynced`)
+            self.store.unsynced = True
 
     def end_forward(self, finished: bool = True) -> None:
         """The training forward `begin_forward` announced ended; one that `finished` (did
@@ -784,8 +786,6 @@ class BucketSync:
         gradient final yet), the parameters it will not reach are counted ready now."""
         if sync:
             self._armed = False  # this backward is the one the synchronising forward armed
-        else:
-            self.store.unsynced = True
         if torch.is_grad_enabled():  # create_graph=True: the gradients must stay differentiable
             if sync:
                 raise RuntimeError(
@@ -855,7 +855,6 @@ class BucketSync:
         their own, which each bucket takes into its slots before it launches."""
         armed = self.sync if self._forwards else self._armed
         if not (armed or self._averaging):
-            self.store.unsynced = True  # (its gradients stay local)
             return False
         _refuse_compiled_autograd()
         # From a hook, maybe of a nested backward (whose graph is not the one that ends the

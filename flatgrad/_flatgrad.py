@@ -370,6 +370,7 @@ class FlatGrad(nn.Module):
         if store.tensor_parallel is not None:
             store.tensor_parallel.check_data_parallel(process_group, "model.all_reduce_grads()")
         _comm.all_reduce_grads(store, process_group, reduce_dtype)
+        store.unsynced = False  # (replicate's no_sync() gradients are averaged now)
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Constructor arguments for ``DDP(model, **model.ddp_kwargs())``: the zero-copy,

@@ -114,7 +114,7 @@ def accumulate_grad_node(tensor: torch.Tensor) -> Any:
     its gradient passes last, where hooks that must see every gradient of a parameter go
     (reached through a throwaway view's graph, as DDP's reducer does; grad mode on for it).
     The caller keeps the node alive as long as hooks registered on it must stay."""
-    with torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():  # (a relayout in an eval forward: Lightning's)
         return tensor.view_as(tensor).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
 
 

@@ -1532,3 +1532,36 @@ def test_a_replicated_model_is_freed_without_the_cycle_collector(optimizer):
             assert gone() is None
         finally:
             gc.enable()
+
+
+def _eval_after_relayout_worker(rank: int, world_size: int) -> None:
+    """A forward under inference_mode after a change that lays the buffers out again (a layer frozen, a
+    `.to()`), as Lightning's validation runs on GPUs: it crashed re-hooking the parameters (no grad_fn inside
+    inference mode). And a freeze after `no_sync()` backwards averaged by `all_reduce_grads` (a pipeline
+    stage's split backward) is followed at the next forward: `all_reduce_grads` ends the wait for an average
+    (before, the frozen layer kept its slot until a synchronised backward, which such a loop never runs)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    plain = copy.deepcopy(model)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL))
+    x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    dp(x).sum().backward()
+    model.zero_grad()
+    for change in (lambda: model[0].requires_grad_(False), lambda: model.to(torch.float64)):
+        change()
+        plain[0].requires_grad_(model[0].weight.requires_grad)
+        with torch.inference_mode():
+            torch.testing.assert_close(dp(x), plain(x), rtol=0, atol=0)
+    model[0].requires_grad_(True)
+    for _ in range(2):
+        with dp.no_sync():
+            dp(x).sum().backward()
+        dp.all_reduce_grads()
+        model.zero_grad()
+    model[0].requires_grad_(False)
+    dp(x).sum().backward()
+    assert model[0].weight not in engine_of(model).store  # (laid out without it)
+
+
+def test_an_eval_forward_after_a_relayout_and_a_freeze_after_all_reduce_grads():
+    run_ranks(_eval_after_relayout_worker, world_size=2)
