@@ -63,7 +63,7 @@ class GradStore:
             )
         self.stale = False  # set when a parameter no longer fits its slot
         self.ddp_bucket = False  # a buffer is a DDP's bucket (`adopt`), which keeps a slot frozen since
-        self.unsynced = False  # replicate has no_sync() gradients to average: so do those (`_keeps_frozen`)
+        self.unsynced = False  # set by replicate: no_sync() gradients await averaging (`_keeps_frozen`)
         self._seat_cache: _SeatCache | None = None  # dropped when the slots move
         self.buffers: dict[GroupKey, torch.Tensor] = {}
         self._entries: dict[torch.Tensor, SlotEntry] = {}
