@@ -605,8 +605,20 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         Raises:
             ValueError: On every rank, when any rank's `state_dict` is not a ShardedOptimizer
                 state, has other parameter groups, or lacks state this rank needs (a file of
-                another rank or world size loaded without torch.distributed.checkpoint).
+                another rank or world size loaded without torch.distributed.checkpoint), or would
+                give a param group parameters with different step counts.
         """
+        groups = self._groups
+        if self.dp._module() is not None:  # (every rank loads together: a freeze since the last layout first)
+            self._follow_layout()
+        state = state_dict.get("state") if isinstance(state_dict, dict) else None
+        if (
+            self._groups is not groups
+            and isinstance(state, dict)
+            and all(isinstance(v, dict) for v in state.values())
+        ):
+            # Cut by the layout before (DCP fills `state_dict()`'s shards): made whole, cut anew by the load.
+            state_dict = {**state_dict, "state": whole_state(state, self.dp.process_group)}
         frozen = self._parked.keys() if isinstance(state_dict, dict) and "state" in state_dict else ()
         taken = {
             name: _whole(name, state_dict["state"][name]) for name in frozen if name in state_dict["state"]

@@ -346,8 +346,9 @@ def parameter_state(
         extents += [(ranks[r], end.offsets, end.sizes) for r in range(layout.world_size) if r not in held]
         extents += layout.peers.get(id(param), [])
         # Scalars on every rank (every rank has a piece of the group, maybe an empty one, and
-        # the same values): the same keys everywhere, as torch.distributed.checkpoint expects.
-        entry: dict[str, Any] = {key: states[0][key] for key in spec.scalars}
+        # the same values): the same keys everywhere, as torch.distributed.checkpoint expects;
+        # a copy each, so that DCP loads each parameter's own (`misfit` compares them).
+        entry: dict[str, Any] = {key: _copy(states[0][key]) for key in spec.scalars}
         for key in spec.per_element:
             # (the state's dtype where a piece holds it, else the parameter's)
             dtype = next((s[key].dtype for s in states if isinstance(s.get(key), torch.Tensor)), param.dtype)
@@ -643,6 +644,14 @@ def misfit(recipe: OptimizerRecipe, groups: list[GroupView], layout: Layout, sav
             missing = missing_state(layout, group.params, saved["state"], spec)
             if missing:
                 return f"no state for {missing[:4]}"
+            entries = {n: saved["state"].get(n, {}) for n, _ in group.params}
+            steps = {n: float(entry[STEP]) for n, entry in entries.items() if STEP in entry}
+            if STEP in spec.scalars and len(set(steps.values())) > 1:  # (a parameter parked when saved)
+                return (
+                    f"a param group would hold parameters with different step counts ({steps}); "
+                    f"{recipe.name} counts steps per parameter, ShardedOptimizer per group: freeze "
+                    "what was frozen when saved before loading"
+                )
     return None
 
 

@@ -188,6 +188,49 @@ def test_a_layer_frozen_when_saved_keeps_its_optimizer_state_across_a_resume(tmp
     run_ranks(_frozen_resume_worker, str(tmp_path), "own file", world_size=2, timeout=150)
 
 
+def _shared_frozen_save_worker(rank: int, world_size: int, tmp: str) -> None:
+    """`_setup`'s groups (fc's weight and bias each share a group with other layers): two steps, fc frozen
+    for the third, saved (fc's step count 2, its groups' 3), one more step with fc frozen (the oracle)."""
+    model, dp, opt, sched = _setup(True)
+    _train(dp, opt, sched, rank, world_size, range(2))
+    model.fc.requires_grad_(False)
+    _train(dp, opt, sched, rank, world_size, range(2, 3))
+    dcp.save({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
+    torch.save(opt.state_dict(), f"{tmp}/rank{rank}.pt")
+    _train(dp, opt, sched, rank, world_size, range(3, 4))
+    if rank == 0:
+        _write_final(model, tmp)
+
+
+def _shared_frozen_resume_worker(rank: int, world_size: int, tmp: str, frozen: bool) -> None:
+    model, dp, opt, sched = _setup(True)
+    model.fc.requires_grad_(not frozen)
+    if frozen:  # as saved: fc parked again, the groups resume as they were
+        dcp.load({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
+        _train(dp, opt, sched, rank, world_size, range(3, 4))
+        _assert_final(model, tmp, world_size)
+        steps = {name: float(entry["step"]) for name, entry in opt.state_dict()["state"].items()}
+        assert steps == {**dict.fromkeys(steps, 4.0), "fc.weight": 2.0, "fc.bias": 2.0}, steps
+        return
+    with pytest.raises(ValueError, match="different step counts"):
+        dcp.load({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
+    with pytest.raises(ValueError, match="does not fit"):  # (its shards were cut without fc, too)
+        opt.load_state_dict(torch.load(f"{tmp}/rank{rank}.pt", weights_only=False))
+    assert not opt.optimizer.state  # refused before anything loaded
+
+
+def test_a_layer_frozen_when_saved_inside_a_stepping_group_is_refused_where_trainable(tmp_path):
+    """AdamW counts steps per parameter, ShardedOptimizer's pieces per group: a checkpoint holding a layer
+    frozen (parked, step 2) inside groups that stepped on (step 3), loaded where that layer is trainable,
+    would give the whole group one parameter's count (before: DCP loaded every parameter's count into one
+    tensor, the last write won). Refused on every rank, as unfreezing it in place is; loaded with the layer
+    frozen as saved, it trains on as the uninterrupted run."""
+    run_ranks(_shared_frozen_save_worker, str(tmp_path), world_size=2)
+    run_ranks(_shared_frozen_resume_worker, str(tmp_path), False, world_size=2, timeout=150)
+    for world_size in (1, 3):
+        run_ranks(_shared_frozen_resume_worker, str(tmp_path), True, world_size=world_size, timeout=150)
+
+
 def _fresh_worker(rank: int, world_size: int, tmp: str) -> None:
     model, dp, opt, sched = _setup(True)
     dcp.save({"optim": opt}, checkpoint_id=f"{tmp}/fresh")  # before any step
