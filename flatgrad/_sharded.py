@@ -612,12 +612,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if self.dp._module() is not None:  # (every rank loads together: a freeze since the last layout first)
             self._follow_layout()
         state = state_dict.get("state") if isinstance(state_dict, dict) else None
-        if (
-            self._groups is not groups
-            and isinstance(state, dict)
-            and all(isinstance(v, dict) for v in state.values())
+        if (  # (cut by the layout before, as DCP fills `state_dict()`)
+            self._groups is not groups and isinstance(state, dict) and all(map(_is_dict, state.values()))
         ):
-            # Cut by the layout before (DCP fills `state_dict()`'s shards): made whole, cut anew by the load.
             state_dict = {**state_dict, "state": whole_state(state, self.dp.process_group)}
         frozen = self._parked.keys() if isinstance(state_dict, dict) and "state" in state_dict else ()
         taken = {
@@ -642,6 +639,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             The summed size of the tensors in the inner optimizer's state.
         """
         return state_bytes(self.optimizer)
+
+
+def _is_dict(value: object) -> bool:
+    return isinstance(value, dict)
 
 
 def _whole(name: str, state: dict[str, Any]) -> dict[str, Any]:

@@ -1050,15 +1050,14 @@ class PieceGroups(InnerGroups):
         return self.call(self._keeping(parts, functools.partial(self.inner.step, **kwargs)), param_groups)
 
     def _unstepped(self, param_groups: list[dict[str, Any]]) -> tuple[set[int], list[tuple[Piece, int, int]]]:
-        """The groups no parameter of which has a gradient, and the [a, b) ranges of this
-        rank's pieces of the other groups that hold a parameter without one. Without a
-        gradient: `.grad` None after a synchronised backward (no rank used it, as stock DDP
-        with find_unused_parameters=True leaves it; a main grad always counts, an empty
-        parameter never), or, with gradients assigned by hand, on this rank (each rank steps
-        its shards with its own, as torch's ZeroRedundancyOptimizer steps its partition; one
-        small all-reduce tells every rank who has none where). Raises ValueError on every rank
-        alike, before anything moves, where a group with a parameter without a gradient steps
-        and its class cannot leave elements of its pieces as they were (`_refuse_partial`)."""
+        """The groups no parameter of which has a gradient, and the [a, b) ranges of this rank's pieces of the
+        other groups that hold a parameter without one. Without a gradient: `.grad` None after a synchronised
+        backward (no rank used it, as stock DDP with find_unused_parameters=True leaves it; a main grad always
+        counts, an empty parameter never), or, with gradients assigned by hand, on this rank (each rank steps
+        its shards with its own, as torch's ZeroRedundancyOptimizer steps its partition; one small all-reduce
+        tells every rank who has none where). Raises ValueError on every rank alike, before anything moves,
+        where a group with a parameter without a gradient steps and its class cannot leave elements of its
+        pieces as they were (`_refuse_partial`)."""
         store, scattered = self.engine.store, is_scattered(self.engine.store)
         if scattered and all(p.grad is not None or store.is_main(p) or not p.numel() for p in store.params):
             return set(), []  # (the usual step: every parameter has its gradient)
@@ -1088,13 +1087,12 @@ class PieceGroups(InnerGroups):
     def _refuse_partial(
         self, index: int, params: list[torch.Tensor], lacking: list[bool], group: dict[str, Any]
     ) -> None:
-        """Raise ValueError where group `index` steps with parameters without a gradient in it
-        and its class cannot leave their elements as they were: it keeps scalar state per
-        parameter (a step count), which the pieces keep per group, or its per-element state,
-        zeroed, does not step as none does (`zeros_start_fresh`). Probed in the dtype of each
-        buffer the group's parameters live in (what the pieces step: the gradient buffer's,
-        float32 masters included), the same on every rank, so every rank raises alike. Cached
-        by the options a scheduler does not move."""
+        """Raise ValueError where group `index` steps with parameters without a gradient in it and its class
+        cannot leave their elements as they were: it keeps scalar state per parameter (a step count), which
+        the pieces keep per group, or its per-element state, zeroed, does not step as none does
+        (`zeros_start_fresh`). Probed in the dtype of each buffer the group's parameters live in (what the
+        pieces step: the gradient buffer's, float32 masters included), the same on every rank, so every rank
+        raises alike. Cached by the options a scheduler does not move."""
         store = self.engine.store
         options = {k: v for k, v in group.items() if k != "params"}
         fixed = repr(
