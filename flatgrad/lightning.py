@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import types
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -310,7 +311,9 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
             self._sharded(self.model, opt, shard_by) for opt in self.optimizers
         ]
         for old, new in zip(self.optimizers, sharded):
-            schedulers = [c.scheduler for c in self.lr_scheduler_configs if c.scheduler.optimizer is old]
+            schedulers = [
+                s for c in self.lr_scheduler_configs for s in _chained(c.scheduler) if s.optimizer is old
+            ]
             for scheduler in schedulers:
                 scheduler.optimizer = new  # (its lr writes reach the new groups)
             if schedulers:
@@ -332,7 +335,7 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         if isinstance(optimizer, ShardedOptimizer):
             return optimizer
         groups = [dict(group) for group in optimizer.param_groups]
-        defaults = _constructor_arguments(type(optimizer), optimizer.defaults)
+        defaults = _rebuilt_arguments(optimizer)
         options = {**self.sharded_options, "shard_by": shard_by}
         return ShardedOptimizer(model, type(optimizer), groups, **options, **defaults)
 
@@ -521,14 +524,69 @@ def _track_scheduler_steps(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
-def _constructor_arguments(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
-    """The entries of an optimizer's `defaults` its constructor takes: `defaults` may hold
-    more (torch's AdamW keeps Adam's ``decoupled_weight_decay``, which AdamW's constructor
-    does not take); the groups carry every option either way."""
+def _chained(scheduler: Any) -> list[Any]:
+    """`scheduler` and those it steps (torch's SequentialLR and ChainedScheduler keep theirs in a list)."""
+    inner = [s for value in vars(scheduler).values() if isinstance(value, list) for s in value]
+    return [scheduler, *(c for s in inner if hasattr(s, "optimizer") for c in _chained(s))]
+
+
+def _rebuilt_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The entries of `optimizer`'s `defaults` its constructor takes (`defaults` may hold more: torch's AdamW
+    keeps Adam's ``decoupled_weight_decay``; the groups carry every option either way), checked: an optimizer
+    of its class built with them over a throwaway parameter must keep what `optimizer` keeps beside its groups
+    and state (a class keeping an argument as an attribute only, lion_pytorch's ``decoupled_weight_decay``,
+    would be rebuilt with its default). Raises ValueError where it does not."""
+    cls = type(optimizer)
     parameters = inspect.signature(cls.__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return dict(defaults)
-    return {key: value for key, value in defaults.items() if key in parameters}
+    arguments = dict(optimizer.defaults)
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        arguments = {key: value for key, value in arguments.items() if key in parameters}
+    like = next(p for group in optimizer.param_groups for p in group["params"])
+    base = {*vars(torch.optim.Optimizer([torch.zeros(1)], {})), "defaults", "step"}  # (step: a scheduler's)
+    try:
+        kept = vars(cls([torch.zeros_like(like, requires_grad=True)], **arguments))
+        lost = [k for k in vars(optimizer).keys() - base if not _same(vars(optimizer)[k], kept.get(k, base))]
+    except Exception as error:  # (the class refuses its own defaults: magma's AdamW base)
+        lost = [repr(error)]
+    if lost:
+        raise ValueError(
+            f"flatgrad_sharded rebuilds the {cls.__name__} configure_optimizers returned from its param "
+            f"groups and defaults, which do not give back {sorted(lost)}: return flatgrad.ShardedOptimizer("
+            f"self, {cls.__name__}, ..., <its arguments>) from configure_optimizers instead (the module is "
+            "replicated by then)"
+        )
+    return arguments
+
+
+def _same(a: Any, b: Any, depth: int = 3) -> bool:
+    """Whether two optimizers' attributes `a` and `b` hold the same setting (functions by their code, objects
+    by their attributes, `depth` levels down; unknown: not the same)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or depth < 0:
+        return False
+    if isinstance(a, types.FunctionType):
+        return (
+            a.__code__ is b.__code__
+            and a.__defaults__ == b.__defaults__
+            and not (a.__closure__ or b.__closure__)
+        )
+    if isinstance(a, torch.Tensor):
+        return (
+            a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, depth - 1) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], depth - 1) for k in a)
+    if hasattr(a, "__dict__") and not isinstance(a, type):
+        return _same(vars(a), vars(b), depth - 1)
+    try:
+        return bool(a == b)
+    except Exception:  # (an object whose == does not give a bool)
+        return False
 
 
 def _refuse_value_clipping() -> None:

@@ -30,6 +30,7 @@ from torch import nn
 
 L = pytest.importorskip("lightning", reason="pip install -e '.[dev,frameworks]'")
 
+import flatgrad  # noqa: E402
 import flatgrad.lightning  # noqa: E402  (after the skip: it imports Lightning)
 
 CLIP = 0.05  # below every step's gradient norm (checked on the stock run): every step clips
@@ -494,6 +495,72 @@ def test_clipping_an_optimizer_over_part_of_the_model_clips_its_parameters_as_li
     where the gradients are readable (by tensor), and refused by element, whose shards hold every
     parameter's gradient together."""
     run_ranks(_partial_clipping_case, timeout=240.0)
+
+
+class _Rebuilt(L.LightningModule):
+    """Lightning's BoringModel (a Linear 32 -> 2) with the optimizer `how` names: SGD with momentum under a
+    SequentialLR (a chained scheduler), lion_pytorch's Lion with ``decoupled_weight_decay=True`` (kept as an
+    attribute, not in its defaults), or that Lion built as a ShardedOptimizer by the module itself."""
+
+    def __init__(self, how: str) -> None:
+        from lightning.pytorch.demos.boring_classes import BoringModel
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.how, self.boring = how, BoringModel()
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        return self.boring.training_step(batch, index)["loss"]
+
+    def configure_optimizers(self) -> Any:
+        lion = pytest.importorskip("lion_pytorch").Lion
+        if self.how == "sequential":
+            opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            lrs = torch.optim.lr_scheduler
+            warm, decay = lrs.LinearLR(opt, start_factor=0.25, total_iters=3), lrs.ExponentialLR(opt, 0.8)
+            return [opt], [lrs.SequentialLR(opt, [warm, decay], milestones=[3])]
+        arguments = dict(lr=0.01, weight_decay=0.5, decoupled_weight_decay=True)
+        if self.how == "sharded lion":
+            return flatgrad.ShardedOptimizer(self, lion, self.parameters(), **arguments)
+        return lion(self.parameters(), **arguments)
+
+
+def _rebuild_case(rank: int, world_size: int) -> None:
+    _as_torchrun(rank, world_size)
+    data = torch.randn(32, 32, generator=torch.Generator().manual_seed(1))
+    finals = {}
+    for how, name in [
+        *((h, s) for h in ("sequential", "lion") for s in ("ddp", "flatgrad_sharded", "tensor")),
+        ("sharded lion", "flatgrad_sharded"),
+    ]:
+        strategy = flatgrad.lightning.FlatGradShardedStrategy(shard_by="tensor") if name == "tensor" else name
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, precision="64-true", logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        module, loader = _Rebuilt(how), torch.utils.data.DataLoader(data, batch_size=2)
+        if how == "lion" and name != "ddp":
+            with pytest.raises(
+                ValueError, match=r"do not give back \['decoupled_wd'\].*ShardedOptimizer\(self"
+            ):
+                trainer.fit(module, loader)
+            continue
+        trainer.fit(module, loader)
+        finals[how, name] = _params(module) + [torch.tensor(trainer.optimizers[0].param_groups[0]["lr"])]
+    for (how, name), ours in finals.items():
+        stock = finals[how.removeprefix("sharded "), "ddp"]
+        for a, b in zip(ours, stock):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=lambda m, w=(how, name): f"{w}: {m}")
+
+
+@pytest.mark.distributed
+def test_the_sharded_strategy_rebuilds_the_optimizer_with_its_arguments_and_chained_schedulers() -> None:
+    """Before, flatgrad_sharded pointed only a scheduler's own optimizer at the rebuilt one (SequentialLR's
+    schedulers kept writing the lr into the old optimizer: 9.5e-2 from ddp), and rebuilt Lion from its
+    defaults without ``decoupled_weight_decay`` (0.2 from ddp). Now chained schedulers follow, and a class
+    whose constructor arguments its rebuild would not give back is refused, naming the fix that then equals
+    ddp."""
+    run_ranks(_rebuild_case, timeout=300.0)
 
 
 class _NormedVal(L.LightningModule):
