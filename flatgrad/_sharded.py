@@ -58,7 +58,13 @@ from flatgrad._zero import (
     relaid_state,
     state_bytes,
 )
-from flatgrad._zero_state import GroupView, OptimizerRecipe, whole_state
+from flatgrad._zero_state import (
+    GroupView,
+    OptimizerRecipe,
+    whole_state,
+    with_stepped_options,
+    without_stepped_options,
+)
 from flatgrad._zero_tensor import TensorEngine, TensorGroups
 
 
@@ -582,6 +588,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             since it stepped, by element, saves its state whole, as a torch optimizer keeps it).
         """
         saved = self._groups.state_dict(self.param_groups)
+        likes = [local_of(group["params"][0]) if group["params"] else None for group in self.param_groups]
+        saved["param_groups"] = with_stepped_options(self._recipe, saved["param_groups"], likes)
         parked = {name: state for name, state in self._parked.items() if state}
         if not parked:
             return saved
@@ -608,6 +616,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 another rank or world size loaded without torch.distributed.checkpoint), or would
                 give a param group parameters with different step counts.
         """
+        if isinstance(state_dict, dict) and "param_groups" in state_dict:
+            state_dict = {**state_dict, "param_groups": without_stepped_options(state_dict["param_groups"])}
         groups = self._groups
         if self.dp._module() is not None:  # (every rank loads together: a freeze since the last layout first)
             self._follow_layout()

@@ -192,6 +192,45 @@ def state_spec(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Ten
     return StateSpec(per_element, {k: v for k, v in state.items() if k not in per_element})
 
 
+# A group option the class's first step adds, saved by a group before that step: DCP loads only the keys the
+# loading optimizer's `state_dict()` shows, so every state_dict shows them (`load_state_dict` drops this).
+NOT_STEPPED = "flatgrad: not stepped yet"
+
+
+def with_stepped_options(
+    recipe: OptimizerRecipe, groups: list[dict[str, Any]], likes: list[torch.Tensor | None]
+) -> list[dict[str, Any]]:
+    """A state_dict's `groups`, each with the options a step of `recipe`'s class adds that it lacks (it has
+    not stepped) set to `NOT_STEPPED`; `likes`: a parameter of each group (None: an empty group)."""
+    out = []
+    for group, like in zip(groups, likes):
+        options = {k: v for k, v in group.items() if k != "params"}
+        added = () if like is None else _stepped_options(recipe, options, like)
+        out.append({**dict.fromkeys(added, NOT_STEPPED), **group})
+    return out
+
+
+def _stepped_options(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Tensor) -> tuple[str, ...]:
+    """The options one step of `recipe`'s class adds to a group of a small parameter shaped as `like` (of its
+    number of dimensions: Muon steps matrices only); none where the class refuses it."""
+    dummy = nn.Parameter(like.new_zeros((2,) * like.dim()))
+    dummy.grad = torch.ones_like(dummy)
+    try:
+        probe = recipe.build_to_step([dict(options, params=[dummy])])
+        before = set(probe.param_groups[0])
+        recipe.step(probe)
+    except Exception:  # (what the class refuses of a throwaway tensor it raises at its own step too)
+        return ()
+    return tuple(k for k in probe.param_groups[0] if k not in before)
+
+
+def without_stepped_options(groups: object) -> object:
+    """A loaded state_dict's groups without the options `with_stepped_options` marked."""
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        return groups
+    return [{k: v for k, v in g.items() if not (isinstance(v, str) and v == NOT_STEPPED)} for g in groups]
+
+
 def zeros_start_fresh(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Tensor) -> bool:
     """Whether `recipe`'s per-element state, zeroed, steps a parameter as no state does (as
     a parameter's first step): Adam's moments, SGD's momentum without dampening do; SGD's

@@ -52,7 +52,7 @@ from flatgrad._optim_kinds import ShardBy
 from flatgrad._parallel import ReplicateModule, replicate, unreplicate
 from flatgrad._sharded import ShardedOptimizer
 from flatgrad._zero import options
-from flatgrad._zero_state import CLASS_STATE, MASTER, never_stepped, whole_state
+from flatgrad._zero_state import CLASS_STATE, MASTER, never_stepped, whole_state, without_stepped_options
 
 logger = logging.getLogger(__name__)
 
@@ -387,6 +387,7 @@ def whole_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
         ``{"state": {name: {key: value}}, "param_groups": [...]}``, as `state_dict`'s.
     """
     saved = optimizer.state_dict()
+    saved["param_groups"] = without_stepped_options(saved["param_groups"])
     group = optimizer.dp.process_group
     if optimizer.shard_by == "element":
         return {**saved, "state": whole_state(saved["state"], group)}

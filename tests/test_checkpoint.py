@@ -231,6 +231,52 @@ def test_a_layer_frozen_when_saved_inside_a_stepping_group_is_refused_where_trai
         run_ranks(_shared_frozen_resume_worker, str(tmp_path), True, world_size=world_size, timeout=150)
 
 
+def _group_state_setup(cls_name: str, shard_by: str) -> tuple[nn.Module, Any, torch.optim.Optimizer, Any]:
+    """`_setup`'s model and groups, stepped by a pytorch_optimizer class, which keeps its step count in its
+    param groups (``group["step"]``), not per parameter."""
+    torch.manual_seed(0)
+    model = _Net()
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.002)
+    cls = getattr(pytest.importorskip("pytorch_optimizer"), cls_name)
+    opt = flatgrad.ShardedOptimizer(dp, cls, _groups(model), lr=0.05, shard_by=shard_by)
+    return model, dp, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
+
+
+def _group_state_save_worker(rank: int, world_size: int, tmp: str, cls_name: str, shard_by: str) -> None:
+    model, dp, opt, sched = _group_state_setup(cls_name, shard_by)
+    dcp.save({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/fresh")  # (before a step)
+    _train(dp, opt, sched, rank, world_size, range(2))
+    assert opt.param_groups[0]["step"] == 2
+    dcp.save({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")
+    _train(dp, opt, sched, rank, world_size, range(2, 4))
+    if rank == 0:
+        _write_final(model, tmp)
+
+
+def _group_state_resume_worker(rank: int, world_size: int, tmp: str, cls_name: str, shard_by: str) -> None:
+    model, dp, opt, sched = _group_state_setup(cls_name, shard_by)
+    dcp.load({"optim": opt}, checkpoint_id=f"{tmp}/fresh")
+    assert "step" not in opt.param_groups[0]  # (saved before the first step: none)
+    dcp.load({"model": dp, "optim": opt, "sched": sched}, checkpoint_id=f"{tmp}/ckpt")  # into a fresh one
+    assert [group["step"] for group in opt.param_groups] == [2, 2]
+    _train(dp, opt, sched, rank, world_size, range(2, 4))
+    _assert_final(model, tmp, world_size)
+
+
+@pytest.mark.parametrize(("cls_name", "shard_by"), [("ADOPT", "element"), ("Lamb", "tensor")])
+def test_a_step_count_kept_in_the_param_groups_resumes_through_dcp_into_a_fresh_optimizer(
+    tmp_path, cls_name, shard_by
+):
+    """torch.distributed.checkpoint loads only the keys the loading optimizer's state_dict() shows, and a
+    fresh one's groups had no "step" yet: a pytorch_optimizer class resumed with its step count restarted
+    (1.4e-2 from the uninterrupted run for ADOPT, 0.22 for Lamb). Now every state_dict shows the options a
+    step adds (marked not stepped yet before the first), and the resume on 1, 2 and 3 ranks trains on as the
+    uninterrupted run."""
+    run_ranks(_group_state_save_worker, str(tmp_path), cls_name, shard_by, world_size=2)
+    for world_size in (1, 2, 3):
+        run_ranks(_group_state_resume_worker, str(tmp_path), cls_name, shard_by, world_size=world_size)
+
+
 def _fresh_worker(rank: int, world_size: int, tmp: str) -> None:
     model, dp, opt, sched = _setup(True)
     dcp.save({"optim": opt}, checkpoint_id=f"{tmp}/fresh")  # before any step
