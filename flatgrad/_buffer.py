@@ -168,12 +168,7 @@ class GradStore:
         """Copy `grad` into `param`'s slot and make the slot its `.grad`; returns the slot (a
         DTensor `grad` is first laid out as the parameter's placements)."""
         entry = self._entries[param]
-        if grad.shape != param.shape:  # (param.data re-pointed at another shape since the gradient was made)
-            raise RuntimeError(
-                f"a parameter of shape {tuple(param.shape)} holds a .grad of shape {tuple(grad.shape)} from "
-                "before its .data was re-pointed, which cannot go into its slot: set it to None first "
-                "(model.zero_grad() or optimizer.zero_grad()), then lay out again"
-            )
+        refuse_old_grad(param, grad)
         entry.local.copy_(_dtensor.local_gradient(grad.to_dense() if grad.is_sparse else grad, entry.view))
         param.grad = entry.view
         return entry.view
@@ -443,6 +438,16 @@ _data_ptr = torch.Tensor.data_ptr
 # never an attribute on the parameter. A store keeps its parameters alive, so ids are not reused
 # while its entries stand; no weak reference to a parameter (it blocks torch.utils.swap_tensors).
 _OWNERS: dict[int, weakref.ref[GradStore]] = {}
+
+
+def refuse_old_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Raise RuntimeError where `grad` is of another shape than `param` (its ``.data`` re-pointed since)."""
+    if grad.shape != param.shape:
+        raise RuntimeError(
+            f"a parameter of shape {tuple(param.shape)} holds a .grad of shape {tuple(grad.shape)} from "
+            "before its .data was re-pointed, which cannot go into its slot: set it to None first "
+            "(model.zero_grad() or optimizer.zero_grad()), then lay out again"
+        )
 
 
 def _claim(store: GradStore) -> Callable[[], Any]:

@@ -24,7 +24,7 @@ from torch import nn
 
 from flatgrad import _comm
 from flatgrad._backward import ForwardPlan, Participant, Seater, watch
-from flatgrad._buffer import GradStore
+from flatgrad._buffer import GradStore, refuse_old_grad
 from flatgrad._config import FlatGradConfig
 from flatgrad._routing import route_layers
 from flatgrad._torch_compat import graph_task_id
@@ -130,6 +130,9 @@ class GradEngine:
         with torch.inference_mode(False), torch.no_grad():  # buffers must be normal tensors
             model = self.model
             params = trainable_parameters(model)
+            for param in params:  # (before anything moves)
+                if param.grad is not None:
+                    refuse_old_grad(param, param.grad)
             old = self.store
             if self.seater is not None:
                 self.seater.retire()  # a graph still alive must not seat into old buffers

@@ -226,7 +226,14 @@ class FlatGrad(nn.Module):
         # `GradEngine.current` does not see (a held parameter frozen or converted in place)
         # still has its `.grad` set to None, and is found by the next norm, sync or backward.
         engine = engine_of(self)
-        store = engine.current() if set_to_none else engine.refresh()
+        try:
+            store = engine.current() if set_to_none else engine.refresh()
+        except RuntimeError:  # (parameters changed, refused until relayout(), which this may have to precede)
+            if not set_to_none:
+                raise
+            for param in self.parameters():
+                param.grad = None
+            return
         unmark_scattered(store, to_none=set_to_none)  # (zeroed: right on every rank again)
         if set_to_none:
             for param in store.params + engine.others:

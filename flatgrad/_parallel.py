@@ -51,7 +51,13 @@ from flatgrad._bucket_sync import BucketSync
 from flatgrad._comm import check_wire_dtype
 from flatgrad._dtensor import local_of
 from flatgrad._flatgrad import FlatGrad, engine_of, flat_class, original_class
-from flatgrad._torch_compat import broadcast_coalesced, join_state, leave_join, preserve_version_counter
+from flatgrad._torch_compat import (
+    active_ddp,
+    broadcast_coalesced,
+    join_state,
+    leave_join,
+    preserve_version_counter,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +86,13 @@ class ReplicateModule(FlatGrad):
     # compiled (FlatGrad's `_flatgrad_call` hands it to Dynamo).
     @torch.compiler.disable(recursive=False)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if active_ddp() is not None and torch.is_grad_enabled():  # (the same on every rank DDP runs)
+            raise ValueError(
+                "a DistributedDataParallel runs this replicated model (transformers' Trainer and "
+                "Accelerate's prepare wrap a model in DDP): both would average every gradient. Under DDP "
+                "give it FlatGrad alone and flatgrad's DDP hook (flatgrad.accelerate.attach, or DDP(model, "
+                "**model.ddp_kwargs()) and register_comm_hook: docs/integrations.md); or drop the DDP"
+            )
         state = replicate_state(self)
         training = state.before_forward()
         context = state._engine.forward_context or contextlib.nullcontext  # (`ForwardWaits.learning`)

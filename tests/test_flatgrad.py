@@ -575,6 +575,36 @@ def test_a_parameter_replaced_after_wrapping_is_refused_naming_it_until_relayout
     assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters())
 
 
+@pytest.mark.parametrize("first", ["zero_grad", "relayout"])
+def test_a_table_resized_with_its_gradient_left_on_it_recovers_as_the_messages_say(first):
+    """HF's ``resize_token_embeddings`` re-points ``.data`` and leaves the old ``.grad``. The backward is
+    refused (call relayout()), and relayout() with that ``.grad`` too (set it to None first). Before,
+    ``model.zero_grad()`` was refused with the backward's message, and a refused relayout() had already
+    laid out half: the messages sent the user round in a loop. Now zero_grad() sets every ``.grad`` to None
+    whatever the layout, a refused relayout() moves nothing, and after both the model trains as its copy."""
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    flat = flatgrad.FlatGrad(model, config=ROUTE_ALL)
+    flat(_tokens(0)).backward()
+    store = flatgrad._flatgrad.engine_of(flat).store
+    with torch.no_grad():
+        model.emb.weight.data = torch.cat([model.emb.weight, torch.randn(3, 8, dtype=torch.float64)])
+    with pytest.raises(RuntimeError, match=r"emb.weight \(re-pointed.*model.relayout\(\)"):
+        flat(_tokens(1, vocab=16)).backward()
+    if first == "relayout":
+        with pytest.raises(RuntimeError, match=r"holds a .grad of shape \(13, 8\).*set it to None first"):
+            flat.relayout()
+        assert flatgrad._flatgrad.engine_of(flat).store is store  # (refused before anything moved)
+    flat.zero_grad()
+    assert all(p.grad is None for p in flat.parameters())
+    flat.relayout()
+    oracle = copy.deepcopy(model)
+    flat(_tokens(1, vocab=16)).backward()
+    oracle(_tokens(1, vocab=16)).backward()
+    assert_same_grads(flat, oracle)
+    assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters())
+
+
 @pytest.mark.parametrize("layer", ["proj.bias", "proj.weight", "emb.weight"])
 def test_a_parameter_re_pointed_at_another_shape_is_refused_where_the_models_call_is_bypassed(layer):
     """``param.data = t`` of another shape, then a backward through a graph the model's own call did not

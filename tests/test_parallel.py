@@ -1534,6 +1534,24 @@ def test_a_replicated_model_is_freed_without_the_cycle_collector(optimizer):
             gc.enable()
 
 
+def _ddp_over_replicate_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    ddp = DDP(flatgrad.replicate(flatgrad.FlatGrad(model)))
+    x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    with pytest.raises(ValueError, match="a DistributedDataParallel runs this replicated model"):
+        ddp(x)
+    with torch.no_grad():  # (an evaluation averages nothing)
+        torch.testing.assert_close(ddp(x), model.forward(x), rtol=0, atol=0)
+
+
+def test_a_replicated_model_run_by_ddp_is_refused():
+    """Trainer and Accelerate's prepare wrap the model they are given in DDP; a replicated one then had every
+    gradient averaged twice (one collective more per bucket, results equal up to round-off, 3e-15 after six
+    Trainer steps). Refused at its first training forward, naming FlatGrad's DDP hook."""
+    run_ranks(_ddp_over_replicate_worker)
+
+
 def _eval_after_relayout_worker(rank: int, world_size: int) -> None:
     """A forward under inference_mode after a change that lays the buffers out again (a layer frozen, a
     `.to()`), as Lightning's validation runs on GPUs: it crashed re-hooking the parameters (no grad_fn inside
