@@ -1,17 +1,15 @@
-"""The overlapped bucket averaging of one `replicate` (see `flatgrad._parallel` for how it
-works), static parts apart from per-backward state:
+"""A `replicate`'s overlapped bucket averaging (see `flatgrad._parallel`), static parts apart from `Round`s:
 
-- `BucketPlan`: the static side, the same on every rank: the buckets cut from a store's
-  flat buffers (`plan_buckets`; each a `Bucket` record), the order they launch in and the
-  buckets that carry the used flags.
-- `Round`: one synchronised backward over them (readiness, launches in the plan's order,
-  the wait and the settling of `.grad`), made when such a backward opens.
+- `BucketPlan`: the static side, the same on every rank: the buckets cut from a store's flat buffers
+  (`plan_buckets`; each a `Bucket` record), their launch order and the buckets that carry the used flags.
+- `Round`: one synchronised backward over them (readiness, launches in the plan's order, the wait and the
+  settling of `.grad`), made when such a backward opens.
 - `ReadyHooks`, `Deferrals`: the autograd hooks, through which each parameter is counted ready (with the
   parameters a synchronised backward left unused, counted ready at the start of a later backward that will not
   reach them), and which carry the end of a nested backward out to the backward around it.
-- `BucketSync`: the bucket plan over one `GradEngine`'s store (its launch order learned in
-  the first synchronised backward), which backwards average, and the final callback that
-  launches the rest, waits, and settles `.grad` as stock DDP does."""
+- `BucketSync`: the bucket plan over one `GradEngine`'s store (its launch order learned in the first
+  synchronised backward), which backwards average, and the final callback that launches the rest, waits, and
+  settles `.grad` as DDP does."""
 
 from __future__ import annotations
 
@@ -56,15 +54,13 @@ _SUMMED = (torch.float32, torch.float64)  # summed whole and divided after (see 
 
 @dataclass
 class Bucket:
-    """One contiguous piece of a flat buffer and the parameters whose slots it holds: a
-    record of a `BucketPlan`, which cuts it."""
+    """One contiguous piece of a flat buffer and the parameters whose slots it holds (cut by `BucketPlan`)."""
 
     index: int  # its position in `BucketPlan.buckets` (buffer order)
     buffer: torch.Tensor  # a narrow view of the flat buffer
     params: tuple[nn.Parameter, ...]
     key: GroupKey
-    # Whether it ends its group's buffer: the group's used flags follow it in memory
-    # (`GradStore.flagged`), so the all-reduce that averages it may carry them too.
+    # Whether it ends its buffer: its all-reduce may carry the used flags after it (`GradStore.flagged`).
     ends_buffer: bool = False
     # The prescaled parameters of its last launch, and its other slots' spans (`_prescale`).
     unscaled: tuple[frozenset[int], list[torch.Tensor]] | None = None
@@ -76,16 +72,14 @@ class BucketPlan:
     that follow it: the buckets (cut by `plan_buckets`), the order they launch in (collectives must be issued
     in one order everywhere), and the buckets that carry their group's used flags.
 
-    Buffer order until a synchronised backward has been seen (`learned` False); then rank
-    0's order of completion in that backward (`agree_order`, `learn`), so that a model whose
-    gradients become final in another order than its buffer's, or whose early buckets wait
-    for an unused parameter, still launches its buckets while backward goes on."""
+    Buffer order until a synchronised backward has been seen (`learned` False); then rank 0's order of
+    completion in that backward (`agree_order`, `learn`), so a model whose gradients become final out of
+    buffer order, or whose early buckets wait for an unused parameter, still overlaps."""
 
     buckets: tuple[Bucket, ...]  # in buffer order
     order: tuple[int, ...]  # the launch order, as indices into `buckets`
-    # A group's flags ride on its last bucket to launch, which launches once every gradient
-    # of the group is final, when that bucket also ends the buffer (the flags follow it in
-    # memory); otherwise `Round.sync_all` sends them in a small all-reduce of their own.
+    # A group's flags ride on its last bucket to launch (every gradient of the group final then) when it also
+    # ends the buffer; otherwise `Round.sync_all` sends them in a small all-reduce of their own.
     carriers: frozenset[int]
     learned: bool = False
 
@@ -95,8 +89,7 @@ class BucketPlan:
 
     @property
     def last(self) -> Bucket | None:
-        """The last bucket to launch once the order is learned (the final callback launches
-        it, so its hooks count nothing: `BucketSync._synced`); None before."""
+        """The last bucket to launch once the order is learned (its hooks count nothing); None before."""
         return self.buckets[self.order[-1]] if self.learned else None
 
 
@@ -112,9 +105,8 @@ def _ordered(buckets: tuple[Bucket, ...], order: tuple[int, ...], learned: bool)
 def agree_order(
     completed: Sequence[int], num_buckets: int, device: torch.device, process_group: dist.ProcessGroup | None
 ) -> list[int]:
-    """Rank 0's order of bucket completion in its last backward, on every rank (one small
-    broadcast): the buckets in the order they completed, then those that never did (a
-    parameter unused there) in buffer order."""
+    """Rank 0's order of bucket completion in its last backward, on every rank (one small broadcast): the
+    buckets in the order they completed, then those that never did (an unused parameter) in buffer order."""
     seen = set(completed)
     order = [*completed, *(index for index in range(num_buckets) if index not in seen)]
     agreed = host_tensor(order, torch.int64, device)  # (pinned on CUDA: no pageable copy)
@@ -124,19 +116,17 @@ def agree_order(
 
 
 class Round:
-    """One synchronised backward's averaging: which parameters are ready, which bucket
-    launches next (in the bucket plan's order), each bucket's collective, and the used flags that
-    travel with them. Made when such a backward opens (and at a rebuild), replaced by the
-    next one; its timings are the last synchronised backward's."""
+    """One synchronised backward's averaging: which parameters are ready, which bucket launches next (in the
+    plan's order), each bucket's collective, and the used flags that travel with them. Made when such a
+    backward opens (and at a rebuild), replaced by the next (its timings: the last one's)."""
 
     def __init__(self, sync: BucketSync, divisor: int | None = None) -> None:
         """A round over `sync`'s bucket plan and store, with its settings as they are now."""
         plan = self.plan = sync._plan
         self.store, self.process_group, self.reduce_dtype = sync.store, sync.process_group, sync.reduce_dtype
         self.scatter = sync.reduce_scatter
-        # The ranks a `Join` averages over when not the world size (its joined ranks send
-        # zeros: `BucketSync.shadow`), and the steps a ShardedOptimizer took before this
-        # backward, which every rank checks against the others' (`_check_round`).
+        # The ranks a `Join` averages over when not the world size (joined ranks send zeros:
+        # `BucketSync.shadow`), and the ShardedOptimizer steps before this backward (`_check_round`).
         self.divisor, self.step_count = divisor, sync.step_count
         # The used flags may ride with a bucket unless it is reduce-scattered (each rank would get only its
         # part of them), or a step count must ride with them (bytes compared by MAX: see `_check_round`).
@@ -145,12 +135,11 @@ class Round:
         self.world_size = dist.get_world_size(self.process_group)
         summed = _sums_then_divides(self, not sync.check_finite)
         self.divide_after = [s for s in sync.shards if s.dtype in _SUMMED] if summed else []
-        # With `check_finite` (the parameters' names, asked for only to raise): per launched
-        # bucket, whether its local gradients were all finite (a device tensor, no sync).
+        # With `check_finite` (parameter names, for errors): per launched bucket, a device flag: all finite.
         self.check_finite = sync._parameter_names if sync.check_finite else None
         self.finite: list[torch.Tensor] = []
-        # The backward's current stream of each CUDA device the buckets live on (a round opens
-        # on the forward's: an output's pre hook runs there; none off CUDA): `_follow_backward`.
+        # The backward's current stream per CUDA device of the buckets (a round opens on the forward's, in an
+        # output's pre hook): `_follow_backward`.
         cuda = {bucket.buffer.device for bucket in plan.buckets if bucket.buffer.is_cuda}
         self.streams = {device: torch.cuda.current_stream(device) for device in cuda}
         self.pending = [len(bucket.params) for bucket in plan.buckets]
@@ -158,22 +147,19 @@ class Round:
         self.wire: list[torch.Tensor | None] = [None] * len(plan.buckets)
         self.sent: list[torch.Tensor | None] = [None] * len(plan.buckets)  # what each collective ran on
         self.ready: set[int] = set()  # the parameters whose AccumulateGrad ran
-        # The parameters the engine said this backward will not reach (`skip`): ready from
-        # its start, and unused unless some rank used them.
+        # Those this backward will not reach (`skip`): ready at its start, unused unless a rank used them.
         self.unreached: set[int] = set()
         # Whether every gradient final in this backward is counted (not so in a round made in the middle of
         # one: `BucketSync._upgrade`); only such a round tells which parameters the model leaves unused.
         self.counts_all = True
         self.completed: list[int] = []  # the buckets, in the order they became complete
-        # (flags, their parameters): carried by the plan's carriers, or by one small
-        # all-reduce of their own (see `sync_all`).
+        # (flags, their parameters): carried by the plan's carriers, or by a small all-reduce (`sync_all`).
         self.flagged: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []
         self.next = 0  # the position in the plan's order of the next bucket to launch
         self.launched_in_backward = 0  # launched before the final callback flushed the rest
-        # perf_counter seconds (host time): when each bucket was launched, relative to the
-        # backward's start; how long the final callback spent in the waits after the
-        # backward's compute had ended (exposed communication; about 0 on NCCL, whose waits
-        # do not block the host); the backward's start to that end.
+        # perf_counter seconds (host time): each bucket's launch after the backward's start; the final
+        # callback's waits after the backward's compute ended (exposed communication; about 0 on NCCL, whose
+        # waits do not block the host); the backward's start to that end.
         self.started = time.perf_counter()
         self.launch_offsets_s: list[float] = []
         self.exposed_s = 0.0
@@ -198,9 +184,8 @@ class Round:
             self.launch_ready()
 
     def skip(self, unreached: Sequence[tuple[nn.Parameter, Bucket]]) -> None:
-        """At the backward's start: count ready the parameters it will not reach (their
-        AccumulateGrad does not run), as DDP with find_unused_parameters=True does, so that
-        their buckets launch once their other gradients are final."""
+        """At the backward's start: count ready the parameters it will not reach (their AccumulateGrad does
+        not run), as DDP with find_unused_parameters=True does, so their buckets launch once the rest is."""
         for param, bucket in unreached:
             self.unreached.add(id(param))
             self.pending[bucket.index] -= 1
@@ -209,8 +194,7 @@ class Round:
         self.launch_ready()
 
     def _reached_late(self, key: int, bucket: Bucket) -> None:
-        # The engine said the backward would not reach this parameter, and a nested
-        # backward (a reentrant activation checkpoint) did: fine while its bucket waits.
+        # Said unreached, but a nested backward (reentrant checkpoint) got it: fine while its bucket waits.
         self.unreached.discard(key)
         if self.sent[bucket.index] is not None:
             raise RuntimeError(
@@ -276,8 +260,7 @@ class Round:
                 work.wait()
 
     def sync_all(self) -> None:
-        """Launch the rest, wait, and settle `.grad` like stock DDP with
-        find_unused_parameters=True (a parameter no rank used keeps `.grad` None)."""
+        """Launch the rest, wait, settle `.grad` as DDP with find_unused_parameters=True does."""
         store = self.store
         compute_done = time.perf_counter()
         self.backward_s = compute_done - self.started
@@ -289,8 +272,8 @@ class Round:
         rest = tuple(p for p in store.params if id(p) not in carried)
         used_work = None
         if rest or self.step_count is not None:
-            # Used as the flags riding with a bucket say it (`GradStore.flagged`): a `.grad` (an
-            # AccumulateGrad run with no gradient leaves None; so DDP counts it), or a main grad.
+            # Used as a bucket's flags say it (`GradStore.flagged`): a `.grad` (DDP counts an AccumulateGrad
+            # run with none as unused), or a main grad.
             flags = [p.grad is not None or store.is_main(p) for p in rest]
             count = [] if self.step_count is None else _round_bytes(self.step_count)
             device = next(iter(store.buffers.values())).device
@@ -335,8 +318,8 @@ class Round:
         )
 
     def _launch_finite_check(self, store: GradStore) -> tuple[torch.Tensor, dist.Work]:
-        """Which ranks had a non-finite local gradient: one small all-reduce of a flag per
-        rank, launched with the buckets', so every rank learns it (and raises) together."""
+        """Which ranks had a non-finite local gradient: one small all-reduce of a flag per rank, launched with
+        the buckets', so every rank raises together."""
         device = next(iter(store.buffers.values())).device
         ranks = torch.zeros(dist.get_world_size(self.process_group), dtype=torch.int32, device=device)
         if self.finite:
@@ -383,15 +366,13 @@ def _sums_then_divides(round_: Round, no_finite_check: bool) -> bool:
 
 
 def _round_bytes(count: int) -> list[int]:
-    """`count` modulo 256 and its complement to 255, as bytes: a MAX all-reduce of them gives
-    the largest count and 255 minus the smallest."""
+    """`count` modulo 256 and its complement to 255, as bytes (MAX: the largest count, 255 - the smallest)."""
     low = count % 256
     return [low, 255 - low]
 
 
 def _finite(store: GradStore, param: nn.Parameter) -> bool:
-    """Whether `param`'s gradient as the sync left it is finite: its main grad (`.grad` stays
-    None for those), else its `.grad` (None: nothing to blame)."""
+    """Whether `param`'s gradient as the sync left it is finite: its main grad, else `.grad` (None: fine)."""
     grad = store.view(param) if store.is_main(param) else param.grad
     return grad is None or bool(torch.isfinite(grad).all())
 
@@ -417,9 +398,9 @@ def divide_unscaled(bucket: Bucket, store: GradStore, world_size: int) -> bool:
 def prescale_factor(
     store: GradStore, process_group: dist.ProcessGroup | None, scatter: bool, reduce_dtype: torch.dtype | None
 ) -> float | None:
-    """1 / world size where `store`'s buckets are averaged by a sum the routed layers may
-    divide for (`flatgrad._prescale`): every buffer summed (gloo), a power-of-two world size
-    (exact), no wire dtype, all-reduced (not a ShardedOptimizer's); None elsewhere."""
+    """1 / world size where `store`'s buckets are averaged by a sum the routed layers may divide for
+    (`flatgrad._prescale`): every buffer summed (gloo), a power-of-two world size (exact), no wire dtype,
+    all-reduced (unsharded); else None."""
     world = dist.get_world_size(process_group)
     if scatter or reduce_dtype is not None or world < 2 or world & (world - 1):
         return None
@@ -464,8 +445,8 @@ OnReady = Callable[[nn.Parameter, Bucket, Grads, Grads], None]
 
 
 class ReadyHooks:
-    """One hook per parameter on its AccumulateGrad node (kept alive here: a parameter holds
-    its node only weakly), and the parameters once unused, with their nodes and buckets."""
+    """One hook per parameter on its AccumulateGrad node (kept alive here: a parameter holds it weakly), and
+    the parameters once unused, with node and bucket."""
 
     def __init__(self) -> None:
         self.unused: dict[int, tuple[nn.Parameter, Any, Bucket]] = {}
@@ -482,10 +463,9 @@ class ReadyHooks:
         self._handles, self._nodes, self._scaling = [], [], []
 
     def scale_incoming(self, store: GradStore, seater: Seater | None) -> None:
-        """Hook the AccumulateGrad of each parameter `seater` routes (of `store`; none without
-        one) to scale a gradient that reaches it through plain autograd (the weight also used
-        outside its layer) by the store's prescale factor where its layer wrote the slot so
-        scaled in this backward (`flatgrad._prescale.scale_incoming`)."""
+        """Hook the AccumulateGrad of each parameter `seater` routes (of `store`; none without one) to scale a
+        gradient reaching it through plain autograd (the weight also used outside its layer) by the prescale
+        factor where its layer wrote the slot scaled in this backward (`_prescale.scale_incoming`)."""
         routed = seater.routed if seater is not None else ()
         store.prescale.hooked = {id(param) for param in routed}
         for param in routed:
@@ -496,8 +476,7 @@ class ReadyHooks:
     def hook(
         self, params: Sequence[nn.Parameter], bucket_of: Mapping[int, Bucket], on_ready: OnReady
     ) -> None:
-        """Hook each of `params` (a new store's) to call ``on_ready(param, bucket, ...)``,
-        after `remove`; nothing is known unused yet.
+        """After `remove`: hook each of `params` (a new store's) to call ``on_ready(param, bucket, ...)``.
 
         Args:
             params: the store's parameters, in its order.
@@ -511,17 +490,15 @@ class ReadyHooks:
             self._nodes.append(node)
 
     def will_accumulate(self) -> bool:
-        """Whether the running backward accumulates into a parameter: not so for
-        torch.autograd.grad, nor for backward(inputs=...) that names none of them."""
+        """Whether this backward accumulates into a parameter (not autograd.grad; not inputs= naming none)."""
         try:
             return any(will_execute(node) for node in self._nodes)
         except RuntimeError:  # asked during torch.autograd.grad, which never accumulates
             return False
 
     def note_unused(self, round_: Round, last: Bucket | None) -> None:
-        """After `round_`, a synchronised backward: note the parameters it left unused (no
-        AccumulateGrad ran before its final callback) but those of `last`, the last bucket
-        to launch once the order is learned, whose hooks count nothing."""
+        """After `round_`, a synchronised backward: note the parameters it left unused (no AccumulateGrad ran
+        before its final callback) but those of `last` (`BucketPlan.last`)."""
         counted = len(self._params) - (len(last.params) if last is not None else 0)
         if round_.counts_all and len(round_.ready) < counted:
             ready, unused = round_.ready, self.unused
@@ -541,9 +518,8 @@ class ReadyHooks:
             round_.skip(unreached)
 
     def stop_counting(self, last: Bucket, on_last_ready: Callable[[Grads, Grads], None]) -> None:
-        """Hook the parameters of `last` (the last bucket to launch) with `on_last_ready`,
-        which counts nothing; a parameter once unused there is not asked about either.
-        (From a final callback, where removing a hook is safe.)"""
+        """Hook the parameters of `last` (the last bucket to launch) with `on_last_ready`, which counts
+        nothing, nor asks about a parameter once unused there (from a final callback: safe to remove)."""
         for i, param in enumerate(self._params):
             if self._bucket_of[id(param)] is last:
                 self._handles[i].remove()
@@ -560,9 +536,8 @@ class Deferrals:
         self._handles: list[Any] = []
 
     def defer(self, outer: Node, resume: Callable[[], None]) -> None:
-        """Call `resume` from a post hook on `outer`, the node the nested backward ran in (it
-        runs in the outer backward once the node returns), once: the node may run again
-        (retain_graph) before the hook is removed."""
+        """Call `resume` once from a post hook on `outer`, the node the nested backward ran in (it runs in the
+        outer backward once the node returns); the node may run again (retain_graph) before its removal."""
         pending = [True]
 
         def finish_outside(grad_inputs: Grads, grad_outputs: Grads) -> None:
@@ -597,14 +572,12 @@ class BucketSync:
         self.reduce_dtype = reduce_dtype
         self.has_buffers = False  # whether the model had buffers at the last (re)build
         self.reduce_scatter = False  # ShardedOptimizer switches the buckets to reduce-scatter
-        # The gradient shards that ShardedOptimizer reads (cut from `shard_plan`), of this
-        # store: what the round divides last on gloo (`Round.divide_after`).
+        # ShardedOptimizer's gradient shards (`shard_plan`), divided last on gloo (`Round.divide_after`).
         self.shards: list[torch.Tensor] = []
         # What the model's forward runs in, if anything (`flatgrad._gather_waits.ForwardWaits`).
         self.forward_context: Callable[[], AbstractContextManager[None]] | None = None
         self._scattered = False  # the last synchronised backward reduce-scattered (see _begin)
-        # This rank's shards of the averages of the synchronised backwards since zero_grad,
-        # which the running one adds onto its own (`carry_scattered`).
+        # This rank's shards of the averages since zero_grad, which the backward adds (`carry_scattered`).
         self._carried: list[torch.Tensor] | None = None
         self.store = grads.refresh()  # the store the buckets are cut from (`rebuild`)
         self._plan: BucketPlan  # the buckets of `store` and their launch order, from `rebuild`
@@ -612,32 +585,28 @@ class BucketSync:
         self.last_round: Round  # the running or last synchronised backward's (its timings), from `rebuild`
         self._task: int | None = None  # the graph task of the running backward, if one is open
         self._task_sync = True  # whether the running backward averages
-        # DDP's expect_autograd_hooks_: a synchronising training forward came since the last
-        # averaged backward, so the next backward averages whichever graph it goes through.
+        # DDP's expect_autograd_hooks_: a synchronising training forward came since the last averaged
+        # backward, so the next averages, whatever its graph.
         self._armed = False
         # Inside `averaging()`: a backward that opens averages whatever its forward decided.
         self._averaging = False
         # DDP's require_backward_grad_sync, which `replicate.no_sync()` clears: whether a training forward
         # synchronises, and (read when it opens) whether a backward inside one averages (`_open`).
         self.sync = True
-        # The training forwards of the model running now: a backward that opens inside one (a
-        # LightningModule's `manual_backward` in the training_step that replicate's
-        # forward runs) is decided by `sync` as it opens (see `_open`).
+        # The model's training forwards running now: a backward opening inside one (a LightningModule's
+        # `manual_backward` in the training_step replicate's forward runs) is decided by `sync` (`_open`).
         self._forwards = 0
         self._deferrals = Deferrals()  # hooks that carry a nested backward's end outward
         self.policy = backend_policy(process_group)  # the gloo/CPU choices, read once
-        # The optimizer steps a ShardedOptimizer took (None without one): each synchronised
-        # backward checks that every rank took as many (`Round._check_round`).
+        # ShardedOptimizer's steps (or None): each backward checks the ranks agree (`Round._check_round`).
         self.step_count: int | None = None
         # Under a `Join` that divides by the ranks not joined yet: the last forward's count of them, in flight
         # (its work and tensor: `replicate._notify_join`), read when the backward opens; None otherwise.
         self.joined_count: tuple[Any, torch.Tensor] | None = None
-        # On a joined rank: whether its last shadowed iteration averaged (`shadow`), which a
-        # ShardedOptimizer's join hook steps after.
+        # On a joined rank: whether its last shadowed iteration averaged (`shadow`): a ShardedOptimizer steps.
         self.shadowed_sync = False
-        # Synchronised backwards so far (shadowed ones on a joined rank too): a ShardedOptimizer
-        # by tensor compares it with its count at its zero_grad to know that main grads (which
-        # have no `.grad` to say so) hold an average to step from.
+        # Synchronised backwards so far (shadowed ones on a joined rank too): a ShardedOptimizer by tensor
+        # compares it with its count at zero_grad to know that main grads (no `.grad`) hold an average.
         self.num_syncs = 0
         self.rebuild()
 
@@ -675,9 +644,8 @@ class BucketSync:
     def run_forwards_in(
         self, context: Callable[[], AbstractContextManager[None]] | None, replacing: object = None
     ) -> None:
-        """Run replicate's forwards of the model inside `context` from now on (a
-        ShardedOptimizer's `ForwardWaits.learning`, until a forward has taught its waits);
-        None: plainly. With `replacing`, only while the context is still that one."""
+        """Run replicate's forwards of the model inside `context` from now on (a ShardedOptimizer's
+        `ForwardWaits.learning`, until a forward taught them); None: plainly; `replacing`: only if current."""
         if replacing is None or self.forward_context == replacing:
             self.forward_context = context
 
@@ -693,10 +661,9 @@ class BucketSync:
 
     def drain(self) -> None:
         """When a backward is still open (one that raised never closes), wait for the collectives it had
-        launched, before this step writes any gradient: in flight, they would land on top of it. (That step's
-        launched buckets hold averages of partial gradients, as DDP's bucket views would, or their sums where
-        a ShardedOptimizer divides after (`Round.divide_after`); `zero_grad()` before the next backward, as
-        after any failed step.)"""
+        launched, before this step writes any gradient: in flight, they would land on top of it. (Its launched
+        buckets hold averages of partial gradients, as DDP's bucket views would, or sums where a
+        ShardedOptimizer divides after (`Round.divide_after`); `zero_grad()` before the next backward.)"""
         if self._task is None:
             return
         self._task = None
@@ -707,10 +674,9 @@ class BucketSync:
         self.last_round = Round(self)
 
     def rebuild(self) -> None:
-        """Cut the buckets of the current store, launched in buffer order until the next
-        synchronised backward teaches an order, and hook every parameter's AccumulateGrad
-        node to count it ready (and open a backward that reached none of dp's outputs): all
-        of them while the order is learned, then all but the last bucket's (`_synced`)."""
+        """Cut the buckets of the current store, launched in buffer order until the next synchronised backward
+        teaches an order, and hook every parameter's AccumulateGrad node to count it ready (and open a
+        backward that reached no dp output): all while the order is learned, then all but the last's."""
         self.hooks.remove()
         store = self._grads.refresh()
         self._grads.refuse_sparse("replicate")  # (a sparse embedding added since)
@@ -728,16 +694,14 @@ class BucketSync:
     # --- backward -----------------------------------------------------------------------
 
     def begin_forward(self) -> None:
-        """A training forward of the model starts (grad enabled): until `end_forward`, a
-        backward that opens inside it averages as `sync` says then (see `_open`)."""
+        """A training forward starts (grad on): until `end_forward`, backwards inside average if `sync`."""
         self._forwards += 1
         if not self.sync:  # (its backward's gradients stay local: see `GradStore.unsynced`)
             self.store.unsynced = True
 
     def end_forward(self, finished: bool = True) -> None:
-        """The training forward `begin_forward` announced ended; one that `finished` (did
-        not raise) and synchronised (`sync`) makes the next backward average, whichever
-        graph it goes through (see `_open`)."""
+        """The training forward `begin_forward` announced ended; one that `finished` (did not raise) and
+        synchronised (`sync`) makes the next backward average, whatever its graph (see `_open`)."""
         self._forwards -= 1
         self._armed = self._armed or (finished and self.sync)
 
@@ -771,19 +735,17 @@ class BucketSync:
         return None
 
     def _upgrade(self) -> None:
-        """One backward through the outputs of a forward under `no_sync()` and of one outside
-        it, the first reached first: it averages, as under DDP (the synchronised forward
-        prepared DDP's reducer for this backward). Gradients final before now count at the
-        final callback, which launches every bucket not launched yet."""
+        """One backward through the outputs of a forward under `no_sync()` and of one outside it, the first
+        reached first: it averages, as under DDP (the synchronised forward prepared DDP's reducer for it).
+        Gradients final before now count at the final callback, which launches the buckets left."""
         self._task_sync = True  # (a create_graph backward never opened a task: `_begin`)
         self._armed = False
         self._average().counts_all = False
 
     def _begin(self, sync: bool, from_output: bool = True, queue: bool = True) -> bool:
-        """Open the running backward, averaging when `sync` (the no_sync state of the forward
-        whose output it reached, or the arming: see `_open`), as DDP decides; False when it
-        is a create_graph backward under no_sync (nothing to do). Opened `from_output` (no
-        gradient final yet), the parameters it will not reach are counted ready now."""
+        """Open the running backward, averaging when `sync` (the no_sync state of the forward whose output it
+        reached, or the arming: see `_open`), as DDP decides; False for a create_graph backward under no_sync
+        (nothing to do). Opened `from_output` (no gradient final yet): what it will not reach counts ready."""
         if sync:
             self._armed = False  # this backward is the one the synchronising forward armed
         if torch.is_grad_enabled():  # create_graph=True: the gradients must stay differentiable
@@ -817,8 +779,8 @@ class BucketSync:
         return self.last_round
 
     def _ranks_not_joined(self) -> int | None:
-        """The ranks not joined yet, which this backward divides by, under a `Join` that
-        says so (`joined_count`, waited for here); None otherwise, or when none has joined."""
+        """The ranks not joined yet, which this backward divides by, under a `Join` that says so
+        (`joined_count`, waited for here); else None, or when none joined."""
         if self.joined_count is None:
             return None
         work, count = self.joined_count
@@ -828,12 +790,11 @@ class BucketSync:
         return None if ranks == dist.get_world_size(self.process_group) else ranks
 
     def shadow(self, divisor: int | None) -> None:
-        """On a rank that joined (`torch.distributed.algorithms.Join`): the averaging of the
-        backward the ranks still training run, with zeros for this rank's gradients, as
-        DDP's join hook does: the same round (every bucket in the plan's order, the used flags
-        and step count, the finiteness check) and the order agreement after the first one.
-        Unlike DDP's zero buckets, the buffers are this rank's own: it ends with the others'
-        averages in `.grad` (and its shards), which a ShardedOptimizer's join hook steps."""
+        """On a rank that joined (`torch.distributed.algorithms.Join`): the averaging of the backward the
+        ranks still training run, with zeros for this rank's gradients, as DDP's join hook does: the same
+        round (every bucket in the plan's order, the used flags and step count, the finiteness check) and the
+        order agreement after the first one. Unlike DDP's zero buckets, the buffers are this rank's own: it
+        ends with the others' averages in `.grad` (and its shards) for a ShardedOptimizer's join hook."""
         store = self.store
         self._scattered = False
         unmark_scattered(store, to_none=True)
@@ -857,14 +818,11 @@ class BucketSync:
         if not (armed or self._averaging):
             return False
         _refuse_compiled_autograd()
-        # From a hook, maybe of a nested backward (whose graph is not the one that ends the
-        # step): no parameter is counted ready before its AccumulateGrad runs.
+        # From a hook, maybe a nested backward's: no parameter counts ready before its AccumulateGrad runs.
         return self._begin(True, from_output=False)
 
     def _on_last_ready(self, grad_inputs: Grads, grad_outputs: Grads) -> None:
-        # A parameter of the last bucket to launch (once the order is learned): the final
-        # callback launches that bucket, so there is nothing to count; only a backward that
-        # reached none of dp's outputs to open.
+        # A parameter of `BucketPlan.last`: nothing to count; only a backward reaching no dp output to open.
         if self._task is None:
             self._open()
 

@@ -1,9 +1,7 @@
 """Synchronising the flat buffers across ranks: the DDP comm hook, the no-DDP sync, and the
 collectives over tensors that replicate's buckets launch (`launch_average`).
 
-No postponed annotations here: DDP checks the hook's annotations at registration
-(`dist.GradBucket`, `Future[Tensor]`).
-"""
+No postponed annotations: DDP checks the hook's (`dist.GradBucket`, `Future[Tensor]`) at registration."""
 
 import logging
 import math
@@ -28,8 +26,7 @@ _DDP_DEFAULT_BUCKET_MB = 25
 
 
 class HookEngine(Protocol):
-    """What the DDP hook's state asks of its model's engine (`flatgrad._engine.GradEngine`,
-    which sits above this module and imports it)."""
+    """What the DDP hook's state needs of the engine (`_engine.GradEngine`, which imports this module)."""
 
     ddp: "DDPEdge"
 
@@ -81,10 +78,8 @@ def note_forward_without_hook(num_forwards: int) -> int | None:
     the count at 0 (`DDPEdge.expect_hook`), the hook sets it to None (`DDPEdge.adopt`: nothing to watch), so
     once the hook has run a forward costs one comparison.
 
-    Forwards under no_grad (evaluation, Lightning's sanity check) do not count, nor do
-    forwards inside ``ddp.no_sync()`` (gradient accumulation: the hook runs only on the last
-    micro-batch), nor forwards outside any DDP.
-    """
+    Forwards under no_grad (evaluation, Lightning's sanity check) do not count, nor those inside
+    ``ddp.no_sync()`` (gradient accumulation: the hook runs on the last micro-batch only) or outside DDP."""
     ddp = active_ddp()  # (DDP exposes the module whose forward is running, for TorchDynamo)
     if not (torch.is_grad_enabled() and ddp is not None and ddp.require_backward_grad_sync):
         return num_forwards
@@ -137,8 +132,8 @@ class DDPEdge:
         return False
 
     def take_pending(self) -> bool:
-        """Whether a forward under a DDP came since the last backward began (then DDP's
-        reducer places this backward's gradients), forgetting it."""
+        """Whether a forward under a DDP came since the last backward began (then DDP's reducer places this
+        backward's gradients), forgetting it."""
         pending, self.pending = self.pending, False
         return pending
 
@@ -162,19 +157,17 @@ class DDPEdge:
         return int(count.item())
 
     def adopt(self, bucket: dist.GradBucket, store_now: Callable[[], GradStore]) -> None:
-        """Make DDP's `bucket` (handed `allreduce_hook`) the model's flat buffer, once per
-        bucket allocation, in the store `store_now` gives (laid out again first if the model
-        changed: `GradEngine.current`). Only when `.grad` already lives in the bucket
-        (gradient_as_bucket_view=True) and one bucket holds the whole (dtype, device) group;
-        otherwise stay correct on DDP's copies and say once how to get the zero-copy path."""
+        """Make DDP's `bucket` (handed `allreduce_hook`) the model's flat buffer, once per bucket allocation,
+        in the store `store_now` gives (laid out again first if the model changed: `GradEngine.current`). Only
+        when `.grad` lives in the bucket already (gradient_as_bucket_view=True) and one bucket holds the whole
+        (dtype, device) group; else stay correct on DDP's copies and say once how to get zero-copy."""
         self.forwards_without_hook = None  # the hook runs: nothing to warn about
         buffer = bucket.buffer()
         if buffer.layout != torch.strided:
             return  # a sparse gradient (DDP gives each its own bucket): averaged as it is
         if graph_task_id() == -1:
-            # Not inside a backward: DDP's `Join` shadowing one on a rank that ran out of
-            # inputs, with zero stand-in buckets (`_match_all_reduce_for_bwd_pass`). They
-            # are only all-reduced; nothing to adopt, nothing to warn about.
+            # Not inside a backward: DDP's `Join` shadowing one on a rank that ran out of inputs, with zero
+            # stand-in buckets (`_match_all_reduce_for_bwd_pass`). Nothing to adopt or warn about.
             return
         store = store_now()  # once per bucket per step: no full walk
         key = (buffer.dtype, buffer.device)
@@ -257,17 +250,15 @@ def _python_reducer_mean(state: FlatGradCommState, grad: torch.Tensor, param: to
     grad.copy_(fcol.all_reduce(wire, "sum", group))
 
 
-# torch 2.13 renamed the flat-tensor collectives to *_single (the old names warn); older
-# releases only have the *_tensor names.
+# torch 2.13 renamed the flat-tensor collectives to *_single (the old names warn); older ones: *_tensor.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def average_op(tensor: torch.Tensor, process_group: dist.ProcessGroup | None) -> tuple[Any, bool]:
-    """(reduce op, whether to divide by the world size first) for averaging `tensor`: NCCL
-    averages inside the reduction (`ReduceOp.AVG`, no extra pass); other backends sum a
-    tensor divided first, so that sums stay finite. One rank divides nothing (``x / 1`` is
-    ``x`` to the bit; a pass over every gradient for nothing)."""
+    """(reduce op, whether to divide by the world size first) for averaging `tensor`: NCCL averages inside the
+    reduction (`ReduceOp.AVG`, no extra pass); other backends sum a tensor divided first, so that sums stay
+    finite. One rank divides nothing (``x / 1`` is ``x`` to the bit: a pass for nothing)."""
     if tensor.is_cuda and "nccl" in str(dist.get_backend(process_group)):
         return dist.ReduceOp.AVG, False
     return dist.ReduceOp.SUM, dist.get_world_size(process_group) > 1
@@ -296,8 +287,7 @@ def all_reduce_grads(
     A parameter without a gradient on this rank contributes zeros. Afterwards `.grad` is as stock DDP with
     find_unused_parameters=True leaves it: the slot for every parameter some rank used, None for a parameter
     no rank used. The used flags travel in the same all-reduce, after the buffer (`GradStore.flagged`); a
-    buffer adopted from a DDP bucket has no room for them, and its flags take one more, small, all-reduce.
-    """
+    buffer adopted from a DDP bucket has no room for them, and its flags take one more, small, all-reduce."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "all_reduce_grads needs an initialised default process group (dist.init_process_group)"
@@ -321,11 +311,10 @@ def all_reduce_grads(
 
 
 def settle_unused(store: GradStore, flagged: Sequence[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]) -> None:
-    """After a sync that carried used flags (`flags[i]` other than 0: some rank used
-    `members[i]`): `.grad` becomes the slot for each parameter without a `.grad` here that
-    another rank used, as stock DDP with find_unused_parameters=True leaves it. The flags
-    are read only when this rank has such a parameter: on CUDA reading them waits for the
-    communication, and in the usual step every parameter has its `.grad` already."""
+    """After a sync that carried used flags (`flags[i]` other than 0: some rank used `members[i]`): `.grad`
+    becomes the slot for each parameter without a `.grad` here that another rank used, as stock DDP with
+    find_unused_parameters=True leaves it. The flags are read only when this rank has such a parameter: on
+    CUDA that waits for the communication, and usually every parameter has its `.grad`."""
     for flags, members in flagged:
         if all(param.grad is not None or store.is_main(param) for param in members):
             continue  # (a main grad is its parameter's gradient; `.grad` stays None)
@@ -351,8 +340,7 @@ def ddp_kwargs(store: GradStore) -> dict[str, Any]:
 
     gradient_as_bucket_view=True makes `.grad` a view of DDP's bucket, which the hook then adopts as the flat
     buffer. A bucket cap above the largest buffer keeps one bucket per (dtype, device), also after DDP's
-    one-time bucket rebuild (an explicit bucket_cap_mb sets the first bucket's cap too).
-    """
+    one-time bucket rebuild (an explicit bucket_cap_mb sets the first bucket's cap too)."""
     largest = max(buf.numel() * buf.element_size() for buf in store.buffers.values())
     cap = math.ceil(largest / 2**20) + 1
     if cap == _DDP_DEFAULT_BUCKET_MB:
@@ -396,9 +384,8 @@ def backend_policy(process_group: dist.ProcessGroup | None) -> BackendPolicy:
 
 
 def cores_to_spare(process_group: dist.ProcessGroup | None) -> bool:
-    """Whether this host has a core that the ranks' compute threads leave free: torch's
-    intra-op threads times the ranks on the host (``LOCAL_WORLD_SIZE``, set by torchrun;
-    without it, the group's size) below the cores this process may run on."""
+    """Whether the ranks' compute threads leave a host core free: torch's intra-op threads times the ranks on
+    the host (torchrun's ``LOCAL_WORLD_SIZE``, else the group's size) below the cores this process may use."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # (not Linux)

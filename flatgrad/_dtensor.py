@@ -8,8 +8,7 @@ flatgrad, and AccumulateGrad's in-place add into that DTensor writes the slot.
 
 `TensorParallel` is the one mesh of a model's DTensor parameters: which slots a norm counts on this rank (a
 shard on every rank, a replicated parameter on the mesh's first rank only), the all-reduce that makes a local
-norm the norm of the whole, unsharded gradient, and the check that a data-parallel group does not cross it.
-"""
+norm the norm of the whole, unsharded gradient, and the check that a data-parallel group does not cross it."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
-    """The plain tensor this rank holds of `tensor`: a DTensor's local shard (no autograd
-    edge), any other tensor itself."""
+    """The plain tensor this rank holds of `tensor`: a DTensor's local shard (no autograd edge), or itself."""
     if not isinstance(tensor, DTensor):
         return tensor
     with torch.no_grad():
@@ -40,8 +38,7 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def is_sharded(param: torch.Tensor) -> bool:
-    """Whether `param` is a DTensor sharded over every dimension of its mesh (each rank of
-    the mesh holds other elements of it)."""
+    """Whether `param` is a DTensor sharded over every mesh dimension (each rank holds other elements)."""
     return isinstance(param, DTensor) and all(placement.is_shard() for placement in param.placements)
 
 
@@ -76,9 +73,8 @@ def grad_of_slot(slot: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 def local_gradient(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `grad` laid out as `like` (a DTensor parameter or its slot's
-    `.grad`): `grad` redistributed to `like`'s placements where they differ, then local.
-    A plain `grad` is returned as it is."""
+    """This rank's part of `grad` laid out as `like` (a DTensor parameter or its slot's `.grad`): `grad`
+    redistributed to `like`'s placements where they differ, then local. A plain `grad` as it is."""
     if not isinstance(grad, DTensor):
         return grad.detach()
     with torch.no_grad():
@@ -120,15 +116,13 @@ class TensorParallel:
         return self.first or is_sharded(param)
 
     def combine(self, norms: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-        """The norm of the whole gradient from this rank's float64 per-piece norms of its
-        counted slots (`combine_norms` over the mesh)."""
+        """The whole gradient's norm from this rank's float64 norms of counted slots (`combine_norms`)."""
         return combine_norms(norms, norm_type, self.group, self.mesh.device_type)
 
     def check_data_parallel(self, process_group: dist.ProcessGroup | None, what: str) -> None:
-        """Raise unless `process_group` (None: the default group) meets the mesh in this rank
-        alone: a data-parallel group must hold one rank of each tensor-parallel group, or its
-        average would mix different shards. Every rank checks its own pair of groups: a
-        group that crosses the mesh crosses it on every rank it holds."""
+        """Raise unless `process_group` (None: default group) meets the mesh in this rank alone: a
+        data-parallel group must hold one rank of each tensor-parallel group, or its average would mix
+        different shards. Each rank checks its own pair: a crossing group crosses on all its ranks."""
         group = process_group if process_group is not None else dist.group.WORLD
         data_parallel = set(dist.get_process_group_ranks(group))
         tensor_parallel = set(self.ranks)
@@ -145,10 +139,9 @@ class TensorParallel:
 def combine_norms(
     norms: Sequence[torch.Tensor], norm_type: float, group: dist.ProcessGroup, device_type: str
 ) -> list[torch.Tensor]:
-    """The norm over the ranks of `group` (a tensor-parallel mesh; a pipeline's stages) from
-    this rank's float64 per-piece norms: their `norm_type` norm, combined over the group
-    (the max for inf, else the sum of the `norm_type`-th powers; one float64 all-reduce on
-    `device_type`), as one float64 piece, the same on every rank of the group."""
+    """The norm over the ranks of `group` (a tensor-parallel mesh; a pipeline's stages) from this rank's
+    float64 per-piece norms: their `norm_type` norm, combined over the group (max for inf, else a sum of
+    `norm_type`-th powers; one float64 all-reduce on `device_type`): one piece, alike everywhere."""
     device = norms[0].device if norms and norms[0].device.type == device_type else torch.device(device_type)
     if norms:
         local = torch.linalg.vector_norm(torch.stack([n.to(device, torch.float64) for n in norms]), norm_type)

@@ -1,9 +1,8 @@
 """Autograd Functions whose backward writes weight gradients straight into the flat buffer.
 
-Each backward first decides where each weight gradient goes (`weight_target`, below: a fresh tensor, the empty
-slot, the seated slot, a main grad, or nowhere) and writes it there; the gathers' backwards scatter-add their
-rows (`scatter_rows`, `scatter_add_into`: repeated positions summed, deterministic under
-`torch.use_deterministic_algorithms`).
+Each backward first decides where a weight gradient goes (`weight_target`: a fresh tensor, the empty or seated
+slot, a main grad, or nowhere) and writes it; the gathers' backwards scatter-add their rows (`scatter_rows`,
+`scatter_add_into`: repeated positions summed, deterministic under `torch.use_deterministic_algorithms`).
 
 Undefined gradients are not materialised as zeros (an output nothing differentiable used, a consumer that
 returned None for it): the Functions hand every input None, as torch's own backwards do, so the slot is not
@@ -11,13 +10,13 @@ written and `.grad` stays None where stock leaves it. Nothing here imports torch
 
 Where a weight's gradient goes (`weight_target`), by mode:
 
-- ``"out"``:   `.grad` is None: compute into a fresh view of the slot with ``out=``, make
-  that view the `.grad`, and return None.
-- ``"add"``:   `.grad` already is the slot: accumulate in place and return None.
+- ``"out"``: `.grad` is None: compute into a fresh view of the slot with ``out=``, make that view the `.grad`,
+  and return None.
+- ``"add"``: `.grad` already is the slot: accumulate in place and return None.
 - ``"fresh"``: plain out-of-place autograd: `torch.autograd.grad` captures this weight, ``create_graph=True``
   needs a differentiable result, the weight has tensor hooks that must see its gradient, or it has no slot.
-- ``"skip"``:  no gradient is wanted for the weight in this backward.
-- ``"main"``:  the slot is the weight's float32 main grad (a bfloat16/float16 weight with
+- ``"skip"``: no gradient is wanted for the weight in this backward.
+- ``"main"``: the slot is the weight's float32 main grad (a bfloat16/float16 weight with
   ``grad_dtype="float32"``): accumulate into it in float32, leave `.grad` None, return None.
 
 Why "out" sets `.grad` instead of returning the view for AccumulateGrad to steal: a weight used more than once
@@ -53,12 +52,10 @@ def plain_torch() -> bool:
 class _Linear(torch.autograd.Function):
     """`F.linear` whose backward writes the weight and bias gradients into their slots.
 
-    The backward is written out flat (no helper per gradient): it runs once per layer per
-    step, and its Python is what routing a layer costs over torch's own backward. A product
-    in autocast's dtype is cast as it is written; one in half precision is rounded before it
-    is added into a slot, as stock's AccumulateGrad adds it (inside the GEMM it would not be);
-    one into an empty slot off a fresh tensor's alignment is computed fresh and copied (`aligned`).
-    """
+    The backward is written out flat (no helper per gradient): it runs once per layer per step, and its Python
+    is what routing a layer costs over torch's own backward. A product in autocast's dtype is cast as written;
+    one in half precision is rounded before it is added into a slot, as stock's AccumulateGrad adds it (not
+    inside the GEMM); one into an empty slot off a fresh tensor's alignment is copied in (`aligned`)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
@@ -135,10 +132,9 @@ class _Linear(torch.autograd.Function):
 
 
 def _fresh_first(mode: str, slot: torch.Tensor, compute: torch.dtype, dtype: torch.dtype) -> bool:
-    """Whether a routed Linear computes its weight's product ("out" or "add" mode) fresh and
-    then copies or adds it into `slot`, as stock's AccumulateGrad would: in autocast's dtype
-    (cast as it is written), added in half precision (rounded first), or into an empty slot
-    off a fresh tensor's alignment (`aligned`)."""
+    """Whether a routed Linear computes its weight's product ("out" or "add" mode) fresh, then copies or adds
+    it into `slot`, as stock's AccumulateGrad would: in autocast's dtype (cast as it is written), added in
+    half precision (rounded first), or into an empty slot off a fresh tensor's alignment (`aligned`)."""
     return compute != dtype or (dtype.itemsize < 4 if mode == "add" else not aligned(slot))
 
 
@@ -167,10 +163,9 @@ def add_product(main: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 @functools.cache
 def fused_accumulate(device_type: str) -> bool:
-    """Whether this torch's GEMM on `device_type` accumulates bfloat16 products into a
-    float32 tensor in place (``torch.addmm(main, a, b, out_dtype=torch.float32,
-    out=main)``): CUDA kernels of recent releases (2.8 added ``out_dtype``; some refuse a
-    float32 ``input``). Probed once per device type with a 2x2 call; CPU has no such kernel."""
+    """Whether this torch's GEMM on `device_type` accumulates bfloat16 products into a float32 tensor in place
+    (``torch.addmm(main, a, b, out_dtype=torch.float32, out=main)``): CUDA kernels of recent releases (2.8
+    added ``out_dtype``; some refuse a float32 ``input``). Probed once per device type (2x2); CPU has none."""
     if device_type != "cuda" or not torch.cuda.is_available():
         return False
     try:
@@ -259,11 +254,10 @@ def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.
     negative ones; one above the range is named after the gather's own check refuses it); on CUDA looking
     would cost a device sync per call, so the gather's own device-side bounds check reports it.
 
-    The default backward of ``buffer[indices]`` is ``index_put_(accumulate=True)``, which
-    sorts the indices; the scatter computes the same sum without the sort. When `buffer`
-    is a parameter of a model with `FlatGrad` applied, its gradient is written straight into its slot.
-    Under torch.compile, torch.func transforms and forward-mode AD it is `index_select`
-    (whose backward is the same `index_add_`), so compiled graphs do not break.
+    The default backward of ``buffer[indices]`` is ``index_put_(accumulate=True)``, which sorts the indices;
+    the scatter computes the same sum without sorting. A `buffer` that is a `FlatGrad` model's parameter gets
+    its gradient written into its slot. Under torch.compile, torch.func transforms and forward-mode AD it is
+    `index_select` (whose backward is the same `index_add_`), so compiled graphs do not break.
 
     Args:
         buffer: The tensor to gather rows from (at least 1-d).
@@ -311,10 +305,9 @@ def _bad_row(size: int, bad: int) -> IndexError:
 
 
 def _has_negative(indices: torch.Tensor, size: int) -> bool:
-    """Whether `indices` may hold negative entries (always assumed on accelerators, where
-    looking costs a sync, while compiling and inside torch.func transforms, where values
-    cannot be read); on CPU one min over them, which also names an index below ``-size``
-    (one above the range is named when the gather refuses it)."""
+    """Whether `indices` may hold negative entries (assumed on accelerators, where looking costs a sync, and
+    while compiling or in torch.func transforms, where values cannot be read); on CPU one min over them, which
+    also names an index below ``-size`` (one above the range is named when the gather refuses it)."""
     if not indices.numel():
         return False
     if indices.device.type != "cpu" or plain_torch():
@@ -360,16 +353,15 @@ class _GatherDim(torch.autograd.Function):
 
 
 def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
-    """``torch.gather(input, dim, index)`` whose backward scatter-adds the output gradient
-    (repeated positions summed), straight into `input`'s slot when `input` is a parameter
-    of a model with `FlatGrad` applied: no input-sized temporary, copy or add.
+    """``torch.gather(input, dim, index)`` whose backward scatter-adds the output gradient (repeated positions
+    summed), straight into `input`'s slot when `input` is a parameter of a model with `FlatGrad` applied: no
+    input-sized temporary, copy or add.
 
     Same forward as `torch.gather`: `index` has `input`'s number of dimensions, is no larger than `input`
     along every dimension but `dim`, and holds values in ``[0, input.size(dim))``. On CPU an out-of-range
-    value raises an `IndexError` naming it and the size (read only after torch.gather's own check refused it:
-    nothing is added to a valid call); on accelerators reading it would cost a device sync, so torch.gather's
-    own device-side bounds check reports it. Under torch.compile, torch.func transforms and forward-mode AD it
-    is `torch.gather` itself.
+    value raises an `IndexError` naming it and the size (read after torch.gather's own check refused it:
+    nothing added to valid calls); on accelerators (reading costs a device sync) torch.gather's device-side
+    bounds check reports it. Under torch.compile, torch.func and forward-mode AD: `torch.gather`.
 
     Args:
         input: The tensor to gather from.
@@ -381,10 +373,10 @@ def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
 
     Raises:
         TypeError: `input` or `index` is not a tensor, `index` is not int32/int64, or `dim` is not an int.
-        IndexError: `dim` is out of range for `input`; or, on CPU, a value of `index` lies
-            outside ``[0, input.size(dim))``.
-        ValueError: `index` has another number of dimensions than `input` (and more than
-            one element), or is larger than `input` along a dimension other than `dim`.
+        IndexError: `dim` is out of range for `input`; or, on CPU, a value of `index` lies outside ``[0,
+            input.size(dim))``.
+        ValueError: `index` has another number of dimensions than `input` (and more than one element), or is
+            larger than `input` along a dimension other than `dim`.
     """
     _check_gather(input, dim, index)
     if index.dtype == torch.int32 and not GATHER_TAKES_INT32:
@@ -443,8 +435,7 @@ def weight_target(ctx: Any, index: int) -> tuple[Mode, torch.Tensor | None, torc
     """Where the gradient of input `index` goes in this backward: (mode, slot, parameter).
 
     The parameter is taken from the graph (its AccumulateGrad node), not from saved
-    tensors, which checkpointing and saved-tensor hooks hand back as other objects.
-    """
+    tensors, which checkpointing and saved-tensor hooks hand back as other objects."""
     if not ctx.needs_input_grad[index]:
         return "skip", None, None
     if torch.compiler.is_compiling():
@@ -476,9 +467,8 @@ def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | N
         return "fresh", None, param
     grad = param.grad  # type: ignore[union-attr]
     if param._backward_hooks or id(param) in store.summed:  # type: ignore[union-attr]
-        # Tensor hooks must see the gradient, and uses summed as stock's (`begin_backward`)
-        # are autograd's to add: return it, and let AccumulateGrad add the result into the
-        # slot (seated here when empty, -0.0 filled as `seat` does).
+        # Tensor hooks must see the gradient, and uses summed as stock's (`begin_backward`) are autograd's to
+        # add: return it for AccumulateGrad to add into the slot (seated here when empty, -0.0 filled).
         if grad is None:
             store.seat_one(param, view)  # type: ignore[arg-type]
         return "fresh", None, param
@@ -559,8 +549,7 @@ def add_rows(
     (one integer per row of `target`), the rows are summed there in `scatter_rows`'s order, and every other
     position adds +0.0. That changes nothing: a sum started from +0.0, as stock's, is never -0.0, so ``g + s``
     is not -0.0 either, and ``x + 0.0`` is `x` for every other `x` (added before the sum, in any order, the
-    same holds; not under flush-to-zero, where ``g + s`` can flush to -0.0: only its sign differs then).
-    """
+    same holds; not under flush-to-zero, where ``g + s`` can flush to -0.0: only its sign differs then)."""
     deterministic = index.device.type != "cpu" and torch.are_deterministic_algorithms_enabled()
     if target.shape[0] <= index.numel() or deterministic:
         target.add_(scatter_rows(torch.zeros_like(target), index, rows, counts=counts), alpha=alpha)
@@ -579,8 +568,7 @@ def scatter_add_into(
 
     On CPU that kernel is run-to-run identical (each output element is summed in one thread, in order); on
     accelerators it uses atomics, so under `torch.use_deterministic_algorithms` the sum goes through the
-    sorting ``index_put_(accumulate=True)`` on linear indices instead.
-    """
+    sorting ``index_put_(accumulate=True)`` on linear indices instead."""
     if target.device.type == "cpu" or not torch.are_deterministic_algorithms_enabled():
         return target.scatter_add_(dim, index, values)
     flat = (

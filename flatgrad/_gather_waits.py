@@ -1,5 +1,4 @@
-"""`overlap_param_gather`'s waits in the forward: where each bucket's parameter all-gather
-must be waited for, learned in one forward.
+"""`overlap_param_gather`'s waits in the forward: where to wait for each bucket's all-gather, learned once.
 
 A module's forward pre hook waits for the buckets holding its own parameters, just before it runs. Parameters
 may be read elsewhere first: by an ancestor, when the module's own forward never runs (``F.linear(h,
@@ -10,8 +9,7 @@ reads each bucket's parameters (every module hooked for it, every gather waited 
 on that module's pre hook waits for the bucket too. A module that never runs, one of whose parameters that
 forward was not seen to read (TorchScript and C++ extensions read past torch functions), has its buckets
 waited for by the nearest ancestor that runs. Then only the modules that wait keep a hook. A module skipped in
-that forward and run later still waits for its own parameters itself.
-"""
+that forward and run later still waits for its own parameters itself."""
 
 from __future__ import annotations
 
@@ -76,10 +74,9 @@ class ForwardWaits:
 
     @contextlib.contextmanager
     def learning(self) -> Iterator[None]:
-        """Around the model's forward in replicate's: a forward with grad enabled runs
-        under `_FirstReads` (left however the forward ends, an interrupt included; one that
-        raises teaches nothing). Not under no_grad: a mode disables torch's inference fast
-        paths (`nn.TransformerEncoderLayer`'s), which would change that forward's output."""
+        """Around the model's forward in replicate's: a forward with grad enabled runs under `_FirstReads`
+        (left however it ends; one that raises teaches nothing). Not under no_grad: a mode disables torch's
+        inference fast paths (`nn.TransformerEncoderLayer`'s), which would change that forward's output."""
         if not torch.is_grad_enabled() or self._reads is not None:
             yield
             return

@@ -1,8 +1,8 @@
 """Which way `ShardedOptimizer` may shard an optimizer class, decided before anything moves.
 
-A class is sharded *by element* (flat shards of every parameter: each element's update reads
-that element only) or *by tensor* (whole parameters per rank: each tensor's update reads that
-whole tensor and no other), or refused (its update of a parameter reads other parameters).
+A class is sharded *by element* (flat shards of every parameter: each element's update reads that element
+only) or *by tensor* (whole parameters per rank: each tensor's update reads that whole tensor and no other),
+or refused (its update of a parameter reads other parameters).
 
 [Note: a probe refutes, never grants] No probe on a few tensors can show that a class never looks past an
 element or a tensor: block-quantised state appears only above a size (4096 elements in bitsandbytes), a step
@@ -13,10 +13,8 @@ against DDP by tests/test_sharded_third_party.py), or the user's ``shard_by``. A
 and can only refuse it (`check_kind`): on tensors above the block-quantisation sizes, same-shaped and mixed,
 in float64 and float32, over ten steps of gradients at changing scales, each simulated rank drawing from its
 own copy of the global RNG; a step that runs a collective is refused (an optimizer that communicates in its
-own `step` would average across the wrong parameters, or hang). Where the probe cannot run at all, a
-registered kind stands and a declared one is the user's statement (logged as such; docs/data-parallel.md says
-so).
-"""
+own `step` would average across the wrong parameters, or hang). Where no probe can run, a registered kind
+stands, a declared one as the user's statement (logged so; see docs/data-parallel.md)."""
 
 from __future__ import annotations
 
@@ -37,15 +35,13 @@ logger = logging.getLogger(__name__)
 
 ShardBy = Literal["element", "tensor"]
 
-# torch's optimizers whose update of an element depends only on that element (and scalars):
-# a flat shard updates as the whole tensor would.
+# torch's optimizers whose update of an element reads only it (and scalars): shards update as whole.
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
     torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop,
     torch.optim.ASGD,
 )  # fmt: skip
-# torch's optimizers whose update of a tensor reads the whole tensor and no other one
-# (Muon: torch 2.9 on; Adafactor: 2.5 on).
+# torch's optimizers whose update of a tensor reads all of it and no other (Muon: 2.9 on; Adafactor: 2.5 on).
 PER_TENSOR: tuple[type[torch.optim.Optimizer], ...] = tuple(
     cls
     for cls in (getattr(torch.optim, "Muon", None), getattr(torch.optim, "Adafactor", None))
@@ -224,8 +220,7 @@ def _torch_kind(cls: type[torch.optim.Optimizer]) -> ShardBy | None:
 
 
 def registered_kind(cls: type[torch.optim.Optimizer]) -> Registered | None:
-    """`REGISTRY`'s entry for `cls`, or for the registered class it subclasses without a
-    `step` of its own; None for any other class."""
+    """`REGISTRY`'s entry for `cls`, or the registered class it subclasses without its own `step`; or None."""
     for base in cls.__mro__:
         entry = REGISTRY.get((base.__module__.split(".")[0], base.__qualname__))
         if entry is not None:
@@ -234,9 +229,8 @@ def registered_kind(cls: type[torch.optim.Optimizer]) -> Registered | None:
 
 
 def agreed_kind(kind: ShardBy, store: GradStore, process_group: dist.ProcessGroup | None) -> ShardBy:
-    """`kind` after checking that every rank chose it (one small all-reduce): ranks that
-    differ (a probe step that failed on one rank only: memory, a kernel) would run other
-    collectives and hang; they raise the same ValueError instead."""
+    """`kind` after checking that every rank chose it (one small all-reduce): ranks that differ (a probe step
+    failed on one: memory, a kernel) would run other collectives and hang: all raise one ValueError."""
     device = next(iter(store.buffers.values())).device
     codes = torch.tensor([int(kind == "tensor"), -int(kind == "tensor")], device=device)
     dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=process_group)
@@ -261,10 +255,9 @@ Split = Literal["whole", "pieces", "alone"]
 
 
 def check_kind(recipe: OptimizerRecipe, kind: ShardBy, like: torch.Tensor, registered: bool) -> None:
-    """Refuse `kind` for `recipe`'s class where a probe shows it wrong: a tensor stepped in
-    flat pieces (by element) or alone (by tensor, as ranks holding whole tensors) ends up
-    other than the whole tensors stepped in one optimizer, or the step communicates. Runs
-    on `like`'s device, on every rank alike, leaving the global RNG as it was.
+    """Refuse `kind` for `recipe`'s class where a probe shows it wrong: a tensor stepped in flat pieces (by
+    element) or alone (by tensor, as ranks holding whole tensors) ends up other than the whole tensors stepped
+    in one optimizer, or the step communicates. Runs on `like`'s device, alike on every rank, RNG restored.
 
     Raises:
         ValueError: The probe contradicts `kind`, or the step runs a collective.
@@ -347,8 +340,7 @@ class _ProbeCase:
         self.device = device
         generator = torch.Generator().manual_seed(0)
         self.starts = [torch.randn(s, generator=generator, dtype=torch.float64).to(dtype) for s in shapes]
-        # Per tensor and per step another scale: a statistic over tensors, or over steps (a
-        # running norm against this step's), shows.
+        # Per tensor and step another scale: shows a statistic over tensors or steps (a running norm).
         self.grads = [
             [
                 (torch.randn(s, generator=generator, dtype=torch.float64) * 10.0**i * scale).to(dtype)

@@ -12,8 +12,7 @@ So from the end of such a backward until the gradients are zeroed, every defined
 the same memory as the slot (the optimizer, AccumulateGrad and the collectives, which never go through
 Python's ``__torch_function__``, are unaffected), whose ``__torch_function__`` lets metadata reads through
 (shape, dtype, strides, data pointer: flatgrad's own identity tests) and zeroing (``nn.Module.zero_grad``),
-and raises for anything that reads or writes values.
-"""
+and raises for anything that reads or writes values."""
 
 from __future__ import annotations
 
@@ -52,9 +51,9 @@ _ADVICE = (
 
 @contextlib.contextmanager
 def unguarded(*stores: GradStore | None) -> Iterator[None]:
-    """Inside, the ScatteredGrads of `stores` act as plain tensors: for flatgrad laying those
-    stores' buffers out again (it clones or copies `.grad` into new slots) on the way to
-    refusing that change. The flag is each store's (`GradStore.scattered`)."""
+    """Inside, the ScatteredGrads of `stores` act as plain tensors: for flatgrad laying their buffers out
+    again (cloning or copying `.grad` into new slots) on the way to refusing that change. The flag is each
+    store's (`GradStore.scattered`)."""
     states = [store.scattered for store in stores if store is not None]
     previous = [state.unguarded for state in states]
     for state in states:
@@ -125,8 +124,7 @@ def _unguarded(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
 
 
 def _op(func: object) -> tuple[str, bool]:
-    """(the op's name for a message, whether a ScatteredGrad lets it through). A property
-    comes as its descriptor's ``__get__`` / ``__set__``."""
+    """(the op's name, whether a ScatteredGrad lets it through); a property: its ``__get__``/``__set__``."""
     name = getattr(func, "__name__", repr(func))
     owner = getattr(func, "__self__", None)
     if name in ("__get__", "__set__") and owner is not None:
@@ -211,9 +209,8 @@ def refuse_scattered(store: GradStore | None, what: str) -> None:
 
 
 def _holds_scattered(store: GradStore) -> bool:
-    # Still held: a `.grad` the sync marked (a seated slot, set since by the seater for a
-    # `.grad` that was None, does not count), or a main grad (zeroed by flatgrad's own
-    # zero_grad only; `.grad` says nothing of it); and not zeroed since.
+    # Still held: a `.grad` the sync marked (not a seated slot the seater set since for a `.grad` that was
+    # None), or a main grad (zeroed by flatgrad's zero_grad only); and not zeroed since.
     held = bool(store.mains) or any(type(p.grad) in _ALIASES for p in store.params)
     return held and any(bool(b.any()) for b in store.buffers.values())
 
@@ -240,8 +237,7 @@ def refuse_adding_onto_scattered(store: GradStore | None) -> None:
     reduce-scatter a rank holds the average of its own shard only; another backward's local gradients added
     onto that and reduce-scattered again are not the average of the two (stock DDP's all-reduced gradients are
     the same on every rank, so there it adds up). Every rank runs the same backwards, so every rank raises.
-    Gradients set to None or zeroed (by any zero_grad) since are fine: a read of the buffers, only here; then
-    `.grad` is plain again."""
+    Gradients set to None or zeroed since are fine (a buffer read, only here); `.grad` is plain then."""
     if store is None:
         return
     if _holds_scattered(store):

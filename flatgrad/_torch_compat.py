@@ -1,11 +1,9 @@
 """Every private PyTorch name flatgrad uses, resolved in one place.
 
-Checked against torch 2.4 through 2.15 (the floor, 2.4, is `flatgrad._torch_version`'s);
-where a name is missing in some release a fallback says what happens then. Nothing else in
-the package reads a private name of torch's (``torch._C``, ``_execution_engine``, DDP's
-class-level helpers); an nn.Module's own ``_parameters``/``_modules``/``_buffers`` dicts are
-torch's documented extension surface and are read where they are needed.
-"""
+Checked against torch 2.4 through 2.15 (the floor: `flatgrad._torch_version`); where a release lacks a name a
+fallback says what happens. Nothing else in the package reads a private name of torch's (``torch._C``,
+``_execution_engine``, DDP's class-level helpers); an nn.Module's own
+``_parameters``/``_modules``/``_buffers`` dicts are torch's documented extension surface."""
 
 from __future__ import annotations
 
@@ -41,17 +39,15 @@ def set_local_tensor(dtensor: torch.Tensor, local: torch.Tensor) -> None:
 
 
 def dtensor_over(cls: type, dtensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """A `cls` (a DTensor subclass) with `dtensor`'s mesh, placements, shape and strides over
-    `local` (its local tensor or an alias of it), without autograd: DTensor's constructor
-    (``DTensor(local, spec, requires_grad=...)``) and its ``_spec``, private in torch
-    2.4-2.15; ``DTensor.from_local`` always returns a DTensor over a fresh view."""
+    """A `cls` (a DTensor subclass) with `dtensor`'s mesh, placements, shape and strides over `local` (its
+    local tensor or an alias), without autograd: DTensor's constructor (``DTensor(local, spec,
+    requires_grad=...)``) and ``_spec``, private in torch 2.4-2.15; ``from_local`` makes a fresh view."""
     return cls(local, dtensor._spec, requires_grad=False)  # type: ignore[attr-defined]
 
 
 def local_shape_and_offset(dtensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """This rank's shard of DTensor `dtensor`: its shape and its offset in the whole tensor,
-    per dimension (torch's ``compute_local_shape_and_global_offset``, private in torch
-    2.4-2.15, under ``torch.distributed.tensor._utils`` from 2.5)."""
+    """This rank's shard of DTensor `dtensor`: its shape and its offset in the whole tensor, per dimension
+    (torch's private ``compute_local_shape_and_global_offset``, in ``tensor._utils`` from 2.5)."""
     try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except ImportError:  # torch 2.4
@@ -110,10 +106,9 @@ def in_compiled_autograd() -> bool:
 
 
 def accumulate_grad_node(tensor: torch.Tensor) -> Any:
-    """The AccumulateGrad node of a leaf `tensor` that requires grad: the one autograd node
-    its gradient passes last, where hooks that must see every gradient of a parameter go
-    (reached through a throwaway view's graph, as DDP's reducer does; grad mode on for it).
-    The caller keeps the node alive as long as hooks registered on it must stay."""
+    """The AccumulateGrad node of a leaf `tensor` that requires grad: the one autograd node its gradient
+    passes last, where hooks that must see every gradient of a parameter go (reached through a throwaway
+    view's graph, grad mode on, as DDP's reducer does). The caller keeps it alive for its hooks."""
     with torch.inference_mode(False), torch.enable_grad():  # (a relayout in an eval forward: Lightning's)
         return tensor.view_as(tensor).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
 
@@ -163,9 +158,8 @@ _PRESERVE_TAKES_TUPLE = "tensors" in inspect.signature(_PRESERVE.__init__).param
 
 @contextlib.contextmanager
 def preserve_version_counter(tensors: tuple[torch.Tensor, ...]) -> Iterator[None]:
-    """Write `tensors` without bumping their version counters (DDP's buffer broadcast
-    does): ``torch.autograd._unsafe_preserve_version_counter`` over the tuple, or over one
-    tensor at a time before torch 2.5."""
+    """Write `tensors` without bumping their version counters (as DDP's buffer broadcast):
+    ``torch.autograd._unsafe_preserve_version_counter`` over the tuple (before 2.5: per tensor)."""
     with contextlib.ExitStack() as stack:
         for each in [tensors] if _PRESERVE_TAKES_TUPLE else tensors:
             stack.enter_context(_PRESERVE(each))
@@ -191,8 +185,7 @@ int64 only; probed once on a one-element tensor)."""
 
 
 def active_ddp() -> DDP | None:
-    """The DDP whose forward is running, if any: DDP's own tracking of it, kept for
-    TorchDynamo (a class attribute every supported torch has)."""
+    """The running forward's DDP, if any: DDP's tracking for TorchDynamo (a class attribute in each torch)."""
     return DDP._get_active_ddp_module()
 
 
@@ -207,10 +200,9 @@ def divides_by_ranks_not_joined(ddp: DDP) -> bool:
 
 
 def join_state(joinable: Any) -> tuple[bool, bool]:
-    """(whether `joinable` runs inside an enabled `torch.distributed.algorithms.Join`,
-    whether it is that Join's first joinable, the one whose per-iteration all-reduce tells
-    the joined ranks that it has not joined), from the config `Join` sets on it (private in
-    every torch the range accepts; a `Joinable` without one is in no Join)."""
+    """(whether `joinable` runs inside an enabled `torch.distributed.algorithms.Join`, whether it is that
+    Join's first joinable, the one whose per-iteration all-reduce tells the joined ranks that it has not
+    joined), from the config `Join` sets on it (private in all supported torch; none: in no Join)."""
     config = getattr(joinable, "_join_config", None)
     if config is None:
         return False, False
@@ -258,10 +250,9 @@ def collectives_run() -> int:
 
 
 def register_load_pre_hook(module: torch.nn.Module, hook: Callable[..., None]) -> Any:
-    """`hook` runs before `module.load_state_dict` loads anything, called as
-    ``hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
-    unexpected_keys, error_msgs)``: ``register_load_state_dict_pre_hook`` from torch 2.5, the
-    private registration with ``with_module=True`` (the same call) before."""
+    """`hook` runs before `module.load_state_dict` loads anything, called as ``hook(module, state_dict,
+    prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)``:
+    ``register_load_state_dict_pre_hook`` from torch 2.5, earlier the private one (``with_module=True``)."""
     register = getattr(module, "register_load_state_dict_pre_hook", None)
     if register is None:
         return module._register_load_state_dict_pre_hook(hook, with_module=True)
@@ -303,9 +294,8 @@ def sharded_tensor(
     where the memory allows) this rank's, in the order of its boxes; built from metadata every rank knows,
     with no communication. ``torch.distributed.checkpoint`` saves and loads its shards in place and reshards
     it, into a plain tensor of that shape too (another optimizer's state); ``torch.save`` writes only this
-    rank's shards, as plain tensors (`SAVED_SHARDS`). (Checked on torch 2.4-2.15; torch marks ShardedTensor
-    deprecated in favour of DTensor, which cannot express uneven shards at arbitrary offsets, and warns about
-    it once.)"""
+    rank's shards, as plain tensors (`SAVED_SHARDS`). (Checked on torch 2.4-2.15; torch deprecates
+    ShardedTensor for DTensor, which cannot express uneven shards at arbitrary offsets, and warns once.)"""
     import warnings
 
     from torch.distributed._shard.metadata import ShardMetadata

@@ -1,19 +1,17 @@
-"""ZeRO-1 for a `ShardedOptimizer` (see `flatgrad._sharded`): this rank's engine, the
-collectives over its gradient shards, and its parameter groups.
+"""ZeRO-1 for a `ShardedOptimizer` (see `flatgrad._sharded`): this rank's engine, the collectives over its
+gradient shards, and its parameter groups.
 
 `ShardEngine`: this rank's part of ZeRO-1 over replicate's buckets: the flat parameter buffers, this rank's
 shards, the pieces the inner optimizer steps, the clip over shards and the parameter all-gather; and the hooks
 that wait for the all-gathers (``overlap_param_gather``).
 
-The collectives over the gradient shards are free functions over this rank's shard tensors
-(`runs_in_shards`, `clip_shards`, `unscale_shards`): the clip to a global norm and a loss
-scaler's unscale with its inf check. Every element's average lives in exactly one rank's
-shard, so one scalar all-reduce over the shards' results covers every gradient.
+Free functions over this rank's gradient shards (`runs_in_shards`, `clip_shards`, `unscale_shards`): the clip
+to a global norm and a loss scaler's unscale with its inf check. Every element's average lives in exactly one
+rank's shard, so one scalar all-reduce of the shards' results covers every gradient.
 
-A ShardedOptimizer's parameter groups over this rank's pieces: the optimizer's arguments
-checked (`check_optimizer_class`, `as_groups`, ...), and `PieceGroups`, the inner torch
-optimizer with one group per group of `param_groups` over 1-D pieces of the flat parameter buffer,
-kept in step with them (options, membership, state per parameter)."""
+The parameter groups over this rank's pieces: the optimizer's arguments checked (`as_groups`,
+`checked_defaults`, ...), and `PieceGroups`, the inner torch optimizer with one group per `param_groups` group
+over 1-D pieces of the flat parameter buffer, kept in step (options, membership, state per parameter)."""
 
 from __future__ import annotations
 
@@ -77,8 +75,8 @@ class Shard:
     param: torch.Tensor  # of the flat parameter buffer
     grad: torch.Tensor  # the same elements of the gradient buffer
     bucket: torch.Tensor  # the whole bucket of the flat parameter buffer (all-gather output)
-    # With main grads (bfloat16/float16 parameters, float32 gradients): a float32 copy of
-    # `param` that the optimizer steps and that is cast back into `param` after each step.
+    # With main grads (bfloat16/float16 parameters, float32 gradients): a float32 copy of `param` the
+    # optimizer steps, cast back into `param` after each step.
     master: torch.Tensor | None = None
 
     @property
@@ -114,11 +112,10 @@ class FlatParameters:
 
     def check_layout(self, stores: StoreSource) -> None:
         """Raise RuntimeError where the model's parameters changed since construction in a way `follow` does
-        not take; `stores` is the model's gradient engine. A conversion between backward and step must raise
-        here: the parameters are views of the flat parameter buffer the gather refills. Every parameter still
-        at its slot (one data pointer each: a conversion or a `.data` assignment moves it) and the engine's
-        O(1) checks (a parameter registered, frozen or unfrozen) stand for its full walk over every
-        parameter."""
+        not take (`stores`: the model's gradient engine); a conversion between backward and step must raise,
+        as the parameters are views of the flat parameter buffer the gather refills. Every parameter still at
+        its slot (one data pointer each) and the engine's O(1) checks (a parameter registered, frozen or
+        unfrozen) stand for its full walk over every parameter."""
         # A change moves the reduce-scattered .grads (and is refused just below).
         in_place = self.params_in_place()
         with unguarded(self.store, stores.store):
@@ -144,8 +141,7 @@ class FlatParameters:
             )
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor | None, allow_fp16: bool) -> None:
-        """Multiply the gradients this rank steps from by `inv_scale`; with `found_inf`, set
-        it to 1.0 where any rank's hold an inf or NaN."""
+        """Scale this rank's step gradients by `inv_scale`; `found_inf`: 1.0 if any rank's hold inf/NaN."""
         raise NotImplementedError
 
     def skip_or_unscale(self, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None) -> bool:
@@ -169,9 +165,9 @@ class FlatParameters:
 
 
 class ShardEngine(FlatParameters):
-    """The flat parameter buffers laid out like `store`'s gradient buffers (every parameter
-    becomes a view of its slot), and this rank's shard (`Shard`) of each piece of the shard
-    plan (`bucket_views`, from `BucketSync.shard_plan`: the buckets, or whole buffers)."""
+    """The flat parameter buffers (`FlatParameters`) and this rank's shard (`Shard`) of each piece of the
+    shard plan (`bucket_views`, from `BucketSync.shard_plan`: the buckets, or whole buffers, each as (gradient
+    view, offset in its flat buffer))."""
 
     def __init__(
         self,
@@ -181,8 +177,6 @@ class ShardEngine(FlatParameters):
         policy: BackendPolicy,
     ) -> None:
         super().__init__(store, process_group)
-        # (gradient view, offset in its flat buffer) of each piece split into shards: the
-        # shard plan (`BucketSync.shard_plan`)
         self.bucket_views = bucket_views
         self.shards = self._cut_shards()
         self.grad_shards = [shard.grad for shard in self.shards]  # this rank's gradient shards
@@ -193,8 +187,7 @@ class ShardEngine(FlatParameters):
         self.norm_groups = [process_group] + ([tensor_parallel.group] if tensor_parallel is not None else [])
         counted = store.norm_pieces() if tensor_parallel is not None else None
         self.counted_runs = None if counted is None else runs_in_shards(store, self.grad_shards, counted)
-        # The parameters' version counters when the masters last matched them: a write
-        # since (load_state_dict, a copy under no_grad) makes `step` take the masters again.
+        # The parameters' version counters when the masters last matched them (`take_masters`).
         self._versions = self._param_versions()
         self.layout = self._chunk_layout()
         # bucket index -> the works of its parameter gather still in flight
@@ -239,18 +232,15 @@ class ShardEngine(FlatParameters):
         return any(shard.master is not None for shard in self.shards)
 
     def _param_versions(self) -> list[int]:
-        # The parameters' own version counters: a write through a parameter (copy_ under
-        # no_grad, load_state_dict, torch.distributed.checkpoint's load into its detached
-        # alias) bumps it; the all-gather writes the flat buffers, whose counter is another.
+        # A write through a parameter (copy_ under no_grad, load_state_dict, torch.distributed.checkpoint's
+        # load into its detached alias) bumps its counter; the all-gather's into the flat buffers does not.
         return list(map(_version, self.store.params))
 
     def take_masters(self) -> None:
-        """Before a step: when the parameters were written since the masters last matched
-        them (a model load_state_dict, a copy under no_grad), each master element that no
-        longer rounds to its parameter takes the parameter's value (exactly: the cast up is
-        exact). A master loaded from the same checkpoint as the parameters, in either order,
-        is kept. One version read per parameter otherwise. (A write through ``param.data``
-        has a version counter of its own and goes unseen: write the parameter itself.)"""
+        """Before a step, where the parameters were written since the masters last matched them (a model
+        load_state_dict, a copy under no_grad): `retake_master` on every shard. A master loaded from the same
+        checkpoint as the parameters, in either order, is kept. One version read per parameter otherwise. (A
+        write through ``param.data`` has its own version counter, unseen: write the parameter.)"""
         if not self.has_masters or self._param_versions() == self._versions:
             return
         with torch.no_grad():
@@ -260,8 +250,7 @@ class ShardEngine(FlatParameters):
         self._versions = self._param_versions()
 
     def write_back(self) -> None:
-        """After a step: the updated masters into the parameters, in their dtype (rounded
-        to nearest), before the all-gather sends them."""
+        """After a step: the masters into the parameters (rounded to nearest), before the all-gather."""
         if not self.has_masters:
             return
         with torch.no_grad():
@@ -284,8 +273,7 @@ class ShardEngine(FlatParameters):
         return tensor_parallel_layout(layout, self.store)
 
     def pieces(self, params: list[torch.Tensor]) -> list[Piece]:
-        """This rank's pieces of `params`: the runs of their slots (each slot with the
-        padding that follows it) inside this rank's shards."""
+        """This rank's pieces of `params`: the runs of their slots (each with its padding) in its shards."""
         runs = {key: _runs(self.store, key, {id(p) for p in params}) for key in self.store.buffers}
         pieces = []
         for (view, start), shard in zip(self.bucket_views, self.shards):
@@ -300,8 +288,7 @@ class ShardEngine(FlatParameters):
                     pieces.append(Piece(piece, self.store.buffers[key].narrow(0, a, b - a), key, a))
         held = [p for p in params if p in self.store]
         if not pieces and held:
-            # No element of the group in this rank's shards: an empty piece steps along, so
-            # this rank keeps the group's scalar state (step counts) like every other rank.
+            # No element in this rank's shards: an empty piece steps along, keeping the group's scalar state.
             empty = self.store.view(held[0]).new_empty(0)  # (float32 for a main grad's)
             pieces.append(Piece(nn.Parameter(empty), empty, (empty.dtype, empty.device), 0))
         return pieces
@@ -313,9 +300,7 @@ class ShardEngine(FlatParameters):
         error_if_nonfinite: bool = False,
         stages: dist.ProcessGroup | None = None,
     ) -> torch.Tensor:
-        """Scale the gradient shards to a global norm of at most `max_norm` (with `stages`, a
-        pipeline's: over every stage); returns the global norm before (one scalar all-reduce
-        per group: dp's, the tensor-parallel mesh's, the stages')."""
+        """`clip_shards` over this rank's gradient shards (with `stages`, a pipeline's: over every stage)."""
         groups = self.norm_groups + ([stages] if stages is not None else [])
         runs, counted = self.grad_runs, self.counted_runs
         return clip_shards(self.grad_shards, max_norm, norm_type, groups, runs, error_if_nonfinite, counted)
@@ -330,9 +315,8 @@ class ShardEngine(FlatParameters):
         )
 
     def launch_gather(self) -> None:
-        """Start the all-gather of every bucket's parameters from the ranks' updated shards
-        (asynchronously; `wait_gather` finishes them), in the parameters' dtype (bfloat16
-        with masters: half the bytes of float32)."""
+        """Start the all-gathers of every bucket's parameters from the ranks' updated shards (`wait_gather`
+        finishes them), in the parameters' dtype (bfloat16 with masters: half float32's bytes)."""
         self.wait_gather()  # (one still in flight would land after this one)
         self.waited = []
         self.in_flight = {index: self._gather(shard) for index, shard in enumerate(self.shards)}
@@ -348,8 +332,8 @@ class ShardEngine(FlatParameters):
         ]
 
     def wait_gather(self, indices: tuple[int, ...] | None = None) -> None:
-        """Wait for the all-gathers of buckets `indices` (all when None): their parameters
-        are whole afterwards (on CUDA: for work queued on the current stream from now on)."""
+        """Wait for the all-gathers of buckets `indices` (all when None): their parameters are whole
+        afterwards (on CUDA: for work queued on the current stream from now on)."""
         if not self.in_flight:
             return
         for index in tuple(self.in_flight) if indices is None else indices:
@@ -417,16 +401,14 @@ def tensor_parallel_layout(layout: Layout, store: GradStore) -> Layout:
 
 
 def retake_master(master: torch.Tensor, param: torch.Tensor) -> None:
-    """Each element of the float32 `master` that no longer rounds to `param`'s (written
-    since: a model load, a copy under no_grad) takes the parameter's value, exactly (the
-    cast up is exact); one that still rounds to it keeps its extra precision. Under no_grad."""
+    """Each element of the float32 `master` that no longer rounds to `param`'s (written since) takes its
+    value, exactly (the cast up is exact); one that still does keeps its extra precision. Under no_grad."""
     moved = master.to(param.dtype) != param
     master.copy_(torch.where(moved, param.float(), master))
 
 
 def _runs(store: GradStore, key: GroupKey, wanted: set[int]) -> list[tuple[int, int]]:
-    """[start, end) runs of the wanted parameters' slots in `key`'s buffer, each slot with
-    the padding after it."""
+    """[start, end) runs of the wanted parameters' slots in `key`'s buffer, each with the padding after it."""
     slots = sorted(
         (store.slot(p)[1].offset, id(p) in wanted) for p in store.params if store.slot(p)[0] == key
     )
@@ -446,9 +428,8 @@ _version = operator.attrgetter("_version")
 
 
 def parameter_dtypes(store: GradStore) -> dict[Any, set[torch.dtype]]:
-    """The parameters' dtype of each gradient buffer; raises ValueError where parameters
-    of different dtypes share one (float32 parameters next to bfloat16/float16 ones with
-    main grads), which no one flat parameter buffer could hold."""
+    """The parameters' dtype of each gradient buffer; raises ValueError where parameters of different dtypes
+    share one (float32 next to bfloat16/float16 ones with main grads): no flat parameter buffer holds them."""
     dtypes: dict[Any, set[torch.dtype]] = {}
     for param in store.params:
         dtypes.setdefault(store.slot(param)[0], set()).add(param.dtype)
@@ -465,11 +446,10 @@ def parameter_dtypes(store: GradStore) -> dict[Any, set[torch.dtype]]:
 
 
 def flat_parameters(store: GradStore, reuse_only: bool = False) -> dict[Any, torch.Tensor]:
-    """Flat parameter buffers with the gradient buffers' layout, in the parameters' dtype
-    (bfloat16 for a float32 buffer of main grads); every parameter becomes a view of its
-    slot (same shape, strides and values). Where the parameters are views of such buffers
-    already (a second ShardedOptimizer by tensor over the same replicate: Muon's and
-    AdamW's), those buffers themselves, so both optimizers gather into the same memory.
+    """Flat parameter buffers with the gradient buffers' layout, in the parameters' dtype (bfloat16 for a
+    float32 buffer of main grads); every parameter becomes a view of its slot (same shape, strides and
+    values). Where the parameters are views of such buffers already (a second ShardedOptimizer by tensor over
+    the same replicate: Muon's and AdamW's), those buffers, so both optimizers gather into one memory.
 
     Raises:
         ValueError: Parameters of different dtypes share a gradient buffer (`parameter_dtypes`); or, with
@@ -502,8 +482,8 @@ def flat_parameters(store: GradStore, reuse_only: bool = False) -> dict[Any, tor
 
 
 def _buffer_under(store: GradStore, key: GroupKey) -> torch.Tensor | None:
-    """The flat parameter buffer of `key` that the parameters (a DTensor's: its local
-    shard) are views of already, each at its slot; None where they are not."""
+    """The flat parameter buffer of `key` the parameters (a DTensor's local shard) are views of already, each
+    at its slot; None where they are not."""
     held = [(local_of(p), store.slot(p)[1]) for p in store.params if store.slot(p)[0] == key]
     if not held:
         return None
@@ -525,11 +505,10 @@ def _buffer_under(store: GradStore, key: GroupKey) -> torch.Tensor | None:
 def runs_in_shards(
     store: GradStore, shards: Sequence[torch.Tensor], runs: Sequence[torch.Tensor] | None = None
 ) -> list[torch.Tensor]:
-    """The gradient elements inside `shards` (this rank's gradient shards, views of the store's buffers)
-    without the alignment padding between slots: `GradStore.runs` (or `runs`, 1-D views of the buffers: the
-    runs a tensor-parallel norm counts) cut at the shards' edges. What a scale may touch: padding is zero by
-    construction and nothing zeroes it again, so a NaN clip coefficient multiplied into it would stay in every
-    later norm."""
+    """The gradient elements inside `shards` (this rank's gradient shards: views of the buffers) without the
+    alignment padding between slots: `GradStore.runs` (or `runs`, 1-D views of the buffers: the runs a
+    tensor-parallel norm counts) cut at the shards' edges. What a scale may touch: padding is zeroed once, at
+    construction, so a NaN clip coefficient there would stay in later norms."""
 
     def span(view: torch.Tensor) -> tuple[GroupKey, int, int]:  # (buffer, [start, end))
         key = (view.dtype, view.device)
@@ -598,10 +577,9 @@ def unscale_shards(
     process_group: dist.ProcessGroup | None,
     tensor_parallel: TensorParallel | None = None,
 ) -> None:
-    """Multiply `shards` (DTensor gradients: their local tensors) by `inv_scale` (a loss
-    scaler's 1/scale); with `found_inf`, set it to 1.0 where any rank's shard holds an inf
-    or NaN (one scalar all-reduce, so every rank skips the same steps; with
-    `tensor_parallel`, a second one over its mesh, whose ranks hold other shards)."""
+    """Multiply `shards` (DTensor gradients: their local tensors) by `inv_scale` (a loss scaler's 1/scale);
+    with `found_inf`, set it to 1.0 where any rank's shard holds an inf or NaN (one scalar all-reduce, so
+    every rank skips the same steps; with `tensor_parallel`, a second over its mesh, holding other shards)."""
     grads: dict[torch.dtype, list[torch.Tensor]] = {}
     for grad in shards:
         grads.setdefault(grad.dtype, []).append(local_of(grad))
@@ -628,8 +606,8 @@ def unscale_shards(
 
 
 def check_members(names: dict[int, str], groups: list[dict[str, Any]], what: str) -> None:
-    """Raise ValueError, "`what`, got a tensor ... that is not one", for a parameter of
-    `groups` that is not in `names` (id -> name of dp's parameters)."""
+    """Raise ValueError, "`what`, got a tensor ... that is not one", for a parameter of `groups` not in
+    `names` (id -> name of dp's parameters)."""
     for group in groups:
         for param in group["params"]:
             if id(param) not in names:
@@ -647,9 +625,8 @@ def checked_defaults(
     leaves the model as it was. Raises ValueError first for dtypes that no one flat parameter buffer holds
     (`parameter_dtypes`), and for ``differentiable=True`` (`refuse_differentiable`)."""
     parameter_dtypes(store)
-    # A one-element stand-in per parameter with its number of dimensions, dtype and device:
-    # what a class checks of its parameters (Muon: matrices only) is checked for all of them
-    # here, on every rank alike, before any rank's inner optimizer holds only its own.
+    # One-element stand-ins with the parameters' dimensions, dtypes and devices: what a class checks (Muon:
+    # matrices only) is checked for all, on every rank alike, before each inner optimizer holds its rank's.
     checked = optimizer_class(
         [dict(g, params=[_stand_in_for_checks(p) for p in g["params"]]) for g in groups], **defaults
     )
@@ -712,8 +689,7 @@ def options(group: dict[str, Any]) -> dict[str, Any]:
 def add_piece_group(
     add: Callable[[dict[str, Any]], None], pieces: Callable[[], set[int]], group: dict[str, Any]
 ) -> None:
-    """The inner optimizer's `add_param_group`: only this rank's pieces may go in (torch's
-    own checks the rest)."""
+    """The inner optimizer's `add_param_group`, taking this rank's pieces only (torch's checks the rest)."""
     params = group.get("params", ()) if isinstance(group, dict) else ()
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     if any(id(p) not in pieces() for p in params):
@@ -738,8 +714,7 @@ _MISSING = object()
 
 
 def _same(a: object, b: object) -> bool:
-    """Whether two option values are the same setting: one tensor (an lr tensor is changed
-    in place, ``fill_``), or equal plain values."""
+    """Whether two option values are one setting: one tensor (lr tensors change in place) or equal values."""
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -767,8 +742,8 @@ class SyncedOptions:
         self.seen.append(options(group))
 
     def loaded(self, param_groups: list[dict[str, Any]], inner: torch.optim.Optimizer) -> None:
-        """The groups take the inner optimizer's options, and they are the last sync: after
-        it loaded the saved ones (its class's own ``load_state_dict``), after a call."""
+        """The groups take the inner optimizer's options, as the last sync: after it loaded the saved ones
+        (its class's own ``load_state_dict``), after a call."""
         for group, own in zip(param_groups, inner.param_groups):
             group.update(options(own))
         self.seen = [options(group) for group in param_groups]
@@ -776,13 +751,12 @@ class SyncedOptions:
     def run(
         self, inner: torch.optim.Optimizer, param_groups: list[dict[str, Any]], call: Callable[[], Any]
     ) -> Any:
-        """`call()` (a step, schedule-free's ``train``/``eval``) on the inner optimizer with
-        the options both sides agree on now; what it writes into its groups shows in
-        `param_groups` afterwards, as it would in a plain optimizer's.
+        """`call()` (a step, schedule-free's ``train``/``eval``) on the inner optimizer with the options both
+        sides agree on now; what it writes into its groups then shows in `param_groups`, as in plain torch.
 
         Raises:
-            ValueError: An option was set on both sides since the last sync, to different
-                values (every rank alike: schedulers and loops run on every rank).
+            ValueError: An option was set on both sides since the last sync, to different values (every rank
+                alike: schedulers and loops run on every rank).
         """
         for index, (group, own, seen) in enumerate(zip(param_groups, inner.param_groups, self.seen)):
             for key in {*group, *own} - {"params"}:
@@ -841,10 +815,9 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _with_saved_options(views: list[GroupView], state_dict: object) -> list[GroupView]:
-    """`views` with the options `state_dict` saved for each group over the current ones:
-    they decide what state a group holds (SGD saved with momentum has momentum buffers that
-    one built without it must load), as a torch optimizer loads whatever its dict holds.
-    Unchanged where the saved groups do not match in number (`misfit` says why)."""
+    """`views` with the options `state_dict` saved for each group over the current ones: they decide what
+    state a group holds (SGD saved with momentum has momentum buffers one built without it must load), as a
+    torch optimizer loads what its dict holds. Unchanged where the group count differs (`misfit` says why)."""
     saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
     if not isinstance(saved, list) or len(saved) != len(views) or not all(isinstance(g, dict) for g in saved):
         return views
@@ -913,9 +886,9 @@ def relaid_state(
 def _eager_state(
     recipe: OptimizerRecipe, options: dict[str, Any], param: torch.Tensor, masters: bool
 ) -> dict[str, Any]:
-    """The state `recipe`'s optimizer gives a parameter shaped as `param` when it is built
-    (Adagrad's initial accumulator and step count; empty for the classes that make state at
-    their first step), on a throwaway stand-in (float32 where masters are stepped)."""
+    """The state `recipe`'s optimizer gives a parameter shaped as `param` when built (Adagrad's initial
+    accumulator and step count; empty for classes that make state at their first step), on a throwaway
+    stand-in (float32 where masters are stepped)."""
     dtype = torch.float32 if masters else param.dtype
     stand_in = nn.Parameter(torch.zeros(param.shape, dtype=dtype, device=param.device))
     return dict(recipe.build([dict(options, params=[stand_in])]).state.get(stand_in, {}))
@@ -939,11 +912,9 @@ class InnerGroups:
     how_to_add = ""  # what opt.add_param_group gives a parameter (`check`'s advice)
 
     def hold(self, param_groups: list[dict[str, Any]], held: Callable[[], set[int]]) -> None:
-        """Once `inner` is built: its `add_param_group` takes only the tensors `held` gives
-        the ids of, and the groups of both sides are the last sync."""
-        # Model parameters given to the inner optimizer would be stepped twice (there and
-        # through their shard or owner): refused at the call. (An instance attribute: the
-        # optimizer pickles and deep-copies by its state only.)
+        """With `inner` built: its `add_param_group` takes only tensors `held` gives ids of; sides synced."""
+        # Model parameters given to the inner optimizer would be stepped twice: refused at the call. (An
+        # instance attribute: the optimizer pickles and deep-copies by its state only.)
         self.inner.add_param_group = functools.partial(  # type: ignore[method-assign]
             add_piece_group, self.inner.add_param_group, held
         )
@@ -956,9 +927,8 @@ class InnerGroups:
         self.options.added(group, self.inner.param_groups[-1])
 
     def check(self, param_groups: list[dict[str, Any]]) -> None:
-        """Raise RuntimeError where the groups (or the inner ones) were changed by hand: a
-        parameter put into a group past add_param_group has no place in the plan, and one put
-        into the inner optimizer would be stepped there and through the plan."""
+        """Raise RuntimeError where the groups (or the inner ones) were changed by hand: one put into a group
+        past add_param_group has no place in the plan; one in the inner optimizer would step twice."""
         if group_signature(param_groups, self.inner) != self.held:
             raise RuntimeError(
                 "ShardedOptimizer's param_groups (and its inner optimizer's) were changed by "
@@ -966,17 +936,15 @@ class InnerGroups:
             )
 
     def step(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> Any:
-        """The inner optimizer's step (through the float32 masters, if any), with the options
-        `param_groups` hold now (live: what a scheduler or the loop wrote); what the step
-        writes into its groups (an optimizer that adapts an option, or adds one) shows in
-        `param_groups` afterwards, as it would in a plain optimizer's."""
+        """The inner optimizer's step (through the float32 masters, if any) with the options `param_groups`
+        hold now (what a scheduler or the loop wrote); what it writes into its groups (an option adapted or
+        added) shows in `param_groups` afterwards, as in a plain optimizer's."""
         self.point_grads()
         return self.call(functools.partial(self.inner.step, **kwargs), param_groups)
 
     def call(self, method: Callable[[], Any], param_groups: list[dict[str, Any]]) -> Any:
-        """`method` of the inner optimizer (its step; schedule-free's ``train``/``eval``,
-        which move the parameters), with the options `param_groups` hold now; what it writes
-        into its groups shows in `param_groups` afterwards."""
+        """`method` of the inner optimizer (its step; schedule-free's ``train``/``eval``, which move the
+        parameters) as `SyncedOptions.run` calls it."""
         self.take_masters()
         result = self.options.run(self.inner, param_groups, method)
         self.write_back()
@@ -1002,8 +970,7 @@ class PieceGroups(InnerGroups):
         self.engine = engine
         self.names = names
         self.recipe = recipe
-        # Per group: this rank's pieces of its parameters (1-D views of the flat parameter
-        # buffer) and the same pieces of the gradient buffer.
+        # Per group: this rank's pieces of its parameters (1-D views of the flat parameter, gradient buffers).
         self.pieces = [engine.pieces(group["params"]) for group in param_groups]
         inner_groups = [self.inner_group(group, pieces) for group, pieces in zip(param_groups, self.pieces)]
         # With the user's constructor arguments, as a plain optimizer is built (`OptimizerRecipe`).
@@ -1034,10 +1001,9 @@ class PieceGroups(InnerGroups):
                 piece.param.grad = piece.grad
 
     def step(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> Any:
-        """`InnerGroups.step`, leaving a parameter without a gradient as stock leaves it
-        (`_unstepped`): a group none of whose parameters has one is skipped whole (its pieces'
-        `.grad` None), and in a group stepped the elements of such a parameter in this rank's
-        pieces get their values and per-element state back after the inner step."""
+        """`InnerGroups.step`, leaving a parameter without a gradient as stock leaves it (`_unstepped`): a
+        group none of whose parameters has one is skipped whole (its pieces' `.grad` None); in a stepped
+        group, such a parameter's elements get their values and per-element state back after the step."""
         if "closure" in kwargs:  # (a class whose step runs the closure: its gradients come later)
             return super().step(param_groups, **kwargs)
         whole, parts = self._unstepped(param_groups)
@@ -1119,9 +1085,8 @@ class PieceGroups(InnerGroups):
                 )
 
     def _keeping(self, parts: list[tuple[Piece, int, int]], step: Callable[[], Any]) -> Callable[[], Any]:
-        """`step`, with `parts` put back after it: each range's values and per-element state as
-        they were when it starts (inside `call`: the masters are current then), zeros for state
-        the step makes where a piece had none yet (a first step)."""
+        """`step`, with `parts` put back after it: each range's values and per-element state as at its start
+        (inside `call`: the masters are current), zeros for state a first step makes."""
 
         def keeping() -> Any:
             saved = []
@@ -1164,9 +1129,9 @@ class PieceGroups(InnerGroups):
         return optimizer_state(self.inner, self.recipe, views, self.engine.layout, self.engine.process_group)
 
     def load_state_dict(self, param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
-        """Load `state_dict` into the inner optimizer, through its class's own
-        ``load_state_dict`` (`flatgrad._zero_state.load_own_state`), and the groups' options,
-        after every rank found it fits (`flatgrad._zero_state.refuse_misfits`)."""
+        """Load `state_dict` into the inner optimizer through its class's own ``load_state_dict``
+        (`flatgrad._zero_state.load_own_state`), and the groups' options, after every rank found it fits
+        (`flatgrad._zero_state.refuse_misfits`)."""
         views = _with_saved_options(self.views(param_groups), state_dict)
         layout = self.engine.layout
         problem = misfit(self.recipe, views, layout, state_dict)
@@ -1193,8 +1158,8 @@ def _per_element(state: dict[str, Any], piece: torch.Tensor) -> dict[str, torch.
 def _missing_on_ranks(
     missing: list[list[bool]], engine: ShardEngine
 ) -> tuple[list[list[bool]], list[list[bool]]]:
-    """Per group and parameter: whether some rank, and whether every rank, has no gradient
-    for it (`missing` is this rank's; one small all-reduce of the counts)."""
+    """Per group and parameter: whether some rank, and whether every rank, has no gradient for it (`missing`
+    is this rank's; one small all-reduce of the counts)."""
     flat = [lacks for lacking in missing for lacks in lacking]
     counts = host_tensor(flat, torch.int32, engine.shards[0].param.device)
     dist.all_reduce(counts, group=engine.process_group)
@@ -1203,6 +1168,6 @@ def _missing_on_ranks(
     return [[n > 0 for n in ns] for ns in per_group], [[n == world_size for n in ns] for ns in per_group]
 
 
-# Group options a scheduler moves step by step (torch's LR schedulers, OneCycleLR's momentum
-# bounds): left out of the key `PieceGroups._refuse_partial` caches its answer by.
+# Group options a scheduler moves (torch's LR schedulers, OneCycleLR's momentum bounds): left out of the key
+# `PieceGroups._refuse_partial` caches its answer by.
 _SCHEDULED = frozenset({"lr", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"})

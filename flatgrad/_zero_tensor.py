@@ -14,8 +14,7 @@ Muon too; why this pair of collectives and not a reduce-scatter into owner range
 `TensorGroups` is the inner torch optimizer, over stand-ins of the owned parameters (`nn.Parameter`s sharing
 each parameter's memory and shape) with one inner group per group of `param_groups`, kept in step with them as
 `flatgrad._zero.PieceGroups` keeps its pieces; its state is saved per parameter name, whole, by the rank that
-owns it (``torch.distributed.checkpoint`` loads it on any world size).
-"""
+owns it (``torch.distributed.checkpoint`` loads it on any world size)."""
 
 from __future__ import annotations
 
@@ -45,8 +44,8 @@ from flatgrad._zero_state import (
 
 @dataclass(frozen=True)
 class Run:
-    """One rank's run of one flat parameter buffer: [start, end) holds whole slots (and the
-    padding after each) of the parameters that rank owns."""
+    """One rank's run of one flat parameter buffer: [start, end) holds whole slots (and the padding after
+    each) of the parameters that rank owns."""
 
     key: GroupKey
     start: int
@@ -55,15 +54,13 @@ class Run:
 
 
 def own_runs(store: GradStore, world_size: int, members: set[int]) -> tuple[dict[int, int], list[Run]]:
-    """The owner of each member parameter of `store` (`members`: the ids of the
-    optimizer's parameters) and the runs every rank broadcasts.
+    """Owners of `store`'s parameters in `members` (the optimizer's ids), and the runs each rank broadcasts.
 
-    The buffers are taken one after the other, their slots in buffer order; a member goes to the rank whose
-    1/world_size of all members' elements holds its middle element, so owners only grow along that order and a
-    rank's elements are within one parameter of 1/world_size of the total. A run is a stretch of one rank's
-    member slots (each with the padding after it) with no other slot between: one run per rank and buffer when
-    the optimizer holds every parameter, more where parameters of another optimizer (Muon's matrices beside
-    AdamW's vectors) lie between."""
+    The buffers are taken in turn, their slots in buffer order; a member goes to the rank whose 1/world_size
+    of all members' elements holds its middle element, so owners only grow along it, each rank within a
+    parameter of 1/world_size of the elements. A run is a stretch of one rank's member slots (each with its
+    padding) with no other slot between: one run per rank and buffer when the optimizer holds every parameter,
+    more where another optimizer's parameters (Muon's matrices beside AdamW's vectors) lie between."""
     order = [
         (key, store.slot(p)[1].offset, p)
         for key in store.buffers
@@ -93,9 +90,8 @@ def own_runs(store: GradStore, world_size: int, members: set[int]) -> tuple[dict
 
 
 class TensorEngine(FlatParameters):
-    """The flat parameter buffers laid out like `store`'s gradient buffers (every parameter
-    a view of its slot), which parameters this rank owns, and the broadcasts that bring
-    every rank's updated parameters to the others."""
+    """The flat parameter buffers (`flatgrad._zero.FlatParameters`), which parameters this rank owns, and the
+    broadcasts that bring every rank's updated parameters to the others."""
 
     def __init__(
         self,
@@ -106,9 +102,8 @@ class TensorEngine(FlatParameters):
         num_syncs: Callable[[], int],
     ) -> None:
         super().__init__(store, process_group, companion)
-        # The model's gradient store now: `store` (the layout of the flat parameter buffers)
-        # until parameters are frozen or unfrozen, then the one replicate laid out for
-        # them (`follow`); the flat parameter buffers, owners and runs stay as they are.
+        # The model's gradient store now: `store` (the flat parameter buffers' layout) until parameters are
+        # frozen or unfrozen, then replicate's new one (`follow`); buffers, owners and runs stay.
         self.grads = store
         # replicate's count of synchronised backwards, and its value at this optimizer's last zero_grad: main
         # grads (no `.grad` says they hold anything) hold an average to step from once it has grown since.
@@ -120,9 +115,8 @@ class TensorEngine(FlatParameters):
         self.add_members(members)
 
     def add_members(self, members: set[int]) -> None:
-        """Give the parameters `members` (ids; none owned yet: a param group added later)
-        owners and runs of their own, balanced among themselves (`own_runs`), so the
-        parameters owned already stay where their state is."""
+        """Give the parameters `members` (ids; none owned yet: a param group added later) owners and runs of
+        their own, balanced among themselves (`own_runs`): owned parameters stay with their state."""
         owners, runs = own_runs(self.store, self.world_size, members - self.owners.keys())
         self.owners.update(owners)
         for run in runs:
@@ -134,9 +128,8 @@ class TensorEngine(FlatParameters):
         frozen or unfrozen since (GAN-style toggling, progressive freezing): a frozen parameter keeps its slot
         of the flat parameter buffers, its owner and its optimizer state, and is stepped only where it has a
         `.grad`, as a plain optimizer skips a parameter without one; unfrozen, it steps on from that state.
-        Nothing moves: O(parameters) once per new store. A parameter added or replaced since, or unfrozen
-        where it was frozen at construction (it has no slot in the flat parameter buffers), raises
-        RuntimeError."""
+        Nothing moves; O(parameters) per new store. A parameter added or replaced since, or unfrozen
+        where it was frozen at construction (it has no slot), raises RuntimeError."""
         if store is self.grads:
             return
         laid_out = {id(p) for p in self.store.params}
@@ -156,8 +149,7 @@ class TensorEngine(FlatParameters):
         return self.owners.get(id(param)) == self.rank
 
     def cleared(self) -> None:
-        """This optimizer's gradients were zeroed: main grads hold nothing to step from until
-        the next synchronised backward."""
+        """Gradients zeroed: main grads hold nothing to step from until the next synchronised backward."""
         self._cleared_at = self._num_syncs()
 
     def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -187,11 +179,10 @@ class TensorEngine(FlatParameters):
             unscale_shards(grads, inv_scale, found_inf, allow_fp16, self.process_group, tensor_parallel)
 
     def launch_gather(self) -> None:
-        """Broadcast every rank's runs of the flat parameter buffers from it, in the
-        parameters' dtype: a rank's one run (the optimizer holds every parameter) as it
-        lies, asynchronously (`wait_gather` finishes it); several runs (another optimizer's
-        parameters between) coalesced into one broadcast per dtype and ~250 MiB (DDP's own
-        `_broadcast_coalesced`: a copy in and out, instead of one collective per run)."""
+        """Broadcast every rank's runs of the flat parameter buffers from it, in the parameters' dtype: a
+        rank's one run (the optimizer holds every parameter) as it lies, asynchronously (`wait_gather`
+        finishes it); several runs (another optimizer's parameters between) coalesced into one broadcast per
+        dtype and ~250 MiB (DDP's `_broadcast_coalesced`: a copy in and out, not one collective per run)."""
         self.wait_gather()
         group = self.process_group
         for rank, runs in enumerate(self.runs_by_rank):
@@ -229,9 +220,8 @@ class TensorGroups(InnerGroups):
         self.recipe = recipe
         self.stand_ins: dict[int, nn.Parameter] = {}  # id(param) -> its stand-in
         self.owned: list[list[torch.Tensor]] = []  # per group: the parameters this rank steps
-        # The owned parameters with float32 masters, and their version counters when the
-        # masters last matched them (a write since, a model load_state_dict, makes the
-        # master take the parameter's value: `take_masters`).
+        # The owned parameters with float32 masters, and their version counters when the masters last matched
+        # them (a write since, a model load_state_dict, is taken into the master: `take_masters`).
         self.masters: list[torch.Tensor] = []
         self._versions: dict[int, int] = {}
         self.inner = recipe.build([self._inner_group(group) for group in param_groups])
@@ -242,10 +232,9 @@ class TensorGroups(InnerGroups):
         self.owned.append(owned)
         for param in owned:
             master = self.engine.store.is_main(param)
-            # What the inner optimizer steps: a leaf sharing the parameter's memory, shape and
-            # version counter, so the update lands in it as a plain optimizer's would; or, for
-            # a bfloat16/float16 parameter with a main grad, its float32 master, a copy that
-            # `write_back` rounds into the parameter after each step.
+            # What the inner optimizer steps: a leaf sharing the parameter's memory, shape and version
+            # counter, so the update lands in it as a plain optimizer's would; or, for a bfloat16/float16
+            # parameter with a main grad, its float32 master, which `write_back` rounds into it.
             self.stand_ins[id(param)] = nn.Parameter(param.detach().float() if master else param.detach())
             if master:
                 self.masters.append(param)
@@ -263,8 +252,7 @@ class TensorGroups(InnerGroups):
         self.added(group, param_groups)
 
     def point_grads(self) -> None:
-        """Each stand-in's `.grad`: its parameter's (`TensorEngine.grad_of`; None: skipped by
-        the step, as a plain optimizer skips it)."""
+        """Each stand-in's `.grad`: its parameter's (`TensorEngine.grad_of`; None: skipped)."""
         for owned in self.owned:
             for param in owned:
                 stand_in, grad = self.stand_ins[id(param)], self.engine.grad_of(param)
@@ -283,8 +271,7 @@ class TensorGroups(InnerGroups):
                     self._versions[id(param)] = param._version
 
     def write_back(self) -> None:
-        """After a step: the masters into their parameters, rounded to nearest, before the
-        broadcasts send them."""
+        """After a step: the masters into their parameters (rounded to nearest), before the broadcasts."""
         with torch.no_grad():
             for param in self.masters:
                 param.copy_(self.stand_ins[id(param)])
@@ -297,10 +284,9 @@ class TensorGroups(InnerGroups):
 
     def state_dict(self, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
         """This rank's parameters' state, whole, by name, as the class's own ``state_dict()`` gives it
-        (`own_state`; a parameter not stepped yet: the state one step would make, zeros, with a step count of
-        0, so that ``torch.distributed.checkpoint`` has a tensor to load into); every group's options with the
-        names of all of its parameters (the same on every rank); the class's state not of a parameter under
-        `CLASS_STATE`."""
+        (`own_state`; a parameter not stepped yet: zeros shaped as one step's state, step count 0, so
+        ``torch.distributed.checkpoint`` has a tensor to load into); every group's options with all its
+        parameter names (alike on every rank); the class's non-parameter state under `CLASS_STATE`."""
         entries, rest = own_state(self.inner)
         state: dict[str, Any] = {}
         for group, owned in zip(self.inner.param_groups, self.owned):
@@ -365,11 +351,10 @@ class TensorGroups(InnerGroups):
 def _unstepped_state(
     recipe: OptimizerRecipe, group_options: dict[str, Any], stand_in: torch.Tensor
 ) -> dict[str, Any]:
-    """The state of a parameter not stepped yet, for a checkpoint to load into: what one
-    step of `recipe`'s optimizer with a zero gradient makes on a throwaway copy of it. With
-    a step count, every tensor zeroed and the count 0 (which says "never stepped": it loads
-    as fresh state); without one (Muon's momentum, schedule-free's ``z``, a copy of the
-    parameter), the values that step left, which a fresh optimizer would start from too."""
+    """The state of a parameter not stepped yet, for a checkpoint to load into: what one step of `recipe`'s
+    optimizer with a zero gradient makes on a throwaway copy of it. With a step count, every tensor zeroed and
+    the count 0 (which says "never stepped": it loads as fresh state); without one (Muon's momentum,
+    schedule-free's ``z``, a copy of the parameter), the values that step left, as a fresh optimizer's."""
     dummy = nn.Parameter(stand_in.detach().clone())
     dummy.grad = torch.zeros_like(dummy)
     probe = recipe.build_to_step([{**group_options, "params": [dummy]}])

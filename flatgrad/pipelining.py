@@ -15,8 +15,7 @@ step synchronises once. `scale_grads` (the schedule's division by the number of 
 flat gradient buffers, where every gradient is after that synchronisation (also a ShardedOptimizer's
 reduce-scattered ones, whose `.grad` refuses math, and main grads, whose `.grad` is None).
 
-Imports `torch.distributed.pipelining`; `import flatgrad` never imports this module.
-"""
+Imports `torch.distributed.pipelining`; `import flatgrad` never imports this module."""
 
 from __future__ import annotations
 
@@ -113,8 +112,8 @@ class PipelineStage(pipelining.PipelineStage):
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
     ) -> None:
-        """torch's, with the step's last full backward averaging, overlapped (or, after a
-        split backward this step, followed by one all-reduce).
+        """torch's, with the step's last full backward averaging, overlapped (or, after a split backward this
+        step, followed by one all-reduce).
 
         Args:
             bwd_chunk_id: The micro-batch.
@@ -156,16 +155,15 @@ class PipelineStage(pipelining.PipelineStage):
         dp.module.all_reduce_grads(dp.process_group, dp.reduce_dtype)
 
     def scale_grads(self, grad_scale_factor: int) -> None:
-        """Divide every gradient by `grad_scale_factor` (the schedule's number of
-        micro-batches, for a mean loss), in the flat buffers: the same division as torch's
-        ``p.grad.div_``, also of reduce-scattered and main grads.
+        """Divide every gradient by `grad_scale_factor` (the schedule's number of micro-batches, for a mean
+        loss), in the flat buffers: as torch's ``p.grad.div_``, also of reduce-scattered and main grads.
 
         Args:
             grad_scale_factor: What the schedule divides by (1: nothing).
 
         Raises:
-            RuntimeError: No backward since the last call was the step's last (a schedule
-                that passes no ``last_backward``): the gradients were not averaged.
+            RuntimeError: No backward since the last call was the step's last (a schedule that passes no
+                ``last_backward``): the gradients were not averaged.
         """
         if not self._averaged:
             raise RuntimeError(
@@ -181,10 +179,9 @@ class PipelineStage(pipelining.PipelineStage):
 
 
 def _check_finite(dp: ReplicateState) -> None:
-    """What ``check_finite=True`` does in a replicated backward, before a split-backward
-    step's all-reduce: raise `RuntimeError` on every rank when any rank holds a non-finite
-    gradient, the rank that made it naming its parameters. One small all-reduce of a flag
-    per rank (the split weight gradients may be `.grad` tensors outside the buffers yet)."""
+    """What ``check_finite=True`` does in a replicated backward, before a split-backward step's all-reduce:
+    raise `RuntimeError` on every rank when any holds a non-finite gradient (naming its parameters there). One
+    all-reduce of a flag per rank (split weight gradients may still be `.grad`s outside the buffers)."""
     group = dp.process_group
     grads = [(name, p.grad) for name, p in dp.module.named_parameters() if p.grad is not None]
     local = [name for name, grad in grads if not bool(torch.isfinite(grad).all())]
