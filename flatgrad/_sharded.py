@@ -14,15 +14,14 @@ averages, and the shards split each whole buffer instead: the parameters come ba
 rather than one per rank and bucket (`BucketSync.shard_plan`), unless ``overlap_param_gather`` waits for them
 bucket by bucket (its `clip_grad_norm_` then sums over other shards: equal to the last bit or two).
 
-After backward, the `.grad` of a model parameter is averaged only inside this rank's shards; `clip_grad_norm_`
-and `step` use exactly those. Until the gradients are zeroed every `.grad` is a
-`flatgrad._scattered_grad.ScatteredGrad` (the slot's memory) that raises on any read of its values, so
-``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` or a logged ``p.grad.norm()`` fails loudly on
-every rank instead of computing a different wrong value on each. A parameter that no rank used in a step
-(`.grad` None, as stock DDP with ``find_unused_parameters=True`` leaves it) is left as stock's optimizer
-leaves it: `flatgrad._zero.PieceGroups.step` skips a group none of whose parameters has a gradient, and puts
-such a parameter's elements (values, per-element state) back after a group's step where the class allows
-it, else refuses on every rank before anything moves.
+After backward, a `.grad` is averaged only inside this rank's shards, which `clip_grad_norm_` and `step` use.
+Until the gradients are zeroed every `.grad` is a `flatgrad._scattered_grad.ScatteredGrad` (the slot's memory)
+raising on any read of its values: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` or a logged
+``p.grad.norm()`` fails on every rank instead of giving each a different wrong value. A parameter that no
+rank used in a step (`.grad` None, as stock DDP with ``find_unused_parameters=True`` leaves it) is left as
+stock's optimizer leaves it: `flatgrad._zero.PieceGroups.step` skips a group none of whose parameters has a
+gradient, and puts such a parameter's elements (values, per-element state) back after a group's step where
+the class allows it, else refuses on every rank before anything moves.
 """
 
 from __future__ import annotations

@@ -211,8 +211,7 @@ def with_stepped_options(
 
 
 def _stepped_options(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Tensor) -> tuple[str, ...]:
-    """The options one step of `recipe`'s class adds to a group of a small parameter shaped as `like` (of its
-    number of dimensions: Muon steps matrices only); none where the class refuses it."""
+    """The options a step of `recipe`'s class adds to a group of a small `like` (none if it refuses it)."""
     dummy = nn.Parameter(like.new_zeros((2,) * like.dim()))
     dummy.grad = torch.ones_like(dummy)
     try:

@@ -532,11 +532,9 @@ def _chained(scheduler: Any) -> list[Any]:
 
 
 def _rebuilt_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The entries of `optimizer`'s `defaults` its constructor takes (`defaults` may hold more: torch's AdamW
-    keeps Adam's ``decoupled_weight_decay``; the groups carry every option either way), checked: an optimizer
-    of its class built with them over a throwaway parameter must keep what `optimizer` keeps beside its groups
-    and state (a class keeping an argument as an attribute only, lion_pytorch's ``decoupled_weight_decay``,
-    would be rebuilt with its default). Raises ValueError where it does not."""
+    """The entries of `optimizer`'s `defaults` its constructor takes (torch's AdamW keeps more), checked: one
+    of its class built with them must keep the attributes `optimizer` keeps beside its groups and state (Lion
+    keeps ``decoupled_weight_decay`` as one only). Raises ValueError where it does not."""
     cls = type(optimizer)
     parameters = inspect.signature(cls.__init__).parameters
     arguments = dict(optimizer.defaults)
@@ -560,8 +558,7 @@ def _rebuilt_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def _same(a: Any, b: Any, depth: int = 3) -> bool:
-    """Whether two optimizers' attributes `a` and `b` hold the same setting (functions by their code, objects
-    by their attributes, `depth` levels down; unknown: not the same)."""
+    """Whether optimizer attributes `a` and `b` are one setting (functions by code, objects by attributes)."""
     if a is b:
         return True
     if type(a) is not type(b) or depth < 0:
