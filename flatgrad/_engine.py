@@ -129,11 +129,13 @@ class GradEngine:
         """Lay out the buffers for the current trainable parameters; route new layers."""
         with torch.inference_mode(False), torch.no_grad():  # buffers must be normal tensors
             model = self.model
-            params = trainable_parameters(model)
-            for param in params:  # (before anything moves)
+            params, old = trainable_parameters(model), self.store
+            for param in params:  # (before anything moves; a main grad of the old shape too, unless zero)
                 if param.grad is not None:
                     refuse_old_grad(param, param.grad)
-            old = self.store
+                main = old.view(param) if old is not None and old.is_main(param) else None
+                if main is not None and main.shape != param.shape and bool(main.any()):
+                    refuse_old_grad(param, main)
             if self.seater is not None:
                 self.seater.retire()  # a graph still alive must not seat into old buffers
             if old is not None:
@@ -366,8 +368,8 @@ def _carry_mains(old: GradStore, new: GradStore) -> None:
     of a parameter that keeps one, or as the `.grad` of one that no longer has one (a
     conversion to float32: the slot is then its `.grad`)."""
     for param in old.mains:
-        if param not in new or new.view(param).shape != param.shape:
-            continue
+        if param not in new or new.view(param).shape != param.shape or old.view(param).shape != param.shape:
+            continue  # (a main grad of the old shape: zero, see `build`)
         values = old.view(param)
         if new.is_main(param):
             new.view(param).copy_(values)

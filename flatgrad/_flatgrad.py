@@ -233,6 +233,8 @@ class FlatGrad(nn.Module):
                 raise
             for param in self.parameters():
                 param.grad = None
+            if engine.store is not None:
+                engine.store.zero_mains()
             return
         unmark_scattered(store, to_none=set_to_none)  # (zeroed: right on every rank again)
         if set_to_none:

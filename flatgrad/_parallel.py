@@ -352,6 +352,11 @@ class ReplicateState:
         self._engine = BucketSync(engine_of(model), process_group, bucket_cap_mb, reduce_dtype, check_finite)
 
     @property
+    def alive(self) -> bool:
+        """Whether the replicated model still exists (the state holds it weakly)."""
+        return self._module() is not None
+
+    @property
     def module(self) -> FlatGrad:
         """The replicated model."""
         model = self._module()

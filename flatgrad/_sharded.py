@@ -617,10 +617,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """
         if isinstance(state_dict, dict) and "param_groups" in state_dict:
             state_dict = {**state_dict, "param_groups": without_stepped_options(state_dict["param_groups"])}
-        groups = self._groups
-        if self.dp._module() is not None:  # (every rank loads together: a freeze since the last layout first)
-            self._follow_layout()
-        state = state_dict.get("state") if isinstance(state_dict, dict) else None
+        self._engine.wait_gather()  # (overlap_param_gather: the parameters whole before any move)
+        groups, state = self._groups, state_dict.get("state") if isinstance(state_dict, dict) else None
+        own_files = isinstance(state, dict) and any(map(_holds_own_shards, state.values()))
+        if self.dp.alive and not own_files:  # (all ranks load together; a rank's own file, into its layout)
+            self._follow_layout()  # (a freeze since the last layout first)
         if (  # (cut by the layout before, as DCP fills `state_dict()`)
             self._groups is not groups and isinstance(state, dict) and all(map(_is_dict, state.values()))
         ):
@@ -652,6 +653,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
 def _is_dict(value: object) -> bool:
     return isinstance(value, dict)
+
+
+def _holds_own_shards(entry: object) -> bool:
+    """Whether a saved parameter state holds a rank's own shards (``torch.save``-d: not whole, not DCP's)."""
+    return isinstance(entry, dict) and any(isinstance(v, dict) and SAVED_SHARDS in v for v in entry.values())
 
 
 def _whole(name: str, state: dict[str, Any]) -> dict[str, Any]:

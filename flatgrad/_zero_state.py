@@ -185,8 +185,9 @@ def state_spec(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Ten
     a throwaway one-element parameter like `like` shows it."""
     dummy = nn.Parameter(like.new_zeros(1))
     dummy.grad = torch.zeros_like(dummy)
-    probe = recipe.build_to_step([dict(options, params=[dummy])])
-    recipe.step(probe)
+    with isolated_rng(like):
+        probe = recipe.build_to_step([dict(options, params=[dummy])])
+        recipe.step(probe)
     state = probe.state[dummy]
     per_element = tuple(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1)
     return StateSpec(per_element, {k: v for k, v in state.items() if k not in per_element})
@@ -215,9 +216,10 @@ def _stepped_options(recipe: OptimizerRecipe, options: dict[str, Any], like: tor
     dummy = nn.Parameter(like.new_zeros((2,) * like.dim()))
     dummy.grad = torch.ones_like(dummy)
     try:
-        probe = recipe.build_to_step([dict(options, params=[dummy])])
-        before = set(probe.param_groups[0])
-        recipe.step(probe)
+        with isolated_rng(like):
+            probe = recipe.build_to_step([dict(options, params=[dummy])])
+            before = set(probe.param_groups[0])
+            recipe.step(probe)
     except Exception:  # (what the class refuses of a throwaway tensor it raises at its own step too)
         return ()
     return tuple(k for k in probe.param_groups[0] if k not in before)
@@ -230,6 +232,11 @@ def without_stepped_options(groups: object) -> object:
     return [{k: v for k, v in g.items() if not (isinstance(v, str) and v == NOT_STEPPED)} for g in groups]
 
 
+def isolated_rng(like: torch.Tensor) -> Any:
+    """A context giving back the random state (of `like`'s CUDA device too) a throwaway step draws from."""
+    return torch.random.fork_rng(devices=[like.device.index or 0] if like.device.type == "cuda" else [])
+
+
 def zeros_start_fresh(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Tensor) -> bool:
     """Whether `recipe`'s per-element state, zeroed, steps a parameter as no state does (as
     a parameter's first step): Adam's moments, SGD's momentum without dampening do; SGD's
@@ -237,17 +244,18 @@ def zeros_start_fresh(recipe: OptimizerRecipe, options: dict[str, Any], like: to
     one-element parameters like `like` step with the same gradient, one fresh and one whose
     state a step made and that was then zeroed: their values and states must be equal."""
     fresh, zeroed = (nn.Parameter(like.new_full((1,), 0.5)) for _ in range(2))
-    first, second = (recipe.build_to_step([dict(options, params=[p])]) for p in (fresh, zeroed))
-    zeroed.grad = torch.zeros_like(zeroed)
-    recipe.step(second)
-    with torch.no_grad():
-        zeroed.fill_(0.5)
-        for value in second.state[zeroed].values():
-            if isinstance(value, torch.Tensor) and value.dim() == 1:
-                value.zero_()
-    fresh.grad, zeroed.grad = (like.new_full((1,), 0.25) for _ in range(2))
-    recipe.step(first)
-    recipe.step(second)
+    with isolated_rng(like):
+        first, second = (recipe.build_to_step([dict(options, params=[p])]) for p in (fresh, zeroed))
+        zeroed.grad = torch.zeros_like(zeroed)
+        recipe.step(second)
+        with torch.no_grad():
+            zeroed.fill_(0.5)
+            for value in second.state[zeroed].values():
+                if isinstance(value, torch.Tensor) and value.dim() == 1:
+                    value.zero_()
+        fresh.grad, zeroed.grad = (like.new_full((1,), 0.25) for _ in range(2))
+        recipe.step(first)
+        recipe.step(second)
     ours, theirs = first.state[fresh], second.state[zeroed]
     return (
         torch.equal(fresh, zeroed)

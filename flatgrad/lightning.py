@@ -42,6 +42,7 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from flatgrad._amp import GradScaler
@@ -525,7 +526,7 @@ def _track_scheduler_steps(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
-def _chained(scheduler: Any) -> list[Any]:
+def _chained(scheduler: object) -> list[Any]:
     """`scheduler` and those it steps (torch's SequentialLR and ChainedScheduler keep theirs in a list)."""
     inner = [s for value in vars(scheduler).values() if isinstance(value, list) for s in value]
     return [scheduler, *(c for s in inner if hasattr(s, "optimizer") for c in _chained(s))]
@@ -543,7 +544,7 @@ def _rebuilt_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     like = next(p for group in optimizer.param_groups for p in group["params"])
     base = {*vars(torch.optim.Optimizer([torch.zeros(1)], {})), "defaults", "step"}  # (step: a scheduler's)
     try:
-        kept = vars(cls([torch.zeros_like(like, requires_grad=True)], **arguments))
+        kept = vars(cls([nn.Parameter(like.new_zeros((2,) * like.dim()))], **arguments))
         lost = [k for k in vars(optimizer).keys() - base if not _same(vars(optimizer)[k], kept.get(k, base))]
     except Exception as error:  # (the class refuses its own defaults: magma's AdamW base)
         lost = [repr(error)]
@@ -557,27 +558,27 @@ def _rebuilt_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return arguments
 
 
-def _same(a: Any, b: Any, depth: int = 3) -> bool:
+def _same(a: object, b: object, depth: int = 3) -> bool:
     """Whether optimizer attributes `a` and `b` are one setting (functions by code, objects by attributes)."""
     if a is b:
         return True
     if type(a) is not type(b) or depth < 0:
         return False
-    if isinstance(a, types.FunctionType):
+    if isinstance(a, types.FunctionType) and isinstance(b, types.FunctionType):
         return (
             a.__code__ is b.__code__
             and a.__defaults__ == b.__defaults__
             and not (a.__closure__ or b.__closure__)
         )
-    if isinstance(a, torch.Tensor):
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return (
             a.shape == b.shape
             and a.dtype == b.dtype
             and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
         )
-    if isinstance(a, (list, tuple)):
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y, depth - 1) for x, y in zip(a, b))
-    if isinstance(a, dict):
+    if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k], depth - 1) for k in a)
     if hasattr(a, "__dict__") and not isinstance(a, type):
         return _same(vars(a), vars(b), depth - 1)

@@ -605,6 +605,45 @@ def test_a_table_resized_with_its_gradient_left_on_it_recovers_as_the_messages_s
     assert all(grad_in_buffers(flat, p.grad) for p in flat.parameters())
 
 
+def test_a_resized_table_with_main_grads_recovers_and_keeps_no_stale_main_grad():
+    """The same recovery on a bfloat16 model with float32 main grads: before, zero_grad() left the main grads
+    (relayout() then carried proj's old gradient, 0.1, into the new layout) and relayout() crashed copying
+    the table's main grad of the old shape, after releasing the buffers. Now the main grads equal a fresh
+    FlatGrad's after one backward."""
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.emb, self.head = (
+                nn.Linear(8, 8),
+                nn.Embedding(13, 8),
+                nn.Linear(8, 16, bias=False),
+            )
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            logits = self.head(torch.tanh(self.proj(self.emb(t)))).float()
+            return nn.functional.cross_entropy(logits.flatten(0, 1), t.flatten())
+
+    torch.manual_seed(0)
+    config = {"grad_dtype": "float32", "linear_min_numel": 0}
+    model = LM().bfloat16()
+    flat = flatgrad.FlatGrad(model, config=config)
+    flat(_tokens(0)).backward()
+    with torch.no_grad():
+        model.emb.weight.data = torch.cat([model.emb.weight, torch.zeros(3, 8, dtype=torch.bfloat16)])
+    with pytest.raises(RuntimeError, match="re-pointed"):
+        flat(_tokens(1, vocab=16)).backward()
+    flat.zero_grad()
+    flat.relayout()
+    flat(_tokens(1, vocab=16)).backward()
+    fresh = copy.deepcopy(model)
+    fresh.zero_grad()
+    oracle = flatgrad.FlatGrad(fresh, config=config)
+    oracle(_tokens(1, vocab=16)).backward()
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(flat.main_grad(p), oracle.main_grad(q))
+
+
 @pytest.mark.parametrize("layer", ["proj.bias", "proj.weight", "emb.weight"])
 def test_a_parameter_re_pointed_at_another_shape_is_refused_where_the_models_call_is_bypassed(layer):
     """``param.data = t`` of another shape, then a backward through a graph the model's own call did not
