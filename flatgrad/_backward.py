@@ -106,8 +106,7 @@ class Seater:
     output starts, and puts back None where that backward delivered nothing (from an autograd final callback;
     `_raised` if the backward raises), so `.grad` is None exactly where stock has it: a prehook per output
     node, a fill and a loop, not a hook per parameter. A gradient that comes past the model's output lands
-    outside the buffer, and the next norm or sync moves it in.
-    """
+    outside the buffer, and the next norm or sync moves it in."""
 
     def __init__(
         self, store: GradStore, params: list[nn.Parameter], routed: set[int], engine: Layouts

@@ -38,10 +38,9 @@ _SeatCache = tuple[Sequence[torch.Tensor], _Pairs, list[torch.Tensor], list[torc
 class GradStore:
     """One zero-initialised 1-D tensor per (dtype, device) group, and each parameter's slot.
 
-    Each slot has one view, made once: it is what `.grad` is set to, so "is `.grad` the
-    slot?" is an identity test on the hot path. Nothing relies on AccumulateGrad stealing a
-    tensor (which would need the view to have no other reference): flatgrad sets `.grad`.
-    """
+    Each slot has one view, made once: it is what `.grad` is set to, so "is `.grad` the slot?" is an identity
+    test on the hot path. Nothing relies on AccumulateGrad stealing a tensor (which would need the view to
+    have no other reference): flatgrad sets `.grad`."""
 
     def __init__(
         self,
@@ -117,10 +116,9 @@ class GradStore:
         return self._entries[param].view
 
     def norm_pieces(self) -> list[torch.Tensor]:
-        """What a positive-order norm of this rank's gradients reads: every buffer whole (its
-        padding and the slots of parameters without a gradient are zero), or, with DTensor
-        parameters, the runs of the slots this rank counts (`TensorParallel.counts`), whose
-        norms `TensorParallel.combine` makes the norm of the whole gradient."""
+        """What a positive-order norm of this rank's gradients reads: every buffer whole (padding and slots
+        without a gradient are zero), or, with DTensor parameters, the runs of the slots this rank counts
+        (`TensorParallel.counts`), whose norms `TensorParallel.combine` makes the whole gradient's norm."""
         tensor_parallel = self.tensor_parallel
         if tensor_parallel is None:
             return list(self.buffers.values())
@@ -224,12 +222,11 @@ class GradStore:
         return True
 
     def flagged(self, key: GroupKey) -> _Flagged | None:
-        """(the group's buffer followed by one flag per parameter, the flags, those
-        parameters), with each flag set to 1 where the parameter's `.grad` is defined and 0 where it is None;
-        None once the buffer is a DDP bucket (`adopt`). A sync that all-reduces this one
-        tensor instead of the buffer learns in the same collective which parameters some
-        rank used: a flag other than 0 (sums and averages of 0s and 1s). That is what stock DDP
-        with find_unused_parameters=True learns from its extra all-reduce of used flags."""
+        """(the group's buffer followed by one flag per parameter, the flags, those parameters), each flag 1
+        where the parameter's `.grad` is defined, else 0; None once the buffer is a DDP bucket (`adopt`). A
+        sync all-reducing this tensor instead of the buffer learns in the same collective which parameters
+        some rank used (a nonzero sum or average of 0s and 1s), as stock DDP with find_unused_parameters=True
+        does with an extra all-reduce of used flags."""
         found = self._flagged.get(key)
         if found is None:
             return None
@@ -252,9 +249,8 @@ class GradStore:
         slot) pairs and the spans are cut once per `params` tuple and kept while the slots stay where they
         are: this runs before every backward, once per parameter.
 
-        A parameter that no longer fits its slot (``param.data`` replaced, a conversion)
-        is left alone and marks the store stale: the engine lays out again (or refuses).
-        """
+        A parameter that no longer fits its slot (``param.data`` replaced, a conversion) is left alone and
+        marks the store stale: the engine lays out again (or refuses)."""
         cached = self._seat_cache
         if cached is None or cached[0] is not params:
             views = self.views
@@ -397,9 +393,9 @@ class GradStore:
         return self._cut([(key, *run) for key, spans in slots.items() for run in merge_touching(spans)])
 
     def spans(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """1-D views of the buffers that cover the slots of `params` and no other slot, as few
-        as the layout allows (adjacent slots share one view, the zero padding between them
-        included): zeroing these is one fill per view instead of one per parameter."""
+        """As few 1-D views of the buffers as cover the slots of `params` and no other slot (adjacent slots
+        share one, the zero padding between included): zeroing them is one fill per view, not per parameter.
+        """
         wanted = {id(param) for param in params}
         entries = self._in_buffer_order()
         slots: dict[GroupKey, list[tuple[int, int]]] = {}
@@ -418,8 +414,8 @@ class GradStore:
         return [self.buffers[key].narrow(0, start, end - start) for key, start, end in spans if end > start]
 
     def settle(self) -> None:
-        """Make the buffers the truth: zero the slots whose `.grad` is None (stale values must
-        not reach a norm or a sync), move any `.grad` living elsewhere into its slot."""
+        """Make the buffers the truth: zero slots whose `.grad` is None (no stale value reaches a norm or
+        sync), move in any `.grad` living elsewhere."""
         self.take_in(self.params, zero_empty=True)
 
 
@@ -467,8 +463,8 @@ def _forget(store: weakref.ref[GradStore], ids: list[int]) -> None:
 
 
 def find_slot(param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
-    """(live store, slot view) of `param`, if a store holds it: the layer backwards' lookup
-    (a dict read by id, a weak reference and the store's view by id)."""
+    """(live store, slot view) of `param`, if a store holds it: the layer backwards' lookup (by id, through a
+    weak reference)."""
     ref = _OWNERS.get(id(param))
     store = ref() if ref is not None else None
     if store is None:
@@ -588,10 +584,9 @@ class Prescale:
 
 @dataclass(eq=False)
 class Scattered:
-    """A store's reduce-scatter state (under a ShardedOptimizer): whether its gradients were
-    reduce-scattered and not zeroed since (`marked`), one ScatteredGrad alias of each slot
-    view, in the store's parameter order, made once (`aliases`), and whether those aliases
-    act as plain tensors for now (`unguarded`: the store is being laid out again)."""
+    """A store's reduce-scatter state (under a ShardedOptimizer): whether its gradients were reduce-scattered
+    and not zeroed since (`marked`), one ScatteredGrad alias of each slot view in parameter order, made once
+    (`aliases`), and whether they act as plain tensors for now (`unguarded`: a relayout is under way)."""
 
     marked: bool = False
     aliases: tuple[torch.Tensor, ...] = ()
@@ -663,10 +658,9 @@ def write_flags(flags: torch.Tensor, values: Sequence[float]) -> None:
 
 
 def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
-    """Multiply `tensors` in place by the 0-d `coef` (a clipping coefficient), one foreach
-    per device. A CPU `coef` of exactly 1 (clipping that does not clip: the norm is under
-    `max_norm`) skips the pass: ``x * 1.0`` is ``x`` in every floating dtype, so the result
-    is bitwise what stock's unconditional multiply gives, minus a read and write of every
+    """Multiply `tensors` in place by the 0-d `coef` (a clipping coefficient), one foreach per device. A CPU
+    `coef` of exactly 1 (the norm is under `max_norm`) skips the pass: ``x * 1.0`` is ``x`` in every floating
+    dtype, so the result is bitwise stock's unconditional multiply's, minus a read and write of every
     gradient. On accelerators the multiply always runs: reading `coef` would sync."""
     if coef.device.type == "cpu" and bool(coef == 1.0):
         return

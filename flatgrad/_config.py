@@ -62,8 +62,8 @@ class FlatGradConfig(BaseModel):
         """Read a config from a YAML (``.yaml``/``.yml``) or JSON file.
 
         Args:
-            path: The file; a ``.json`` suffix is read as JSON, any other as YAML. A YAML
-                file holding only comments gives the defaults.
+            path: The file; a ``.json`` suffix is read as JSON, any other as YAML. A YAML file holding only
+                comments gives the defaults.
 
         Returns:
             The validated `FlatGradConfig`.
@@ -71,10 +71,9 @@ class FlatGradConfig(BaseModel):
         Raises:
             FileNotFoundError: `path` does not exist.
             IsADirectoryError: `path` is a directory.
-            ValueError: The file is empty, not UTF-8, not valid YAML/JSON, repeats a key, or
-                does not hold a mapping (every message names the file).
-            pydantic.ValidationError: A field is unknown or has an invalid value (a ValueError too).
-        """
+            ValueError: The file is empty, not UTF-8, not valid YAML/JSON, repeats a key, or does not hold a
+                mapping (every message names the file).
+            pydantic.ValidationError: A field is unknown or has an invalid value (a ValueError too)."""
         return cls.model_validate(load_mapping(path))
 
 

@@ -8,8 +8,7 @@ The layout is fixed when FlatGrad is applied, as DDP, FSDP2 and Megatron-Core fi
 (``.to()``, ``.double()``, also of a submodule) and ``requires_grad`` toggles lay the buffers out again; a
 parameter added, replaced, removed or re-pointed at a tensor of another shape since is refused (a RuntimeError
 naming it) at the next norm or sync, or as the next backward starts, before anything moves, until
-``model.relayout()`` lays the buffers out for the model as it is now.
-"""
+``model.relayout()`` lays the buffers out for the model as it is now."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ flat per-(dtype, device) buffers. The engine runs around the model's call (`Flat
 operations (zeroing, main grads, norms, clipping, the all-reduce without DDP) are the methods `FlatGrad` adds.
 Each takes the model's `GradEngine` (`engine_of`) and first takes its store from `GradEngine.refresh`
 (`zero_grad` setting None: from `GradEngine.current`). The norm arithmetic is `flatgrad._norms`', the
-collectives are `flatgrad._comm`'s.
-"""
+collectives are `flatgrad._comm`'s."""
 
 from __future__ import annotations
 
@@ -32,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 
 def _refuse_lazy(model: nn.Module) -> None:
-    """Raise ValueError for a parameter not materialised yet (``nn.LazyLinear`` before its
-    first forward): it has no shape, so it has no slot, as DDP refuses it too."""
+    """Raise ValueError for a parameter not materialised yet (``nn.LazyLinear`` before its first forward):
+    without a shape it has no slot (DDP refuses it too)."""
     lazy = [name for name, param in model.named_parameters() if is_lazy(param)]
     if lazy:
         raise ValueError(
@@ -44,10 +43,9 @@ def _refuse_lazy(model: nn.Module) -> None:
 
 
 def _refuse_inner_ddp(model: nn.Module) -> None:
-    """Raise ValueError when `model` is or holds a DistributedDataParallel: its reducer owns
-    the gradients' memory (with ``gradient_as_bucket_view=True`` it insists that every
-    `.grad` is its bucket view, which the routed layers' writes into the flat buffer are
-    not), so FlatGrad goes inside DDP, whose bucket then is the flat buffer."""
+    """Raise ValueError when `model` is or holds a DistributedDataParallel: its reducer owns the gradients'
+    memory (with ``gradient_as_bucket_view=True`` every `.grad` must be its bucket view, which the routed
+    layers' writes are not), so FlatGrad goes inside DDP, whose bucket then is the flat buffer."""
     for name, module in model.named_modules():
         if isinstance(module, DDP):
             where = "model" if not name else f"model's submodule {name!r}"
@@ -75,8 +73,8 @@ def engine_of(model: nn.Module) -> GradEngine:
 
 
 class FlatGrad(nn.Module):
-    """``FlatGrad(model)`` keeps every trainable parameter's `.grad` in `grad_buffers` and
-    returns `model` itself, now also an instance of `FlatGrad`.
+    """``FlatGrad(model)`` keeps every trainable parameter's `.grad` in `grad_buffers` and returns `model`
+    itself, now also an instance of `FlatGrad`.
 
     The model's class becomes a subclass of `FlatGrad` and of its own class (under its own class's name), as
     FSDP2's ``fully_shard`` makes it one of `FSDPModule`'s: ``isinstance(model, Original)`` holds, and the
@@ -88,12 +86,12 @@ class FlatGrad(nn.Module):
     `ddp_kwargs()` is the buffer. That is when the model is called (``model(x)``), as for module hooks: code
     that calls ``model.forward(x)`` gets its gradients moved into the buffers at the next norm or sync.
 
-    The layout is fixed now: ``.to()``, dtype casts and ``requires_grad`` toggles keep
-    working; a parameter added, replaced, removed or re-pointed at another shape afterwards
-    raises as the next backward starts, or at the next norm or sync, naming it, until `relayout`.
+    The layout is fixed now: ``.to()``, dtype casts and ``requires_grad`` toggles keep working; a parameter
+    added, replaced, removed or re-pointed at another shape afterwards raises as the next backward starts, or
+    at the next norm or sync, naming it, until `relayout`.
 
-    ``torch.save`` of the model and ``copy.deepcopy`` give a model with FlatGrad applied (its
-    own buffers, gradients not copied, as torch's deep copy of a parameter leaves `.grad`).
+    ``torch.save`` of the model and ``copy.deepcopy`` give a model with FlatGrad applied (its own buffers,
+    gradients not copied, as torch's deep copy of a parameter leaves `.grad`).
 
     Args:
         model: The module to apply FlatGrad to.
@@ -109,8 +107,7 @@ class FlatGrad(nn.Module):
             returned as it is); `model` is or holds a DistributedDataParallel (FlatGrad goes inside it); has
             an attribute named as one FlatGrad adds (`grad_buffers`, `clip_grad_norm_`, ...); has no trainable
             parameter with a dense gradient; or `config` holds an invalid value (a
-            `pydantic.ValidationError`). A config file raises as `FlatGradConfig.from_file` does.
-    """
+            `pydantic.ValidationError`). A config file raises as `FlatGradConfig.from_file` does."""
 
     flatgrad_config: FlatGradConfig
 
@@ -172,8 +169,8 @@ class FlatGrad(nn.Module):
         return self
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """`nn.Module.load_state_dict`; with ``assign=True``, which replaces the parameters,
-        the buffers are laid out again for the new ones (`relayout`).
+        """`nn.Module.load_state_dict`; with ``assign=True``, which replaces the parameters, the buffers are
+        laid out again for the new ones (`relayout`).
 
         Args:
             state_dict: As torch's.
@@ -181,8 +178,7 @@ class FlatGrad(nn.Module):
             assign: As torch's.
 
         Returns:
-            torch's ``(missing_keys, unexpected_keys)``.
-        """
+            torch's ``(missing_keys, unexpected_keys)``."""
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:
             self.relayout()
@@ -194,8 +190,7 @@ class FlatGrad(nn.Module):
         otherwise refuses. Call it before building replicate and the optimizer over the new parameters.
 
         Raises:
-            ValueError: A parameter is not initialised (a lazy module), or none is trainable.
-        """
+            ValueError: A parameter is not initialised (a lazy module), or none is trainable."""
         _refuse_lazy(self)
         _refuse_untrainable(self)
         engine_of(self).build()
@@ -205,9 +200,8 @@ class FlatGrad(nn.Module):
         """The flat gradient buffers, one per (dtype, device); every `.grad` is a view of one.
 
         Returns:
-            A new dict from ``(dtype, device)`` to that group's flat buffer (the live
-            tensor, not a copy), laid out again first if the parameters changed.
-        """
+            A new dict from ``(dtype, device)`` to that group's flat buffer (the live tensor, not a copy),
+            laid out again first if the parameters changed."""
         store = engine_of(self).refresh()
         store.settle()  # (the buffers as the truth)
         return dict(store.buffers)
@@ -220,11 +214,10 @@ class FlatGrad(nn.Module):
         Args:
             set_to_none: True sets every `.grad` to None; False zeroes them, the buffered gradients with one
                 fill per buffer (a `.grad` that is not its slot's view is pointed back at it). Main grads
-                (``grad_dtype="float32"``) are zeroed either way, and their parameters' `.grad` stays None.
-        """
-        # Setting None needs no walk over the model (it runs every step): whatever
-        # `GradEngine.current` does not see (a held parameter frozen or converted in place)
-        # still has its `.grad` set to None, and is found by the next norm, sync or backward.
+                (``grad_dtype="float32"``) are zeroed either way, and their parameters' `.grad` stays None."""
+        # Setting None walks no model (it runs every step): a held parameter `GradEngine.current` misses
+        # (frozen or converted in place) still gets `.grad` None, and the next norm, sync or backward finds
+        # it.
         engine = engine_of(self)
         try:
             store = engine.current() if set_to_none else engine.refresh()
@@ -251,23 +244,21 @@ class FlatGrad(nn.Module):
             _zero_stock(param)
 
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
-        """The gradient slot of `param`, shaped like it: with ``grad_dtype="float32"`` the
-        float32 main grad of a bfloat16/float16 parameter (whose `.grad` stays None: the
-        main grad is its gradient, summed over micro-batches in float32 and zeroed by
-        `zero_grad`), otherwise the slot `.grad` is seated on (a float32 parameter's).
+        """The gradient slot of `param`, shaped like it: with ``grad_dtype="float32"`` a bfloat16/float16
+        parameter's float32 main grad (its gradient, summed over micro-batches in float32, zeroed by
+        `zero_grad`; `.grad` stays None), else the slot `.grad` is seated on.
 
         Args:
             param: A trainable parameter of the model.
 
         Returns:
-            The live view of the flat buffer (not a copy): read it, step from it, or
-            scale it in place; `grad_buffers` holds it.
+            The live view of the flat buffer (not a copy): read it, step from it, or scale it in place;
+            `grad_buffers` holds it.
 
         Raises:
             TypeError: `param` is not a tensor.
-            ValueError: `param` is not a trainable parameter of the model with a slot
-                (frozen, a sparse embedding's, another model's, or a plain tensor).
-        """
+            ValueError: `param` is not a trainable parameter of the model with a slot (frozen, a sparse
+                embedding's, another model's, or a plain tensor)."""
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"param must be a parameter of the model, got {type(param).__name__}")
         store = engine_of(self).refresh()
@@ -300,11 +291,10 @@ class FlatGrad(nn.Module):
 
         Raises:
             TypeError: `pp_mesh` is not a DeviceMesh.
-            ValueError: `norm_type` is NaN (or, with `pp_mesh` or DTensor parameters, not
-                positive), or `pp_mesh` is not 1-D or crosses the tensor-parallel mesh.
-            RuntimeError: The gradients are reduce-scattered by a `ShardedOptimizer` (after
-                its synchronised backward, until ``zero_grad()``); use its `clip_grad_norm_`.
-        """
+            ValueError: `norm_type` is NaN (or, with `pp_mesh` or DTensor parameters, not positive), or
+                `pp_mesh` is not 1-D or crosses the tensor-parallel mesh.
+            RuntimeError: The gradients are reduce-scattered by a `ShardedOptimizer` (after its synchronised
+                backward, until ``zero_grad()``); use its `clip_grad_norm_`."""
         norm_type = _check_norm_type(norm_type)
         _, _, norms, dtype = _grads_and_norms(engine_of(self), norm_type, pp_mesh, "model.grad_norm()")
         return _norms.total_norm(norms, norm_type, dtype)
@@ -326,19 +316,18 @@ class FlatGrad(nn.Module):
             max_norm: The largest total norm the gradients keep.
             norm_type: The order of the norm (``float("inf")`` for the max norm), as in torch.
             error_if_nonfinite: Raise instead of clipping when the total norm is NaN or infinite.
-            pp_mesh: The 1-D mesh of a pipeline's stages (``mesh["pp"]``): clip by the norm
-                of every stage's gradients together, as `grad_norm` takes it (every stage
-                must call it). None: by this model's own.
+            pp_mesh: The 1-D mesh of a pipeline's stages (``mesh["pp"]``): clip by the norm of every stage's
+                gradients together, as `grad_norm` takes it (every stage must call it). None: by this model's
+                own.
 
         Returns:
             The total norm before clipping, as `grad_norm` returns it.
 
         Raises:
             TypeError, ValueError: As `grad_norm`.
-            RuntimeError: The total norm is non-finite and `error_if_nonfinite` is True; or the
-                gradients are reduce-scattered by a `ShardedOptimizer` (after its synchronised
-                backward, until ``zero_grad()``): use its `clip_grad_norm_`.
-        """
+            RuntimeError: The total norm is non-finite and `error_if_nonfinite` is True; or the gradients are
+                reduce-scattered by a `ShardedOptimizer` (after its synchronised backward, until
+                ``zero_grad()``): use its `clip_grad_norm_`."""
         norm_type = _check_norm_type(norm_type)
         what = "model.clip_grad_norm_()"
         store, others, norms, dtype = _grads_and_norms(engine_of(self), norm_type, pp_mesh, what)
@@ -369,10 +358,9 @@ class FlatGrad(nn.Module):
                 floating-point buffers (decompressed into them); None sends them as they are.
 
         Raises:
-            ValueError: The model has sparse embeddings (``sparse=True``), whose gradients
-                live outside the flat buffers, or `reduce_dtype` is not one of the above.
-            RuntimeError: No default process group is initialised (``dist.init_process_group``).
-        """
+            ValueError: The model has sparse embeddings (``sparse=True``), whose gradients live outside the
+                flat buffers, or `reduce_dtype` is not one of the above.
+            RuntimeError: No default process group is initialised (``dist.init_process_group``)."""
         engine = engine_of(self)
         store = engine.refresh()
         engine.refuse_sparse("all_reduce_grads")  # (every trainable parameter in the store)
@@ -383,16 +371,15 @@ class FlatGrad(nn.Module):
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Constructor arguments for ``DDP(model, **model.ddp_kwargs())``: the zero-copy,
-        one-all-reduce-per-buffer path together with `allreduce_hook` (a warning follows
-        if the hook has not run after two steps).
+        one-all-reduce-per-buffer path with `allreduce_hook` (a warning follows if it has not run after two
+        steps).
 
         Returns:
-            ``{"gradient_as_bucket_view": True, "bucket_cap_mb": cap}``, with a cap above the
-            largest buffer, so that DDP keeps one bucket per (dtype, device).
+            ``{"gradient_as_bucket_view": True, "bucket_cap_mb": cap}``, with a cap above the largest buffer,
+            so that DDP keeps one bucket per (dtype, device).
 
         Raises:
-            ValueError: The model keeps main grads (``grad_dtype`` set), which DDP cannot carry.
-        """
+            ValueError: The model keeps main grads (``grad_dtype`` set), which DDP cannot carry."""
         _comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP (model.ddp_kwargs())")
         _refuse_ddp(engine_of(self), "model.ddp_kwargs()")
         engine_of(self).ddp.expect_hook()
@@ -404,19 +391,18 @@ class FlatGrad(nn.Module):
         """State for ``ddp.register_comm_hook(model.comm_state(), flatgrad.allreduce_hook)``.
 
         Args:
-            process_group: The group to average over, None for the default group; a DDP on a
-                sub-group needs the same group here (the hook does not see DDP's).
+            process_group: The group to average over, None for the default group; a DDP on a sub-group needs
+                the same group here (the hook does not see DDP's).
             reduce_dtype: ``torch.bfloat16`` or ``torch.float16`` all-reduces a compressed copy and
-                decompresses into the buffer, like torch's bf16/fp16 compress hooks; None
-                sends the buffer as it is.
+                decompresses into the buffer, like torch's bf16/fp16 compress hooks; None sends the buffer as
+                it is.
 
         Returns:
             A `FlatGradCommState` for this model.
 
         Raises:
-            ValueError: `reduce_dtype` is not torch.bfloat16, torch.float16 or None; or the
-                model keeps main grads (``grad_dtype`` set), which DDP cannot carry.
-        """
+            ValueError: `reduce_dtype` is not torch.bfloat16, torch.float16 or None; or the model keeps main
+                grads (``grad_dtype`` set), which DDP cannot carry."""
         _comm.refuse_main_grads(self.flatgrad_config.grad_dtype, "DDP's allreduce_hook (model.comm_state())")
         _refuse_ddp(engine_of(self), "model.comm_state()")
         return _comm.FlatGradCommState(self, engine_of(self), process_group, reduce_dtype)

@@ -6,8 +6,7 @@ bfloat16 one is rounded to bfloat16 besides. Stock `clip_grad_norm_` takes one n
 this on models of small tensors; a flat buffer would expose it. Here a tensor is cut into chunks of
 `_CHUNK_NUMEL` elements, each chunk's norm is taken in the tensor's precision (at least float32) and the chunk
 norms are combined in float64: still one pass over the memory, and within about 1e-9 (float32) or 1e-7
-(bfloat16, float16) of the float64 norm at any size.
-"""
+(bfloat16, float16) of the float64 norm at any size."""
 
 from __future__ import annotations
 

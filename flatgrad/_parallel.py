@@ -1,5 +1,5 @@
-"""`replicate`: overlapped, bucketed gradient averaging on FlatGrad's one flat buffer, applied
-to the model in place (`ReplicateModule`, `ReplicateState`).
+"""`replicate`: overlapped, bucketed gradient averaging on FlatGrad's one flat buffer, applied to the model in
+place (`ReplicateModule`, `ReplicateState`).
 
 Buckets are `narrow` views of the flat buffer cut at slot boundaries in the buffer's order (the reverse of
 registration), about `bucket_cap_mb` each and a small first one where a core is free for gloo's thread
@@ -8,9 +8,9 @@ routed layers too, whose Functions hand it None) counts the parameter ready; a b
 ready starts its collective asynchronously once every bucket before it in the launch order has, while backward
 goes on. That order is the buffer's until the first synchronised backward ends, then rank 0's order of
 completion there (broadcast), learned again after each layout change, as DDP rebuilds its buckets: the same on
-every rank, and a model that runs its modules out of registration order still overlaps (then the last
-bucket's hooks count nothing: the final callback launches it). Parameters a synchronised backward left unused
-are asked about as each later one starts and counted ready at once if it will not reach them (DDP's
+every rank, and a model that runs its modules out of registration order still overlaps (then the last bucket's
+hooks count nothing: the final callback launches it). Parameters a synchronised backward left unused are asked
+about as each later one starts and counted ready at once if it will not reach them (DDP's
 ``find_unused_parameters=True``). An autograd final callback launches the rest, waits, and settles `.grad` as
 DDP with ``find_unused_parameters=True`` does; the used flags ride in a buffer's last bucket when it launches
 last of its buffer's, else in one small all-reduce.
@@ -29,8 +29,7 @@ On CUDA with NCCL the collectives run on the process group's stream, which waits
 stream current at the launch (an AccumulateGrad hook's, kept from the application, or the final callback's),
 and that one first for the stream the backward opened on where they differ; the final callback's `Work.wait()`
 makes the current stream wait in turn. Nothing writes a bucket before its collective is done: backward does
-not return before.
-"""
+not return before."""
 
 from __future__ import annotations
 
@@ -115,13 +114,11 @@ class ReplicateModule(FlatGrad):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Forwards inside (and the backwards through their outputs) accumulate into the
-        flat buffer without communicating, as under DDP's ``no_sync()``; the first backward
-        of a forward outside averages everything accumulated.
+        """Forwards inside (and backwards through their outputs) accumulate in the flat buffer without
+        communicating, as under DDP's ``no_sync()``; the first backward of a forward outside averages it all.
 
         Returns:
-            A context manager (``with model.no_sync():``), which binds nothing.
-        """
+            A context manager (``with model.no_sync():``), which binds nothing."""
         state = replicate_state(self)
         previous, state.sync = state.sync, False
         try:
@@ -130,23 +127,21 @@ class ReplicateModule(FlatGrad):
             state.sync = previous
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """FSDP2's switch: whether the backwards of the next forwards average (False: they
-        accumulate locally, as inside `no_sync`, until it is set True again).
+        """FSDP2's switch: whether the backwards of the next forwards average (False: they accumulate locally,
+        as inside `no_sync`, until set True again).
 
         Args:
-            requires_gradient_sync: Whether to average.
-        """
+            requires_gradient_sync: Whether to average."""
         replicate_state(self).sync = bool(requires_gradient_sync)
 
     @property
     def require_backward_grad_sync(self) -> bool:
-        """DDP's flag, which `no_sync()` toggles: whether the next forward's backward
-        averages. nanoGPT's train.py sets it directly instead of entering `no_sync()`
-        (``model.require_backward_grad_sync = micro_step == last``); that works here too.
+        """DDP's flag, which `no_sync()` toggles: whether the next forward's backward averages. nanoGPT's
+        train.py sets it directly (``model.require_backward_grad_sync = micro_step == last``), which works
+        here too.
 
         Returns:
-            True unless inside `no_sync()` or set to False.
-        """
+            True unless inside `no_sync()` or set to False."""
         return replicate_state(self).sync
 
     @require_backward_grad_sync.setter
@@ -156,17 +151,15 @@ class ReplicateModule(FlatGrad):
     # --- Join (the model is the Joinable: ``with Join([model, opt]):``) ---------------------
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """The hook through which a rank that ran out of data shadows the others' iterations
-        inside ``with Join([model, ...]):`` (`torch.distributed.algorithms.Join` calls it).
+        """The hook through which a rank out of data shadows the others' iterations in ``with Join([model,
+        ...]):``.
 
         Args:
-            **kwargs: The Join's keyword arguments: ``divide_by_initial_world_size`` (default
-                True, as DDP's) divides each average by the world size; False by the ranks
-                not joined yet. Others are for other joinables.
+            **kwargs: The Join's: ``divide_by_initial_world_size`` (default True, as DDP's) divides each
+                average by the world size, False by the ranks not joined yet; others are for other joinables.
 
         Returns:
-            The join hook.
-        """
+            The join hook."""
         state = replicate_state(self)
         return _ReplicateJoinHook(state, bool(kwargs.get("divide_by_initial_world_size", True)))
 
@@ -175,8 +168,7 @@ class ReplicateModule(FlatGrad):
         """Where the Join's own all-reduces run: the device of the model's gradients.
 
         Returns:
-            The first flat buffer's device (CPU for a model without one).
-        """
+            The first flat buffer's device (CPU for a model without one)."""
         return replicate_state(self).join_device
 
     @property
@@ -184,8 +176,7 @@ class ReplicateModule(FlatGrad):
         """The group the Join's all-reduces run over: the one `replicate` averages over.
 
         Returns:
-            That process group (None: the default group).
-        """
+            That process group (None: the default group)."""
         return replicate_state(self).process_group
 
 
@@ -207,8 +198,7 @@ def replicate_state(model: nn.Module) -> ReplicateState:
         Its state: the process group, the bucket views and the last backward's timings.
 
     Raises:
-        TypeError: `replicate` was not applied to `model`.
-    """
+        TypeError: `replicate` was not applied to `model`."""
     state = model.__dict__.get(_STATE) if isinstance(model, nn.Module) else None
     if state is None:
         raise TypeError(
@@ -228,11 +218,11 @@ def replicate(
     broadcast_buffers: bool = True,
     check_finite: bool = False,
 ) -> ReplicateModule:
-    """Average `model`'s gradients over `process_group` during backward, bucket by bucket,
-    overlapped with the rest of the backward; in place, as torch's composable ``replicate`` and FSDP2's
-    ``fully_shard``: returns `model`, now also a `ReplicateModule` (and a `FlatGrad`, applied with the
-    defaults first where it is not yet). Rank 0's parameters and buffers are broadcast now. What the model
-    does from then on: `ReplicateModule`.
+    """Average `model`'s gradients over `process_group` during backward, bucket by bucket, overlapped with the
+    rest of the backward; in place, as torch's composable ``replicate`` and FSDP2's ``fully_shard``: returns
+    `model`, now also a `ReplicateModule` (and a `FlatGrad`, applied with the defaults first where it is not
+    yet). Rank 0's parameters and buffers are broadcast now. What the model does from then on:
+    `ReplicateModule`.
 
     Args:
         model: The model; every rank must pass the same model.
@@ -257,8 +247,7 @@ def replicate(
         ValueError: `replicate` was applied already; a bad `bucket_cap_mb` or `reduce_dtype`; sparse
             embeddings, or an attribute named as one `ReplicateModule` adds; the ranks' models or settings
             differ (raised on every rank); a bad `device_mesh`; or the group crosses the mesh of the model's
-            DTensor parameters.
-    """
+            DTensor parameters."""
     _check_arguments(model, bucket_cap_mb, reduce_dtype, check_finite)
     flat = model if isinstance(model, FlatGrad) else FlatGrad(model)
     engine_of(flat).refuse_sparse("replicate")
@@ -281,15 +270,14 @@ def replicate(
 
 
 def unreplicate(model: ReplicateModule) -> FlatGrad:
-    """Take `replicate` off `model` (a second Lightning fit replicates it afresh): its
-    hooks removed, its class and state FlatGrad's alone, the same object returned.
+    """Take `replicate` off `model` (a second Lightning fit replicates it afresh): hooks removed, class and
+    state FlatGrad's alone, the same object returned.
 
     Args:
         model: A model `replicate` was applied to, with no backward running.
 
     Returns:
-        `model`, a `FlatGrad` of its own class again.
-    """
+        `model`, a `FlatGrad` of its own class again."""
     state = replicate_state(model)
     state._engine.drain()  # (a backward that raised never finished)
     state._engine.hooks.remove()
@@ -451,8 +439,7 @@ class ReplicateState:
         """The bucket views of the flat buffers, in launch order.
 
         Returns:
-            A new list of 1-D `narrow` views of the flat gradient buffers.
-        """
+            A new list of 1-D `narrow` views of the flat gradient buffers."""
         return self._engine.buckets
 
     @property
@@ -460,23 +447,21 @@ class ReplicateState:
         """Of the last synchronised backward: when each bucket was launched.
 
         Returns:
-            Seconds from the backward's start, one per bucket in launch order (empty before
-            the first synchronised backward).
-        """
+            Seconds from the backward's start, one per bucket in launch order (empty before the first
+            synchronised backward)."""
         return self._engine.last_round.launch_offsets_s
 
     @property
     def exposed_s(self) -> float:
-        """Of the last synchronised backward: how long the final callback spent in the waits
-        for communication after the backward's compute had ended.
+        """Of the last synchronised backward: how long the final callback waited for communication after
+        compute ended.
 
-        Host time, as are `launch_offsets_s` and `backward_s`: on CUDA with NCCL the waits
-        order the current stream after the collectives without blocking the host, so this is
-        about 0 there, and the GPU's own timeline needs CUDA events or the profiler.
+        Host time, as are `launch_offsets_s` and `backward_s`: on CUDA with NCCL the waits order the current
+        stream after the collectives without blocking the host, so this is about 0 there (the GPU's timeline
+        needs CUDA events or the profiler).
 
         Returns:
-            Seconds (0.0 before the first synchronised backward).
-        """
+            Seconds (0.0 before the first synchronised backward)."""
         return self._engine.last_round.exposed_s
 
     @property
@@ -484,8 +469,7 @@ class ReplicateState:
         """Of the last synchronised backward: its start to the end of its compute.
 
         Returns:
-            Seconds (0.0 before the first synchronised backward).
-        """
+            Seconds (0.0 before the first synchronised backward)."""
         return self._engine.last_round.backward_s
 
 

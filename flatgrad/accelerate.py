@@ -9,8 +9,7 @@ construction ``ddp_handler.register_comm_hook(ddp)`` registers a comm hook, one 
 `DDPCommunicationHookType` only. `attach` puts a `FlatGradDDPKwargs` there, a `DistributedDataParallelKwargs`
 that keeps the handler's settings (``find_unused_parameters``, ``broadcast_buffers``, ...), adds
 `FlatGrad.ddp_kwargs` and registers `flatgrad.allreduce_hook` on the DDP of ``flat``. This module is imported
-only by a user who asks for it (``import flatgrad`` never imports Accelerate).
-"""
+only by a user who asks for it (``import flatgrad`` never imports Accelerate)."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ class FlatGradDDPKwargs(DistributedDataParallelKwargs):
         """Called by ``accelerator.prepare`` on each DDP it builds.
 
         Args:
-            model: The DDP just built.
-        """
+            model: The DDP just built."""
         state = self.flatgrad_comm_state
         if state is not None and isinstance(model, DistributedDataParallel) and model.module is state.model:
             model.register_comm_hook(state, allreduce_hook)
@@ -66,17 +64,17 @@ def attach(
     `flatgrad.allreduce_hook` registered, as the hand-written recipe does. Call it after ``Accelerator(...)``
     and before ``accelerator.prepare``. On one process (no DDP) it changes nothing.
 
-    The accelerator's DDP handler (the `DistributedDataParallelKwargs` given in
-    ``kwargs_handlers``, or the defaults) is replaced by a `FlatGradDDPKwargs` with the same
-    settings plus ``gradient_as_bucket_view=True`` and a ``bucket_cap_mb`` above the largest
-    flat buffer; a DDP this accelerator builds around another model gets those two as well
-    (harmless: one bucket) and the handler's own hook choice.
+    The accelerator's DDP handler (the `DistributedDataParallelKwargs` given in ``kwargs_handlers``, or the
+    defaults) is replaced by a `FlatGradDDPKwargs` with the same settings plus
+    ``gradient_as_bucket_view=True`` and a ``bucket_cap_mb`` above the largest flat buffer; a DDP this
+    accelerator builds around another model gets those two as well (harmless: one bucket) and the handler's
+    own hook choice.
 
     Args:
         accelerator: The Accelerator that will prepare `flat`.
         flat: The model with FlatGrad applied, to be passed to ``accelerator.prepare`` as it is.
-        reduce_dtype: As in `FlatGrad.comm_state`: ``torch.bfloat16`` or ``torch.float16``
-            all-reduces a compressed copy (in place of Accelerate's ``comm_hook="bf16"``).
+        reduce_dtype: As in `FlatGrad.comm_state`: ``torch.bfloat16`` or ``torch.float16`` all-reduces a
+            compressed copy (in place of Accelerate's ``comm_hook="bf16"``).
 
     Returns:
         The hook's state (its ``num_calls`` counts the all-reduces).
@@ -84,12 +82,11 @@ def attach(
     Raises:
         TypeError: `accelerator` is not an Accelerator or `flat` is not a FlatGrad.
         ValueError: The handler already asks for one of Accelerate's comm hooks
-            (``comm_hook``/``comm_wrapper``), which flatgrad's replaces; or as
-            `FlatGrad.ddp_kwargs` and `FlatGrad.comm_state` raise (main grads).
+            (``comm_hook``/``comm_wrapper``), which flatgrad's replaces; or as `FlatGrad.ddp_kwargs` and
+            `FlatGrad.comm_state` raise (main grads).
 
-    Called after ``accelerator.prepare(flat)``, it is too late: that DDP was built without
-    the hook, and flatgrad warns after two steps that the hook has not run.
-    """
+    Called after ``accelerator.prepare(flat)``, it is too late: that DDP was built without the hook, and
+    flatgrad warns after two steps that the hook has not run."""
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
     if not isinstance(flat, FlatGrad):
