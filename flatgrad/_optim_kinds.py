@@ -94,14 +94,14 @@ REGISTRY: dict[tuple[str, str], Registered] = {
         "pytorch_optimizer",
         "element",
         "AdaBelief AdaBound Adan RAdam Lion Tiger Yogi DiffGrad ADOPT AdEMAMix "
-        "LaProp Kate AggMo SPAM ScheduleFreeAdamW ScheduleFreeSGD ScheduleFreeRAdam AdaMax QHM "
+        "LaProp Kate SPAM ScheduleFreeAdamW ScheduleFreeSGD ScheduleFreeRAdam AdaMax QHM "
         "PAdam AccSGD SGDW SignSGD AdaDelta MSVAG PNM AdaPNM Grams EXAdam AdaMod",
     ),
     **_same_kind(
         "pytorch_optimizer",
         "tensor",
         "Lamb LARS AdamP SGDP CAME StableAdamW AdaNorm QHAdam SWATS NovoGrad Ranger SOAP Shampoo "
-        "Nero Fromage MARS SM3 MADGRAD StableSPAM A2Grad",
+        "Nero Fromage MARS SM3 MADGRAD StableSPAM A2Grad AggMo",
     ),
     **_same_kind(
         "bitsandbytes",

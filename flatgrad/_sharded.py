@@ -427,6 +427,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             raise AttributeError(f"{self._recipe.name} has no {name}() for ShardedOptimizer to call")
         self._engine.wait_gather()
         self._follow_layout()
+        if any(self._parked.values()):  # (by element; the same on every rank)
+            raise ValueError(
+                f"ShardedOptimizer: {name}() would leave the parameters frozen since they stepped "
+                f"({sorted(k for k, v in self._parked.items() if v)}) where they are, where "
+                f"{self._recipe.name}'s own moves every parameter it holds state for: use shard_by='tensor'"
+            )
         self._groups.check(self.param_groups)
         self._groups.call(getattr(self.optimizer, name), self.param_groups)
         self._engine.launch_gather()

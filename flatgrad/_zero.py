@@ -910,6 +910,7 @@ class InnerGroups:
     take_masters: Callable[[], None]  # the float32 masters of parameters written since
     write_back: Callable[[], None]  # the masters into their parameters, after a step
     how_to_add = ""  # what opt.add_param_group gives a parameter (`check`'s advice)
+    stepped = False  # (a step ran)
 
     def hold(self, param_groups: list[dict[str, Any]], held: Callable[[], set[int]]) -> None:
         """With `inner` built: its `add_param_group` takes only tensors `held` gives ids of; sides synced."""
@@ -940,6 +941,7 @@ class InnerGroups:
         hold now (what a scheduler or the loop wrote); what it writes into its groups (an option adapted or
         added) shows in `param_groups` afterwards, as in a plain optimizer's."""
         self.point_grads()
+        self.stepped = True
         return self.call(functools.partial(self.inner.step, **kwargs), param_groups)
 
     def call(self, method: Callable[[], Any], param_groups: list[dict[str, Any]]) -> Any:

@@ -292,7 +292,9 @@ class TensorGroups(InnerGroups):
         for group, owned in zip(self.inner.param_groups, self.owned):
             for param in owned:
                 stand_in = self.stand_ins[id(param)]
-                entry = entries.get(id(stand_in)) or _unstepped_state(self.recipe, options(group), stand_in)
+                entry = entries.get(id(stand_in))
+                if not entry or not self.stepped:  # (a state its constructor made, SPAM's mask: a step's too)
+                    entry = {**_unstepped_state(self.recipe, options(group), stand_in), **(entry or {})}
                 state[self.names[id(param)]] = dict(entry)
                 if stand_in.dtype != param.dtype:  # (a float32 master: saved and loaded in place)
                     state[self.names[id(param)]][MASTER] = stand_in.detach()

@@ -1092,6 +1092,32 @@ def test_flatgrad_around_ddp_is_refused_at_wrap_time():
     run_ranks(_ddp_inside_worker, world_size=1)
 
 
+def _schedule_free_freeze_worker(rank: int, world_size: int) -> None:
+    schedulefree = pytest.importorskip("schedulefree")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL))
+    opt = flatgrad.ShardedOptimizer(dp, schedulefree.AdamWScheduleFree, lr=0.05, shard_by="element")
+    opt.train()
+    for step in range(2):
+        if step == 1:
+            model[0].requires_grad_(False)
+        opt.zero_grad()
+        dp(_batch(rank, step)).square().sum().backward()
+        opt.step()
+    with pytest.raises(
+        ValueError, match=r"eval\(\) would leave the parameters frozen.*\['0.bias', '0.weight'\]"
+    ):
+        opt.eval()
+
+
+def test_schedule_free_by_element_refuses_to_switch_with_a_parked_parameter():
+    """Schedule-free's train()/eval() move every parameter it holds state for, a frozen one too; by element a
+    frozen parameter's state is parked outside the shards, and eval() left it at the training point (5.8e-4
+    from stock at the final eval()). Refused on every rank, naming shard_by='tensor', which is exact."""
+    run_ranks(_schedule_free_freeze_worker, world_size=2)
+
+
 def _freeze_worker(rank: int, world_size: int, case: str) -> None:
     """Parameters frozen and unfrozen between steps, against DDP(find_unused_parameters=
     True) + the plain optimizer, which skips a parameter without a gradient and keeps its
