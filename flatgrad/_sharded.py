@@ -58,8 +58,10 @@ from flatgrad._zero import (
     state_bytes,
 )
 from flatgrad._zero_state import (
+    CLASS_STATE,
     GroupView,
     OptimizerRecipe,
+    first_step_keys,
     whole_state,
     with_stepped_options,
     without_stepped_options,
@@ -581,20 +583,30 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return pipeline_group(pp_mesh, **crossing)
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer state per parameter, keyed by the plain parameter names, in a form that does not
-        depend on the world size (`flatgrad._zero_state`): per-element states are ShardedTensors over every
-        rank's pieces (this rank's shards are views of its state), so ``torch.distributed.checkpoint`` saves
-        ``{"optim": opt}`` in place and loads it on another world size or bucket size. Every rank must call it
-        together with the others only under torch.distributed.checkpoint; alone it communicates nothing.
+        """The optimizer state per parameter, by plain parameter name, in a form independent of the world size
+        (`flatgrad._zero_state`): per-element states are ShardedTensors over every rank's pieces (views of
+        this rank's state), so ``torch.distributed.checkpoint`` saves ``{"optim": opt}`` in place and loads it
+        on another world size or bucket size (every rank calls it together there; alone it communicates
+        nothing). Group options a class's first step adds show before that step, marked not stepped yet.
 
         Returns:
-            ``{"state": {name: {key: value}}, "param_groups": [{**options, "params":
-            [names]}]}`` (a group that has not stepped saves step counts of 0; a parameter frozen
-            since it stepped, by element, saves its state whole, as a torch optimizer keeps it).
-        """
+            ``{"state": {name: {key: value}}, "param_groups": [{**options, "params": [names]}]}``
+            (a group not stepped yet saves step counts of 0; a parameter frozen since it stepped, by element,
+            its state whole, as a torch optimizer keeps it).
+
+        Raises:
+            ValueError: Not stepped yet, where the class's first step makes state under no parameter."""
         saved = self._groups.state_dict(self.param_groups)
         likes = [local_of(group["params"][0]) if group["params"] else None for group in self.param_groups]
         saved["param_groups"] = with_stepped_options(self._recipe, saved["param_groups"], likes)
+        like, group = next((x, g) for x, g in zip(likes, self.param_groups) if x is not None)
+        made = first_step_keys(self._recipe, options(group), like)[1]  # (state kept under no parameter)
+        if set(made) - saved[CLASS_STATE]["state"].keys():  # (the same on every rank)
+            raise ValueError(
+                f"{self._recipe.name}'s first step makes state outside its parameters ({list(made)}), which "
+                "dcp.load into a ShardedOptimizer not stepped yet would restart: step it once first (lr=0, "
+                "zero grads, as torch's get_state_dict does), or load each rank's own torch.save file"
+            )
         parked = {name: state for name, state in self._parked.items() if state}
         if not parked:
             return saved
@@ -625,13 +637,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             state_dict = {**state_dict, "param_groups": without_stepped_options(state_dict["param_groups"])}
         self._engine.wait_gather()  # (overlap_param_gather: the parameters whole before any move)
         groups, state = self._groups, state_dict.get("state") if isinstance(state_dict, dict) else None
-        own_files = isinstance(state, dict) and any(map(_holds_own_shards, state.values()))
-        if self.dp.alive and not own_files:  # (all ranks load together; a rank's own file, into its layout)
-            self._follow_layout()  # (a freeze since the last layout first)
-        if (  # (cut by the layout before, as DCP fills `state_dict()`)
-            self._groups is not groups and isinstance(state, dict) and all(map(_is_dict, state.values()))
-        ):
-            state_dict = {**state_dict, "state": whole_state(state, self.dp.process_group)}
+        entries = list(state.values()) if isinstance(state, dict) else [None]
+        if self.dp.alive and not any(map(_holds_own_shards, entries)):  # (a rank's own file: into its layout)
+            self._follow_layout()  # (all ranks load together: a freeze since the last layout first)
+        if self._groups is not groups and all(
+            isinstance(v, dict) for v in entries
+        ):  # (cut by the old layout)
+            state_dict = {**state_dict, "state": whole_state(state, self.dp.process_group)}  # type: ignore[arg-type]
         frozen = self._parked.keys() if isinstance(state_dict, dict) and "state" in state_dict else ()
         taken = {
             name: _whole(name, state_dict["state"][name]) for name in frozen if name in state_dict["state"]
@@ -655,10 +667,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             The summed size of the tensors in the inner optimizer's state.
         """
         return state_bytes(self.optimizer)
-
-
-def _is_dict(value: object) -> bool:
-    return isinstance(value, dict)
 
 
 def _holds_own_shards(entry: object) -> bool:

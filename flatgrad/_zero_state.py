@@ -203,16 +203,18 @@ def with_stepped_options(
 ) -> list[dict[str, Any]]:
     """A state_dict's `groups`, each with the options a step of `recipe`'s class adds that it lacks (it has
     not stepped) set to `NOT_STEPPED`; `likes`: a parameter of each group (None: an empty group)."""
-    out = []
-    for group, like in zip(groups, likes):
-        options = {k: v for k, v in group.items() if k != "params"}
-        added = () if like is None else _stepped_options(recipe, options, like)
-        out.append({**dict.fromkeys(added, NOT_STEPPED), **group})
-    return out
+    options = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+    added = [
+        first_step_keys(recipe, o, like)[0] if like is not None else () for o, like in zip(options, likes)
+    ]
+    return [{**dict.fromkeys(keys, NOT_STEPPED), **group} for group, keys in zip(groups, added)]
 
 
-def _stepped_options(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Tensor) -> tuple[str, ...]:
-    """The options a step of `recipe`'s class adds to a group of a small `like` (none if it refuses it)."""
+def first_step_keys(
+    recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Tensor
+) -> tuple[tuple[str, ...], tuple[object, ...]]:
+    """The group options, and the keys of state not of a parameter (MADGRAD's ``k``), that a step of
+    `recipe`'s class adds with a group of a small `like` (none if it refuses it)."""
     dummy = nn.Parameter(like.new_zeros((2,) * like.dim()))
     dummy.grad = torch.ones_like(dummy)
     try:
@@ -221,8 +223,9 @@ def _stepped_options(recipe: OptimizerRecipe, options: dict[str, Any], like: tor
             before = set(probe.param_groups[0])
             recipe.step(probe)
     except Exception:  # (what the class refuses of a throwaway tensor it raises at its own step too)
-        return ()
-    return tuple(k for k in probe.param_groups[0] if k not in before)
+        return (), ()
+    added = tuple(k for k in probe.param_groups[0] if k not in before)
+    return added, tuple(k for k in probe.state if not isinstance(k, torch.Tensor))
 
 
 def without_stepped_options(groups: object) -> object:
