@@ -4,17 +4,16 @@ A class is sharded *by element* (flat shards of every parameter: each element's 
 only) or *by tensor* (whole parameters per rank: each tensor's update reads that whole tensor and no other),
 or refused (its update of a parameter reads other parameters).
 
-[Note: a probe refutes, never grants] No probe on a few tensors can show that a class never looks past an
-element or a tensor: block-quantised state appears only above a size (4096 elements in bitsandbytes), a step
-size estimated from every parameter (Prodigy's d) may not move in a few steps, draws from the global RNG per
-tensor match on one process and differ on several ranks. So a kind comes from knowledge, never from a probe:
-torch's own classes (`ELEMENTWISE`, `PER_TENSOR`), the third-party classes in `REGISTRY` (each verified
-against DDP by tests/test_sharded_third_party.py), or the user's ``shard_by``. A probe then checks that kind
-and can only refuse it (`check_kind`): on tensors above the block-quantisation sizes, same-shaped and mixed,
-in float64 and float32, over ten steps of gradients at changing scales, each simulated rank drawing from its
-own copy of the global RNG; a step that runs a collective is refused (an optimizer that communicates in its
-own `step` would average across the wrong parameters, or hang). Where no probe can run, a registered kind
-stands, a declared one as the user's statement (logged so; see docs/data-parallel.md)."""
+[Note: a probe refutes, never grants] No probe on a few tensors shows that a class never looks past an element
+or a tensor (block-quantised state appears above a size, 4096 elements in bitsandbytes; Prodigy's d, from
+every parameter, may not move in a few steps; per-tensor RNG draws differ across ranks). A kind comes from
+knowledge: torch's classes (`ELEMENTWISE`, `PER_TENSOR`), the third-party ones in `REGISTRY` (verified against
+DDP by tests/test_sharded_third_party.py), or the user's ``shard_by``. A probe (`check_kind`) can only refuse
+it: tensors above the block sizes, same-shaped and mixed, float64 and float32, ten steps of gradients at
+changing scales, each simulated rank on its own copy of the global RNG; a step running a collective (it would
+average across the wrong parameters, or hang) and, by element, a per-parameter state holding a container
+(AggMo's dict, which flat shards cannot hold) are refused. Where no probe can run, a registered kind stands,
+a declared one as the user's statement (logged; see docs/data-parallel.md)."""
 
 from __future__ import annotations
 
@@ -125,25 +124,20 @@ REGISTRY: dict[tuple[str, str], Registered] = {
     ("pytorch_optimizer", "Ranger21"): Registered(
         None, "its stable weight decay divides by a sum of second moments over every parameter"
     ),
-    ("pytorch_optimizer", "AdaGC"): Registered(
-        None, "it scales every gradient by the gradient norm over every parameter"
-    ),
+    ("pytorch_optimizer", "AdaGC"): Registered(None, "it scales each gradient by the norm of all of them"),
     ("pytorch_optimizer", "Adai"): Registered(
         None, "its momentum of each element reads the mean second moment over every parameter"
     ),
-    ("pytorch_optimizer", "AdamS"): Registered(
-        None, "its weight decay divides by the mean second moment over every parameter"
-    ),
+    ("pytorch_optimizer", "AdamS"): Registered(None, "its weight decay reads all parameters' 2nd moments"),
     ("pytorch_optimizer", "AvaGrad"): Registered(
         None, "its step size is a norm over every parameter's adaptive learning rates"
     ),
 }
 
 HOW_TO_DECLARE = (
-    "pass shard_by='element' if each element's update reads that element only, or "
-    "shard_by='tensor' if each tensor's update reads that whole tensor and no other; "
-    "ShardedOptimizer checks the declaration with a probe that can only refuse it "
-    "(docs/data-parallel.md)"
+    "pass shard_by='element' if each element's update reads that element only, or shard_by='tensor' if each "
+    "tensor's update reads that whole tensor and no other; ShardedOptimizer checks the declaration with a "
+    "probe that can only refuse it (docs/data-parallel.md)"
 )
 
 
@@ -255,9 +249,9 @@ Split = Literal["whole", "pieces", "alone"]
 
 
 def check_kind(recipe: OptimizerRecipe, kind: ShardBy, like: torch.Tensor, registered: bool) -> None:
-    """Refuse `kind` for `recipe`'s class where a probe shows it wrong: a tensor stepped in flat pieces (by
-    element) or alone (by tensor, as ranks holding whole tensors) ends up other than the whole tensors stepped
-    in one optimizer, or the step communicates. Runs on `like`'s device, alike on every rank, RNG restored.
+    """Refuse `kind` for `recipe`'s class where a probe shows it wrong: tensors stepped in flat pieces (by
+    element) or alone (by tensor) end up other than stepped whole in one optimizer, the step communicates, or
+    (by element) a parameter's state holds a container. On `like`'s device, alike on every rank, RNG restored.
 
     Raises:
         ValueError: The probe contradicts `kind`, or the step runs a collective.
@@ -285,6 +279,8 @@ def check_kind(recipe: OptimizerRecipe, kind: ShardBy, like: torch.Tensor, regis
             rtol, atol = _CLOSE[dtype]
             if not all(map(functools.partial(torch.allclose, rtol=rtol, atol=atol), whole, parts)):
                 raise ValueError(_refuted(name, kind, f"they differ ({dtype}, shapes {shapes})"))
+            if kind == "element" and case.nested:  # (flat shards are saved per name: one tensor per key)
+                raise ValueError(_refuted(name, kind, "its per-parameter state holds a container (a dict)"))
     if not ran:
         say = logger.debug if registered else logger.warning
         say(
@@ -350,11 +346,9 @@ class _ProbeCase:
         ]
 
     def run(self, how: Split) -> list[torch.Tensor]:
-        """The tensors after the steps, as ranks would hold them: all in one optimizer ("whole"); each
-        flattened and cut in two unequal pieces, the first pieces in one optimizer and the second ones in
-        another ("pieces": two ranks' flat shards); or each in an optimizer of its own ("alone": ranks owning
-        whole tensors). Each optimizer steps with its own copy of the global RNG (seeded alike, as ranks are),
-        under the same probe tensors on every rank."""
+        """The tensors after the steps: all in one optimizer ("whole"); each cut in two unequal flat pieces,
+        the first ones in one optimizer, the second in another ("pieces": two ranks' shards); or each in one
+        of its own ("alone": ranks owning whole tensors). Each optimizer draws from its own RNG copy."""
         starts = self.starts
         if how == "pieces":
             cuts = [[(i, 0, t.numel() // 3) for i, t in enumerate(starts)]]
@@ -400,6 +394,10 @@ class _ProbeCase:
                     _set_rng_state(rngs[k], cuda)
                     self.recipe.step(optimizer)
                     rngs[k] = _rng_state(cuda)
+        entries = [e for o in optimizers for p, e in o.state.items() if isinstance(p, torch.Tensor)]
+        self.nested = any(
+            isinstance(v, (dict, list, tuple)) for e in entries for v in e.values()
+        )  # (AggMo's)
 
 
 def _rng_state(cuda: list[int]) -> tuple[torch.Tensor, ...]:

@@ -336,3 +336,16 @@ def test_registered_optimizer_equals_stock_ddp(name, tmp_path_factory):
         assert record["shard_by"] == case.expect, f"rank {rank}: shard_by {record['shard_by']!r}"
         for point, ratio in record["points"].items():
             assert ratio <= 1.0, f"rank {rank} at {point}: {ratio:.3g} x (rtol = atol = {tol})"
+
+
+def test_a_per_parameter_state_holding_a_container_is_refused_by_element():
+    """AggMo keeps a dict of momentum buffers per parameter; by element a checkpoint saves each name's state
+    as flat shards, one tensor per key, and gave AggMo's whole dict to every name (DCP crashed; a rank's own
+    file could load another piece's buffers). Registered by tensor now; declared by element, refused."""
+    from flatgrad._optim_kinds import check_kind
+    from flatgrad._zero_state import OptimizerRecipe
+
+    recipe = OptimizerRecipe(pytest.importorskip("pytorch_optimizer").AggMo, {})
+    with pytest.raises(ValueError, match="cannot shard AggMo by element.*holds a container"):
+        check_kind(recipe, "element", torch.zeros(1), registered=False)
+    check_kind(recipe, "tensor", torch.zeros(1), registered=True)
