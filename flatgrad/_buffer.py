@@ -436,10 +436,14 @@ _data_ptr = torch.Tensor.data_ptr
 _OWNERS: dict[int, weakref.ref[GradStore]] = {}
 
 
+class LayoutChanged(RuntimeError):
+    """The model's parameters changed since the gradient layout was made, as only a new layout follows."""
+
+
 def refuse_old_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Raise RuntimeError where `grad` is of another shape than `param` (its ``.data`` re-pointed since)."""
+    """Raise LayoutChanged where `grad` is of another shape than `param` (its ``.data`` re-pointed since)."""
     if grad.shape != param.shape:
-        raise RuntimeError(
+        raise LayoutChanged(
             f"a parameter of shape {tuple(param.shape)} holds a .grad of shape {tuple(grad.shape)} from "
             "before its .data was re-pointed, which cannot go into its slot: set it to None first "
             "(model.zero_grad() or optimizer.zero_grad()), then lay out again"

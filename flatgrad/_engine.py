@@ -23,7 +23,7 @@ from torch import nn
 
 from flatgrad import _comm
 from flatgrad._backward import ForwardPlan, Participant, Seater, watch
-from flatgrad._buffer import GradStore, refuse_old_grad
+from flatgrad._buffer import GradStore, LayoutChanged, refuse_old_grad
 from flatgrad._config import FlatGradConfig
 from flatgrad._routing import route_layers
 from flatgrad._torch_compat import graph_task_id
@@ -300,7 +300,7 @@ def _held_by_module(model: nn.Module) -> _Held:
 
 
 def _refuse_moved(model: nn.Module, before: tuple[_Watched, ...], now: tuple[_Watched, ...]) -> None:
-    """Raise RuntimeError, naming the parameters, if one was added, replaced, removed or re-pointed at a
+    """Raise LayoutChanged, naming the parameters, if one was added, replaced, removed or re-pointed at a
     tensor of another shape since the layout was made (`before`). A parameter that moved to another module
     (``convert_sync_batchnorm`` rebuilds layers around their parameters) keeps its slot."""
     if len(before) == len(now) and all(
@@ -331,7 +331,7 @@ def _refuse_moved(model: nn.Module, before: tuple[_Watched, ...], now: tuple[_Wa
 
     changes += [removed(e) for e in before if id(e[2]) not in staying and (id(e[0]), e[1]) not in now_keys]
     if changes:
-        raise RuntimeError(
+        raise LayoutChanged(
             "the model's parameters changed after FlatGrad laid out its gradient buffers: "
             + ", ".join(dict.fromkeys(changes[:6]))
             + (f" and {len(changes) - 6} more" if len(changes) > 6 else "")

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.parameter import is_lazy
 
 from flatgrad import _comm, _dtensor, _norms
-from flatgrad._buffer import GradStore, scale_
+from flatgrad._buffer import GradStore, LayoutChanged, scale_
 from flatgrad._config import FlatGradConfig, resolve_config
 from flatgrad._engine import GradEngine, trainable_parameters
 from flatgrad._layout import GroupKey
@@ -221,7 +221,7 @@ class FlatGrad(nn.Module):
         engine = engine_of(self)
         try:
             store = engine.current() if set_to_none else engine.refresh()
-        except RuntimeError:  # (parameters changed, refused until relayout(), which this may have to precede)
+        except LayoutChanged:  # (refused until relayout(), which this may have to precede)
             if not set_to_none:
                 raise
             for param in self.parameters():

@@ -597,10 +597,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         Raises:
             ValueError: Not stepped yet, where the class's first step makes state under no parameter."""
         saved = self._groups.state_dict(self.param_groups)
-        likes = [local_of(group["params"][0]) if group["params"] else None for group in self.param_groups]
-        saved["param_groups"] = with_stepped_options(self._recipe, saved["param_groups"], likes)
-        like, group = next((x, g) for x, g in zip(likes, self.param_groups) if x is not None)
-        made = first_step_keys(self._recipe, options(group), like)[1]  # (state kept under no parameter)
+        probes = [  # (what a first step adds to each group, and outside the parameters)
+            first_step_keys(self._recipe, options(g), local_of(g["params"][0])) if g["params"] else None
+            for g in self.param_groups
+        ]
+        added = [probe[0] if probe else () for probe in probes]
+        saved["param_groups"] = with_stepped_options(saved["param_groups"], added)
+        made = next(p[1] for p in probes if p is not None)  # (state kept under no parameter)
         if set(made) - saved[CLASS_STATE]["state"].keys():  # (the same on every rank)
             raise ValueError(
                 f"{self._recipe.name}'s first step makes state outside its parameters ({list(made)}), which "
@@ -676,7 +679,7 @@ def _holds_own_shards(entry: object) -> bool:
 
 def _whole(name: str, state: dict[str, Any]) -> dict[str, Any]:
     """A saved state of a parameter frozen here, copied to be parked whole (not one saved sharded)."""
-    if any(hasattr(v, "local_shards") or (isinstance(v, dict) and SAVED_SHARDS in v) for v in state.values()):
+    if _holds_own_shards(state) or any(hasattr(v, "local_shards") for v in state.values()):
         raise ValueError(
             f"the saved state of {name!r}, frozen here, was saved sharded (this rank's own state, while it "
             "was trainable): load it with torch.distributed.checkpoint, or unfreeze it before loading"

@@ -198,15 +198,9 @@ def state_spec(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Ten
 NOT_STEPPED = "flatgrad: not stepped yet"
 
 
-def with_stepped_options(
-    recipe: OptimizerRecipe, groups: list[dict[str, Any]], likes: list[torch.Tensor | None]
-) -> list[dict[str, Any]]:
-    """A state_dict's `groups`, each with the options a step of `recipe`'s class adds that it lacks (it has
-    not stepped) set to `NOT_STEPPED`; `likes`: a parameter of each group (None: an empty group)."""
-    options = [{k: v for k, v in group.items() if k != "params"} for group in groups]
-    added = [
-        first_step_keys(recipe, o, like)[0] if like is not None else () for o, like in zip(options, likes)
-    ]
+def with_stepped_options(groups: list[dict[str, Any]], added: list[tuple[str, ...]]) -> list[dict[str, Any]]:
+    """A state_dict's `groups`, each with the options a first step adds (`added`: `first_step_keys`) that it
+    lacks (it has not stepped) set to `NOT_STEPPED`."""
     return [{**dict.fromkeys(keys, NOT_STEPPED), **group} for group, keys in zip(groups, added)]
 
 
