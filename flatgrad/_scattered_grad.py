@@ -17,7 +17,7 @@ and raises for anything that reads or writes values."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,7 +45,9 @@ _ADVICE = (
     "use opt.clip_grad_norm_(max_norm) to clip (ShardedOptimizer's own: the global norm from "
     "every rank's shard, one small all-reduce; it returns that norm, for logging too); "
     "with a loss scaler use flatgrad.GradScaler (it unscales the shards); after "
-    "opt.zero_grad() .grad is plain again"
+    "opt.zero_grad() .grad is plain again (but for a parameter in none of its groups, which keeps "
+    "its gradient as with a torch optimizer: step it in a group of the ShardedOptimizer, "
+    "add_param_group with its own options, or shard with shard_by='tensor')"
 )
 
 
@@ -197,6 +199,21 @@ def unmark_scattered(store: GradStore, to_none: bool = False) -> None:
             param.grad = store.view(param)
 
 
+def restore_grads(
+    store: GradStore, kept: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+) -> bool:
+    """Give each parameter of `kept` its `.grad` again (its slot or the slot's ScatteredGrad), with the values
+    its slot held (`kept`'s copies), every other slot zeroed (a synchronised backward adds onto all); returns
+    whether the store is reduce-scattered again (an alias kept)."""
+    for buffer in store.buffers.values():
+        buffer.zero_()
+    for param, grad, values in kept:
+        store.view(param).copy_(values)
+        param.grad = grad
+    store.scattered.marked = any(type(grad) in _ALIASES for _, grad, _ in kept)
+    return store.scattered.marked
+
+
 def refuse_scattered(store: GradStore | None, what: str) -> None:
     """Raise if a `.grad` of `store` is a ScatteredGrad: `what` (a norm of the local
     buffers) would read values that are averaged only inside this rank's shards."""
@@ -245,6 +262,8 @@ def refuse_adding_onto_scattered(store: GradStore | None) -> None:
             "ShardedOptimizer: a backward under dp.no_sync() after a synchronised backward "
             "and before zero_grad(): the first one reduce-scattered the gradients, so this "
             "one cannot add to them locally; accumulate micro-batches under dp.no_sync() "
-            "before the synchronised one, or synchronise this backward too"
+            "before the synchronised one, or synchronise this backward too (a parameter in none of "
+            "its groups keeps its gradient through its zero_grad, as with a torch optimizer: "
+            "model.zero_grad() clears it)"
         )
     unmark_scattered(store)  # zeroed behind ShardedOptimizer's back (model.zero_grad)

@@ -44,7 +44,7 @@ from flatgrad._flatgrad import engine_of
 from flatgrad._gather_waits import ForwardWaits
 from flatgrad._optim_kinds import ShardBy, agreed_kind, shard_kind
 from flatgrad._parallel import ReplicateModule, ReplicateState, replicate_state
-from flatgrad._scattered_grad import is_scattered, unguarded, unmark_scattered
+from flatgrad._scattered_grad import is_scattered, restore_grads, unguarded, unmark_scattered
 from flatgrad._torch_compat import SAVED_SHARDS, join_state, leave_join
 from flatgrad._zero import (
     PieceGroups,
@@ -112,7 +112,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             LBFGS and SparseAdam are refused.
         params: Parameters of `model` or parameter groups (dicts with ``"params"`` and per-group options), as
             a torch optimizer's first argument; None (the default) puts every trainable parameter of `model`
-            in one group. A parameter in no group is not stepped (its gradient is still averaged).
+            in one group. A parameter in no group is not stepped (its gradient is averaged, and kept by
+            `zero_grad`, as a torch optimizer's).
         overlap_param_gather: Whether `step()` returns with the parameter all-gathers in flight: the next
             forward waits for each bucket's just before the first module using its parameters runs
             (`flatgrad._gather_waits`), and the model's ``state_dict``/``load_state_dict`` and the next
@@ -521,14 +522,22 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self._engine.cleared()
             self._groups.drop_grads()
             return
+        store, ours = self._engine.store, {id(p) for group in self.param_groups for p in group["params"]}
+        # A parameter in none of the groups keeps its gradient, as a torch optimizer's zero_grad leaves it.
+        kept = [
+            (p, p.grad, store.view(p).clone())
+            for p in store.params
+            if p.grad is not None and id(p) not in ours
+        ]
         # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s
         # (a clone each) before they are dropped or zeroed.
-        with unguarded(self._engine.store, engine_of(self.dp.module).store):
+        with unguarded(store, engine_of(self.dp.module).store):
             self.dp.module.zero_grad(set_to_none=set_to_none)  # (plain .grad again: it unmarks)
         # (and the store of the last layout, where (un)freezing laid the model out again since)
-        unmark_scattered(self._engine.store, to_none=True)
-        self.dp._engine.grads_cleared()
+        unmark_scattered(store, to_none=True)
         self._groups.drop_grads()
+        if not (kept and engine_of(self.dp.module).store is store and restore_grads(store, kept)):
+            self.dp._engine.grads_cleared()  # (else the next synchronised backward adds onto the kept ones)
 
     def clip_grad_norm_(
         self,

@@ -515,6 +515,44 @@ def test_a_param_group_added_later_and_parameters_in_no_group_equal_stock():
     run_ranks(_add_group_worker, timeout=90)
 
 
+def _kept_outside_groups_worker(rank: int, world_size: int, set_to_none: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    ref = DDP(copy.deepcopy(model))
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model))
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, list(model[0].parameters()), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.module[0].parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        if step == 2:  # the head joins with the gradients it gathered through the zero_grads
+            opt.add_param_group({"params": list(model[2].parameters()), "lr": 0.05})
+            ref_opt.add_param_group({"params": list(ref.module[2].parameters()), "lr": 0.05})
+        torch.manual_seed(10 * step + rank)
+        batch = torch.randn(5, 6, dtype=torch.double)
+        for module, optimizer in ((dp, opt), (ref, ref_opt)):
+            module(batch).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+        assert_params_like(model, ref.module, **TOL)
+    # Stepped by another optimizer, a gradient of a parameter outside the groups is refused, not lost.
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model))
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, list(model[0].parameters()), lr=0.1)
+    other = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    dp(batch).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=set_to_none)
+    with pytest.raises(RuntimeError, match="in none of its groups"):
+        other.step()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_parameter_in_no_group_keeps_its_gradient_through_zero_grad(set_to_none):
+    """As a torch optimizer's zero_grad leaves the gradients of parameters in none of its groups, by element
+    too: a head added later steps with what it gathered since (equal to stock DDP + SGD), and another
+    optimizer over it is refused (its `.grad` reduce-scattered), where it was silently handed None before."""
+    run_ranks(_kept_outside_groups_worker, set_to_none, timeout=90)
+
+
 def _closure(module: nn.Module, zero_grad: Callable[[], None], tokens: torch.Tensor) -> Callable[..., Any]:
     def closure() -> torch.Tensor:
         zero_grad()
