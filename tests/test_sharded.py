@@ -530,8 +530,13 @@ def _kept_outside_groups_worker(rank: int, world_size: int, set_to_none: bool) -
         batch = torch.randn(5, 6, dtype=torch.double)
         for module, optimizer in ((dp, opt), (ref, ref_opt)):
             module(batch).square().sum().backward()
+            if module is dp:  # (the norm counts the gathered gradients too, as stock's over the model)
+                norm = opt.clip_grad_norm_(1.0)
+            else:
+                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=set_to_none)
+        torch.testing.assert_close(norm, ref_norm, **TOL)
         assert_params_like(model, ref.module, **TOL)
     # Stepped by another optimizer, a gradient of a parameter outside the groups is refused, not lost.
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).double()
