@@ -559,10 +559,11 @@ def _rebuilt_arguments(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def _same(a: object, b: object, depth: int = 3) -> bool:
-    """Whether optimizer attributes `a` and `b` are one setting (functions by code, objects by attributes)."""
+    """Whether optimizer attributes `a` and `b` are one setting (functions by code, objects by attributes,
+    `depth` objects down; optimizers inside by their options: a scheduler over one wraps its step)."""
     if a is b:
         return True
-    if type(a) is not type(b) or depth < 0:
+    if type(a) is not type(b):
         return False
     if isinstance(a, types.FunctionType) and isinstance(b, types.FunctionType):
         return (
@@ -576,12 +577,15 @@ def _same(a: object, b: object, depth: int = 3) -> bool:
             and a.dtype == b.dtype
             and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
         )
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y, depth - 1) for x, y in zip(a, b))
+    if isinstance(a, torch.optim.Optimizer) and isinstance(b, torch.optim.Optimizer):  # (SPAM's warm-up)
+        x, y = ([{**g, "params": None} for g in (o.defaults, *o.param_groups)] for o in (a, b))
+        return _same(x, y, 0)
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k], depth - 1) for k in a)
+        return a.keys() == b.keys() and all(_same(a[k], b[k], depth) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, depth) for x, y in zip(a, b))
     if hasattr(a, "__dict__") and not isinstance(a, type):
-        return _same(vars(a), vars(b), depth - 1)
+        return depth > 0 and _same(vars(a), vars(b), depth - 1)
     try:
         return bool(a == b)
     except Exception:  # (an object whose == does not give a bool)

@@ -553,6 +553,18 @@ def _rebuild_case(rank: int, world_size: int) -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=lambda m, w=(how, name): f"{w}: {m}")
 
 
+def test_the_rebuild_check_compares_an_optimizer_kept_inside_by_its_options() -> None:
+    """SPAM keeps a warm-up SGD under a scheduler, which wraps the SGD's step in a closure: compared by its
+    options, SPAM with its defaults is rebuilt (it was refused), and an argument kept only as an attribute is
+    still refused."""
+    from flatgrad.lightning import _rebuilt_arguments
+
+    spam = pytest.importorskip("pytorch_optimizer").SPAM
+    assert _rebuilt_arguments(spam([nn.Parameter(torch.randn(4, 4))], lr=0.01))["lr"] == 0.01
+    with pytest.raises(ValueError, match=r"do not give back \['warmup', 'warmup_epoch'\]"):
+        _rebuilt_arguments(spam([nn.Parameter(torch.randn(4, 4))], warmup_epoch=7))
+
+
 @pytest.mark.distributed
 def test_the_sharded_strategy_rebuilds_the_optimizer_with_its_arguments_and_chained_schedulers() -> None:
     """Before, flatgrad_sharded pointed only a scheduler's own optimizer at the rebuilt one (SequentialLR's
