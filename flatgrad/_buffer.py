@@ -590,11 +590,14 @@ class Prescale:
 class Scattered:
     """A store's reduce-scatter state (under a ShardedOptimizer): whether its gradients were reduce-scattered
     and not zeroed since (`marked`), one ScatteredGrad alias of each slot view in parameter order, made once
-    (`aliases`), and whether they act as plain tensors for now (`unguarded`: a relayout is under way)."""
+    (`aliases`), whether they act as plain tensors for now (`unguarded`: a relayout is under way), and the
+    collective that gathers every rank's shards of the averages into whole plain gradients (`gather`: before
+    a relayout, every rank together)."""
 
     marked: bool = False
     aliases: tuple[torch.Tensor, ...] = ()
     unguarded: bool = False
+    gather: Callable[[], None] | None = None
 
 
 def aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:

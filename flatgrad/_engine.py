@@ -135,6 +135,9 @@ class GradEngine:
                 main = old.view(param) if old is not None and old.is_main(param) else None
                 if main is not None and main.shape != param.shape and bool(main.any()):
                     refuse_old_grad(param, main)
+            scattered = old.scattered if old is not None else None  # (unguarded: to be dropped or refused)
+            if scattered is not None and scattered.marked and not scattered.unguarded and scattered.gather:
+                scattered.gather()  # (reduce-scattered: the averages whole first, to be carried)
             if self.seater is not None:
                 self.seater.retire()  # a graph still alive must not seat into old buffers
             if old is not None:

@@ -223,7 +223,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         dp = self.dp
         pieces = dp._engine.shard_plan(store, self.overlap_param_gather)
         engine = ShardEngine(store, pieces, dp.process_group, dp._engine.policy)
-        dp._engine.shards = engine.grad_shards
+        dp._engine.shards, store.scattered.gather = engine.grad_shards, engine.gather_grads
         self._engine = engine
         self._groups = PieceGroups(engine, self._names, self._recipe, self.param_groups)
         if self._waits is not None:

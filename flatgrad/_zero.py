@@ -32,7 +32,7 @@ from flatgrad._buffer import GradStore, host_tensor, scale_
 from flatgrad._comm import BackendPolicy, all_gather_flat
 from flatgrad._dtensor import TensorParallel, is_sharded, local_of, move_into, shard_origin
 from flatgrad._layout import GroupKey, merge_touching, overlap
-from flatgrad._scattered_grad import is_scattered, unguarded
+from flatgrad._scattered_grad import is_scattered, unguarded, unmark_scattered
 from flatgrad._torch_compat import non_finite_check_and_unscale
 from flatgrad._zero_state import (
     CLASS_STATE,
@@ -319,15 +319,27 @@ class ShardEngine(FlatParameters):
         finishes them), in the parameters' dtype (bfloat16 with masters: half float32's bytes)."""
         self.wait_gather()  # (one still in flight would land after this one)
         self.waited = []
-        self.in_flight = {index: self._gather(shard) for index, shard in enumerate(self.shards)}
+        self.in_flight = {
+            index: self._gather(shard.bucket, shard.param.detach()) for index, shard in enumerate(self.shards)
+        }
 
-    def _gather(self, shard: Shard) -> list[Any]:
+    def gather_grads(self) -> None:
+        """Every rank's gradient shards (the averages) into the whole pieces, each `.grad` plain again (what
+        DDP leaves): for a relayout while reduce-scattered (a layer unfrozen between a backward and the next
+        `zero_grad`: Lightning zeroes after the forward); a collective, as every rank lays out again."""
+        pieces = [view for view, _ in self.bucket_views]
+        works = [w for piece, s in zip(pieces, self.shards) for w in self._gather(piece, s.grad.clone())]
+        for work in works:
+            work.wait()
+        unmark_scattered(self.store)
+
+    def _gather(self, bucket: torch.Tensor, mine: torch.Tensor) -> list[Any]:
         group = self.process_group
         if not self.gather_by_broadcast:
-            return [all_gather_flat(shard.bucket, shard.param.detach(), group=group, async_op=True)]
-        size = shard.param.numel()
+            return [all_gather_flat(bucket, mine, group=group, async_op=True)]
+        size = mine.numel()
         return [
-            dist.broadcast(shard.bucket.narrow(0, r * size, size), src=src, group=group, async_op=True)
+            dist.broadcast(bucket.narrow(0, r * size, size), src=src, group=group, async_op=True)
             for r, src in enumerate(self.layout.global_ranks)
         ]
 

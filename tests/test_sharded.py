@@ -558,6 +558,46 @@ def test_a_parameter_in_no_group_keeps_its_gradient_through_zero_grad(set_to_non
     run_ranks(_kept_outside_groups_worker, set_to_none, timeout=90)
 
 
+def _unfrozen_worker(rank: int, world_size: int, zero_after_forward: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    model[0].requires_grad_(False)
+    ref = copy.deepcopy(model)  # (averaged by hand: DDP never averages what was frozen when it wrapped)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model))
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    for step in range(4):
+        if step == 2:  # Lightning's BackboneFinetuning: unfreeze, and a group for the backbone
+            for module, optimizer in ((model, opt), (ref, ref_opt)):
+                module[0].requires_grad_(True)
+                optimizer.add_param_group({"params": list(module[0].parameters()), "lr": 0.05})
+        torch.manual_seed(10 * step + rank)
+        batch = torch.randn(5, 6, dtype=torch.double)
+        for module, optimizer in ((dp, opt), (ref, ref_opt)):
+            if not zero_after_forward:
+                optimizer.zero_grad()
+            loss = module(batch).square().sum()
+            if zero_after_forward:  # (Lightning's order: the forward meets the last step's gradients)
+                optimizer.zero_grad()
+            loss.backward()
+            if module is ref:
+                for param in ref.parameters():
+                    if param.grad is not None:
+                        dist.all_reduce(param.grad)
+                        param.grad /= world_size
+            optimizer.step()
+        assert_params_like(model, ref, **TOL)
+
+
+@pytest.mark.parametrize("zero_after_forward", [False, True])
+def test_a_layer_frozen_at_construction_unfrozen_with_a_group_equals_stock(zero_after_forward):
+    """Unfreezing a layer frozen when ShardedOptimizer was built and adding its group (BackboneFinetuning)
+    lays the model out again at the next forward; where that forward meets the last step's reduce-scattered
+    gradients (Lightning zeroes after the forward), they are gathered whole first (the relayout crashed
+    reading them before), and the run equals stock averaging by hand."""
+    run_ranks(_unfrozen_worker, zero_after_forward, timeout=90)
+
+
 def _closure(module: nn.Module, zero_grad: Callable[[], None], tokens: torch.Tensor) -> Callable[..., Any]:
     def closure() -> torch.Tensor:
         zero_grad()
