@@ -11,9 +11,9 @@ knowledge: torch's classes (`ELEMENTWISE`, `PER_TENSOR`), the third-party ones i
 DDP by tests/test_sharded_third_party.py), or the user's ``shard_by``. A probe (`check_kind`) can only refuse
 it: tensors above the block sizes, same-shaped and mixed, float64 and float32, ten steps of gradients at
 changing scales, each simulated rank on its own copy of the global RNG; a step running a collective (it would
-average across the wrong parameters, or hang) and, by element, a per-parameter state holding a container
-(AggMo's dict, which flat shards cannot hold) are refused. Where no probe can run, a registered kind stands,
-a declared one as the user's statement (logged; see docs/data-parallel.md)."""
+average across the wrong parameters, or hang) and, by element, a per-parameter state flat shards cannot hold
+(`_unshardable`) are refused. Where no probe can run, a registered kind stands, a declared one as the user's
+statement (logged; see docs/data-parallel.md)."""
 
 from __future__ import annotations
 
@@ -251,7 +251,7 @@ Split = Literal["whole", "pieces", "alone"]
 def check_kind(recipe: OptimizerRecipe, kind: ShardBy, like: torch.Tensor, registered: bool) -> None:
     """Refuse `kind` for `recipe`'s class where a probe shows it wrong: tensors stepped in flat pieces (by
     element) or alone (by tensor) end up other than stepped whole in one optimizer, the step communicates, or
-    (by element) a parameter's state holds a container. On `like`'s device, alike on every rank, RNG restored.
+    (by element) a parameter's state is `_unshardable`. On `like`'s device, alike on every rank, RNG restored.
 
     Raises:
         ValueError: The probe contradicts `kind`, or the step runs a collective.
@@ -279,8 +279,8 @@ def check_kind(recipe: OptimizerRecipe, kind: ShardBy, like: torch.Tensor, regis
             rtol, atol = _CLOSE[dtype]
             if not all(map(functools.partial(torch.allclose, rtol=rtol, atol=atol), whole, parts)):
                 raise ValueError(_refuted(name, kind, f"they differ ({dtype}, shapes {shapes})"))
-            if kind == "element" and case.nested:  # (flat shards are saved per name: one tensor per key)
-                raise ValueError(_refuted(name, kind, "its per-parameter state holds a container (a dict)"))
+            if kind == "element" and case.unshardable:  # (flat shards are saved per name: one tensor per key)
+                raise ValueError(_refuted(name, kind, f"its per-parameter state {case.unshardable}"))
     if not ran:
         say = logger.debug if registered else logger.warning
         say(
@@ -394,10 +394,33 @@ class _ProbeCase:
                     _set_rng_state(rngs[k], cuda)
                     self.recipe.step(optimizer)
                     rngs[k] = _rng_state(cuda)
-        entries = [e for o in optimizers for p, e in o.state.items() if isinstance(p, torch.Tensor)]
-        self.nested = any(
-            isinstance(v, (dict, list, tuple)) for e in entries for v in e.values()
-        )  # (AggMo's)
+        self.unshardable = next(filter(None, map(_unshardable, optimizers)), None)
+
+
+# What a per-parameter state may hold besides tensors, by element: flags, counts, options.
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _unshardable(optimizer: torch.optim.Optimizer) -> str | None:
+    """The first per-parameter state value of `optimizer` flat shards cannot hold, described: a container
+    (AggMo's dict), another object (ScalableShampoo's preconditioner, shaped by the tensor it was built on),
+    or a tensor of more than one element shaped otherwise than its parameter (SaRA's moments of the masked
+    elements only). Flat shards keep state as tensors cut per name and save any other value once for every
+    rank (`_zero_state.parameter_state`): one rank's object would reach every rank's pieces on load."""
+    for param, entry in optimizer.state.items():
+        if not isinstance(param, torch.Tensor):
+            continue
+        for key, value in entry.items():
+            if isinstance(value, (dict, list, tuple)):
+                return f"holds a container ({key!r}: a {type(value).__name__})"
+            if not isinstance(value, (torch.Tensor, *_PLAIN)):
+                return f"holds an object ({key!r}: a {type(value).__name__})"
+            if isinstance(value, torch.Tensor) and value.shape != param.shape and value.numel() != 1:
+                return (
+                    f"holds a tensor shaped neither as its parameter nor as a scalar ({key!r}: "
+                    f"{tuple(value.shape)} for a parameter of {tuple(param.shape)})"
+                )
+    return None
 
 
 def _rng_state(cuda: list[int]) -> tuple[torch.Tensor, ...]:

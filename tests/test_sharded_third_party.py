@@ -53,6 +53,7 @@ from oracle import Lockstep, stock
 from torch import nn
 
 import flatgrad
+import flatgrad._optim_kinds
 from flatgrad._optim_kinds import REGISTRY, Registered
 
 pytestmark = pytest.mark.distributed
@@ -298,6 +299,15 @@ def _cases_worker(rank: int, world_size: int, names: list[str], out: str) -> Non
 
 _RESULTS: dict[int, list[dict[str, Any]] | str] = {}
 
+ELEMENT_CLASSES = [
+    *flatgrad._optim_kinds.ELEMENTWISE,
+    *(
+        getattr(importlib.import_module(MODULES.get(package, package)), name)
+        for (package, name), entry in sorted(REGISTRY.items())
+        if entry.kind == "element" and importlib.util.find_spec(package) is not None
+    ),
+]
+
 
 def _results(world_size: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """The records of every rank: one call on the ranks runs every installed package's
@@ -349,3 +359,43 @@ def test_a_per_parameter_state_holding_a_container_is_refused_by_element():
     with pytest.raises(ValueError, match="cannot shard AggMo by element.*holds a container"):
         check_kind(recipe, "element", torch.zeros(1), registered=False)
     check_kind(recipe, "tensor", torch.zeros(1), registered=True)
+
+
+def test_a_per_parameter_state_holding_an_object_is_refused_by_element():
+    """ScalableShampoo keeps a PreConditioner and a graft object per parameter, built from the tensor it
+    steps: by element a flat piece (no Kronecker factors of the matrix) whose objects a checkpoint saved once
+    for every rank (dcp.load into a fresh ShardedOptimizer gave rank 0 rank 1's: "shape '[1, 2752]' is invalid
+    for input of size 2720" in its next step). Its preconditioner starts at step 25 and recomputes every 1000
+    steps, past the probe's ten, so the values matched and the probe accepted it (0.048 from stock DDP at step
+    30 with preconditioning_compute_steps=5). By tensor it stays accepted."""
+    from flatgrad._optim_kinds import check_kind
+    from flatgrad._zero_state import OptimizerRecipe
+
+    recipe = OptimizerRecipe(pytest.importorskip("pytorch_optimizer").ScalableShampoo, {"lr": 0.01})
+    with pytest.raises(ValueError, match="cannot shard ScalableShampoo by element.*holds an object"):
+        check_kind(recipe, "element", torch.zeros(1), registered=False)
+    check_kind(recipe, "tensor", torch.zeros(1), registered=False)
+
+
+def test_a_per_parameter_state_shaped_otherwise_is_refused_by_element():
+    """SaRA keeps its moments for the weights under its threshold only (`p[mask]`, a 1-D tensor of their
+    count): element-wise math, but a state no flat shard of the parameter can be cut from. The probe accepted
+    it, ShardedOptimizer stepped it as stock, and `state_dict()` raised ("start (0) + length (2752) exceeds
+    dimension size (26)", flatgrad/_zero_state.py `_local_view`). By tensor it stays accepted."""
+    from flatgrad._optim_kinds import check_kind
+    from flatgrad._zero_state import OptimizerRecipe
+
+    recipe = OptimizerRecipe(pytest.importorskip("pytorch_optimizer").SaRA, {"lr": 0.01})
+    with pytest.raises(ValueError, match="cannot shard SaRA by element.*shaped neither as its parameter"):
+        check_kind(recipe, "element", torch.zeros(1), registered=False)
+    check_kind(recipe, "tensor", torch.zeros(1), registered=False)
+
+
+@pytest.mark.parametrize("cls", ELEMENT_CLASSES, ids=lambda c: f"{c.__module__.split('.')[0]}.{c.__name__}")
+def test_the_by_element_state_check_refuses_no_element_wise_class(cls):
+    """torch's element-wise classes and every registered element class whose package is installed keep only
+    tensors shaped as their parameter, one-element tensors and plain scalars per parameter."""
+    from flatgrad._optim_kinds import check_kind
+    from flatgrad._zero_state import OptimizerRecipe
+
+    check_kind(OptimizerRecipe(cls, {"lr": 0.01}), "element", torch.zeros(1), registered=True)
