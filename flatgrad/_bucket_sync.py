@@ -2,14 +2,11 @@
 
 - `BucketPlan`: the static side, the same on every rank: the buckets cut from a store's flat buffers
   (`plan_buckets`; each a `Bucket` record), their launch order and the buckets that carry the used flags.
-- `Round`: one synchronised backward over them (readiness, launches in the plan's order, the wait and the
-  settling of `.grad`), made when such a backward opens.
-- `ReadyHooks`, `Deferrals`: the autograd hooks, through which each parameter is counted ready (with the
-  parameters a synchronised backward left unused, counted ready at the start of a later backward that will not
-  reach them), and which carry the end of a nested backward out to the backward around it.
-- `BucketSync`: the bucket plan over one `GradEngine`'s store (its launch order learned in the first
-  synchronised backward), which backwards average, and the final callback that launches the rest, waits, and
-  settles `.grad` as DDP does."""
+- `Round`: a synchronised backward (readiness, plan-order launches, wait, settling `.grad`), made on opening.
+- `ReadyHooks`, `Deferrals`: the autograd hooks that count parameters ready (those a synchronised backward
+  left unused: at the start of a later one not reaching them) and carry a nested backward's end outward.
+- `BucketSync`: the plan over a `GradEngine`'s store (its order learned in the first synchronised backward),
+  which backwards average, and the final callback: launch the rest, wait, settle `.grad` as DDP."""
 
 from __future__ import annotations
 
@@ -68,9 +65,8 @@ class Bucket:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """The static side of one store's averaging, the same on every rank, apart from the per-backward `Round`s
-    that follow it: the buckets (cut by `plan_buckets`), the order they launch in (collectives must be issued
-    in one order everywhere), and the buckets that carry their group's used flags.
+    """The static side of one store's averaging, the same on every rank: the buckets (`plan_buckets`), their
+    launch order (collectives run in one order everywhere), and the buckets carrying their group's used flags.
 
     Buffer order until a synchronised backward has been seen (`learned` False); then rank 0's order of
     completion in that backward (`agree_order`, `learn`), so a model whose gradients become final out of
@@ -299,11 +295,10 @@ class Round:
             self._raise_if_nonfinite(*nonfinite)
 
     def _check_round(self, seen: torch.Tensor, step_count: int) -> None:
-        """Raise on every rank unless every rank took as many optimizer steps before this backward (the bytes
-        of `_round_bytes`, reduced by MAX: equal exactly when the largest count equals the smallest). A rank
-        that ran no forward and backward on an empty batch but stepped pairs this backward with the others'
-        previous one; its next collectives (the parameter gathers of the others' step) would not match in
-        size, and gloo aborts the process from its own thread."""
+        """Raise on every rank unless all took as many optimizer steps before this backward (`_round_bytes`,
+        reduced by MAX: all equal exactly when max equals min). A rank that skipped forward and backward on an
+        empty batch but stepped pairs this backward with the others' previous one; its next collectives (the
+        gathers of their step) would mismatch in size, and gloo aborts the process from its thread."""
         high, low = (int(v) for v in seen.tolist())
         if high == 255 - low:
             return
@@ -354,10 +349,9 @@ class Round:
 
 def _sums_then_divides(round_: Round, no_finite_check: bool) -> bool:
     """Whether a ShardedOptimizer's all-reduced (gloo) float32/float64 buckets are summed and only its shards
-    (all it reads) divided once everything arrived: 1/world_size of a pass. Only for a power-of-two world size
-    (dividing by it is exact: DDP's result to the bit, but for sums beyond the float range and subnormal
-    addends) and no Join divisor. Half precision divides first, so that its sums stay finite; so does
-    `check_finite` (`.grad` stays readable)."""
+    (all it reads) divided last: 1/world_size of a pass. Only for a power-of-two world size (exact division:
+    DDP's result to the bit, but for sums beyond the float range and subnormal addends) and no Join divisor.
+    Half precision divides first, so its sums stay finite; so does `check_finite` (`.grad` stays readable)."""
     world_size = round_.world_size
     exact = world_size > 1 and world_size & (world_size - 1) == 0  # (1: no division)
     exact = exact and round_.divisor is None  # (never the world size: `_ranks_not_joined`)
@@ -379,9 +373,8 @@ def _finite(store: GradStore, param: nn.Parameter) -> bool:
 
 def divide_unscaled(bucket: Bucket, store: GradStore, world_size: int) -> bool:
     """Before `bucket`'s sum: divide its slots the routed layers did not write scaled (`flatgrad._prescale`),
-    in few fills (the spans of the rest are kept on the bucket while the scaled set stays the same); False
-    when none was, and the whole bucket is to be divided as usual. (The used flags after it need no division:
-    a sum of 0s and 1s is 0 only if all are.)"""
+    in few fills (the rest's spans cached per scaled set); False when none was (the whole bucket divided as
+    usual). (Used flags after it need no division: a sum of 0s and 1s is 0 only if all are.)"""
     written = store.prescale.written
     if not written:  # (a model with nothing routed: no pass over the bucket's parameters)
         return False
@@ -411,12 +404,11 @@ def plan_buckets(store: GradStore, bucket_cap_mb: float, small_first_on_cpu: boo
     """The bucket plan of `store`, launched in buffer order (not learned): buckets per buffer, cut at slot
     boundaries in buffer order, the first about `_FIRST_BUCKET_MB`, the others about `bucket_cap_mb`.
 
-    A CPU buffer is averaged by gloo on a thread of its own, which competes with the backward for the cores
-    when none is free (`small_first_on_cpu` False: see `BackendPolicy.spare_core`; torchrun's default of one
-    thread per rank on as many cores as ranks). There a collective costs about 0.7 ms of the step by itself (2
-    gloo ranks on 2 cores), more than an early 1 MiB bucket hides, while an early bucket of 12.9 MiB
-    (recommender) hides more than it costs: its first bucket is half a bucket (12.5 MiB by default; never
-    below 1 MiB), so a buffer up to that size is one bucket."""
+    Gloo averages a CPU buffer on its own thread, competing with backward for cores when none is free
+    (`small_first_on_cpu` False, see `BackendPolicy.spare_core`: torchrun's default of one thread and one core
+    per rank). A collective there costs about 0.7 ms of the step (2 gloo ranks on 2 cores), more than an early
+    1 MiB bucket hides; an early 12.9 MiB one (recommender) hides more than it costs: the first bucket is half
+    a bucket (12.5 MiB by default; never below 1 MiB), so a buffer up to that size is one bucket."""
     buckets: list[Bucket] = []
     for key, buffer in store.buffers.items():
         slots = sorted(
@@ -481,8 +473,7 @@ class ReadyHooks:
         Args:
             params: the store's parameters, in its order.
             bucket_of: each one's bucket, by ``id(param)``.
-            on_ready: what each hook calls, with the parameter and its bucket first.
-        """
+            on_ready: what each hook calls, with the parameter and its bucket first."""
         self._params, self._bucket_of, self.unused = tuple(params), bucket_of, {}
         for param in self._params:
             node = accumulate_grad_node(param)
@@ -528,9 +519,8 @@ class ReadyHooks:
 
 
 class Deferrals:
-    """Post hooks that carry a nested backward's end outward. A backward that ran inside a node of another one
-    (a reentrant activation checkpoint recomputing its part of the graph) ends before that one, which may have
-    gradients still to come: its end is the step's."""
+    """Post hooks carrying a nested backward's end outward: one run inside another's node (a reentrant
+    checkpoint's recompute) ends before that one, which may have gradients to come; its end is the step's."""
 
     def __init__(self) -> None:
         self._handles: list[Any] = []
@@ -619,18 +609,16 @@ class BucketSync:
         return [self._plan.buckets[index].buffer for index in self._plan.order]
 
     def shard_plan(self, store: GradStore, overlap_param_gather: bool) -> list[tuple[torch.Tensor, int]]:
-        """The shard plan for a ShardedOptimizer over `store` (laid out for it: slots on multiples of the
-        world size): the pieces of the gradient buffers that split into equal shards, rank r owning the r-th,
-        as (gradient view, offset in its flat buffer), in buffer order (whatever order the buckets launch in).
-        From here on the buckets reduce-scatter (ZeRO-1).
+        """The shard plan for a ShardedOptimizer over `store` (laid out for it): the gradient buffer pieces
+        that split into equal shards, rank r owning the r-th, as (gradient view, offset in its flat buffer),
+        in buffer order (whatever the launch order). From here on the buckets reduce-scatter (ZeRO-1).
 
-        The pieces are the buckets where the backward reduce-scatters them (NCCL: a rank receives only its
-        shard of each) or where the next forward waits for each bucket's gather (`overlap_param_gather`).
-        Otherwise (gloo, `BackendPolicy.reduce_scatter`: the backward all-reduces every bucket, so every rank
-        holds all of the averaged gradients) each whole buffer: its parameters then come back in one broadcast
-        per rank instead of one per rank and bucket (per-bucket shards took 4-5% of the step more than the
-        stock ZeRO-1 on many small layers, 2 gloo ranks). Whole slots on multiples of the world size make
-        every buffer split evenly, as every bucket does."""
+        The pieces are the buckets where the backward reduce-scatters (NCCL: each rank gets only its shard) or
+        the next forward waits for each bucket's gather (`overlap_param_gather`). Otherwise (gloo,
+        `BackendPolicy.reduce_scatter`: the backward all-reduces every bucket, so every rank holds every
+        average) each whole buffer: its parameters then return in one broadcast per rank, not one per rank and
+        bucket (per-bucket shards cost 4-5% more of the step than stock ZeRO-1 on many small layers, 2 gloo
+        ranks). Whole slots on multiples of the world size split every buffer evenly, like every bucket."""
         self.reduce_scatter = True
         self.rebuild()
         assert self.store is store, "the store changed while switching to reduce-scatter"
@@ -718,11 +706,10 @@ class BucketSync:
             self._averaging = previous
 
     def pre_backward(self, sync: bool) -> Callable[[], None] | None:
-        """When a backward reaches the output of a forward this replicate made (from the coordinator,
-        `flatgrad._backward`, after the seater), before any gradient of the model is final: open it, averaging
-        when that forward synchronised (`sync`), and return the end of it (`_finish`, which the coordinator
-        runs after the seater's); None when it is open already (another output: a synchronised one upgrades it
-        to averaging) or accumulates into no parameter."""
+        """When a backward reaches an output of this replicate's forward (from `flatgrad._backward`'s
+        coordinator, after the seater), before any gradient is final: open it, averaging if that forward
+        synchronised (`sync`), returning its end (`_finish`, run by the coordinator after the seater's); None
+        if already open (a synchronised other output upgrades it) or accumulating into no parameter."""
         _refuse_compiled_autograd()
         if self._grads.store is not self.store:
             self.rebuild()  # the seater, just before, laid out again (a stale slot)

@@ -1,5 +1,4 @@
-"""Synchronising the flat buffers across ranks: the DDP comm hook, the no-DDP sync, and the
-collectives over tensors that replicate's buckets launch (`launch_average`).
+"""Flat-buffer sync across ranks: DDP comm hook, no-DDP sync, replicate's collectives (`launch_average`).
 
 No postponed annotations: DDP checks the hook's (`dist.GradBucket`, `Future[Tensor]`) at registration."""
 
@@ -40,22 +39,18 @@ class FlatGradCommState:
     edge (`DDPEdge`), which the hook reaches through `engine`.
 
     Args:
-        model: The model with `flatgrad.FlatGrad` applied whose buffers the hook keeps
-            pointing at DDP's buckets.
+        model: The `flatgrad.FlatGrad` model whose buffers the hook keeps pointing at DDP's buckets.
         engine: That model's engine.
-        process_group: The group to average over, None for the default group: the hook
-            does not see the group DDP was given (torch's own hooks take theirs the same
-            way), so a DDP on a sub-group needs the same group here.
-        reduce_dtype: ``torch.bfloat16`` or ``torch.float16`` compresses floating-point buckets
-            on the wire; None sends them as they are.
+        process_group: The group to average over, None: the default group. The hook does not see the group DDP
+            was given (torch's own hooks take theirs alike), so a DDP on a sub-group needs it here too.
+        reduce_dtype: ``torch.bfloat16``/``torch.float16``: the floating-point buckets' wire dtype, or None.
 
     Attributes:
         num_calls: The hook's calls (one per bucket and synchronised backward: with `ddp_kwargs()`, one per
             (dtype, device) buffer and step; under DDP's Python reducer, one per parameter and step).
 
     Raises:
-        ValueError: `reduce_dtype` is not torch.bfloat16, torch.float16 or None.
-    """
+        ValueError: `reduce_dtype` is not torch.bfloat16, torch.float16 or None."""
 
     model: nn.Module
     engine: HookEngine
@@ -141,11 +136,10 @@ class DDPEdge:
         """Under a `Join` with ``divide_by_initial_world_size=False``, the ranks not joined
         yet, which DDP divides by (it leaves that to a comm hook); None otherwise.
 
-        Inside an enabled `Join` every rank all-reduces one count per bucket, whatever the Join divides by: a
-        joined rank, matching the backward's all-reduces with zero buckets, is not told which DDP it stands in
-        for (DDP hands its hook only the state and the bucket), but knows it is inside such a Join, so every
-        rank makes the same collectives without knowing how the Join divides. The rank still training reads
-        the count only where its DDP divides by it."""
+        Inside an enabled `Join` every rank all-reduces one count per bucket, whatever the Join divides by, so
+        all make the same collectives: a joined rank, matching the backward's all-reduces with zero buckets,
+        knows it is inside such a Join but not which DDP it stands in for (DDP hands its hook only the state
+        and the bucket). The rank still training reads the count only where its DDP divides by it."""
         joined = graph_task_id() == -1  # a joined rank matching the backward's all-reduces
         ddp = None if joined or self._joining is None else self._joining()
         if ddp is None and not joined:
@@ -211,13 +205,11 @@ def allreduce_hook(state: FlatGradCommState, bucket: dist.GradBucket) -> torch.f
 
     Args:
         state: The `FlatGradCommState` of the model (`FlatGrad.comm_state()`).
-        bucket: DDP's gradient bucket (under DDP's Python reducer, a ``(grad, param)`` pair,
-            averaged in place).
+        bucket: DDP's bucket (under DDP's Python reducer a ``(grad, param)`` pair, averaged in place).
 
     Returns:
         A future whose value is the bucket buffer itself, averaged in place, so DDP copies
-        nothing back (None under DDP's Python reducer, which ignores it).
-    """
+        nothing back (None under DDP's Python reducer, which ignores it)."""
     state.num_calls += 1
     if isinstance(bucket, tuple):  # DDP's Python reducer: see `_python_reducer_mean`
         _python_reducer_mean(state, *bucket)
@@ -365,10 +357,9 @@ class BackendPolicy:
         all_gather: a ShardedOptimizer's parameters are all-gathered (NCCL). False on gloo,
             whose all-gather of the flat buckets takes 1.7x its broadcasts of the same
             shards (120 vs 70 ms for 96 MB on 2 CPU ranks): each rank broadcasts its shard.
-        spare_core: the ranks' compute threads leave a core of this host free
-            (`cores_to_spare`), where gloo's thread can overlap the backward. Without one, a
-            CPU buffer's first bucket is half a bucket instead of DDP's 1 MiB (`plan_buckets`).
-    """
+        spare_core: the ranks' compute threads leave a host core free (`cores_to_spare`) for gloo's thread to
+            overlap the backward; without one, a CPU buffer's first bucket is half a bucket, not DDP's 1 MiB
+            (`plan_buckets`)."""
 
     reduce_scatter: bool = True
     all_gather: bool = True
@@ -404,13 +395,12 @@ def launch_average(
     divisor: int | None = None,
 ) -> tuple[Any, torch.Tensor | None]:
     """Start averaging `sent` over `process_group` asynchronously: an all-reduce in place, or (`scatter`) a
-    reduce-scatter whose result is this rank's piece of `sent` (the caller asks for it only where
-    `BackendPolicy.reduce_scatter` says so: gloo all-reduces, which leaves that piece averaged too). Returns
-    the work and the wire tensor when it is not `sent` itself (a `reduce_dtype` copy, which the caller copies
-    back once the work is done). `divide` False where the reduction sums: the sum is left for the caller to
-    divide (the shards a ShardedOptimizer reads). `divisor`: the ranks to average over instead of the world
-    size (under a `Join` that divides by the ranks not joined yet, whose joined ranks send zeros): a sum of
-    the ranks' gradients divided first, on every backend."""
+    reduce-scatter whose result is this rank's piece of `sent` (asked only where
+    `BackendPolicy.reduce_scatter` says so: gloo all-reduces, leaving that piece averaged too). Returns the
+    work and the wire tensor if not `sent` itself (a `reduce_dtype` copy, for the caller to copy back once
+    done). `divide` False where the reduction sums: the caller divides the sum (the shards a ShardedOptimizer
+    reads). `divisor`: the ranks to average over instead of the world size (a `Join` dividing by the ranks not
+    joined yet; joined ranks send zeros): a sum of the ranks' gradients divided first, on every backend."""
     wire = to_wire(sent, reduce_dtype)
     op, must_divide = average_op(wire, process_group)
     world_size = dist.get_world_size(process_group)

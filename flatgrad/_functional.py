@@ -10,8 +10,7 @@ written and `.grad` stays None where stock leaves it. Nothing here imports torch
 
 Where a weight's gradient goes (`weight_target`), by mode:
 
-- ``"out"``: `.grad` is None: compute into a fresh view of the slot with ``out=``, make that view the `.grad`,
-  and return None.
+- ``"out"``: `.grad` None: compute into a fresh view of the slot with ``out=``, make it `.grad`, return None.
 - ``"add"``: `.grad` already is the slot: accumulate in place and return None.
 - ``"fresh"``: plain out-of-place autograd: `torch.autograd.grad` captures this weight, ``create_graph=True``
   needs a differentiable result, the weight has tensor hooks that must see its gradient, or it has no slot.
@@ -183,10 +182,9 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _read_counts(index: torch.Tensor, size: int) -> torch.Tensor:
-    """How many times each of `size` rows is read by `index`, int64 (scale_grad_by_freq).
-    On CUDA `torch.bincount` sizes its output from ``index.max().item()``, a device sync on
-    every backward; a scatter-add of ones into `size` int64 counters needs none (integer
-    sums: the same counts in any order; 1-D, it has a deterministic kernel too)."""
+    """How often `index` reads each of `size` rows, int64 (scale_grad_by_freq). On CUDA `torch.bincount` sizes
+    its output by ``index.max().item()``, a device sync per backward; a scatter-add of ones into `size` int64
+    counters needs none (integer sums: the same counts in any order; 1-D: a deterministic kernel too)."""
     if index.device.type != "cuda":
         return torch.bincount(index, minlength=size)
     counts = torch.zeros(size, dtype=torch.int64, device=index.device)
@@ -269,8 +267,7 @@ def gather_with_index_add(buffer: torch.Tensor, indices: torch.Tensor) -> torch.
     Raises:
         TypeError: `buffer` or `indices` is not a tensor, or `indices` is not int32/int64.
         ValueError: `buffer` is 0-d.
-        IndexError: On CPU, an index lies outside ``[-len(buffer), len(buffer))``.
-    """
+        IndexError: On CPU, an index lies outside ``[-len(buffer), len(buffer))``."""
     if not isinstance(buffer, torch.Tensor) or not isinstance(indices, torch.Tensor):
         raise TypeError(
             f"buffer and indices must be tensors, got {type(buffer).__name__} and {type(indices).__name__}"
@@ -353,9 +350,8 @@ class _GatherDim(torch.autograd.Function):
 
 
 def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
-    """``torch.gather(input, dim, index)`` whose backward scatter-adds the output gradient (repeated positions
-    summed), straight into `input`'s slot when `input` is a parameter of a model with `FlatGrad` applied: no
-    input-sized temporary, copy or add.
+    """``torch.gather(input, dim, index)`` whose backward scatter-adds the output gradient (repeats summed)
+    straight into the slot of a `FlatGrad` model's parameter `input`: no input-sized temporary, copy or add.
 
     Same forward as `torch.gather`: `index` has `input`'s number of dimensions, is no larger than `input`
     along every dimension but `dim`, and holds values in ``[0, input.size(dim))``. On CPU an out-of-range
@@ -373,11 +369,9 @@ def gather(input: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
 
     Raises:
         TypeError: `input` or `index` is not a tensor, `index` is not int32/int64, or `dim` is not an int.
-        IndexError: `dim` is out of range for `input`; or, on CPU, a value of `index` lies outside ``[0,
-            input.size(dim))``.
+        IndexError: `dim` is out of range; on CPU, an `index` value lies outside ``[0, input.size(dim))``.
         ValueError: `index` has another number of dimensions than `input` (and more than one element), or is
-            larger than `input` along a dimension other than `dim`.
-    """
+            larger than `input` along a dimension other than `dim`."""
     _check_gather(input, dim, index)
     if index.dtype == torch.int32 and not GATHER_TAKES_INT32:
         index = index.long()  # (torch 2.4's gather and scatter_add take int64 only: the same positions)

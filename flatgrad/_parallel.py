@@ -3,17 +3,16 @@ place (`ReplicateModule`, `ReplicateState`).
 
 Buckets are `narrow` views of the flat buffer cut at slot boundaries in the buffer's order (the reverse of
 registration), about `bucket_cap_mb` each and a small first one where a core is free for gloo's thread
-(`flatgrad._bucket_sync.plan_buckets`). A post hook on every parameter's AccumulateGrad node (it fires for the
-routed layers too, whose Functions hand it None) counts the parameter ready; a bucket whose parameters are all
-ready starts its collective asynchronously once every bucket before it in the launch order has, while backward
-goes on. That order is the buffer's until the first synchronised backward ends, then rank 0's order of
-completion there (broadcast), learned again after each layout change, as DDP rebuilds its buckets: the same on
-every rank, and a model that runs its modules out of registration order still overlaps (then the last bucket's
-hooks count nothing: the final callback launches it). Parameters a synchronised backward left unused are asked
-about as each later one starts and counted ready at once if it will not reach them (DDP's
-``find_unused_parameters=True``). An autograd final callback launches the rest, waits, and settles `.grad` as
-DDP with ``find_unused_parameters=True`` does; the used flags ride in a buffer's last bucket when it launches
-last of its buffer's, else in one small all-reduce.
+(`flatgrad._bucket_sync.plan_buckets`). A post hook on each parameter's AccumulateGrad node (it fires for the
+routed layers too, whose Functions hand it None) counts it ready; a bucket whose parameters are all ready
+starts its collective once every bucket before it in the launch order has, during backward. That order is the
+buffer's until the first synchronised backward ends, then rank 0's order of completion there (broadcast),
+learned again after each layout change, as DDP rebuilds its buckets: the same on every rank, and a model
+running its modules out of registration order still overlaps (then the last bucket's hooks count nothing: the
+final callback launches it). Parameters a synchronised backward left unused are asked about as each later one
+starts and counted ready at once if it will not reach them (DDP's ``find_unused_parameters=True``). An
+autograd final callback launches the rest, waits and settles `.grad` as that DDP does; the used flags ride in
+a buffer's last bucket when it launches last of its buffer's, else in one small all-reduce.
 
 Which backwards average, as under DDP: one through the output of a synchronising forward (grad enabled,
 outside `no_sync()`), opened by the backward coordinator's pre hook on that output's nodes
@@ -25,11 +24,10 @@ backwards stay local. A nested backward (reentrant checkpointing) counts toward 
 parameter only it reaches and unused in an earlier step raises if its gradient comes after its bucket
 launched). `torch.autograd.grad` is left alone; a create_graph backward that should average is refused.
 
-On CUDA with NCCL the collectives run on the process group's stream, which waits through an event for the
-stream current at the launch (an AccumulateGrad hook's, kept from the application, or the final callback's),
-and that one first for the stream the backward opened on where they differ; the final callback's `Work.wait()`
-makes the current stream wait in turn. Nothing writes a bucket before its collective is done: backward does
-not return before."""
+On CUDA with NCCL the collectives run on the process group's stream, which waits via an event for the launch's
+current stream (an AccumulateGrad hook's, kept from the application, or the final callback's), and that one
+first for the stream the backward opened on where they differ; the final callback's `Work.wait()` makes the
+current stream wait. Nothing writes a bucket before its collective is done: backward returns after."""
 
 from __future__ import annotations
 
@@ -73,16 +71,14 @@ class ReplicateModule(FlatGrad):
 
     The model is a `torch.distributed.algorithms.Joinable`, as DDP: for uneven data per rank, train inside
     ``with Join([model, opt]):`` (the model first; `opt` a plain torch optimizer, which Join leaves alone, or
-    a `ShardedOptimizer`). A rank that ran out of data shadows each iteration of the others: the buffer
-    broadcast, and each synchronised backward's averaging with zeros for its gradients; gradients are divided
-    by the world size, as DDP's by default, or by the ranks not joined yet with ``Join(...,
-    divide_by_initial_world_size=False)``. When every rank has joined, the last to join broadcasts its
-    parameters and buffers. A deep copy or an unpickled model is FlatGrad's alone: `replicate` it again to
-    average."""
+    a `ShardedOptimizer`). A rank out of data shadows each of the others' iterations: the buffer broadcast,
+    and each synchronised backward's averaging with zeros for its gradients; gradients are divided by the
+    world size, as DDP's by default, or by the ranks not joined yet with ``Join(...,
+    divide_by_initial_world_size=False)``. Once all have joined, the last to join broadcasts its parameters
+    and buffers. A deep copy or an unpickled model is FlatGrad's alone: `replicate` it again to average."""
 
-    # Eager even under torch.compile(model), as FlatGrad.__call__ (the frame only): its
-    # bookkeeping must see the real output and is disabled as a whole; the model is still
-    # compiled (FlatGrad's `_flatgrad_call` hands it to Dynamo).
+    # Eager even under torch.compile(model), as FlatGrad.__call__ (the frame only: its bookkeeping must see
+    # the real output); the model is still compiled (FlatGrad's `_flatgrad_call` hands it to Dynamo).
     @torch.compiler.disable(recursive=False)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if active_ddp() is not None and torch.is_grad_enabled():  # (the same on every rank DDP runs)
@@ -105,8 +101,7 @@ class ReplicateModule(FlatGrad):
         return output
 
     def __getstate__(self) -> dict[str, Any]:
-        # A deep copy or an unpickled model is FlatGrad's alone (the data-parallel state
-        # holds the process group and autograd hooks): `replicate` it again to average.
+        # Copies are FlatGrad's alone (the data-parallel state holds the process group, autograd hooks).
         state = super().__getstate__()
         state.pop(_STATE, None)
         state.pop("_join_config", None)
@@ -136,9 +131,8 @@ class ReplicateModule(FlatGrad):
 
     @property
     def require_backward_grad_sync(self) -> bool:
-        """DDP's flag, which `no_sync()` toggles: whether the next forward's backward averages. nanoGPT's
-        train.py sets it directly (``model.require_backward_grad_sync = micro_step == last``), which works
-        here too.
+        """DDP's flag, toggled by `no_sync()`: whether the next forward's backward averages. nanoGPT's
+        train.py sets it (``model.require_backward_grad_sync = micro_step == last``), which works here too.
 
         Returns:
             True unless inside `no_sync()` or set to False."""
@@ -151,8 +145,7 @@ class ReplicateModule(FlatGrad):
     # --- Join (the model is the Joinable: ``with Join([model, opt]):``) ---------------------
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """The hook through which a rank out of data shadows the others' iterations in ``with Join([model,
-        ...]):``.
+        """The hook by which a rank out of data shadows the others' iterations under ``Join([model, ...])``.
 
         Args:
             **kwargs: The Join's: ``divide_by_initial_world_size`` (default True, as DDP's) divides each
@@ -218,11 +211,10 @@ def replicate(
     broadcast_buffers: bool = True,
     check_finite: bool = False,
 ) -> ReplicateModule:
-    """Average `model`'s gradients over `process_group` during backward, bucket by bucket, overlapped with the
-    rest of the backward; in place, as torch's composable ``replicate`` and FSDP2's ``fully_shard``: returns
-    `model`, now also a `ReplicateModule` (and a `FlatGrad`, applied with the defaults first where it is not
-    yet). Rank 0's parameters and buffers are broadcast now. What the model does from then on:
-    `ReplicateModule`.
+    """Average `model`'s gradients over `process_group` bucket by bucket, overlapped with the backward; in
+    place, as torch's composable ``replicate`` and FSDP2's ``fully_shard``: returns `model`, now also a
+    `ReplicateModule` (and a `FlatGrad`, applied with the defaults first where it is not yet). Rank 0's
+    parameters and buffers are broadcast now. What the model does from then on: `ReplicateModule`.
 
     Args:
         model: The model; every rank must pass the same model.
@@ -245,9 +237,8 @@ def replicate(
         TypeError: `model` is not an `nn.Module`, or `check_finite` is not a bool.
         RuntimeError: No process group is initialised (``dist.init_process_group``).
         ValueError: `replicate` was applied already; a bad `bucket_cap_mb` or `reduce_dtype`; sparse
-            embeddings, or an attribute named as one `ReplicateModule` adds; the ranks' models or settings
-            differ (raised on every rank); a bad `device_mesh`; or the group crosses the mesh of the model's
-            DTensor parameters."""
+            embeddings, an attribute named as one `ReplicateModule` adds; the ranks' models or settings differ
+            (on every rank); a bad `device_mesh`; or the group crosses the DTensor parameters' mesh."""
     _check_arguments(model, bucket_cap_mb, reduce_dtype, check_finite)
     flat = model if isinstance(model, FlatGrad) else FlatGrad(model)
     engine_of(flat).refuse_sparse("replicate")
@@ -313,10 +304,9 @@ def _check_arguments(
 
 
 class ReplicateState:
-    """One replicated model's data-parallel state: its process group and settings, the
-    bucket sync (`_engine`, a `flatgrad._bucket_sync.BucketSync` over the model's
-    `GradEngine`), what forwards do around it (buffer broadcasts, Join), the buckets and
-    the last synchronised backward's timings. Built by `replicate`; `replicate_state(model)`."""
+    """One replicated model's data-parallel state: its process group and settings, the bucket sync (`_engine`,
+    a `BucketSync` over the model's `GradEngine`), what forwards do around it (buffer broadcasts, Join), the
+    buckets and the last synchronised backward's timings. Built by `replicate`; `replicate_state(model)`."""
 
     def __init__(
         self,
@@ -353,8 +343,7 @@ class ReplicateState:
 
     @property
     def sync(self) -> bool:
-        """DDP's require_backward_grad_sync (the flag lives in the bucket sync: a backward
-        that opens inside a forward reads it then)."""
+        """DDP's require_backward_grad_sync, in the bucket sync (a backward opening mid-forward reads it)."""
         return self._engine.sync
 
     @sync.setter
@@ -373,8 +362,7 @@ class ReplicateState:
             self._notify_join(first)
         elif self._sync_buffers_next and self.broadcast_buffers and engine.has_buffers:
             self._broadcast_buffers()
-        # The backward through the output of the forward about to run is this one's too
-        # (bound into that forward's plan: see flatgrad._backward).
+        # This forward's output's backward is this engine's too (bound into its plan: see flatgrad._backward).
         engine_of(self.module).expect_sync(engine, self.sync)
         training = torch.is_grad_enabled()
         if training:  # a backward inside it (Lightning's manual_backward) averages unless no_sync
@@ -389,10 +377,9 @@ class ReplicateState:
             self._engine.end_forward(finished)
 
     def _broadcast_buffers(self, source: int = 0) -> None:
-        """The buffers of rank `source` (of the group) to every rank, as DDP's forward does:
-        the buffers found now (a buffer may have been re-assigned), coalesced into few
-        broadcasts (`dist._broadcast_coalesced`, DDP's own, 250 MiB pieces), without bumping
-        their version counters (a buffer saved for a backward stays usable, as under DDP)."""
+        """Rank `source`'s (group rank) buffers to every rank, as DDP's forward: those found now (one may be
+        re-assigned), coalesced into few broadcasts (`dist._broadcast_coalesced`, DDP's own, 250 MiB pieces),
+        without bumping their version counters (one saved for a backward stays usable, as under DDP)."""
         buffers = list(self.module.buffers())
         if not buffers:
             return
@@ -453,12 +440,10 @@ class ReplicateState:
 
     @property
     def exposed_s(self) -> float:
-        """Of the last synchronised backward: how long the final callback waited for communication after
-        compute ended.
+        """Of the last synchronised backward: the final callback's wait for communication after compute ended.
 
-        Host time, as are `launch_offsets_s` and `backward_s`: on CUDA with NCCL the waits order the current
-        stream after the collectives without blocking the host, so this is about 0 there (the GPU's timeline
-        needs CUDA events or the profiler).
+        Host time (as `launch_offsets_s` and `backward_s`): on CUDA with NCCL the waits order the current
+        stream after the collectives, not the host, so about 0 there (GPU time: CUDA events or the profiler).
 
         Returns:
             Seconds (0.0 before the first synchronised backward)."""
@@ -474,8 +459,7 @@ class ReplicateState:
 
 
 class _ReplicateJoinHook(JoinHook):
-    """What a rank that ran out of data does in place of each iteration of the ranks still
-    training, as DDP's join hook (`_DDPJoinHook`) does for DDP."""
+    """What a rank out of data does for each iteration of those still training, as DDP's `_DDPJoinHook`."""
 
     def __init__(self, dp: ReplicateState, divide_by_initial_world_size: bool) -> None:
         self.dp = dp
@@ -498,10 +482,9 @@ class _ReplicateJoinHook(JoinHook):
             engine.shadow(None if dp._divide_by_initial_world_size else ranks)
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """Every rank takes the parameters and buffers of the last rank to join (the highest
-        of them), as DDP's: a joined rank kept its own since it joined. With a
-        ShardedOptimizer the parameters are every rank's already (a joined rank steps its
-        shards and gathers along: its join hook), and only the buffers move."""
+        """Every rank takes the parameters and buffers of the last rank to join (the highest of them), as
+        DDP's: a joined rank kept its own since. With a ShardedOptimizer the parameters agree already (a
+        joined rank steps its shards and gathers along: its join hook), and only the buffers move."""
         dp = self.dp
         source = dp._common_rank(is_last_joiner)
         if not dp._engine.reduce_scatter:
@@ -511,10 +494,9 @@ class _ReplicateJoinHook(JoinHook):
 
 
 def _check_same_model(module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
-    """Raise on every rank unless all ranks hold parameters and buffers of the same shapes,
-    dtypes and trainability, in the same order (DDP's constructor checks this too): the
-    broadcast and the buckets would otherwise hang or mix unrelated slots. One all-reduce
-    (MAX) of a digest and its negation: equal on all ranks exactly when min equals max."""
+    """Raise on every rank unless all hold parameters and buffers of the same shapes, dtypes and trainability,
+    in the same order (as DDP's constructor does): else the broadcast and buckets hang or mix unrelated slots.
+    One MAX all-reduce of a digest and its negation: all equal exactly when min equals max."""
     tensors = [*module.parameters(), *module.buffers()]
     described = [(tuple(t.shape), str(t.dtype), t.requires_grad) for t in tensors]
     digest = zlib.crc32(repr(described).encode())
@@ -550,9 +532,8 @@ def _check_same_settings(
     """Raise on every rank, naming each setting and every rank's value, unless all ranks agree on what shapes
     the collectives: ``bucket_cap_mb`` (the buckets), ``reduce_dtype`` (what each all-reduce sends),
     ``check_finite`` (an all-reduce per backward more), ``broadcast_buffers`` (a broadcast per forward), and
-    the layout of the gradient buffers (``align_bytes``, ``grad_dtype``: the elements every collective
-    covers). A rank that differs would otherwise be killed inside the backend with no Python error, or hang.
-    One small all-gather."""
+    the gradient buffers' layout (``align_bytes``, ``grad_dtype``: the elements every collective covers). A
+    differing rank would otherwise die in the backend with no Python error, or hang. One small all-gather."""
     buffers = flat.grad_buffers
     config = flat.flatgrad_config
     mine = [

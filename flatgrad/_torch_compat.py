@@ -114,9 +114,8 @@ def accumulate_grad_node(tensor: torch.Tensor) -> Any:
 
 
 def _accumulate_grad_skips_hooks_without_a_gradient() -> bool:
-    """Whether AccumulateGrad skips a tensor's post-accumulate-grad hooks when no gradient
-    reaches it: probed on one leaf by calling its AccumulateGrad node directly with None
-    (`Node.__call__` runs the node's apply alone: no backward, engine thread or hook)."""
+    """Whether AccumulateGrad skips a tensor's post-accumulate-grad hooks when no gradient reaches it: probed
+    with None on one leaf's node (`Node.__call__` runs only its apply: no backward, engine thread or hook)."""
     ran: list[torch.Tensor] = []
     with torch.inference_mode(False), torch.enable_grad():
         leaf = torch.zeros(1, device="cpu", requires_grad=True)
@@ -222,9 +221,8 @@ _BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
 def broadcast_coalesced(
     process_group: dist.ProcessGroup | None, tensors: list[torch.Tensor], src: int
 ) -> None:
-    """DDP's own coalesced broadcast of `tensors` from `src`, in pieces of DDP's 250 MiB.
-    `src` is a rank of `process_group` (not a global rank, as `dist.broadcast` takes): the
-    C++ call hands it to the group as its root, as DDP passes ``process_group.rank()``."""
+    """DDP's own coalesced broadcast of `tensors` from `src` (250 MiB pieces). `src` is a group rank (not
+    global, as `dist.broadcast` takes): the C++ call's root, as DDP passes ``process_group.rank()``."""
     group = process_group or dist.distributed_c10d._get_default_group()
     dist._broadcast_coalesced(group, tensors, _BROADCAST_BUCKET_BYTES, src)  # type: ignore[attr-defined]
 
@@ -323,9 +321,8 @@ def sharded_tensor(
 def non_finite_check_and_unscale(
     grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
 ) -> None:
-    """``torch._amp_foreach_non_finite_check_and_unscale_`` (what torch.amp.GradScaler runs;
-    present in every torch the range accepts): `grads` (one device and dtype) multiplied by
-    `inv_scale` in place, `found_inf` set to 1.0 where one held an inf or NaN."""
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` (GradScaler's; in every torch the range accepts):
+    `grads` (one device, dtype) scaled by `inv_scale` in place, `found_inf` set to 1.0 on any inf or NaN."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 

@@ -1,9 +1,7 @@
-"""ZeRO-1 for a `ShardedOptimizer` (see `flatgrad._sharded`): this rank's engine, the collectives over its
-gradient shards, and its parameter groups.
+"""ZeRO-1 for a `ShardedOptimizer` (`flatgrad._sharded`): this rank's engine, shard collectives, param groups.
 
-`ShardEngine`: this rank's part of ZeRO-1 over replicate's buckets: the flat parameter buffers, this rank's
-shards, the pieces the inner optimizer steps, the clip over shards and the parameter all-gather; and the hooks
-that wait for the all-gathers (``overlap_param_gather``).
+`ShardEngine`, over replicate's buckets: flat parameter buffers, its shards, the pieces the inner optimizer
+steps, the clip over shards, the parameter all-gather and the hooks awaiting it (``overlap_param_gather``).
 
 Free functions over this rank's gradient shards (`runs_in_shards`, `clip_shards`, `unscale_shards`): the clip
 to a global norm and a loss scaler's unscale with its inf check. Every element's average lives in exactly one
@@ -111,11 +109,10 @@ class FlatParameters:
         return list(map(_data_ptr, self.store.params)) == self._addresses
 
     def check_layout(self, stores: StoreSource) -> None:
-        """Raise RuntimeError where the model's parameters changed since construction in a way `follow` does
-        not take (`stores`: the model's gradient engine); a conversion between backward and step must raise,
-        as the parameters are views of the flat parameter buffer the gather refills. Every parameter still at
-        its slot (one data pointer each) and the engine's O(1) checks (a parameter registered, frozen or
-        unfrozen) stand for its full walk over every parameter."""
+        """Raise RuntimeError where the parameters changed since construction in a way `follow` does not take
+        (`stores`: the model's gradient engine): a conversion between backward and step must raise, as the
+        parameters are views of the flat buffer the gather refills. A data pointer per parameter (at its slot)
+        and the engine's O(1) checks (parameters registered, (un)frozen) stand for its full walk."""
         # A change moves the reduce-scattered .grads (and is refused just below).
         in_place = self.params_in_place()
         with unguarded(self.store, stores.store):
@@ -145,10 +142,9 @@ class FlatParameters:
         raise NotImplementedError
 
     def skip_or_unscale(self, found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None) -> bool:
-        """What a step under ``GradScaler.step`` does (the scaler's `found_inf` and `grad_scale`, as it hands
-        them to an optimizer that handles scaling itself; None outside one): skip (True) after an inf or NaN
-        on any rank, the same answer on every rank; otherwise unscale the gradients unless ``scaler.unscale_``
-        did already (`grad_scale` None)."""
+        """What a step under ``GradScaler.step`` does (the scaler's `found_inf` and `grad_scale`, as handed to
+        an optimizer that scales itself; None outside one): skip (True) after an inf or NaN on any rank, every
+        rank alike; otherwise unscale unless ``scaler.unscale_`` did already (`grad_scale` None)."""
         if found_inf is None:  # (not under scaler.step)
             return False
         if not isinstance(found_inf, torch.Tensor):  # (no inf check ran: torch's own scaler)
@@ -165,9 +161,8 @@ class FlatParameters:
 
 
 class ShardEngine(FlatParameters):
-    """The flat parameter buffers (`FlatParameters`) and this rank's shard (`Shard`) of each piece of the
-    shard plan (`bucket_views`, from `BucketSync.shard_plan`: the buckets, or whole buffers, each as (gradient
-    view, offset in its flat buffer))."""
+    """`FlatParameters` and this rank's `Shard` of each piece of the shard plan (`bucket_views` from
+    `BucketSync.shard_plan`: buckets or whole buffers, as (gradient view, offset in its flat buffer))."""
 
     def __init__(
         self,
@@ -206,22 +201,20 @@ class ShardEngine(FlatParameters):
         return shards
 
     def has_grads(self) -> bool:
-        """Whether a step has gradients to use: a parameter has a `.grad` (reduce-scattered ones are
-        ScatteredGrads), or main grads were reduce-scattered into since flatgrad's last zeroing (they have no
-        `.grad`). Gradients set to None through the model (``model.zero_grad()``) leave nothing to step, as
-        with stock. Every rank answers alike: a sync sets `.grad` alike on all. (Not agreed by a collective:
-        a rank that skipped its forward and backward answers False and must not meet the others' backward
-        with one; its next backward refuses, `Round._check_round`.)"""
+        """Whether a step has gradients: a parameter has a `.grad` (reduce-scattered ones are ScatteredGrads),
+        or main grads were reduce-scattered into since flatgrad's last zeroing (they have no `.grad`).
+        ``model.zero_grad()`` (None) leaves nothing to step, as with stock. Every rank answers alike (a sync
+        sets `.grad` on all) without a collective: a rank that skipped its forward and backward answers False
+        and must not meet the others' backward with one; its next backward refuses (`Round._check_round`)."""
         store = self.store
         return any(p.grad is not None for p in store.params) or (is_scattered(store) and bool(store.mains))
 
     def take_assigned_grads(self) -> None:
-        """Before a step with no synchronised backward since the gradients were last zeroed: each `.grad`
-        assigned by hand (``p.grad = g``: gradient surgery, gradients from ``torch.autograd.grad`` or another
-        model) is copied into its slot, which the shards read, and the slot of a parameter without one is
-        zeroed (left unstepped on this rank: `PieceGroups.step`). Nothing is averaged: each rank steps its
-        shards with its own gradients, as torch's ZeroRedundancyOptimizer steps its partition. After a
-        synchronised backward the slots already hold the averages."""
+        """Before a step with no synchronised backward since the last zeroing (after one, the slots hold the
+        averages): each `.grad` assigned by hand (``p.grad = g``: gradient surgery, from
+        ``torch.autograd.grad`` or another model) is copied into its slot, which the shards read; a parameter
+        without one has its slot zeroed (left unstepped on this rank: `PieceGroups.step`). Unaveraged: each
+        rank steps its shards with its own, as torch's ZeroRedundancyOptimizer its partition."""
         store = self.store
         if not is_scattered(store) and any(p.grad is not None for p in store.params):
             store.take_in(store.params, zero_empty=True)
@@ -380,10 +373,9 @@ def tensor_parallel_layout(layout: Layout, store: GradStore) -> Layout:
     - `Layout.peers`: for each parameter sharded over the mesh, the boxes of its state
       (global rank, offsets, sizes in the whole parameter) the other ranks' pieces hold, which
       a ShardedTensor of the whole parameter's state lists besides this rank's group's;
-    - `Layout.cuts`: for each replicated parameter (the same on every rank of the mesh),
-      where any rank's chunks start or end, so every rank cuts its chunks there and saves
-      the same boxes: ``torch.distributed.checkpoint`` writes one copy of boxes that are
-      equal (it drops duplicates) and refuses boxes that only overlap."""
+    - `Layout.cuts`: for each replicated parameter (alike on all the mesh's ranks), where any rank's chunks
+      start or end, so every rank cuts its chunks there and saves the same boxes:
+      ``torch.distributed.checkpoint`` writes one copy of equal boxes and refuses boxes that only overlap."""
     tensor_parallel = store.tensor_parallel
     if tensor_parallel is None:
         return layout
@@ -466,8 +458,7 @@ def flat_parameters(store: GradStore, reuse_only: bool = False) -> dict[Any, tor
     Raises:
         ValueError: Parameters of different dtypes share a gradient buffer (`parameter_dtypes`); or, with
             `reuse_only` (another ShardedOptimizer steps the parameters already), they are not views of such
-            buffers any more: new ones would move that one's parameters out of the memory it steps.
-    """
+            buffers any more: new ones would move that one's parameters out of the memory it steps."""
     dtypes = parameter_dtypes(store)
     found = {key: _buffer_under(store, key) for key in store.buffers}
     if all(buffer is not None for buffer in found.values()):
@@ -738,12 +729,11 @@ def _same(a: object, b: object) -> bool:
 
 
 class SyncedOptions:
-    """The options of a ShardedOptimizer's `param_groups` and of its inner optimizer's groups (one inner group
-    per group), kept one setting: whichever side was changed since the last sync (a scheduler on ``opt`` or on
-    ``opt.optimizer``, a loop writing either's ``group["lr"]``, the inner step adapting an option) carries to
-    the other, and an option changed on both sides to different values is refused. At construction the groups
-    take the inner optimizer's values, as a plain optimizer's groups would show them (an lr the class keeps as
-    a tensor, as torchao's do, is that tensor in both)."""
+    """The options of a ShardedOptimizer's `param_groups` and its inner optimizer's (one inner group each),
+    kept one setting: whichever side changed since the last sync (a scheduler on ``opt`` or ``opt.optimizer``,
+    a loop writing either's ``group["lr"]``, the inner step adapting an option) carries to the other;
+    differing changes on both sides are refused. At construction the groups take the inner optimizer's values,
+    as a plain optimizer's would (a tensor lr, as torchao's, is that tensor in both)."""
 
     def __init__(self, param_groups: list[dict[str, Any]], inner: torch.optim.Optimizer) -> None:
         self.loaded(param_groups, inner)
@@ -768,8 +758,7 @@ class SyncedOptions:
 
         Raises:
             ValueError: An option was set on both sides since the last sync, to different values (every rank
-                alike: schedulers and loops run on every rank).
-        """
+                alike: schedulers and loops run on every rank)."""
         for index, (group, own, seen) in enumerate(zip(param_groups, inner.param_groups, self.seen)):
             for key in {*group, *own} - {"params"}:
                 mine, theirs = group.get(key, _MISSING), own.get(key, _MISSING)
@@ -795,10 +784,9 @@ class SyncedOptions:
 def on_every_rank(
     call: Callable[[], Any], what: str, device: torch.device, process_group: dist.ProcessGroup | None
 ) -> Any:
-    """`call()`, its outcome agreed by every rank of `process_group` (one small all-reduce): where it raised
-    on any rank, every rank raises (that rank its own error, the others a RuntimeError naming it), so that no
-    rank goes on to a collective the others never reach (an inner optimizer that cannot take an empty group, a
-    step that fails on one rank's shard)."""
+    """`call()`, its outcome agreed over `process_group` (one small all-reduce): if it raised on any rank, all
+    raise (that rank its own error, the others a RuntimeError naming it), so none goes on to a collective the
+    others never reach (an inner optimizer refusing an empty group, a step failing on one rank's shard)."""
     error: Exception | None = None
     result = None
     try:
@@ -898,9 +886,8 @@ def relaid_state(
 def _eager_state(
     recipe: OptimizerRecipe, options: dict[str, Any], param: torch.Tensor, masters: bool
 ) -> dict[str, Any]:
-    """The state `recipe`'s optimizer gives a parameter shaped as `param` when built (Adagrad's initial
-    accumulator and step count; empty for classes that make state at their first step), on a throwaway
-    stand-in (float32 where masters are stepped)."""
+    """The state `recipe`'s optimizer builds for a `param`-shaped parameter (Adagrad's initial accumulator and
+    step count; empty for classes making state at their first step), on a stand-in (float32 with masters)."""
     dtype = torch.float32 if masters else param.dtype
     stand_in = nn.Parameter(torch.zeros(param.shape, dtype=dtype, device=param.device))
     return dict(recipe.build([dict(options, params=[stand_in])]).state.get(stand_in, {}))
@@ -1030,14 +1017,12 @@ class PieceGroups(InnerGroups):
         return self.call(self._keeping(parts, functools.partial(self.inner.step, **kwargs)), param_groups)
 
     def _unstepped(self, param_groups: list[dict[str, Any]]) -> tuple[set[int], list[tuple[Piece, int, int]]]:
-        """The groups no parameter of which has a gradient, and the [a, b) ranges of this rank's pieces of the
-        other groups that hold a parameter without one. Without a gradient: `.grad` None after a synchronised
-        backward (no rank used it, as stock DDP with find_unused_parameters=True leaves it; a main grad always
-        counts, an empty parameter never), or, with gradients assigned by hand, on this rank (each rank steps
-        its shards with its own, as torch's ZeroRedundancyOptimizer steps its partition; one small all-reduce
-        tells every rank who has none where). Raises ValueError on every rank alike, before anything moves,
-        where a group with a parameter without a gradient steps and its class cannot leave elements of its
-        pieces as they were (`_refuse_partial`)."""
+        """The groups where no parameter has a gradient, and the [a, b) ranges of this rank's pieces of the
+        other groups holding a parameter without one. Without a gradient: `.grad` None after a synchronised
+        backward (no rank used it, as DDP's find_unused_parameters=True leaves it; a main grad always counts,
+        an empty parameter never), or, with gradients assigned by hand, on this rank (each steps with its own:
+        `ShardEngine.take_assigned_grads`; one small all-reduce tells every rank who has none where). Raises
+        ValueError on every rank, before anything moves, where `_refuse_partial` refuses such a group."""
         store, scattered = self.engine.store, is_scattered(self.engine.store)
         if scattered and all(p.grad is not None or store.is_main(p) or not p.numel() for p in store.params):
             return set(), []  # (the usual step: every parameter has its gradient)
@@ -1067,12 +1052,11 @@ class PieceGroups(InnerGroups):
     def _refuse_partial(
         self, index: int, params: list[torch.Tensor], lacking: list[bool], group: dict[str, Any]
     ) -> None:
-        """Raise ValueError where group `index` steps with parameters without a gradient in it and its class
-        cannot leave their elements as they were: it keeps scalar state per parameter (a step count), which
-        the pieces keep per group, or its per-element state, zeroed, does not step as none does
-        (`zeros_start_fresh`). Probed in the dtype of each buffer the group's parameters live in (what the
-        pieces step: the gradient buffer's, float32 masters included), the same on every rank, so every rank
-        raises alike. Cached by the options a scheduler does not move."""
+        """Raise ValueError where group `index` steps with gradient-less parameters and its class cannot leave
+        their elements as they were: it keeps scalar state per parameter (a step count), which the pieces keep
+        per group, or its zeroed per-element state does not step as none does (`zeros_start_fresh`). Probed
+        alike on every rank in the dtype of each of the group's gradient buffers (what the pieces step,
+        float32 masters included), so all raise alike. Cached by the options no scheduler moves."""
         store = self.engine.store
         options = {k: v for k, v in group.items() if k != "params"}
         fixed = repr(
@@ -1144,8 +1128,7 @@ class PieceGroups(InnerGroups):
 
     def load_state_dict(self, param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> None:
         """Load `state_dict` into the inner optimizer through its class's own ``load_state_dict``
-        (`flatgrad._zero_state.load_own_state`), and the groups' options, after every rank found it fits
-        (`flatgrad._zero_state.refuse_misfits`)."""
+        (`load_own_state`), and the groups' options, after every rank found it fits (`refuse_misfits`)."""
         views = _with_saved_options(self.views(param_groups), state_dict)
         layout = self.engine.layout
         problem = misfit(self.recipe, views, layout, state_dict)
@@ -1182,6 +1165,5 @@ def _missing_on_ranks(
     return [[n > 0 for n in ns] for ns in per_group], [[n == world_size for n in ns] for ns in per_group]
 
 
-# Group options a scheduler moves (torch's LR schedulers, OneCycleLR's momentum bounds): left out of the key
-# `PieceGroups._refuse_partial` caches its answer by.
+# Options schedulers move (LR ones, OneCycleLR's momentum bounds): not in `_refuse_partial`'s cache key.
 _SCHEDULED = frozenset({"lr", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"})
