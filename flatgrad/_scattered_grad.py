@@ -38,8 +38,10 @@ _ALLOWED_CALLS = frozenset({
     "size", "stride", "dim", "numel", "nelement", "element_size", "data_ptr", "storage_offset",
     "untyped_storage", "is_contiguous", "is_floating_point", "is_complex", "is_signed",
     "is_pinned", "is_inference", "get_device", "_is_view", "requires_grad_", "zero_",
-    "_foreach_zero_",
+    "_foreach_zero_", "_has_compatible_shallow_copy_type",
 })  # fmt: skip
+# What passes where it moves nothing (its own tensor back: `nn.Module._apply` on the same device).
+_MOVES = frozenset({"cpu", "cuda", "to", "setting Tensor.data"})
 
 _ADVICE = (
     "use opt.clip_grad_norm_(max_norm) to clip (ShardedOptimizer's own: the global norm from "
@@ -73,6 +75,12 @@ def _guarded(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     name, allowed = _op(func)
     if name in ("__repr__", "__format__"):
         return _describe(args[0])
+    if name in _MOVES:  # (to where it is, as `model.cpu()` on CPU in Lightning's teardown; else refused)
+        if name == "setting Tensor.data" and args[1] is args[0]:
+            return None
+        with DisableTorchFunctionSubclass():
+            if name != "setting Tensor.data" and func(*args, **(kwargs or {})) is args[0]:
+                return args[0]
     if not (allowed or _unguarded(args, kwargs)):
         raise RuntimeError(
             f"{name} on a parameter's .grad under a ShardedOptimizer: after the synchronised "

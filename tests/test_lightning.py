@@ -706,3 +706,52 @@ def test_the_plain_state_warns_once_that_master_weights_are_left_out(caplog):
     warned = [r.getMessage() for r in caplog.records if "master weights are not saved" in r.getMessage()]
     assert len(warned) == 1 and "torch.bfloat16" in warned[0]
     assert sorted(state["state"]) == [0, 1, 2, 3] and "master" not in str(list(state["state"][0]))
+
+
+class _Finetuned(L.LightningModule):
+    """A backbone that Lightning's BackboneFinetuning keeps frozen for the first epoch, then unfreezes
+    with a param group of its own (`add_param_group`), under a head trained from the start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone, self.head = nn.Sequential(nn.Linear(32, 16), nn.Tanh()), nn.Linear(16, 2)
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        return self.head(self.backbone(batch)).square().sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+def _finetuning_case(rank: int, world_size: int) -> None:
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    _as_torchrun(rank, world_size)
+    data = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    finals = {}
+    for name in ("flatgrad_data_parallel", "flatgrad_sharded"):
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=name, max_epochs=3, precision="64-true", logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.0)],
+        )  # fmt: skip
+        module = _Finetuned()
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+        finals[name] = torch.cat([p.flatten() for p in _params(module)])
+    everywhere = [torch.empty_like(finals["flatgrad_sharded"]) for _ in range(world_size)]
+    torch.distributed.all_gather(everywhere, finals["flatgrad_sharded"])
+    torch.testing.assert_close(everywhere[0], everywhere[1], rtol=0, atol=0)  # (the backbone averaged too)
+    sharded, data_parallel = finals["flatgrad_sharded"], finals["flatgrad_data_parallel"]
+    torch.testing.assert_close(sharded, data_parallel, rtol=0, atol=1e-12)
+
+
+@pytest.mark.distributed
+def test_backbone_finetuning_unfreezes_into_the_sharded_optimizer() -> None:
+    """Lightning's BackboneFinetuning under flatgrad_sharded (by element): the backbone, frozen when the
+    optimizer was built, is laid out at the forward after its unfreezing, which meets the last step's
+    reduce-scattered gradients (Lightning zeroes after the forward): it crashed reading them. Now equal to
+    flatgrad_data_parallel (a torch Adam, averaged as DDP averages) and the same on both ranks. (Lightning's
+    own "ddp" never averages the backbone: DDP skips what was frozen when it wrapped, and the ranks'
+    backbones drift apart, 1.1e-2 after three epochs.)"""
+    run_ranks(_finetuning_case, timeout=300.0)
