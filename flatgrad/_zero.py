@@ -40,6 +40,7 @@ from flatgrad._zero_state import (
     Layout,
     OptimizerRecipe,
     Piece,
+    by_count,
     flagged_ranks,
     group_spec,
     load_group,
@@ -854,7 +855,7 @@ def relaid_state(
         if len(set(steps.values())) > 1:
             raise ValueError(
                 f"ShardedOptimizer: after parameters were frozen or unfrozen, param group {index} "
-                f"would hold parameters with different step counts ({steps}); "
+                f"would hold parameters with different step counts ({by_count(steps)}); "
                 f"{recipe.name} counts steps per parameter, ShardedOptimizer per "
                 "group: give parameters that become trainable later a group of their own "
                 "(build the optimizer without them and opt.add_param_group({'params': ...}) "

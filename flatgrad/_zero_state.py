@@ -222,6 +222,17 @@ def first_step_keys(
     return added, tuple(k for k in probe.state if not isinstance(k, torch.Tensor))
 
 
+def by_count(steps: dict[str, float]) -> str:
+    """Parameter names by step count, a few of each (a message's)."""
+    counts: dict[float, list[str]] = {}
+    for name, count in steps.items():
+        counts.setdefault(count, []).append(name)
+    return "; ".join(
+        f"{c:g}: {names[:3]}" + (f" and {len(names) - 3} more" * (len(names) > 3))
+        for c, names in counts.items()
+    )
+
+
 def without_stepped_options(groups: object) -> object:
     """A loaded state_dict's groups without the options `with_stepped_options` marked."""
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
@@ -691,7 +702,7 @@ def misfit(recipe: OptimizerRecipe, groups: list[GroupView], layout: Layout, sav
             steps = {n: float(entry[STEP]) for n, entry in entries.items() if STEP in entry}
             if STEP in spec.scalars and len(set(steps.values())) > 1:  # (a parameter parked when saved)
                 return (
-                    f"a param group would hold parameters with different step counts ({steps}); "
+                    f"a param group would hold parameters with different step counts ({by_count(steps)}); "
                     f"{recipe.name} counts steps per parameter, ShardedOptimizer per group: freeze "
                     "what was frozen when saved before loading"
                 )
