@@ -188,6 +188,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         # The whole state of parameters frozen since they were stepped, by name: restored
         # when they are trainable again (a plain optimizer keeps it, skipping them).
         self._parked: dict[str, dict[str, Any]] = {}
+        self._outside_of: tuple[tuple[object, ...], list[torch.Tensor]] = ((), [])  # (`_outside`)
         self._waits: weakref.finalize | None = None
         self._engine: ShardEngine | TensorEngine
         self._groups: PieceGroups | TensorGroups
@@ -522,13 +523,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self._engine.cleared()
             self._groups.drop_grads()
             return
-        store, ours = self._engine.store, {id(p) for group in self.param_groups for p in group["params"]}
+        store = self._engine.store
         # A parameter in none of the groups keeps its gradient, as a torch optimizer's zero_grad leaves it.
-        kept = [
-            (p, p.grad, store.view(p).clone())
-            for p in store.params
-            if p.grad is not None and id(p) not in ours
-        ]
+        kept = [(p, p.grad, store.view(p).clone()) for p in self._outside(store) if p.grad is not None]
         # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s
         # (a clone each) before they are dropped or zeroed.
         with unguarded(store, engine_of(self.dp.module).store):
@@ -538,6 +535,14 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._groups.drop_grads()
         if not (kept and engine_of(self.dp.module).store is store and restore_grads(store, kept)):
             self.dp._engine.grads_cleared()  # (else the next synchronised backward adds onto the kept ones)
+
+    def _outside(self, store: GradStore) -> list[torch.Tensor]:
+        """The parameters of `store` in none of the groups (made again when the store or a group changed)."""
+        key = (store, *[(id(g["params"]), len(g["params"])) for g in self.param_groups])
+        if self._outside_of[0] != key:
+            ours = {id(p) for group in self.param_groups for p in group["params"]}
+            self._outside_of = (key, [p for p in store.params if id(p) not in ours])
+        return self._outside_of[1]
 
     def clip_grad_norm_(
         self,
