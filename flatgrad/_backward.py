@@ -3,20 +3,18 @@
 A training forward through `FlatGrad` ends with `watch(output, plan)`: one prehook per output node, bound to a
 `ForwardPlan` (the seater of the layout the forward ran on, whether a DDP reducer places that backward's
 gradients, then nothing is seated, and, from a `replicate`'s forward, its bucket sync and whether it
-synchronised). When a backward first reaches one of those nodes the prehook asks each participant in order,
-the seater (`Seater.pre_backward`) then the bucket sync (`BucketSync.pre_backward`), to open it; each returns
-what to run at the end of that backward, or None (it dedups by graph task: another output of the same backward
-opens nothing new, and may upgrade a bucket sync to averaging). Those ends run as one final callback in the
-same order: the seater settles `.grad`, then the bucket sync launches what is left, waits and settles the used
-flags.
+synchronised). When a backward first reaches one, the prehook asks the seater (`Seater.pre_backward`), then
+the bucket sync (`BucketSync.pre_backward`), to open it; each returns what to run at that backward's end, or
+None (it dedups by graph task: another output of the same backward opens nothing new, and may upgrade a bucket
+sync to averaging). Those ends run as one final callback in the same order: the seater settles `.grad`, then
+the bucket sync launches what is left, waits and settles the used flags.
 
-Seating: during a backward through such an output, the gradients of the parameters no routed Function writes
-land in their slots, with stock's `.grad` None-ness. Small unrouted parameters are *seated*: `.grad` points at
-the zeroed slot when the backward starts, so AccumulateGrad adds into the buffer in place. Large ones are
-*placed*: a pre-hook on their AccumulateGrad copies the incoming gradient into the slot (one pass instead of a
-zero fill and an add). Parameters with a main grad (a float32 slot for a bfloat16/float16 parameter) are
-neither: a post-accumulate-grad hook adds whatever reaches their AccumulateGrad into the main grad and sets
-`.grad` back to None."""
+Seating: during a backward through such an output, the gradients of parameters no routed Function writes land
+in their slots, with stock's `.grad` None-ness. Small unrouted parameters are *seated*: `.grad` points at the
+zeroed slot when the backward starts, so AccumulateGrad adds into the buffer in place. Large ones are
+*placed*: a pre-hook on their AccumulateGrad copies the incoming gradient into the slot (one pass, not a zero
+fill and an add). Main-grad parameters (float32 slots of bfloat16/float16 parameters) are neither: a
+post-accumulate-grad hook adds what reaches their AccumulateGrad into the main grad, `.grad` back to None."""
 
 from __future__ import annotations
 
@@ -53,9 +51,8 @@ class Participant(Protocol):
 
 
 class Layouts(Protocol):
-    """What a `Seater` asks of the engine that made it (`flatgrad._engine.GradEngine`, which
-    sits above this module): whether a DDP forward came since the last backward, and a
-    seater over a new layout when the model's parameters were converted."""
+    """What a `Seater` asks of its engine (`flatgrad._engine.GradEngine`, which sits above this module):
+    whether a DDP forward came since the last backward, and a seater over a new layout after a conversion."""
 
     ddp: DDPEdge
 
@@ -75,8 +72,7 @@ class ForwardPlan:
 
 
 def watch(output: object, plan: ForwardPlan) -> None:
-    """Hook the autograd nodes that made `output` (see `output_nodes`) with one prehook
-    each, bound to `plan`."""
+    """Hook each autograd node that made `output` (see `output_nodes`) with a prehook bound to `plan`."""
     hook = functools.partial(_on_backward, plan)
     for node in output_nodes(output):
         node.register_prehook(hook)
@@ -94,10 +90,9 @@ def _finish(ends: tuple[Callable[[], None], ...]) -> None:
         end()
 
 
-# Unrouted parameters below this many elements are seated (a fill + AccumulateGrad's in-place
-# add, no Python per parameter); larger ones placed (a pre-hook's one copy). On CPU the hook
-# costs more than the extra pass up to about this size (the GPT bench's twelve 65536-element
-# projections seated take 0.3% off its backward, 4 runs); on a GPU the passes are cheaper still.
+# Unrouted parameters smaller than this are seated (a fill + AccumulateGrad's add, no Python per parameter),
+# larger ones placed. On CPU the hook costs more than the extra pass up to about this size (the GPT bench's
+# twelve 65536-element projections seated: 0.3% off its backward, 4 runs); GPU passes are cheaper still.
 SEAT_MAX_NUMEL = 1 << 17
 
 
@@ -117,8 +112,7 @@ class Seater:
         params = [p for p in params if not store.is_main(p)]
         unrouted = [p for p in params if id(p) not in routed]
         self.params = tuple(p for p in unrouted if p.numel() < SEAT_MAX_NUMEL)  # seated ones
-        # Large unrouted parameters (a conv, an attention projection): one copy by a pre-hook
-        # on AccumulateGrad where a fill and an in-place add would be two passes.
+        # Large ones (a conv, an attention projection): placed, one copy by a pre-hook on AccumulateGrad.
         self._placed = tuple(p for p in unrouted if p.numel() >= SEAT_MAX_NUMEL)
         self.routed = tuple(p for p in params if id(p) in routed)  # their layers' Functions write the slots
         self._owner = weakref.ref(engine)  # the GradEngine that lays out again
@@ -175,9 +169,8 @@ class Seater:
         if engine is not None:
             engine.check_layout()  # (a parameter replaced since: refused before anything moves)
         if engine is not None and engine.ddp.take_pending():
-            # A forward under a DDP came since the last backward (this one may also run through
-            # an output of the model called directly, past the DDP): DDP's reducer places this
-            # backward's gradients, whichever output it reached first.
+            # A DDP forward came since the last backward (this one may also reach the directly called model's
+            # output): DDP's reducer places this backward's gradients, whichever output it reached first.
             alone = False
         store = self.store
         store.check(self.routed + self._placed + store.mains)  # the seated: by `seat`
@@ -205,10 +198,9 @@ class Seater:
         GradStore.unseat(seated)
         if store.seated is seated:
             store.seated = []
-        # A routed weight whose gradient came through plain autograd (its layer compiled, or
-        # its owner reading the weight without calling the layer) got a tensor of its own:
-        # outside DDP it moves into the slot now (under DDP it is the reducer's bucket view),
-        # and from now on the weight is seated (or placed) like an unrouted one.
+        # A routed weight whose gradient came through plain autograd (its layer compiled, or read outside the
+        # layer) got a tensor of its own: outside DDP it moves into the slot now (under DDP it is the
+        # reducer's bucket view), and it is seated (or placed) like an unrouted one from then on.
         views = self.store.views
         bypassed = [p for p in self.routed if p.grad is not None and p.grad is not views[id(p)]]
         if bypassed and not self._retired:
@@ -256,11 +248,10 @@ def _read_elsewhere(store: GradStore, param: nn.Parameter, grads: Grads) -> None
 
 
 def _absorb_incoming(store: GradStore, main: torch.Tensor, param: torch.Tensor) -> None:
-    """Post-accumulate-grad hook of a main-grad parameter that no routed Function writes (or a routed one
-    whose gradient came through plain autograd): add the `.grad` AccumulateGrad just made into the float32
-    main grad and set `.grad` back to None, so the next micro-batch's gradient is taken, not added, in low
-    precision. Under create_graph=True `.grad` must stay differentiable: left alone (a norm or sync takes it
-    in later)."""
+    """Post-accumulate-grad hook of a main-grad parameter no routed Function writes (or a routed one whose
+    gradient came by plain autograd): add the `.grad` AccumulateGrad made to the float32 main grad, `.grad`
+    back to None, so the next micro-batch's gradient is taken, not added, in low precision. Under
+    create_graph=True `.grad` must stay differentiable: left alone (a norm or sync takes it in later)."""
     grad = param.grad
     if grad is None or torch.is_grad_enabled() or store.stale:
         return

@@ -1,15 +1,13 @@
 """The flat gradient buffers, and where each parameter's gradient lives in them.
 
-- `GradStore`: one zero-initialised 1-D buffer per (dtype, device) group, each parameter's
-  slot in it (a `SlotEntry`: group, place in the buffer, one view made once), the 1-D views
-  it cuts over them, and the slots' `.grad` around a backward.
-- `find_slot`, `owner_of`: which live store owns a parameter (a table by id this module
-  owns), so that a layer backward given only the weight finds its slot.
-- Main grads: a float32 slot of a bfloat16/float16 parameter is its gradient while `.grad`
-  stays None. `GradStore.mains` are one store's; `MainGradGuard` (`MAIN_GRAD_GUARD`) makes a
-  torch optimizer that would skip them raise.
-- `Prescale`: a store's prescaling state, which `flatgrad._prescale` writes and reads;
-  `Scattered`: its reduce-scatter state, which `flatgrad._scattered_grad` writes and reads.
+- `GradStore`: one zero-initialised 1-D buffer per (dtype, device) group, each parameter's slot in it (a
+  `SlotEntry`: group, place, one view), the 1-D views it cuts over them, the slots' `.grad` around a backward.
+- `find_slot`, `owner_of`: which live store owns a parameter (a table by id this module owns), so that a layer
+  backward given only the weight finds its slot.
+- Main grads (`GradStore.mains`): a float32 slot of a bfloat16/float16 parameter is its gradient while `.grad`
+  stays None; `MainGradGuard` (`MAIN_GRAD_GUARD`) makes a torch optimizer that would skip them raise.
+- `Prescale`: a store's prescaling state, which `flatgrad._prescale` writes and reads; `Scattered`: its
+  reduce-scatter state, which `flatgrad._scattered_grad` writes and reads.
 - Free functions over the buffers' tensors: allocating a buffer aligned (`aligned_zeros`), filling seated
   slots (`negative_zero_`), staging host values for a device copy (`host_tensor`, `write_flags`), scaling in
   place (`scale_`), reading on another CUDA stream (`read_here`)."""
@@ -36,11 +34,9 @@ _SeatCache = tuple[Sequence[torch.Tensor], _Pairs, list[torch.Tensor], list[torc
 
 
 class GradStore:
-    """One zero-initialised 1-D tensor per (dtype, device) group, and each parameter's slot.
-
-    Each slot has one view, made once: it is what `.grad` is set to, so "is `.grad` the slot?" is an identity
-    test on the hot path. Nothing relies on AccumulateGrad stealing a tensor (which would need the view to
-    have no other reference): flatgrad sets `.grad`."""
+    """One zero-initialised 1-D tensor per (dtype, device) group and each parameter's slot, whose one view
+    (made once) is the `.grad` flatgrad sets: "is `.grad` the slot?" is an identity test on the hot path.
+    Nothing relies on AccumulateGrad stealing a tensor (which needs the view to have no other reference)."""
 
     def __init__(
         self,
@@ -94,8 +90,7 @@ class GradStore:
             for index, slot in zip(group.param_indices, group.slots):
                 self._set_slot(self.params[index], key, slot)
         self.runs = self._runs()
-        # Parameters whose slot is a main grad (float32 for a bfloat16/float16 parameter):
-        # their `.grad` stays None, the slot alone holds the gradient (see `main_grad`).
+        # Main grads (see `is_main`): their `.grad` stays None, the slot alone holds the gradient.
         self.mains = tuple(p for p in self.params if self._entries[p].view.dtype != p.dtype)
         self._main_ids = frozenset(map(id, self.mains))
         self._main_spans = self.spans(self.mains)  # (zeroed by `zero_mains`)
@@ -128,8 +123,7 @@ class GradStore:
         return self._counted_runs
 
     def is_main(self, param: torch.Tensor) -> bool:
-        """Whether `param`'s slot is a main grad: a float32 slot of a bfloat16/float16
-        parameter, which is its gradient while `.grad` stays None."""
+        """Whether `param`'s slot is a main grad (see the module docstring: its `.grad` stays None)."""
         return id(param) in self._main_ids
 
     def zero_mains(self) -> None:
@@ -172,15 +166,13 @@ class GradStore:
         return entry.view
 
     def take_in(self, params: Sequence[torch.Tensor], zero_empty: bool = False) -> None:
-        """Move the `.grad` of each of `params` that lives outside its slot (a routed layer
-        that ran as plain torch, under torch.compile or torch.func; a `.grad` assigned by
-        hand, or produced with create_graph=True) into the slot, so a sync of the slots sees
-        it; with `zero_empty`, also zero the slots of those whose `.grad` is None."""
+        """Move each `.grad` of `params` that lives outside its slot into it (a routed layer run as plain
+        torch, under torch.compile or torch.func; a `.grad` assigned by hand or made with create_graph=True),
+        so a sync of the slots sees it; with `zero_empty`, also zero the slots whose `.grad` is None."""
         views, mains = self.views, self._main_ids
         if mains:  # a main grad is the gradient even where `.grad` is None: never zeroed
             for param in [p for p in params if id(p) in mains]:
-                # (a low-precision `.grad` that arrived through AccumulateGrad: added into
-                # the main grad, and `.grad` back to None)
+                # (a low-precision `.grad` from AccumulateGrad: added into the main grad, `.grad` to None)
                 grad = param.grad
                 if grad is not None:
                     views[id(param)].add_(grad.to_dense() if grad.is_sparse else grad.detach())
@@ -242,15 +234,13 @@ class GradStore:
         return found
 
     def seat(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """Before a backward: point every one of `params` whose `.grad` is None at its slot, filled with -0.0
-        (`negative_zero_`: the add then gives stock's bits, a -0.0 included), so that AccumulateGrad adds the
-        incoming gradient into it in place (in C++: no hook, no copy). Returns (param, slot, slot version) for
-        `unseat`. When every `.grad` was None the slots are filled in a few views (`spans`). The (parameter,
-        slot) pairs and the spans are cut once per `params` tuple and kept while the slots stay where they
-        are: this runs before every backward, once per parameter.
-
-        A parameter that no longer fits its slot (``param.data`` replaced, a conversion) is left alone and
-        marks the store stale: the engine lays out again (or refuses)."""
+        """Before a backward: point each of `params` whose `.grad` is None at its slot, filled with -0.0
+        (`negative_zero_`: the add then gives stock's bits, a -0.0 included), so AccumulateGrad adds into it
+        in place (in C++: no hook, no copy). Returns (param, slot, slot version) for `unseat`. When every
+        `.grad` was None the slots are filled in a few views (`spans`). The (parameter, slot) pairs and the
+        spans are cut once per `params` tuple and kept while the slots stay put (this runs before every
+        backward, once per parameter). A parameter that no longer fits its slot (``param.data`` replaced, a
+        conversion) is left alone and marks the store stale: the engine lays out again (or refuses)."""
         cached = self._seat_cache
         if cached is None or cached[0] is not params:
             views = self.views
@@ -289,10 +279,9 @@ class GradStore:
         self._seated_ids = ([], {})
 
     def unseat_final(self, params: Sequence[torch.Tensor]) -> None:
-        """Inside a backward, for `params` whose gradients are all final (replicate
-        launching their bucket): `unseat` those seated now, so a slot nothing wrote into has
-        `.grad` None and holds +0.0 (not its -0.0 fill) when the bucket is sent, as the zeros
-        of DDP's bucket for a parameter without a gradient. One dict read per parameter."""
+        """Inside a backward, for `params` whose gradients are final (replicate launching their bucket):
+        `unseat` those seated, so an unwritten slot has `.grad` None and holds +0.0 (not its -0.0 fill) in the
+        sent bucket, as DDP's bucket zeros a parameter without a gradient. One dict read per parameter."""
         if not self.seated:
             return
         found = self._seated_by_id()
@@ -326,9 +315,8 @@ class GradStore:
         }
 
     def check(self, params: Sequence[torch.Tensor]) -> None:
-        """Mark the store stale if one of `params` (the main grads' among them) no longer fits
-        its slot, or a slot view no longer points at its slot (before every backward: by id,
-        as `Tensor.__hash__` is Python)."""
+        """Mark the store stale if one of `params` (main grads' included) no longer fits its slot, or a slot
+        view no longer points at its slot (before every backward; by id: `Tensor.__hash__` is Python)."""
         views, mains = self.views, self._main_ids
         for param in params:
             view = views[id(param)]
@@ -365,9 +353,8 @@ class GradStore:
     def _set_slot(self, param: torch.Tensor, key: GroupKey, slot: SlotSpec) -> None:
         """Make `slot` of the `key` group's buffer `param`'s, with a new view."""
         buffer = self.buffers[key]
-        # `set_` rather than a view op: the slot shares the buffer's memory but has a
-        # version counter of its own, so `_version` tells whether this slot was written
-        # (AccumulateGrad's in-place add, a Function's out=/addmm_) since it was seated.
+        # `set_`, not a view op: the slot shares the buffer's memory, not its version counter, so `_version`
+        # tells whether it was written (AccumulateGrad's in-place add, a Function's out=/addmm_) since seated.
         local = torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
             buffer.untyped_storage(), buffer.storage_offset() + slot.offset, slot.shape, slot.stride
         )
@@ -394,8 +381,7 @@ class GradStore:
 
     def spans(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """As few 1-D views of the buffers as cover the slots of `params` and no other slot (adjacent slots
-        share one, the zero padding between included): zeroing them is one fill per view, not per parameter.
-        """
+        share one, the zero padding between included), so zeroing them is one fill per view."""
         wanted = {id(param) for param in params}
         entries = self._in_buffer_order()
         slots: dict[GroupKey, list[tuple[int, int]]] = {}
@@ -451,8 +437,7 @@ def refuse_old_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def _claim(store: GradStore) -> Callable[[], Any]:
-    """Record `store` as the owner of its parameters; returns the one call that forgets
-    them again (also run when the store is collected)."""
+    """Record `store` as its parameters' owner; returns the one call undoing it (also run on collection)."""
     me = weakref.ref(store)
     ids = [id(param) for param in store.params]
     for param_id in ids:
@@ -467,8 +452,7 @@ def _forget(store: weakref.ref[GradStore], ids: list[int]) -> None:
 
 
 def find_slot(param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
-    """(live store, slot view) of `param`, if a store holds it: the layer backwards' lookup (by id, through a
-    weak reference)."""
+    """(store, slot view) of `param` if a live store holds it: the layer backwards' lookup (by id, weakly)."""
     ref = _OWNERS.get(id(param))
     store = ref() if ref is not None else None
     if store is None:
@@ -507,24 +491,20 @@ _Scan = tuple[tuple[int, ...], list[torch.Tensor]]
 
 
 class MainGradGuard:
-    """While a store with main grads lives: a torch optimizer step (a global step pre hook,
-    `torch.optim.optimizer.register_optimizer_step_pre_hook`) over a parameter whose gradient is a main grad
-    and whose `.grad` is None raises, instead of skipping it silently. Optimizers that step main grads
-    themselves say so with a true class attribute ``steps_main_grads`` (ShardedOptimizer). The hook goes when
-    the last such store does.
-
-    The one process-wide hook flatgrad keeps: nothing per model or per parameter sees a torch optimizer's step
-    (it skips a None `.grad` without a call flatgrad could watch), and the optimizer is made after FlatGrad is
-    applied. It costs an optimizer that holds no main-grad parameter one look at its groups per step: which of
-    its parameters have a main grad is found once and kept (weakly, by optimizer) until its groups change or a
-    store with main grads is built."""
+    """While a store with main grads lives, a torch optimizer step over a main-grad parameter whose `.grad` is
+    None raises instead of skipping it silently (`torch.optim.optimizer.register_optimizer_step_pre_hook`,
+    removed with the last such store). An optimizer that steps main grads itself sets a true class attribute
+    ``steps_main_grads`` (ShardedOptimizer). flatgrad's one process-wide hook: nothing per model or per
+    parameter sees a torch optimizer's step (it skips a None `.grad` without a call flatgrad could watch), and
+    the optimizer is made after FlatGrad is applied. An optimizer with no main-grad parameter pays one look at
+    its groups per step: its main-grad parameters are found once and kept (weakly, by optimizer) until its
+    groups change or a store with main grads is built."""
 
     def __init__(self) -> None:
         self._stores: weakref.WeakSet[GradStore] = weakref.WeakSet()
         self._handle: Any = None
         self._builds = 0  # stores with main grads built so far: a kept scan older is redone
-        # Per optimizer: (`_builds` and its groups' lists and lengths when scanned, its
-        # parameters that had a main grad then).
+        # Per optimizer: `_builds`, its groups' lists and lengths at the scan, its main-grad parameters then.
         self._scans: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Scan] = weakref.WeakKeyDictionary()
 
     def watch(self, store: GradStore) -> None:
@@ -588,11 +568,10 @@ class Prescale:
 
 @dataclass(eq=False)
 class Scattered:
-    """A store's reduce-scatter state (under a ShardedOptimizer): whether its gradients were reduce-scattered
-    and not zeroed since (`marked`), one ScatteredGrad alias of each slot view in parameter order, made once
-    (`aliases`), whether they act as plain tensors for now (`unguarded`: a relayout is under way), and the
-    collective that gathers every rank's shards of the averages into whole plain gradients (`gather`: before
-    a relayout, every rank together)."""
+    """A store's reduce-scatter state (ShardedOptimizer): whether its gradients are reduce-scattered, not
+    zeroed since (`marked`); one ScatteredGrad alias per slot view in parameter order, made once (`aliases`);
+    whether they act as plain tensors (`unguarded`: during a relayout); the collective gathering all ranks'
+    shards of the averages into whole plain gradients (`gather`: before a relayout, every rank together)."""
 
     marked: bool = False
     aliases: tuple[torch.Tensor, ...] = ()
@@ -615,13 +594,12 @@ def aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:
 
 def negative_zero_(tensors: Sequence[torch.Tensor], sources: list[torch.Tensor] | None = None) -> None:
     """Fill `tensors` with -0.0 (both parts of a complex element): how a seated slot starts. AccumulateGrad's
-    in-place add into it then leaves exactly the incoming gradient, as stock's `.grad` is (``-0.0 + x`` is
-    ``x`` bit for bit, ``-0.0`` included, where ``+0.0 + -0.0`` is ``+0.0``). A slot a backward leaves without
-    a gradient is zeroed when it is unseated (`GradStore.unseat`), and every reader of a slot whose `.grad` is
-    None zeroes it first (`settle`, `take_in` with `zero_empty`). On the CPU one foreach copy from a -0.0
-    scalar of each tensor's dtype (`sources`: `negative_zero_sources`, which `seat` keeps with its spans: then
-    the fill costs what a zero fill does, docs/performance.md); on accelerators two fused passes, a zero and a
-    negation, where such a copy would launch a kernel per tensor."""
+    in-place add then leaves exactly the incoming gradient, as stock's `.grad` is (``-0.0 + x`` is ``x`` bit
+    for bit, ``-0.0`` included, where ``+0.0 + -0.0`` is ``+0.0``). A slot left without a gradient is zeroed
+    by `GradStore.unseat`, and every reader of a slot with `.grad` None zeroes it first (`settle`, `take_in`
+    with `zero_empty`). On the CPU: one foreach copy from a -0.0 scalar per dtype (`sources`, from
+    `negative_zero_sources`, kept by `seat` with its spans), as cheap as a zero fill (docs/performance.md); on
+    accelerators two fused passes (zero, negate), where such a copy would launch a kernel per tensor."""
     sources = negative_zero_sources(tensors) if sources is None else sources
     if sources is not None:
         if sources:

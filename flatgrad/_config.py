@@ -81,8 +81,7 @@ _YAML_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses a key repeated within one mapping (plain YAML keeps the
-    last one silently, which hides typos in configs)."""
+    """`yaml.SafeLoader` refusing a key repeated in one mapping (plain YAML keeps the last, hiding typos)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()

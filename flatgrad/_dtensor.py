@@ -88,8 +88,7 @@ class TensorParallel:
     """The mesh a model's DTensor parameters live on, as gradient norms and data-parallel groups need it.
 
     Args:
-        mesh: that 1-D mesh (the "tp" dimension of a 2-D one).
-    """
+        mesh: that 1-D mesh (the "tp" dimension of a 2-D one)."""
 
     mesh: DeviceMesh
 
@@ -109,10 +108,9 @@ class TensorParallel:
         return self.mesh.get_group()
 
     def counts(self, param: torch.Tensor) -> bool:
-        """Whether a norm counts this rank's slot of `param`: a sharded parameter's on every rank of the mesh
-        (the shards are disjoint), a replicated one's and a plain parameter's (the same on every rank of the
-        mesh, as a model outside the tensor-parallel layers computes it) on the mesh's first rank only, so the
-        sum over the mesh counts each element of the whole gradient once."""
+        """Whether a norm counts this rank's slot of `param`: a sharded parameter's on every rank (disjoint
+        shards), a replicated or plain one's (alike on every rank, as computed outside the tensor-parallel
+        layers) on the mesh's first rank only, so the mesh's sum counts each element once."""
         return self.first or is_sharded(param)
 
     def combine(self, norms: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
@@ -163,8 +161,7 @@ def pipeline_group(pp_mesh: object, **groups: Sequence[int]) -> dist.ProcessGrou
 
     Raises:
         TypeError: `pp_mesh` is not a DeviceMesh.
-        ValueError: It has more than one dimension, or crosses one of `groups`.
-    """
+        ValueError: It has more than one dimension, or crosses one of `groups`."""
     if not isinstance(pp_mesh, DeviceMesh):
         raise TypeError(f"pp_mesh must be a DeviceMesh (mesh['pp']), got {type(pp_mesh).__name__}")
     if pp_mesh.ndim != 1:
@@ -184,8 +181,7 @@ def tensor_parallel_of(params: Sequence[torch.Tensor]) -> TensorParallel | None:
 
     Raises:
         ValueError: DTensor parameters on more than one mesh, on a mesh of more than one
-            dimension, or with a Partial placement.
-    """
+            dimension, or with a Partial placement."""
     meshes: list[DeviceMesh] = []
     for param in params:
         if not isinstance(param, DTensor):

@@ -1,9 +1,8 @@
-"""`FlatGrad`: applied to a model in place (the class notes say how), it keeps all the model's gradients in
-flat per-(dtype, device) buffers. The engine runs around the model's call (`FlatGrad.__call__`), and its
-operations (zeroing, main grads, norms, clipping, the all-reduce without DDP) are the methods `FlatGrad` adds.
-Each takes the model's `GradEngine` (`engine_of`) and first takes its store from `GradEngine.refresh`
-(`zero_grad` setting None: from `GradEngine.current`). The norm arithmetic is `flatgrad._norms`', the
-collectives are `flatgrad._comm`'s."""
+"""`FlatGrad`: applied to a model in place (see the class), it keeps all the model's gradients in flat
+per-(dtype, device) buffers. The engine runs around the model's call (`FlatGrad.__call__`); its operations
+(zeroing, main grads, norms, clipping, the all-reduce without DDP) are the methods `FlatGrad` adds, each
+taking the model's `GradEngine` (`engine_of`) and its store from `GradEngine.refresh` (`zero_grad` setting
+None: `GradEngine.current`). Norm arithmetic: `flatgrad._norms`; collectives: `flatgrad._comm`."""
 
 from __future__ import annotations
 
@@ -87,11 +86,9 @@ class FlatGrad(nn.Module):
     that calls ``model.forward(x)`` gets its gradients moved into the buffers at the next norm or sync.
 
     The layout is fixed now: ``.to()``, dtype casts and ``requires_grad`` toggles keep working; a parameter
-    added, replaced, removed or re-pointed at another shape afterwards raises as the next backward starts, or
-    at the next norm or sync, naming it, until `relayout`.
-
-    ``torch.save`` of the model and ``copy.deepcopy`` give a model with FlatGrad applied (its own buffers,
-    gradients not copied, as torch's deep copy of a parameter leaves `.grad`).
+    added, replaced, removed or re-pointed at another shape later raises as the next backward starts, or at
+    the next norm or sync, naming it, until `relayout`. ``torch.save``/``copy.deepcopy`` of the model give one
+    with FlatGrad applied (its own buffers, no gradients: torch's deep copy of a parameter leaves `.grad`).
 
     Args:
         model: The module to apply FlatGrad to.
@@ -216,8 +213,7 @@ class FlatGrad(nn.Module):
                 fill per buffer (a `.grad` that is not its slot's view is pointed back at it). Main grads
                 (``grad_dtype="float32"``) are zeroed either way, and their parameters' `.grad` stays None."""
         # Setting None walks no model (it runs every step): a held parameter `GradEngine.current` misses
-        # (frozen or converted in place) still gets `.grad` None, and the next norm, sync or backward finds
-        # it.
+        # (frozen or converted in place) still gets `.grad` None; the next norm, sync or backward finds it.
         engine = engine_of(self)
         try:
             store = engine.current() if set_to_none else engine.refresh()
@@ -252,8 +248,7 @@ class FlatGrad(nn.Module):
             param: A trainable parameter of the model.
 
         Returns:
-            The live view of the flat buffer (not a copy): read it, step from it, or scale it in place;
-            `grad_buffers` holds it.
+            A live view of a `grad_buffers` buffer (not a copy): read it, step from it, or scale it in place.
 
         Raises:
             TypeError: `param` is not a tensor.
@@ -317,8 +312,7 @@ class FlatGrad(nn.Module):
             norm_type: The order of the norm (``float("inf")`` for the max norm), as in torch.
             error_if_nonfinite: Raise instead of clipping when the total norm is NaN or infinite.
             pp_mesh: The 1-D mesh of a pipeline's stages (``mesh["pp"]``): clip by the norm of every stage's
-                gradients together, as `grad_norm` takes it (every stage must call it). None: by this model's
-                own.
+                gradients together, as `grad_norm` does (every stage must call it); None: by this model's own.
 
         Returns:
             The total norm before clipping, as `grad_norm` returns it.
@@ -339,7 +333,6 @@ class FlatGrad(nn.Module):
                 f"the total norm of order {norm_type} of the gradients is non-finite, so it "
                 "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
             )
-        # (the runs: never the alignment padding, which stays zero)
         scale_(store.runs + others, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
         return total
 
@@ -370,9 +363,8 @@ class FlatGrad(nn.Module):
         store.unsynced = False  # (replicate's no_sync() gradients are averaged now)
 
     def ddp_kwargs(self) -> dict[str, Any]:
-        """Constructor arguments for ``DDP(model, **model.ddp_kwargs())``: the zero-copy,
-        one-all-reduce-per-buffer path with `allreduce_hook` (a warning follows if it has not run after two
-        steps).
+        """Constructor arguments for ``DDP(model, **model.ddp_kwargs())``: the zero-copy path, one all-reduce
+        per buffer with `allreduce_hook` (a warning follows if it has not run after two steps).
 
         Returns:
             ``{"gradient_as_bucket_view": True, "bucket_cap_mb": cap}``, with a cap above the largest buffer,
@@ -393,9 +385,8 @@ class FlatGrad(nn.Module):
         Args:
             process_group: The group to average over, None for the default group; a DDP on a sub-group needs
                 the same group here (the hook does not see DDP's).
-            reduce_dtype: ``torch.bfloat16`` or ``torch.float16`` all-reduces a compressed copy and
-                decompresses into the buffer, like torch's bf16/fp16 compress hooks; None sends the buffer as
-                it is.
+            reduce_dtype: ``torch.bfloat16`` or ``torch.float16`` all-reduces a compressed copy, decompressed
+                into the buffer, like torch's bf16/fp16 compress hooks; None sends it as is.
 
         Returns:
             A `FlatGradCommState` for this model.

@@ -55,12 +55,11 @@ class Run:
 
 def own_runs(store: GradStore, world_size: int, members: set[int]) -> tuple[dict[int, int], list[Run]]:
     """Owners of `store`'s parameters in `members` (the optimizer's ids), and the runs each rank broadcasts.
-
-    The buffers are taken in turn, their slots in buffer order; a member goes to the rank whose 1/world_size
-    of all members' elements holds its middle element, so owners only grow along it, each rank within a
-    parameter of 1/world_size of the elements. A run is a stretch of one rank's member slots (each with its
-    padding) with no other slot between: one run per rank and buffer when the optimizer holds every parameter,
-    more where another optimizer's parameters (Muon's matrices beside AdamW's vectors) lie between."""
+    Taking the buffers in turn, their slots in buffer order, a member goes to the rank whose 1/world_size of
+    all members' elements holds its middle element, so owners only grow along it, each rank within a parameter
+    of 1/world_size of the elements. A run is a stretch of one rank's member slots (each with its padding)
+    with no other slot between: one run per rank and buffer when the optimizer holds every parameter, more
+    where another optimizer's parameters (Muon's matrices beside AdamW's vectors) lie between."""
     order = [
         (key, store.slot(p)[1].offset, p)
         for key in store.buffers
@@ -124,12 +123,11 @@ class TensorEngine(FlatParameters):
             self.runs_by_rank[run.rank].append(buffer.narrow(0, run.start, run.end - run.start))
 
     def follow(self, store: GradStore, stores: StoreSource) -> None:
-        """Take `store`, the model's gradient store now, where it differs from the layout's only by parameters
-        frozen or unfrozen since (GAN-style toggling, progressive freezing): a frozen parameter keeps its slot
-        of the flat parameter buffers, its owner and its optimizer state, and is stepped only where it has a
-        `.grad`, as a plain optimizer skips a parameter without one; unfrozen, it steps on from that state.
-        Nothing moves; O(parameters) per new store. A parameter added or replaced since, or unfrozen
-        where it was frozen at construction (it has no slot), raises RuntimeError."""
+        """Take `store`, the model's gradient store now, differing from the layout's only by parameters frozen
+        or unfrozen since (GAN-style toggling, progressive freezing): a frozen parameter keeps its slot, owner
+        and optimizer state and is stepped only with a `.grad` (as by a plain optimizer); unfrozen, it steps
+        on from that state. Nothing moves; O(parameters) per new store. A parameter added or replaced since,
+        or unfrozen after being frozen at construction (no slot), raises RuntimeError."""
         if store is self.grads:
             return
         laid_out = {id(p) for p in self.store.params}

@@ -1,15 +1,16 @@
 """Hugging Face Accelerate with flatgrad's DDP comm hook, in one call after ``Accelerator()``.
 
-    accelerator = Accelerator() flat = flatgrad.FlatGrad(model) flatgrad.accelerate.attach(accelerator, flat)
+    accelerator = Accelerator()
+    flat = flatgrad.FlatGrad(model)
+    flatgrad.accelerate.attach(accelerator, flat)
     ddp, optimizer = accelerator.prepare(flat, optimizer)
 
-Accelerate builds its DDP in ``accelerator.prepare`` from the accelerator's ``ddp_handler`` (a
-`DistributedDataParallelKwargs`): ``ddp_handler.to_kwargs()`` gives the constructor arguments, and right after
-construction ``ddp_handler.register_comm_hook(ddp)`` registers a comm hook, one of torch's named in
-`DDPCommunicationHookType` only. `attach` puts a `FlatGradDDPKwargs` there, a `DistributedDataParallelKwargs`
-that keeps the handler's settings (``find_unused_parameters``, ``broadcast_buffers``, ...), adds
-`FlatGrad.ddp_kwargs` and registers `flatgrad.allreduce_hook` on the DDP of ``flat``. This module is imported
-only by a user who asks for it (``import flatgrad`` never imports Accelerate)."""
+Accelerate builds its DDP in ``accelerator.prepare`` from ``accelerator.ddp_handler``, whose ``to_kwargs()``
+gives the constructor arguments and whose ``register_comm_hook(ddp)``, right after construction, registers a
+comm hook (only one of torch's, `DDPCommunicationHookType`). `attach` puts a `FlatGradDDPKwargs` there, which
+keeps the handler's settings (``find_unused_parameters``, ``broadcast_buffers``, ...), adds
+`FlatGrad.ddp_kwargs` and registers `flatgrad.allreduce_hook` on the DDP of ``flat``. ``import flatgrad``
+imports neither this module nor Accelerate."""
 
 from __future__ import annotations
 
@@ -40,8 +41,7 @@ class FlatGradDDPKwargs(DistributedDataParallelKwargs):
     flatgrad_comm_state: FlatGradCommState | None = None
 
     def to_dict(self, ignore_keys: tuple[str, ...] = _NOT_DDP_ARGUMENTS) -> Any:
-        """Accelerate's DDP arguments, without the comm state (no DDP argument, and never
-        deep-copied: it holds the model)."""
+        """DDP arguments without the comm state (no DDP argument; never deep-copied: it holds the model)."""
         fields = {k: v for k, v in self.__dict__.items() if k != _STATE and k not in ignore_keys}
         return copy.deepcopy(fields)
 
@@ -62,13 +62,13 @@ def attach(
 ) -> FlatGradCommState:
     """Make ``accelerator.prepare(model, ...)`` build ``DDP(model, **model.ddp_kwargs())`` with
     `flatgrad.allreduce_hook` registered, as the hand-written recipe does. Call it after ``Accelerator(...)``
-    and before ``accelerator.prepare``. On one process (no DDP) it changes nothing.
+    and before ``accelerator.prepare`` (after it is too late: that DDP was built without the hook, and
+    flatgrad warns after two steps that the hook has not run). On one process (no DDP) it changes nothing.
 
     The accelerator's DDP handler (the `DistributedDataParallelKwargs` given in ``kwargs_handlers``, or the
     defaults) is replaced by a `FlatGradDDPKwargs` with the same settings plus
-    ``gradient_as_bucket_view=True`` and a ``bucket_cap_mb`` above the largest flat buffer; a DDP this
-    accelerator builds around another model gets those two as well (harmless: one bucket) and the handler's
-    own hook choice.
+    ``gradient_as_bucket_view=True`` and a ``bucket_cap_mb`` above the largest flat buffer; a DDP it builds
+    around another model gets those two as well (harmless: one bucket) and the handler's own hook choice.
 
     Args:
         accelerator: The Accelerator that will prepare `flat`.
@@ -83,10 +83,7 @@ def attach(
         TypeError: `accelerator` is not an Accelerator or `flat` is not a FlatGrad.
         ValueError: The handler already asks for one of Accelerate's comm hooks
             (``comm_hook``/``comm_wrapper``), which flatgrad's replaces; or as `FlatGrad.ddp_kwargs` and
-            `FlatGrad.comm_state` raise (main grads).
-
-    Called after ``accelerator.prepare(flat)``, it is too late: that DDP was built without the hook, and
-    flatgrad warns after two steps that the hook has not run."""
+            `FlatGrad.comm_state` raise (main grads)."""
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
     if not isinstance(flat, FlatGrad):

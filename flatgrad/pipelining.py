@@ -1,5 +1,6 @@
-"""`PipelineStage`: torch's pipeline stage over a `flatgrad.replicate`d submodule, averaging
-in the last micro-batch's backward of each step, as torch's stage does for a DDP submodule.
+"""`PipelineStage`: torch's pipeline stage over a `flatgrad.replicate`d submodule, averaging in the last
+micro-batch's backward of each step, as torch's stage does for a DDP submodule. Imports
+`torch.distributed.pipelining`; `import flatgrad` never imports this module.
 
 torch's stage (`torch.distributed.pipelining.PipelineStage`) tells only DDP and FSDP submodules, by
 `isinstance`, which backward of a step is the last. For DDP it runs every forward under ``no_sync()`` and
@@ -13,9 +14,7 @@ backward (zero-bubble schedules: an input part and a weight part, whose weight g
 averages instead with one `FlatGrad.all_reduce_grads` after its last backward, not overlapped. Either way the
 step synchronises once. `scale_grads` (the schedule's division by the number of micro-batches) divides the
 flat gradient buffers, where every gradient is after that synchronisation (also a ShardedOptimizer's
-reduce-scattered ones, whose `.grad` refuses math, and main grads, whose `.grad` is None).
-
-Imports `torch.distributed.pipelining`; `import flatgrad` never imports this module."""
+reduce-scattered ones, whose `.grad` refuses math, and main grads, whose `.grad` is None)."""
 
 from __future__ import annotations
 
@@ -58,10 +57,9 @@ def _check_torch_stage() -> None:
 class PipelineStage(pipelining.PipelineStage):
     """`torch.distributed.pipelining.PipelineStage` whose submodule is replicated (`flatgrad.replicate`): the
     micro-batches accumulate locally, and the step's last backward averages, overlapped bucket by bucket (the
-    step's one synchronisation). No ``no_sync()`` or ``all_reduce_grads`` around ``schedule.step(...)``.
-
-    Takes torch's arguments: ``PipelineStage(model, stage_index, num_stages, device,
-    input_args=..., output_args=..., group=..., dw_builder=None)``.
+    step's one synchronisation). No ``no_sync()`` or ``all_reduce_grads`` around ``schedule.step(...)``. Takes
+    torch's arguments: ``PipelineStage(model, stage_index, num_stages, device, input_args=...,
+    output_args=..., group=..., dw_builder=None)``.
 
     Args:
         submodule: The stage's module, replicated (over the stage's data-parallel group).
@@ -74,8 +72,7 @@ class PipelineStage(pipelining.PipelineStage):
         TypeError: `submodule` is not replicated (a FlatGrad alone, or DDP
             over one, goes into torch's own PipelineStage).
         ValueError: A ``dw_builder`` is given (its weight gradients would come after the averaging backward).
-        RuntimeError: torch's stage lacks the methods this one runs inside (an older torch).
-    """
+        RuntimeError: torch's stage lacks the methods this one runs inside (an older torch)."""
 
     def __init__(self, submodule: ReplicateModule, *args: Any, **kwargs: Any) -> None:
         if not isinstance(submodule, ReplicateModule):
@@ -104,8 +101,7 @@ class PipelineStage(pipelining.PipelineStage):
             **kwargs: Its keyword inputs.
 
         Returns:
-            The submodule's output.
-        """
+            The submodule's output."""
         with self.replicated.no_sync():
             return super().forward_maybe_with_nosync(*args, **kwargs)
 
@@ -119,8 +115,7 @@ class PipelineStage(pipelining.PipelineStage):
             bwd_chunk_id: The micro-batch.
             loss: The last stage's loss of that micro-batch.
             full_backward: False for the input part of a split backward.
-            last_backward: Whether this is the stage's last backward of the step.
-        """
+            last_backward: Whether this is the stage's last backward of the step."""
         if not full_backward:
             self._split_this_step = True
         overlapped = last_backward and full_backward and not self._split_this_step
@@ -138,8 +133,7 @@ class PipelineStage(pipelining.PipelineStage):
 
         Args:
             bwd_chunk_id: The micro-batch.
-            last_backward: Whether this is the stage's last backward of the step.
-        """
+            last_backward: Whether this is the stage's last backward of the step."""
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
         if last_backward:
             self._all_reduce()
@@ -163,8 +157,7 @@ class PipelineStage(pipelining.PipelineStage):
 
         Raises:
             RuntimeError: No backward since the last call was the step's last (a schedule that passes no
-                ``last_backward``): the gradients were not averaged.
-        """
+                ``last_backward``): the gradients were not averaged."""
         if not self._averaged:
             raise RuntimeError(
                 "flatgrad.pipelining.PipelineStage: the schedule scaled the gradients before any "
