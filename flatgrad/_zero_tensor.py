@@ -136,9 +136,11 @@ class TensorEngine(FlatParameters):
         if not now <= laid_out or not laid_out <= in_model:
             raise RuntimeError(
                 "the model's parameters changed (added, replaced, or unfrozen where they were "
-                "frozen when the ShardedOptimizer was built) after it was built: they have no "
-                "place in its flat parameter buffers; build replicate and ShardedOptimizer "
-                "again (parameters frozen or unfrozen after construction are followed)"
+                "frozen when the ShardedOptimizer was built) after it was built: by tensor they have no "
+                "place in its flat parameter buffers; shard by element (it follows a layer unfrozen "
+                "later: Lightning's BackboneFinetuning under FlatGradShardedStrategy()), or build "
+                "replicate and ShardedOptimizer again (parameters frozen or unfrozen after construction "
+                "are followed)"
             )
         self.grads = store
 

@@ -932,7 +932,7 @@ def _unfrozen_without_a_slot_worker(rank: int, world_size: int) -> None:
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, model.parameters(), lr=0.1, shard_by="tensor")
     model[0].requires_grad_(True)
     dp(_batch(rank, 0)).square().sum().backward()
-    with pytest.raises(RuntimeError, match="unfrozen where they were frozen when the ShardedOptimizer was"):
+    with pytest.raises(RuntimeError, match="unfrozen where they were frozen .* shard by element"):
         opt.step()
 
 
