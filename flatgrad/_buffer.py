@@ -492,7 +492,8 @@ _Scan = tuple[tuple[int, ...], list[torch.Tensor]]
 
 class MainGradGuard:
     """While a store with main grads lives, a torch optimizer step over a main-grad parameter whose `.grad` is
-    None raises instead of skipping it silently (`torch.optim.optimizer.register_optimizer_step_pre_hook`,
+    None raises instead of skipping it silently, and so does one over a parameter outside the groups of a
+    by-element ShardedOptimizer over its model (`watch_sharded`) (`register_optimizer_step_pre_hook`,
     removed with the last such store). An optimizer that steps main grads itself sets a true class attribute
     ``steps_main_grads`` (ShardedOptimizer). flatgrad's one process-wide hook: nothing per model or per
     parameter sees a torch optimizer's step (it skips a None `.grad` without a call flatgrad could watch), and
@@ -514,6 +515,11 @@ class MainGradGuard:
             self._handle = register_optimizer_step_pre_hook(self._check)
         weakref.finalize(store, self._release)
 
+    def watch_sharded(self, store: GradStore, holds: Callable[[torch.Tensor], bool]) -> None:
+        """`store` is reduce-scattered for a ShardedOptimizer that holds the parameters `holds` says."""
+        store.scattered.holds = holds
+        self.watch(store)
+
     def _release(self) -> None:
         if self._handle is not None and not self._stores:
             self._handle.remove()
@@ -527,9 +533,18 @@ class MainGradGuard:
         key = (self._builds, *[id(g["params"]) for g in groups], *[len(g["params"]) for g in groups])
         scan = self._scans.get(optimizer)
         if scan is None or scan[0] != key:
-            scan = (key, [p for g in groups for p in g["params"] if _has_main(p)])
+            scan = (key, [p for g in groups for p in g["params"] if _has_main(p) or _sharded_outside(p)])
             with contextlib.suppress(TypeError):  # (an optimizer without weak references: not kept)
                 self._scans[optimizer] = scan
+        outside = sum(p.requires_grad and _sharded_outside(p) for p in scan[1])
+        if outside:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() would step {outside} parameter(s) in none of the groups "
+                "of the ShardedOptimizer (by element) over their model, which reduce-scatters their "
+                "gradients (each rank holds the average only in its own shard) and zeroes them in its "
+                "zero_grad: give them a group of that ShardedOptimizer (opt.add_param_group with their "
+                "own options), or shard with shard_by='tensor', whose gradients stay whole"
+            )
         # (frozen: skipped, as by stock; a store laid out again since may own it no more)
         skipped = sum(p.grad is None and p.requires_grad and _has_main(p) for p in scan[1])
         if skipped:
@@ -545,6 +560,13 @@ class MainGradGuard:
 def _has_main(param: torch.Tensor) -> bool:
     store = owner_of(param)
     return store is not None and store.is_main(param)
+
+
+def _sharded_outside(param: torch.Tensor) -> bool:
+    """Whether `param`'s store is reduce-scattered for a ShardedOptimizer that holds it in no group."""
+    store = owner_of(param)
+    holds = store.scattered.holds if store is not None else None
+    return holds is not None and not holds(param)
 
 
 MAIN_GRAD_GUARD = MainGradGuard()
@@ -571,12 +593,14 @@ class Scattered:
     """A store's reduce-scatter state (ShardedOptimizer): whether its gradients are reduce-scattered, not
     zeroed since (`marked`); one ScatteredGrad alias per slot view in parameter order, made once (`aliases`);
     whether they act as plain tensors (`unguarded`: during a relayout); the collective gathering all ranks'
-    shards of the averages into whole plain gradients (`gather`: before a relayout, every rank together)."""
+    shards of the averages into whole plain gradients (`gather`: before a relayout, every rank together);
+    whether the ShardedOptimizer holds a parameter in a group (`holds`: `MainGradGuard` refuses another)."""
 
     marked: bool = False
     aliases: tuple[torch.Tensor, ...] = ()
     unguarded: bool = False
     gather: Callable[[], None] | None = None
+    holds: Callable[[torch.Tensor], bool] | None = None
 
 
 def aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:

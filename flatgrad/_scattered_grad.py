@@ -17,7 +17,7 @@ and raises for anything that reads or writes values."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -38,18 +38,14 @@ _ALLOWED_CALLS = frozenset({
     "size", "stride", "dim", "numel", "nelement", "element_size", "data_ptr", "storage_offset",
     "untyped_storage", "is_contiguous", "is_floating_point", "is_complex", "is_signed",
     "is_pinned", "is_inference", "get_device", "_is_view", "requires_grad_", "zero_",
-    "_foreach_zero_", "_has_compatible_shallow_copy_type",
+    "_foreach_zero_",
 })  # fmt: skip
-# What passes where it moves nothing (its own tensor back: `nn.Module._apply` on the same device).
-_MOVES = frozenset({"cpu", "cuda", "to", "setting Tensor.data"})
 
 _ADVICE = (
     "use opt.clip_grad_norm_(max_norm) to clip (ShardedOptimizer's own: the global norm from "
     "every rank's shard, one small all-reduce; it returns that norm, for logging too); "
     "with a loss scaler use flatgrad.GradScaler (it unscales the shards); after "
-    "opt.zero_grad() .grad is plain again (but for a parameter in none of its groups, which keeps "
-    "its gradient as with a torch optimizer: step it in a group of the ShardedOptimizer, "
-    "add_param_group with its own options, or shard with shard_by='tensor')"
+    "opt.zero_grad() .grad is plain again"
 )
 
 
@@ -75,12 +71,6 @@ def _guarded(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     name, allowed = _op(func)
     if name in ("__repr__", "__format__"):
         return _describe(args[0])
-    if name in _MOVES:  # (to where it is, as `model.cpu()` on CPU in Lightning's teardown; else refused)
-        if name == "setting Tensor.data" and args[1] is args[0]:
-            return None
-        with DisableTorchFunctionSubclass():
-            if name != "setting Tensor.data" and func(*args, **(kwargs or {})) is args[0]:
-                return args[0]
     if not (allowed or _unguarded(args, kwargs)):
         raise RuntimeError(
             f"{name} on a parameter's .grad under a ShardedOptimizer: after the synchronised "
@@ -207,21 +197,6 @@ def unmark_scattered(store: GradStore, to_none: bool = False) -> None:
             param.grad = store.view(param)
 
 
-def restore_grads(
-    store: GradStore, kept: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
-) -> bool:
-    """Give each parameter of `kept` its `.grad` again (its slot or the slot's ScatteredGrad), with the values
-    its slot held (`kept`'s copies), every other slot zeroed (a synchronised backward adds onto all); returns
-    whether the store is reduce-scattered again (an alias kept)."""
-    for buffer in store.buffers.values():
-        buffer.zero_()
-    for param, grad, values in kept:
-        store.view(param).copy_(values)
-        param.grad = grad
-    store.scattered.marked = any(type(grad) in _ALIASES for _, grad, _ in kept)
-    return store.scattered.marked
-
-
 def refuse_scattered(store: GradStore | None, what: str) -> None:
     """Raise if a `.grad` of `store` is a ScatteredGrad: `what` (a norm of the local
     buffers) would read values that are averaged only inside this rank's shards."""
@@ -270,8 +245,6 @@ def refuse_adding_onto_scattered(store: GradStore | None) -> None:
             "ShardedOptimizer: a backward under dp.no_sync() after a synchronised backward "
             "and before zero_grad(): the first one reduce-scattered the gradients, so this "
             "one cannot add to them locally; accumulate micro-batches under dp.no_sync() "
-            "before the synchronised one, or synchronise this backward too (a parameter in none of "
-            "its groups keeps its gradient through its zero_grad, as with a torch optimizer: "
-            "model.zero_grad() clears it)"
+            "before the synchronised one, or synchronise this backward too"
         )
     unmark_scattered(store)  # zeroed behind ShardedOptimizer's back (model.zero_grad)

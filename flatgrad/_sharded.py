@@ -38,13 +38,13 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatgrad._buffer import GradStore
+from flatgrad._buffer import MAIN_GRAD_GUARD, GradStore
 from flatgrad._dtensor import local_of, move_into, pipeline_group
 from flatgrad._flatgrad import engine_of
 from flatgrad._gather_waits import ForwardWaits
 from flatgrad._optim_kinds import ShardBy, agreed_kind, shard_kind
 from flatgrad._parallel import ReplicateModule, ReplicateState, replicate_state
-from flatgrad._scattered_grad import is_scattered, restore_grads, unguarded, unmark_scattered
+from flatgrad._scattered_grad import is_scattered, unguarded, unmark_scattered
 from flatgrad._torch_compat import SAVED_SHARDS, join_state, leave_join
 from flatgrad._zero import (
     PieceGroups,
@@ -112,8 +112,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             LBFGS and SparseAdam are refused.
         params: Parameters of `model` or parameter groups (dicts with ``"params"`` and per-group options), as
             a torch optimizer's first argument; None (the default) puts every trainable parameter of `model`
-            in one group. A parameter in no group is not stepped (its gradient is averaged, and kept by
-            `zero_grad`, as a torch optimizer's).
+            in one group. A parameter in no group is not stepped (its gradient is still averaged).
         overlap_param_gather: Whether `step()` returns with the parameter all-gathers in flight: the next
             forward waits for each bucket's just before the first module using its parameters runs
             (`flatgrad._gather_waits`), and the model's ``state_dict``/``load_state_dict`` and the next
@@ -188,7 +187,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         # The whole state of parameters frozen since they were stepped, by name: restored
         # when they are trainable again (a plain optimizer keeps it, skipping them).
         self._parked: dict[str, dict[str, Any]] = {}
-        self._outside_of: tuple[tuple[object, ...], list[torch.Tensor]] = ((), [])  # (`_outside`)
+        self._held: tuple[tuple[tuple[int, int], ...], set[int]] = ((), set())  # (`_holds`)
         self._waits: weakref.finalize | None = None
         self._engine: ShardEngine | TensorEngine
         self._groups: PieceGroups | TensorGroups
@@ -225,6 +224,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         pieces = dp._engine.shard_plan(store, self.overlap_param_gather)
         engine = ShardEngine(store, pieces, dp.process_group, dp._engine.policy)
         dp._engine.shards, store.scattered.gather = engine.grad_shards, engine.gather_grads
+        MAIN_GRAD_GUARD.watch_sharded(store, self._holds)  # (another optimizer over the rest: refused)
         self._engine = engine
         self._groups = PieceGroups(engine, self._names, self._recipe, self.param_groups)
         if self._waits is not None:
@@ -523,26 +523,21 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self._engine.cleared()
             self._groups.drop_grads()
             return
-        store = self._engine.store
-        # A parameter in none of the groups keeps its gradient, as a torch optimizer's zero_grad leaves it.
-        kept = [(p, p.grad, store.view(p).clone()) for p in self._outside(store) if p.grad is not None]
         # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s
         # (a clone each) before they are dropped or zeroed.
-        with unguarded(store, engine_of(self.dp.module).store):
+        with unguarded(self._engine.store, engine_of(self.dp.module).store):
             self.dp.module.zero_grad(set_to_none=set_to_none)  # (plain .grad again: it unmarks)
         # (and the store of the last layout, where (un)freezing laid the model out again since)
-        unmark_scattered(store, to_none=True)
+        unmark_scattered(self._engine.store, to_none=True)
+        self.dp._engine.grads_cleared()
         self._groups.drop_grads()
-        if not (kept and engine_of(self.dp.module).store is store and restore_grads(store, kept)):
-            self.dp._engine.grads_cleared()  # (else the next synchronised backward adds onto the kept ones)
 
-    def _outside(self, store: GradStore) -> list[torch.Tensor]:
-        """The parameters of `store` in none of the groups (made again when the store or a group changed)."""
-        key = (store, *[(id(g["params"]), len(g["params"])) for g in self.param_groups])
-        if self._outside_of[0] != key:
-            ours = {id(p) for group in self.param_groups for p in group["params"]}
-            self._outside_of = (key, [p for p in store.params if id(p) not in ours])
-        return self._outside_of[1]
+    def _holds(self, param: torch.Tensor) -> bool:
+        """Whether `param` is in a group (the ids are made again when a group changed)."""
+        key = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
+        if self._held[0] != key:
+            self._held = (key, {id(p) for group in self.param_groups for p in group["params"]})
+        return id(param) in self._held[1]
 
     def clip_grad_norm_(
         self,

@@ -515,47 +515,41 @@ def test_a_param_group_added_later_and_parameters_in_no_group_equal_stock():
     run_ranks(_add_group_worker, timeout=90)
 
 
-def _kept_outside_groups_worker(rank: int, world_size: int, set_to_none: bool) -> None:
+def _another_optimizer_worker(rank: int, world_size: int, shard_by: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).double()
     ref = DDP(copy.deepcopy(model))
     dp = flatgrad.replicate(flatgrad.FlatGrad(model))
-    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, list(model[0].parameters()), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.module[0].parameters(), lr=0.1, momentum=0.9)
-    for step in range(4):
-        if step == 2:  # the head joins with the gradients it gathered through the zero_grads
-            opt.add_param_group({"params": list(model[2].parameters()), "lr": 0.05})
-            ref_opt.add_param_group({"params": list(ref.module[2].parameters()), "lr": 0.05})
+    opt = flatgrad.ShardedOptimizer(
+        dp, torch.optim.SGD, list(model[0].parameters()), lr=0.1, shard_by=shard_by
+    )
+    pairs = [(opt, torch.optim.SGD(ref.module[0].parameters(), lr=0.1))]
+    pairs.append(
+        (torch.optim.SGD(model[2].parameters(), lr=0.1), torch.optim.SGD(ref.module[2].parameters(), lr=0.1))
+    )
+    for step in range(3):
         torch.manual_seed(10 * step + rank)
         batch = torch.randn(5, 6, dtype=torch.double)
-        for module, optimizer in ((dp, opt), (ref, ref_opt)):
+        for module in (dp, ref):
             module(batch).square().sum().backward()
-            if module is dp:  # (the norm counts the gathered gradients too, as stock's over the model)
-                norm = opt.clip_grad_norm_(1.0)
-            else:
-                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=set_to_none)
-        torch.testing.assert_close(norm, ref_norm, **TOL)
+        for ours, theirs in pairs:  # (a common loop: each optimizer steps, then zeroes)
+            if shard_by == "element" and ours is not opt:
+                with pytest.raises(RuntimeError, match=r"SGD.step\(\) would step 2 parameter\(s\) in none"):
+                    ours.step()
+                return
+            ours.step()
+            ours.zero_grad()
+            theirs.step()
+            theirs.zero_grad()
         assert_params_like(model, ref.module, **TOL)
-    # Stepped by another optimizer, a gradient of a parameter outside the groups is refused, not lost.
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).double()
-    dp = flatgrad.replicate(flatgrad.FlatGrad(model))
-    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, list(model[0].parameters()), lr=0.1)
-    other = torch.optim.SGD(model[2].parameters(), lr=0.1)
-    dp(batch).sum().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=set_to_none)
-    with pytest.raises(RuntimeError, match="in none of its groups"):
-        other.step()
 
 
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_a_parameter_in_no_group_keeps_its_gradient_through_zero_grad(set_to_none):
-    """As a torch optimizer's zero_grad leaves the gradients of parameters in none of its groups, by element
-    too: a head added later steps with what it gathered since (equal to stock DDP + SGD), and another
-    optimizer over it is refused (its `.grad` reduce-scattered), where it was silently handed None before."""
-    run_ranks(_kept_outside_groups_worker, set_to_none, timeout=90)
+@pytest.mark.parametrize("shard_by", ["element", "tensor"])
+def test_another_optimizer_over_the_parameters_outside_the_groups(shard_by):
+    """By tensor another torch optimizer over the rest of the model equals stock; by element (the buckets
+    reduce-scattered, the model's gradients zeroed together) it is refused at its step, where the second
+    optimizer stepped the head with `.grad` None after the first's zero_grad: it never moved (0.80 off)."""
+    run_ranks(_another_optimizer_worker, shard_by, timeout=90)
 
 
 def _unfrozen_worker(rank: int, world_size: int, zero_after_forward: bool) -> None:
