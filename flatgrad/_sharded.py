@@ -531,6 +531,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         unmark_scattered(self._engine.store, to_none=True)
         self.dp._engine.grads_cleared()
         self._groups.drop_grads()
+        self._engine.frozen_at_zero = {id(p) for p in self._engine.store.mains if not p.requires_grad}
 
     def _holds(self, param: torch.Tensor) -> bool:
         """Whether `param` is in a group (the ids are made again when a group changed)."""
