@@ -530,13 +530,15 @@ class MainGradGuard:
         if getattr(optimizer, "steps_main_grads", False):
             return
         groups = optimizer.param_groups
-        key = (self._builds, *[id(g["params"]) for g in groups], *[len(g["params"]) for g in groups])
+        key = (self._builds, *groups_key(groups))
         scan = self._scans.get(optimizer)
         if scan is None or scan[0] != key:
-            scan = (key, [p for g in groups for p in g["params"] if _has_main(p) or _sharded_outside(p)])
+            scan = (key, [p for g in groups for p in g["params"] if _has_main(p) or _outside(p, owner_of(p))])
             with contextlib.suppress(TypeError):  # (an optimizer without weak references: not kept)
                 self._scans[optimizer] = scan
-        outside = sum(p.requires_grad and _sharded_outside(p) for p in scan[1])
+        # (frozen: skipped, as by stock; a store laid out again since may own it no more)
+        found = [(p, owner_of(p)) for p in scan[1] if p.requires_grad]
+        outside = sum(_outside(p, store) for p, store in found)
         if outside:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step() would step {outside} parameter(s) in none of the groups "
@@ -545,8 +547,7 @@ class MainGradGuard:
                 "zero_grad: give them a group of that ShardedOptimizer (opt.add_param_group with their "
                 "own options), or shard with shard_by='tensor', whose gradients stay whole"
             )
-        # (frozen: skipped, as by stock; a store laid out again since may own it no more)
-        skipped = sum(p.grad is None and p.requires_grad and _has_main(p) for p in scan[1])
+        skipped = sum(p.grad is None and store is not None and store.is_main(p) for p, store in found)
         if skipped:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step() would skip {skipped} bfloat16/float16 "
@@ -557,14 +558,18 @@ class MainGradGuard:
             )
 
 
+def groups_key(groups: list[dict[str, Any]]) -> tuple[int, ...]:
+    """What changes when param groups are added or their lists replaced or resized (a kept scan's key)."""
+    return (*[id(g["params"]) for g in groups], *[len(g["params"]) for g in groups])
+
+
 def _has_main(param: torch.Tensor) -> bool:
     store = owner_of(param)
     return store is not None and store.is_main(param)
 
 
-def _sharded_outside(param: torch.Tensor) -> bool:
-    """Whether `param`'s store is reduce-scattered for a ShardedOptimizer that holds it in no group."""
-    store = owner_of(param)
+def _outside(param: torch.Tensor, store: GradStore | None) -> bool:
+    """Whether `param`'s `store` is reduce-scattered for a ShardedOptimizer holding `param` in no group."""
     holds = store.scattered.holds if store is not None else None
     return holds is not None and not holds(param)
 

@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatgrad._buffer import MAIN_GRAD_GUARD, GradStore
+from flatgrad._buffer import MAIN_GRAD_GUARD, GradStore, groups_key
 from flatgrad._dtensor import local_of, move_into, pipeline_group
 from flatgrad._flatgrad import engine_of
 from flatgrad._gather_waits import ForwardWaits
@@ -187,7 +187,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         # The whole state of parameters frozen since they were stepped, by name: restored
         # when they are trainable again (a plain optimizer keeps it, skipping them).
         self._parked: dict[str, dict[str, Any]] = {}
-        self._held: tuple[tuple[tuple[int, int], ...], set[int]] = ((), set())  # (`_holds`)
+        self._held: tuple[tuple[int, ...], set[int]] = ((), set())  # (`_holds`)
         self._waits: weakref.finalize | None = None
         self._engine: ShardEngine | TensorEngine
         self._groups: PieceGroups | TensorGroups
@@ -531,11 +531,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         unmark_scattered(self._engine.store, to_none=True)
         self.dp._engine.grads_cleared()
         self._groups.drop_grads()
-        self._engine.frozen_at_zero = {id(p) for p in self._engine.store.mains if not p.requires_grad}
+        self._engine.cleared()
 
     def _holds(self, param: torch.Tensor) -> bool:
         """Whether `param` is in a group (the ids are made again when a group changed)."""
-        key = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
+        key = groups_key(self.param_groups)
         if self._held[0] != key:
             self._held = (key, {id(p) for group in self.param_groups for p in group["params"]})
         return id(param) in self._held[1]

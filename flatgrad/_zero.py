@@ -212,6 +212,10 @@ class ShardEngine(FlatParameters):
         store = self.store
         return any(p.grad is not None for p in store.params) or (is_scattered(store) and bool(store.mains))
 
+    def cleared(self) -> None:
+        """Gradients zeroed: a main-grad parameter frozen now gets none until unfrozen (`has_main`)."""
+        self.frozen_at_zero = {id(p) for p in self.store.mains if not p.requires_grad}
+
     def has_main(self, param: torch.Tensor) -> bool:
         """Whether `param` has a main grad that counts as its gradient: not one frozen since before the last
         zero_grad (stock's `.grad` is None there, and a step skips it)."""
