@@ -94,6 +94,7 @@ class GradStore:
         self.mains = tuple(p for p in self.params if self._entries[p].view.dtype != p.dtype)
         self._main_ids = frozenset(map(id, self.mains))
         self._main_spans = self.spans(self.mains)  # (zeroed by `zero_mains`)
+        self._frozen_at_zero: frozenset[int] = frozenset()  # (main grads without a gradient: `has_main`)
         self._disown = _claim(self)
         if self.mains:
             MAIN_GRAD_GUARD.watch(self)
@@ -126,10 +127,17 @@ class GradStore:
         """Whether `param`'s slot is a main grad (see the module docstring: its `.grad` stays None)."""
         return id(param) in self._main_ids
 
-    def zero_mains(self) -> None:
-        """Zero every main grad (a few fills: adjacent slots share one)."""
+    def zero_mains(self, to_none: bool = True) -> None:
+        """Zero every main grad (a few fills: adjacent slots share one). `to_none`: a zeroing that
+        sets `.grad` None; then a main-grad parameter frozen has no gradient till unfrozen (`has_main`)."""
         if self._main_spans:
             torch._foreach_zero_(self._main_spans)
+            self._frozen_at_zero = frozenset(id(p) for p in self.mains if to_none and not p.requires_grad)
+
+    def has_main(self, param: torch.Tensor) -> bool:
+        """Whether `param` has a main grad that counts as its gradient: not one frozen since the last zeroing
+        to None (stock's `.grad` is None there, and a step skips it; zeroed in place, it is stepped)."""
+        return id(param) in self._main_ids and (param.requires_grad or id(param) not in self._frozen_at_zero)
 
     def slot(self, param: torch.Tensor) -> tuple[GroupKey, SlotSpec]:
         """`param`'s group key and slot (offset and size in elements within that buffer)."""

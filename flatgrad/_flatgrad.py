@@ -231,6 +231,7 @@ class FlatGrad(nn.Module):
                 param.grad = None
             store.zero_mains()  # a main grad is the gradient itself: zeroed either way
             return
+        store.zero_mains(to_none=False)
         for param in store.params:  # (a ScatteredGrad, or a `.grad` outside its slot)
             if param.grad is not None and param.grad is not store.view(param):
                 param.grad = None if store.is_main(param) else store.view(param)

@@ -531,7 +531,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         unmark_scattered(self._engine.store, to_none=True)
         self.dp._engine.grads_cleared()
         self._groups.drop_grads()
-        self._engine.cleared()
 
     def _holds(self, param: torch.Tensor) -> bool:
         """Whether `param` is in a group (the ids are made again when a group changed)."""

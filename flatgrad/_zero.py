@@ -190,8 +190,6 @@ class ShardEngine(FlatParameters):
         self.in_flight: dict[int, list[Any]] = {}
         self.gather_by_broadcast = not policy.all_gather  # (gloo: see `BackendPolicy`)
         self.waited: list[int] = []  # this step's buckets, in the order their gathers were waited for
-        # Main-grad parameters frozen at the last zero_grad: still frozen, they have no gradient (`has_main`).
-        self.frozen_at_zero: set[int] = set()
 
     def _cut_shards(self) -> list[Shard]:
         shards = []
@@ -211,15 +209,6 @@ class ShardEngine(FlatParameters):
         and must not meet the others' backward with one; its next backward refuses (`Round._check_round`)."""
         store = self.store
         return any(p.grad is not None for p in store.params) or (is_scattered(store) and bool(store.mains))
-
-    def cleared(self) -> None:
-        """Gradients zeroed: a main-grad parameter frozen now gets none until unfrozen (`has_main`)."""
-        self.frozen_at_zero = {id(p) for p in self.store.mains if not p.requires_grad}
-
-    def has_main(self, param: torch.Tensor) -> bool:
-        """Whether `param` has a main grad that counts as its gradient: not one frozen since before the last
-        zero_grad (stock's `.grad` is None there, and a step skips it)."""
-        return self.store.is_main(param) and (param.requires_grad or id(param) not in self.frozen_at_zero)
 
     def take_assigned_grads(self) -> None:
         """Before a step with no synchronised backward since the last zeroing (after one, the slots hold the
@@ -1032,11 +1021,12 @@ class PieceGroups(InnerGroups):
         """The groups where no parameter has a gradient, and the [a, b) ranges of this rank's pieces of the
         other groups holding a parameter without one. Without a gradient: `.grad` None after a synchronised
         backward (no rank used it, as DDP's find_unused_parameters=True leaves it; a main grad counts unless
-        frozen since the last zero_grad, `ShardEngine.has_main`; an empty parameter never), or, with gradients
+        frozen since the last zero_grad, `GradStore.has_main`; an empty parameter never), or, with gradients
         assigned by hand, on this rank (each steps with its own: `ShardEngine.take_assigned_grads`; one small
         all-reduce tells every rank who has none where). Raises ValueError on every rank, before anything
         moves, where `_refuse_partial` refuses such a group."""
-        store, scattered, main = self.engine.store, is_scattered(self.engine.store), self.engine.has_main
+        store = self.engine.store
+        scattered, main = is_scattered(store), store.has_main
         if scattered and all(p.grad is not None or main(p) or not p.numel() for p in store.params):
             return set(), []  # (the usual step: every parameter has its gradient)
         held = [[p for p in group["params"] if p in store] for group in param_groups]

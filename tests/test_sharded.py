@@ -592,7 +592,7 @@ def test_a_layer_frozen_at_construction_unfrozen_with_a_group_equals_stock(zero_
     run_ranks(_unfrozen_worker, zero_after_forward, timeout=90)
 
 
-def _frozen_main_grad_worker(rank: int, world_size: int) -> None:
+def _frozen_main_grad_worker(rank: int, world_size: int, by_optimizer: bool, to_none: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(torch.bfloat16)
     dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=flatgrad.FlatGradConfig(grad_dtype="float32")))
@@ -603,18 +603,24 @@ def _frozen_main_grad_worker(rank: int, world_size: int) -> None:
             before = [p.detach().clone() for p in model[0].parameters()]
         torch.manual_seed(10 * step + rank)
         loss = dp(torch.randn(5, 6, dtype=torch.bfloat16)).float().square().sum()
-        opt.zero_grad()
+        (opt.zero_grad if by_optimizer else model.zero_grad)(set_to_none=to_none)
         loss.backward()
         opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(model[0].parameters(), before))
+    # Stock: `.grad` None skips the frozen layer; zeroed in place, SGD steps it (its momentum moves it)
+    assert all(torch.equal(p, q) for p, q in zip(model[0].parameters(), before)) == to_none
 
 
-def test_a_main_grad_layer_frozen_before_the_forward_that_meets_scattered_gradients_is_not_stepped():
+@pytest.mark.parametrize("to_none", [True, False], ids=["to_none", "in_place"])
+@pytest.mark.parametrize("by_optimizer", [True, False], ids=["optimizer", "model"])
+def test_a_main_grad_layer_frozen_before_the_forward_that_meets_scattered_gradients_is_not_stepped(
+    by_optimizer: bool, to_none: bool
+) -> None:
     """bfloat16 with float32 main grads, by element: a layer frozen before a forward that meets the last
     step's reduce-scattered gradients keeps its slot until they are zeroed; its main grad (no `.grad` to be
     None) counted as a gradient, and SGD's momentum moved it (0.096), where stock skips a frozen parameter
-    whose `.grad` zero_grad set to None. A main grad frozen since the last zero_grad is none now."""
-    run_ranks(_frozen_main_grad_worker, timeout=90)
+    whose `.grad` zero_grad set to None. A main grad frozen since the last zeroing to None is none now,
+    zeroed by the optimizer or by the model; zeroed in place, it is stepped as stock's zero `.grad`."""
+    run_ranks(_frozen_main_grad_worker, by_optimizer, to_none, timeout=90)
 
 
 def _closure(module: nn.Module, zero_grad: Callable[[], None], tokens: torch.Tensor) -> Callable[..., Any]:
