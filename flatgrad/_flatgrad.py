@@ -63,6 +63,7 @@ _ADDED = (
     "all_reduce_grads", "ddp_kwargs", "comm_state", "relayout",
 )  # fmt: skip
 _ENGINE = "_flatgrad_engine"  # the model's `__dict__` key of its engine
+_Convert = Callable[[torch.Tensor], torch.Tensor]  # (what `nn.Module._apply` maps over the tensors)
 
 
 def engine_of(model: nn.Module) -> GradEngine:
@@ -156,11 +157,14 @@ class FlatGrad(nn.Module):
     def _flatgrad_call(self, *args: Any, **kwargs: Any) -> Any:
         return super().__call__(*args, **kwargs)
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+    def _apply(self, fn: _Convert, recurse: bool = True) -> Any:
         # .to(), .double(), .half(), .cuda() ... convert parameters and their .grad out of
         # the buffers; lay the buffers out again for the new dtypes/devices.
-        super()._apply(fn, recurse)
         engine = self.__dict__.get(_ENGINE)
+        store = engine.store if engine is not None else None
+        if store is not None and is_scattered(store) and not store.scattered.unguarded:
+            fn = _refusing_conversion(fn)
+        super()._apply(fn, recurse)
         if engine is not None:
             engine.build()
         return self
@@ -426,6 +430,26 @@ def _new_flat_instance(original: type[nn.Module]) -> FlatGrad:
     """An empty instance of ``flat_class(original)`` for unpickling (`FlatGrad.__setstate__` fills it)."""
     instance: FlatGrad = object.__new__(flat_class(original))
     return instance
+
+
+def _refusing_conversion(fn: _Convert) -> _Convert:
+    """`fn` for `nn.Module._apply` while the gradients are reduce-scattered: the first tensor it would
+    convert raises before it is assigned (`_apply` converts a parameter before its `.grad`, whose refusal
+    would leave that parameter converted; a main grad has no `.grad` to refuse)."""
+
+    def convert(tensor: torch.Tensor) -> torch.Tensor:
+        converted = fn(tensor)
+        if converted is not tensor:
+            raise RuntimeError(
+                "converting the model (.to(), .float(), .cuda(), ...) between a synchronised backward and "
+                "zero_grad under a ShardedOptimizer that shards by element: the gradients are reduce-"
+                "scattered (each rank holds the average only in its own shard), so they cannot be converted "
+                "with the parameters; convert before the forward or after opt.zero_grad() (nothing was "
+                "converted)"
+            )
+        return converted
+
+    return convert
 
 
 def _apply_flatgrad(

@@ -309,21 +309,27 @@ def test_a_gan_with_a_sharded_optimizer_each_equals_two_ddps(world_size):
 
 def _layout_change_worker(rank: int, world_size: int) -> None:
     """The parameters of a ShardedOptimizer are views of its flat parameter buffer, which
-    the all-gather refills: a conversion before a step is refused at `step()` on every rank,
+    the all-gather refills: a conversion before a step is refused at `step()` on every rank (while the
+    gradients are reduce-scattered, at the conversion itself, before anything converts),
     never a silent update of parameters that no longer are those views; a freeze after
     zero_grad is followed (a freeze between a backward and its step is stepped as stock's:
     `test_a_layer_frozen_while_its_gradient_is_in_flight_is_averaged_and_stepped_as_ddp`)."""
     for change in ("float", "freeze, zero_grad", "zero_grad, float"):
         model, flat, dp, opt = _build(rank)
-        dp(_tokens(rank, 0)).backward()
-        opt.step()
-        opt.zero_grad()
-        dp(_tokens(rank, 1)).backward()
+        pair = _with_stock(model, dp, opt)
+        pair.train_step(_tokens(rank, 0))
+        pair.zero_grad()
+        pair.backward(_tokens(rank, 1))
         if change == "float":
-            # converting the reduce-scattered .grad is refused at once (see test_sharded_grad_...)
-            with pytest.raises(RuntimeError, match="float on a parameter's .grad under a ShardedOptimizer"):
+            # refused before anything converts (`nn.Module._apply` converts a parameter before its
+            # reduce-scattered .grad, whose refusal left that one converted): the step is stock's
+            with pytest.raises(RuntimeError, match=r"converting the model .* \(nothing was converted\)"):
                 model.float()
-        elif change == "zero_grad, float":
+            assert {p.dtype for p in model.parameters()} == {torch.float64}
+            pair.step()
+            pair.assert_params(**TOL)
+            continue
+        if change == "zero_grad, float":
             opt.zero_grad()
             model.float()  # (no .grad to guard: the parameters move to new memory)
         else:
