@@ -5,8 +5,7 @@ ShardedOptimizer a `.grad` holds the average over the ranks only inside this ran
 parameter has no `.grad` at all), so its checks would read the wrong values, or none. This subclass reads the
 gradient shards instead and agrees on the inf check over the ranks (one scalar all-reduce, as FSDP's
 ``ShardedGradScaler`` does), so an overflow on any rank skips the step on every rank and backs the scale off
-alike. For every other optimizer it is torch's scaler, unchanged.
-"""
+alike. For every other optimizer it is torch's scaler, unchanged."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Where each gradient lives: grouping by (dtype, device), order, alignment and offsets.
 
-Pure bookkeeping: reads shapes, strides and dtypes, allocates nothing.
-"""
+Pure bookkeeping: reads shapes, strides and dtypes, allocates nothing."""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ def plan_layout(
     the order backward produces gradients in, so a bucket fills front to back. Every slot
     also starts on a multiple of `multiple` elements (a sharded optimizer passes the world
     size, so any run of whole slots splits into equal shards). A parameter's group dtype is
-    its slot's (`slot_dtype`: float32 main grads for bfloat16/float16 ones with `grad_dtype`).
-    """
+    its slot's (`slot_dtype`: float32 main grads for bfloat16/float16 ones with `grad_dtype`)."""
     members: dict[GroupKey, list[int]] = {}
     for index in reversed(range(len(params))):
         param = params[index]

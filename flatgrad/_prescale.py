@@ -13,8 +13,7 @@ AccumulateGrad on its way into the slot.
 
 The state lives on the store (`flatgrad._buffer.Prescale`, which the layer backwards find
 through `find_slot`); the factor is chosen and the rest of a bucket divided where the
-buckets are (`flatgrad._bucket_sync.prescale_factor`, `divide_unscaled`).
-"""
+buckets are (`flatgrad._bucket_sync.prescale_factor`, `divide_unscaled`)."""
 
 from __future__ import annotations
 

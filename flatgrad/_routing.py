@@ -51,8 +51,7 @@ def route_layers(model: nn.Module, config: FlatGradConfig) -> tuple[set[int], fr
     Left alone: tensor-parallel layers (a DTensor weight: `parallelize_module`'s), subclasses that override
     `forward` (LoRA layers, quantised layers...), parametrized layers (their weight is computed, never a leaf:
     nothing to write into, and reading it would run the parametrization) and complex Linears. Their parameters
-    still get their gradients in the buffer. Never runs model code.
-    """
+    still get their gradients in the buffer. Never runs model code."""
     chosen: list[tuple[nn.Module, Callable[..., torch.Tensor]]] = []
     # nn.MultiheadAttention never calls its out_proj (its forward reads out_proj.weight):
     # routed, that Linear would only ever see its gradient arrive through plain autograd.

@@ -21,8 +21,7 @@ raising on any read of its values: ``torch.nn.utils.clip_grad_norm_(model.parame
 rank used in a step (`.grad` None, as stock DDP with ``find_unused_parameters=True`` leaves it) is left as
 stock's optimizer leaves it: `flatgrad._zero.PieceGroups.step` skips a group none of whose parameters has a
 gradient, and puts such a parameter's elements (values, per-element state) back after a group's step where
-the class allows it, else refuses on every rank before anything moves.
-"""
+the class allows it, else refuses on every rank before anything moves."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 ``flatgrad/__init__.py`` imports this module before anything else, so that an older torch gets one clear
 ImportError naming the floor instead of an AttributeError from deep inside the package. ``pyproject.toml``
 declares the same floor (``torch>=2.4,<3``, checked by ``tests/test_torch_version.py``); CI runs
-``tests/smoke_versions.py`` on the floor and on the newest release (``.ci/run``).
-"""
+``tests/smoke_versions.py`` on the floor and on the newest release (``.ci/run``)."""
 
 from __future__ import annotations
 

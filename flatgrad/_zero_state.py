@@ -15,8 +15,7 @@ views of the inner optimizer's state (copies where the parameter's memory order 
 into a plain optimizer's whole tensors, and back (it reshards by the rectangles). ``torch.save`` writes this
 rank's shards as plain tensors, which ``torch.load(..., weights_only=True)`` reads. A scalar state (``step``)
 is a plain tensor, the same on every rank that holds a piece of the group; a group that has not stepped saves
-a step count of 0 and resumes fresh (`saved_stepped`).
-"""
+a step count of 0 and resumes fresh (`saved_stepped`)."""
 
 from __future__ import annotations
 

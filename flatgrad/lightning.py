@@ -23,8 +23,7 @@ buffers, or a ShardedOptimizer's shards), and as Lightning does otherwise (refus
 `_clip_through_flatgrad`); under ``"16-mixed"`` a sharded model's scaler is a `flatgrad.GradScaler`, and
 clipping unscales the shards first. A ``"flatgrad_sharded"`` checkpoint holds the optimizer state in the form
 a plain torch optimizer of the same class and groups saves (`plain_optimizer_state`, gathered whole: Lightning
-writes rank 0's dict only), so ``"ddp"`` and the other strategies resume from it, and it from theirs.
-"""
+writes rank 0's dict only), so ``"ddp"`` and the other strategies resume from it, and it from theirs."""
 
 from __future__ import annotations
 
