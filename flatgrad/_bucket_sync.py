@@ -32,6 +32,7 @@ from flatgrad._layout import GroupKey
 from flatgrad._prescale import scale_incoming
 from flatgrad._scattered_grad import (
     carry_scattered,
+    holds_scattered,
     mark_scattered,
     refuse_adding_onto_scattered,
     unmark_scattered,
@@ -744,11 +745,7 @@ class BucketSync:
                 )
             return False
         if self._scattered:  # (a second backward before zero_grad)
-            if sync:
-                self._carried = carry_scattered(self.store, self.shards)
-            else:
-                refuse_adding_onto_scattered(self.store)
-            self._scattered = False
+            self._set_aside(sync)
         self._task = graph_task_id()
         self._task_sync = sync
         if sync:
@@ -758,6 +755,22 @@ class BucketSync:
         if queue:  # (the coordinator queues it after the seater's end: `pre_backward`)
             queue_callback(self._finish)
         return True
+
+    def _set_aside(self, sync: bool) -> None:
+        """Before a backward onto reduce-scattered gradients: this rank's shards of their averages set aside,
+        for one that averages (`carry_scattered`), else refused."""
+        if sync:
+            self._carried = carry_scattered(self.store, self.shards)
+        else:
+            refuse_adding_onto_scattered(self.store)
+        self._scattered = False
+
+    def before_backward(self) -> None:
+        """Before a backward that may open from a parameter's hook, no output of the model reached (inside its
+        forward: Lightning's `manual_backward`): onto reduce-scattered gradients, `_set_aside` now, as `_open`
+        decides, before its first gradient lands on them (which `_open` finds too late, and refuses)."""
+        if self._scattered and self._task is None:
+            self._set_aside((self.sync if self._forwards else self._armed) or self._averaging)
 
     def _average(self) -> Round:
         divisor = self._ranks_not_joined()
@@ -801,6 +814,15 @@ class BucketSync:
         `block_backward_sync()` around it keeps it local). Its first final gradient is this hook's: FlatGrad
         seated no slot for it (no output pre hook ran), so the small parameters' gradients land in tensors of
         their own, which each bucket takes into its slots before it launches."""
+        if self._scattered and holds_scattered(self.store):
+            raise RuntimeError(
+                "ShardedOptimizer (by element): a backward after a synchronised one and before zero_grad() "
+                "reached no output of the model (it runs inside the model's forward, as Lightning's "
+                "manual_backward, or its loss is kept on the model), so its first gradients landed on the "
+                "reduce-scattered ones before it could set them aside; call zero_grad() between them, run "
+                "the earlier backwards under model.no_sync(), or shard by tensor (flatgrad's Lightning "
+                "strategies set them aside before each backward)"
+            )
         armed = self.sync if self._forwards else self._armed
         if not (armed or self._averaging):
             return False

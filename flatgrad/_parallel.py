@@ -369,6 +369,11 @@ class ReplicateState:
             engine.begin_forward()
         return training
 
+    def before_backward(self) -> None:
+        """Before a backward that may open from a parameter's hook (inside the forward: Lightning's
+        `manual_backward`, whose flatgrad strategies call this): `BucketSync.before_backward`."""
+        self._engine.before_backward()
+
     @torch.compiler.disable
     def after_forward(self, training: bool, finished: bool) -> None:
         if finished:

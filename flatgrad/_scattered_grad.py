@@ -208,7 +208,7 @@ def refuse_scattered(store: GradStore | None, what: str) -> None:
         )
 
 
-def _holds_scattered(store: GradStore) -> bool:
+def holds_scattered(store: GradStore) -> bool:
     # Still held: a `.grad` the sync marked (not a seated slot the seater set since for a `.grad` that was
     # None), or a main grad (zeroed by flatgrad's zero_grad only); and not zeroed since.
     held = bool(store.mains) or any(type(p.grad) in _ALIASES for p in store.params)
@@ -224,7 +224,7 @@ def carry_scattered(store: GradStore | None, shards: list[torch.Tensor]) -> list
     ShardedOptimizer's back, model.zero_grad)."""
     if store is None:
         return None
-    carried = [shard.clone() for shard in shards] if _holds_scattered(store) else None
+    carried = [shard.clone() for shard in shards] if holds_scattered(store) else None
     if carried is not None:
         for buffer in store.buffers.values():
             buffer.zero_()
@@ -240,7 +240,7 @@ def refuse_adding_onto_scattered(store: GradStore | None) -> None:
     Gradients set to None or zeroed since are fine (a buffer read, only here); `.grad` is plain then."""
     if store is None:
         return
-    if _holds_scattered(store):
+    if holds_scattered(store):
         raise RuntimeError(
             "ShardedOptimizer: a backward under dp.no_sync() after a synchronised backward "
             "and before zero_grad(): the first one reduce-scattered the gradients, so this "

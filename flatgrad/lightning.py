@@ -49,7 +49,7 @@ from flatgrad._comm import FlatGradCommState, allreduce_hook
 from flatgrad._config import FlatGradConfig
 from flatgrad._flatgrad import FlatGrad
 from flatgrad._optim_kinds import ShardBy
-from flatgrad._parallel import ReplicateModule, replicate, unreplicate
+from flatgrad._parallel import ReplicateModule, replicate, replicate_state, unreplicate
 from flatgrad._sharded import ShardedOptimizer
 from flatgrad._zero import options
 from flatgrad._zero_state import CLASS_STATE, MASTER, never_stepped, whole_state, without_stepped_options
@@ -207,6 +207,12 @@ class FlatGradDataParallelStrategy(_FlatGradStrategy):
         directly where the strategy's model is the LightningModule itself, which skips the
         bookkeeping of the replicated module's call that decides the averaging)."""
         return self._through_call(self.precision_plugin.train_step_context(), "training_step", args, kwargs)
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        """Before each backward: onto reduce-scattered gradients (manual optimization, a second
+        `manual_backward` before `zero_grad`), their averages set aside (`BucketSync.before_backward`)."""
+        if isinstance(self.model, ReplicateModule):
+            replicate_state(self.model).before_backward()
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's, through the module's call too: rank 0's buffers, as DDP's forward broadcasts them."""
