@@ -95,6 +95,7 @@ class GradStore:
         self._main_ids = frozenset(map(id, self.mains))
         self._main_spans = self.spans(self.mains)  # (zeroed by `zero_mains`)
         self._frozen_at_zero: frozenset[int] = frozenset()  # (main grads without a gradient: `has_main`)
+        self._zeroed_to_none = self._main_ids  # (and none written since: `leaving_main`)
         self._disown = _claim(self)
         if self.mains:
             MAIN_GRAD_GUARD.watch(self)
@@ -133,6 +134,25 @@ class GradStore:
         if self._main_spans:
             torch._foreach_zero_(self._main_spans)
             self._frozen_at_zero = frozenset(id(p) for p in self.mains if to_none and not p.requires_grad)
+            self._zeroed_to_none = self._main_ids if to_none else frozenset()
+
+    def zeroed_to_none(self, params: Iterable[torch.Tensor]) -> None:
+        """`params`' main grads were zeroed by a zeroing that sets `.grad` None (a by-tensor
+        ShardedOptimizer's own): until a backward writes them, they hold no gradient (`leaving_main`)."""
+        self._zeroed_to_none |= {id(p) for p in params if id(p) in self._main_ids}
+
+    def follow_mains(self, old: GradStore) -> None:
+        """After `old`'s main grads were carried in (a relayout): which have no gradient, as in `old`."""
+        self._frozen_at_zero, self._zeroed_to_none = old._frozen_at_zero, old._zeroed_to_none & self._main_ids
+
+    def leaving_main(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The `.grad` of a main-grad `param` leaving the buffers (frozen, replaced): its values in its own
+        dtype, or None where it has no gradient (`has_main`; zeroed to None and nothing written since, as a
+        stock `.grad` set to None stays None: a step must skip it)."""
+        values = self.view(param)
+        if not self.has_main(param) or (id(param) in self._zeroed_to_none and not bool(values.any())):
+            return None
+        return values.to(param.dtype)
 
     def has_main(self, param: torch.Tensor) -> bool:
         """Whether `param` has a main grad that counts as its gradient: not one frozen since the last zeroing
@@ -314,6 +334,7 @@ class GradStore:
         """As a backward begins: the parameters whose uses it sums as stock's (their layers
         return their gradients, AccumulateGrad adds the sum into the slot), where writing the
         uses in one by one would round otherwise (docs/design.md, "Routed layers")."""
+        self._zeroed_to_none = frozenset()  # (it may write them)
         if self.uses:  # (else no forward came since the last backward: the same graph's again)
             self.counted, self.uses = self.uses, {}
         self.summed = {

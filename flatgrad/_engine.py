@@ -150,6 +150,7 @@ class GradEngine:
             store.read_elsewhere = elsewhere
             if old is not None:
                 _carry_mains(old, store)
+                store.follow_mains(old)
                 store.unsynced = old.unsynced  # (local gradients moved in: still to be averaged)
                 store.uses, store.counted = old.uses, old.counted  # (reads before a relayout)
                 store.read_elsewhere |= old.read_elsewhere
@@ -360,7 +361,7 @@ def _detach_leaving(store: GradStore, staying: list[nn.Parameter]) -> None:
         if id(param) in kept:
             continue
         if store.is_main(param):  # (a main grad's `.grad` is None: its values become one)
-            param.grad = store.view(param).to(param.dtype)
+            param.grad = store.leaving_main(param)
         elif store.holds(param, param.grad):
             param.grad = param.grad.clone()  # type: ignore[union-attr]
 

@@ -516,9 +516,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             # gradients out again when parameters are frozen or unfrozen)
             store = engine_of(self.dp.module).current()
             with torch.no_grad():  # (main grads: zeroed, never None, as FlatGrad.zero_grad does)
-                for param in [p for group in self.param_groups for p in group["params"]]:
-                    if param in store and store.is_main(param):
+                params = [p for group in self.param_groups for p in group["params"] if p in store]
+                for param in params:
+                    if store.is_main(param):
                         store.view(param).zero_()
+                if set_to_none:
+                    store.zeroed_to_none(params)
             self._engine.cleared()
             self._groups.drop_grads()
             return

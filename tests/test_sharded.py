@@ -629,6 +629,38 @@ def test_a_main_grad_layer_frozen_before_the_forward_that_meets_scattered_gradie
     run_ranks(_frozen_main_grad_worker, by_optimizer, to_none, timeout=90)
 
 
+def _frozen_main_grad_when_worker(rank: int, world_size: int, when: str, shard_by: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = flatgrad.FlatGrad(model.to(torch.bfloat16), config=flatgrad.FlatGradConfig(grad_dtype="float32"))
+    dp = flatgrad.replicate(model)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=0.05, weight_decay=0.1, shard_by=shard_by)
+    for step in range(3):
+        if step == (0 if when == "at_build" else 1) and when != "after_zero_grad":
+            model[2].requires_grad_(False)
+        opt.zero_grad()
+        if step == 1 and when == "after_zero_grad":
+            model[2].requires_grad_(False)
+        before = [p.detach().clone() for p in model[2].parameters()]
+        torch.manual_seed(10 * step + rank)
+        dp(torch.randn(4, 6, dtype=torch.bfloat16)).float().square().sum().backward()
+        assert model[2].weight.grad is None  # (as stock's, zeroed to None and frozen since)
+        opt.step()
+        if not model[2].weight.requires_grad:  # (AdamW's decay moves a parameter stepped with zeros)
+            assert all(torch.equal(p, q) for p, q in zip(model[2].parameters(), before))
+
+
+@pytest.mark.parametrize("shard_by", ["element", "tensor"])
+@pytest.mark.parametrize("when", ["at_build", "before_zero_grad", "after_zero_grad"])
+def test_a_main_grad_layer_frozen_between_steps_is_not_stepped(when: str, shard_by: str) -> None:
+    """bfloat16 with float32 main grads: a layer frozen between steps (before zero_grad or after it, or
+    right after building) is not stepped, as stock skips a `.grad` zeroed to None. Its main grad, leaving the
+    buffers as the next forward lays them out again, became its `.grad` (zeros), which a step then took
+    (AdamW by tensor 3.6e-2, SGD momentum 9.7e-2): a main grad zeroed to None with nothing written since
+    leaves as None now."""
+    run_ranks(_frozen_main_grad_when_worker, when, shard_by, timeout=90)
+
+
 def _closure(module: nn.Module, zero_grad: Callable[[], None], tokens: torch.Tensor) -> Callable[..., Any]:
     def closure() -> torch.Tensor:
         zero_grad()
