@@ -47,8 +47,7 @@ class GradStore:
     ) -> None:
         self.params = tuple(params)
         _check_free(self.params)
-        # The mesh of the DTensor parameters (a tensor-parallel model), None without any: their
-        # slots hold local shards, their `.grad` are DTensors over them (`flatgrad._dtensor`).
+        # The DTensor parameters' mesh, or None: their slots hold local shards (`flatgrad._dtensor`).
         self.tensor_parallel = _dtensor.tensor_parallel_of(self.params)
         self._counted_runs: list[torch.Tensor] | None = None  # (see `norm_pieces`)
         if self.tensor_parallel is not None and grad_dtype is not None:
@@ -94,8 +93,8 @@ class GradStore:
         self.mains = tuple(p for p in self.params if self._entries[p].view.dtype != p.dtype)
         self._main_ids = frozenset(map(id, self.mains))
         self._main_spans = self.spans(self.mains)  # (zeroed by `zero_mains`)
-        self._frozen_at_zero: frozenset[int] = frozenset()  # (main grads without a gradient: `has_main`)
-        self._zeroed_to_none = self._main_ids  # (and none written since: `leaving_main`)
+        # Main grads without a gradient: frozen at a zeroing to None (`has_main`); zeroed so (`leaving_main`).
+        self._frozen_at_zero, self._zeroed_to_none = frozenset[int](), self._main_ids
         self._disown = _claim(self)
         if self.mains:
             MAIN_GRAD_GUARD.watch(self)

@@ -17,6 +17,7 @@ and raises for anything that reads or writes values."""
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -169,6 +170,19 @@ def mark_scattered(store: GradStore) -> None:
     for param, alias in zip(store.params, _aliases(store)):
         if param.grad is not None:
             param.grad = alias
+
+
+def replaced_by_hand(store: GradStore) -> list[torch.Tensor]:
+    """The parameters (main grads aside) whose reduce-scattered `.grad` was replaced by hand (``p.grad = g``:
+    neither its alias nor None). Two C loops over the parameters in the usual step, which finds none."""
+    grads = list(map(_GRAD, store.params))
+    if set(map(type, grads)) <= _KEPT:
+        return []
+    return [p for p, g in zip(store.params, grads) if type(g) not in _KEPT and not store.is_main(p)]
+
+
+_GRAD = operator.attrgetter("grad")
+_KEPT = frozenset({*_ALIASES, type(None)})
 
 
 def is_scattered(store: GradStore | None) -> bool:

@@ -582,6 +582,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._follow_layout()
         if isinstance(self._engine, TensorEngine):  # (every rank holds every averaged gradient)
             return self.dp.module.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, pp_mesh=pp_mesh)
+        self._engine.take_assigned_grads()  # (a `.grad` assigned by hand counts)
         return self._engine.clip(max_norm, norm_type, error_if_nonfinite, stages)
 
     def _stages(self, pp_mesh: DeviceMesh) -> dist.ProcessGroup:

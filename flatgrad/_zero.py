@@ -30,7 +30,7 @@ from flatgrad._buffer import GradStore, host_tensor, scale_
 from flatgrad._comm import BackendPolicy, all_gather_flat
 from flatgrad._dtensor import TensorParallel, is_sharded, local_of, move_into, shard_origin
 from flatgrad._layout import GroupKey, merge_touching, overlap
-from flatgrad._scattered_grad import is_scattered, unguarded, unmark_scattered
+from flatgrad._scattered_grad import is_scattered, replaced_by_hand, unguarded, unmark_scattered
 from flatgrad._torch_compat import non_finite_check_and_unscale
 from flatgrad._zero_state import (
     CLASS_STATE,
@@ -214,10 +214,15 @@ class ShardEngine(FlatParameters):
         """Before a step with no synchronised backward since the last zeroing (after one, the slots hold the
         averages): each `.grad` assigned by hand (``p.grad = g``: gradient surgery, from
         ``torch.autograd.grad`` or another model) is copied into its slot, which the shards read; a parameter
-        without one has its slot zeroed (left unstepped on this rank: `PieceGroups.step`). Unaveraged: each
+        without one has its slot zeroed (left unstepped on this rank: `PieceGroups.step`); after one, a
+        reduce-scattered `.grad` replaced by hand alike (stock steps with the replacement). Unaveraged: each
         rank steps its shards with its own, as torch's ZeroRedundancyOptimizer its partition."""
         store = self.store
-        if not is_scattered(store) and any(p.grad is not None for p in store.params):
+        if is_scattered(store):
+            replaced = replaced_by_hand(store)
+            if replaced:
+                store.take_in(replaced)
+        elif any(p.grad is not None for p in store.params):
             store.take_in(store.params, zero_empty=True)
 
     @property

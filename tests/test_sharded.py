@@ -1745,3 +1745,31 @@ def test_a_second_backward_opening_inside_the_forward_onto_scattered_gradients_i
     reduce-scattered ones: 4.2e-2 off stock DDP silently. Refused on every rank now; flatgrad's Lightning
     strategies set the averages aside before each backward (test_lightning's by_hand case: equal)."""
     run_ranks(_backward_inside_worker, timeout=90)
+
+
+def _replaced_grad_worker(rank: int, world_size: int, shard_by: str) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.002)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.5, momentum=0.9, shard_by=shard_by)
+    sgd = stock(model, torch.optim.SGD, {"find_unused_parameters": True}, lr=0.5, momentum=0.9)
+    pair = Lockstep(model, dp, opt, *sgd)
+    ref = pair.ref
+    for step in range(3):
+        pair.zero_grad()
+        pair.backward(_tokens(rank, step))
+        surgery = torch.full_like(model.fc.weight, 0.1 * (step + 1))  # (the same on every rank)
+        model.fc.weight.grad, ref.module.fc.weight.grad = surgery.clone(), surgery.clone()
+        if step == 2:  # clipped: the replacement counts in the norm
+            norm = opt.clip_grad_norm_(0.5)
+            torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5), **TOL)
+        pair.step()
+        pair.assert_params(**TOL)
+
+
+@pytest.mark.parametrize("shard_by", ["element", "tensor"])
+def test_a_gradient_replaced_by_hand_after_the_backward_equals_stock(shard_by: str) -> None:
+    """Gradient surgery after a synchronised backward (``p.grad = g``, the same g on every rank), stepped and
+    clipped: as stock DDP + SGD. By element the step took the reduce-scattered average in the slot and
+    ignored the replacement (0.25 off with SGD, silently); now it is copied into its slot first."""
+    run_ranks(_replaced_grad_worker, shard_by, timeout=90)
