@@ -475,7 +475,9 @@ class ReadyHooks:
             params: the store's parameters, in its order.
             bucket_of: each one's bucket, by ``id(param)``.
             on_ready: what each hook calls, with the parameter and its bucket first."""
-        self._params, self._bucket_of, self.unused = tuple(params), bucket_of, {}
+        # (a frozen one gets no gradient: one a reduce-scattered store keeps, `_keeps_frozen`, has no node)
+        self._params = tuple(p for p in params if p.requires_grad)
+        self._bucket_of, self.unused = bucket_of, {}
         for param in self._params:
             node = accumulate_grad_node(param)
             self._handles.append(node.register_hook(functools.partial(on_ready, param, bucket_of[id(param)])))

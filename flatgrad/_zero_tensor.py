@@ -220,6 +220,7 @@ class TensorGroups(InnerGroups):
         self.recipe = recipe
         self.stand_ins: dict[int, nn.Parameter] = {}  # id(param) -> its stand-in
         self.owned: list[list[torch.Tensor]] = []  # per group: the parameters this rank steps
+        self.unplaced: list[torch.Tensor] = []  # the groups' parameters frozen at construction (no slot)
         # The owned parameters with float32 masters, and their version counters when the masters last matched
         # them (a write since, a model load_state_dict, is taken into the master: `take_masters`).
         self.masters: list[torch.Tensor] = []
@@ -230,6 +231,7 @@ class TensorGroups(InnerGroups):
     def _inner_group(self, group: dict[str, Any]) -> dict[str, Any]:
         owned = [p for p in group["params"] if p in self.engine.store and self.engine.owns(p)]
         self.owned.append(owned)
+        self.unplaced += [p for p in group["params"] if p not in self.engine.store]
         for param in owned:
             master = self.engine.store.is_main(param)
             # What the inner optimizer steps: a leaf sharing the parameter's memory, shape and version
@@ -252,7 +254,17 @@ class TensorGroups(InnerGroups):
         self.added(group, param_groups)
 
     def point_grads(self) -> None:
-        """Each stand-in's `.grad`: its parameter's (`TensorEngine.grad_of`; None: skipped)."""
+        """Each stand-in's `.grad`: its parameter's (`TensorEngine.grad_of`; None: skipped). Raises
+        RuntimeError, before anything moves, for a parameter frozen at construction that has a `.grad`."""
+        graded = [self.names[id(p)] for p in self.unplaced if p.grad is not None]
+        if graded:  # (unfrozen for a backward since, and frozen again: a torch optimizer steps it)
+            raise RuntimeError(
+                f"parameters frozen when the ShardedOptimizer (by tensor) was built have a .grad: "
+                f"{', '.join(graded[:3])}{' ...' if len(graded) > 3 else ''} (unfrozen for a backward "
+                "since); they have no place in its flat parameter buffers, so it cannot step them as a torch "
+                "optimizer would: shard by element, or build replicate and ShardedOptimizer again with them "
+                "trainable (freezing later is followed)"
+            )
         for owned in self.owned:
             for param in owned:
                 stand_in, grad = self.stand_ins[id(param)], self.engine.grad_of(param)

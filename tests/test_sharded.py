@@ -1773,3 +1773,43 @@ def test_a_gradient_replaced_by_hand_after_the_backward_equals_stock(shard_by: s
     clipped: as stock DDP + SGD. By element the step took the reduce-scattered average in the slot and
     ignored the replacement (0.25 off with SGD, silently); now it is copied into its slot first."""
     run_ranks(_replaced_grad_worker, shard_by, timeout=90)
+
+
+def _unfrozen_for_the_backward_worker(rank: int, world_size: int, shard_by: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    ref, ref_opt = stock(model, torch.optim.SGD, {"find_unused_parameters": True}, lr=0.5, momentum=0.9)
+    model[2].requires_grad_(False)  # (frozen at construction; stock's DDP was built with it trainable)
+    dp = flatgrad.replicate(model)
+    opt = flatgrad.ShardedOptimizer(
+        dp, torch.optim.SGD, model.parameters(), lr=0.5, momentum=0.9, shard_by=shard_by
+    )
+    ref.module[2].requires_grad_(False)
+    for step in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for layer in (model[2], ref.module[2]):
+            layer.requires_grad_(True)
+        x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + rank))
+        dp(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        for layer in (model[2], ref.module[2]):
+            layer.requires_grad_(False)
+        if shard_by == "tensor":
+            with pytest.raises(
+                RuntimeError, match=r"frozen when the ShardedOptimizer \(by tensor\) was built"
+            ):
+                opt.step()
+            return
+        opt.step()
+        ref_opt.step()
+        assert_params_like(model, ref.module, **TOL)
+
+
+@pytest.mark.parametrize("shard_by", ["element", "tensor"])
+def test_a_layer_frozen_at_construction_unfrozen_for_the_backward_only(shard_by: str) -> None:
+    """A layer frozen when the ShardedOptimizer was built, unfrozen for each backward and frozen again before
+    the step (a torch optimizer steps it: it has a `.grad`). By element: as DDP + SGD averaging it (it
+    crashed in an AccumulateGrad hook of the frozen parameter the reduce-scattered layout keeps). By tensor
+    it has no place in the flat parameter buffers: refused at the step (it was silently left unstepped)."""
+    run_ranks(_unfrozen_for_the_backward_worker, shard_by, timeout=90)
