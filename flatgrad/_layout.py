@@ -33,9 +33,8 @@ class GroupLayout:
 
 
 def dense_stride(param: torch.Tensor) -> tuple[int, ...]:
-    """The strides a gradient should have (AccumulateGrad's layout contract): the
-    parameter's own when they are dense and non-overlapping, else contiguous ones.
-    `empty_like` applies exactly that rule; on the meta device it allocates nothing."""
+    """A gradient's strides (AccumulateGrad's layout contract): the parameter's if dense and non-overlapping,
+    else contiguous. `empty_like` applies that rule, allocating nothing on the meta device."""
     return tuple(torch.empty_like(param, device="meta").stride())
 
 
@@ -60,11 +59,10 @@ def plan_layout(
 ) -> dict[GroupKey, GroupLayout]:
     """Group `params` by (dtype, device) and give each an aligned slot.
 
-    Slots follow the reverse of `params`' order (registration order), which is roughly
-    the order backward produces gradients in, so a bucket fills front to back. Every slot
-    also starts on a multiple of `multiple` elements (a sharded optimizer passes the world
-    size, so any run of whole slots splits into equal shards). A parameter's group dtype is
-    its slot's (`slot_dtype`: float32 main grads for bfloat16/float16 ones with `grad_dtype`)."""
+    Slots follow the reverse of `params`' order (registration order), roughly backward's gradient order, so a
+    bucket fills front to back. Each slot starts on a multiple of `multiple` elements (a sharded optimizer
+    passes the world size: any run of whole slots splits into equal shards). A parameter's group dtype is its
+    slot's (`slot_dtype`: float32 main grads for bfloat16/float16 ones with `grad_dtype`)."""
     members: dict[GroupKey, list[int]] = {}
     for index in reversed(range(len(params))):
         param = params[index]

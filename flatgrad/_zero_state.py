@@ -160,9 +160,8 @@ class OptimizerRecipe:
             optimizer.step()
 
     def build_to_step(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        """`build`, for a throwaway optimizer about to step: in training mode where the class
-        has one (schedule-free optimizers step only after ``train()``, and a group saved at
-        their eval point says ``train_mode=False``)."""
+        """`build`, for a throwaway optimizer about to step: in training mode where it has one (schedule-free
+        ones step only after ``train()``, and a group saved at their eval point says ``train_mode=False``)."""
         optimizer = self.build(groups)
         train = getattr(optimizer, "train", None)
         if callable(train):
@@ -245,11 +244,10 @@ def isolated_rng(like: torch.Tensor) -> Any:
 
 
 def zeros_start_fresh(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Tensor) -> bool:
-    """Whether `recipe`'s per-element state, zeroed, steps a parameter as no state does (as
-    a parameter's first step): Adam's moments, SGD's momentum without dampening do; SGD's
-    with dampening does not (its first step takes the gradient whole). Two throwaway
-    one-element parameters like `like` step with the same gradient, one fresh and one whose
-    state a step made and that was then zeroed: their values and states must be equal."""
+    """Whether `recipe`'s per-element state, zeroed, steps a parameter as no state does (as a first step):
+    Adam's moments, SGD's momentum without dampening do; SGD's with dampening does not (its first step takes
+    the gradient whole). Two throwaway one-element parameters like `like` step with the same gradient, one
+    fresh and one whose state a step made and was then zeroed: their values and states must match."""
     fresh, zeroed = (nn.Parameter(like.new_full((1,), 0.5)) for _ in range(2))
     with isolated_rng(like):
         first, second = (recipe.build_to_step([dict(options, params=[p])]) for p in (fresh, zeroed))
@@ -319,9 +317,8 @@ class Box:
 
 
 def boxes(param: torch.Tensor, start: int, numel: int) -> list[Box]:
-    """The run of `numel` elements from `start` in `param`'s memory order as rectangles of
-    the parameter: at most 2N-1 of them for N dimensions (a partial row of each inner
-    dimension at either end, and whole rows between)."""
+    """The run of `numel` elements from `start` in `param`'s memory order as rectangles of the parameter: at
+    most 2N-1 for N dimensions (a partial row of each inner dimension at either end, whole rows between)."""
     order = memory_order(param)
     shape = [param.shape[d] for d in order]
     found = []
@@ -387,10 +384,9 @@ def parameter_state(
         extent = layout.extent(param)
         placed = [(c, box) for c in chunks for box in extent.boxes(c.offset, c.numel)]
         mine = [(c, box) for c, box in placed if c.rank == layout.rank]
-        # Every rank holds a shard of every parameter's state, an empty one (past the end of
-        # the first dimension: a shard is known by its offsets) where it has no elements:
-        # torch.distributed.checkpoint drops a ShardedTensor without local shards from a
-        # rank's plan, and then mistakes the checkpoint for an old-format one.
+        # Every rank holds a shard of every parameter's state, an empty one (past the end of the first
+        # dimension: a shard is known by its offsets) where it has no elements: DCP drops a ShardedTensor
+        # without local shards from a rank's plan, and then mistakes the checkpoint for an old-format one.
         held = {c.rank for c in chunks}
         size = extent.size
         end = Box((size[0],) + (0,) * (len(size) - 1), (0, *size[1:]), 0)
@@ -517,10 +513,9 @@ CLASS_STATE = "class_state"  # a ShardedOptimizer state's key for the state not 
 
 
 def own_state(optimizer: torch.optim.Optimizer) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
-    """`optimizer`'s state as its class saves it (its own ``state_dict()``: the class's
-    override and its hooks run), unpacked: each parameter's entry by id(param), and the rest
-    (state kept under a key that is not a parameter, MADGRAD's ``k``; keys beside
-    ``"state"`` and ``"param_groups"``), which a ShardedOptimizer saves under `CLASS_STATE`.
+    """`optimizer`'s state as its class saves it (its own ``state_dict()``: the class's override and its hooks
+    run), unpacked: each parameter's entry by id(param), and the rest (state under a key that is not a
+    parameter, MADGRAD's ``k``; keys beside ``"state"`` and ``"param_groups"``), saved under `CLASS_STATE`.
 
     Raises:
         ValueError: The class's ``state_dict()`` is not torch's form (groups numbering
@@ -562,10 +557,9 @@ def load_own_state(
     rest: object,
     saved_groups: list[dict[str, Any]],
 ) -> None:
-    """Load `entries` (each parameter's state, by id(param)) and `rest` (`own_state`'s, or
-    None) through `optimizer`'s own ``load_state_dict`` (the class's override and its
-    hooks: it casts and places every value as it does for any checkpoint), with the options
-    of `saved_groups` (one per group) over its groups' own."""
+    """Load `entries` (each parameter's state, by id(param)) and `rest` (`own_state`'s or None) through
+    `optimizer`'s own ``load_state_dict`` (the class's override and hooks: it casts and places each value as
+    for any checkpoint), with the options of `saved_groups` (one per group) over its groups' own."""
     state: dict[object, Any] = {}
     param_groups = []
     index = 0
@@ -619,9 +613,8 @@ def optimizer_state(
     layout: Layout,
     process_group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
-    """The per-parameter form of `optimizer`'s state (built from `recipe`) over `groups`
-    (see the module notes), from the class's own ``state_dict()`` (`own_state`); the state
-    not of a parameter under `CLASS_STATE`."""
+    """The per-parameter form of `optimizer`'s state (from `recipe`) over `groups` (see the module notes),
+    from the class's own ``state_dict()`` (`own_state`); state not of a parameter under `CLASS_STATE`."""
     entries, rest = own_state(optimizer)
     pieces = [piece.param for group in groups for piece in group.pieces]
     live: dict[torch.Tensor, dict[str, Any]] = {p: entries[id(p)] for p in pieces if id(p) in entries}
@@ -638,10 +631,9 @@ def optimizer_state(
 def whole_state(
     state: dict[str, dict[str, Any]], process_group: dist.ProcessGroup | None
 ) -> dict[str, dict[str, Any]]:
-    """`state` (an `optimizer_state`'s ``"state"``) with every per-element ShardedTensor
-    made whole on every rank: each element lies in one rank's shards, so a sum over the
-    ranks of zeros with this rank's shards in place is exact (one all-reduce per dtype and
-    device). Scalars are kept as they are (the same on every rank)."""
+    """`state` (an `optimizer_state`'s ``"state"``) with each per-element ShardedTensor made whole on every
+    rank: each element is in one rank's shards, so a sum over ranks of zeros holding this rank's shards is
+    exact (one all-reduce per dtype and device). Scalars stay as they are (the same on every rank)."""
     whole: dict[str, dict[str, Any]] = {}
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for name, entry in state.items():
@@ -709,8 +701,7 @@ def misfit(recipe: OptimizerRecipe, groups: list[GroupView], layout: Layout, sav
 
 
 def flagged_ranks(flag: bool, device: torch.device, process_group: dist.ProcessGroup | None) -> list[int]:
-    """The ranks of `process_group` whose `flag` is set (one small all-reduce, every rank
-    calls it together)."""
+    """The `process_group` ranks whose `flag` is set (one small all-reduce; all ranks call it together)."""
     world_size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
     flags = torch.zeros(world_size, dtype=torch.int32, device=device)
     flags[rank] = int(flag)
