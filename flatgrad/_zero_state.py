@@ -659,18 +659,18 @@ def whole_state(
 
 
 def saved_stepped(groups: list[GroupView], saved: dict[str, Any]) -> list[bool]:
-    """Whether each group's saved state is that of an optimizer that stepped, as its step counts say (0 before
-    the first step, as torch's optimizers count; an optimizer without one, SGD, always loads its state)."""
-    flags = []
-    for group in groups:
-        entry = next((saved["state"][n] for n, _ in group.params if n in saved["state"]), None)
-        flags.append(entry is not None and not never_stepped(entry))
-    return flags
+    """Whether each group's saved state is that of an optimizer that stepped, as a parameter's says (not
+    `never_stepped`)."""
+    state = saved["state"]
+    return [any(not never_stepped(state[n]) for n, _ in group.params if n in state) for group in groups]
 
 
 def never_stepped(entry: object) -> bool:
-    """Whether a parameter's saved state says its optimizer never stepped: a step count of 0
-    (torch's optimizers keep no state then; one without a count, SGD, always loads its state)."""
+    """Whether a parameter's saved state says its optimizer never stepped: a step count of 0 (torch's
+    optimizers keep no state then), or no state at all (a group added and not stepped since; SGD without
+    momentum, which has none to load); one without a count, SGD with momentum, loads its state otherwise."""
+    if isinstance(entry, dict) and not entry:
+        return True
     step = entry.get(STEP) if isinstance(entry, dict) else None
     return step is not None and float(step) == 0
 

@@ -1813,3 +1813,30 @@ def test_a_layer_frozen_at_construction_unfrozen_for_the_backward_only(shard_by:
     crashed in an AccumulateGrad hook of the frozen parameter the reduce-scattered layout keeps). By tensor
     it has no place in the flat parameter buffers: refused at the step (it was silently left unstepped)."""
     run_ranks(_unfrozen_for_the_backward_worker, shard_by, timeout=90)
+
+
+def _added_after_a_freeze_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    ref, ref_opt = stock(model, torch.optim.SGD, {"find_unused_parameters": True}, lr=0.1, momentum=0.9)
+    ref_opt.param_groups[0]["params"] = list(ref.module[:4].parameters())  # (the head in no group, as ours)
+    dp = flatgrad.replicate(model)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, model[:4].parameters(), lr=0.1, momentum=0.9)
+    for layer in (model[4], ref.module[4]):  # frozen after building, trained later in a group of its own
+        layer.requires_grad_(False)
+    for step in range(4):
+        if step == 2:
+            for layer, optimizer in ((model[4], opt), (ref.module[4], ref_opt)):
+                layer.requires_grad_(True)
+                optimizer.add_param_group({"params": list(layer.parameters()), "lr": 0.02})
+        x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + rank))
+        Lockstep(model, dp, opt, ref, ref_opt, loss=lambda out: out.square().sum()).train_step(x)
+        assert_params_like(model, ref.module, **TOL)
+
+
+def test_a_layer_outside_the_groups_frozen_then_added_in_a_group_of_its_own_equals_stock():
+    """By element: a layer in no group, frozen after construction, unfrozen and added with `add_param_group`:
+    the relayout at the step took the new group's empty state for a stepped one's and refused it as a
+    checkpoint that "does not fit" (by tensor it trained exactly). Now a state with nothing in it is a group
+    never stepped, and it trains as DDP + SGD."""
+    run_ranks(_added_after_a_freeze_worker, timeout=90)
