@@ -459,7 +459,7 @@ class ReadyHooks:
         """Hook the AccumulateGrad of each parameter `seater` routes (of `store`; none without one) to scale a
         gradient reaching it through plain autograd (the weight also used outside its layer) by the prescale
         factor where its layer wrote the slot scaled in this backward (`_prescale.scale_incoming`)."""
-        routed = seater.routed if seater is not None else ()
+        routed = [p for p in seater.routed if p.requires_grad] if seater is not None else []  # (as `hook`)
         store.prescale.hooked = {id(param) for param in routed}
         for param in routed:
             node = accumulate_grad_node(param)

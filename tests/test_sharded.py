@@ -1775,15 +1775,16 @@ def test_a_gradient_replaced_by_hand_after_the_backward_equals_stock(shard_by: s
     run_ranks(_replaced_grad_worker, shard_by, timeout=90)
 
 
-def _unfrozen_for_the_backward_worker(rank: int, world_size: int, shard_by: str) -> None:
+def _unfrozen_for_the_backward_worker(rank: int, world_size: int, shard_by: str, built: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     ref, ref_opt = stock(model, torch.optim.SGD, {"find_unused_parameters": True}, lr=0.5, momentum=0.9)
-    model[2].requires_grad_(False)  # (frozen at construction; stock's DDP was built with it trainable)
-    dp = flatgrad.replicate(model)
-    opt = flatgrad.ShardedOptimizer(
-        dp, torch.optim.SGD, model.parameters(), lr=0.5, momentum=0.9, shard_by=shard_by
-    )
+    if built == "frozen":  # (stock's DDP was built with it trainable: it averages it)
+        model[2].requires_grad_(False)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL))
+    sgd = {"lr": 0.5, "momentum": 0.9}
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, model.parameters(), shard_by=shard_by, **sgd)
+    model[2].requires_grad_(False)
     ref.module[2].requires_grad_(False)
     for step in range(2):
         opt.zero_grad()
@@ -1795,7 +1796,7 @@ def _unfrozen_for_the_backward_worker(rank: int, world_size: int, shard_by: str)
         ref(x).square().sum().backward()
         for layer in (model[2], ref.module[2]):
             layer.requires_grad_(False)
-        if shard_by == "tensor":
+        if shard_by == "tensor" and built == "frozen":
             with pytest.raises(
                 RuntimeError, match=r"frozen when the ShardedOptimizer \(by tensor\) was built"
             ):
@@ -1806,13 +1807,15 @@ def _unfrozen_for_the_backward_worker(rank: int, world_size: int, shard_by: str)
         assert_params_like(model, ref.module, **TOL)
 
 
+@pytest.mark.parametrize("built", ["frozen", "trainable"])
 @pytest.mark.parametrize("shard_by", ["element", "tensor"])
-def test_a_layer_frozen_at_construction_unfrozen_for_the_backward_only(shard_by: str) -> None:
-    """A layer frozen when the ShardedOptimizer was built, unfrozen for each backward and frozen again before
-    the step (a torch optimizer steps it: it has a `.grad`). By element: as DDP + SGD averaging it (it
-    crashed in an AccumulateGrad hook of the frozen parameter the reduce-scattered layout keeps). By tensor
-    it has no place in the flat parameter buffers: refused at the step (it was silently left unstepped)."""
-    run_ranks(_unfrozen_for_the_backward_worker, shard_by, timeout=90)
+def test_a_frozen_layer_unfrozen_for_the_backward_only(shard_by: str, built: str) -> None:
+    """A frozen layer (frozen when the ShardedOptimizer was built, or after) unfrozen for each backward and
+    frozen again before the step (a torch optimizer steps it: it has a `.grad`). By element: as DDP + SGD
+    averaging it (it crashed in an AccumulateGrad hook of the frozen parameter the reduce-scattered layout
+    keeps). By tensor: as stock where it was trainable at construction; frozen then, it has no place in the
+    flat parameter buffers: refused at the step (it was silently left unstepped)."""
+    run_ranks(_unfrozen_for_the_backward_worker, shard_by, built, timeout=90)
 
 
 def _added_after_a_freeze_worker(rank: int, world_size: int) -> None:
