@@ -1,20 +1,14 @@
 """The backward coordinator, and seating.
 
 A training forward through `FlatGrad` ends with `watch(output, plan)`: one prehook per output node, bound to a
-`ForwardPlan` (the seater of the layout the forward ran on, whether a DDP reducer places that backward's
-gradients, then nothing is seated, and, from a `replicate`'s forward, its bucket sync and whether it
-synchronised). When a backward first reaches one, the prehook asks the seater (`Seater.pre_backward`), then
-the bucket sync (`BucketSync.pre_backward`), to open it; each returns what to run at that backward's end, or
-None (it dedups by graph task: another output of the same backward opens nothing new, and may upgrade a bucket
-sync to averaging). Those ends run as one final callback in the same order: the seater settles `.grad`, then
-the bucket sync launches what is left, waits and settles the used flags.
-
-Seating: during a backward through such an output, the gradients of parameters no routed Function writes land
-in their slots, with stock's `.grad` None-ness. Small unrouted parameters are *seated*: `.grad` points at the
-zeroed slot when the backward starts, so AccumulateGrad adds into the buffer in place. Large ones are
-*placed*: a pre-hook on their AccumulateGrad copies the incoming gradient into the slot (one pass, not a zero
-fill and an add). Main-grad parameters (float32 slots of bfloat16/float16 parameters) are neither: a
-post-accumulate-grad hook adds what reaches their AccumulateGrad into the main grad, `.grad` back to None."""
+`ForwardPlan` (the seater, whether a DDP reducer places the gradients, a `replicate`'s bucket sync). When a
+backward first reaches one, the prehook asks the seater (`Seater.pre_backward`), then the bucket sync
+(`BucketSync.pre_backward`), to open it, once per graph task; their ends run as one final callback in the same
+order. Seating lands the gradients of parameters no routed Function writes in their slots, with stock's
+`.grad` None-ness: small ones *seated* (`.grad` is the slot as the backward starts), large ones *placed* (a
+pre-hook on their AccumulateGrad copies the gradient in), main grads through a post-accumulate-grad hook.
+Step by step: docs/design.md, "One backward, step by step" and "Seated and placed parameters";
+docs/mixed-precision.md, "How each gradient gets there"."""
 
 from __future__ import annotations
 

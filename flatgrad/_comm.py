@@ -350,13 +350,11 @@ class BackendPolicy:
 
     Attributes:
         reduce_scatter: a ShardedOptimizer's buckets are reduce-scattered (NCCL). False on gloo, whose
-            reduce-scatter reduces the whole tensor through a full-size temporary and then scatters (1.6x its
-            all-reduce at 25 MB on 2 CPU ranks): the buckets are all-reduced instead (the same shard lands
-            averaged), the shards split whole buffers unless ``overlap_param_gather``
+            reduce-scatter is slower than its all-reduce: the buckets are all-reduced instead (the same shard
+            lands averaged), the shards split whole buffers unless ``overlap_param_gather``
             (`BucketSync.shard_plan`), and only the shards are divided after the sum (`Round.divide_after`).
-        all_gather: a ShardedOptimizer's parameters are all-gathered (NCCL). False on gloo,
-            whose all-gather of the flat buckets takes 1.7x its broadcasts of the same
-            shards (120 vs 70 ms for 96 MB on 2 CPU ranks): each rank broadcasts its shard.
+        all_gather: a ShardedOptimizer's parameters are all-gathered (NCCL). False on gloo, whose all-gather
+            is slower than its broadcasts of the same shards: each rank broadcasts its shard.
         spare_core: the ranks' compute threads leave a host core free (`cores_to_spare`) for gloo's thread to
             overlap the backward; without one, a CPU buffer's first bucket is half a bucket, not DDP's 1 MiB
             (`plan_buckets`)."""

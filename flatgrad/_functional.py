@@ -1,29 +1,15 @@
 """Autograd Functions whose backward writes weight gradients straight into the flat buffer.
 
-Each backward first decides where a weight gradient goes (`weight_target`: a fresh tensor, the empty or seated
-slot, a main grad, or nowhere) and writes it; the gathers' backwards scatter-add their rows (`scatter_rows`,
-`scatter_add_into`: repeated positions summed, deterministic under `torch.use_deterministic_algorithms`).
+Each backward first decides where a weight gradient goes (`weight_target`: ``"out"``, ``"add"``, ``"fresh"``,
+``"skip"`` or ``"main"``) and writes it; the gathers' backwards scatter-add their rows (`scatter_rows`,
+`scatter_add_into`: repeated positions summed, deterministic under `torch.use_deterministic_algorithms`). What
+each mode does, and why "out" makes the slot `.grad` rather than returning it for AccumulateGrad to steal
+(tied weights; AccumulateGrad then adds any unrouted contribution into it in place): docs/design.md, "Routed
+layers".
 
 Undefined gradients are not materialised as zeros (an output nothing differentiable used, a consumer that
 returned None for it): the Functions hand every input None, as torch's own backwards do, so the slot is not
-written and `.grad` stays None where stock leaves it. Nothing here imports torch.distributed.
-
-Where a weight's gradient goes (`weight_target`), by mode:
-
-- ``"out"``: `.grad` None: compute into a fresh view of the slot with ``out=``, make it `.grad`, return None.
-- ``"add"``: `.grad` already is the slot: accumulate in place and return None.
-- ``"fresh"``: plain out-of-place autograd: `torch.autograd.grad` captures this weight, ``create_graph=True``
-  needs a differentiable result, the weight has tensor hooks that must see its gradient, or it has no slot.
-- ``"skip"``: no gradient is wanted for the weight in this backward.
-- ``"main"``: the slot is the weight's float32 main grad (a bfloat16/float16 weight with
-  ``grad_dtype="float32"``): accumulate into it in float32, leave `.grad` None, return None.
-
-Why "out" sets `.grad` instead of returning the view for AccumulateGrad to steal: a weight used more than once
-in a backward (tied embedding and LM head, or a layer called twice) reaches AccumulateGrad once, after
-autograd summed all its contributions. A returned view may be summed out of place with another contribution
-before a later writer adds into the slot, and that later addition would be lost. Once `.grad` is the slot
-every later writer adds into it, and AccumulateGrad adds any other (unrouted) contribution into it in place.
-Returning None still runs AccumulateGrad's post hooks (DDP's reducer hooks)."""
+written and `.grad` stays None where stock leaves it. Nothing here imports torch.distributed."""
 
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """`overlap_param_gather`'s waits in the forward: where to wait for each bucket's all-gather, learned once.
 
-A module's forward pre hook waits for its own parameters' buckets. Parameters may be read elsewhere first: by
-an ancestor, when the module's forward never runs (``F.linear(h, self.head.weight)`` in its parent's forward,
-`nn.MultiheadAttention` reading its `out_proj`) or runs only after that read (``self.proj.weight.norm()``
-before ``self.proj(x)``). So the first grad-enabled forward through replicate after the optimizer is built
-learns, under a `TorchFunctionMode`, which running module first reads each bucket's parameters (every module
-hooked, every gather waited for at its start); from then on that module's pre hook waits for the bucket too. A
-module that never runs, with a parameter that forward was not seen to read (TorchScript and C++ extensions
-read past torch functions), is waited for by the nearest running ancestor. Then only the modules that wait
-keep a hook. A module skipped in that forward and run later still waits for its own parameters."""
+A module's forward pre hook waits for its own parameters' buckets. Parameters may be read first elsewhere (by
+an ancestor), so the first grad-enabled forward through replicate after the optimizer is built learns, under a
+`TorchFunctionMode`, which running module first reads each bucket's parameters, and from then on that module's
+pre hook waits for the bucket too (the cases, and a module that never runs: docs/data-parallel.md,
+"Overlapped parameter gather"). Then only the modules that wait keep a hook. A module skipped in that forward
+and run later still waits for its own parameters."""
 
 from __future__ import annotations
 

@@ -4,16 +4,10 @@ A class is sharded *by element* (flat shards of every parameter: each element's 
 only) or *by tensor* (whole parameters per rank: each tensor's update reads that whole tensor and no other),
 or refused (its update of a parameter reads other parameters).
 
-[Note: a probe refutes, never grants] No probe on a few tensors shows that a class never looks past an element
-or a tensor (block-quantised state appears above a size, 4096 elements in bitsandbytes; Prodigy's d, from
-every parameter, may not move in a few steps; per-tensor RNG draws differ across ranks). A kind comes from
-knowledge: torch's classes (`ELEMENTWISE`, `PER_TENSOR`), the third-party ones in `REGISTRY` (verified against
-DDP by tests/test_sharded_third_party.py), or the user's ``shard_by``. A probe (`check_kind`) can only refuse
-it: tensors above the block sizes, same-shaped and mixed, float64 and float32, ten steps of gradients at
-changing scales, each simulated rank on its own copy of the global RNG; a step running a collective (it would
-average across the wrong parameters, or hang) and, by element, a per-parameter state flat shards cannot hold
-(`_unshardable`) are refused. Where no probe can run, a registered kind stands, a declared one as the user's
-statement (logged; see docs/data-parallel.md)."""
+[Note: a probe refutes, never grants] A kind comes from knowledge: torch's classes (`ELEMENTWISE`,
+`PER_TENSOR`), the third-party ones in `REGISTRY` (verified against DDP by
+tests/test_sharded_third_party.py), or the user's ``shard_by``. A probe (`check_kind`) can only refuse it.
+What it runs, what it refuses and what it cannot show: docs/data-parallel.md, "Which optimizers shard how"."""
 
 from __future__ import annotations
 

@@ -1,28 +1,14 @@
 """`replicate`: overlapped, bucketed gradient averaging on FlatGrad's one flat buffer, applied to the model in
 place (`ReplicateModule`, `ReplicateState`).
 
-Buckets are `narrow` views of the flat buffer cut at slot boundaries in the buffer's order (the reverse of
-registration), about `bucket_cap_mb` each and a small first one where a core is free for gloo's thread
-(`flatgrad._bucket_sync.plan_buckets`). A post hook on each parameter's AccumulateGrad node (it fires for the
-routed layers too, whose Functions hand it None) counts it ready; a bucket whose parameters are all ready
-starts its collective once every bucket before it in the launch order has, during backward. That order is the
-buffer's until the first synchronised backward ends, then rank 0's order of completion there (broadcast),
-learned again after each layout change, as DDP rebuilds its buckets: the same on every rank, and a model
-running its modules out of registration order still overlaps (then the last bucket's hooks count nothing: the
-final callback launches it). Parameters a synchronised backward left unused are asked about as each later one
-starts and counted ready at once if it will not reach them (DDP's ``find_unused_parameters=True``). An
-autograd final callback launches the rest, waits and settles `.grad` as that DDP does; the used flags ride in
-a buffer's last bucket when it launches last of its buffer's, else in one small all-reduce.
-
-Which backwards average, as under DDP: one through the output of a synchronising forward (grad enabled,
-outside `no_sync()`), opened by the backward coordinator's pre hook on that output's nodes
-(`flatgrad._backward`) after the seater; any other that accumulates into a parameter when a synchronising
-forward came since the last averaged backward (a loss kept on the module, an output replicate cannot look
-into), opened by the first AccumulateGrad hook it reaches; one that opens inside a training forward of the
-model (Lightning's ``manual_backward``) unless no_sync() holds as it opens (`BucketSync.begin_forward`). Other
-backwards stay local. A nested backward (reentrant checkpointing) counts toward the one it runs in (a
-parameter only it reaches and unused in an earlier step raises if its gradient comes after its bucket
-launched). `torch.autograd.grad` is left alone; a create_graph backward that should average is refused.
+Buckets are `narrow` views of the flat buffer cut at slot boundaries (`flatgrad._bucket_sync.plan_buckets`).
+A post hook on each parameter's AccumulateGrad node counts it ready; a bucket whose parameters are all ready
+starts its collective during backward once every bucket before it in the launch order (the same on every
+rank) has, and an autograd final callback launches the rest, waits and settles `.grad` as DDP with
+``find_unused_parameters=True`` does. As under DDP, the forward decides which backwards average. The launch
+order, unused parameters, which backwards average and nested backwards: docs/design.md, "replicate's
+buckets" and "Under `flatgrad.replicate`"; docs/data-parallel.md, "replicate"; docs/integrations.md, "Manual
+optimization".
 
 On CUDA with NCCL the collectives run on the process group's stream, which waits via an event for the launch's
 current stream (an AccumulateGrad hook's, kept from the application, or the final callback's), and that one
@@ -70,12 +56,8 @@ class ReplicateModule(FlatGrad):
     broadcast before each forward that follows a synchronised training forward.
 
     The model is a `torch.distributed.algorithms.Joinable`, as DDP: for uneven data per rank, train inside
-    ``with Join([model, opt]):`` (the model first; `opt` a plain torch optimizer, which Join leaves alone, or
-    a `ShardedOptimizer`). A rank out of data shadows each of the others' iterations: the buffer broadcast,
-    and each synchronised backward's averaging with zeros for its gradients; gradients are divided by the
-    world size, as DDP's by default, or by the ranks not joined yet with ``Join(...,
-    divide_by_initial_world_size=False)``. Once all have joined, the last to join broadcasts its parameters
-    and buffers. A deep copy or an unpickled model is FlatGrad's alone: `replicate` it again to average."""
+    ``with Join([model, opt]):`` (docs/data-parallel.md, "Uneven data per rank"). A deep copy or an unpickled
+    model is FlatGrad's alone: `replicate` it again to average (docs/design.md, "Names and state")."""
 
     # Eager even under torch.compile(model), as FlatGrad.__call__ (the frame only: its bookkeeping must see
     # the real output); the model is still compiled (FlatGrad's `_flatgrad_call` hands it to Dynamo).

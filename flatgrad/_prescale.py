@@ -1,15 +1,10 @@
 """Prescaling: inside a `replicate` backward that averages by a sum (gloo, a power-of-two
 world size, no wire dtype), the routed layers write their weight gradients already divided
-by the world size, so that the buckets need not divide those slots afterwards: a pass over
-them, where DDP folds its division into the copy into its bucket. Dividing by a power of two
-is exact, so the result is the divided-then-summed one to the bit (but for subnormals).
-
-Only routed parameters' slots (a pre hook on their AccumulateGrad, see below) without post-accumulate-grad
-hooks are written so. A slot written "out" (empty before) is noted; a later writer of the same slot in that
-backward (a tied weight's, a gather's) scales too, one adding onto an earlier backward's gradient
-(accumulation) does not, and the bucket then divides that slot as before. A gradient that reaches a noted
-weight through plain autograd (the weight also read outside its layer) is scaled by a pre hook on its
-AccumulateGrad on its way into the slot.
+by the world size, so that the buckets need not divide those slots afterwards. Dividing by a
+power of two is exact, so the result is the divided-then-summed one to the bit (but for
+subnormals). Only routed parameters' slots without post-accumulate-grad hooks are written so;
+which writers scale and which leave a slot to the bucket's division: docs/design.md,
+"replicate's buckets".
 
 The state lives on the store (`flatgrad._buffer.Prescale`, which the layer backwards find
 through `find_slot`); the factor is chosen and the rest of a bucket divided where the

@@ -1,15 +1,11 @@
-"""ZeRO-1 by whole tensors, for a ShardedOptimizer with ``shard_by="tensor"`` (see `flatgrad._sharded`): for
-optimizers whose update of a parameter reads the whole parameter and no other one (Muon's orthogonalisation,
-Adafactor's factored second moments, a trust ratio per tensor), and for any element-wise one.
+"""ZeRO-1 by whole tensors, for a ShardedOptimizer with ``shard_by="tensor"`` (see `flatgrad._sharded`).
 
-The backward all-reduces every bucket, as replicate does alone, so every rank holds every averaged gradient
-(each `.grad` a plain, readable view of its slot). Each rank owns whole parameters: a contiguous run of slots
-of each flat parameter buffer, cut so that a rank's share of the elements is within one parameter of
-1/world_size (`own_runs`). A rank steps only the parameters it owns and keeps only their optimizer state, then
-broadcasts its runs of the flat parameter buffers: at most world_size + (buffers - 1) broadcasts in all, each
-of one contiguous run (`TensorEngine.launch_gather`). torch's ZeroRedundancyOptimizer does the same with DDP's
-all-reduce (a greedy partition by size, a broadcast per rank), and Megatron-Core's layer-wise optimizer for
-Muon too; why this pair of collectives and not a reduce-scatter into owner ranges is in docs/performance.md.
+The backward all-reduces every bucket, so every `.grad` stays whole and readable. Each rank owns a contiguous
+run of slots of each flat parameter buffer (`own_runs`), steps and keeps state for those parameters only, then
+broadcasts its runs: at most world_size + (buffers - 1) broadcasts, each of one contiguous run
+(`TensorEngine.launch_gather`); Megatron-Core's layer-wise optimizer for Muon shards so too. Which optimizers
+need it, the cut and torch's ZeroRedundancyOptimizer: docs/data-parallel.md, "Optimizers that update whole
+tensors"; why these collectives: docs/performance.md.
 
 `TensorGroups` is the inner torch optimizer, over stand-ins of the owned parameters (`nn.Parameter`s sharing
 each parameter's memory and shape) with one inner group per group of `param_groups`, kept in step with them as

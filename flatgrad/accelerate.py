@@ -5,12 +5,10 @@
     flatgrad.accelerate.attach(accelerator, flat)
     ddp, optimizer = accelerator.prepare(flat, optimizer)
 
-Accelerate builds its DDP in ``accelerator.prepare`` from ``accelerator.ddp_handler``, whose ``to_kwargs()``
-gives the constructor arguments and whose ``register_comm_hook(ddp)``, right after construction, registers a
-comm hook (only one of torch's, `DDPCommunicationHookType`). `attach` puts a `FlatGradDDPKwargs` there, which
-keeps the handler's settings (``find_unused_parameters``, ``broadcast_buffers``, ...), adds
-`FlatGrad.ddp_kwargs` and registers `flatgrad.allreduce_hook` on the DDP of ``flat``. ``import flatgrad``
-imports neither this module nor Accelerate."""
+`attach` replaces ``accelerator.ddp_handler``, from which ``accelerator.prepare`` builds its DDP, with a
+`FlatGradDDPKwargs` that keeps its settings, adds `FlatGrad.ddp_kwargs` and registers
+`flatgrad.allreduce_hook` on the DDP of ``flat`` (why this way: docs/integrations.md, "Accelerate").
+``import flatgrad`` imports neither this module nor Accelerate."""
 
 from __future__ import annotations
 

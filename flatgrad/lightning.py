@@ -4,26 +4,13 @@ registers them in Lightning's ``StrategyRegistry``; ``import flatgrad`` never im
     import flatgrad.lightning  # noqa: F401  (registers the names)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="flatgrad")
 
-- ``"flatgrad"``: `FlatGradDDPStrategy`, ``DDP(FlatGrad(module), **model.ddp_kwargs())`` with
-  `flatgrad.allreduce_hook` registered (on every device: DDPStrategy registers its hook on CUDA only);
-- ``"flatgrad_data_parallel"``: `FlatGradDataParallelStrategy`, ``flatgrad.replicate(FlatGrad(module))``;
-- ``"flatgrad_sharded"``: `FlatGradShardedStrategy`, the same, with the optimizer that
-  ``configure_optimizers`` returns rebuilt as a `flatgrad.ShardedOptimizer` (ZeRO-1; several optimizers, a
-  GAN's, by tensor).
-
-FlatGrad is applied to the LightningModule in place when ``fit`` sets up (after the precision plugin converted
-it and it moved to its device): it stays a LightningModule of its own class, with its hooks, names and
-checkpoints. Each is a `DDPStrategy` subclass: process launching, devices, ``trainer.test``/``predict``
-without a fit (nothing applied) and checkpoint files are Lightning's. Under the replicate strategies every
-step runs through the model's call (Lightning calls the steps directly where the model is the LightningModule
-itself), which decides the averaging and broadcasts rank 0's buffers as DDP's forward does;
-``manual_backward`` inside it averages unless ``block_backward_sync()`` (its `no_sync`) holds. Clipping by
-norm goes through flatgrad where the optimizer holds every parameter with a gradient (one norm over the flat
-buffers, or a ShardedOptimizer's shards), and as Lightning does otherwise (refused by element:
-`_clip_through_flatgrad`); under ``"16-mixed"`` a sharded model's scaler is a `flatgrad.GradScaler`, and
-clipping unscales the shards first. A ``"flatgrad_sharded"`` checkpoint holds the optimizer state in the form
-a plain torch optimizer of the same class and groups saves (`plain_optimizer_state`, gathered whole: Lightning
-writes rank 0's dict only), so ``"ddp"`` and the other strategies resume from it, and it from theirs."""
+``"flatgrad"`` is `FlatGradDDPStrategy`, ``"flatgrad_data_parallel"`` `FlatGradDataParallelStrategy` and
+``"flatgrad_sharded"`` `FlatGradShardedStrategy`. Each is a `DDPStrategy` subclass that applies FlatGrad to
+the LightningModule in place when ``fit`` sets up; clipping by norm goes through flatgrad where the optimizer
+holds every parameter with a gradient (`_clip_through_flatgrad`), and a ``"flatgrad_sharded"`` checkpoint
+holds the optimizer state in a plain torch optimizer's form (`plain_optimizer_state`). What each strategy
+does, and why: docs/integrations.md, "PyTorch Lightning", "Manual optimization" and "Lightning checkpoints
+across strategies"."""
 
 from __future__ import annotations
 
@@ -78,7 +65,7 @@ class _FlatGradStrategy(DDPStrategy):
         self.flat: FlatGrad | None = None
 
     def setup_precision_plugin(self) -> None:
-        """Lightning's, then norm clipping through `flat` (see the module notes)."""
+        """Lightning's, then norm clipping through `flat` (`_clip_through_flatgrad`)."""
         super().setup_precision_plugin()
         _clip_through_flatgrad(self.precision_plugin, lambda: self.flat)
 
@@ -249,8 +236,8 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
     optimizer.param_groups, **optimizer.defaults)``: the same class, groups and arguments, each rank keeping
     its shards' state; its schedulers step the ShardedOptimizer. Registered as ``"flatgrad_sharded"``.
 
-    Clipping is by norm only (see the module notes, as for checkpoints: the whole optimizer state in torch's
-    form). Several optimizers are sharded by tensor (they share the one replicated module so).
+    Clipping is by norm only; several optimizers are sharded by tensor (they share the one replicated module
+    so).
 
     Args:
         config: The `FlatGrad` config (as `FlatGradDDPStrategy`'s).
@@ -405,12 +392,8 @@ def whole_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
 def plain_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
     """What a plain torch optimizer of `optimizer`'s class and groups would save (a collective:
     `whole_optimizer_state`), so that ``torch.optim.<Class>.load_state_dict``, Lightning's "ddp" and every
-    flatgrad strategy resume from it: parameters numbered in group order, as torch numbers them; state keyed
-    by those numbers, only for parameters that stepped (torch keeps none before the first step: a saved step
-    of 0); every tensor its own (the ShardedOptimizer shares one step count per group, which ``step += 1``
-    would then advance once per parameter); per-element state in the parameter's shape and dtype. Float32
-    master weights (bfloat16/float16 parameters with main grads) have no place there: they are left out
-    (warned), and resuming starts from the parameters.
+    flatgrad strategy resume from it; float32 master weights are left out (warned). The form, and why:
+    docs/integrations.md, "Lightning checkpoints across strategies".
 
     Args:
         optimizer: The ShardedOptimizer (every rank of its group calls this together).
