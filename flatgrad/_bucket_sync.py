@@ -772,7 +772,11 @@ class BucketSync:
         forward: Lightning's `manual_backward`): onto reduce-scattered gradients, `_set_aside` now, as `_open`
         decides, before its first gradient lands on them (which `_open` finds too late, and refuses)."""
         if self._scattered and self._task is None:
-            self._set_aside((self.sync if self._forwards else self._armed) or self._averaging)
+            self._set_aside(self._hook_opens_averaging())
+
+    def _hook_opens_averaging(self) -> bool:
+        """Whether a backward opening from a hook averages: `sync` inside a training forward, else armed."""
+        return (self.sync if self._forwards else self._armed) or self._averaging
 
     def _average(self) -> Round:
         divisor = self._ranks_not_joined()
@@ -825,8 +829,7 @@ class BucketSync:
                 "the earlier backwards under model.no_sync(), or shard by tensor (flatgrad's Lightning "
                 "strategies set them aside before each backward)"
             )
-        armed = self.sync if self._forwards else self._armed
-        if not (armed or self._averaging):
+        if not self._hook_opens_averaging():
             return False
         _refuse_compiled_autograd()
         # From a hook, maybe a nested backward's: no parameter counts ready before its AccumulateGrad runs.

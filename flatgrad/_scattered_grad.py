@@ -172,6 +172,10 @@ def mark_scattered(store: GradStore) -> None:
             param.grad = alias
 
 
+_GRAD = operator.attrgetter("grad")
+_KEPT = frozenset({*_ALIASES, type(None)})  # (what a `.grad` the sync left is: an alias, or None)
+
+
 def replaced_by_hand(store: GradStore) -> list[torch.Tensor]:
     """The parameters (main grads aside) whose reduce-scattered `.grad` was replaced by hand (``p.grad = g``:
     neither its alias nor None). Two C loops over the parameters in the usual step, which finds none."""
@@ -179,10 +183,6 @@ def replaced_by_hand(store: GradStore) -> list[torch.Tensor]:
     if set(map(type, grads)) <= _KEPT:
         return []
     return [p for p, g in zip(store.params, grads) if type(g) not in _KEPT and not store.is_main(p)]
-
-
-_GRAD = operator.attrgetter("grad")
-_KEPT = frozenset({*_ALIASES, type(None)})
 
 
 def is_scattered(store: GradStore | None) -> bool:

@@ -219,9 +219,7 @@ class ShardEngine(FlatParameters):
         rank steps its shards with its own, as torch's ZeroRedundancyOptimizer its partition."""
         store = self.store
         if is_scattered(store):
-            replaced = replaced_by_hand(store)
-            if replaced:
-                store.take_in(replaced)
+            store.take_in(replaced_by_hand(store))  # (none in the usual step)
         elif any(p.grad is not None for p in store.params):
             store.take_in(store.params, zero_empty=True)
 
