@@ -445,7 +445,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """What `flatgrad.GradScaler` runs for this optimizer: multiply this rank's gradient
         shards by `inv_scale` and set `found_inf` to 1.0 where any rank's shard holds an inf
         or NaN (one small all-reduce; every rank must call it), after following parameters
-        frozen or unfrozen since the last step.
+        frozen or unfrozen since the last step and taking `.grad`s assigned by hand (as `step` does).
 
         Args:
             inv_scale: One over the loss scale (a 1-element float32 tensor).
@@ -453,6 +453,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             allow_fp16: Whether float16 gradients may be unscaled (torch's argument).
         """
         self._follow_layout()
+        self._engine.take_assigned_grads()  # (torch's scaler unscales a replaced `.grad` too)
         self._engine.unscale_(inv_scale, found_inf, allow_fp16)
 
     def _check_join(self) -> None:

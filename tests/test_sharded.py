@@ -1775,6 +1775,41 @@ def test_a_gradient_replaced_by_hand_after_the_backward_equals_stock(shard_by: s
     run_ranks(_replaced_grad_worker, shard_by, timeout=90)
 
 
+def _replaced_grad_scaled_worker(rank: int, world_size: int, shard_by: str, when: str) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.002)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.5, momentum=0.9, shard_by=shard_by)
+    ref, ref_opt = stock(model, torch.optim.SGD, {"find_unused_parameters": True}, lr=0.5, momentum=0.9)
+    scaler, ref_scaler = flatgrad.GradScaler("cpu", init_scale=16.0), torch.amp.GradScaler("cpu", 16.0)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        scaler.scale(dp(_tokens(rank, step))).backward()
+        ref_scaler.scale(ref(_tokens(rank, step))).backward()
+        surgery = torch.full_like(model.fc.weight, 0.1 * (step + 1))  # (the same on every rank)
+        if when == "before_unscale":  # (in scaled units: torch's unscale_ unscales it)
+            model.fc.weight.grad, ref.module.fc.weight.grad = surgery * 16.0, surgery * 16.0
+        scaler.unscale_(opt)
+        ref_scaler.unscale_(ref_opt)
+        if when == "after_unscale":  # (as it is: the step takes it)
+            model.fc.weight.grad, ref.module.fc.weight.grad = surgery.clone(), surgery.clone()
+        for one, opt_ in ((scaler, opt), (ref_scaler, ref_opt)):
+            one.step(opt_)
+            one.update()
+        assert_params_like(model, ref.module, **TOL)
+
+
+@pytest.mark.parametrize("when", ["before_unscale", "after_unscale"])
+@pytest.mark.parametrize("shard_by", ["element", "tensor"])
+def test_a_gradient_replaced_by_hand_under_a_loss_scaler_equals_torchs(shard_by: str, when: str) -> None:
+    """Gradient surgery under `flatgrad.GradScaler` as under torch's with stock DDP + SGD: a `.grad` replaced
+    before ``unscale_`` is unscaled with the rest, one replaced after it is stepped as it is. By element the
+    replacement before ``unscale_`` was taken into its slot at the step only, after the shards were
+    unscaled: stepped 16 times too large (the loss scale), silently."""
+    run_ranks(_replaced_grad_scaled_worker, shard_by, when, timeout=90)
+
+
 def _unfrozen_for_the_backward_worker(rank: int, world_size: int, shard_by: str, built: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
