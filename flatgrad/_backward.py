@@ -254,6 +254,7 @@ def _absorb_incoming(store: GradStore, main: torch.Tensor, param: torch.Tensor) 
         return
     main.add_(grad)  # (AccumulateGrad's own tensor: dense, no graph)
     param.grad = None
+    store.unwritten.discard(id(param))
 
 
 def output_nodes(output: object) -> set[Any]:

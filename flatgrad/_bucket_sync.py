@@ -271,7 +271,7 @@ class Round:
         if rest or self.step_count is not None:
             # Used as a bucket's flags say it (`GradStore.flagged`): a `.grad` (DDP counts an AccumulateGrad
             # run with none as unused), or a main grad.
-            flags = [p.grad is not None or store.is_main(p) for p in rest]
+            flags = [p.grad is not None or store.has_main(p) for p in rest]
             count = [] if self.step_count is None else _round_bytes(self.step_count)
             device = next(iter(store.buffers.values())).device
             used = host_tensor([*flags, *count], torch.uint8, device)
@@ -598,8 +598,7 @@ class BucketSync:
         self.joined_count: tuple[Any, torch.Tensor] | None = None
         # On a joined rank: whether its last shadowed iteration averaged (`shadow`): a ShardedOptimizer steps.
         self.shadowed_sync = False
-        # Synchronised backwards so far (shadowed ones on a joined rank too): a ShardedOptimizer by tensor
-        # compares it with its count at zero_grad to know that main grads (no `.grad`) hold an average.
+        # Synchronised backwards so far (shadowed ones on a joined rank too).
         self.num_syncs = 0
         self.rebuild()
 

@@ -93,8 +93,8 @@ class GradStore:
         self.mains = tuple(p for p in self.params if self._entries[p].view.dtype != p.dtype)
         self._main_ids = frozenset(map(id, self.mains))
         self._main_spans = self.spans(self.mains)  # (zeroed by `zero_mains`)
-        # Main grads without a gradient: frozen at a zeroing to None (`has_main`); zeroed so (`leaving_main`).
-        self._frozen_at_zero, self._zeroed_to_none = frozenset[int](), self._main_ids
+        # Main grads holding no gradient (`has_main`): zeroed to None, and no backward wrote them since.
+        self.unwritten = set(self._main_ids)
         self._disown = _claim(self)
         if self.mains:
             MAIN_GRAD_GUARD.watch(self)
@@ -129,34 +129,34 @@ class GradStore:
 
     def zero_mains(self, to_none: bool = True) -> None:
         """Zero every main grad (a few fills: adjacent slots share one). `to_none`: a zeroing that
-        sets `.grad` None; then a main-grad parameter frozen has no gradient till unfrozen (`has_main`)."""
+        sets `.grad` None; then none holds a gradient until a backward writes it (`has_main`)."""
         if self._main_spans:
             torch._foreach_zero_(self._main_spans)
-            self._frozen_at_zero = frozenset(id(p) for p in self.mains if to_none and not p.requires_grad)
-            self._zeroed_to_none = self._main_ids if to_none else frozenset()
+            if to_none:
+                self.unwritten = set(self._main_ids)
 
     def zeroed_to_none(self, params: Iterable[torch.Tensor]) -> None:
         """`params`' main grads were zeroed by a zeroing that sets `.grad` None (a by-tensor
-        ShardedOptimizer's own): until a backward writes them, they hold no gradient (`leaving_main`)."""
-        self._zeroed_to_none |= {id(p) for p in params if id(p) in self._main_ids}
+        ShardedOptimizer's own): until a backward writes them, they hold no gradient (`has_main`)."""
+        self.unwritten |= {id(p) for p in params if id(p) in self._main_ids}
 
     def follow_mains(self, old: GradStore) -> None:
-        """After `old`'s main grads were carried in (a relayout): which have no gradient, as in `old`."""
-        self._frozen_at_zero, self._zeroed_to_none = old._frozen_at_zero, old._zeroed_to_none & self._main_ids
+        """After `old`'s main grads were carried in (a relayout): which hold no gradient, as in `old`
+        (a parameter that had no main grad there: where its `.grad` is None)."""
+        self.unwritten = {
+            id(p) for p in self.mains if (id(p) in old.unwritten if old.is_main(p) else p.grad is None)
+        }
 
     def leaving_main(self, param: torch.Tensor) -> torch.Tensor | None:
         """The `.grad` of a main-grad `param` leaving the buffers (frozen, replaced): its values in its own
-        dtype, or None where it has no gradient (`has_main`; zeroed to None and nothing written since, as a
-        stock `.grad` set to None stays None: a step must skip it)."""
-        values = self.view(param)
-        if not self.has_main(param) or (id(param) in self._zeroed_to_none and not bool(values.any())):
-            return None
-        return values.to(param.dtype)
+        dtype, or None where it holds no gradient (`has_main`: a step must skip it, as stock's None)."""
+        return self.view(param).to(param.dtype) if self.has_main(param) else None
 
     def has_main(self, param: torch.Tensor) -> bool:
-        """Whether `param` has a main grad that counts as its gradient: not one frozen since the last zeroing
-        to None (stock's `.grad` is None there, and a step skips it; zeroed in place, it is stepped)."""
-        return id(param) in self._main_ids and (param.requires_grad or id(param) not in self._frozen_at_zero)
+        """Whether `param` has a main grad that holds a gradient, as stock's `.grad` is defined: written by a
+        backward (here, or on some rank: a sync's used flags) since the last zeroing to None (the model's,
+        the optimizer's; a zeroing in place keeps it, as stock's zeroes a defined `.grad`)."""
+        return id(param) in self._main_ids and id(param) not in self.unwritten
 
     def slot(self, param: torch.Tensor) -> tuple[GroupKey, SlotSpec]:
         """`param`'s group key and slot (offset and size in elements within that buffer)."""
@@ -204,6 +204,7 @@ class GradStore:
                 if grad is not None:
                     views[id(param)].add_(grad.to_dense() if grad.is_sparse else grad.detach())
                     param.grad = None
+                    self.unwritten.discard(id(param))
             params = [p for p in params if id(p) not in mains]
         for param in params:
             grad = param.grad
@@ -256,8 +257,8 @@ class GradStore:
             # will find, and as DDP counts a parameter whose AccumulateGrad ran with no gradient.
             entries = self._entries
             GradStore.unseat([s for s in self.seated if entries[s[0]].key == key])
-        mains = self._main_ids  # a main grad always counts as used (its `.grad` stays None)
-        write_flags(flags, [float(param.grad is not None or id(param) in mains) for param in members])
+        main = self.has_main  # (a main grad's `.grad` stays None)
+        write_flags(flags, [float(param.grad is not None or main(param)) for param in members])
         return found
 
     def seat(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -333,7 +334,6 @@ class GradStore:
         """As a backward begins: the parameters whose uses it sums as stock's (their layers
         return their gradients, AccumulateGrad adds the sum into the slot), where writing the
         uses in one by one would round otherwise (docs/design.md, "Routed layers")."""
-        self._zeroed_to_none = frozenset()  # (it may write them)
         if self.uses:  # (else no forward came since the last backward: the same graph's again)
             self.counted, self.uses = self.uses, {}
         self.summed = {

@@ -305,14 +305,19 @@ def all_reduce_grads(
 def settle_unused(store: GradStore, flagged: Sequence[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]) -> None:
     """After a sync that carried used flags (`flags[i]` other than 0: some rank used `members[i]`): `.grad`
     becomes the slot for each parameter without a `.grad` here that another rank used, as stock DDP with
-    find_unused_parameters=True leaves it. The flags are read only when this rank has such a parameter: on
-    CUDA that waits for the communication, and usually every parameter has its `.grad`."""
+    find_unused_parameters=True leaves it (a main grad holds a gradient: `GradStore.has_main`). The flags are
+    read only when this rank has such a parameter: on CUDA that waits for the communication, and usually
+    every parameter has its `.grad`."""
+    main = store.has_main
     for flags, members in flagged:
-        if all(param.grad is not None or store.is_main(param) for param in members):
-            continue  # (a main grad is its parameter's gradient; `.grad` stays None)
+        if all(param.grad is not None or main(param) for param in members):
+            continue
         for param, flag in zip(members, flags.tolist()):
-            if flag != 0 and param.grad is None and not store.is_main(param):  # (complex: complex flags)
-                param.grad = store.view(param)
+            if flag != 0 and param.grad is None and not main(param):  # (complex: complex flags)
+                if store.is_main(param):
+                    store.unwritten.discard(id(param))
+                else:
+                    param.grad = store.view(param)
 
 
 def refuse_main_grads(grad_dtype: str | None, what: str) -> None:

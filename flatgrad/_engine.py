@@ -373,6 +373,8 @@ def _carry_mains(old: GradStore, new: GradStore) -> None:
     for param in old.mains:
         if param not in new or new.view(param).shape != param.shape or old.view(param).shape != param.shape:
             continue  # (a main grad of the old shape: zero, see `build`)
+        if not old.has_main(param):
+            continue  # (zero, and no gradient: nothing to carry)
         values = old.view(param)
         if new.is_main(param):
             new.view(param).copy_(values)

@@ -442,7 +442,10 @@ def node_target(node: Node) -> tuple[Mode, torch.Tensor | None, torch.Tensor | N
             raise _re_pointed(tuple(view.shape), tuple(param.shape))  # type: ignore[union-attr]
         if store.is_main(param):  # type: ignore[arg-type]
             # A main grad: hooked gradients are returned, and AccumulateGrad's hook adds them in.
-            return ("fresh", None, param) if param._backward_hooks else ("main", view, param)  # type: ignore[union-attr]
+            if param._backward_hooks:  # type: ignore[union-attr]
+                return "fresh", None, param
+            store.unwritten.discard(id(param))  # (the layer writes it now)
+            return "main", view, param
         store.stale = True  # param.data replaced or converted since the layout: lay out again
         return "fresh", None, param
     grad = param.grad  # type: ignore[union-attr]

@@ -238,8 +238,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         dp, if any), and the inner optimizer steps the parameters of `param_groups` this rank owns."""
         members = {id(p) for group in self.param_groups for p in group["params"]}
         companion = self.dp._engine.step_count is not None  # (another ShardedOptimizer over dp)
-        syncs = self.dp._engine
-        engine = TensorEngine(store, self.dp.process_group, members, companion, lambda: syncs.num_syncs)
+        engine = TensorEngine(store, self.dp.process_group, members, companion)
         self._engine = engine
         self._groups = TensorGroups(engine, self._names, self._recipe, self.param_groups)
 
@@ -523,7 +522,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                         store.view(param).zero_()
                 if set_to_none:
                     store.zeroed_to_none(params)
-            self._engine.cleared()
             self._groups.drop_grads()
             return
         # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s

@@ -14,7 +14,6 @@ owns it (``torch.distributed.checkpoint`` loads it on any world size)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,16 +93,11 @@ class TensorEngine(FlatParameters):
         process_group: dist.ProcessGroup | None,
         members: set[int],
         companion: bool,
-        num_syncs: Callable[[], int],
     ) -> None:
         super().__init__(store, process_group, companion)
         # The model's gradient store now: `store` (the flat parameter buffers' layout) until parameters are
         # frozen or unfrozen, then replicate's new one (`follow`); buffers, owners and runs stay.
         self.grads = store
-        # replicate's count of synchronised backwards, and its value at this optimizer's last zero_grad: main
-        # grads (no `.grad` says they hold anything) hold an average to step from once it has grown since.
-        self._num_syncs = num_syncs
-        self._cleared_at = num_syncs()
         self.owners: dict[int, int] = {}  # id(param) -> the rank that steps it
         self.runs_by_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
         self.in_flight: list[Any] = []  # the broadcasts of the last step still in flight
@@ -144,17 +138,14 @@ class TensorEngine(FlatParameters):
         """Whether this rank steps `param` (a parameter of the store)."""
         return self.owners.get(id(param)) == self.rank
 
-    def cleared(self) -> None:
-        """Gradients zeroed: main grads hold nothing to step from until the next synchronised backward."""
-        self._cleared_at = self._num_syncs()
-
     def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
         """What `param` steps from: its `.grad` (a frozen parameter's too: torch's
         optimizers step any parameter with one); for a bfloat16/float16 parameter with a main
-        grad, that float32 slot, once a synchronised backward wrote it since `cleared`."""
-        if param not in self.grads or not self.grads.is_main(param):
+        grad, that float32 slot where it holds a gradient (`GradStore.has_main`)."""
+        grads = self.grads
+        if param not in grads or not grads.is_main(param):
             return param.grad
-        return self.grads.view(param) if self._num_syncs() > self._cleared_at else None
+        return grads.view(param) if grads.has_main(param) else None
 
     def has_grads(self) -> bool:
         """Whether a step has gradients to use: a parameter of this optimizer has one

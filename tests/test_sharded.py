@@ -661,6 +661,50 @@ def test_a_main_grad_layer_frozen_between_steps_is_not_stepped(when: str, shard_
     run_ranks(_frozen_main_grad_when_worker, when, shard_by, timeout=90)
 
 
+class _Branches(nn.Module):
+    """`a`, then `b` where the batch asks for it (step by step, rank by rank), then `c`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.c(self.b(h) if use_b else h).float().square().sum()
+
+
+def _unused_main_grad_worker(rank: int, world_size: int, shard_by: str) -> None:
+    torch.manual_seed(0)
+    model = _Branches().to(torch.bfloat16)
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=flatgrad.FlatGradConfig(grad_dtype="float32")))
+    groups = [{"params": [*model.a.parameters(), *model.c.parameters()]}, {"params": [*model.b.parameters()]}]
+    opt = flatgrad.ShardedOptimizer(
+        dp, torch.optim.AdamW, groups, lr=0.05, weight_decay=0.1, shard_by=shard_by
+    )
+    for step, used_by in enumerate([(0, 1), (), (1,), ()]):  # (the ranks whose batch uses b)
+        opt.zero_grad()
+        before = [p.detach().clone() for p in model.b.parameters()]
+        torch.manual_seed(10 * step + rank)
+        dp(torch.randn(4, 6, dtype=torch.bfloat16), use_b=rank in used_by).backward()
+        opt.step()
+        # Stock (DDP with find_unused_parameters=True): b's `.grad` is None where no rank used it, and AdamW
+        # skips it; used on one rank, it is the average on every rank, and stepped.
+        moved = [not torch.equal(p, q) for p, q in zip(model.b.parameters(), before)]
+        assert moved == [bool(used_by)] * 2, (step, moved)
+    model.zero_grad()  # (the model's zeroing to None: no gradient left to step)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("shard_by", ["element", "tensor"])
+def test_a_main_grad_layer_no_rank_used_is_not_stepped(shard_by: str) -> None:
+    """bfloat16 with float32 main grads: a layer no rank used in a step is left as stock DDP leaves it
+    (`.grad` None, not stepped; one rank used it: averaged and stepped), and a step after `model.zero_grad()`
+    moves nothing. Its main grad (zero) counted as a gradient: AdamW's decay and moments moved it."""
+    run_ranks(_unused_main_grad_worker, shard_by, timeout=90)
+
+
 def _closure(module: nn.Module, zero_grad: Callable[[], None], tokens: torch.Tensor) -> Callable[..., Any]:
     def closure() -> torch.Tensor:
         zero_grad()
