@@ -598,11 +598,13 @@ def test_a_layer_frozen_at_construction_unfrozen_with_a_group_equals_stock(zero_
     run_ranks(_unfrozen_worker, zero_after_forward, timeout=90)
 
 
-def _frozen_main_grad_worker(rank: int, world_size: int, by_optimizer: bool, to_none: bool) -> None:
+def _frozen_main_grad_worker(
+    rank: int, world_size: int, by_optimizer: bool, to_none: bool, shard_by: str
+) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(torch.bfloat16)
     dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=flatgrad.FlatGradConfig(grad_dtype="float32")))
-    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, momentum=0.9)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.1, momentum=0.9, shard_by=shard_by)
     for step in range(3):
         if step == 2:  # frozen before the forward; Lightning zeroes after it
             model[0].requires_grad_(False)
@@ -616,17 +618,18 @@ def _frozen_main_grad_worker(rank: int, world_size: int, by_optimizer: bool, to_
     assert all(torch.equal(p, q) for p, q in zip(model[0].parameters(), before)) == to_none
 
 
+@pytest.mark.parametrize("shard_by", ["element", "tensor"])
 @pytest.mark.parametrize("to_none", [True, False], ids=["to_none", "in_place"])
 @pytest.mark.parametrize("by_optimizer", [True, False], ids=["optimizer", "model"])
 def test_a_main_grad_layer_frozen_before_the_forward_that_meets_scattered_gradients_is_not_stepped(
-    by_optimizer: bool, to_none: bool
+    by_optimizer: bool, to_none: bool, shard_by: str
 ) -> None:
-    """bfloat16 with float32 main grads, by element: a layer frozen before a forward that meets the last
-    step's reduce-scattered gradients keeps its slot until they are zeroed; its main grad (no `.grad` to be
-    None) counted as a gradient, and SGD's momentum moved it (0.096), where stock skips a frozen parameter
-    whose `.grad` zero_grad set to None. A main grad frozen since the last zeroing to None is none now,
-    zeroed by the optimizer or by the model; zeroed in place, it is stepped as stock's zero `.grad`."""
-    run_ranks(_frozen_main_grad_worker, by_optimizer, to_none, timeout=90)
+    """bfloat16 with float32 main grads: a layer frozen before a forward that meets the last step's
+    gradients (by element reduce-scattered: it keeps its slot until they are zeroed) is not stepped where
+    stock skips a frozen parameter whose `.grad` zero_grad set to None (by element its main grad counted as
+    a gradient, and SGD's momentum moved it, 0.096), zeroed by the optimizer or by the model; zeroed in
+    place, it is stepped as stock's zero `.grad`."""
+    run_ranks(_frozen_main_grad_worker, by_optimizer, to_none, shard_by, timeout=90)
 
 
 def _frozen_main_grad_when_worker(rank: int, world_size: int, when: str, shard_by: str) -> None:
