@@ -127,13 +127,12 @@ class GradStore:
         """Whether `param`'s slot is a main grad (see the module docstring: its `.grad` stays None)."""
         return id(param) in self._main_ids
 
-    def zero_mains(self, to_none: bool = True) -> None:
-        """Zero every main grad (a few fills: adjacent slots share one). `to_none`: a zeroing that
-        sets `.grad` None; then none holds a gradient until a backward writes it (`has_main`)."""
+    def zero_mains(self) -> None:
+        """Zero every main grad (a few fills: adjacent slots share one), as a zeroing that sets `.grad`
+        None: none holds a gradient until a backward writes it (`has_main`)."""
         if self._main_spans:
             torch._foreach_zero_(self._main_spans)
-            if to_none:
-                self.unwritten = set(self._main_ids)
+            self.unwritten = set(self._main_ids)
 
     def zeroed_to_none(self, params: Iterable[torch.Tensor]) -> None:
         """`params`' main grads were zeroed by a zeroing that sets `.grad` None (a by-tensor

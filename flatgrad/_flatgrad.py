@@ -202,10 +202,13 @@ class FlatGrad(nn.Module):
 
         Returns:
             A new dict from ``(dtype, device)`` to that group's flat buffer (the live tensor, not a copy),
-            laid out again first if the parameters changed."""
-        store = engine_of(self).refresh()
-        store.settle()  # (the buffers as the truth)
-        return dict(store.buffers)
+            laid out again first if the parameters changed.
+
+        Raises:
+            RuntimeError: After a ShardedOptimizer's synchronised backward (by element), until its
+                ``zero_grad()``: the buffers are averaged only inside each rank's shard."""
+        refuse_scattered(engine_of(self).store, "model.grad_buffers")
+        return settled_buffers(self)
 
     # --- flat-buffer operations -----------------------------------------------------------
 
@@ -233,9 +236,8 @@ class FlatGrad(nn.Module):
         if set_to_none:
             for param in store.params + engine.others:
                 param.grad = None
-            store.zero_mains()  # a main grad is the gradient itself: zeroed either way
+            store.zero_mains()  # (their `.grad` is None already)
             return
-        store.zero_mains(to_none=False)
         for param in store.params:  # (a ScatteredGrad, or a `.grad` outside its slot)
             if param.grad is not None and param.grad is not store.view(param):
                 param.grad = None if store.is_main(param) else store.view(param)
@@ -358,8 +360,11 @@ class FlatGrad(nn.Module):
         Raises:
             ValueError: The model has sparse embeddings (``sparse=True``), whose gradients live outside the
                 flat buffers, or `reduce_dtype` is not one of the above.
-            RuntimeError: No default process group is initialised (``dist.init_process_group``)."""
+            RuntimeError: No default process group is initialised (``dist.init_process_group``), or a
+                ShardedOptimizer's synchronised backward (by element) reduce-scattered the gradients since its
+                last ``zero_grad()`` (averaging them again would mix other ranks' sums into the shards)."""
         engine = engine_of(self)
+        refuse_scattered(engine.store, "model.all_reduce_grads()")
         store = engine.refresh()
         engine.refuse_sparse("all_reduce_grads")  # (every trainable parameter in the store)
         if store.tensor_parallel is not None:
@@ -510,6 +515,13 @@ def _zero_stock(param: nn.Parameter) -> None:
     else:
         grad.requires_grad_(False)
     grad.zero_()
+
+
+def settled_buffers(model: nn.Module) -> dict[GroupKey, torch.Tensor]:
+    """`FlatGrad.grad_buffers` without its refusal, for flatgrad's own reads (a device, a scaling)."""
+    store = engine_of(model).refresh()
+    store.settle()  # (the buffers as the truth)
+    return dict(store.buffers)
 
 
 def _grads_and_norms(

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from flatgrad._bucket_sync import BucketSync
 from flatgrad._comm import check_wire_dtype
 from flatgrad._dtensor import local_of
-from flatgrad._flatgrad import FlatGrad, engine_of, flat_class, original_class
+from flatgrad._flatgrad import FlatGrad, engine_of, flat_class, original_class, settled_buffers
 from flatgrad._torch_compat import (
     active_ddp,
     broadcast_coalesced,
@@ -405,7 +405,7 @@ class ReplicateState:
     @property
     def join_device(self) -> torch.device:
         """The first flat buffer's device (CPU for a model without one)."""
-        buffers = self.module.grad_buffers
+        buffers = settled_buffers(self.module)
         return next(iter(buffers.values())).device if buffers else torch.device("cpu")
 
     @property
@@ -521,7 +521,7 @@ def _check_same_settings(
     ``check_finite`` (an all-reduce per backward more), ``broadcast_buffers`` (a broadcast per forward), and
     the gradient buffers' layout (``align_bytes``, ``grad_dtype``: the elements every collective covers). A
     differing rank would otherwise die in the backend with no Python error, or hang. One small all-gather."""
-    buffers = flat.grad_buffers
+    buffers = settled_buffers(flat)
     config = flat.flatgrad_config
     mine = [
         ("bucket_cap_mb", bucket_cap_mb),

@@ -46,7 +46,8 @@ _ADVICE = (
     "use opt.clip_grad_norm_(max_norm) to clip (ShardedOptimizer's own: the global norm from "
     "every rank's shard, one small all-reduce; it returns that norm, for logging too); "
     "with a loss scaler use flatgrad.GradScaler (it unscales the shards); after "
-    "opt.zero_grad() .grad is plain again"
+    "opt.zero_grad() .grad is plain again; to edit or read .grad itself between the backward and "
+    "the step (clip by value, mask rows), shard_by='tensor' keeps every .grad whole"
 )
 
 
@@ -212,13 +213,13 @@ def unmark_scattered(store: GradStore, to_none: bool = False) -> None:
 
 
 def refuse_scattered(store: GradStore | None, what: str) -> None:
-    """Raise if a `.grad` of `store` is a ScatteredGrad: `what` (a norm of the local
-    buffers) would read values that are averaged only inside this rank's shards."""
+    """Raise if a `.grad` of `store` is a ScatteredGrad: `what` (a norm, an all-reduce, the buffers
+    handed out) would read values that are averaged only inside this rank's shards."""
     if is_scattered(store) and (store.mains or any(type(p.grad) in _ALIASES for p in store.params)):  # type: ignore[union-attr]
         raise RuntimeError(
             f"{what} after a ShardedOptimizer's synchronised backward: the gradient buffers are "
             "reduce-scattered (each rank holds the average over the ranks only in its own shard), "
-            f"so a norm of them would be wrong and differ between ranks; {_ADVICE}"
+            f"so what it reads from them would be wrong and differ between ranks; {_ADVICE}"
         )
 
 

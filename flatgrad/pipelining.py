@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 
+from flatgrad._flatgrad import settled_buffers
 from flatgrad._parallel import ReplicateModule, ReplicateState, replicate_state
 from flatgrad._zero_state import flagged_ranks
 
@@ -167,7 +168,7 @@ class PipelineStage(pipelining.PipelineStage):
         self._averaged = False
         if grad_scale_factor != 1:
             with torch.no_grad():
-                for buffer in self.data_parallel.module.grad_buffers.values():
+                for buffer in settled_buffers(self.data_parallel.module).values():
                     buffer.div_(grad_scale_factor)
 
 

@@ -13,6 +13,7 @@ from oracle import assert_grads_like
 from torch import nn
 
 import flatgrad
+from flatgrad._flatgrad import settled_buffers
 
 # Route every Linear, however small: these tests are about the routed backward's results.
 ROUTE_ALL = flatgrad.FlatGradConfig(linear_min_numel=0)
@@ -65,8 +66,9 @@ class CompileLM(nn.Module):
 
 
 def grad_in_buffers(flat: flatgrad.FlatGrad, grad: torch.Tensor) -> bool:
-    """Whether `grad` is a view inside one of `flat.grad_buffers` (storage and byte range)."""
-    for buf in flat.grad_buffers.values():
+    """Whether `grad` is a view inside one of `flat.grad_buffers` (storage and byte range; read without
+    its refusal while reduce-scattered: a look at where `.grad` lives, not at its values)."""
+    for buf in settled_buffers(flat).values():
         if grad.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
             continue
         if not grad.numel():

@@ -378,6 +378,8 @@ def _scattered_grad_worker(rank: int, world_size: int) -> None:
             lambda: model.fc.weight.grad.clone(),
             lambda: flat.grad_norm(),
             lambda: flat.clip_grad_norm_(1.0),
+            lambda: flat.all_reduce_grads(),  # (it averaged the shards with other ranks' sums: 9.3e-2 off)
+            lambda: flat.grad_buffers,  # (a norm of them differed between ranks)
         ):
             with pytest.raises(RuntimeError, match=advice):
                 wrong()
@@ -405,7 +407,8 @@ def test_torch_clip_grad_norm_after_a_sharded_backward_raises_on_every_rank():
     """After a reduce-scattering backward `.grad` is right only inside this rank's shard:
     torch.nn.utils.clip_grad_norm_ and every other read of its values raise on every rank,
     pointing at opt.clip_grad_norm_ (stock DDP + AdamW + stock clipping is the oracle for
-    that and for the steps); metadata reads and every zero_grad keep working."""
+    that and for the steps); so do the model's all_reduce_grads() and grad_buffers, which read them
+    silently before; metadata reads and every zero_grad keep working."""
     run_ranks(_scattered_grad_worker, timeout=90)
 
 
