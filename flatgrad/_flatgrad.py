@@ -140,6 +140,10 @@ class FlatGrad(nn.Module):
         multiple = state.pop("_flatgrad_slot_multiple", 1)
         super().__setstate__(state)
         self.__dict__[_ENGINE] = GradEngine(self, self.flatgrad_config, multiple)
+        for module in self.modules():  # (what `ModelHook`s became in this copy)
+            for hooks in (getattr(module, name, None) or {} for name in _HOOK_DICTS):
+                for key in [k for k, hook in hooks.items() if getattr(hook, "hook", hook) is _copied_hook]:
+                    del hooks[key]
 
     # Eager under torch.compile(model) (the frame only: what it calls is compiled unless disabled itself): the
     # bookkeeping around the model is disabled as a whole, so Dynamo sees none of it, and `_flatgrad_call`, a
@@ -429,6 +433,34 @@ def original_class(cls: type) -> type[nn.Module]:
     mro = cls.__mro__
     original: type[nn.Module] = mro[mro.index(FlatGrad) + 1]
     return original
+
+
+class ModelHook:
+    """A hook of flatgrad's on the model's modules holding what a copy must not take (a ShardedOptimizer's
+    engine): a copy of the model (``copy.deepcopy``, ``torch.save``) gets `_copied_hook` in its place, which
+    the copy's `FlatGrad.__setstate__` removes."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return _copied, ()
+
+
+def _copied() -> Callable[..., None]:
+    return _copied_hook
+
+
+def _copied_hook(*args: Any, **kwargs: Any) -> None:
+    """What a `ModelHook` becomes in a copy of the model, until the copy removes it."""
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks")
 
 
 def _new_flat_instance(original: type[nn.Module]) -> FlatGrad:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from flatgrad._bucket_sync import BucketSync
+from flatgrad._flatgrad import ModelHook
 from flatgrad._torch_compat import register_load_pre_hook, tree_leaves
 from flatgrad._zero import ShardEngine
 
@@ -56,16 +57,16 @@ class ForwardWaits:
         self._ran: set[int] = set()
         self._learning = []
         for module in self._hooked:
-            note = functools.partial(self._note, id(module))
+            note = ModelHook(functools.partial(self._note, id(module)))
             self._learning.append(module.register_forward_pre_hook(note, prepend=True))
-            self._learning.append(module.register_forward_hook(self._leave, always_call=True))
-        self._learning.append(model.register_forward_hook(self._learn))
+            self._learning.append(module.register_forward_hook(ModelHook(self._leave), always_call=True))
+        self._learning.append(model.register_forward_hook(ModelHook(self._learn)))
         sync.run_forwards_in(self.learning)
         self._waits: list[Any] = []
         # the model's state_dict and load_state_dict read or write every parameter: wait for all
         self._always = [
-            model.register_state_dict_pre_hook(self._wait_all),
-            register_load_pre_hook(model, self._wait_all),
+            model.register_state_dict_pre_hook(ModelHook(self._wait_all)),
+            register_load_pre_hook(model, ModelHook(self._wait_all)),
         ]
 
     @contextlib.contextmanager
@@ -131,7 +132,7 @@ class ForwardWaits:
         by_id = {id(module): module for module in self._hooked}
         self._hooked, self._own, self._buckets_of, self._ran = [], {}, {}, set()  # (no references kept)
         for key, waited in waits.items():
-            hook = functools.partial(_wait_for, self.engine, tuple(sorted(waited)))
+            hook = ModelHook(functools.partial(_wait_for, self.engine, tuple(sorted(waited))))
             # (first: a pre hook of the user's, weight_norm's for one, may read the parameters)
             self._waits.append(by_id[key].register_forward_pre_hook(hook, prepend=True))
 

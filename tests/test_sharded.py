@@ -10,6 +10,7 @@ the same element-wise update, shard by shard on ours, so parameters agree to rou
 from __future__ import annotations
 
 import copy
+import io
 import math
 from collections.abc import Callable
 from typing import Any
@@ -973,6 +974,39 @@ def _uncalled_worker(rank: int, world_size: int) -> None:
     assert len(pending) == 4 and not any(pending), pending  # no head bucket in flight when read
     opt.wait_param_gather()
     pair.assert_params(**TOL)
+
+
+def _copied_overlap_worker(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model), bucket_cap_mb=0.002)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=1e-2, overlap_param_gather=True)
+    pair = Lockstep(model, dp, opt, *stock(model, torch.optim.AdamW, lr=1e-2))
+    copy.deepcopy(model)  # (before any forward: the learning hooks)
+    for step in range(3):
+        pair.train_step(_tokens(rank, step))
+        opt.wait_param_gather()  # (a copy reads the parameters: see docs/data-parallel.md)
+        saved = io.BytesIO()
+        torch.save(model, saved)
+        copies = [copy.deepcopy(model), torch.optim.swa_utils.AveragedModel(model).module]
+        copies.append(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+        tokens = _tokens(rank, 9)
+        for copied in copies:  # the model's own class, FlatGrad applied, no hook of the optimizer's
+            assert isinstance(copied, _Net) and isinstance(copied, flatgrad.FlatGrad)
+            for module in copied.modules():
+                for hooks in (module._forward_pre_hooks, module._forward_hooks, module._state_dict_pre_hooks):
+                    assert not any("flatgrad" in getattr(h, "__module__", "") for h in hooks.values())
+            with torch.no_grad():
+                torch.testing.assert_close(copied(tokens), model(tokens), rtol=0, atol=0)
+        pair.assert_params(**TOL)
+
+
+def test_a_model_whose_sharded_optimizer_overlaps_its_gather_can_be_copied() -> None:
+    """``copy.deepcopy``, ``torch.save`` and ``AveragedModel`` (an EMA) of a replicated model whose
+    ShardedOptimizer has ``overlap_param_gather=True``: copies with FlatGrad applied and none of the
+    optimizer's forward hooks (each copied the ShardEngine with them and raised, "cannot pickle
+    AccumulateGrad" or a ScatteredGrad's refusal); the model trains on as stock."""
+    run_ranks(_copied_overlap_worker, timeout=90)
 
 
 def test_overlap_param_gather_waits_for_modules_that_are_never_called():
