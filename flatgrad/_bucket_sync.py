@@ -154,9 +154,8 @@ class Round:
         self.flagged: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []
         self.next = 0  # the position in the plan's order of the next bucket to launch
         self.launched_in_backward = 0  # launched before the final callback flushed the rest
-        # perf_counter seconds (host time): each bucket's launch after the backward's start; the final
-        # callback's waits after the backward's compute ended (exposed communication; about 0 on NCCL, whose
-        # waits do not block the host); the backward's start to that end.
+        # perf_counter seconds (host time; about 0 exposed on NCCL, whose waits do not block the host): each
+        # launch after the backward's start; the final callback's waits; the backward's start to its end.
         self.started = time.perf_counter()
         self.launch_offsets_s: list[float] = []
         self.exposed_s = 0.0
@@ -220,10 +219,9 @@ class Round:
 
     def _follow_backward(self, device: torch.device) -> bool:
         """Make the current stream wait for the backward's on `device`; whether it had to. A routed layer
-        writes its slot on the stream of its forward and hands AccumulateGrad no gradient, so the engine
-        orders nothing after that write; the AccumulateGrad hooks that launch most buckets run on the stream
-        their nodes were made on (replicate keeps them from its construction). Trained on another stream than
-        it was built on, a launch would otherwise read slots still being written."""
+        writes its slot on its forward's stream and hands AccumulateGrad no gradient, so the engine orders
+        nothing after that write, and the hooks that launch most buckets run on the stream their nodes were
+        made on: trained on another stream than built on, a launch would otherwise read slots in writing."""
         stream = self.streams.get(device)
         current = torch.cuda.current_stream(device)
         if stream is None or stream == current:
@@ -350,9 +348,8 @@ class Round:
 
 def _sums_then_divides(round_: Round, no_finite_check: bool) -> bool:
     """Whether a ShardedOptimizer's all-reduced (gloo) float32/float64 buckets are summed and only its shards
-    (all it reads) divided last: 1/world_size of a pass. Only for a power-of-two world size (exact division:
-    DDP's result to the bit, but for sums beyond the float range and subnormal addends) and no Join divisor.
-    Half precision divides first, so its sums stay finite; so does `check_finite` (`.grad` stays readable)."""
+    divided last (docs/performance.md, "Dividing on gloo"): a power-of-two world size (exact division) and no
+    Join divisor. Half precision divides first, so its sums stay finite; so does `check_finite`."""
     world_size = round_.world_size
     exact = world_size > 1 and world_size & (world_size - 1) == 0  # (1: no division)
     exact = exact and round_.divisor is None  # (never the world size: `_ranks_not_joined`)
@@ -404,12 +401,9 @@ def prescale_factor(
 def plan_buckets(store: GradStore, bucket_cap_mb: float, small_first_on_cpu: bool = True) -> BucketPlan:
     """The bucket plan of `store`, launched in buffer order (not learned): buckets per buffer, cut at slot
     boundaries in buffer order, the first about `_FIRST_BUCKET_MB`, the others about `bucket_cap_mb`.
-
-    Gloo averages a CPU buffer on its own thread, competing with backward for cores when none is free
-    (`small_first_on_cpu` False, see `BackendPolicy.spare_core`: torchrun's default of one thread and one core
-    per rank). A collective there costs about 0.7 ms of the step (2 gloo ranks on 2 cores), more than an early
-    1 MiB bucket hides; an early 12.9 MiB one (recommender) hides more than it costs: the first bucket is half
-    a bucket (12.5 MiB by default; never below 1 MiB), so a buffer up to that size is one bucket."""
+    With `small_first_on_cpu` False (no spare core: `BackendPolicy.spare_core`) a CPU buffer's first bucket is
+    half a bucket, never below 1 MiB, as gloo's collective there costs more than an early small bucket hides
+    (docs/performance.md, "No small first bucket on a CPU host without a spare core")."""
     buckets: list[Bucket] = []
     for key, buffer in store.buffers.items():
         slots = sorted(
@@ -504,8 +498,7 @@ class ReadyHooks:
     def skip_unreached(self, round_: Round) -> None:
         """Count ready the parameters once unused that this backward will not reach (the engine will not run
         their AccumulateGrad), so their buckets need not wait for the final callback. Only those once unused
-        are asked: a parameter that only a nested backward reaches (a reentrant checkpoint), which the engine
-        cannot see from here, was ready before the final callback of every backward that used it."""
+        are asked: the engine cannot see one that only a nested backward reaches (a reentrant checkpoint)."""
         unused = self.unused.values()
         unreached = [(param, bucket) for param, node, bucket in unused if not will_execute(node)]
         if unreached:
@@ -613,14 +606,12 @@ class BucketSync:
     def shard_plan(self, store: GradStore, overlap_param_gather: bool) -> list[tuple[torch.Tensor, int]]:
         """The shard plan for a ShardedOptimizer over `store` (laid out for it): the gradient buffer pieces
         that split into equal shards, rank r owning the r-th, as (gradient view, offset in its flat buffer),
-        in buffer order (whatever the launch order). From here on the buckets reduce-scatter (ZeRO-1).
+        in buffer order. From here on the buckets reduce-scatter (ZeRO-1).
 
-        The pieces are the buckets where the backward reduce-scatters (NCCL: each rank gets only its shard) or
-        the next forward waits for each bucket's gather (`overlap_param_gather`). Otherwise (gloo,
-        `BackendPolicy.reduce_scatter`: the backward all-reduces every bucket, so every rank holds every
-        average) each whole buffer: its parameters then return in one broadcast per rank, not one per rank and
-        bucket (per-bucket shards cost 4-5% more of the step than stock ZeRO-1 on many small layers, 2 gloo
-        ranks). Whole slots on multiples of the world size split every buffer evenly, like every bucket."""
+        The pieces are the buckets where the backward reduce-scatters (NCCL) or the next forward waits for
+        each bucket's gather (`overlap_param_gather`). Otherwise (gloo all-reduces every bucket) each whole
+        buffer, gathered in one broadcast per rank, not one per rank and bucket (docs/performance.md, "ZeRO-1
+        on gloo: all-reduce and broadcasts"); slots on multiples of the world size split it evenly."""
         self.reduce_scatter = True
         self.rebuild()
         assert self.store is store, "the store changed while switching to reduce-scatter"
@@ -651,9 +642,8 @@ class BucketSync:
 
     def drain(self) -> None:
         """When a backward is still open (one that raised never closes), wait for the collectives it had
-        launched, before this step writes any gradient: in flight, they would land on top of it. (Its launched
-        buckets hold averages of partial gradients, as DDP's bucket views would, or sums where a
-        ShardedOptimizer divides after (`Round.divide_after`); `zero_grad()` before the next backward.)"""
+        launched, before this step writes any gradient: in flight, they would land on top of it. (Its buckets
+        hold averages of partial gradients, as DDP's would, or sums (`Round.divide_after`).)"""
         if self._task is None:
             return
         self._task = None
@@ -698,9 +688,8 @@ class BucketSync:
     @contextlib.contextmanager
     def averaging(self) -> Iterator[None]:
         """Backwards that open inside average, whatever the no_sync state of the forwards whose outputs they
-        go through: the last micro-batch of a pipeline stage (`flatgrad.pipelining`), whose forwards the
-        schedule ran under no_sync() before saying which backward is the last. Where torch's stage prepares
-        DDP's reducer for that backward (``prepare_for_backward``), this opens replicate's round."""
+        go through: the last micro-batch of a pipeline stage (`flatgrad.pipelining`), whose forwards ran under
+        no_sync(); where torch's stage calls DDP's ``prepare_for_backward``, this opens replicate's round."""
         previous, self._averaging = self._averaging, True
         try:
             yield
@@ -812,13 +801,11 @@ class BucketSync:
 
     def _open(self) -> bool:
         """From an AccumulateGrad hook, when no backward is open (this one reached none of dp's outputs): open
-        it, averaging, when a synchronising forward armed it, as DDP's hooks on the parameters do; inside a
-        training forward (a LightningModule's `manual_backward`, which runs in the training_step that forward
-        runs), when `sync` holds now, as Lightning's DDPStrategy.pre_backward prepares DDP's reducer for that
-        backward unless inside `no_sync()` (the arming of an earlier forward does not count there:
-        `block_backward_sync()` around it keeps it local). Its first final gradient is this hook's: FlatGrad
-        seated no slot for it (no output pre hook ran), so the small parameters' gradients land in tensors of
-        their own, which each bucket takes into its slots before it launches."""
+        it, averaging, when a synchronising forward armed it, as DDP's hooks do; inside a training forward (a
+        LightningModule's `manual_backward`), when `sync` holds now, as Lightning's DDPStrategy.pre_backward
+        prepares DDP's reducer unless inside `no_sync()` (an earlier forward's arming does not count there).
+        FlatGrad seated no slot for it (no output pre hook ran), so gradients land in tensors of their own,
+        which each bucket takes into its slots before it launches."""
         if self._scattered and holds_scattered(self.store):
             raise RuntimeError(
                 "ShardedOptimizer (by element): a backward after a synchronised one and before zero_grad() "
@@ -867,9 +854,8 @@ class BucketSync:
     def _synced(self, round_: Round) -> None:
         """After a synchronised backward's round (or its shadow on a joined rank), counted in `num_syncs`.
         After the first since a (re)build, rank 0's order of completion becomes the launch order on every rank
-        (one broadcast), and from then on the hooks of the last bucket to launch count nothing (the final
-        callback launches it, its gradients the backward's last but for unused ones). Reduce-scattered,
-        `.grad` refuses math until zeroed (see flatgrad._scattered_grad)."""
+        (one broadcast), and the hooks of the last bucket to launch count nothing (the final callback launches
+        it). Reduce-scattered, `.grad` refuses math until zeroed (flatgrad._scattered_grad)."""
         plan = self._plan
         if not plan.learned and plan.buckets:
             device = plan.buckets[0].buffer.device

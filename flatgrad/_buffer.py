@@ -216,9 +216,8 @@ class GradStore:
     def adopt(
         self, buffer: torch.Tensor, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
     ) -> bool:
-        """Make `buffer` (a DDP bucket) the flat buffer of its group, with `grads[i]` (views
-        of it) as the slot of `params[i]`. Refused (False) unless the bucket holds exactly
-        the group's parameters: a group split over several buckets is not one buffer."""
+        """Make `buffer` (a DDP bucket) the flat buffer of its group, with `grads[i]` (views of it) as the
+        slot of `params[i]`. Refused (False) unless the bucket holds exactly the group's parameters."""
         key = (buffer.dtype, buffer.device)
         group = [p for p in self.params if self._entries[p].key == key]
         if len(params) != len(group) or {id(p) for p in params} != {id(p) for p in group}:
@@ -227,9 +226,8 @@ class GradStore:
         self._flagged.pop(key, None)  # DDP's bucket has no room after it
         base = int(buffer.storage_offset())
         for param, grad in zip(params, grads):
-            # DDP's bucket view (the `.grad` it made) follows the parameter's own strides where
-            # it is dense (`Reducer::initialize_bucket_views`, as the layout contract); the
-            # `bucket.gradients()` views are contiguous ones over the same elements.
+            # DDP's bucket view (the `.grad` it made) follows the parameter's own strides where it is dense
+            # (`Reducer::initialize_bucket_views`); `bucket.gradients()` views are contiguous ones.
             offset = int(grad.storage_offset()) - base
             slot = SlotSpec(offset, grad.numel(), tuple(grad.shape), dense_stride(param))
             self._set_slot(param, key, slot)
@@ -243,9 +241,8 @@ class GradStore:
     def flagged(self, key: GroupKey) -> _Flagged | None:
         """(the group's buffer followed by one flag per parameter, the flags, those parameters), each flag 1
         where the parameter's `.grad` is defined, else 0; None once the buffer is a DDP bucket (`adopt`). A
-        sync all-reducing this tensor instead of the buffer learns in the same collective which parameters
-        some rank used (a nonzero sum or average of 0s and 1s), as stock DDP with find_unused_parameters=True
-        does with an extra all-reduce of used flags."""
+        sync all-reducing this tensor learns in the same collective which parameters some rank used, where
+        stock DDP with find_unused_parameters=True runs an extra all-reduce."""
         found = self._flagged.get(key)
         if found is None:
             return None
@@ -262,12 +259,10 @@ class GradStore:
 
     def seat(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """Before a backward: point each of `params` whose `.grad` is None at its slot, filled with -0.0
-        (`negative_zero_`: the add then gives stock's bits, a -0.0 included), so AccumulateGrad adds into it
-        in place (in C++: no hook, no copy). Returns (param, slot, slot version) for `unseat`. When every
-        `.grad` was None the slots are filled in a few views (`spans`). The (parameter, slot) pairs and the
-        spans are cut once per `params` tuple and kept while the slots stay put (this runs before every
-        backward, once per parameter). A parameter that no longer fits its slot (``param.data`` replaced, a
-        conversion) is left alone and marks the store stale: the engine lays out again (or refuses)."""
+        (`negative_zero_`), so AccumulateGrad adds into it in place (in C++: no hook, no copy). Returns
+        (param, slot, slot version) for `unseat`. The (parameter, slot) pairs and the fill's `spans` are cut
+        once per `params` tuple and kept while the slots stay put (this runs before every backward). A
+        parameter that no longer fits its slot is left alone and marks the store stale (laid out again)."""
         cached = self._seat_cache
         if cached is None or cached[0] is not params:
             views = self.views
@@ -315,9 +310,9 @@ class GradStore:
         GradStore.unseat([found[id(p)] for p in params if id(p) in found])
 
     def fresh_seat(self, param: torch.Tensor) -> bool:
-        """Whether `param` is seated in the running backward and nothing wrote its slot since
-        the -0.0 fill: a routed Function then writes it as an empty `.grad` ("out"), since a
-        scatter would leave -0.0 where it writes nothing (stock's fresh gradient: +0.0)."""
+        """Whether `param` is seated in the running backward and nothing wrote its slot since the -0.0 fill:
+        a routed Function then writes it as an empty `.grad` ("out"), since a scatter would leave -0.0 where
+        it writes nothing (stock's fresh gradient: +0.0)."""
         if not self.seated:
             return False
         entry = self._seated_by_id().get(id(param))
@@ -330,9 +325,8 @@ class GradStore:
         return self._seated_ids[1]
 
     def begin_backward(self) -> None:
-        """As a backward begins: the parameters whose uses it sums as stock's (their layers
-        return their gradients, AccumulateGrad adds the sum into the slot), where writing the
-        uses in one by one would round otherwise (docs/design.md, "Routed layers")."""
+        """As a backward begins: the parameters whose uses it sums as stock's, where writing them in one by
+        one would round otherwise (docs/design.md, "Routed layers")."""
         if self.uses:  # (else no forward came since the last backward: the same graph's again)
             self.counted, self.uses = self.uses, {}
         self.summed = {
@@ -357,18 +351,16 @@ class GradStore:
             self.stale = True
 
     def intact(self) -> bool:
-        """Whether every slot view still points at its slot. ``param.grad.data = t`` (older training code,
-        `nn.Module._apply` converting gradients) re-points the view object itself, which is the `.grad`, at
-        other memory; the identity tests of the hot path would then trust a tensor the buffers no longer hold,
-        so the engine lays the buffers out again (and moves that `.grad`'s values in) when this is False."""
+        """Whether every slot view still points at its slot. ``param.grad.data = t`` (`nn.Module._apply`
+        converting gradients) re-points the view object, which is the `.grad`, at other memory, which the
+        hot path's identity tests would trust: the engine lays out again (moving it in) when False."""
         # Both dicts gain their keys together in `_set_slot`, so they iterate in one order.
         return list(map(_data_ptr, self._locals.values())) == list(self._addresses.values())
 
     @staticmethod
     def unseat(seated: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
-        """After that backward: a seated slot nothing wrote into goes back to None, as stock
-        leaves the `.grad` of a parameter that got no gradient, and is zeroed (its -0.0
-        fill must not reach a sync that sends it as this rank's zeros: stock's are +0.0)."""
+        """After that backward: a seated slot nothing wrote into goes back to None, as stock leaves the
+        `.grad` of a parameter that got no gradient, and is zeroed (a sync must send +0.0, not its -0.0)."""
         unwritten = []
         for param, view, version in seated:
             if view._version == version and param.grad is view:
@@ -443,9 +435,9 @@ class SlotEntry:
 _data_ptr = torch.Tensor.data_ptr
 
 
-# Which live store owns each parameter, by id (a backward given only the weight finds its slot),
-# never an attribute on the parameter. A store keeps its parameters alive, so ids are not reused
-# while its entries stand; no weak reference to a parameter (it blocks torch.utils.swap_tensors).
+# Which live store owns each parameter, by id (docs/design.md, "What is process-wide, and why"). A store
+# keeps its parameters alive, so ids are not reused while its entries stand; no weak reference to a
+# parameter (it blocks torch.utils.swap_tensors).
 _OWNERS: dict[int, weakref.ref[GradStore]] = {}
 
 
@@ -489,9 +481,9 @@ def find_slot(param: torch.Tensor) -> tuple[GradStore, torch.Tensor] | None:
 
 
 def count_use(param: torch.Tensor, adds_rounded: bool) -> None:
-    """From a routed Function's forward (not a recompute inside a backward): one more read of
-    `param` before the next backward (`GradStore.begin_backward`), by a layer that adds into
-    a written slot rounded, as AccumulateGrad would, or not (a Linear's weight: in its GEMM)."""
+    """From a routed Function's forward (not a recompute inside a backward): one more read of `param`
+    before the next backward (`GradStore.begin_backward`), by a layer that adds into a written slot
+    rounded, as AccumulateGrad would, or not (a Linear's weight: in its GEMM)."""
     store = owner_of(param) if graph_task_id() == -1 else None
     if store is not None:
         seen = store.uses.get(id(param))
@@ -522,10 +514,8 @@ class MainGradGuard:
     None raises instead of skipping it silently, and so does one over a parameter outside the groups of a
     by-element ShardedOptimizer over its model (`watch_sharded`) (`register_optimizer_step_pre_hook`,
     removed with the last such store). An optimizer that steps main grads itself sets a true class attribute
-    ``steps_main_grads`` (ShardedOptimizer). flatgrad's one process-wide hook: nothing per model or per
-    parameter sees a torch optimizer's step (it skips a None `.grad` without a call flatgrad could watch), and
-    the optimizer is made after FlatGrad is applied. An optimizer with no main-grad parameter pays one look at
-    its groups per step: its main-grad parameters are found once and kept (weakly, by optimizer) until its
+    ``steps_main_grads`` (ShardedOptimizer). Why process-wide: docs/design.md, "What is process-wide, and
+    why". An optimizer's main-grad parameters are found once and kept (weakly, by optimizer) until its
     groups change or a store with main grads is built."""
 
     def __init__(self) -> None:
@@ -606,13 +596,12 @@ MAIN_GRAD_GUARD = MainGradGuard()
 
 @dataclass
 class Prescale:
-    """A store's prescaling state: the factor while such a backward runs (None otherwise)
-    and the ids of the parameters whose slots were written so scaled."""
+    """A store's prescaling state: the factor while such a backward runs (None otherwise) and the ids of the
+    parameters whose slots were written so scaled."""
 
     factor: float | None = None
     written: set[int] = field(default_factory=set)
-    # The parameters whose AccumulateGrad scales what plain autograd brings (`scale_incoming`):
-    # only their slots are written divided.
+    # The parameters whose AccumulateGrad scales what plain autograd brings (`scale_incoming`).
     hooked: set[int] = field(default_factory=set)
 
     def start(self, factor: float | None) -> None:
@@ -650,12 +639,12 @@ def aligned_zeros(numel: int, key: GroupKey, align_bytes: int) -> torch.Tensor:
 
 def negative_zero_(tensors: Sequence[torch.Tensor], sources: list[torch.Tensor] | None = None) -> None:
     """Fill `tensors` with -0.0 (both parts of a complex element): how a seated slot starts. AccumulateGrad's
-    in-place add then leaves exactly the incoming gradient, as stock's `.grad` is (``-0.0 + x`` is ``x`` bit
-    for bit, ``-0.0`` included, where ``+0.0 + -0.0`` is ``+0.0``). A slot left without a gradient is zeroed
-    by `GradStore.unseat`, and every reader of a slot with `.grad` None zeroes it first (`settle`, `take_in`
-    with `zero_empty`). On the CPU: one foreach copy from a -0.0 scalar per dtype (`sources`, from
-    `negative_zero_sources`, kept by `seat` with its spans), as cheap as a zero fill (docs/performance.md); on
-    accelerators two fused passes (zero, negate), where such a copy would launch a kernel per tensor."""
+    in-place add then leaves exactly the incoming gradient (``-0.0 + x`` is ``x`` bit for bit, ``-0.0``
+    included, where ``+0.0 + -0.0`` is ``+0.0``). A slot left without a gradient is zeroed by
+    `GradStore.unseat`, and every reader of a slot with `.grad` None zeroes it first. On the CPU: one foreach
+    copy from a -0.0 scalar per dtype (`sources`, from `negative_zero_sources`); on accelerators two fused
+    passes (zero, negate), where such a copy would launch a kernel per tensor (docs/performance.md, "Seated
+    slots start at -0.0")."""
     sources = negative_zero_sources(tensors) if sources is None else sources
     if sources is not None:
         if sources:
@@ -700,9 +689,8 @@ def write_flags(flags: torch.Tensor, values: Sequence[float]) -> None:
 
 def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
     """Multiply `tensors` in place by the 0-d `coef` (a clipping coefficient), one foreach per device. A CPU
-    `coef` of exactly 1 (the norm is under `max_norm`) skips the pass: ``x * 1.0`` is ``x`` in every floating
-    dtype, so the result is bitwise stock's unconditional multiply's, minus a read and write of every
-    gradient. On accelerators the multiply always runs: reading `coef` would sync."""
+    `coef` of exactly 1 skips the pass (``x * 1.0`` is ``x`` bit for bit); on accelerators the multiply always
+    runs: reading `coef` would sync (docs/performance.md, "A clip whose factor is 1")."""
     if coef.device.type == "cpu" and bool(coef == 1.0):
         return
     by_device: dict[torch.device, list[torch.Tensor]] = {}

@@ -69,12 +69,9 @@ def note_forward_without_hook(num_forwards: int) -> int | None:
     """Count the forwards whose backward DDP synchronises while `allreduce_hook` has not run yet; at the third
     (two synchronised backward passes done without it) warn once and stop counting (returns None).
 
-    Call site: `DDPEdge.before_forward`, before the model's own forward runs. `FlatGrad.ddp_kwargs()` starts
-    the count at 0 (`DDPEdge.expect_hook`), the hook sets it to None (`DDPEdge.adopt`: nothing to watch), so
-    once the hook has run a forward costs one comparison.
-
-    Forwards under no_grad (evaluation, Lightning's sanity check) do not count, nor those inside
-    ``ddp.no_sync()`` (gradient accumulation: the hook runs on the last micro-batch only) or outside DDP."""
+    Called by `DDPEdge.before_forward`; `FlatGrad.ddp_kwargs()` starts the count at 0, the hook sets it to
+    None, so once the hook has run a forward costs one comparison. Forwards under no_grad (evaluation,
+    Lightning's sanity check) do not count, nor those inside ``ddp.no_sync()`` or outside DDP."""
     ddp = active_ddp()  # (DDP exposes the module whose forward is running, for TorchDynamo)
     if not (torch.is_grad_enabled() and ddp is not None and ddp.require_backward_grad_sync):
         return num_forwards
@@ -350,14 +347,13 @@ class BackendPolicy:
     """Every choice flatgrad makes for gloo and CPU hosts only, decided once per process group
     (`backend_policy`). With NCCL each field keeps its default, so the NCCL path never enters a gloo branch.
     Each choice stays only with its measured number, in docs/performance.md ("The CPU and gloo choices, and
-    the numbers that keep them"). (Dividing before a sum where the backend has no average op is no choice:
-    `average_op`; the routed layers writing divided gradients for such sums is `prescale_factor`.)
+    the numbers that keep them").
 
     Attributes:
         reduce_scatter: a ShardedOptimizer's buckets are reduce-scattered (NCCL). False on gloo, whose
-            reduce-scatter is slower than its all-reduce: the buckets are all-reduced instead (the same shard
-            lands averaged), the shards split whole buffers unless ``overlap_param_gather``
-            (`BucketSync.shard_plan`), and only the shards are divided after the sum (`Round.divide_after`).
+            reduce-scatter is slower than its all-reduce: the buckets are all-reduced instead, the shards
+            split whole buffers unless ``overlap_param_gather`` (`BucketSync.shard_plan`), and only the shards
+            are divided after the sum (`Round.divide_after`).
         all_gather: a ShardedOptimizer's parameters are all-gathered (NCCL). False on gloo, whose all-gather
             is slower than its broadcasts of the same shards: each rank broadcasts its shard.
         spare_core: the ranks' compute threads leave a host core free (`cores_to_spare`) for gloo's thread to
@@ -398,12 +394,11 @@ def launch_average(
     divisor: int | None = None,
 ) -> tuple[Any, torch.Tensor | None]:
     """Start averaging `sent` over `process_group` asynchronously: an all-reduce in place, or (`scatter`) a
-    reduce-scatter whose result is this rank's piece of `sent` (asked only where
-    `BackendPolicy.reduce_scatter` says so: gloo all-reduces, leaving that piece averaged too). Returns the
-    work and the wire tensor if not `sent` itself (a `reduce_dtype` copy, for the caller to copy back once
-    done). `divide` False where the reduction sums: the caller divides the sum (the shards a ShardedOptimizer
-    reads). `divisor`: the ranks to average over instead of the world size (a `Join` dividing by the ranks not
-    joined yet; joined ranks send zeros): a sum of the ranks' gradients divided first, on every backend."""
+    reduce-scatter whose result is this rank's piece of `sent`. Returns the work and the wire tensor if not
+    `sent` itself (a `reduce_dtype` copy, for the caller to copy back once done). `divide` False where the
+    reduction sums: the caller divides the sum (the shards a ShardedOptimizer reads). `divisor`: the ranks to
+    average over instead of the world size (a `Join` dividing by the ranks not joined yet; joined ranks send
+    zeros): a sum divided first, on every backend."""
     wire = to_wire(sent, reduce_dtype)
     op, must_divide = average_op(wire, process_group)
     world_size = dist.get_world_size(process_group)

@@ -67,12 +67,10 @@ def _same_kind(package: str, kind: ShardBy, names: str) -> dict[tuple[str, str],
 
 
 # Third-party classes by (top-level package, class __qualname__), their kind verified against DDP + the same
-# class by tests/test_sharded_third_party.py (with a state_dict round trip; docs/data-parallel.md has the
+# class by tests/test_sharded_third_party.py (docs/data-parallel.md, "Which optimizers shard how", has the
 # table). A subclass that keeps the registered class's `step` is known too; one with its own is not.
-# Element-wise classes: each element's update reads that element's gradient, state and value only (and
-# scalars: the step count, the options). Per-tensor classes: a norm, a trust ratio, a factored or
-# Kronecker-factored second moment of the whole tensor; bitsandbytes' block-quantised state (tensors above
-# 4096 elements) and torchao's low-bit state (blocks of 256) are quantised over blocks of the whole tensor.
+# Per-tensor classes read a norm, a trust ratio, a factored second moment of the whole tensor, or quantise
+# state over blocks of it (bitsandbytes above 4096 elements, torchao in blocks of 256).
 REGISTRY: dict[tuple[str, str], Registered] = {
     ("lion_pytorch", "Lion"): Registered("element"),
     # (the *Closure variants take a closure that ShardedOptimizer.step passes on)
@@ -136,10 +134,10 @@ HOW_TO_DECLARE = (
 
 
 def shard_kind(recipe: OptimizerRecipe, shard_by: object, like: torch.Tensor) -> ShardBy:
-    """How `recipe`'s optimizer is sharded, before anything moves (every rank decides alike: the same class,
-    arguments and probe). torch's own classes and `REGISTRY`'s go their known way (``shard_by="tensor"`` is
-    allowed for an element-wise one); any other class the way `shard_by` declares. A registered or declared
-    kind is then checked by `check_kind`, which can only refuse it.
+    """How `recipe`'s optimizer is sharded, before anything moves (every rank decides alike). torch's own
+    classes and `REGISTRY`'s go their known way (``shard_by="tensor"`` is allowed for an element-wise one);
+    any other class the way `shard_by` declares. A registered or declared kind is then checked by
+    `check_kind`, which can only refuse it.
 
     Raises:
         ValueError: `shard_by` is not None, "element" or "tensor"; the class is cross-tensor (LBFGS, a refused
@@ -232,8 +230,8 @@ def agreed_kind(kind: ShardBy, store: GradStore, process_group: dist.ProcessGrou
 
 # --- the probe -------------------------------------------------------------------------------
 
-# Two tensors above 4096 elements (bitsandbytes quantises blockwise from there, torchao in
-# blocks of 256), same-shaped (classes that stack a group's tensors need that) and mixed.
+# Two tensors above 4096 elements (bitsandbytes quantises blockwise from there, torchao in blocks of 256),
+# same-shaped (classes that stack a group's tensors need that) and mixed.
 _SAME = ((80, 64), (80, 64))
 _MIXED = ((80, 64), (33, 7), (13,))
 _STEP_SCALES = (1.0, 0.3, 2.0, 0.05, 1.0, 4.0, 0.1, 0.5, 3.0, 0.02)  # ten steps
@@ -397,10 +395,9 @@ _PLAIN = (bool, int, float, str, type(None))
 
 def _unshardable(optimizer: torch.optim.Optimizer) -> str | None:
     """The first per-parameter state value of `optimizer` flat shards cannot hold, described: a container
-    (AggMo's dict), another object (ScalableShampoo's preconditioner, shaped by the tensor it was built on),
-    or a tensor of more than one element shaped otherwise than its parameter (SaRA's moments of the masked
-    elements only). Flat shards keep state as tensors cut per name and save any other value once for every
-    rank (`_zero_state.parameter_state`): one rank's object would reach every rank's pieces on load."""
+    (AggMo's dict), another object (ScalableShampoo's preconditioner), or a tensor of more than one element
+    shaped otherwise than its parameter (SaRA's). Flat shards save any non-tensor value once for every rank
+    (`_zero_state.parameter_state`): one rank's object would reach every rank's pieces on load."""
     for param, entry in optimizer.state.items():
         if not isinstance(param, torch.Tensor):
             continue

@@ -1,27 +1,13 @@
-"""`ShardedOptimizer`: ZeRO-1 over `replicate`'s buckets of the one flat buffer, by element
-(flat shards, below) or by tensor (``shard_by="tensor"``: whole parameters per rank, for
-optimizers that update each tensor as a whole, `flatgrad._zero_tensor`).
+"""`ShardedOptimizer`: ZeRO-1 over `replicate`'s buckets of the one flat buffer, by element (flat shards:
+`flatgrad._zero`) or by tensor (``shard_by="tensor"``: whole parameters per rank, for optimizers that update
+each tensor as a whole, `flatgrad._zero_tensor`); `flatgrad._optim_kinds.shard_kind` says which way a class
+may go. How it works: docs/design.md, "ShardedOptimizer"; what it refuses and why: docs/data-parallel.md,
+"ShardedOptimizer (ZeRO-1)".
 
-The parameters move into flat parameter buffers laid out exactly like the gradient buffers (every parameter
-becomes a view of one; `state_dict` keys do not change), with every slot starting on a multiple of the world
-size, so each bucket splits into equal shards. Backward reduce-scatters each bucket (asynchronously, as
-`replicate` all-reduces it): rank r ends up with the average of shard r of every bucket. `step()` runs the
-inner torch optimizer on this rank's shards only (1-D views of the flat parameter and gradient buffers, so its
-state is about 1/world_size of the unsharded state), then all-gathers every bucket's parameters. Only
-element-wise optimizers shard this way (`flatgrad._optim_kinds.shard_kind` says which way a class may go). On
-gloo, whose backward all-reduces every bucket (its reduce-scatter is slower), every rank holds all of the
-averages, and the shards split each whole buffer instead: the parameters come back in one broadcast per rank
-rather than one per rank and bucket (`BucketSync.shard_plan`), unless ``overlap_param_gather`` waits for them
-bucket by bucket (its `clip_grad_norm_` then sums over other shards: equal to the last bit or two).
-
-After backward, a `.grad` is averaged only inside this rank's shards, which `clip_grad_norm_` and `step` use.
-Until the gradients are zeroed every `.grad` is a `flatgrad._scattered_grad.ScatteredGrad` (the slot's memory)
-raising on any read of its values: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` or a logged
-``p.grad.norm()`` fails on every rank instead of giving each a different wrong value. A parameter that no
-rank used in a step (`.grad` None, as stock DDP with ``find_unused_parameters=True`` leaves it) is left as
-stock's optimizer leaves it: `flatgrad._zero.PieceGroups.step` skips a group none of whose parameters has a
-gradient, and puts such a parameter's elements (values, per-element state) back after a group's step where
-the class allows it, else refuses on every rank before anything moves."""
+With ``overlap_param_gather`` on gloo the shards split each bucket rather than each whole buffer, so
+`clip_grad_norm_` sums over other shards: equal to the last bit or two. After backward, a `.grad` is averaged
+only inside this rank's shards; until zeroed it is a `flatgrad._scattered_grad.ScatteredGrad` raising on any
+read of its values, so a stock clip or logged norm fails on every rank instead of differing between them."""
 
 from __future__ import annotations
 
@@ -99,12 +85,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     (the model first) a rank out of data steps its shards with the others' averages and gathers along;
     `clip_grad_norm_` and a GradScaler's checks are not shadowed there (collectives it cannot foresee).
 
-    Construction lays the model's parameters out again (flat parameter buffers, slots on
-    multiples of the world size) and switches the model's buckets to reduce-scatter.
+    Construction lays the model's parameters out again (flat parameter buffers, slots on multiples of the
+    world size) and switches the model's buckets to reduce-scatter.
 
     Args:
-        model: The model `flatgrad.replicate` was applied to, whose buckets are sharded; one
-            ShardedOptimizer by element per model.
+        model: The model `flatgrad.replicate` was applied to, whose buckets are sharded; one ShardedOptimizer
+            by element per model.
         optimizer_class: A `torch.optim.Optimizer` subclass: torch's element-wise ones (SGD, Adam, AdamW,
             Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop, ASGD) shard by element, Muon and
             Adafactor by tensor; any other class as `shard_by` says or a probe shows (docs/data-parallel.md).
@@ -183,15 +169,14 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self.overlap_param_gather = overlap_param_gather
         # The class and the user's constructor arguments: every optimizer built here gets both.
         self._recipe = recipe
-        # The whole state of parameters frozen since they were stepped, by name: restored
-        # when they are trainable again (a plain optimizer keeps it, skipping them).
+        # The whole state of parameters frozen since they were stepped, by name: restored when they are
+        # trainable again (a plain optimizer keeps it, skipping them).
         self._parked: dict[str, dict[str, Any]] = {}
         self._held: tuple[tuple[int, ...], set[int]] = ((), set())  # (`_holds`)
         self._waits: weakref.finalize | None = None
         self._engine: ShardEngine | TensorEngine
         self._groups: PieceGroups | TensorGroups
-        # The inner optimizer is built on every rank's own pieces (by tensor: maybe none of a
-        # group's): a class that refuses them on one rank is raised on every rank.
+        # Built on every rank's own pieces (by tensor: maybe none of a group's): a refusal raises everywhere.
         device = next(iter(store.buffers.values())).device
         build = functools.partial(self._lay_out_first, store)
         on_every_rank(build, "building the inner optimizer", device, dp.process_group)
@@ -206,8 +191,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self._lay_out(engine_of(self.dp.module).use_slot_multiple(self.world_size))
 
     def _inner_step(self, **kwargs: Any) -> Any:
-        """The inner step; the first one's outcome agreed by every rank (`on_every_rank`):
-        a class that fails on one rank's shard raises on every rank, not a hang."""
+        """The inner step; the first one's outcome agreed by every rank (`on_every_rank`): a class that fails
+        on one rank's shard raises on every rank, not a hang."""
         if self._stepped_once:
             return self._groups.step(self.param_groups, **kwargs)
         step = functools.partial(self._groups.step, self.param_groups, **kwargs)
@@ -244,17 +229,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _follow_layout(self) -> None:
         """Before a step, a clip or a checkpoint: when parameters were frozen or unfrozen since the last
-        layout (``requires_grad_``: progressive (un)freezing, GAN-style flips), shard the new layout, every
-        parameter keeping its optimizer state (a frozen one's is parked until it is trainable again), as a
-        plain optimizer skips a parameter without a gradient and keeps its state; one collective per dtype
-        gathers the state whole on every rank for the move. Any other change (a parameter added or replaced, a
-        conversion, an unfreeze between a synchronised backward and its step) raises RuntimeError on every
-        rank; a parameter frozen there keeps its slot and is stepped, as stock (`_engine._keeps_frozen`).
-        By tensor nothing moves and nothing is communicated: the flat parameter buffers, owners and states
-        stay as they are (`flatgrad._zero_tensor.TensorEngine.follow`).
+        layout, shard the new layout, every parameter keeping its optimizer state (a frozen one's is parked
+        until it is trainable again), as a plain optimizer keeps a skipped parameter's; one collective per
+        dtype gathers the state whole for the move (docs/data-parallel.md, "Freezing and unfreezing between
+        steps"). A parameter frozen between a synchronised backward and its step keeps its slot and is
+        stepped, as stock (`_engine._keeps_frozen`). By tensor nothing moves and nothing is communicated
+        (`flatgrad._zero_tensor.TensorEngine.follow`).
 
         Raises:
-            RuntimeError: The model's parameters changed otherwise.
+            RuntimeError: The model's parameters changed otherwise (on every rank).
             ValueError: A group would hold parameters with different step counts
                 (`flatgrad._zero.relaid_state`).
         """
@@ -298,8 +281,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     # Steps the model's main grads through its float32 masters (see flatgrad._buffer.MainGradGuard).
     steps_main_grads = True
-    # torch.amp.GradScaler hands this step its scale and inf flag (`grad_scale`, `found_inf`
-    # attributes) instead of unscaling `.grad`, which holds no averaged value here.
+    # torch.amp.GradScaler hands this step its scale and inf flag (`grad_scale`, `found_inf` attributes)
+    # instead of unscaling `.grad`, which holds no averaged value here.
     _step_supports_amp_scaling = True
 
     @property
@@ -310,17 +293,14 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     # --- the optimizer API ----------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group of `dp`'s parameters (not in a group yet), with its own options, as
-        torch's ``Optimizer.add_param_group``; the inner optimizer gets the matching group
-        over this rank's pieces of them.
+        """Add a group of `dp`'s parameters (not in a group yet), with its own options, as torch's
+        ``Optimizer.add_param_group``; the inner optimizer gets the matching group over this rank's pieces.
 
         Args:
-            param_group: ``{"params": parameters of dp, **options}``; options not given take
-                the optimizer's defaults.
+            param_group: ``{"params": parameters of dp, **options}``; options not given take the defaults.
 
         Raises:
-            ValueError: A parameter is not one of `dp`'s, is in a group already, or appears
-                twice (torch's own checks).
+            ValueError: A parameter is not one of `dp`'s, is in a group already, or appears twice.
         """
         what = "ShardedOptimizer's param groups hold parameters of dp only"
         check_members(self._names, as_groups([param_group]), what)
@@ -331,10 +311,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Update this rank's shards, then all-gather every bucket's parameters.
 
-        As a torch optimizer's: `closure` (which zeroes the gradients, runs forward and
-        backward and returns the loss) runs first, under grad mode, and its loss is
-        returned. When no parameter has a `.grad` (``zero_grad()`` and no backward since)
-        nothing moves and nothing is communicated, as stock skips parameters without one.
+        As a torch optimizer's: `closure` runs first, under grad mode, and its loss is returned. When no
+        parameter has a `.grad` (``zero_grad()`` and no backward since) nothing moves and nothing is
+        communicated, as stock skips parameters without one.
 
         Args:
             closure: Optional; zeroes the gradients, runs forward and backward, and returns the loss.
@@ -349,10 +328,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 synchronised backward and this step) since construction; or the inner optimizer's param_groups
                 hold other tensors than exactly this rank's shards. (Parameters frozen or unfrozen otherwise
                 are followed, `_follow_layout`.)
-            ValueError: A parameter frozen or unfrozen since would share a group with
-                parameters of another step count; or a group steps while a parameter of it
-                has no gradient and its class cannot leave that one as it was (a step count
-                per parameter: give such parameters a group of their own).
+            ValueError: A parameter frozen or unfrozen since would share a group with parameters of another
+                step count; or a group steps while a parameter of it has no gradient and its class cannot
+                leave that one as it was (a step count per parameter: give such parameters their own group).
         """
         self._engine.wait_gather()  # (overlap_param_gather: a step with no forward since)
         self._check_join()
@@ -377,9 +355,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _step_around(self, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """A step of a class that runs the closure inside its step (`OptimizerRecipe.steps_with_closure`):
-        the closure it gets first sends every rank's moved shards to the others (the forward
-        runs at the point the class chose, on every rank), then runs the user's closure
-        (its backward averages as any does) and points the shards at the new gradients."""
+        the closure it gets first sends every rank's moved shards to the others (the forward runs at the
+        point the class chose, on every rank), then runs the user's closure and points the shards at the new
+        gradients."""
         if self._engine.store.mains:
             raise NotImplementedError(
                 f"ShardedOptimizer cannot step {self._recipe.name} with float32 masters (main "
@@ -407,8 +385,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return loss
 
     def train(self) -> None:
-        """The inner optimizer's ``train()`` (schedule-free optimizers: the parameters move
-        to the training point), then every rank's updated parameters reach the others.
+        """The inner optimizer's ``train()`` (schedule-free optimizers: the parameters move to the training
+        point), then every rank's updated parameters reach the others.
 
         Raises:
             AttributeError: The optimizer class has no ``train()``.
@@ -441,10 +419,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._engine.wait_gather()
 
     def unscale_shards_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> None:
-        """What `flatgrad.GradScaler` runs for this optimizer: multiply this rank's gradient
-        shards by `inv_scale` and set `found_inf` to 1.0 where any rank's shard holds an inf
-        or NaN (one small all-reduce; every rank must call it), after following parameters
-        frozen or unfrozen since the last step and taking `.grad`s assigned by hand (as `step` does).
+        """What `flatgrad.GradScaler` runs for this optimizer: multiply this rank's gradient shards by
+        `inv_scale` and set `found_inf` to 1.0 where any rank's shard holds an inf or NaN (one small
+        all-reduce; every rank must call it), after following (un)freezing and assigned `.grad`s as `step`.
 
         Args:
             inv_scale: One over the loss scale (a 1-element float32 tensor).
@@ -456,8 +433,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._engine.unscale_(inv_scale, found_inf, allow_fp16)
 
     def _check_join(self) -> None:
-        """Inside a `Join`, refuse an order the joined ranks could not follow: this optimizer
-        steps after dp's shadowed backward, so dp must be in the same Join, before it."""
+        """Inside a `Join`, refuse an order the joined ranks could not follow: this optimizer steps after
+        dp's shadowed backward, so dp must be in the same Join, before it."""
         joined, first = join_state(self)
         if joined and (first or not join_state(self.dp.module)[0]):
             leave_join(self)  # (the refusal ends the block: it must not outlive it)
@@ -467,8 +444,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """The hook through which a rank that ran out of data steps with the others inside
-        ``with Join([dp, opt]):`` (`torch.distributed.algorithms.Join` calls it).
+        """The hook through which a rank out of data steps with the others inside ``with Join([dp, opt]):``.
 
         Args:
             **kwargs: The Join's keyword arguments (for other joinables; none used here).
@@ -497,8 +473,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         return self.dp.process_group
 
     def wait_param_gather(self) -> None:
-        """Wait for the parameter all-gathers `step()` left in flight
-        (``overlap_param_gather=True``); a no-op otherwise or once the forward waited."""
+        """Wait for the parameter all-gathers `step()` left in flight (``overlap_param_gather=True``); a no-op
+        otherwise or once the forward waited."""
         self._engine.wait_gather()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -512,8 +488,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """
         if isinstance(self._engine, TensorEngine):
             torch.optim.Optimizer.zero_grad(self, set_to_none=set_to_none)
-            # (the model's gradient store now, not the layout's: DataParallel lays the
-            # gradients out again when parameters are frozen or unfrozen)
+            # (the model's gradient store now, not the layout's: (un)freezing lays it out again)
             store = engine_of(self.dp.module).current()
             with torch.no_grad():  # (main grads: zeroed, never None, as FlatGrad.zero_grad does)
                 params = [p for group in self.param_groups for p in group["params"] if p in store]
@@ -524,8 +499,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                     store.zeroed_to_none(params)
             self._groups.drop_grads()
             return
-        # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s
-        # (a clone each) before they are dropped or zeroed.
+        # Unguarded: a layout change found by the zeroing moves the reduce-scattered `.grad`s (a clone each).
         with unguarded(self._engine.store, engine_of(self.dp.module).store):
             self.dp.module.zero_grad(set_to_none=set_to_none)  # (plain .grad again: it unmarks)
         # (and the store of the last layout, where (un)freezing laid the model out again since)
@@ -549,29 +523,29 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         *,
         pp_mesh: DeviceMesh | None = None,
     ) -> torch.Tensor:
-        """Scale the gradient shards so that their global norm (the norm over every rank's
-        shards: the norm of the averaged gradients, as stock clipping computes it) is at most
-        `max_norm`. One all-reduce of a scalar: every rank must call it.
+        """Scale the gradient shards so that their global norm (over every rank's shards: the norm of the
+        averaged gradients, as stock clipping computes it) is at most `max_norm`. One all-reduce of a scalar:
+        every rank must call it.
 
         Args:
             max_norm: The largest global norm the gradients keep.
             norm_type: The order of the norm: positive, or ``float("inf")`` for the max norm.
-            error_if_nonfinite: Raise instead of clipping when the global norm is NaN or
-                infinite (on every rank: they share the norm), as torch's.
-            foreach: Accepted for torch's signature; the shards are a few flat tensors, each
-                scaled in one kernel either way.
-            pp_mesh: The 1-D mesh of a pipeline's stages (``mesh["pp"]``), this model one
-                stage of it: clip by the norm of every stage's gradients together (one scalar
-                all-reduce more, over it; every stage must call it). None: by this model's.
+            error_if_nonfinite: Raise instead of clipping when the global norm is NaN or infinite (on every
+                rank: they share the norm), as torch's.
+            foreach: Accepted for torch's signature; the shards are a few flat tensors, each scaled in one
+                kernel either way.
+            pp_mesh: The 1-D mesh of a pipeline's stages (``mesh["pp"]``), this model one stage of it: clip
+                by the norm of every stage's gradients together (one scalar all-reduce more, over it; every
+                stage must call it). None: by this model's.
 
         Returns:
             The global norm before clipping, as a 0-d tensor in at least float32.
 
         Raises:
             TypeError: `pp_mesh` is not a DeviceMesh.
-            ValueError: `norm_type` is NaN, zero or negative (``-inf`` included: the minimum
-                over shards would need another reduction, and nobody clips by it); `pp_mesh`
-                is not 1-D, or crosses dp's group or the tensor-parallel mesh.
+            ValueError: `norm_type` is NaN, zero or negative (``-inf`` included: the minimum over shards
+                would need another reduction, and nobody clips by it); `pp_mesh` is not 1-D, or crosses dp's
+                group or the tensor-parallel mesh.
             RuntimeError: The global norm is non-finite and `error_if_nonfinite` is True.
         """
         norm_type = float(norm_type)
@@ -634,18 +608,17 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from `state_dict` (what `state_dict` gave, on any world size, through
         ``torch.distributed.checkpoint``; or this rank's own, ``torch.save``-d, on the same world size,
-        buckets and shards). Checked on every rank together (one small all-reduce), so a state that does not
-        fit raises the same error on every rank, and none loads it. The groups' options (``lr``, ...) are the
-        saved ones afterwards, as with torch's optimizers.
+        buckets and shards). Checked on every rank together (one small all-reduce): a state that does not fit
+        raises the same error on every rank, and none loads it. The groups' options are the saved ones after.
 
         Args:
             state_dict: A ShardedOptimizer `state_dict` of the same model and parameter groups.
 
         Raises:
-            ValueError: On every rank, when any rank's `state_dict` is not a ShardedOptimizer
-                state, has other parameter groups, or lacks state this rank needs (a file of
-                another rank or world size loaded without torch.distributed.checkpoint), or would
-                give a param group parameters with different step counts.
+            ValueError: On every rank, when any rank's `state_dict` is not a ShardedOptimizer state, has
+                other parameter groups, or lacks state this rank needs (a file of another rank or world size
+                loaded without torch.distributed.checkpoint), or would give a param group parameters with
+                different step counts.
         """
         if isinstance(state_dict, dict) and "param_groups" in state_dict:
             state_dict = {**state_dict, "param_groups": without_stepped_options(state_dict["param_groups"])}
@@ -734,7 +707,6 @@ class _ShardedJoinHook(JoinHook):
             self.opt.step()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """The Join is over: the optimizer is in none (torch's `Join` leaves the config it set
-        on each joinable, so that a Join whose body never stepped, ``with Join([opt]):
-        pass``, would leave the next `step` outside any Join refused)."""
+        """The Join is over: the optimizer is in none (torch's `Join` leaves the config it set on each
+        joinable, so a Join whose body never stepped would leave the next `step` outside any Join refused)."""
         leave_join(self.opt)

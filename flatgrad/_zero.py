@@ -2,14 +2,11 @@
 
 `ShardEngine`, over replicate's buckets: flat parameter buffers, its shards, the pieces the inner optimizer
 steps, the clip over shards, the parameter all-gather and the hooks awaiting it (``overlap_param_gather``).
-
-Free functions over this rank's gradient shards (`runs_in_shards`, `clip_shards`, `unscale_shards`): the clip
-to a global norm and a loss scaler's unscale with its inf check. Every element's average lives in exactly one
-rank's shard, so one scalar all-reduce of the shards' results covers every gradient.
-
-The parameter groups over this rank's pieces: the optimizer's arguments checked (`as_groups`,
-`checked_defaults`, ...), and `PieceGroups`, the inner torch optimizer with one group per `param_groups` group
-over 1-D pieces of the flat parameter buffer, kept in step (options, membership, state per parameter)."""
+Free functions over this rank's gradient shards (`runs_in_shards`, `clip_shards`, `unscale_shards`): each
+element's average lives in exactly one rank's shard, so one scalar all-reduce covers every gradient.
+The optimizer's arguments checked (`as_groups`, `checked_defaults`, ...), and `PieceGroups`, the inner torch
+optimizer with one group per `param_groups` group over 1-D pieces of the flat parameter buffer, kept in step.
+Design: docs/design.md, "ShardedOptimizer"."""
 
 from __future__ import annotations
 
@@ -111,9 +108,8 @@ class FlatParameters:
 
     def check_layout(self, stores: StoreSource) -> None:
         """Raise RuntimeError where the parameters changed since construction in a way `follow` does not take
-        (`stores`: the model's gradient engine): a conversion between backward and step must raise, as the
-        parameters are views of the flat buffer the gather refills. A data pointer per parameter (at its slot)
-        and the engine's O(1) checks (parameters registered, (un)frozen) stand for its full walk."""
+        (`stores`: the model's gradient engine), as they are views of the flat buffer the gather refills. A
+        data pointer per parameter and the engine's O(1) checks stand for its full walk."""
         # A change moves the reduce-scattered .grads (and is refused just below).
         in_place = self.params_in_place()
         with unguarded(self.store, stores.store):
@@ -203,20 +199,18 @@ class ShardEngine(FlatParameters):
 
     def has_grads(self) -> bool:
         """Whether a step has gradients: a parameter has a `.grad` (reduce-scattered ones are ScatteredGrads),
-        or main grads were reduce-scattered into since flatgrad's last zeroing (they have no `.grad`).
-        ``model.zero_grad()`` (None) leaves nothing to step, as with stock. Every rank answers alike (a sync
-        sets `.grad` on all) without a collective: a rank that skipped its forward and backward answers False
-        and must not meet the others' backward with one; its next backward refuses (`Round._check_round`)."""
+        or main grads were reduce-scattered into since flatgrad's last zeroing (they have no `.grad`). Every
+        rank answers alike (a sync sets `.grad` on all) without a collective: a rank that skipped its backward
+        must not meet the others' backward with one; its next backward refuses (`Round._check_round`)."""
         store = self.store
         return any(p.grad is not None for p in store.params) or (is_scattered(store) and bool(store.mains))
 
     def take_assigned_grads(self) -> None:
-        """Before a step with no synchronised backward since the last zeroing (after one, the slots hold the
-        averages): each `.grad` assigned by hand (``p.grad = g``: gradient surgery, from
-        ``torch.autograd.grad`` or another model) is copied into its slot, which the shards read; a parameter
-        without one has its slot zeroed (left unstepped on this rank: `PieceGroups.step`); after one, a
-        reduce-scattered `.grad` replaced by hand alike (stock steps with the replacement). Unaveraged: each
-        rank steps its shards with its own, as torch's ZeroRedundancyOptimizer its partition."""
+        """Before a step with no synchronised backward since the last zeroing: each `.grad` assigned by hand
+        (``p.grad = g``) is copied into its slot, which the shards read; a parameter without one has its slot
+        zeroed (left unstepped on this rank: `PieceGroups.step`); after one, a reduce-scattered `.grad`
+        replaced by hand alike (stock steps with the replacement). Unaveraged, as torch's
+        ZeroRedundancyOptimizer steps its partition."""
         store = self.store
         if is_scattered(store):
             store.take_in(replaced_by_hand(store))  # (none in the usual step)
@@ -235,9 +229,8 @@ class ShardEngine(FlatParameters):
 
     def take_masters(self) -> None:
         """Before a step, where the parameters were written since the masters last matched them (a model
-        load_state_dict, a copy under no_grad): `retake_master` on every shard. A master loaded from the same
-        checkpoint as the parameters, in either order, is kept. One version read per parameter otherwise. (A
-        write through ``param.data`` has its own version counter, unseen: write the parameter.)"""
+        load_state_dict, a copy under no_grad): `retake_master` on every shard; one version read per parameter
+        otherwise. (A write through ``param.data`` has its own version counter, unseen.)"""
         if not self.has_masters or self._param_versions() == self._versions:
             return
         with torch.no_grad():
@@ -368,18 +361,15 @@ class ShardEngine(FlatParameters):
 
 
 def tensor_parallel_layout(layout: Layout, store: GradStore) -> Layout:
-    """`layout` with what the ranks of the tensor-parallel mesh hold (nothing to add without DTensor
-    parameters), for a state that each rank saves in the whole parameters' shapes. Each rank knows only its
-    own layout, and the slots follow each rank's local shapes (a dimension the mesh does not divide evenly
-    shards unevenly, which moves every slot after it), so the mesh's ranks exchange theirs once per layout
-    (one object all-gather over the mesh; every rank builds its layout together with the others):
+    """`layout` with what the ranks of the tensor-parallel mesh hold (unchanged without DTensor parameters),
+    for a state each rank saves in the whole parameters' shapes. Slots follow each rank's local shapes (an
+    uneven dimension moves every slot after it), so the mesh's ranks exchange layouts once (one object
+    all-gather over the mesh, every rank building its layout with the others):
 
-    - `Layout.peers`: for each parameter sharded over the mesh, the boxes of its state
-      (global rank, offsets, sizes in the whole parameter) the other ranks' pieces hold, which
-      a ShardedTensor of the whole parameter's state lists besides this rank's group's;
-    - `Layout.cuts`: for each replicated parameter (alike on all the mesh's ranks), where any rank's chunks
-      start or end, so every rank cuts its chunks there and saves the same boxes:
-      ``torch.distributed.checkpoint`` writes one copy of equal boxes and refuses boxes that only overlap."""
+    - `Layout.peers`: for each parameter sharded over the mesh, the boxes of its state (global rank, offsets,
+      sizes in the whole parameter) the other ranks' pieces hold, listed in its ShardedTensor;
+    - `Layout.cuts`: for each replicated parameter, where any rank's chunks start or end, so every rank cuts
+      there and saves the same boxes: ``torch.distributed.checkpoint`` refuses boxes that only overlap."""
     tensor_parallel = store.tensor_parallel
     if tensor_parallel is None:
         return layout
@@ -542,12 +532,11 @@ def clip_shards(
     error_if_nonfinite: bool = False,
     counted: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Scale the gradients of `grads` (every rank's shards together) to a global norm of at most `max_norm`,
-    multiplying only their `runs` (`runs_in_shards`); returns the global norm before, in at least float32 (one
-    scalar all-reduce per group of `groups`: the data-parallel one, then a tensor-parallel mesh's and a
-    pipeline's stages' where given). The norm reads `grads`, or only `counted` (the runs of them this rank
-    counts on a tensor-parallel mesh, `TensorParallel.counts`). With `error_if_nonfinite` a NaN or infinite
-    global norm raises instead, on every rank alike (they share the norm)."""
+    """Scale `grads` (every rank's shards together) to a global norm of at most `max_norm`, multiplying only
+    their `runs` (`runs_in_shards`); returns the global norm before, in at least float32 (one scalar
+    all-reduce per group of `groups`: data-parallel, then a tensor-parallel mesh's and a pipeline's stages').
+    The norm reads `grads`, or only `counted` (the runs this rank counts on a tensor-parallel mesh). With
+    `error_if_nonfinite` a NaN or infinite norm raises instead, on every rank alike."""
     device = grads[0].device
     # float64 partial norms, accumulated in chunks (see flatgrad._norms)
     norms = [_norms.vector_norm(g, norm_type).to(device) for g in (grads if counted is None else counted)]
@@ -646,10 +635,9 @@ def _stand_in_for_checks(param: torch.Tensor) -> nn.Parameter:
 
 
 def refuse_differentiable(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> None:
-    """Raise ValueError where a group (or the defaults) asks for ``differentiable=True``: a differentiable
-    step records the update of each parameter in autograd's graph, and a sharded step updates leaf views of
-    the flat parameter buffer in place and all-gathers them, which no graph can follow (torch's own optimizer
-    refuses such a step on leaf parameters, at the first ``step()``)."""
+    """Raise ValueError where a group (or the defaults) asks for ``differentiable=True``: a sharded step
+    updates leaf views of the flat parameter buffer in place and all-gathers them, which no graph can follow
+    (torch's own optimizer refuses such a step on leaf parameters, at the first ``step()``)."""
     for index, group in enumerate(groups):
         if group.get("differentiable", False):
             raise ValueError(
@@ -735,9 +723,8 @@ def _same(a: object, b: object) -> bool:
 class SyncedOptions:
     """The options of a ShardedOptimizer's `param_groups` and its inner optimizer's (one inner group each),
     kept one setting: whichever side changed since the last sync (a scheduler on ``opt`` or ``opt.optimizer``,
-    a loop writing either's ``group["lr"]``, the inner step adapting an option) carries to the other;
-    differing changes on both sides are refused. At construction the groups take the inner optimizer's values,
-    as a plain optimizer's would (a tensor lr, as torchao's, is that tensor in both)."""
+    a loop, the inner step) carries to the other; differing changes on both sides are refused. At construction
+    the groups take the inner optimizer's values (a tensor lr, as torchao's, is that tensor in both)."""
 
     def __init__(self, param_groups: list[dict[str, Any]], inner: torch.optim.Optimizer) -> None:
         self.loaded(param_groups, inner)
@@ -838,11 +825,10 @@ def relaid_state(
     recipe: OptimizerRecipe,
 ) -> dict[str, Any]:
     """The state a new layout's groups (`views`) load after parameters were frozen or unfrozen: each
-    parameter's own, whole (`kept`, of those in the layout before; `parked`, of those frozen since they last
-    had one), a parameter that never had one a fresh one (a fresh optimizer's, where `recipe` builds one
-    eagerly as Adagrad does, else zeros; its master is its value). Raises ValueError, on every rank alike (the
-    step counts are the same everywhere), where a group would hold parameters with different step counts:
-    torch's optimizers count steps per parameter, ShardedOptimizer's pieces per group."""
+    parameter's own, whole (`kept`, of those in the layout before; `parked`, of those frozen since), a
+    parameter that never had one a fresh one (`recipe`'s eager state as Adagrad's, else zeros; its master its
+    value). Raises ValueError, on every rank alike, where a group would hold parameters with different step
+    counts: torch's optimizers count steps per parameter, ShardedOptimizer's pieces per group."""
     state: dict[str, Any] = {}
     for index, view in enumerate(views):
         if not view.params:
@@ -904,9 +890,9 @@ def _state_dtype(template: dict[str, Any] | None, key: str, param: torch.Tensor)
 
 class InnerGroups:
     """What `PieceGroups` (by element) and `flatgrad._zero_tensor.TensorGroups` (by tensor) share: the inner
-    optimizer (`inner`), one inner group per group of `param_groups` (a torch optimizer's groups of model
-    parameters), whose options it copies at every step (`SyncedOptions`), and the check that neither side's
-    groups were changed by hand. Every method that reads the groups is handed the live `param_groups` list."""
+    optimizer (`inner`), one inner group per group of `param_groups`, options synced at every step
+    (`SyncedOptions`), and the check that neither side's groups were changed by hand. Every method that reads
+    the groups is handed the live `param_groups` list."""
 
     inner: torch.optim.Optimizer
     point_grads: Callable[[], None]  # each stepped tensor's `.grad`, before a step
@@ -1022,12 +1008,11 @@ class PieceGroups(InnerGroups):
 
     def _unstepped(self, param_groups: list[dict[str, Any]]) -> tuple[set[int], list[tuple[Piece, int, int]]]:
         """The groups where no parameter has a gradient, and the [a, b) ranges of this rank's pieces of the
-        other groups holding a parameter without one. Without a gradient: `.grad` None after a synchronised
-        backward (no rank used it, as DDP's find_unused_parameters=True leaves it; a main grad counts unless
-        frozen since the last zero_grad, `GradStore.has_main`; an empty parameter never), or, with gradients
-        assigned by hand, on this rank (each steps with its own: `ShardEngine.take_assigned_grads`; one small
-        all-reduce tells every rank who has none where). Raises ValueError on every rank, before anything
-        moves, where `_refuse_partial` refuses such a group."""
+        other groups holding a parameter without one: `.grad` None after a synchronised backward (a main grad
+        counts, `GradStore.has_main`; an empty parameter never), or, with gradients assigned by hand, on this
+        rank (one small all-reduce tells every rank who has none where). Raises ValueError on every rank,
+        before anything moves, where `_refuse_partial` refuses such a group (docs/data-parallel.md,
+        "ShardedOptimizer (ZeRO-1)")."""
         store = self.engine.store
         scattered, main = is_scattered(store), store.has_main
         if scattered and all(p.grad is not None or main(p) or not p.numel() for p in store.params):
@@ -1059,10 +1044,9 @@ class PieceGroups(InnerGroups):
         self, index: int, params: list[torch.Tensor], lacking: list[bool], group: dict[str, Any]
     ) -> None:
         """Raise ValueError where group `index` steps with gradient-less parameters and its class cannot leave
-        their elements as they were: it keeps scalar state per parameter (a step count), which the pieces keep
-        per group, or its zeroed per-element state does not step as none does (`zeros_start_fresh`). Probed
-        alike on every rank in the dtype of each of the group's gradient buffers (what the pieces step,
-        float32 masters included), so all raise alike. Cached by the options no scheduler moves."""
+        their elements as they were: it keeps scalar state per parameter (pieces keep it per group), or its
+        zeroed per-element state does not step as none does (`zeros_start_fresh`). Probed in the dtype of each
+        of the group's gradient buffers, so all ranks raise alike; cached by options no scheduler moves."""
         store = self.engine.store
         options = {k: v for k, v in group.items() if k != "params"}
         fixed = repr(

@@ -1,21 +1,14 @@
 """A ShardedOptimizer's state in a form that does not depend on the world size.
 
-The inner optimizer keeps its state per *piece* (a run of slots inside this rank's shard of
-a bucket), and pieces change with the world size and the buckets. The checkpoint form is
-per parameter, keyed by the plain parameter names, exactly as torch's own optimizer state
-after ``torch.distributed.checkpoint.state_dict.get_state_dict``:
-
-    {"state": {name: {key: value}}, "param_groups": [{**options, "params": [name, ...]}]}
-
-A state tensor with one value per element (``exp_avg``) is a ShardedTensor shaped as its parameter, whose
-shards are every rank's pieces of it: a contiguous run of a parameter's memory is at most 2N-1 rectangles of
-an N-d tensor (`boxes`), built from the layout each rank knows, with no communication. The local shards are
-views of the inner optimizer's state (copies where the parameter's memory order is not row-major), so
-``torch.distributed.checkpoint`` saves them in place and loads them into any other world size's pieces, or
-into a plain optimizer's whole tensors, and back (it reshards by the rectangles). ``torch.save`` writes this
-rank's shards as plain tensors, which ``torch.load(..., weights_only=True)`` reads. A scalar state (``step``)
-is a plain tensor, the same on every rank that holds a piece of the group; a group that has not stepped saves
-a step count of 0 and resumes fresh (`saved_stepped`)."""
+The inner optimizer keeps its state per *piece* (a run of slots inside this rank's shard of a bucket), and
+pieces change with the world size and the buckets. The checkpoint form is per parameter, keyed by the plain
+parameter names, as torch's own optimizer state after ``get_state_dict`` (docs/data-parallel.md, "Checkpoints
+that reshard"): a per-element state (``exp_avg``) is a ShardedTensor shaped as its parameter whose shards are
+every rank's pieces (at most 2N-1 rectangles of an N-d tensor, `boxes`), views of the inner optimizer's state
+(copies where the memory order is not row-major). ``torch.save`` writes this rank's shards as plain tensors,
+which ``torch.load(..., weights_only=True)`` reads. A scalar state (``step``) is a plain tensor, the same on
+every rank holding a piece of the group; a group that has not stepped saves a step count of 0 and resumes
+fresh (`saved_stepped`)."""
 
 from __future__ import annotations
 
@@ -65,17 +58,16 @@ class Layout:
     global_ranks: tuple[int, ...]  # the process group's ranks as global ranks (placements)
     buckets: dict[GroupKey, list[tuple[int, int]]]  # (start, numel) of each bucket
     slots: dict[int, tuple[GroupKey, int, int]]  # id(param) -> (key, offset, numel)
-    # id(param) -> (offset, whole shape) of a DTensor parameter's local shard in the whole
-    # parameter (`flatgrad._dtensor.shard_origin`): its state is saved in the whole shape.
+    # id(param) -> (offset, whole shape) of a DTensor parameter's local shard in the whole parameter
+    # (`flatgrad._dtensor.shard_origin`): its state is saved in the whole shape.
     origins: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-    # id(param) -> the boxes (global rank, offsets, sizes) of a sharded DTensor parameter's
-    # state that the other tensor-parallel ranks' pieces hold (`flatgrad._zero.peer_boxes`).
+    # id(param) -> the boxes (global rank, offsets, sizes) of a sharded DTensor parameter's state that the
+    # other tensor-parallel ranks' pieces hold (`flatgrad._zero.peer_boxes`).
     peers: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = dataclasses.field(
         default_factory=dict
     )
-    # id(param) -> where every tensor-parallel rank's chunks of a replicated parameter (plain,
-    # or a replicated DTensor) start and end: its chunks are cut there too, so that each
-    # saved box is the same on every rank of the mesh (one copy of the state is written).
+    # id(param) -> where every tensor-parallel rank's chunks of a replicated parameter start and end: its
+    # chunks are cut there too, so each saved box is the same on every rank (one copy is written).
     cuts: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def extent(self, param: torch.Tensor) -> Extent:
@@ -103,10 +95,9 @@ class Layout:
 
 @dataclass(frozen=True)
 class Extent:
-    """One parameter's slot as its per-element state is saved: `local` shaped and strided
-    as the slot (what the pieces hold, in its memory order), lying at `origin` in a tensor
-    of shape `size` (the whole parameter's; for a plain parameter the slot's own shape at
-    the origin, for a DTensor one this rank's shard where it lies in the whole)."""
+    """One parameter's slot as its per-element state is saved: `local` shaped and strided as the slot (what
+    the pieces hold, in its memory order), lying at `origin` in a tensor of shape `size` (the whole
+    parameter's: for a DTensor, this rank's shard where it lies in the whole)."""
 
     local: torch.Tensor
     origin: tuple[int, ...]
@@ -123,10 +114,9 @@ class Extent:
 @dataclass(frozen=True)
 class OptimizerRecipe:
     """An optimizer class and the constructor arguments the user gave it: every optimizer ShardedOptimizer
-    builds (the inner one, and the throwaway ones that show what state a group keeps) is built from both, as a
-    plain optimizer is. Groups alone are not enough: some classes read their constructor arguments outside the
-    groups (Adagrad fills ``state["sum"]`` from ``initial_accumulator_value``; ``differentiable`` picks the
-    grad mode of every class's ``step``; ``fused`` turns on the amp-scaling step)."""
+    builds (the inner one, and the throwaway probes) is built from both, as a plain optimizer is, since some
+    classes read constructor arguments outside the groups (Adagrad's ``initial_accumulator_value``,
+    ``differentiable``, ``fused``)."""
 
     optimizer_class: type[torch.optim.Optimizer]
     kwargs: Mapping[str, Any]
@@ -142,9 +132,8 @@ class OptimizerRecipe:
 
     @property
     def steps_with_closure(self) -> bool:
-        """Whether the class's ``step`` requires its closure (schedule-free's ``*Closure``
-        classes: they move the parameters, run the closure there, and move them back before
-        updating), rather than taking one it may run first, as torch's classes do."""
+        """Whether the class's ``step`` requires its closure (schedule-free's ``*Closure`` classes run it
+        at moved parameters), rather than taking one it may run first, as torch's classes do."""
         try:
             closure = inspect.signature(self.optimizer_class.step).parameters.get("closure")
         except (TypeError, ValueError):  # (no signature to read)
@@ -246,8 +235,7 @@ def isolated_rng(like: torch.Tensor) -> Any:
 def zeros_start_fresh(recipe: OptimizerRecipe, options: dict[str, Any], like: torch.Tensor) -> bool:
     """Whether `recipe`'s per-element state, zeroed, steps a parameter as no state does (as a first step):
     Adam's moments, SGD's momentum without dampening do; SGD's with dampening does not (its first step takes
-    the gradient whole). Two throwaway one-element parameters like `like` step with the same gradient, one
-    fresh and one whose state a step made and was then zeroed: their values and states must match."""
+    the gradient whole). Probed on two throwaway one-element parameters like `like`, one fresh, one zeroed."""
     fresh, zeroed = (nn.Parameter(like.new_full((1,), 0.5)) for _ in range(2))
     with isolated_rng(like):
         first, second = (recipe.build_to_step([dict(options, params=[p])]) for p in (fresh, zeroed))
@@ -296,8 +284,7 @@ def _copy(value: object) -> object:
 
 
 def memory_order(param: torch.Tensor) -> list[int]:
-    """The parameter's dimensions from the outermost in memory to the innermost (the order
-    of its slot's elements: row-major for a contiguous parameter)."""
+    """The parameter's dimensions from the outermost in memory to the innermost (its slot's element order)."""
     strides = param.stride()
     return sorted(range(param.dim()), key=lambda d: (-strides[d], d))
 
@@ -394,9 +381,8 @@ def parameter_state(
         extents = [(ranks[c.rank], box.offsets, box.sizes) for c, box in placed]
         extents += [(ranks[r], end.offsets, end.sizes) for r in range(layout.world_size) if r not in held]
         extents += layout.peers.get(id(param), [])
-        # Scalars on every rank (every rank has a piece of the group, maybe an empty one, and
-        # the same values): the same keys everywhere, as torch.distributed.checkpoint expects;
-        # a copy each, so that DCP loads each parameter's own (`misfit` compares them).
+        # Scalars on every rank (each has a piece of the group, maybe empty, and the same values): the same
+        # keys everywhere, as DCP expects; a copy each, so DCP loads each parameter's own (`misfit` compares).
         entry: dict[str, Any] = {key: _copy(states[0][key]) for key in spec.scalars}
         for key in spec.per_element:
             # (the state's dtype where a piece holds it, else the parameter's)
@@ -423,8 +409,8 @@ def _local_view(
 def missing_state(
     layout: Layout, params: list[tuple[str, torch.Tensor]], saved: dict[str, Any], spec: StateSpec
 ) -> list[str]:
-    """What this rank needs from `saved` (one group's per-parameter state) and does not
-    find in it: parameter names and keys, for the error."""
+    """What this rank needs from `saved` (one group's per-parameter state) and does not find in it:
+    parameter names and keys, for the error."""
     missing = []
     for name, param in params:
         chunks = layout.chunks(param)
@@ -463,8 +449,8 @@ def _saved_parts(value: Any, size: tuple[int, ...]) -> list[tuple[tuple[int, ...
 def _overlaps(
     box: Box, value: object, size: tuple[int, ...]
 ) -> Iterator[tuple[tuple[slice, ...], torch.Tensor]]:
-    """Where each part of a saved per-element state (`_saved_parts`) overlaps `box`: (index
-    into the box, that piece of the part)."""
+    """Where each part of a saved per-element state (`_saved_parts`) overlaps `box`: (index into the box,
+    that piece of the part)."""
     for offsets, data in _saved_parts(value, size):
         lo = [max(a, b) for a, b in zip(box.offsets, offsets)]
         hi = [min(a + n, b + m) for a, n, b, m in zip(box.offsets, box.sizes, offsets, data.shape)]
@@ -486,8 +472,7 @@ def load_parameter_state(
     states: list[dict[str, Any]],
     spec: StateSpec,
 ) -> None:
-    """Copy one group's saved per-parameter state into `states` (its pieces' state), once
-    `missing_state` found nothing missing."""
+    """Copy one group's saved per-parameter state into `states` (its pieces'), once `missing_state` passed."""
     for name, param in params:
         extent = layout.extent(param)
         for chunk in (c for c in layout.chunks(param) if c.rank == layout.rank):
@@ -583,14 +568,13 @@ def load_own_state(
 
 @dataclass(frozen=True)
 class GroupView:
-    """One parameter group as the checkpoint sees it: its named parameters (those with a
-    slot), its options and this rank's pieces of it."""
+    """One parameter group as the checkpoint sees it: its named parameters (those with a slot), its options
+    and this rank's pieces of it."""
 
     params: list[tuple[str, torch.Tensor]]
     options: dict[str, Any]
     pieces: list[Piece]
-    # Whether the pieces are float32 masters of bfloat16/float16 parameters: they are saved
-    # and loaded with the state, as the per-element key `MASTER`.
+    # Whether the pieces are float32 masters of bfloat16/float16 parameters (saved as per-element `MASTER`).
     masters: bool = False
 
 

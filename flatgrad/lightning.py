@@ -71,8 +71,8 @@ class _FlatGradStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register the strategy as `strategy_name` (Lightning calls this for its own
-        modules only: this module calls it at import).
+        """Register the strategy as `strategy_name` (Lightning calls this for its own modules only: this
+        module calls it at import).
 
         Args:
             strategy_registry: Lightning's ``StrategyRegistry``.
@@ -81,9 +81,9 @@ class _FlatGradStrategy(DDPStrategy):
 
 
 class FlatGradDDPStrategy(_FlatGradStrategy):
-    """Lightning's DDPStrategy over ``FlatGrad(module)``: DDP with `FlatGrad.ddp_kwargs` (one
-    bucket per (dtype, device), which is flatgrad's buffer) and `flatgrad.allreduce_hook` registered on every
-    device. Registered as ``"flatgrad"``.
+    """Lightning's DDPStrategy over ``FlatGrad(module)``: DDP with `FlatGrad.ddp_kwargs` (one bucket per
+    (dtype, device), which is flatgrad's buffer) and `flatgrad.allreduce_hook` registered on every device.
+    Registered as ``"flatgrad"``.
 
     Args:
         config: The `FlatGrad` config (a `FlatGradConfig`, a dict of its fields, a YAML/JSON path, or None for
@@ -181,23 +181,21 @@ class FlatGradDataParallelStrategy(_FlatGradStrategy):
         )
 
     def _setup_model(self, model: torch.nn.Module) -> ReplicateModule:  # type: ignore[override]
-        """``flatgrad.replicate(FlatGrad(model), ...)``, in place (it broadcasts rank 0's
-        parameters and buffers, as DDP's constructor); a module an earlier fit replicated is
-        replicated afresh (`unreplicate` first)."""
+        """``flatgrad.replicate(FlatGrad(model), ...)``, in place (it broadcasts rank 0's parameters and
+        buffers, as DDP's constructor); a module an earlier fit replicated is replicated afresh."""
         if isinstance(model, ReplicateModule):  # (an earlier fit's: its process group may be gone)
             unreplicate(model)
         self.flat = FlatGrad(model, self.flatgrad_config)
         return replicate(self.flat, **self.data_parallel_options)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's, always through the module's call (Lightning calls ``training_step``
-        directly where the strategy's model is the LightningModule itself, which skips the
-        bookkeeping of the replicated module's call that decides the averaging)."""
+        """Lightning's, always through the module's call (Lightning calls ``training_step`` directly where
+        the strategy's model is the LightningModule, skipping the bookkeeping that decides the averaging)."""
         return self._through_call(self.precision_plugin.train_step_context(), "training_step", args, kwargs)
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        """Before each backward: onto reduce-scattered gradients (manual optimization, a second
-        `manual_backward` before `zero_grad`), their averages set aside (`BucketSync.before_backward`)."""
+        """Before each backward: onto reduce-scattered gradients (a second `manual_backward` before
+        `zero_grad`), their averages set aside (`BucketSync.before_backward`)."""
         if isinstance(self.model, ReplicateModule):
             replicate_state(self.model).before_backward()
 
@@ -236,8 +234,7 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
     optimizer.param_groups, **optimizer.defaults)``: the same class, groups and arguments, each rank keeping
     its shards' state; its schedulers step the ShardedOptimizer. Registered as ``"flatgrad_sharded"``.
 
-    Clipping is by norm only; several optimizers are sharded by tensor (they share the one replicated module
-    so).
+    Clipping is by norm only; several optimizers are sharded by tensor (so they share the replicated module).
 
     Args:
         config: The `FlatGrad` config (as `FlatGradDDPStrategy`'s).
@@ -277,9 +274,8 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         super().setup(trainer)
 
     def setup_precision_plugin(self) -> None:
-        """``"16-mixed"``: the plugin's ``torch.amp.GradScaler`` (which a ShardedOptimizer
-        refuses at `step`: it would unscale `.grad`, reduce-scattered) replaced by a
-        `flatgrad.GradScaler` with the same settings (it unscales this rank's gradient
+        """``"16-mixed"``: the plugin's ``torch.amp.GradScaler`` (which a ShardedOptimizer refuses at
+        `step`) replaced by a `flatgrad.GradScaler` with the same settings (it unscales this rank's gradient
         shards and agrees on overflows over the ranks); then the replicate strategy's."""
         plugin = self.precision_plugin
         scaler = getattr(plugin, "scaler", None)
@@ -295,8 +291,8 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         super().setup_precision_plugin()
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """``configure_optimizers``' optimizers (Lightning's), each rebuilt as a
-        ShardedOptimizer over the module; schedulers are pointed at it."""
+        """``configure_optimizers``' optimizers, each rebuilt as a ShardedOptimizer over the module;
+        schedulers are pointed at it."""
         super().setup_optimizers(trainer)
         assert isinstance(self.model, ReplicateModule)
         shard_by = _shard_by(self.sharded_options["shard_by"], len(self.optimizers))
@@ -314,9 +310,8 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         self.optimizers = sharded
 
     def teardown(self) -> None:
-        """Drop the gradients (a reduce-scattered `.grad` refuses the move to the CPU that
-        Lightning's teardown makes, and holds no averaged value to read afterwards), then
-        `FlatGradDataParallelStrategy`'s."""
+        """Drop the gradients (a reduce-scattered `.grad` refuses Lightning's teardown move to the CPU, and
+        holds no averaged value to read afterwards), then `FlatGradDataParallelStrategy`'s."""
         for optimizer in self.optimizers:
             if isinstance(optimizer, ShardedOptimizer):
                 optimizer.zero_grad(set_to_none=True)
@@ -333,10 +328,9 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         return ShardedOptimizer(model, type(optimizer), groups, **options, **defaults)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The ShardedOptimizer's state made whole (every rank's shards; a collective:
-        Lightning calls this on every rank) in the form a plain torch optimizer of the same
-        class and groups saves (`plain_optimizer_state`), on rank 0; ``{}`` on the others,
-        whose dict Lightning does not write. Any other optimizer's as Lightning returns it.
+        """The ShardedOptimizer's state made whole (a collective: Lightning calls this on every rank) in the
+        form a plain torch optimizer of the same class and groups saves (`plain_optimizer_state`), on rank 0;
+        ``{}`` on the others, whose dict Lightning does not write. Any other optimizer's as Lightning's.
 
         Args:
             optimizer: One of the trainer's optimizers.
@@ -351,9 +345,9 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
         return state if self.is_global_zero else {}
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Lightning's, with each plain torch optimizer state (by index: what this strategy,
-        "ddp" and the other flatgrad strategies save) given to a ShardedOptimizer by
-        parameter name (`named_optimizer_state`); a ShardedOptimizer's own (by name) as it is.
+        """Lightning's, with each plain torch optimizer state (by index: what this strategy, "ddp" and the
+        other flatgrad strategies save) given to a ShardedOptimizer by parameter name
+        (`named_optimizer_state`); a ShardedOptimizer's own (by name) as it is.
 
         Args:
             checkpoint: The checkpoint Lightning resumes from.
@@ -368,10 +362,10 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
 
 
 def whole_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
-    """`optimizer`'s state dict with every parameter's state whole on every rank (a
-    collective): by element, each per-element ShardedTensor summed from every rank's shards
-    (`flatgrad._zero_state.whole_state`); by tensor, every rank's owned parameters' entries
-    gathered. `ShardedOptimizer.load_state_dict` loads it on any world size.
+    """`optimizer`'s state dict with every parameter's state whole on every rank (a collective): by element,
+    each per-element ShardedTensor summed from every rank's shards (`flatgrad._zero_state.whole_state`); by
+    tensor, every rank's owned parameters' entries gathered. `ShardedOptimizer.load_state_dict` loads it on
+    any world size.
 
     Args:
         optimizer: The ShardedOptimizer (every rank of its group calls this together).
@@ -399,8 +393,8 @@ def plain_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
         optimizer: The ShardedOptimizer (every rank of its group calls this together).
 
     Returns:
-        ``{"state": {index: {key: tensor}}, "param_groups": [{**options, "params":
-        [index]}]}``, as `torch.optim.Optimizer.state_dict` returns it.
+        ``{"state": {index: {key: tensor}}, "param_groups": [{**options, "params": [index]}]}``, as
+        `torch.optim.Optimizer.state_dict` returns it.
     """
     saved = whole_optimizer_state(optimizer)
     state: dict[int, dict[str, Any]] = {}
@@ -432,9 +426,9 @@ def plain_optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
 
 
 def named_optimizer_state(optimizer: ShardedOptimizer, plain: dict[str, Any]) -> dict[str, Any]:
-    """`plain` (a torch optimizer's state dict, by index: `plain_optimizer_state`'s, or a
-    plain optimizer's of the same class and groups) keyed by `optimizer`'s parameter names,
-    which `ShardedOptimizer.load_state_dict` loads (whole tensors, shaped as the parameters).
+    """`plain` (a torch optimizer's state dict, by index: `plain_optimizer_state`'s, or a plain optimizer's
+    of the same class and groups) keyed by `optimizer`'s parameter names, which
+    `ShardedOptimizer.load_state_dict` loads (whole tensors, shaped as the parameters).
 
     Args:
         optimizer: The ShardedOptimizer to load into.
@@ -475,8 +469,8 @@ def _by_index(saved: object) -> bool:
 
 
 def _plain_value(value: object, param: torch.Tensor) -> object:
-    """A saved state value as a torch optimizer keeps it: a tensor of its own (a step count
-    cloned out of the group's shared one), per-element state shaped and typed as `param`."""
+    """A saved state value as a torch optimizer keeps it: a tensor of its own (a step count cloned out of
+    the group's shared one), per-element state shaped and typed as `param`."""
     if not isinstance(value, torch.Tensor):
         return value
     value = value.detach().clone()
@@ -488,9 +482,8 @@ def _plain_value(value: object, param: torch.Tensor) -> object:
 
 
 def _shard_by(shard_by: ShardBy | None, num_optimizers: int) -> ShardBy | None:
-    """How each of `num_optimizers` ShardedOptimizers shards: several share the one
-    one replicated module only by tensor (by element, its buckets reduce-scatter for one optimizer's
-    shards), so by tensor unless asked otherwise (a GAN's two optimizers)."""
+    """How each of `num_optimizers` ShardedOptimizers shards: several share the one replicated module only
+    by tensor (by element, its buckets reduce-scatter for one optimizer's shards), so by tensor."""
     if num_optimizers < 2:
         return shard_by
     if shard_by == "element":
@@ -623,9 +616,8 @@ def _clip_through_flatgrad(plugin: Precision, flat_of: Callable[[], FlatGrad | N
     def clip_gradients(
         optimizer: torch.optim.Optimizer, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm"
     ) -> None:
-        # Lightning's mixed-precision plugin refuses to clip an optimizer that unscales inside
-        # its step, as a ShardedOptimizer declares (for a GradScaler). Without a scaler
-        # ("bf16-mixed") nothing to unscale; with flatgrad.GradScaler ("16-mixed") unscale the
+        # Lightning's mixed-precision plugin refuses to clip an optimizer that unscales inside its step, as
+        # a ShardedOptimizer declares (for a GradScaler). With flatgrad.GradScaler ("16-mixed") unscale the
         # shards first, as torch's recipe does before clipping (the step does not again).
         inner = _unwrapped(optimizer)
         if not isinstance(inner, ShardedOptimizer):
@@ -647,15 +639,15 @@ def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def _holds_every_slot(optimizer: torch.optim.Optimizer, flat: FlatGrad) -> bool:
-    """Whether `optimizer` holds parameters of `flat` only, every one with a `.grad` among
-    them: then flatgrad's norm, over every `.grad` of the model, is the optimizer's."""
+    """Whether `optimizer` holds parameters of `flat` only, every one with a `.grad` among them: then
+    flatgrad's norm, over every `.grad` of the model, is the optimizer's."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     graded = {id(p) for p in flat.parameters() if p.grad is not None}
     return graded <= held <= {id(p) for p in flat.parameters()}
 
 
-# Lightning finds strategies by name in StrategyRegistry only, filled from its own modules;
-# it has no entry point for strategies (its one entry-point group, callbacks_factory, is read
-# after the strategy name was resolved), so the names exist once this module is imported.
+# Lightning finds strategies by name in StrategyRegistry only, filled from its own modules; it has no entry
+# point for strategies (callbacks_factory is read after the strategy name was resolved), so the names exist
+# once this module is imported.
 for _strategy in (FlatGradDDPStrategy, FlatGradDataParallelStrategy, FlatGradShardedStrategy):
     _strategy.register_strategies(StrategyRegistry)
