@@ -121,7 +121,10 @@ class FlatGrad(nn.Module):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # Pickled and deep-copied as the model's own class, with FlatGrad applied again by
-        # `__setstate__` (the engine's buffers are rebuilt, not saved).
+        # `__setstate__` (the engine's buffers are rebuilt, not saved); after what `state_dict`
+        # waits for (parameters still being gathered: `overlap_param_gather`).
+        for hook in [h for h in self._state_dict_pre_hooks.values() if isinstance(h, ModelHook)]:
+            hook(self, "", False)
         return (_new_flat_instance, (original_class(type(self)),), self.__getstate__())
 
     def __copy__(self) -> Any:

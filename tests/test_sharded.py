@@ -985,14 +985,14 @@ def _copied_overlap_worker(rank: int, world_size: int) -> None:
     copy.deepcopy(model)  # (before any forward: the learning hooks)
     for step in range(3):
         pair.train_step(_tokens(rank, step))
-        opt.wait_param_gather()  # (a copy reads the parameters: see docs/data-parallel.md)
         saved = io.BytesIO()
-        torch.save(model, saved)
+        torch.save(model, saved)  # (the gathers still in flight: waited for first)
         copies = [copy.deepcopy(model), torch.optim.swa_utils.AveragedModel(model).module]
         copies.append(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
         tokens = _tokens(rank, 9)
         for copied in copies:  # the model's own class, FlatGrad applied, no hook of the optimizer's
             assert isinstance(copied, _Net) and isinstance(copied, flatgrad.FlatGrad)
+            assert all(torch.equal(p, q) for p, q in zip(copied.parameters(), model.parameters()))
             for module in copied.modules():
                 for hooks in (module._forward_pre_hooks, module._forward_hooks, module._state_dict_pre_hooks):
                     assert not any("flatgrad" in getattr(h, "__module__", "") for h in hooks.values())
@@ -1003,9 +1003,10 @@ def _copied_overlap_worker(rank: int, world_size: int) -> None:
 
 def test_a_model_whose_sharded_optimizer_overlaps_its_gather_can_be_copied() -> None:
     """``copy.deepcopy``, ``torch.save`` and ``AveragedModel`` (an EMA) of a replicated model whose
-    ShardedOptimizer has ``overlap_param_gather=True``: copies with FlatGrad applied and none of the
-    optimizer's forward hooks (each copied the ShardEngine with them and raised, "cannot pickle
-    AccumulateGrad" or a ScatteredGrad's refusal); the model trains on as stock."""
+    ShardedOptimizer has ``overlap_param_gather=True``, right after a step: copies of the gathered
+    parameters with FlatGrad applied and none of the optimizer's forward hooks (each copied the ShardEngine
+    with them and raised, "cannot pickle AccumulateGrad" or a ScatteredGrad's refusal); the model trains on
+    as stock."""
     run_ranks(_copied_overlap_worker, timeout=90)
 
 
