@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatgrad
+from flatgrad._flatgrad import settled_buffers
 from flatgrad.bench.counters import storage_bytes
 from flatgrad.bench.models import Batch, BenchModel
 from flatgrad.bench.timing import max_over_ranks, rank_records, rank_timer, rotate
@@ -83,7 +84,7 @@ class MixedRunner:
         # need no such line: with gradient_as_bucket_view every `.grad` views its bucket)
         for module in self.module.modules():
             if isinstance(module, flatgrad.FlatGrad):
-                grads += module.grad_buffers.values()
+                grads += settled_buffers(module).values()  # (reduce-scattered too: only sizes read)
         optimizer = self.optimizer
         masters: list[torch.Tensor] = []
         if isinstance(optimizer, flatgrad.ShardedOptimizer):
