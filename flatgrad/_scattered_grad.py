@@ -25,7 +25,7 @@ import torch
 
 from flatgrad._buffer import GradStore, Scattered
 from flatgrad._dtensor import is_dtensor, local_of
-from flatgrad._torch_compat import DisableTorchFunctionSubclass, DTensor, dtensor_over
+from flatgrad._torch_compat import DisableTorchFunctionSubclass, DTensor, dtensor_over, tree_leaves
 
 # What a ScatteredGrad lets through: metadata (no value is read), `requires_grad` (set to
 # False by nn.Module.zero_grad), and zeroing (zero is the right average of zeros).
@@ -40,6 +40,13 @@ _ALLOWED_CALLS = frozenset({
     "untyped_storage", "is_contiguous", "is_floating_point", "is_complex", "is_signed",
     "is_pinned", "is_inference", "get_device", "_is_view", "requires_grad_", "zero_",
     "_foreach_zero_",
+})  # fmt: skip
+# In-place edits element by element: what the shard holds after one is what the whole average would (clip by
+# value, masking rows, scaling), where the op reads no ScatteredGrad but its target (`_edits_in_place`).
+_EDITS = frozenset({
+    "mul_", "div_", "add_", "sub_", "clamp_", "clamp_min_", "clamp_max_", "clip_", "fill_", "copy_",
+    "masked_fill_", "index_fill_", "nan_to_num_", "__setitem__", "_foreach_mul_", "_foreach_div_",
+    "_foreach_add_", "_foreach_sub_", "_foreach_clamp_min_", "_foreach_clamp_max_",
 })  # fmt: skip
 
 _ADVICE = (
@@ -73,7 +80,7 @@ def _guarded(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     name, allowed = _op(func)
     if name in ("__repr__", "__format__"):
         return _describe(args[0])
-    if not (allowed or _unguarded(args, kwargs)):
+    if not (allowed or _edits_in_place(name, args, kwargs) or _unguarded(args, kwargs)):
         raise RuntimeError(
             f"{name} on a parameter's .grad under a ShardedOptimizer: after the synchronised "
             "backward the gradients are reduce-scattered, so each rank holds the average over "
@@ -123,6 +130,18 @@ def _unguarded(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
     only for an op that would be refused: the metadata reads never come here)."""
     values = (*args, *kwargs.values()) if kwargs else args
     return any(isinstance(v, _ALIASES) and v.scattered.unguarded for v in values)
+
+
+def _edits_in_place(name: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
+    """Whether the op is one of `_EDITS` on (a list of) plain tensors and ScatteredGrads, reading no other
+    ScatteredGrad (one parameter's shard range is not another's: ``g1.mul_(g2)``, ``ema.add_(g)`` refused)."""
+    if name not in _EDITS or not args:
+        return False
+    targets = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+    read = tree_leaves([args[1:], kwargs or {}])
+    return not any(isinstance(t, ScatteredDTensorGrad) for t in targets) and not any(
+        isinstance(v, _ALIASES) for v in read
+    )
 
 
 def _op(func: object) -> tuple[str, bool]:

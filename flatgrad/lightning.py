@@ -263,16 +263,6 @@ class FlatGradShardedStrategy(FlatGradDataParallelStrategy):
             overlap_param_gather=overlap_param_gather, shard_by=shard_by
         )
 
-    def setup(self, trainer: pl.Trainer) -> None:
-        """Refuse value clipping before anything is set up, then DDPStrategy's setup.
-
-        Raises:
-            ValueError: ``gradient_clip_algorithm="value"`` with a ``gradient_clip_val``.
-        """
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
-            _refuse_value_clipping()
-        super().setup(trainer)
-
     def setup_precision_plugin(self) -> None:
         """``"16-mixed"``: the plugin's ``torch.amp.GradScaler`` (which a ShardedOptimizer refuses at
         `step`) replaced by a `flatgrad.GradScaler` with the same settings (it unscales this rank's gradient
@@ -573,22 +563,16 @@ def _same(a: object, b: object, depth: int = 3) -> bool:
         return False
 
 
-def _refuse_value_clipping() -> None:
-    raise ValueError(
-        "gradient_clip_algorithm must be 'norm' under flatgrad_sharded (a rank holds its shards "
-        "of the averaged gradient only, and .grad refuses reads), got 'value'"
-    )
-
-
 def _clip_through_flatgrad(plugin: Precision, flat_of: Callable[[], FlatGrad | None]) -> None:
     """Make `plugin` clip by norm with flatgrad's norm: a ShardedOptimizer's own `clip_grad_norm_`,
     `FlatGrad.clip_grad_norm_` where the optimizer holds every parameter with a slot, the plugin's own
-    otherwise; value clipping of a ShardedOptimizer raises. (Instance attributes: this strategy's plugin only,
-    nothing process-wide; once per plugin, though every fit's setup calls this.)"""
+    otherwise (by value: the plugin's own, element by element, which reduce-scattered `.grad`s take).
+    (Instance attributes: this strategy's plugin only, nothing process-wide; once per plugin, though every
+    fit's setup calls this.)"""
     if getattr(plugin, "_flatgrad_clips", False):
         return
     plugin._flatgrad_clips = True  # type: ignore[attr-defined]
-    by_norm, by_value, clip = plugin.clip_grad_by_norm, plugin.clip_grad_by_value, plugin.clip_gradients
+    by_norm, clip = plugin.clip_grad_by_norm, plugin.clip_gradients
 
     def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         # (Lightning clips the optimizer's parameters: flatgrad's norm is the whole model's)
@@ -608,11 +592,6 @@ def _clip_through_flatgrad(plugin: Precision, flat_of: Callable[[], FlatGrad | N
         else:
             by_norm(optimizer, clip_val)
 
-    def clip_grad_by_value(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        if isinstance(_unwrapped(optimizer), ShardedOptimizer):
-            _refuse_value_clipping()
-        by_value(optimizer, clip_val)
-
     def clip_gradients(
         optimizer: torch.optim.Optimizer, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm"
     ) -> None:
@@ -629,7 +608,6 @@ def _clip_through_flatgrad(plugin: Precision, flat_of: Callable[[], FlatGrad | N
         Precision.clip_gradients(plugin, optimizer, clip_val, gradient_clip_algorithm)
 
     plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-    plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
     plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
 
 

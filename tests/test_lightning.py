@@ -453,12 +453,21 @@ def test_manual_optimization_trains_as_lightning_ddp(name: str, model: str) -> N
 
 def _value_clipping_case(rank: int, world_size: int) -> None:
     _as_torchrun(rank, world_size)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="flatgrad_sharded", max_epochs=1, gradient_clip_val=1.0,
-        gradient_clip_algorithm="value", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="gradient_clip_algorithm must be 'norm' under flatgrad_sharded"):
-        trainer.fit(LitLM(), _loader())
+    finals = {}
+    for name in ("ddp", "element", "tensor"):
+        strategy = name if name == "ddp" else flatgrad.lightning.FlatGradShardedStrategy(shard_by=name)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, gradient_clip_val=0.02,
+            gradient_clip_algorithm="value", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        module = LitLM()
+        trainer.fit(module, _loader())
+        finals[name] = _params(module)
+    for name in ("element", "tensor"):
+        for ours, stock in zip(finals[name], finals["ddp"]):
+            torch.testing.assert_close(ours, stock, rtol=0, atol=1e-12)
     strategy = flatgrad.lightning.FlatGradShardedStrategy(shard_by="element")
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
@@ -469,7 +478,9 @@ def _value_clipping_case(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.distributed
-def test_sharded_strategy_refuses_value_clipping_and_several_optimizers_by_element() -> None:
+def test_sharded_strategy_clips_by_value_as_ddp_and_refuses_several_optimizers_by_element() -> None:
+    """Value clipping under flatgrad_sharded, both kinds, as under "ddp" (it was refused: by element the
+    reduce-scattered `.grad`s now take element-wise edits)."""
     run_ranks(_value_clipping_case, timeout=120.0)
 
 

@@ -1895,6 +1895,41 @@ def test_a_gradient_replaced_by_hand_under_a_loss_scaler_equals_torchs(shard_by:
     run_ranks(_replaced_grad_scaled_worker, shard_by, when, timeout=90)
 
 
+def _edited_grad_worker(rank: int, world_size: int, foreach: bool) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    dp = flatgrad.replicate(flatgrad.FlatGrad(model, config=ROUTE_ALL), bucket_cap_mb=0.002)
+    opt = flatgrad.ShardedOptimizer(dp, torch.optim.SGD, lr=0.5, momentum=0.9)
+    pair = Lockstep(
+        model, dp, opt, *stock(model, torch.optim.SGD, {"find_unused_parameters": True}, lr=0.5, momentum=0.9)
+    )
+    for step in range(3):
+        pair.zero_grad()
+        pair.backward(_tokens(rank, step))
+        for net in (model, pair.ref.module):  # clip by value, train some rows only, scale
+            torch.nn.utils.clip_grad_value_(net.parameters(), 0.02, foreach=foreach)
+            net.emb.weight.grad[:5] = 0
+            net.fc.weight.grad.mul_(0.5)
+            torch._foreach_add_([net.fc.bias.grad], [torch.full_like(net.fc.bias, 0.01)])
+        for read in (  # reading another gradient's values (another shard range) stays refused
+            lambda: torch.zeros_like(model.fc.bias).add_(model.fc.bias.grad),
+            lambda: model.fc.bias.grad.add_(model.norm.bias.grad),
+        ):
+            with pytest.raises(RuntimeError, match="reduce-scattered"):
+                read()
+        pair.step()
+        pair.assert_params(**TOL)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_gradients_edited_in_place_after_a_sharded_backward_equal_stock(foreach: bool) -> None:
+    """By element, between the synchronised backward and the step: ``clip_grad_value_``, rows zeroed (training
+    new tokens only), a gradient scaled or shifted in place, as stock DDP + SGD (they were refused: each edits
+    element by element, so what this rank's shard holds after it is the whole average's edit). An op that
+    reads another `.grad` stays refused."""
+    run_ranks(_edited_grad_worker, foreach, timeout=90)
+
+
 def _unfrozen_for_the_backward_worker(rank: int, world_size: int, shard_by: str, built: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
