@@ -679,6 +679,11 @@ class BucketSync:
         if not self.sync:  # (its backward's gradients stay local: see `GradStore.unsynced`)
             self.store.unsynced = True
 
+    @property
+    def in_forward(self) -> bool:
+        """Whether a training forward runs (between `begin_forward` and `end_forward`)."""
+        return self._forwards > 0
+
     def end_forward(self, finished: bool = True) -> None:
         """The training forward `begin_forward` announced ended; one that `finished` (did not raise) and
         synchronised (`sync`) makes the next backward average, whatever its graph (see `_open`)."""

@@ -123,8 +123,7 @@ class FlatGrad(nn.Module):
         # Pickled and deep-copied as the model's own class, with FlatGrad applied again by
         # `__setstate__` (the engine's buffers are rebuilt, not saved); after what `state_dict`
         # waits for (parameters still being gathered: `overlap_param_gather`).
-        for hook in [h for h in self._state_dict_pre_hooks.values() if isinstance(h, ModelHook)]:
-            hook(self, "", False)
+        wait_gathers(self)
         return (_new_flat_instance, (original_class(type(self)),), self.__getstate__())
 
     def __copy__(self) -> Any:
@@ -453,6 +452,12 @@ class ModelHook:
 
     def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
         return _copied, ()
+
+
+def wait_gathers(model: nn.Module) -> None:
+    """What `model.state_dict()` waits for first (its `ModelHook`s: parameters still being gathered)."""
+    for hook in [h for h in model._state_dict_pre_hooks.values() if isinstance(h, ModelHook)]:
+        hook(model, "", False)
 
 
 def _copied() -> Callable[..., None]:

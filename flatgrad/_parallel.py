@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from flatgrad._bucket_sync import BucketSync
 from flatgrad._comm import check_wire_dtype
 from flatgrad._dtensor import local_of
-from flatgrad._flatgrad import FlatGrad, engine_of, flat_class, original_class, settled_buffers
+from flatgrad._flatgrad import FlatGrad, engine_of, flat_class, original_class, settled_buffers, wait_gathers
 from flatgrad._torch_compat import (
     active_ddp,
     broadcast_coalesced,
@@ -81,6 +81,14 @@ class ReplicateModule(FlatGrad):
         finally:  # (a forward that raised ends too: a later backward is outside it)
             state.after_forward(training, finished)
         return output
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """`nn.Module.named_parameters` (and so `parameters()`); outside a training forward, after the gathers
+        still in flight (`overlap_param_gather`: an EMA's `update_parameters(model)` right after the step)."""
+        state = self.__dict__.get(_STATE)
+        if state is not None and not state._engine.in_forward:
+            wait_gathers(self)
+        return super().named_parameters(*args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         # Copies are FlatGrad's alone (the data-parallel state holds the process group, autograd hooks).

@@ -983,8 +983,13 @@ def _copied_overlap_worker(rank: int, world_size: int) -> None:
     opt = flatgrad.ShardedOptimizer(dp, torch.optim.AdamW, lr=1e-2, overlap_param_gather=True)
     pair = Lockstep(model, dp, opt, *stock(model, torch.optim.AdamW, lr=1e-2))
     copy.deepcopy(model)  # (before any forward: the learning hooks)
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    ref_ema = torch.optim.swa_utils.AveragedModel(pair.ref.module)
     for step in range(3):
         pair.train_step(_tokens(rank, step))
+        ema.update_parameters(model)  # (right after the step: the gathers still in flight, waited for)
+        ref_ema.update_parameters(pair.ref.module)
+        assert all(torch.equal(p, q) for p, q in zip(ema.parameters(), ref_ema.parameters())), step
         saved = io.BytesIO()
         torch.save(model, saved)  # (the gathers still in flight: waited for first)
         copies = [copy.deepcopy(model), torch.optim.swa_utils.AveragedModel(model).module]
@@ -1005,7 +1010,8 @@ def test_a_model_whose_sharded_optimizer_overlaps_its_gather_can_be_copied() -> 
     """``copy.deepcopy``, ``torch.save`` and ``AveragedModel`` (an EMA) of a replicated model whose
     ShardedOptimizer has ``overlap_param_gather=True``, right after a step: copies of the gathered
     parameters with FlatGrad applied and none of the optimizer's forward hooks (each copied the ShardEngine
-    with them and raised, "cannot pickle AccumulateGrad" or a ScatteredGrad's refusal); the model trains on
+    with them and raised, "cannot pickle AccumulateGrad" or a ScatteredGrad's refusal); the EMA updated then
+    equal to stock's (it read parameters still being gathered: 1e-2 off, ranks apart); the model trains on
     as stock."""
     run_ranks(_copied_overlap_worker, timeout=90)
 
