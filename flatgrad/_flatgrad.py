@@ -142,10 +142,7 @@ class FlatGrad(nn.Module):
         multiple = state.pop("_flatgrad_slot_multiple", 1)
         super().__setstate__(state)
         self.__dict__[_ENGINE] = GradEngine(self, self.flatgrad_config, multiple)
-        for module in self.modules():  # (what `ModelHook`s became in this copy)
-            for hooks in (getattr(module, name, None) or {} for name in _HOOK_DICTS):
-                for key in [k for k, hook in hooks.items() if getattr(hook, "hook", hook) is _copied_hook]:
-                    del hooks[key]
+        _drop_copied_hooks(self)
 
     # Eager under torch.compile(model) (the frame only: what it calls is compiled unless disabled itself): the
     # bookkeeping around the model is disabled as a whole, so Dynamo sees none of it, and `_flatgrad_call`, a
@@ -469,6 +466,15 @@ def _copied_hook(*args: Any, **kwargs: Any) -> None:
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks")
+
+
+def _drop_copied_hooks(model: nn.Module) -> None:
+    """Remove from a copy of the model what its `ModelHook`s became (`_copied_hook`; torch before 2.5 wraps a
+    load pre hook, `hook` holding ours)."""
+    for module in model.modules():
+        for hooks in (getattr(module, name, None) or {} for name in _HOOK_DICTS):
+            for key in [k for k, hook in hooks.items() if getattr(hook, "hook", hook) is _copied_hook]:
+                del hooks[key]
 
 
 def _new_flat_instance(original: type[nn.Module]) -> FlatGrad:
